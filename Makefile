@@ -1,0 +1,24 @@
+# Everything a fresh machine needs comes from here: `make test`, `make demo`.
+PY ?= python3.11
+VENV := .venv
+VPY := $(VENV)/bin/python
+TORCH_PIN := torch==2.13.0
+
+.PHONY: test setup clean-venv
+
+$(VENV)/.ready: requirements.txt pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# torch first, alone: the CPU wheel on disk; later installs then keep it.
+	$(VPY) -m pip install -q $(TORCH_PIN)
+	$(VPY) -m pip install -q -r requirements.txt "$(TORCH_PIN)"
+	$(VPY) -m pip install -q --no-deps -e .
+	touch $@
+
+setup: $(VENV)/.ready
+
+test: setup
+	$(VPY) -m pytest -q tests
+
+clean-venv:
+	rm -rf $(VENV)

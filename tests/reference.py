@@ -1,0 +1,64 @@
+"""Independent reference: the batch gradient written directly from Eq. 6 on the HF model.
+
+Plain PyTorch, float64, no Megatron, no running sums: one objective
+J = Σ_G (1/m) Σ_i A_i · Σ_{t∈M_i} w_{i,t} log π(a_t | h_t) and autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def advantages(rewards: torch.Tensor, objective: str, eps: float = 1e-6) -> torch.Tensor:
+    m = rewards.numel()
+    if objective == "grpo":
+        return (rewards - rewards.mean()) / (rewards.std(unbiased=False) + eps)
+    if objective == "dr_grpo":
+        return rewards - rewards.mean()
+    if objective == "rloo":
+        if m < 2:
+            return torch.zeros_like(rewards)
+        loo = (rewards.sum() - rewards) / (m - 1)
+        return rewards - loo
+    raise ValueError(objective)
+
+
+def reference_grad(hf_dir: str, rows: list[dict], objective: str = "grpo",
+                   token_norm: str = "trajectory") -> dict[str, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64)
+    model.eval()
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r)
+    n_groups = len(groups)
+    n_scored = sum(sum(r["scored_mask"]) for r in rows)
+    objective_value = torch.zeros((), dtype=torch.float64)
+    for members in groups.values():
+        rewards = torch.tensor([r["reward"] for r in members], dtype=torch.float64)
+        adv = advantages(rewards, objective)
+        for a, r in zip(adv, members):
+            mask = torch.tensor(r["scored_mask"][1:], dtype=torch.float64)
+            if mask.sum() == 0:
+                continue
+            ids = torch.tensor(r["tokens"])
+            logp = torch.log_softmax(model(ids[None]).logits[0, :-1], dim=-1)
+            token_logp = logp.gather(1, ids[1:, None])[:, 0]
+            if token_norm == "trajectory":
+                w = 1.0 / (n_groups * mask.sum())
+            else:
+                w = 1.0 / n_scored
+            objective_value = objective_value + a / len(members) * w * (token_logp * mask).sum()
+    names = [n for n, _ in model.named_parameters()]
+    grads = torch.autograd.grad(objective_value, [p for _, p in model.named_parameters()],
+                                allow_unused=True)
+    return {n: (g if g is not None else torch.zeros_like(p))
+            for n, g, (_, p) in zip(names, grads, model.named_parameters())}
+
+
+def rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    keys = sorted(set(a) & set(b))
+    assert keys, "no common tensors"
+    num = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in keys)
+    den = sum(float((b[k].double() ** 2).sum()) for k in keys)
+    return (num / den) ** 0.5

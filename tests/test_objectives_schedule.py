@@ -1,0 +1,142 @@
+"""Math and release rules without a model: closures, numerics, admission cap, config errors."""
+
+import random
+
+import pytest
+import torch
+
+from tsync_mcore.accumulators import GradAccumulators
+from tsync_mcore.config import ConfigError, load_config
+from tsync_mcore.objectives import ADVANTAGES
+from tsync_mcore.schedule import ReadinessQueue
+from tsync_mcore.sources import BatchPlan, TrajectorySource, assign_groups
+
+
+def _stream(rewards, H, objective, dtype, order):
+    """Fold sources in `order` through the accumulators and close the group."""
+    acc = GradAccumulators([torch.zeros(H.shape[1], dtype=dtype)], k_open=1, dtype=dtype)
+    c = rewards[order[0]]
+    acc.open_group("g", shift=c)
+    for i in order:
+        acc.fold_pair("g", [H[i].to(dtype)], rewards[i])
+    scale, mu = ADVANTAGES[objective].closure(rewards, c, 1e-6)
+    acc.close_group("g", scale, mu)
+    return acc.batch[0].double()
+
+
+def _direct(rewards, H, objective):
+    adv = ADVANTAGES[objective].advantages(rewards, 1e-6)
+    return sum(a * h for a, h in zip(adv, H.double())) / len(rewards)
+
+
+def _textbook(rewards, H, objective):
+    r = torch.tensor(rewards, dtype=torch.float64)
+    m = len(rewards)
+    if objective == "grpo":
+        a = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+    elif objective == "dr_grpo":
+        a = r - r.mean()
+    else:
+        a = r - (r.sum() - r) / (m - 1)
+    return (a[:, None] * H.double()).sum(0) / m
+
+
+@pytest.mark.parametrize("objective", ["grpo", "dr_grpo", "rloo"])
+def test_streamed_closure_equals_textbook_advantages(objective):
+    g = torch.Generator().manual_seed(0)
+    H = torch.randn(6, 1000, generator=g, dtype=torch.float64)
+    rewards = [0.1, 0.9, 0.4, 0.4, 1.0, 0.0]
+    ref = _textbook(rewards, H, objective)
+    for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 2, 4]):
+        got = _stream(rewards, H, objective, torch.float64, order)
+        assert torch.allclose(got, ref, rtol=0, atol=1e-12 * ref.abs().max())
+    assert torch.allclose(_direct(rewards, H, objective), ref, rtol=0, atol=1e-12 * ref.abs().max())
+
+
+@pytest.mark.parametrize("rewards", [[0.3] * 8, [100.5] * 8])
+def test_uniform_group_is_exactly_zero_in_fp32(rewards):
+    H = torch.randn(8, 4096, generator=torch.Generator().manual_seed(1))
+    got = _stream(rewards, H, "grpo", torch.float32, list(range(8)))
+    assert torch.count_nonzero(got) == 0
+
+
+def test_shifted_sums_survive_large_nearly_equal_rewards():
+    # Σ r H − μ Σ H cancels catastrophically here; the shifted form does not.
+    rng = random.Random(0)
+    rewards = [100.5 + 0.01 * rng.random() for _ in range(8)]
+    H = torch.randn(8, 4096, generator=torch.Generator().manual_seed(2))
+    ref = _textbook(rewards, H, "grpo")
+    got = _stream(rewards, H, "grpo", torch.float32, list(range(8)))
+    assert float((got - ref).norm() / ref.norm()) < 1e-5
+
+
+def _src(t, g, v=0):
+    return TrajectorySource(t, g, (1, 2), (0, 1), 1.0, v)
+
+
+def test_queue_release_rules_and_admission_cap():
+    plan = BatchPlan()
+    for g in "ABC":
+        plan.add_group(g, [f"{g}{i}" for i in range(3)])
+    arrivals = ["A0", "B0", "C0", "A1", "B1", "C1", "A2", "B2", "C2"]
+    for schedule in ("sync", "group_ready", "thundersync"):
+        q = ReadinessQueue(schedule, plan, set("ABC"), k_open=1)
+        served = []
+        for a in arrivals:
+            q.arrive(_src(a, a[0]))
+            while (s := q.next()) is not None:
+                served.append(s)
+                assert q.open_groups <= 1
+        q.close()
+        while (s := q.next()) is not None:
+            served.append(s)
+        ids = [s.source.traj_id for s in served]
+        assert sorted(ids) == sorted(arrivals)
+        if schedule == "sync":
+            assert ids == ["A0", "A1", "A2", "B0", "B1", "B2", "C0", "C1", "C2"]
+            assert all(s.fold == "direct" for s in served)
+        if schedule == "group_ready":
+            assert all(s.fold == "direct" for s in served)
+            assert ids[:3] == ["A0", "A1", "A2"]
+        if schedule == "thundersync":
+            # A is opened at once; B and C wait for A to close (cap 1); work conserving.
+            assert ids[:3] == ["A0", "A1", "A2"]
+            assert [s.fold for s in served[:3]] == ["pair"] * 3 and served[2].closes_group
+
+
+def test_group_assignment_is_balanced_and_deterministic():
+    plan = BatchPlan()
+    tokens = {}
+    for g in range(10):
+        plan.add_group(f"g{g}", ["a"])
+        tokens[f"g{g}"] = 10 * (g + 1)
+    owner = assign_groups(plan, tokens, 3)
+    assert owner == assign_groups(plan, tokens, 3)
+    load = [sum(tokens[g] for g, r in owner.items() if r == k) for k in range(3)]
+    assert max(load) - min(load) <= 10
+
+
+def test_config_errors_name_the_key(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("learner:\n  k_opn: 2\n")
+    with pytest.raises(ConfigError, match="learner.k_opn"):
+        load_config(p)
+    p.write_text("learner:\n  schedule: fast\n")
+    with pytest.raises(ConfigError, match="learner.schedule"):
+        load_config(p)
+    p.write_text("optim:\n  lr: -1\n")
+    with pytest.raises(ConfigError, match="optim.lr"):
+        load_config(p)
+    p.write_text("model:\n  tp: two\n")
+    with pytest.raises(ConfigError, match="model.tp"):
+        load_config(p)
+    cfg = load_config(None, {"learner.k_open": 3})
+    assert cfg.learner.k_open == 3 and cfg.optim.lr == 1e-6
+
+
+def test_shipped_configs_load():
+    import glob
+    paths = glob.glob("configs/*.yaml")
+    assert paths
+    for p in paths:
+        load_config(p)

@@ -1,0 +1,106 @@
+"""FP32 gradient accumulators: one batch accumulator and G1'/G2 pairs for open groups.
+
+Each accumulator is a list of flat tensors shaped like Megatron's DDP grad buffers
+(`grad_data`), so folding a source is one fused pass per buffer. At most `k_open` groups
+hold a pair at once, so accumulator memory never exceeds 4·(2k+1)·P bytes per rank
+(P = gradient elements on this rank). Pairs are pooled and reused across groups.
+Placement "host" keeps them in (pinned, on GPU machines) host memory for large models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import triton_kernels as K
+
+
+@dataclass
+class _Pair:
+    g1: list[torch.Tensor]  # Σ (r_i − c) H_i
+    g2: list[torch.Tensor]  # Σ H_i
+    shift: float  # c: the group's first folded reward
+
+
+class GradAccumulators:
+    def __init__(self, like: list[torch.Tensor], k_open: int, placement: str = "device",
+                 dtype: torch.dtype = torch.float32):
+        self.k_open = k_open
+        self.dtype = dtype
+        self.numel = sum(t.numel() for t in like)
+        self._devices = [t.device if placement == "device" else torch.device("cpu") for t in like]
+        self._pin = placement == "host" and torch.cuda.is_available()
+        self._sizes = [t.numel() for t in like]
+        self._free: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self.open: dict[str, _Pair] = {}
+        self.batch = self._new()
+        self.peak_bytes = self.bytes_allocated
+
+    def _new(self) -> list[torch.Tensor]:
+        return [torch.zeros(n, dtype=self.dtype, device=d, pin_memory=self._pin)
+                for n, d in zip(self._sizes, self._devices)]
+
+    @property
+    def bytes_allocated(self) -> int:
+        """Bytes held by the batch accumulator, open pairs and pooled pairs."""
+        n_vectors = 1 + 2 * (len(self.open) + len(self._free))
+        return n_vectors * self.numel * torch.finfo(self.dtype).bits // 8
+
+    @property
+    def bound_bytes(self) -> int:
+        return (2 * self.k_open + 1) * self.numel * torch.finfo(self.dtype).bits // 8
+
+    def _staged(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        # Host placement: bring the device gradient over once per fold.
+        return [g if g.device == d else g.to(d, non_blocking=False)
+                for g, d in zip(grads, self._devices)]
+
+    def fold_direct(self, grads: list[torch.Tensor], coef: float) -> None:
+        """batch += coef · H (advantage already known: sync and group_ready)."""
+        for acc, g in zip(self.batch, self._staged(grads)):
+            K.axpy_(acc, g, coef)
+
+    def open_group(self, group_id: str, shift: float) -> None:
+        """Give a group its G1'/G2 pair; `shift` is c, its first folded reward."""
+        if len(self.open) >= self.k_open:
+            raise RuntimeError(
+                f"admission cap exceeded: {len(self.open)} groups open, k_open={self.k_open}")
+        g1, g2 = self._free.pop() if self._free else (self._new(), self._new())
+        self.open[group_id] = _Pair(g1, g2, shift=float(shift))
+        self.peak_bytes = max(self.peak_bytes, self.bytes_allocated)
+
+    def fold_pair(self, group_id: str, grads: list[torch.Tensor], reward: float) -> None:
+        """G1' += (r − c)·H and G2 += H for an open group, in one pass per buffer."""
+        pair = self.open[group_id]
+        r = float(reward) - pair.shift
+        for a1, a2, g in zip(pair.g1, pair.g2, self._staged(grads)):
+            K.accumulate_g1g2_(a1, a2, g, r)
+
+    def shift_of(self, group_id: str) -> float:
+        return self.open[group_id].shift
+
+    def is_open(self, group_id: str) -> bool:
+        return group_id in self.open
+
+    def close_group(self, group_id: str, scale: float, mu: float) -> None:
+        """batch += scale · (G1' − mu·G2); the pair returns to the pool, zeroed."""
+        pair = self.open.pop(group_id)
+        for acc, a1, a2 in zip(self.batch, pair.g1, pair.g2):
+            K.combine_group_(acc, a1, a2, mu, scale)
+            a1.zero_()
+            a2.zero_()
+        self._free.append((pair.g1, pair.g2))
+
+    def reset(self) -> None:
+        """Start a new batch (or abandon a failed one): everything back to zero."""
+        for gid in list(self.open):
+            pair = self.open.pop(gid)
+            for t in pair.g1 + pair.g2:
+                t.zero_()
+            self._free.append((pair.g1, pair.g2))
+        for t in self.batch:
+            t.zero_()
+
+    def release_pool(self) -> None:
+        self._free.clear()

@@ -1,0 +1,154 @@
+"""Typed configuration, loaded from configs/*.yaml and validated at start.
+
+Every section is a dataclass. `load_config` walks the YAML mapping against the dataclass
+fields, so a misspelt key or a value of the wrong type or outside its allowed set fails
+immediately with a message naming the dotted key (e.g. `learner.k_open`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+Objective = Literal["grpo", "dr_grpo", "rloo"]
+Schedule = Literal["sync", "group_ready", "thundersync"]
+DType = Literal["fp32", "bf16"]
+TokenNorm = Literal["trajectory", "global"]
+AccumPlacement = Literal["device", "host"]
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong; the message names the dotted key."""
+
+
+@dataclass
+class ModelConfig:
+    hf_dir: str = ""  # Hugging Face checkpoint directory (Qwen2/Qwen3/Llama)
+    dtype: DType = "fp32"  # student forward/backward precision; grads accumulate in FP32
+    tp: int = 1  # tensor-parallel size; data-parallel size = world size / tp
+    spec: Literal["auto", "local", "te"] = "auto"  # TE layer spec on GPU, local spec on CPU
+
+    def validate(self) -> None:
+        _check(self.tp >= 1, "model.tp", f"must be >= 1, got {self.tp}")
+
+
+@dataclass
+class OptimConfig:
+    # SPEC §4: AdamW β 0.9/0.999, ε 1e-8, wd 0, lr 1e-6 constant, global-norm clip 1.0.
+    lr: float = 1e-6
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    distributed: bool = True  # shard optimizer state across data-parallel ranks
+
+    def validate(self) -> None:
+        _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        _check(0 <= self.beta1 < 1, "optim.beta1", f"must be in [0, 1), got {self.beta1}")
+        _check(0 <= self.beta2 < 1, "optim.beta2", f"must be in [0, 1), got {self.beta2}")
+        _check(self.eps > 0, "optim.eps", f"must be > 0, got {self.eps}")
+        _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _check(self.clip_grad >= 0, "optim.clip_grad", "must be >= 0 (0 disables clipping)")
+
+
+@dataclass
+class LearnerConfig:
+    objective: Objective = "grpo"
+    schedule: Schedule = "thundersync"
+    k_open: int = 4  # admission cap: groups per rank holding G1/G2 at once
+    accum: AccumPlacement = "device"  # "host": pinned host memory for large models
+    token_norm: TokenNorm = "trajectory"  # w = 1/(n_groups·L_i), or 1/N_k global token mean
+    adv_eps: float = 1e-6  # ε in (r − μ)/(σ + ε)
+
+    def validate(self) -> None:
+        _check(self.k_open >= 1, "learner.k_open", f"must be >= 1, got {self.k_open}")
+        _check(self.adv_eps > 0, "learner.adv_eps", f"must be > 0, got {self.adv_eps}")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    seed: int = 1234
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.optim.validate()
+        self.learner.validate()
+
+
+def _check(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}': {why}")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotated type `tp`; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        _check(value in allowed, key, f"must be one of {list(allowed)}, got {value!r}")
+        return value
+    if tp is bool:
+        _check(isinstance(value, bool), key, f"must be true/false, got {value!r}")
+        return value
+    if tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), key,
+               f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        _check(ok, key, f"must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        _check(isinstance(value, str), key, f"must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"config key '{key}': unsupported type {tp}")
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass `cls` from a mapping, naming the dotted key of any error."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{prefix or '<root>'}': must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            where = f"{prefix}{key}"
+            raise ConfigError(f"config key '{where}': unknown key (allowed: {sorted(names)})")
+    kwargs = {}
+    for name, value in data.items():
+        tp, key = hints[name], f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = from_dict(tp, value, prefix=f"{key}.")
+        else:
+            kwargs[name] = _coerce(value, tp, key)
+    return cls(**kwargs)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Load a YAML file (or defaults) and apply dotted overrides like {"learner.k_open": 2}."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    cfg = from_dict(Config, data)
+    cfg.validate()
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

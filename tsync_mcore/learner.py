@@ -1,0 +1,188 @@
+"""One update of the streaming learner, top to bottom (SPEC §1–3).
+
+    begin(plan)       register the batch's groups; groups are assigned to DP ranks
+    submit(source)    validate → release per schedule → serve: forward, fused scored
+                      log-prob, backward into the grad buffers, fold into G1'/G2 (or the
+                      batch accumulator when the advantage is already known), zero buffers;
+                      a group whose last member is folded is combined (Eq. 7) and freed
+    close()           every member present → serve what is left → deferred scalar
+                      (1/n_groups or 1/N_k) → reduce → clip → exactly one optimizer step
+
+Schedules differ only in when a source is released (schedule.py); the work is the same.
+Nothing touches the parameters before close() has checked the whole batch, so an error at
+any point leaves θ and the optimizer intact.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tsync_mcore.accumulators import GradAccumulators
+from tsync_mcore.config import LearnerConfig
+from tsync_mcore.objectives import ADVANTAGES
+from tsync_mcore.policy import Policy
+from tsync_mcore.schedule import ReadinessQueue, Service
+from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, assign_groups,
+                                 validate_source)
+
+
+@dataclass
+class UpdateResult:
+    policy_version: int  # the version the batch was sampled from (θ_k)
+    ok: bool
+    grad_norm: float
+    n_sources: int  # served on this rank
+    scored_tokens: int  # over all ranks
+    accum_peak_bytes: int
+    accum_bound_bytes: int
+    grad: dict[str, torch.Tensor] | None
+    trace: list[dict] = field(default_factory=list)
+
+
+class Learner:
+    def __init__(self, cfg: LearnerConfig, policy: Policy, policy_version: int = 0):
+        self.cfg = cfg
+        self.policy = policy
+        self.version = policy_version
+        self.objective = ADVANTAGES[cfg.objective]
+        self.acc = GradAccumulators(policy.grad_buffers(), cfg.k_open, cfg.accum)
+        self.plan: BatchPlan | None = None
+
+    # --- register -------------------------------------------------------------------------
+
+    def begin(self, plan: BatchPlan, group_tokens: dict[str, int] | None = None) -> None:
+        if self.plan is not None:
+            raise RuntimeError(f"batch for policy version {self.version} is still open")
+        par = self.policy.par
+        self.owner = assign_groups(plan, group_tokens or {}, par.dp_size)
+        mine = {g for g, r in self.owner.items() if r == par.dp_rank}
+        self.plan = plan
+        self.queue = ReadinessQueue(self.cfg.schedule, plan, mine, self.cfg.k_open)
+        self.member_of = {t: g for g, ts in plan.groups.items() for t in ts}
+        self.arrived: dict[str, TrajectorySource] = {}
+        self.trace: list[dict] = []
+        self.t0 = time.perf_counter()
+        self.scored_local = 0
+        self.acc.reset()
+
+    # --- stream ---------------------------------------------------------------------------
+
+    def submit(self, src: TrajectorySource) -> None:
+        """Accept a ready source and serve whatever the schedule releases now."""
+        self._check(src)
+        self.arrived[src.traj_id] = src
+        if self.owner[src.group_id] == self.policy.par.dp_rank:
+            self.queue.arrive(src)
+            self._note(src, ready=self._now())
+            self._drain()
+
+    def _check(self, src: TrajectorySource) -> None:
+        if self.plan is None:
+            raise RuntimeError("submit() before begin(): no batch is open")
+        validate_source(src, self.policy.vocab_size)
+        name = f"trajectory {src.traj_id!r}"
+        if src.policy_version != self.version:
+            raise SourceError(f"{name}: policy version {src.policy_version} is not the current "
+                              f"version {self.version}; stale or future sources are never trained on")
+        if src.traj_id in self.arrived:
+            raise SourceError(f"{name}: duplicate, already received in this batch")
+        members = self.plan.groups.get(src.group_id)
+        if members is None:
+            raise SourceError(f"{name}: group {src.group_id!r} is not registered in this batch")
+        if self.member_of.get(src.traj_id) != src.group_id:
+            raise SourceError(f"{name}: not one of the {len(members)} trajectories registered for "
+                              f"group {src.group_id!r}; the group would be larger than registered")
+
+    def _drain(self) -> None:
+        while (svc := self.queue.next()) is not None:
+            self._serve(svc)
+
+    def _serve(self, svc: Service) -> None:
+        src, g = svc.source, svc.source.group_id
+        start = self._now()
+        if svc.fold == "pair" and not self.acc.is_open(g):
+            self.acc.open_group(g, shift=src.reward)  # c = the group's first reward
+        if src.n_scored > 0:
+            # Token weight 1/L_i now; 1/n_groups (or 1/N_k) is the deferred scalar at close.
+            w = 1.0 / src.n_scored if self.cfg.token_norm == "trajectory" else 1.0
+            self.policy.backward_source(list(src.tokens), list(src.scored_mask), w)
+            grads = self.policy.grad_buffers()
+            if svc.fold == "direct":
+                rewards = self._group_rewards(g)
+                i = self.plan.groups[g].index(src.traj_id)
+                self.acc.fold_direct(grads, self.objective.source_coef(rewards, i, self.cfg.adv_eps))
+            else:
+                self.acc.fold_pair(g, grads, src.reward)
+            self.policy.zero_grads()
+            self.scored_local += src.n_scored
+        if svc.closes_group:
+            scale, mu = self.objective.closure(self._group_rewards(g), self.acc.shift_of(g),
+                                               self.cfg.adv_eps)
+            self.acc.close_group(g, scale, mu)
+        self._note(src, start=start, end=self._now(), fold=svc.fold,
+                   closes_group=svc.closes_group, open_groups=self.queue.open_groups)
+
+    def _group_rewards(self, g: str) -> list[float]:
+        return [float(self.arrived[t].reward) for t in self.plan.groups[g]]
+
+    # --- barrier and step -----------------------------------------------------------------
+
+    def close(self, export_grad: bool = False) -> UpdateResult:
+        if self.plan is None:
+            raise RuntimeError("close() before begin(): no batch is open")
+        missing = {g: [t for t in ts if t not in self.arrived] for g, ts in self.plan.groups.items()}
+        missing = {g: ts for g, ts in missing.items() if ts}
+        if missing:
+            raise SourceError(f"batch for policy version {self.version} closed with groups missing "
+                              f"members: {missing}")
+        self.queue.close()
+        self._drain()
+        assert self.queue.pending() == 0 and not self.acc.open, "batch closed with work left"
+
+        scored = self._all_reduce_int(self.scored_local)
+        if self.cfg.token_norm == "trajectory":
+            scale = 1.0 / self.plan.n_groups
+        else:
+            scale = 1.0 / scored if scored else 0.0
+        # The accumulator holds the descent direction −Σ_G g_G; one step per batch.
+        step = self.policy.apply_and_step(self.acc.batch, scale, export_grad=export_grad)
+        result = UpdateResult(
+            policy_version=self.version, ok=step.ok, grad_norm=step.grad_norm,
+            n_sources=sum(1 for e in self.trace if "end" in e), scored_tokens=scored,
+            accum_peak_bytes=self.acc.peak_bytes, accum_bound_bytes=self.acc.bound_bytes,
+            grad=step.grad, trace=self.trace)
+        self.version += 1
+        self.plan = None
+        return result
+
+    def abort(self) -> None:
+        """Drop the open batch without touching θ (e.g. after a rejected close)."""
+        self.acc.reset()
+        self.policy.zero_grads()
+        self.plan = None
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def _all_reduce_int(self, x: int) -> int:
+        par = self.policy.par
+        if par.dp_size == 1:
+            return x
+        t = torch.tensor([x], dtype=torch.float64, device=self.policy.device)
+        dist.all_reduce(t, group=par.dp_group)
+        return int(t.item())
+
+    def _now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _note(self, src: TrajectorySource, **fields) -> None:
+        if "ready" in fields:
+            self.trace.append(dict(traj_id=src.traj_id, group_id=src.group_id,
+                                   policy_version=src.policy_version,
+                                   rank=self.policy.par.rank, scored_tokens=src.n_scored, **fields))
+        else:
+            entry = next(e for e in reversed(self.trace) if e["traj_id"] == src.traj_id)
+            entry.update(fields)

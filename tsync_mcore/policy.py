@@ -1,0 +1,112 @@
+"""The trainable policy as the learner sees it: Megatron model + DDP grad buffers + optimizer.
+
+Everything Megatron-specific the learner needs sits behind this small surface:
+`backward_source` (one source's forward, fused scored log-prob, backward into the FP32
+grad buffers), `grad_buffers`/`zero_grads`, and `apply_and_step` (write the batch
+direction into the buffers, distributed reduction, global-norm clip, one optimizer step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import triton_kernels as K
+from tsync_mcore.config import Config
+from tsync_mcore.model import bridge, train
+from tsync_mcore.model.parallel import ParallelInfo, init_parallel
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class StepResult:
+    ok: bool  # False when the optimizer skipped the step (non-finite gradient)
+    grad_norm: float  # global norm before clipping
+    grad: dict[str, torch.Tensor] | None  # g_k (ascent direction), HF names, when asked
+
+
+class Policy:
+    def __init__(self, cfg: Config, par: ParallelInfo | None = None):
+        self.cfg = cfg
+        self.par = par or init_parallel(tp_size=cfg.model.tp, seed=cfg.seed)
+        self.model, self.spec = bridge.build_model(
+            cfg.model.hf_dir, dtype=DTYPES[cfg.model.dtype], spec=cfg.model.spec)
+        self.ddp = train.wrap_ddp(self.model, use_distributed_optimizer=cfg.optim.distributed)
+        o = cfg.optim
+        self.optimizer = train.build_optimizer(
+            self.ddp, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+            weight_decay=o.weight_decay, clip_grad=o.clip_grad,
+            use_distributed_optimizer=o.distributed, bf16=cfg.model.dtype == "bf16")
+        self.device = next(self.model.parameters()).device
+        self.vocab_local = self.spec.vocab_size // self.par.tp_size
+        self.vocab_start = self.par.tp_rank * self.vocab_local
+        self._tp_group = self.par.tp_group if self.par.tp_size > 1 else None
+        self._buffers = train.grad_buffers(self.ddp)
+        self._grad_slices = self._map_grad_slices()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    @property
+    def n_grad_elements(self) -> int:
+        return sum(b.numel() for b in self._buffers)
+
+    # --- one source ---------------------------------------------------------------------
+
+    def backward_source(self, tokens: list[int], scored_mask: list[int], weight: float) -> float:
+        """grad buffers += ∇_θ [−weight · Σ_{t∈M} log π_θ(a_t | h_t)]; returns Σ log π."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        pos = torch.nonzero(torch.tensor(scored_mask, device=self.device)).squeeze(1)
+        logits = bridge.logits(self.ddp, ids[None])[0]  # [S, V_local]
+        logp = K.scored_logprob(logits[pos - 1], ids[pos], vocab_start=self.vocab_start,
+                                tp_group=self._tp_group)
+        (-weight * logp.sum()).backward()
+        return float(logp.detach().sum())
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        return self._buffers
+
+    def zero_grads(self) -> None:
+        self.ddp.zero_grad_buffer()
+
+    # --- the barrier ----------------------------------------------------------------------
+
+    def apply_and_step(self, descent: list[torch.Tensor], scale: float,
+                       export_grad: bool = False) -> StepResult:
+        """Buffers ← scale·descent, reduce over data-parallel ranks, clip, one step."""
+        for buf, acc in zip(self._buffers, descent):
+            buf.copy_(acc).mul_(scale)
+        grad = None
+        if export_grad:
+            full = [b.clone() for b in self._buffers]
+            if self.par.dp_size > 1:
+                for t in full:
+                    dist.all_reduce(t, group=self.par.dp_group)
+            grad = bridge.export_hf({n: -full[i][a:b].view(shape)
+                                     for n, (i, a, b, shape) in self._grad_slices.items()},
+                                    self.spec)
+        train.finish_grad_sync(self.ddp)
+        ok, grad_norm = train.optimizer_step(self.optimizer)
+        self.zero_grads()
+        return StepResult(ok=ok, grad_norm=grad_norm, grad=grad)
+
+    def export_params(self) -> dict[str, torch.Tensor]:
+        return bridge.export_hf_state_dict(self.model, self.spec)
+
+    def _map_grad_slices(self) -> dict[str, tuple[int, int, int, torch.Size]]:
+        """Megatron param name → (buffer index, start, end, shape) of its main_grad view."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            mg = p.main_grad
+            for i, buf in enumerate(self._buffers):
+                if mg.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+                    start = mg.storage_offset() - buf.storage_offset()
+                    out[name] = (i, start, start + mg.numel(), p.shape)
+                    break
+            else:
+                raise RuntimeError(f"parameter {name} has no main_grad in the DDP buffers")
+        return out

@@ -1,0 +1,128 @@
+"""Replay recorded batches through the learner: the equivalence harness (paper appendix G).
+
+    python -m tsync_mcore.replay --model HF_DIR --batch FILE.jsonl --objective grpo \
+        --schedule thundersync --dtype fp32 --out DIR
+    torchrun --nproc-per-node 2 -m tsync_mcore.replay ...   (same flags)
+
+FILE.jsonl holds one trajectory per line (see README). Lines are grouped into batches by
+`policy_version`; versions must run 0, 1, 2, … and each batch is one update. Sources are
+ingested in `ready_order`. Writes DIR/grad.safetensors (g_k of the last update before
+clipping, FP32, HF names), DIR/params.safetensors (θ after the last step, HF names) and
+DIR/trace_rank{R}.jsonl, and prints a one-line JSON summary on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from tsync_mcore.config import load_config
+from tsync_mcore.learner import Learner
+from tsync_mcore.policy import Policy
+from tsync_mcore.sources import BatchPlan, SourceError, TrajectorySource
+
+
+def read_batches(path: str) -> list[list[TrajectorySource]]:
+    by_version: dict[int, list[TrajectorySource]] = {}
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                src = TrajectorySource.from_json(json.loads(line))
+            except (json.JSONDecodeError, SourceError) as e:
+                raise SourceError(f"{path}:{lineno}: {e}") from None
+            by_version.setdefault(src.policy_version, []).append(src)
+    versions = sorted(by_version)
+    if versions != list(range(len(versions))):
+        raise SourceError(f"{path}: policy versions must be 0, 1, 2, ... without gaps; got {versions}")
+    return [sorted(by_version[v], key=lambda s: s.ready_order) for v in versions]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tsync_mcore.replay", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--batch", required=True, help="JSON Lines batch file")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--objective", default="grpo", choices=["grpo", "dr_grpo", "rloo"])
+    p.add_argument("--schedule", default="thundersync", choices=["sync", "group_ready", "thundersync"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--config", default=None, help="optional YAML config; flags override it")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
+    p.add_argument("--k-open", type=int, default=None)
+    p.add_argument("--token-norm", default=None, choices=["trajectory", "global"])
+    p.add_argument("--accum", default=None, choices=["device", "host"])
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    overrides = {"model.hf_dir": args.model, "model.dtype": args.dtype,
+                 "learner.objective": args.objective, "learner.schedule": args.schedule}
+    for key, val in [("model.tp", args.tp), ("learner.k_open", args.k_open),
+                     ("learner.token_norm", args.token_norm), ("learner.accum", args.accum),
+                     ("optim.lr", args.lr), ("seed", args.seed)]:
+        if val is not None:
+            overrides[key] = val
+    cfg = load_config(args.config, overrides)
+    batches = read_batches(args.batch)
+
+    t0 = time.perf_counter()
+    policy = Policy(cfg)
+    learner = Learner(cfg.learner, policy)
+    results = []
+    for k, sources in enumerate(batches):
+        tokens: dict[str, int] = {}
+        for s in sources:
+            tokens[s.group_id] = tokens.get(s.group_id, 0) + s.n_tokens
+        learner.begin(BatchPlan.from_sources(sources), group_tokens=tokens)
+        for src in sources:
+            learner.submit(src)
+        results.append(learner.close(export_grad=k == len(batches) - 1))
+    params = policy.export_params()
+    elapsed = time.perf_counter() - t0
+
+    par = policy.par
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"trace_rank{par.rank}.jsonl"), "w") as f:
+        for k, r in enumerate(results):
+            for e in r.trace:
+                f.write(json.dumps({"update": k, **e}) + "\n")
+    summary = {
+        "updates": len(results), "objective": cfg.learner.objective,
+        "schedule": cfg.learner.schedule, "dtype": cfg.model.dtype,
+        "world_size": par.world_size, "tp": par.tp_size, "dp": par.dp_size,
+        "grad_norm": [r.grad_norm for r in results], "ok": all(r.ok for r in results),
+        "scored_tokens": [r.scored_tokens for r in results],
+        "sources": sum(len(b) for b in batches),
+        "accum_peak_bytes": max(r.accum_peak_bytes for r in results),
+        "accum_bound_bytes": results[0].accum_bound_bytes,
+        "time_s": round(elapsed, 3), "out": args.out,
+    }
+    if par.rank == 0:
+        save_file({k: v.float().contiguous() for k, v in results[-1].grad.items()},
+                  os.path.join(args.out, "grad.safetensors"))
+        save_file({k: v.contiguous() for k, v in params.items()},
+                  os.path.join(args.out, "params.safetensors"))
+        print(json.dumps(summary), flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SourceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

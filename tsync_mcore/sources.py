@@ -1,0 +1,119 @@
+"""Learner work items (sources), the batch plan they belong to, and their validation.
+
+A GRPO source is one trajectory: its tokens, the scored-token mask (generated assistant
+tokens only) and its reward. It is ready once all three are fixed. Every check here runs
+before the learner touches any state, so a rejected source never reaches the accumulators
+or the parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class SourceError(ValueError):
+    """A source, or the batch it belongs to, is malformed; the message names it."""
+
+
+@dataclass(frozen=True)
+class TrajectorySource:
+    traj_id: str
+    group_id: str
+    tokens: tuple[int, ...]
+    scored_mask: tuple[int, ...]
+    reward: float
+    policy_version: int
+    ready_order: int = 0
+
+    @property
+    def n_scored(self) -> int:
+        return sum(self.scored_mask)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "TrajectorySource":
+        need = ("traj_id", "group_id", "tokens", "scored_mask", "reward", "policy_version")
+        missing = [k for k in need if k not in obj]
+        if missing:
+            raise SourceError(f"trajectory {obj.get('traj_id', '?')!r}: missing fields {missing}")
+        return cls(
+            traj_id=str(obj["traj_id"]),
+            group_id=str(obj["group_id"]),
+            tokens=tuple(obj["tokens"]),
+            scored_mask=tuple(obj["scored_mask"]),
+            reward=obj["reward"],
+            policy_version=obj["policy_version"],
+            ready_order=obj.get("ready_order", 0),
+        )
+
+
+def validate_source(src: TrajectorySource, vocab_size: int) -> None:
+    """Shape/content checks that need no batch context."""
+    name = f"trajectory {src.traj_id!r} (group {src.group_id!r})"
+    if len(src.tokens) == 0:
+        raise SourceError(f"{name}: empty token list")
+    if len(src.tokens) != len(src.scored_mask):
+        raise SourceError(
+            f"{name}: scored_mask has {len(src.scored_mask)} entries but tokens has "
+            f"{len(src.tokens)}; they must be the same length")
+    bad = [t for t in src.tokens if not isinstance(t, int) or isinstance(t, bool)
+           or t < 0 or t >= vocab_size]
+    if bad:
+        raise SourceError(f"{name}: token ids {bad[:5]} out of vocabulary [0, {vocab_size})")
+    if any(m not in (0, 1) for m in src.scored_mask):
+        raise SourceError(f"{name}: scored_mask must hold only 0/1")
+    if src.scored_mask[0]:
+        # The first token has no context, so its log-prob is undefined.
+        raise SourceError(f"{name}: the first token cannot be scored (no context)")
+    if isinstance(src.reward, bool) or not isinstance(src.reward, (int, float)) \
+            or not math.isfinite(src.reward):
+        raise SourceError(f"{name}: reward must be a finite number, got {src.reward!r}")
+    if not isinstance(src.policy_version, int) or isinstance(src.policy_version, bool):
+        raise SourceError(f"{name}: policy_version must be an integer")
+
+
+@dataclass
+class BatchPlan:
+    """The registered groups of one update: group id → trajectory ids, in order."""
+
+    groups: dict[str, list[str]] = field(default_factory=dict)
+
+    def add_group(self, group_id: str, traj_ids: list[str]) -> None:
+        if group_id in self.groups:
+            raise SourceError(f"group {group_id!r} registered twice")
+        if len(set(traj_ids)) != len(traj_ids) or not traj_ids:
+            raise SourceError(f"group {group_id!r}: trajectory ids must be unique and non-empty")
+        self.groups[group_id] = list(traj_ids)
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.groups)
+
+    @classmethod
+    def from_sources(cls, sources: list[TrajectorySource]) -> "BatchPlan":
+        plan = cls()
+        members: dict[str, list[str]] = {}
+        for s in sources:
+            members.setdefault(s.group_id, []).append(s.traj_id)
+        for gid, tids in members.items():
+            plan.add_group(gid, tids)
+        return plan
+
+
+def assign_groups(plan: BatchPlan, group_tokens: dict[str, int], n_ranks: int) -> dict[str, int]:
+    """Deterministic token-balanced assignment of groups to data-parallel ranks.
+
+    Longest-processing-time greedy: largest groups first onto the least-loaded rank;
+    ties broken by group id and rank index, so every rank computes the same answer.
+    """
+    load = [0] * n_ranks
+    owner: dict[str, int] = {}
+    for gid in sorted(plan.groups, key=lambda g: (-group_tokens.get(g, 0), g)):
+        r = min(range(n_ranks), key=lambda i: (load[i], i))
+        owner[gid] = r
+        load[r] += group_tokens.get(gid, 0)
+    return owner
