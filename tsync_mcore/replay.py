@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accum", default=None, choices=["device", "host"])
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--save-grads", default="last", choices=["last", "all"],
+                   help="'all' also writes grad_{k}.safetensors for every update k")
     return p.parse_args(argv)
 
 
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
         learner.begin(BatchPlan.from_sources(sources), group_tokens=tokens)
         for src in sources:
             learner.submit(src)
-        results.append(learner.close(export_grad=k == len(batches) - 1))
+        last = k == len(batches) - 1
+        results.append(learner.close(export_grad=last or args.save_grads == "all"))
     params = policy.export_params()
     elapsed = time.perf_counter() - t0
 
@@ -110,8 +113,12 @@ def main(argv: list[str] | None = None) -> dict:
         "time_s": round(elapsed, 3), "out": args.out,
     }
     if par.rank == 0:
-        save_file({k: v.float().contiguous() for k, v in results[-1].grad.items()},
-                  os.path.join(args.out, "grad.safetensors"))
+        for k, r in enumerate(results):
+            if r.grad is not None:
+                grad = {n: v.float().contiguous() for n, v in r.grad.items()}
+                if args.save_grads == "all":
+                    save_file(grad, os.path.join(args.out, f"grad_{k}.safetensors"))
+        save_file(grad, os.path.join(args.out, "grad.safetensors"))
         save_file({k: v.contiguous() for k, v in params.items()},
                   os.path.join(args.out, "params.safetensors"))
         print(json.dumps(summary), flush=True)

@@ -1,0 +1,180 @@
+"""GRPO gradient streaming end to end through the replay command (2 gloo ranks).
+
+Schedules against each other, against an independent FP64 reference on the Hugging Face
+model, arrival-order permutations, determinism, the admission cap, and bad input.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from batchgen import write_batches
+from reference import reference_grad, rel_l2
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+N_UPDATES = 10
+
+
+def replay(hf_dir, batch, out, nproc=2, *flags):
+    cmd = [sys.executable, "-m", "tsync_mcore.replay", "--model", hf_dir, "--batch", batch,
+           "--out", out, *flags]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_free_port()), "-m", "tsync_mcore.replay", *cmd[3:]]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, f"replay failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_qwen2, tmp_path_factory):
+    d = tmp_path_factory.mktemp("replay")
+    vocab = 256
+    batch = str(d / "batch.jsonl")
+    perm = str(d / "perm.jsonl")
+    rows = write_batches(batch, vocab, n_updates=N_UPDATES, seed=3)
+    write_batches(perm, vocab, n_updates=N_UPDATES, seed=3, permute_seed=11)
+    common = ["--lr", "1e-5", "--save-grads", "all"]
+    out = {}
+    for name, b, flags in [
+        ("sync", batch, ["--schedule", "sync"]),
+        ("group_ready", batch, ["--schedule", "group_ready"]),
+        ("thundersync", batch, ["--schedule", "thundersync", "--k-open", "2"]),
+        ("thundersync_again", batch, ["--schedule", "thundersync", "--k-open", "2",
+                                       "--accum", "host"]),
+        ("thundersync_perm", perm, ["--schedule", "thundersync", "--k-open", "1"]),
+    ]:
+        o = str(d / name)
+        out[name] = dict(summary=replay(tiny_qwen2, b, o, 2, *flags, *common), dir=o)
+    out["rows"] = rows
+    out["hf_dir"] = tiny_qwen2
+    return out
+
+
+def _grad(run, k):
+    return load_file(os.path.join(run["dir"], f"grad_{k}.safetensors"))
+
+
+def _params(run):
+    return load_file(os.path.join(run["dir"], "params.safetensors"))
+
+
+def test_streaming_schedules_match_sync_direction(runs):
+    g_sync = _grad(runs["sync"], 0)
+    for name in ("group_ready", "thundersync", "thundersync_perm"):
+        err = rel_l2(_grad(runs[name], 0), g_sync)
+        print(f"{name} vs sync, update 0 direction rel L2 = {err:.2e}")
+        assert err <= 1e-6, (name, err)
+
+
+def test_direction_matches_independent_fp64_reference(runs):
+    rows0 = [r for r in runs["rows"] if r["policy_version"] == 0]
+    ref = reference_grad(runs["hf_dir"], rows0, "grpo")
+    for name in ("sync", "thundersync"):
+        got = _grad(runs[name], 0)
+        assert got.keys() == ref.keys()
+        err = rel_l2(got, ref)
+        print(f"{name} vs FP64 HF reference: rel L2 = {err:.2e}")
+        assert err <= 1e-5, (name, err)
+
+
+def test_parameter_gap_after_ten_updates(runs):
+    theta0 = load_file(os.path.join(runs["hf_dir"], "model.safetensors"))
+    sync = _params(runs["sync"])
+    moved = sum(float(((sync[k].double() - theta0[k].double()) ** 2).sum()) for k in sync) ** 0.5
+    assert moved > 0
+    for name in ("group_ready", "thundersync", "thundersync_perm"):
+        p = _params(runs[name])
+        gap = sum(float(((p[k].double() - sync[k].double()) ** 2).sum()) for k in sync) ** 0.5
+        print(f"{name}: parameter gap / distance moved after {N_UPDATES} updates = {gap / moved:.2e}")
+        assert gap / moved <= 1e-5, (name, gap / moved)
+    assert runs["sync"]["summary"]["updates"] == N_UPDATES
+
+
+def test_same_order_twice_is_bitwise_identical(runs):
+    a, b = runs["thundersync"], runs["thundersync_again"]
+    for k in range(N_UPDATES):
+        ga, gb = _grad(a, k), _grad(b, k)
+        assert all(torch.equal(ga[n], gb[n]) for n in ga)
+    pa, pb = _params(a), _params(b)
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+
+
+def test_admission_cap_bounds_accumulator_memory(runs):
+    for name in ("thundersync", "thundersync_perm", "sync"):
+        s = runs[name]["summary"]
+        assert s["accum_peak_bytes"] <= s["accum_bound_bytes"], s
+    # k_open=1 holds at most one pair: 3 vectors of P; sync needs no pair at all.
+    ts1 = runs["thundersync_perm"]["summary"]
+    assert ts1["accum_peak_bytes"] == ts1["accum_bound_bytes"]
+    sync = runs["sync"]["summary"]
+    assert sync["accum_peak_bytes"] * 3 == ts1["accum_peak_bytes"]
+
+
+def test_trace_records_every_source(runs):
+    n = 0
+    for r in range(2):
+        with open(os.path.join(runs["thundersync"]["dir"], f"trace_rank{r}.jsonl")) as f:
+            for line in f:
+                e = json.loads(line)
+                assert e["ready"] <= e["start"] <= e["end"]
+                assert e["policy_version"] == e["update"]
+                n += 1
+    assert n == len(runs["rows"])
+
+
+@pytest.mark.parametrize("objective,norm", [("dr_grpo", "trajectory"), ("rloo", "global"),
+                                            ("grpo", "global")])
+def test_affine_family_single_rank_vs_reference(tiny_qwen2, tmp_path, objective, norm):
+    batch = str(tmp_path / "b.jsonl")
+    rows = write_batches(batch, 256, n_updates=1, seed=5)
+    replay(tiny_qwen2, batch, str(tmp_path / "o"), 1, "--objective", objective,
+           "--token-norm", norm, "--schedule", "thundersync", "--k-open", "1")
+    got = load_file(str(tmp_path / "o" / "grad.safetensors"))
+    err = rel_l2(got, reference_grad(tiny_qwen2, rows, objective, norm))
+    print(f"{objective}/{norm} vs FP64 reference: {err:.2e}")
+    assert err <= 1e-5
+
+
+def test_bf16_runs_close_to_fp32(tiny_qwen2, tmp_path):
+    batch = str(tmp_path / "b.jsonl")
+    rows = write_batches(batch, 256, n_updates=1, seed=9)
+    replay(tiny_qwen2, batch, str(tmp_path / "bf16"), 1, "--dtype", "bf16")
+    got = load_file(str(tmp_path / "bf16" / "grad.safetensors"))
+    err = rel_l2(got, reference_grad(tiny_qwen2, rows, "grpo"))
+    print(f"bf16 vs FP64 reference: {err:.2e}")
+    assert err < 5e-2
+
+
+def test_bad_input_rejected_and_theta_untouched(tiny_qwen2):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/workers/bad_input_worker.py"),
+                        tiny_qwen2], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-5000:]
+    res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    errs = res["errors"]
+    assert all(v != "NO ERROR" for v in errs.values()), errs
+    assert "policy version 3" in errs["wrong_version"]
+    assert "duplicate" in errs["duplicate"]
+    assert "larger than registered" in errs["group_larger_than_registered"]
+    assert "not registered" in errs["group_not_registered"]
+    assert "finite" in errs["nan_reward"] and "finite" in errs["inf_reward"]
+    assert "out of vocabulary" in errs["token_out_of_vocab"]
+    assert "out of vocabulary" in errs["negative_token"]
+    assert "same length" in errs["mask_length_mismatch"]
+    assert "missing" in errs["missing_members"] and res["missing_named"]
+    assert res["theta_untouched_by_errors"]
+    assert res["grad_bitwise_equal_to_clean"] and res["params_bitwise_equal_to_clean"]
+    assert res["theta_moved_after_close"]
+    assert res["empty_mask_sources"] >= 1

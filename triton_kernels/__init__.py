@@ -1,0 +1,29 @@
+"""Fused kernels for the tsync-mcore learner: Triton on GPU (or the Triton CPU
+interpreter with TRITON_INTERPRET=1), plain torch elsewhere. Importing this package
+never imports Triton; see ``dispatch`` for how each call picks its backend.
+"""
+
+from triton_kernels.dispatch import backend_for, triton_usable
+from triton_kernels.grpo_accumulate import accumulate_g1g2_, axpy_, combine_group_
+from triton_kernels.scored_logprob import (
+    LogprobPartials,
+    all_reduce_partials,
+    combine_partials,
+    logprob_partials,
+    scored_logprob,
+    scored_logprob_backward,
+)
+
+__all__ = [
+    "LogprobPartials",
+    "accumulate_g1g2_",
+    "all_reduce_partials",
+    "axpy_",
+    "backend_for",
+    "combine_group_",
+    "combine_partials",
+    "logprob_partials",
+    "scored_logprob",
+    "scored_logprob_backward",
+    "triton_usable",
+]
