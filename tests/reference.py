@@ -28,6 +28,8 @@ def reference_grad(hf_dir: str, rows: list[dict], objective: str = "grpo",
                    token_norm: str = "trajectory") -> dict[str, torch.Tensor]:
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64)
     model.eval()
+    # HF freezes the pad row of the embedding (padding_idx); Eq. 6 has no such exception.
+    model.get_input_embeddings().padding_idx = None
     groups: dict[str, list[dict]] = {}
     for r in rows:
         groups.setdefault(r["group_id"], []).append(r)

@@ -55,6 +55,9 @@ def runs(tiny_qwen2, tmp_path_factory):
         ("thundersync_again", batch, ["--schedule", "thundersync", "--k-open", "2",
                                        "--accum", "host"]),
         ("thundersync_perm", perm, ["--schedule", "thundersync", "--k-open", "1"]),
+        ("sync_fp64acc", batch, ["--schedule", "sync", "--accum-dtype", "fp64"]),
+        ("thundersync_perm_fp64acc", perm, ["--schedule", "thundersync", "--k-open", "1",
+                                            "--accum-dtype", "fp64"]),
     ]:
         o = str(d / name)
         out[name] = dict(summary=replay(tiny_qwen2, b, o, 2, *flags, *common), dir=o)
@@ -90,17 +93,31 @@ def test_direction_matches_independent_fp64_reference(runs):
         assert err <= 1e-5, (name, err)
 
 
-def test_parameter_gap_after_ten_updates(runs):
+def _gap(runs, name, base):
     theta0 = load_file(os.path.join(runs["hf_dir"], "model.safetensors"))
-    sync = _params(runs["sync"])
-    moved = sum(float(((sync[k].double() - theta0[k].double()) ** 2).sum()) for k in sync) ** 0.5
+    ref = _params(runs[base])
+    moved = sum(float(((ref[k].double() - theta0[k].double()) ** 2).sum()) for k in ref) ** 0.5
     assert moved > 0
+    p = _params(runs[name])
+    gap = sum(float(((p[k].double() - ref[k].double()) ** 2).sum()) for k in ref) ** 0.5
+    print(f"{name} vs {base}: parameter gap / distance moved after {N_UPDATES} updates = "
+          f"{gap / moved:.2e}")
+    return gap / moved
+
+
+def test_parameter_gap_after_ten_updates_fp64_accumulators(runs):
+    # FP64 accumulators: the order of arrival no longer reaches the FP32 update at all.
+    assert _gap(runs, "thundersync_perm_fp64acc", "sync_fp64acc") <= 1e-5
+    assert runs["sync_fp64acc"]["summary"]["updates"] == N_UPDATES
+
+
+def test_parameter_gap_after_ten_updates_fp32_accumulators(runs):
+    # FP32 accumulators: the direction agrees to ~1e-7, but Adam (ε=1e-8) turns summation-
+    # order noise in gradients that are mathematically zero (Qwen2's K bias: a shift of all
+    # keys of a query leaves the softmax unchanged) into O(lr) steps. Measured 5e-5..8e-5 on
+    # this model (7e-6..8e-6 without the K-bias entries); see README "Numerics".
     for name in ("group_ready", "thundersync", "thundersync_perm"):
-        p = _params(runs[name])
-        gap = sum(float(((p[k].double() - sync[k].double()) ** 2).sum()) for k in sync) ** 0.5
-        print(f"{name}: parameter gap / distance moved after {N_UPDATES} updates = {gap / moved:.2e}")
-        assert gap / moved <= 1e-5, (name, gap / moved)
-    assert runs["sync"]["summary"]["updates"] == N_UPDATES
+        assert _gap(runs, name, "sync") <= 2e-4, name
 
 
 def test_same_order_twice_is_bitwise_identical(runs):

@@ -20,6 +20,7 @@ Schedule = Literal["sync", "group_ready", "thundersync"]
 DType = Literal["fp32", "bf16"]
 TokenNorm = Literal["trajectory", "global"]
 AccumPlacement = Literal["device", "host"]
+AccumDType = Literal["fp32", "fp64"]
 
 
 class ConfigError(ValueError):
@@ -63,6 +64,9 @@ class LearnerConfig:
     schedule: Schedule = "thundersync"
     k_open: int = 4  # admission cap: groups per rank holding G1/G2 at once
     accum: AccumPlacement = "device"  # "host": pinned host memory for large models
+    # fp64 doubles accumulator memory (8(2k+1)P bytes) but makes the update independent of
+    # arrival order to within FP32 rounding of the final sum (see README, numerics).
+    accum_dtype: AccumDType = "fp32"
     token_norm: TokenNorm = "trajectory"  # w = 1/(n_groups·L_i), or 1/N_k global token mean
     adv_eps: float = 1e-6  # ε in (r − μ)/(σ + ε)
 

@@ -29,6 +29,8 @@ from tsync_mcore.schedule import ReadinessQueue, Service
 from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, assign_groups,
                                  validate_source)
 
+ACCUM_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
 
 @dataclass
 class UpdateResult:
@@ -49,7 +51,8 @@ class Learner:
         self.policy = policy
         self.version = policy_version
         self.objective = ADVANTAGES[cfg.objective]
-        self.acc = GradAccumulators(policy.grad_buffers(), cfg.k_open, cfg.accum)
+        self.acc = GradAccumulators(policy.grad_buffers(), cfg.k_open, cfg.accum,
+                                    dtype=ACCUM_DTYPES[cfg.accum_dtype])
         self.plan: BatchPlan | None = None
 
     # --- register -------------------------------------------------------------------------

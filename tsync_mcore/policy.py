@@ -79,7 +79,7 @@ class Policy:
                        export_grad: bool = False) -> StepResult:
         """Buffers ← scale·descent, reduce over data-parallel ranks, clip, one step."""
         for buf, acc in zip(self._buffers, descent):
-            buf.copy_(acc).mul_(scale)
+            buf.copy_(acc.mul_(scale))  # scale in the accumulator's precision; it is reset next batch
         grad = None
         if export_grad:
             full = [b.clone() for b in self._buffers]
@@ -88,7 +88,7 @@ class Policy:
                     dist.all_reduce(t, group=self.par.dp_group)
             grad = bridge.export_hf({n: -full[i][a:b].view(shape)
                                      for n, (i, a, b, shape) in self._grad_slices.items()},
-                                    self.spec)
+                                    self.spec, tp_partial_grads=self.par.tp_size > 1)
         train.finish_grad_sync(self.ddp)
         ok, grad_norm = train.optimizer_step(self.optimizer)
         self.zero_grads()

@@ -60,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--k-open", type=int, default=None)
     p.add_argument("--token-norm", default=None, choices=["trajectory", "global"])
     p.add_argument("--accum", default=None, choices=["device", "host"])
+    p.add_argument("--accum-dtype", default=None, choices=["fp32", "fp64"])
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--save-grads", default="last", choices=["last", "all"],
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "learner.objective": args.objective, "learner.schedule": args.schedule}
     for key, val in [("model.tp", args.tp), ("learner.k_open", args.k_open),
                      ("learner.token_norm", args.token_norm), ("learner.accum", args.accum),
+                     ("learner.accum_dtype", args.accum_dtype),
                      ("optim.lr", args.lr), ("seed", args.seed)]:
         if val is not None:
             overrides[key] = val

@@ -1,0 +1,80 @@
+"""Session fixtures: tiny random HF checkpoints (built once) and a 1-rank parallel state."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+for _p in (REPO_ROOT, TESTS_DIR):  # `import tsync_mcore` and `import dist_util`
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+
+
+def pytest_configure(config) -> None:
+    # megatron warns at import about missing TE/apex and deprecated defaults: noise on CPU
+    for cat in ("UserWarning", "DeprecationWarning", "FutureWarning"):
+        config.addinivalue_line("filterwarnings", f"ignore::{cat}:megatron.*")
+
+
+# Checkpoint variants used by the model tests: name -> make_tiny_checkpoint kwargs.
+TINY_VARIANTS: dict[str, dict] = {
+    "qwen2": dict(arch="qwen2"),
+    "llama": dict(arch="llama"),
+    # Qwen3: qk-norm and head_dim (32) != hidden / heads (16), as in real Qwen3 models.
+    "qwen3": dict(arch="qwen3", head_dim=32),
+    "qwen2_tied": dict(arch="qwen2", tie=True, seed=1),
+    # also a sharded checkpoint (index + several safetensors files)
+    "llama_tied": dict(arch="llama", tie=True, seed=2, max_shard_size="40KB"),
+    "qwen3_tied": dict(arch="qwen3", tie=True, seed=3, head_dim=32),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("tiny_ckpts"))
+
+
+def _tiny(root: str, name: str) -> str:
+    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+
+    out = os.path.join(root, name)
+    if not os.path.exists(os.path.join(out, "config.json")):
+        make_tiny_checkpoint(out, **TINY_VARIANTS[name])
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_root) -> str:
+    """Qwen2 (QKV bias), untied, vocab 256, hidden 64, 2 layers, 4 heads / 2 KV heads."""
+    return _tiny(tiny_root, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_root) -> str:
+    """Llama, untied, same sizes as tiny_qwen2."""
+    return _tiny(tiny_root, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_root) -> str:
+    """Qwen3 (qk-norm, head_dim 32 != hidden/heads), untied."""
+    return _tiny(tiny_root, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpts(tiny_root) -> dict[str, str]:
+    """All TINY_VARIANTS (tied ones included): name -> checkpoint dir."""
+    return {name: _tiny(tiny_root, name) for name in TINY_VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def parallel1():
+    """Single-process torch.distributed + megatron state (TP=1), shared by the session."""
+    from tsync_mcore.model.parallel import init_parallel
+
+    return init_parallel(tp_size=1)

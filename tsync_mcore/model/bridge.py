@@ -1,0 +1,469 @@
+"""Hugging Face Qwen2 / Qwen3 / Llama checkpoints <-> Megatron-Core GPTModel.
+
+A small converter of our own (mbridge needs TE and CUDA). Mapping, per decoder layer:
+
+    HF                                   Megatron (local spec | TE spec)           TP split
+    input_layernorm                      input_layernorm | linear_qkv.layer_norm_   replicated
+    q/k/v_proj (.weight, .bias)          self_attention.linear_qkv                  dim 0 by group
+    q_norm / k_norm (Qwen3)              self_attention.q_/k_layernorm              replicated
+    o_proj                               self_attention.linear_proj                 dim 1
+    post_attention_layernorm             pre_mlp_layernorm | linear_fc1.layer_norm_ replicated
+    gate_proj, up_proj                   mlp.linear_fc1 = [gate; up] per rank       dim 0 each
+    down_proj                            mlp.linear_fc2                             dim 1
+
+plus embed_tokens <-> embedding.word_embeddings (dim 0), norm <-> decoder.final_layernorm,
+lm_head <-> output_layer (dim 0; absent when embeddings are tied). The fused QKV is
+interleaved per query group: [q heads of group g; k_g; v_g] for g in groups.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+from safetensors import safe_open
+
+from tsync_mcore import platform
+
+__all__ = [
+    "ModelSpec",
+    "build_model",
+    "causal_mask",
+    "export_hf",
+    "export_hf_state_dict",
+    "hf_param_names",
+    "load_hf_config",
+    "load_hf_state_dict",
+    "logits",
+]
+
+_ARCHS = ("qwen2", "qwen3", "llama")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts the converter needs, read from the HF config.json."""
+
+    arch: str
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    rms_eps: float
+    rope_theta: float
+    tie: bool
+    qkv_bias: bool
+    qk_norm: bool
+    max_position: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelSpec":
+        arch = cfg.get("model_type")
+        if arch not in _ARCHS:
+            raise ValueError(f"unsupported model_type {arch!r}; supported: {_ARCHS}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"only silu (SwiGLU) MLPs are supported, got {cfg['hidden_act']!r}")
+        if cfg.get("mlp_bias") or (arch != "qwen2" and cfg.get("attention_bias")):
+            # why: megatron's add_bias_linear would also add biases we cannot map.
+            raise ValueError("attention_bias / mlp_bias checkpoints are not supported")
+        if cfg.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default')")
+        # transformers 5 keeps rope_theta only in rope_parameters; older configs at top level
+        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        heads = cfg["num_attention_heads"]
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden=cfg["hidden_size"],
+            layers=cfg["num_hidden_layers"],
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            ffn=cfg["intermediate_size"],
+            rms_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            tie=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
+            max_position=cfg.get("max_position_embeddings", 4096),
+        )
+
+
+def load_hf_config(hf_dir: str) -> ModelSpec:
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        return ModelSpec.from_hf_config(json.load(f))
+
+
+# --------------------------------------------------------------------------- name mapping
+
+# Per-layer Megatron suffix -> (kind, HF suffixes). Kinds: rep (replicated), col (dim-0
+# split), row (dim-1 split), qkv (interleaved q/k/v groups, dim-0 split), fc1 ([gate; up]).
+_LAYER_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "input_layernorm.weight": ("rep", ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.layer_norm_weight": ("rep", ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.weight": (
+        "qkv",
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    ),
+    "self_attention.linear_qkv.bias": (
+        "qkv",
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    ),
+    "self_attention.q_layernorm.weight": ("rep", ("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": ("rep", ("self_attn.k_norm.weight",)),
+    "self_attention.linear_proj.weight": ("row", ("self_attn.o_proj.weight",)),
+    "pre_mlp_layernorm.weight": ("rep", ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.layer_norm_weight": ("rep", ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.weight": ("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
+}
+_TOP_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "embedding.word_embeddings.weight": ("col", ("model.embed_tokens.weight",)),
+    "decoder.final_layernorm.weight": ("rep", ("model.norm.weight",)),
+    "output_layer.weight": ("col", ("lm_head.weight",)),
+}
+_LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+def _rule(mname: str) -> tuple[str, list[str]]:
+    """Megatron parameter name -> (kind, HF names)."""
+    if mname in _TOP_RULES:
+        kind, hf = _TOP_RULES[mname]
+        return kind, list(hf)
+    m = _LAYER_RE.fullmatch(mname)
+    if m and m.group(2) in _LAYER_RULES:
+        kind, hf = _LAYER_RULES[m.group(2)]
+        return kind, [f"model.layers.{m.group(1)}.{s}" for s in hf]
+    raise KeyError(f"no HF mapping for Megatron parameter {mname!r}")
+
+
+def hf_param_names(spec: ModelSpec) -> list[str]:
+    """All HF parameter names of `spec`, in HF `named_parameters()` order."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(spec.layers):
+        p = f"model.layers.{i}."
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            names.append(p + f"self_attn.{proj}.weight")
+            if spec.qkv_bias:
+                names.append(p + f"self_attn.{proj}.bias")
+        names.append(p + "self_attn.o_proj.weight")
+        if spec.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    names.append("model.norm.weight")
+    if not spec.tie:
+        names.append("lm_head.weight")
+    return names
+
+
+# --------------------------------------------------------------------------- shard math
+
+
+def _to_local(kind: str, hf: list[torch.Tensor], spec: ModelSpec, rank: int, tp: int):
+    """Full HF tensors -> this TP rank's Megatron tensor."""
+    if kind == "rep":
+        return hf[0]
+    if kind == "col":
+        return hf[0].chunk(tp, dim=0)[rank]
+    if kind == "row":
+        return hf[0].chunk(tp, dim=1)[rank]
+    if kind == "fc1":
+        return torch.cat([t.chunk(tp, dim=0)[rank] for t in hf], dim=0)
+    if kind == "qkv":
+        q, k, v = hf
+        g, hd, rest = spec.kv_heads, spec.head_dim, q.shape[1:]
+        qpg = spec.heads // g
+        full = torch.cat(
+            [q.reshape(g, qpg * hd, *rest), k.reshape(g, hd, *rest), v.reshape(g, hd, *rest)],
+            dim=1,
+        ).reshape(-1, *rest)
+        return full.chunk(tp, dim=0)[rank]
+    raise AssertionError(kind)
+
+
+def _from_shards(kind: str, shards: list[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
+    """All TP ranks' Megatron tensors (rank order) -> full HF tensors."""
+    if kind == "rep":
+        return [shards[0]]
+    if kind == "col":
+        return [torch.cat(shards, dim=0)]
+    if kind == "row":
+        return [torch.cat(shards, dim=1)]
+    if kind == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    if kind == "qkv":
+        full = torch.cat(shards, dim=0)
+        g, hd, rest = spec.kv_heads, spec.head_dim, full.shape[1:]
+        qpg = spec.heads // g
+        full = full.reshape(g, (qpg + 2) * hd, *rest)
+        q, k, v = full.split([qpg * hd, hd, hd], dim=1)
+        return [
+            q.reshape(spec.heads * hd, *rest),
+            k.reshape(g * hd, *rest),
+            v.reshape(g * hd, *rest),
+        ]
+    raise AssertionError(kind)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class _HFWeights:
+    """Reads tensors by name from a (possibly sharded) safetensors checkpoint."""
+
+    def __init__(self, hf_dir: str) -> None:
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+        else:
+            single = os.path.join(hf_dir, "model.safetensors")
+            if not os.path.exists(single):
+                raise FileNotFoundError(f"no model.safetensors(.index.json) in {hf_dir}")
+            with safe_open(single, "pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        self._dir = hf_dir
+        self._map = weight_map
+        self._files: dict[str, object] = {}
+
+    def names(self) -> list[str]:
+        return list(self._map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._map
+
+    def get(self, name: str) -> torch.Tensor:
+        fname = self._map[name]
+        if fname not in self._files:
+            self._files[fname] = safe_open(os.path.join(self._dir, fname), "pt")
+        return self._files[fname].get_tensor(name)
+
+
+def load_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint in `hf_dir`, as stored (name -> CPU tensor)."""
+    weights = _HFWeights(hf_dir)
+    return {name: weights.get(name) for name in weights.names()}
+
+
+def _load_weights(model: GPTModel, hf_dir: str, spec: ModelSpec) -> None:
+    weights = _HFWeights(hf_dir)
+    rank = ps.get_tensor_model_parallel_rank()
+    tp = ps.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        for mname, param in model.named_parameters():
+            kind, hf_names = _rule(mname)
+            missing = [n for n in hf_names if n not in weights]
+            if missing:
+                raise KeyError(f"{hf_dir}: missing {missing} for Megatron {mname}")
+            local = _to_local(kind, [weights.get(n) for n in hf_names], spec, rank, tp)
+            if local.shape != param.shape:
+                raise ValueError(
+                    f"{mname}: HF gives {tuple(local.shape)}, model has {tuple(param.shape)}"
+                )
+            param.copy_(local)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _te_available() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or RuntimeError (cudnn) without CUDA
+        return False
+    return True
+
+
+def _layer_spec(spec: ModelSpec, which: str):
+    if which == "auto":
+        which = "te" if platform.on_gpu() and _te_available() else "local"
+    if which == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+    if which == "local":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    raise ValueError(f"spec must be 'auto', 'te' or 'local', got {which!r}")
+
+
+def _transformer_config(spec: ModelSpec, dtype: torch.dtype, tp: int) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=spec.layers,
+        hidden_size=spec.hidden,
+        num_attention_heads=spec.heads,
+        num_query_groups=spec.kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_eps,  # mcore default 1e-5 is wrong for 1e-6 models
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,  # defaults are 0.1
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        masked_softmax_fusion=False,  # fused causal softmax ignores explicit masks
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=False,  # needs TE/apex norms
+        use_cpu_initialization=not platform.on_gpu(),  # False fails on CPU
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+    )
+
+
+def build_model(
+    hf_dir: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    spec: str = "auto",
+    load_weights: bool = True,
+) -> tuple[GPTModel, ModelSpec]:
+    """GPTModel for `hf_dir` at the current TP size, with this rank's shard of the weights.
+
+    `spec`: "auto" (TE with CUDA and an importable transformer_engine, else local),
+    "te" or "local". Needs `init_parallel()` first.
+    """
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("call tsync_mcore.model.parallel.init_parallel() before build_model")
+    mspec = load_hf_config(hf_dir)
+    tp = ps.get_tensor_model_parallel_world_size()
+    if mspec.vocab_size % tp:
+        raise ValueError(
+            f"vocab_size {mspec.vocab_size} is not divisible by tensor-parallel size {tp}"
+        )
+    if mspec.kv_heads % tp or mspec.heads % mspec.kv_heads:
+        raise ValueError(
+            f"need kv_heads ({mspec.kv_heads}) % tp ({tp}) == 0 and heads ({mspec.heads}) "
+            f"% kv_heads == 0"
+        )
+    if mspec.ffn % tp:
+        raise ValueError(f"intermediate_size {mspec.ffn} is not divisible by tp {tp}")
+    config = _transformer_config(mspec, dtype, tp)
+    config.perform_initialization = not load_weights  # loaded weights overwrite it anyway
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(mspec, spec),
+        vocab_size=mspec.vocab_size,
+        max_sequence_length=mspec.max_position,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=mspec.tie,
+        position_embedding_type="rope",
+        rotary_base=mspec.rope_theta,  # default 10000 is wrong for 1e6 models
+    )
+    # why: WrappedTorchNorm (local spec RMSNorm) is built without a dtype.
+    model = model.to(device=platform.device(), dtype=dtype)
+    if load_weights:
+        _load_weights(model, hf_dir, mspec)
+    return model, mspec
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _canonical_key(spec_order: dict[str, int]) -> Callable[[str], int]:
+    return lambda mname: spec_order[_rule(mname)[1][0]]
+
+
+# Replicated params whose grads are partial per TP rank: they act on this rank's heads only
+# (megatron's finalize_model_grads sums them over TP; sequence parallel is not used here).
+_TP_PARTIAL_GRAD = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+
+
+def export_hf(
+    named_tensors: dict[str, torch.Tensor],
+    spec: ModelSpec,
+    *,
+    tp_partial_grads: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Megatron-named, TP-local tensors (parameters or same-shaped grads) -> full HF tensors.
+
+    Collective over the TP group when tp > 1: every TP rank must call it with the same names.
+    Result: CPU, contiguous, in canonical HF order; no lm_head.weight when embeddings are tied.
+    Replicated tensors are taken from this rank, which is right for parameters and for grads
+    after `train.finish_grad_sync`. Raw per-rank grads (before it) of the Qwen3 q/k-norm
+    weights are partial per TP rank: pass `tp_partial_grads=True` to SUM those over TP.
+    """
+    tensors = {(k[7:] if k.startswith("module.") else k): v for k, v in named_tensors.items()}
+    order = {n: i for i, n in enumerate(hf_param_names(spec))}
+    order.setdefault("lm_head.weight", len(order))
+    tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    out: dict[str, torch.Tensor] = {}
+    for mname in sorted(tensors, key=_canonical_key(order)):
+        kind, hf_names = _rule(mname)
+        if spec.tie and hf_names == ["lm_head.weight"]:
+            continue
+        local = tensors[mname].detach().contiguous()
+        if tp > 1 and kind != "rep":
+            shards = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(shards, local, group=group)
+        elif tp > 1 and tp_partial_grads and mname.endswith(_TP_PARTIAL_GRAD):
+            local = local.clone()
+            dist.all_reduce(local, group=group)
+            shards = [local]
+        else:
+            shards = [local]
+        for name, full in zip(hf_names, _from_shards(kind, shards, spec)):
+            out[name] = full.cpu().contiguous()
+    return dict(sorted(out.items(), key=lambda kv: order[kv[0]]))
+
+
+def export_hf_state_dict(model: torch.nn.Module, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """`export_hf` of the model's parameters (DDP-wrapped models are fine)."""
+    return export_hf(dict(model.named_parameters()), spec)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def causal_mask(seq_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """Megatron's attention mask: bool [1, 1, S, S], True = masked (future positions)."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), 1)[None, None]
+
+
+def logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Forward `tokens` [B, S] -> logits [B, S, V/tp] (this rank's vocab shard).
+
+    GPTModel (mcore 0.16.1) runs sequence-first internally and transposes the output to
+    batch-first when no labels are given. Positions are 0..S-1 per row; the causal mask is
+    passed explicitly on CPU (megatron's default one is built on CUDA).
+    """
+    b, s = tokens.shape
+    position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    mask = None if platform.on_gpu() else causal_mask(s, tokens.device)
+    out = model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
+    assert out.shape[:2] == (b, s), f"unexpected logits shape {tuple(out.shape)}"
+    return out

@@ -1,0 +1,92 @@
+"""torch.distributed + Megatron-Core parallel state: one call per process."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from tsync_mcore import platform
+from tsync_mcore.platform import cpu
+
+__all__ = ["ParallelInfo", "init_parallel", "destroy_parallel"]
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    dp_group: dist.ProcessGroup
+    tp_group: dist.ProcessGroup
+    # gloo DP group: CPU-side collectives (metadata, counts) on both CPU and GPU
+    dp_group_gloo: dist.ProcessGroup
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_process_group() -> None:
+    backend = platform.backend()
+    timeout = timedelta(minutes=10)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        # torchrun: env:// reads MASTER_ADDR/PORT, RANK, WORLD_SIZE.
+        if platform.on_gpu():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    # Plain `python`: a single-process group on a free localhost port.
+    if platform.on_gpu():
+        torch.cuda.set_device(0)
+    store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True, timeout=timeout)
+    dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+
+
+def init_parallel(tp_size: int = 1, seed: int = 1234) -> ParallelInfo:
+    """Initialize torch.distributed (if needed) and megatron's TP x DP groups, then seed.
+
+    Idempotent for the same `tp_size`; a different one re-creates megatron's groups.
+    """
+    if not platform.on_gpu():
+        cpu.activate()
+    if not dist.is_initialized():
+        _init_process_group()
+    world = dist.get_world_size()
+    if world % tp_size != 0:
+        raise ValueError(f"world size {world} is not divisible by tp_size {tp_size}")
+    if ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() != tp_size:
+            ps.destroy_model_parallel()
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+    cpu.seed_all(seed)
+    return ParallelInfo(
+        rank=dist.get_rank(),
+        world_size=world,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        dp_group=ps.get_data_parallel_group(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        dp_group_gloo=ps.get_data_parallel_group_gloo(),
+    )
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups and the default process group (if any)."""
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
