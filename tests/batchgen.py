@@ -58,3 +58,45 @@ def write_batches(path: str, vocab: int, n_updates: int = 1, seed: int = 0,
         for r in rows:
             f.write(json.dumps(r) + "\n")
     return rows
+
+
+def make_opd_batch(vocab: int, n_traj: int = 4, turns: int = 3, version: int = 0, seed: int = 0,
+                   group_size: int = 2, zero_scored_traj: bool = True) -> list[dict]:
+    """OPD trajectories: turns of (observation, action); teacher scores on action tokens.
+
+    Turn arrival is interleaved across trajectories (a global random order that keeps each
+    trajectory's own turns in order, as a rollout produces them).
+    """
+    rng = random.Random(seed * 7919 + version)
+    rows, queue = [], []
+    for i in range(n_traj):
+        toks, mask, teacher, ends = [], [], [], []
+        for j in range(turns):
+            n_obs, n_act = rng.randrange(2, 6), rng.randrange(1, 6)
+            toks += [rng.randrange(vocab) for _ in range(n_obs + n_act)]
+            scored = not (zero_scored_traj and i == n_traj - 1)
+            mask += [0] * n_obs + [int(scored)] * n_act
+            teacher += [None] * n_obs + [(-rng.uniform(0.05, 6.0) if scored else None)
+                                         for _ in range(n_act)]
+            ends.append(len(toks))
+        rows.append(dict(traj_id=f"v{version}-o{i}", group_id=f"v{version}-p{i // group_size}",
+                         tokens=toks, scored_mask=mask, teacher_logprobs=teacher,
+                         turn_ends=ends, turn_ready_order=[0] * turns, policy_version=version))
+        queue.append([(i, j) for j in range(turns)])
+    order = 0
+    while any(queue):
+        q = rng.choice([q for q in queue if q])
+        i, j = q.pop(0)
+        rows[i]["turn_ready_order"][j] = order
+        order += 1
+    return rows
+
+
+def write_opd_batches(path: str, vocab: int, n_updates: int = 1, seed: int = 0, **kw) -> list[dict]:
+    rows = []
+    for v in range(n_updates):
+        rows += make_opd_batch(vocab, version=v, seed=seed, **kw)
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return rows

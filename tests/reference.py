@@ -64,3 +64,25 @@ def rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     num = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in keys)
     den = sum(float((b[k].double() ** 2).sum()) for k in keys)
     return (num / den) ** 0.5
+
+
+def reference_opd_grad(hf_dir: str, rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Eq. 8–9 directly: whole-sequence forward, A = sg[teacher − student], / N_k."""
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64)
+    model.eval()
+    model.get_input_embeddings().padding_idx = None
+    n_scored = sum(sum(r["scored_mask"]) for r in rows)
+    objective_value = torch.zeros((), dtype=torch.float64)
+    for r in rows:
+        mask = torch.tensor(r["scored_mask"][1:], dtype=torch.bool)
+        if not mask.any():
+            continue
+        ids = torch.tensor(r["tokens"])
+        logp = torch.log_softmax(model(ids[None]).logits[0, :-1], dim=-1)
+        student = logp.gather(1, ids[1:, None])[:, 0][mask]
+        teacher = torch.tensor([t for t, m in zip(r["teacher_logprobs"][1:], mask) if m],
+                               dtype=torch.float64)
+        objective_value = objective_value + ((teacher - student).detach() * student).sum() / n_scored
+    params = list(model.named_parameters())
+    grads = torch.autograd.grad(objective_value, [p for _, p in params], allow_unused=True)
+    return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params, grads)}

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
-Objective = Literal["grpo", "dr_grpo", "rloo"]
+Objective = Literal["grpo", "dr_grpo", "rloo", "opd"]
 Schedule = Literal["sync", "group_ready", "thundersync"]
 DType = Literal["fp32", "bf16"]
 TokenNorm = Literal["trajectory", "global"]
@@ -69,6 +69,9 @@ class LearnerConfig:
     accum_dtype: AccumDType = "fp32"
     token_norm: TokenNorm = "trajectory"  # w = 1/(n_groups·L_i), or 1/N_k global token mean
     adv_eps: float = 1e-6  # ε in (r − μ)/(σ + ε)
+    # OPD deferred replay: recompute earlier turns from their context leaves (linear FLOPs),
+    # or retain each turn's graph until its trajectory completes (no recompute, more memory).
+    opd_replay: Literal["recompute", "retain"] = "recompute"
 
     def validate(self) -> None:
         _check(self.k_open >= 1, "learner.k_open", f"must be >= 1, got {self.k_open}")

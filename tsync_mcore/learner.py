@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from tsync_mcore.accumulators import GradAccumulators
 from tsync_mcore.config import LearnerConfig
@@ -43,6 +42,7 @@ class UpdateResult:
     accum_bound_bytes: int
     grad: dict[str, torch.Tensor] | None
     trace: list[dict] = field(default_factory=list)
+    kv_peak_bytes: int = 0  # OPD: context K/V leaves + adjoints held at once
 
 
 class Learner:
@@ -50,6 +50,8 @@ class Learner:
         self.cfg = cfg
         self.policy = policy
         self.version = policy_version
+        if cfg.objective not in ADVANTAGES:
+            raise ValueError(f"Learner runs {sorted(ADVANTAGES)}; use OPDLearner for {cfg.objective!r}")
         self.objective = ADVANTAGES[cfg.objective]
         self.acc = GradAccumulators(policy.grad_buffers(), cfg.k_open, cfg.accum,
                                     dtype=ACCUM_DTYPES[cfg.accum_dtype])
@@ -146,7 +148,7 @@ class Learner:
         self._drain()
         assert self.queue.pending() == 0 and not self.acc.open, "batch closed with work left"
 
-        scored = self._all_reduce_int(self.scored_local)
+        scored = int(self.policy.dp_sum(self.scored_local))
         if self.cfg.token_norm == "trajectory":
             scale = 1.0 / self.plan.n_groups
         else:
@@ -169,14 +171,6 @@ class Learner:
         self.plan = None
 
     # --- helpers --------------------------------------------------------------------------
-
-    def _all_reduce_int(self, x: int) -> int:
-        par = self.policy.par
-        if par.dp_size == 1:
-            return x
-        t = torch.tensor([x], dtype=torch.float64, device=self.policy.device)
-        dist.all_reduce(t, group=par.dp_group)
-        return int(t.item())
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0

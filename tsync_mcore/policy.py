@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import triton_kernels as K
 from tsync_mcore.config import Config
-from tsync_mcore.model import bridge, train
+from tsync_mcore.model import bridge, span, train
 from tsync_mcore.model.parallel import ParallelInfo, init_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -62,10 +62,20 @@ class Policy:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.nonzero(torch.tensor(scored_mask, device=self.device)).squeeze(1)
         logits = bridge.logits(self.ddp, ids[None])[0]  # [S, V_local]
-        logp = K.scored_logprob(logits[pos - 1], ids[pos], vocab_start=self.vocab_start,
-                                tp_group=self._tp_group)
+        logp = self.scored_logprob(logits, ids, pos)
         (-weight * logp.sum()).backward()
         return float(logp.detach().sum())
+
+    def scored_logprob(self, logits: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor):
+        """log π(ids[pos] | ids[:pos]) from logits of positions pos − 1 (vocab-parallel safe)."""
+        return K.scored_logprob(logits[pos - 1], ids[pos], vocab_start=self.vocab_start,
+                                tp_group=self._tp_group)
+
+    def span_forward(self, ids: torch.Tensor, offset: int, past: list[span.KV] | None,
+                     *, want_logits: bool = True, stop_after_kv: bool = False):
+        """Forward of tokens at offset.. against context K/V (per-turn OPD, shared prefixes)."""
+        return span.span_forward(self.ddp, ids, offset, past, want_logits=want_logits,
+                                 stop_after_kv=stop_after_kv)
 
     def grad_buffers(self) -> list[torch.Tensor]:
         return self._buffers
@@ -93,6 +103,14 @@ class Policy:
         ok, grad_norm = train.optimizer_step(self.optimizer)
         self.zero_grads()
         return StepResult(ok=ok, grad_norm=grad_norm, grad=grad)
+
+    def dp_sum(self, x: float) -> float:
+        """Sum a host scalar over data-parallel ranks (e.g. the global scored-token count)."""
+        if self.par.dp_size == 1:
+            return x
+        t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.par.dp_group)
+        return float(t.item())
 
     def export_params(self) -> dict[str, torch.Tensor]:
         return bridge.export_hf_state_dict(self.model, self.spec)

@@ -25,8 +25,10 @@ from safetensors.torch import save_file
 
 from tsync_mcore.config import load_config
 from tsync_mcore.learner import Learner
+from tsync_mcore.learner_opd import OPDLearner
 from tsync_mcore.policy import Policy
-from tsync_mcore.sources import BatchPlan, SourceError, TrajectorySource
+from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, TurnSource,
+                                 opd_turns_from_json)
 
 
 def read_batches(path: str) -> list[list[TrajectorySource]]:
@@ -46,13 +48,31 @@ def read_batches(path: str) -> list[list[TrajectorySource]]:
     return [sorted(by_version[v], key=lambda s: s.ready_order) for v in versions]
 
 
+def read_opd_batches(path: str) -> list[list[TurnSource]]:
+    by_version: dict[int, list[TurnSource]] = {}
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                turns = opd_turns_from_json(json.loads(line))
+            except (json.JSONDecodeError, SourceError) as e:
+                raise SourceError(f"{path}:{lineno}: {e}") from None
+            by_version.setdefault(turns[0].policy_version, []).extend(turns)
+    versions = sorted(by_version)
+    if versions != list(range(len(versions))):
+        raise SourceError(f"{path}: policy versions must be 0, 1, 2, ... without gaps; got {versions}")
+    return [sorted(by_version[v], key=lambda t: t.ready_order) for v in versions]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tsync_mcore.replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--batch", required=True, help="JSON Lines batch file")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--objective", default="grpo", choices=["grpo", "dr_grpo", "rloo"])
+    p.add_argument("--objective", default="grpo", choices=["grpo", "dr_grpo", "rloo", "opd"])
+    p.add_argument("--opd-replay", default=None, choices=["recompute", "retain"])
     p.add_argument("--schedule", default="thundersync", choices=["sync", "group_ready", "thundersync"])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--config", default=None, help="optional YAML config; flags override it")
@@ -75,21 +95,31 @@ def main(argv: list[str] | None = None) -> dict:
     for key, val in [("model.tp", args.tp), ("learner.k_open", args.k_open),
                      ("learner.token_norm", args.token_norm), ("learner.accum", args.accum),
                      ("learner.accum_dtype", args.accum_dtype),
+                     ("learner.opd_replay", args.opd_replay),
                      ("optim.lr", args.lr), ("seed", args.seed)]:
         if val is not None:
             overrides[key] = val
     cfg = load_config(args.config, overrides)
-    batches = read_batches(args.batch)
+    opd = cfg.learner.objective == "opd"
+    batches = read_opd_batches(args.batch) if opd else read_batches(args.batch)
 
     t0 = time.perf_counter()
     policy = Policy(cfg)
-    learner = Learner(cfg.learner, policy)
+    if opd:
+        learner = OPDLearner(cfg.learner, policy, replay_mode=cfg.learner.opd_replay)
+    else:
+        learner = Learner(cfg.learner, policy)
     results = []
     for k, sources in enumerate(batches):
         tokens: dict[str, int] = {}
         for s in sources:
-            tokens[s.group_id] = tokens.get(s.group_id, 0) + s.n_tokens
-        learner.begin(BatchPlan.from_sources(sources), group_tokens=tokens)
+            tokens[s.group_id] = tokens.get(s.group_id, 0) + len(s.tokens)
+        trajs = {s.traj_id: s for s in sources}.values()  # one per trajectory
+        plan = BatchPlan.from_sources(list(trajs))
+        if opd:
+            learner.begin(plan, {s.traj_id: s.n_turns for s in sources}, group_tokens=tokens)
+        else:
+            learner.begin(plan, group_tokens=tokens)
         for src in sources:
             learner.submit(src)
         last = k == len(batches) - 1
@@ -112,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         "sources": sum(len(b) for b in batches),
         "accum_peak_bytes": max(r.accum_peak_bytes for r in results),
         "accum_bound_bytes": results[0].accum_bound_bytes,
+        "kv_peak_bytes": max(r.kv_peak_bytes for r in results),
         "time_s": round(elapsed, 3), "out": args.out,
     }
     if par.rank == 0:

@@ -117,3 +117,95 @@ def assign_groups(plan: BatchPlan, group_tokens: dict[str, int], n_ranks: int) -
         owner[gid] = r
         load[r] += group_tokens.get(gid, 0)
     return owner
+
+
+@dataclass(frozen=True)
+class TurnSource:
+    """One agentic turn of an OPD trajectory: tokens [start, end) with teacher scores.
+
+    Ready when the frozen teacher has scored the turn's action tokens in their realized
+    context. `teacher_logprobs[i]` belongs to token start+i (None where unscored).
+    """
+
+    traj_id: str
+    group_id: str
+    turn: int  # index within the trajectory
+    n_turns: int
+    start: int
+    tokens: tuple[int, ...]  # this turn's span
+    scored_mask: tuple[int, ...]
+    teacher_logprobs: tuple[float | None, ...]
+    policy_version: int
+    ready_order: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    @property
+    def n_scored(self) -> int:
+        return sum(self.scored_mask)
+
+    @property
+    def key(self) -> str:
+        return f"{self.traj_id}#{self.turn}"
+
+
+def opd_turns_from_json(obj: dict) -> list[TurnSource]:
+    """Split one OPD JSON Lines record into its turn sources, validating alignment."""
+    name = f"trajectory {obj.get('traj_id', '?')!r}"
+    need = ("traj_id", "group_id", "tokens", "scored_mask", "teacher_logprobs", "turn_ends",
+            "turn_ready_order", "policy_version")
+    missing = [k for k in need if k not in obj]
+    if missing:
+        raise SourceError(f"{name}: missing fields {missing}")
+    toks, mask, teacher = obj["tokens"], obj["scored_mask"], obj["teacher_logprobs"]
+    ends, order = obj["turn_ends"], obj["turn_ready_order"]
+    if not (len(toks) == len(mask) == len(teacher)):
+        raise SourceError(f"{name}: tokens ({len(toks)}), scored_mask ({len(mask)}) and "
+                          f"teacher_logprobs ({len(teacher)}) must be the same length")
+    if not ends or any(b <= a for a, b in zip([0] + ends, ends)) or ends[-1] != len(toks):
+        raise SourceError(f"{name}: turn_ends {ends} must increase strictly and end at "
+                          f"len(tokens) = {len(toks)}")
+    if len(order) != len(ends):
+        raise SourceError(f"{name}: turn_ready_order has {len(order)} entries for {len(ends)} turns")
+    turns, start = [], 0
+    for j, end in enumerate(ends):
+        turns.append(TurnSource(
+            traj_id=str(obj["traj_id"]), group_id=str(obj["group_id"]), turn=j,
+            n_turns=len(ends), start=start, tokens=tuple(toks[start:end]),
+            scored_mask=tuple(mask[start:end]), teacher_logprobs=tuple(teacher[start:end]),
+            policy_version=obj["policy_version"], ready_order=order[j]))
+        start = end
+    return turns
+
+
+def validate_turn(src: TurnSource, vocab_size: int) -> None:
+    name = f"turn {src.turn} of trajectory {src.traj_id!r}"
+    if not src.tokens:
+        raise SourceError(f"{name}: empty span")
+    if not (len(src.tokens) == len(src.scored_mask) == len(src.teacher_logprobs)):
+        raise SourceError(f"{name}: tokens, scored_mask and teacher_logprobs differ in length "
+                          f"({len(src.tokens)}, {len(src.scored_mask)}, "
+                          f"{len(src.teacher_logprobs)})")
+    bad = [t for t in src.tokens if not isinstance(t, int) or isinstance(t, bool)
+           or t < 0 or t >= vocab_size]
+    if bad:
+        raise SourceError(f"{name}: token ids {bad[:5]} out of vocabulary [0, {vocab_size})")
+    if any(m not in (0, 1) for m in src.scored_mask):
+        raise SourceError(f"{name}: scored_mask must hold only 0/1")
+    if src.scored_mask[0]:
+        # Its log-prob needs the previous turn's last hidden state; turns start at context.
+        raise SourceError(f"{name}: the first token of a turn cannot be scored; start each "
+                          f"turn at its observation/template tokens")
+    for i, (m, lp) in enumerate(zip(src.scored_mask, src.teacher_logprobs)):
+        if not m:
+            continue
+        if lp is None:
+            raise SourceError(f"{name}: teacher log-prob missing for scored token {src.start + i}")
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp) \
+                or lp > 0:
+            raise SourceError(f"{name}: teacher log-prob {lp!r} at token {src.start + i} is not "
+                              f"a finite log-probability (≤ 0)")
+    if not isinstance(src.policy_version, int) or isinstance(src.policy_version, bool):
+        raise SourceError(f"{name}: policy_version must be an integer")

@@ -11,9 +11,11 @@ last) up to its last K/V and backpropagate them with their accumulated adjoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -74,20 +76,37 @@ def full_grads(model, tokens, targets, coef) -> dict[str, torch.Tensor]:
     return _grads(model)
 
 
+def _no_phase(name: str) -> ContextManager:
+    return contextlib.nullcontext()
+
+
 def streamed_grads(
-    model, tokens, targets, coef, bounds: list[int], *, replay: bool = True
+    model,
+    tokens,
+    targets,
+    coef,
+    bounds: list[int],
+    *,
+    replay: bool = True,
+    phase: Callable[[str], ContextManager] = _no_phase,
 ) -> dict[str, torch.Tensor]:
-    """Same loss, spans [bounds[j], bounds[j+1]) streamed as described in the module doc."""
+    """Same loss, spans [bounds[j], bounds[j+1]) streamed as described in the module doc.
+
+    `phase("turns")` / `phase("replay")` wrap steps (i) / (ii) (e.g. FLOP counters).
+    """
     model.zero_grad(set_to_none=True)
     spans = list(zip(bounds, bounds[1:]))
     leaves: list[list[KV]] = []
-    for a, b in spans:
-        past = concat_kv(leaves) if leaves else None
-        logits, kv = span_forward(model, tokens[a:b], a, past)
-        # why: the leaves' .grad accumulate this span's adjoint for every earlier span
-        (coef[a:b] * token_logp(logits, targets[a:b])).sum().backward()
-        leaves.append(detached_leaves(kv))
-    if replay:
+    with phase("turns"):
+        for a, b in spans:
+            past = concat_kv(leaves) if leaves else None
+            logits, kv = span_forward(model, tokens[a:b], a, past)
+            # why: the leaves' .grad accumulate this span's adjoint for every earlier span
+            (coef[a:b] * token_logp(logits, targets[a:b])).sum().backward()
+            leaves.append(detached_leaves(kv))
+    if not replay:
+        return _grads(model)
+    with phase("replay"):
         for j in range(len(spans) - 2, -1, -1):  # the last span's K/V have no adjoint
             a, b = spans[j]
             past = concat_kv(leaves[:j]) if j else None
@@ -105,8 +124,8 @@ def rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return (diff / torch.cat([t.flatten() for t in b.values()]).norm()).item()
 
 
-def forward_err(model, tokens: torch.Tensor, bounds: list[int]) -> float:
-    """Max abs diff of the spans' logits vs bridge.logits on the whole sequence."""
+def forward_err(model, tokens: torch.Tensor, bounds: list[int]) -> tuple[float, int]:
+    """Max abs diff of the spans' logits vs bridge.logits on the whole sequence; V_local."""
     with torch.no_grad():
         ref = bridge.logits(model, tokens[None])[0]
         parts: list[list[KV]] = []
@@ -115,7 +134,7 @@ def forward_err(model, tokens: torch.Tensor, bounds: list[int]) -> float:
             logits, kv = span_forward(model, tokens[a:b], a, concat_kv(parts) if parts else None)
             parts.append(kv)
             outs.append(logits)
-    return (torch.cat(outs) - ref).abs().max().item()
+    return (torch.cat(outs) - ref).abs().max().item(), ref.shape[-1]
 
 
 BOUNDS = [0, 7, 20, 29, 41]
@@ -126,13 +145,12 @@ def check_model(path: str) -> dict:
     for dtype, tag in ((torch.float64, "fp64"), (torch.float32, "fp32")):
         model, spec = bridge.build_model(path, dtype=dtype)
         tokens, targets, coef = problem(spec.vocab_size, BOUNDS[-1], 0, dtype)
-        out[f"fwd_{tag}"] = forward_err(model, tokens, BOUNDS)
+        out[f"fwd_{tag}"], out["local_vocab"] = forward_err(model, tokens, BOUNDS)
         ref = full_grads(model, tokens, targets, coef)
         out[f"grad_{tag}"] = rel_l2(streamed_grads(model, tokens, targets, coef, BOUNDS), ref)
         if dtype == torch.float64:
             no_replay = streamed_grads(model, tokens, targets, coef, BOUNDS, replay=False)
             out["grad_no_replay"] = rel_l2(no_replay, ref)
-        out["local_vocab"] = model.output_layer.weight.shape[0]
     return out
 
 

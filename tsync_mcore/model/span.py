@@ -65,7 +65,7 @@ def concat_kv(parts: list[list[KV]]) -> list[KV]:
 
 
 def detached_leaves(kv: list[KV], requires_grad: bool = True) -> list[KV]:
-    """Contiguous detached copies-by-reference of `kv`, as autograd leaves.
+    """`kv` detached (and contiguous; no copy when it already is), as autograd leaves.
 
     Their `.grad` accumulates the adjoint from every later span that attends to them.
     """
@@ -134,7 +134,7 @@ def span_forward(
 ) -> tuple[Tensor | None, list[KV]]:
     """Run `tokens` [n] at positions offset..offset+n-1 against `past` and causally on itself.
 
-    `past`: per layer, K/V of positions 0..offset-1 (None iff offset == 0), typically
+    `past`: per layer, K/V of positions 0..offset-1 (None when offset == 0), typically
     `detached_leaves(concat_kv(earlier spans))`. Returns (logits [n, V_local] in the model
     dtype, or None; this span's K/V per layer, attached to the graph). With
     `stop_after_kv=True` (replay recompute) or `want_logits=False` it returns right after the
@@ -168,13 +168,15 @@ def span_forward(
         residual = x
         q, k, v = sa.get_query_key_value_tensors(layer.input_layernorm(x))
         rope = dict(config=cfg, cp_group=sa.pg_collection.cp)
+        # why: contiguous, since callers keep and concatenate them (v is a split view)
         k = rope_utils.apply_rotary_pos_emb(k, freqs, **rope).contiguous()
-        out_kv.append(KV(k, v.contiguous()))
+        v = v.contiguous()
+        out_kv.append(KV(k, v))
         if stop and i == len(layers) - 1:
             return None, out_kv
         q = rope_utils.apply_rotary_pos_emb(q, freqs, **rope)
         keys = k if past is None else torch.cat([past[i].k, k])
-        values = out_kv[-1].v if past is None else torch.cat([past[i].v, out_kv[-1].v])
+        values = v if past is None else torch.cat([past[i].v, v])
         ctx = sa.core_attention(q, keys, values, mask, attn_mask_type=sa.attn_mask_type)
         attn = sa.linear_proj(ctx)
         x = layer.self_attn_bda(layer.training, cfg.bias_dropout_fusion)(
@@ -184,6 +186,8 @@ def span_forward(
         x = layer.mlp_bda(layer.training, cfg.bias_dropout_fusion)(mlp, x, layer.hidden_dropout)
 
     x = gpt.decoder.final_layernorm(x)
-    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+    weight = None
+    if gpt.share_embeddings_and_output_weights:
+        weight = gpt.shared_embedding_or_output_weight()
     logits, _ = gpt.output_layer(x, weight=weight)
     return logits[:, 0], out_kv

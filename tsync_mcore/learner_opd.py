@@ -1,0 +1,250 @@
+"""One OPD update with per-turn gradient streaming and deferred context replay (SPEC §2).
+
+    begin(plan, n_turns)  register trajectories (grouped) and their turn counts
+    submit(turn)          validate → release per schedule → serve: the turn's forward runs
+                          against its trajectory's earlier K/V, held as detached leaves;
+                          backward gives the turn's own parameter gradient (folded into
+                          the batch accumulator at once) and adjoints on the context K/V
+                          (accumulated on the leaves' .grad)
+    trajectory complete   deferred replay: earlier turns in reverse order, each recomputed
+                          from its own context leaves (or kept, `opd_replay: retain`) and
+                          backpropagated with the adjoint of the K/V it produced, which adds
+                          to the adjoints of the turns before it — exact chain rule
+    close()               every turn present → N_k all-reduced → 1/N_k → one optimizer step
+
+A turn is served only after the previous turn of its trajectory (it needs that K/V); a turn
+that arrives early is held, not rejected. Nothing touches θ before close().
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tsync_mcore.accumulators import GradAccumulators
+from tsync_mcore.config import LearnerConfig
+from tsync_mcore.learner import ACCUM_DTYPES, UpdateResult
+from tsync_mcore.model.span import KV, concat_kv, detached_leaves, kv_bytes
+from tsync_mcore.objectives.opd import turn_loss
+from tsync_mcore.policy import Policy
+from tsync_mcore.sources import BatchPlan, SourceError, TurnSource, assign_groups, validate_turn
+
+
+@dataclass
+class _Context:
+    """A trajectory's served turns: their K/V as leaves (whose .grad is the adjoint)."""
+
+    turns: list[TurnSource] = field(default_factory=list)
+    leaves: list[list[KV]] = field(default_factory=list)
+    kept: list[list[KV]] = field(default_factory=list)  # graph-attached K/V, retain mode only
+
+    @property
+    def offset(self) -> int:
+        return self.turns[-1].end if self.turns else 0
+
+    def nbytes(self) -> int:
+        # Leaves plus their adjoints (same shape) once a later turn has consumed them.
+        return sum(2 * kv_bytes(kv) for kv in self.leaves)
+
+
+class OPDLearner:
+    def __init__(self, cfg: LearnerConfig, policy: Policy, policy_version: int = 0,
+                 replay_mode: str = "recompute"):
+        if replay_mode not in ("recompute", "retain"):
+            raise ValueError(f"opd replay mode must be 'recompute' or 'retain', got {replay_mode!r}")
+        self.cfg = cfg
+        self.policy = policy
+        self.version = policy_version
+        self.replay_mode = replay_mode
+        self.acc = GradAccumulators(policy.grad_buffers(), cfg.k_open, cfg.accum,
+                                    dtype=ACCUM_DTYPES[cfg.accum_dtype])
+        self.plan: BatchPlan | None = None
+
+    # --- register -------------------------------------------------------------------------
+
+    def begin(self, plan: BatchPlan, n_turns: dict[str, int],
+              group_tokens: dict[str, int] | None = None) -> None:
+        if self.plan is not None:
+            raise RuntimeError(f"batch for policy version {self.version} is still open")
+        par = self.policy.par
+        owner = assign_groups(plan, group_tokens or {}, par.dp_size)
+        self.plan = plan
+        self.n_turns = dict(n_turns)
+        self.group_of = {t: g for g, ts in plan.groups.items() for t in ts}
+        self.mine = {t for t, g in self.group_of.items() if owner[g] == par.dp_rank}
+        self.arrived: dict[str, TurnSource] = {}
+        self.released: list[TurnSource] = []
+        self.held: list[TurnSource] = []
+        self.ctx: dict[str, _Context] = {}
+        self.trace: list[dict] = []
+        self.scored_local = 0
+        self.kv_peak_bytes = 0
+        self.t0 = time.perf_counter()
+        self.acc.reset()
+
+    # --- stream ---------------------------------------------------------------------------
+
+    def submit(self, turn: TurnSource) -> None:
+        self._check(turn)
+        self.arrived[turn.key] = turn
+        if turn.traj_id not in self.mine:
+            return
+        self.trace.append(dict(kind="turn", traj_id=turn.traj_id, turn=turn.turn,
+                               group_id=turn.group_id, policy_version=turn.policy_version,
+                               rank=self.policy.par.rank, scored_tokens=turn.n_scored,
+                               ready=self._now()))
+        sched = self.cfg.schedule
+        if sched == "thundersync":
+            self.released.append(turn)
+        else:
+            self.held.append(turn)
+            if sched == "group_ready" and self._all_turns_arrived(turn.traj_id):
+                # Per trajectory: its turns are released when its last turn is scored.
+                self.released += [t for t in self.held if t.traj_id == turn.traj_id]
+                self.held = [t for t in self.held if t.traj_id != turn.traj_id]
+        self._drain()
+
+    def _all_turns_arrived(self, traj_id: str) -> bool:
+        return all(f"{traj_id}#{j}" in self.arrived for j in range(self.n_turns[traj_id]))
+
+    def _check(self, turn: TurnSource) -> None:
+        if self.plan is None:
+            raise RuntimeError("submit() before begin(): no batch is open")
+        validate_turn(turn, self.policy.vocab_size)
+        name = f"turn {turn.turn} of trajectory {turn.traj_id!r}"
+        if turn.policy_version != self.version:
+            raise SourceError(f"{name}: policy version {turn.policy_version} is not the current "
+                              f"version {self.version}; stale or future sources are never trained on")
+        if self.group_of.get(turn.traj_id) != turn.group_id:
+            raise SourceError(f"{name}: trajectory not registered in group {turn.group_id!r}")
+        if turn.key in self.arrived:
+            raise SourceError(f"{name}: duplicate, already received in this batch")
+        n = self.n_turns[turn.traj_id]
+        if turn.n_turns != n or not 0 <= turn.turn < n:
+            raise SourceError(f"{name}: trajectory registered with {n} turns, turn says "
+                              f"{turn.turn} of {turn.n_turns}")
+        prev = self.arrived.get(f"{turn.traj_id}#{turn.turn - 1}")
+        nxt = self.arrived.get(f"{turn.traj_id}#{turn.turn + 1}")
+        if turn.turn == 0 and turn.start != 0:
+            raise SourceError(f"{name}: the first turn must start at token 0, not {turn.start}")
+        if prev is not None and prev.end != turn.start:
+            raise SourceError(f"{name}: starts at token {turn.start} but turn {prev.turn} "
+                              f"ends at {prev.end}; turn spans must be contiguous")
+        if nxt is not None and turn.end != nxt.start:
+            raise SourceError(f"{name}: ends at token {turn.end} but turn {nxt.turn} starts "
+                              f"at {nxt.start}; turn spans must be contiguous")
+
+    def _drain(self) -> None:
+        progress = True
+        while progress:
+            progress = False
+            for i, turn in enumerate(self.released):
+                ctx = self.ctx.get(turn.traj_id)
+                served = len(ctx.turns) if ctx else 0
+                if served == turn.turn:  # its context is complete: serve it
+                    del self.released[i]
+                    self._serve(turn)
+                    progress = True
+                    break
+
+    def _serve(self, turn: TurnSource) -> None:
+        start = self._now()
+        ctx = self.ctx.setdefault(turn.traj_id, _Context())
+        last = turn.turn == turn.n_turns - 1
+        dev = self.policy.device
+        ids = torch.tensor(turn.tokens, dtype=torch.long, device=dev)
+        past = concat_kv(ctx.leaves) if ctx.leaves else None
+        logits, kv = self.policy.span_forward(ids, turn.start, past, want_logits=turn.n_scored > 0)
+        if turn.n_scored > 0:
+            pos = torch.nonzero(torch.tensor(turn.scored_mask, device=dev)).squeeze(1)
+            teacher = torch.tensor([turn.teacher_logprobs[p] for p in pos.tolist()],
+                                   dtype=torch.float64, device=dev)
+            student = self.policy.scored_logprob(logits, ids, pos)
+            loss = turn_loss(student, teacher)  # N_k is the deferred scalar at close
+            loss.backward(retain_graph=self.replay_mode == "retain" and not last)
+            self._fold()
+            self.scored_local += turn.n_scored
+        ctx.turns.append(turn)
+        if not last:
+            ctx.leaves.append(detached_leaves(kv))
+            if self.replay_mode == "retain":
+                ctx.kept.append(kv)
+        self.kv_peak_bytes = max(self.kv_peak_bytes, sum(c.nbytes() for c in self.ctx.values()))
+        self._note(turn, start=start, end=self._now())
+        if last:
+            self._replay(turn.traj_id)
+
+    def _replay(self, traj_id: str) -> None:
+        """Deferred work: push accumulated K/V adjoints back through earlier turns."""
+        start = self._now()
+        ctx = self.ctx.pop(traj_id)
+        for i in reversed(range(len(ctx.leaves))):
+            adjoint = [(leaf.k.grad, leaf.v.grad) for leaf in ctx.leaves[i]]
+            if all(gk is None and gv is None for gk, gv in adjoint):
+                continue  # no later turn had a scored token
+            if self.replay_mode == "retain":
+                produced = ctx.kept[i]
+            else:
+                turn = ctx.turns[i]
+                ids = torch.tensor(turn.tokens, dtype=torch.long, device=self.policy.device)
+                past = concat_kv(ctx.leaves[:i]) if i else None
+                _, produced = self.policy.span_forward(ids, turn.start, past, stop_after_kv=True)
+            outs, grads = [], []
+            for kv, (gk, gv) in zip(produced, adjoint):
+                for t, g in ((kv.k, gk), (kv.v, gv)):
+                    if g is not None:
+                        outs.append(t)
+                        grads.append(g)
+            torch.autograd.backward(outs, grads)
+        self._fold()
+        self.trace.append(dict(kind="replay", traj_id=traj_id, rank=self.policy.par.rank,
+                               policy_version=self.version, ready=start, start=start,
+                               end=self._now(), turns=len(ctx.leaves)))
+
+    def _fold(self) -> None:
+        self.acc.fold_direct(self.policy.grad_buffers(), 1.0)
+        self.policy.zero_grads()
+
+    # --- barrier and step -----------------------------------------------------------------
+
+    def close(self, export_grad: bool = False) -> UpdateResult:
+        if self.plan is None:
+            raise RuntimeError("close() before begin(): no batch is open")
+        missing = [f"{t}#{j}" for t, n in self.n_turns.items() for j in range(n)
+                   if f"{t}#{j}" not in self.arrived]
+        if missing:
+            raise SourceError(f"batch for policy version {self.version} closed with turns "
+                              f"missing (trajectory#turn): {missing}")
+        self.released += sorted(self.held, key=lambda t: (t.traj_id, t.turn)) \
+            if self.cfg.schedule == "sync" else self.held
+        self.held = []
+        self._drain()
+        assert not self.released and not self.ctx, "batch closed with turns left"
+        scored = int(self.policy.dp_sum(self.scored_local))
+        step = self.policy.apply_and_step(self.acc.batch, 1.0 / scored if scored else 0.0,
+                                          export_grad=export_grad)
+        result = UpdateResult(
+            policy_version=self.version, ok=step.ok, grad_norm=step.grad_norm,
+            n_sources=sum(1 for e in self.trace if e["kind"] == "turn"), scored_tokens=scored,
+            accum_peak_bytes=self.acc.peak_bytes, accum_bound_bytes=self.acc.bound_bytes,
+            grad=step.grad, trace=self.trace, kv_peak_bytes=self.kv_peak_bytes)
+        self.version += 1
+        self.plan = None
+        return result
+
+    def abort(self) -> None:
+        self.acc.reset()
+        self.policy.zero_grads()
+        self.ctx = {}
+        self.plan = None
+
+    def _now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _note(self, turn: TurnSource, **fields) -> None:
+        entry = next(e for e in reversed(self.trace)
+                     if e.get("kind") == "turn" and e["traj_id"] == turn.traj_id
+                     and e["turn"] == turn.turn)
+        entry.update(fields)

@@ -1,0 +1,18 @@
+"""On-policy distillation (SPEC §2, Eq. 8–9).
+
+A_{j,t} = sg[log π_T(a_t|h_t) − log π_θk(a_t|h_t)]; a turn contributes
+g_j = Σ_t A_{j,t} ∇ log π_θ(a_t|h_t), and g_k = (1/N_k) Σ_j g_j with N_k the global scored-
+token count, known only at batch close (a deferred scalar, all-reduced across ranks).
+The student log-prob comes from the learner's own forward of the turn, so ratio = 1 and
+its derivative is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def turn_loss(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """−Σ_t A_t · log π_θ(a_t): its gradient is −g_j (descent on the turn's objective)."""
+    advantage = (teacher_logp.to(student_logp.dtype) - student_logp).detach()
+    return -(advantage * student_logp).sum()
