@@ -19,7 +19,6 @@ from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 

@@ -1,0 +1,115 @@
+"""OPD per-turn streaming with deferred context replay, through the replay command."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from batchgen import write_opd_batches
+from reference import reference_opd_grad, rel_l2
+from test_learner import ROOT, replay
+
+N_UPDATES = 10
+
+
+@pytest.fixture(scope="module")
+def opd_runs(tiny_qwen2, tmp_path_factory):
+    d = tmp_path_factory.mktemp("opd")
+    batch = str(d / "batch.jsonl")
+    rows = write_opd_batches(batch, 256, n_updates=N_UPDATES, seed=2, turns=4)
+    common = ["--objective", "opd", "--lr", "1e-5", "--save-grads", "all"]
+    out = {"rows": rows, "hf_dir": tiny_qwen2}
+    for name, flags in [
+        ("sync", ["--schedule", "sync", "--accum-dtype", "fp64"]),
+        ("thundersync", ["--schedule", "thundersync", "--accum-dtype", "fp64"]),
+        ("thundersync_fp32", ["--schedule", "thundersync"]),
+        ("sync_fp32", ["--schedule", "sync"]),
+        ("retain", ["--schedule", "thundersync", "--opd-replay", "retain"]),
+    ]:
+        o = str(d / name)
+        out[name] = dict(summary=replay(tiny_qwen2, batch, o, 2, *common, *flags), dir=o)
+    return out
+
+
+def _grad(run, k=0):
+    return load_file(os.path.join(run["dir"], f"grad_{k}.safetensors"))
+
+
+def test_per_turn_streaming_matches_sync(opd_runs):
+    for name, base in [("thundersync_fp32", "sync_fp32"), ("retain", "sync_fp32"),
+                       ("thundersync", "sync")]:
+        err = rel_l2(_grad(opd_runs[name]), _grad(opd_runs[base]))
+        print(f"OPD {name} vs {base}: direction rel L2 = {err:.2e}")
+        assert err <= 1e-6
+
+
+def test_opd_matches_independent_fp64_reference(opd_runs):
+    rows0 = [r for r in opd_runs["rows"] if r["policy_version"] == 0]
+    ref = reference_opd_grad(opd_runs["hf_dir"], rows0)
+    for name in ("sync_fp32", "thundersync_fp32", "retain"):
+        got = _grad(opd_runs[name])
+        assert got.keys() == ref.keys()
+        err = rel_l2(got, ref)
+        print(f"OPD {name} vs FP64 HF reference (Eq. 8-9): {err:.2e}")
+        assert err <= 1e-5
+
+
+def test_opd_parameter_gap_after_ten_updates(opd_runs):
+    theta0 = load_file(os.path.join(opd_runs["hf_dir"], "model.safetensors"))
+    params = {n: load_file(os.path.join(opd_runs[n]["dir"], "params.safetensors"))
+              for n in ("sync", "thundersync", "sync_fp32", "thundersync_fp32")}
+    for a, b, bound in [("thundersync", "sync", 1e-5), ("thundersync_fp32", "sync_fp32", 2e-4)]:
+        pa, pb = params[a], params[b]
+        moved = sum(float(((pb[k].double() - theta0[k].double()) ** 2).sum()) for k in pb) ** 0.5
+        gap = sum(float(((pa[k].double() - pb[k].double()) ** 2).sum()) for k in pb) ** 0.5
+        print(f"OPD {a} vs {b}: parameter gap / distance moved after {N_UPDATES} updates = "
+              f"{gap / moved:.2e}")
+        assert moved > 0 and gap / moved <= bound
+
+
+def test_deferred_replay_is_in_the_trace_and_memory_is_bounded(opd_runs):
+    run = opd_runs["thundersync"]
+    entries = []
+    for r in range(2):
+        with open(os.path.join(run["dir"], f"trace_rank{r}.jsonl")) as f:
+            entries += [json.loads(line) for line in f]
+    turns = [e for e in entries if e["kind"] == "turn"]
+    replays = [e for e in entries if e["kind"] == "replay"]
+    n_turns = sum(len(r["turn_ends"]) for r in opd_runs["rows"])
+    assert len(turns) == n_turns
+    assert len(replays) == len(opd_runs["rows"])  # one deferred replay per trajectory
+    assert all(e["start"] <= e["end"] and e["policy_version"] == e["update"] for e in entries)
+    # K/V leaves + adjoints never exceed 2× the K/V of all trajectories of a batch on a rank;
+    # with streaming only open trajectories hold them. Per token per layer: 2 (K,V) × ng × hn.
+    s = run["summary"]
+    assert 0 < s["kv_peak_bytes"]
+    with open(os.path.join(opd_runs["hf_dir"], "config.json")) as f:
+        c = json.load(f)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    spec_bytes_per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * 4
+    per_update = max(sum(len(r["tokens"]) for r in opd_runs["rows"] if r["policy_version"] == v)
+                     for v in range(N_UPDATES))
+    assert s["kv_peak_bytes"] <= 2 * per_update * spec_bytes_per_token
+
+
+def test_opd_bad_input_rejected(tiny_qwen2):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/workers/opd_bad_input_worker.py"),
+                        tiny_qwen2], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-5000:]
+    res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    errs = res["errors"]
+    assert all(v != "NO ERROR" for v in errs.values()), errs
+    assert "teacher log-prob missing" in errs["teacher_missing"]
+    assert "not a finite" in errs["teacher_nan"]
+    assert "differ in length" in errs["teacher_misaligned"]
+    assert "policy version" in errs["wrong_version"]
+    assert "duplicate" in errs["duplicate"]
+    assert "contiguous" in errs["gap_in_spans"]
+    assert "missing" in errs["missing_turns"]
+    assert res["theta_untouched_by_errors"]
+    assert res["out_of_order_turn_held_then_served"]
+    assert res["grad_equal_to_clean"] <= 1e-6
