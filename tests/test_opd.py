@@ -113,3 +113,15 @@ def test_opd_bad_input_rejected(tiny_qwen2):
     assert res["theta_untouched_by_errors"]
     assert res["out_of_order_turn_held_then_served"]
     assert res["grad_equal_to_clean"] <= 1e-6
+
+
+def test_opd_tensor_parallel_two_ranks_vs_reference(tiny_ckpts, tmp_path):
+    hf_dir = tiny_ckpts["qwen3"]
+    batch = str(tmp_path / "b.jsonl")
+    rows = write_opd_batches(batch, 256, n_updates=1, seed=8, turns=3)
+    s = replay(hf_dir, batch, str(tmp_path / "tp2"), 2, "--objective", "opd", "--tp", "2")
+    assert s["tp"] == 2
+    got = load_file(str(tmp_path / "tp2" / "grad.safetensors"))
+    err = rel_l2(got, reference_opd_grad(hf_dir, rows))
+    print(f"OPD qwen3 TP=2 vs FP64 HF reference: {err:.2e}")
+    assert err <= 1e-5
