@@ -211,3 +211,15 @@ def test_tensor_parallel_two_ranks_vs_reference(tiny_ckpts, tmp_path, ckpt):
     err = rel_l2(got, ref)
     print(f"{ckpt} TP=2 vs FP64 HF reference: {err:.2e}")
     assert err <= 1e-5
+
+
+def test_shared_prefix_same_update_fewer_flops(tiny_qwen2):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/workers/prefix_flops_worker.py"),
+                        tiny_qwen2], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-5000:]
+    res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    for schedule, r in res.items():
+        print(f"shared prefix {schedule}: FLOPs on/off = {r['flops_on']:.3e}/{r['flops_off']:.3e} "
+              f"(saving {r['saving']:.1%}), update on vs off rel L2 = {r['rel_l2_on_vs_off']:.2e}")
+        assert r["rel_l2_on_vs_off"] <= 1e-6
+        assert r["saving"] >= 0.35

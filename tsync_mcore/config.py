@@ -72,6 +72,9 @@ class LearnerConfig:
     # OPD deferred replay: recompute earlier turns from their context leaves (linear FLOPs),
     # or retain each turn's graph until its trajectory completes (no recompute, more memory).
     opd_replay: Literal["recompute", "retain"] = "recompute"
+    # GRPO groups share their prompt: run it once per group and backpropagate it once at
+    # group close with the combined boundary adjoint (appendix I). Same update either way.
+    shared_prefix: bool = True
 
     def validate(self) -> None:
         _check(self.k_open >= 1, "learner.k_open", f"must be >= 1, got {self.k_open}")

@@ -24,6 +24,7 @@ from tsync_mcore.accumulators import GradAccumulators
 from tsync_mcore.config import LearnerConfig
 from tsync_mcore.objectives import ADVANTAGES
 from tsync_mcore.policy import Policy
+from tsync_mcore.prefix import SharedPrefix
 from tsync_mcore.schedule import ReadinessQueue, Service
 from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, assign_groups,
                                  validate_source)
@@ -72,6 +73,8 @@ class Learner:
         self.trace: list[dict] = []
         self.t0 = time.perf_counter()
         self.scored_local = 0
+        self.served: dict[str, int] = {}
+        self.prefixes: dict[str, SharedPrefix | None] = {}
         self.acc.reset()
 
     # --- stream ---------------------------------------------------------------------------
@@ -114,22 +117,52 @@ class Learner:
         if src.n_scored > 0:
             # Token weight 1/L_i now; 1/n_groups (or 1/N_k) is the deferred scalar at close.
             w = 1.0 / src.n_scored if self.cfg.token_norm == "trajectory" else 1.0
-            self.policy.backward_source(list(src.tokens), list(src.scored_mask), w)
+            prefix = self._prefix_for(src) if self.cfg.shared_prefix else None
+            if prefix is None:
+                self.policy.backward_source(list(src.tokens), list(src.scored_mask), w)
+            else:
+                prefix.backward_continuation(self.policy, src, w)
             grads = self.policy.grad_buffers()
             if svc.fold == "direct":
-                rewards = self._group_rewards(g)
-                i = self.plan.groups[g].index(src.traj_id)
-                self.acc.fold_direct(grads, self.objective.source_coef(rewards, i, self.cfg.adv_eps))
+                coef = self._direct_coef(src)
+                self.acc.fold_direct(grads, coef)
+                if prefix is not None:
+                    prefix.fold_direct(coef)
             else:
                 self.acc.fold_pair(g, grads, src.reward)
+                if prefix is not None:
+                    prefix.fold_pair(src.reward - self.acc.shift_of(g))
             self.policy.zero_grads()
             self.scored_local += src.n_scored
+        self.served[g] = self.served.get(g, 0) + 1
         if svc.closes_group:
             scale, mu = self.objective.closure(self._group_rewards(g), self.acc.shift_of(g),
                                                self.cfg.adv_eps)
             self.acc.close_group(g, scale, mu)
+            self._close_prefix(g, scale, mu)
+        elif svc.fold == "direct" and self.served[g] == len(self.plan.groups[g]):
+            self._close_prefix(g, 1.0, 0.0)
         self._note(src, start=start, end=self._now(), fold=svc.fold,
                    closes_group=svc.closes_group, open_groups=self.queue.open_groups)
+
+    def _direct_coef(self, src: TrajectorySource) -> float:
+        i = self.plan.groups[src.group_id].index(src.traj_id)
+        return self.objective.source_coef(self._group_rewards(src.group_id), i, self.cfg.adv_eps)
+
+    def _prefix_for(self, src: TrajectorySource) -> SharedPrefix | None:
+        """The group's shared prompt, computed once on its first scored source."""
+        g = src.group_id
+        if g not in self.prefixes:
+            self.prefixes[g] = SharedPrefix.build(self.policy, src)
+        prefix = self.prefixes[g]
+        return prefix if prefix is not None and prefix.covers(src) else None
+
+    def _close_prefix(self, g: str, scale: float, mu: float) -> None:
+        """One backward through the prompt with scale·(A1 − mu·A2), into the batch."""
+        prefix = self.prefixes.pop(g, None)
+        if prefix is not None and prefix.backward_prefix(scale, mu):
+            self.acc.fold_direct(self.policy.grad_buffers(), 1.0)
+            self.policy.zero_grads()
 
     def _group_rewards(self, g: str) -> list[float]:
         return [float(self.arrived[t].reward) for t in self.plan.groups[g]]
@@ -168,6 +201,7 @@ class Learner:
         """Drop the open batch without touching θ (e.g. after a rejected close)."""
         self.acc.reset()
         self.policy.zero_grads()
+        self.prefixes = {}
         self.plan = None
 
     # --- helpers --------------------------------------------------------------------------

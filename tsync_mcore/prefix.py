@@ -1,0 +1,90 @@
+"""Shared-prefix backward for GRPO groups (paper appendix I, SPEC §2).
+
+The m trajectories of a group share their prompt. The prompt's forward runs once; each
+continuation runs against the prompt's K/V held as detached leaves, so its backward gives
+the continuation's parameter gradient and a boundary adjoint on the prompt K/V. The
+boundary adjoints are summed exactly like G1'/G2 — A1 = Σ (r_i − c)·adj_i, A2 = Σ adj_i
+(or A = Σ coef_i·adj_i when the advantages are already known) — and at group close one
+backward through the prompt with scale·(A1 − mu·A2) adds the prompt's share of g_G.
+
+The prefix is the first scored source's tokens up to the position before its first scored
+token (that position's logits score the first action token, so it belongs to the
+continuation). Members that do not start with the same tokens fall back to a plain
+full-sequence backward, which is exact too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tsync_mcore.model.span import KV, detached_leaves
+from tsync_mcore.sources import TrajectorySource
+
+
+class SharedPrefix:
+    def __init__(self, tokens: tuple[int, ...], produced: list[KV], leaves: list[KV]):
+        self.tokens = tokens
+        self.produced = produced  # graph-attached prompt K/V, kept until group close
+        self.leaves = leaves
+        self.a1: list[torch.Tensor] | None = None  # per layer: K and V adjoints, flattened
+        self.a2: list[torch.Tensor] | None = None
+
+    @classmethod
+    def build(cls, policy, src: TrajectorySource) -> "SharedPrefix | None":
+        q = src.scored_mask.index(1) - 1
+        if q < 1:
+            return None  # nothing before the first scored token's context to share
+        ids = torch.tensor(src.tokens[:q], dtype=torch.long, device=policy.device)
+        _, produced = policy.span_forward(ids, 0, None, want_logits=False)
+        return cls(tuple(src.tokens[:q]), produced, detached_leaves(produced))
+
+    def covers(self, src: TrajectorySource) -> bool:
+        q = len(self.tokens)
+        return (len(src.tokens) > q and tuple(src.tokens[:q]) == self.tokens
+                and not any(src.scored_mask[:q + 1]))
+
+    def backward_continuation(self, policy, src: TrajectorySource, weight: float) -> None:
+        """grads += ∇[−w Σ log π] of the continuation; leaves.grad = its boundary adjoint."""
+        q = len(self.tokens)
+        ids = torch.tensor(src.tokens[q:], dtype=torch.long, device=policy.device)
+        pos = torch.nonzero(torch.tensor(src.scored_mask[q:], device=policy.device)).squeeze(1)
+        logits, _ = policy.span_forward(ids, q, self.leaves)
+        logp = policy.scored_logprob(logits, ids, pos)
+        (-weight * logp.sum()).backward()
+
+    def _take_adjoint(self) -> list[torch.Tensor]:
+        adj = []
+        for leaf in self.leaves:
+            for t in (leaf.k, leaf.v):
+                g = t.grad if t.grad is not None else torch.zeros_like(t)
+                adj.append(g.to(torch.float64 if t.dtype == torch.float64 else torch.float32))
+                t.grad = None
+        return adj
+
+    def fold_pair(self, r_minus_c: float) -> None:
+        adj = self._take_adjoint()
+        if self.a1 is None:
+            self.a1 = [torch.zeros_like(a) for a in adj]
+            self.a2 = [torch.zeros_like(a) for a in adj]
+        for a1, a2, a in zip(self.a1, self.a2, adj):
+            a1.add_(a, alpha=r_minus_c)
+            a2.add_(a)
+
+    def fold_direct(self, coef: float) -> None:
+        adj = self._take_adjoint()
+        if self.a1 is None:
+            self.a1 = [torch.zeros_like(a) for a in adj]
+        for a1, a in zip(self.a1, adj):
+            a1.add_(a, alpha=coef)
+
+    def backward_prefix(self, scale: float, mu: float) -> bool:
+        """Backward through the prompt with scale·(A1 − mu·A2); False if nothing to do."""
+        if self.a1 is None:
+            return False
+        outs = [t for kv in self.produced for t in (kv.k, kv.v)]
+        grads = []
+        for i, (out, a1) in enumerate(zip(outs, self.a1)):
+            g = a1 if self.a2 is None or mu == 0.0 else a1 - mu * self.a2[i]
+            grads.append((g * scale).to(out.dtype))
+        torch.autograd.backward(outs, grads)
+        return True
