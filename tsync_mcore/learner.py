@@ -153,7 +153,7 @@ class Learner:
         """The group's shared prompt, computed once on its first scored source."""
         g = src.group_id
         if g not in self.prefixes:
-            self.prefixes[g] = SharedPrefix.build(self.policy, src)
+            self.prefixes[g] = SharedPrefix.build(self.policy, src, dtype=self.acc.dtype)
         prefix = self.prefixes[g]
         return prefix if prefix is not None and prefix.covers(src) else None
 

@@ -22,21 +22,26 @@ from tsync_mcore.sources import TrajectorySource
 
 
 class SharedPrefix:
-    def __init__(self, tokens: tuple[int, ...], produced: list[KV], leaves: list[KV]):
+    def __init__(self, tokens: tuple[int, ...], produced: list[KV], leaves: list[KV],
+                 dtype: torch.dtype):
         self.tokens = tokens
+        self.dtype = dtype  # the learner's accumulator precision (FP32, or FP64)
         self.produced = produced  # graph-attached prompt K/V, kept until group close
         self.leaves = leaves
         self.a1: list[torch.Tensor] | None = None  # per layer: K and V adjoints, flattened
         self.a2: list[torch.Tensor] | None = None
 
     @classmethod
-    def build(cls, policy, src: TrajectorySource) -> "SharedPrefix | None":
+    def build(cls, policy, src: TrajectorySource,
+              dtype: torch.dtype = torch.float32) -> "SharedPrefix | None":
         q = src.scored_mask.index(1) - 1
         if q < 1:
             return None  # nothing before the first scored token's context to share
         ids = torch.tensor(src.tokens[:q], dtype=torch.long, device=policy.device)
         _, produced = policy.span_forward(ids, 0, None, want_logits=False)
-        return cls(tuple(src.tokens[:q]), produced, detached_leaves(produced))
+        if produced[0].k.dtype == torch.float64:
+            dtype = torch.float64
+        return cls(tuple(src.tokens[:q]), produced, detached_leaves(produced), dtype)
 
     def covers(self, src: TrajectorySource) -> bool:
         q = len(self.tokens)
@@ -57,7 +62,7 @@ class SharedPrefix:
         for leaf in self.leaves:
             for t in (leaf.k, leaf.v):
                 g = t.grad if t.grad is not None else torch.zeros_like(t)
-                adj.append(g.to(torch.float64 if t.dtype == torch.float64 else torch.float32))
+                adj.append(g.to(self.dtype))
                 t.grad = None
         return adj
 
