@@ -26,7 +26,8 @@ import torch
 from tsync_mcore.accumulators import GradAccumulators
 from tsync_mcore.config import LearnerConfig
 from tsync_mcore.learner import ACCUM_DTYPES, UpdateResult
-from tsync_mcore.model.span import KV, concat_kv, detached_leaves, kv_bytes
+from tsync_mcore.model.span import (KV, backward_kv, concat_kv, detached_leaves, kv_bytes,
+                                    leaf_adjoints)
 from tsync_mcore.objectives.opd import turn_loss
 from tsync_mcore.policy import Policy
 from tsync_mcore.sources import BatchPlan, SourceError, TurnSource, assign_groups, validate_turn
@@ -181,7 +182,7 @@ class OPDLearner:
         start = self._now()
         ctx = self.ctx.pop(traj_id)
         for i in reversed(range(len(ctx.leaves))):
-            adjoint = [(leaf.k.grad, leaf.v.grad) for leaf in ctx.leaves[i]]
+            adjoint = leaf_adjoints(ctx.leaves[i])
             if all(gk is None and gv is None for gk, gv in adjoint):
                 continue  # no later turn had a scored token
             if self.replay_mode == "retain":
@@ -191,13 +192,7 @@ class OPDLearner:
                 ids = torch.tensor(turn.tokens, dtype=torch.long, device=self.policy.device)
                 past = concat_kv(ctx.leaves[:i]) if i else None
                 _, produced = self.policy.span_forward(ids, turn.start, past, stop_after_kv=True)
-            outs, grads = [], []
-            for kv, (gk, gv) in zip(produced, adjoint):
-                for t, g in ((kv.k, gk), (kv.v, gv)):
-                    if g is not None:
-                        outs.append(t)
-                        grads.append(g)
-            torch.autograd.backward(outs, grads)
+            backward_kv(produced, adjoint)
         self._fold()
         self.trace.append(dict(kind="replay", traj_id=traj_id, rank=self.policy.par.rank,
                                policy_version=self.version, ready=start, start=start,

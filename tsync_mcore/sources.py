@@ -51,6 +51,15 @@ class TrajectorySource:
         )
 
 
+def _check_ids_and_mask(name: str, tokens, mask, vocab_size: int) -> None:
+    bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool)
+           or t < 0 or t >= vocab_size]
+    if bad:
+        raise SourceError(f"{name}: token ids {bad[:5]} out of vocabulary [0, {vocab_size})")
+    if any(m not in (0, 1) for m in mask):
+        raise SourceError(f"{name}: scored_mask must hold only 0/1")
+
+
 def validate_source(src: TrajectorySource, vocab_size: int) -> None:
     """Shape/content checks that need no batch context."""
     name = f"trajectory {src.traj_id!r} (group {src.group_id!r})"
@@ -60,12 +69,7 @@ def validate_source(src: TrajectorySource, vocab_size: int) -> None:
         raise SourceError(
             f"{name}: scored_mask has {len(src.scored_mask)} entries but tokens has "
             f"{len(src.tokens)}; they must be the same length")
-    bad = [t for t in src.tokens if not isinstance(t, int) or isinstance(t, bool)
-           or t < 0 or t >= vocab_size]
-    if bad:
-        raise SourceError(f"{name}: token ids {bad[:5]} out of vocabulary [0, {vocab_size})")
-    if any(m not in (0, 1) for m in src.scored_mask):
-        raise SourceError(f"{name}: scored_mask must hold only 0/1")
+    _check_ids_and_mask(name, src.tokens, src.scored_mask, vocab_size)
     if src.scored_mask[0]:
         # The first token has no context, so its log-prob is undefined.
         raise SourceError(f"{name}: the first token cannot be scored (no context)")
@@ -188,12 +192,7 @@ def validate_turn(src: TurnSource, vocab_size: int) -> None:
         raise SourceError(f"{name}: tokens, scored_mask and teacher_logprobs differ in length "
                           f"({len(src.tokens)}, {len(src.scored_mask)}, "
                           f"{len(src.teacher_logprobs)})")
-    bad = [t for t in src.tokens if not isinstance(t, int) or isinstance(t, bool)
-           or t < 0 or t >= vocab_size]
-    if bad:
-        raise SourceError(f"{name}: token ids {bad[:5]} out of vocabulary [0, {vocab_size})")
-    if any(m not in (0, 1) for m in src.scored_mask):
-        raise SourceError(f"{name}: scored_mask must hold only 0/1")
+    _check_ids_and_mask(name, src.tokens, src.scored_mask, vocab_size)
     if src.scored_mask[0]:
         # Its log-prob needs the previous turn's last hidden state; turns start at context.
         raise SourceError(f"{name}: the first token of a turn cannot be scored; start each "

@@ -36,7 +36,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import Tensor
 
-__all__ = ["KV", "span_forward", "concat_kv", "detached_leaves", "kv_bytes", "span_mask"]
+__all__ = ["KV", "span_forward", "concat_kv", "detached_leaves", "kv_bytes", "span_mask",
+           "leaf_adjoints", "backward_kv"]
 
 
 @dataclass
@@ -82,6 +83,24 @@ def detached_leaves(kv: list[KV], requires_grad: bool = True) -> list[KV]:
 def kv_bytes(kv: list[KV]) -> int:
     """Bytes held by the K/V tensors (this rank's query groups)."""
     return sum(t.numel() * t.element_size() for x in kv for t in (x.k, x.v))
+
+
+def leaf_adjoints(leaves: list[KV]) -> list[tuple[Tensor | None, Tensor | None]]:
+    """The gradients accumulated on K/V leaves so far (None where nothing flowed back)."""
+    return [(x.k.grad, x.v.grad) for x in leaves]
+
+
+def backward_kv(produced: list[KV], adjoint: list[tuple[Tensor | None, Tensor | None]]) -> bool:
+    """Backpropagate adjoints of graph-attached K/V; False when there is nothing to push."""
+    outs, grads = [], []
+    for kv, (gk, gv) in zip(produced, adjoint):
+        for t, g in ((kv.k, gk), (kv.v, gv)):
+            if g is not None:
+                outs.append(t)
+                grads.append(g.to(t.dtype))
+    if outs:
+        torch.autograd.backward(outs, grads)
+    return bool(outs)
 
 
 def span_mask(n: int, past_len: int, device: torch.device | None = None) -> Tensor:
