@@ -33,7 +33,7 @@ def make_batch(vocab: int, n_groups: int = 4, m: int = 4, version: int = 0, seed
                 mask = [0] * len(toks)  # valid: no scored tokens, reward still counts
             rows.append(dict(traj_id=f"v{version}-g{g}-t{i}", group_id=f"v{version}-g{g}",
                              tokens=toks, scored_mask=mask, reward=rewards[i],
-                             policy_version=version))
+                             policy_version=version, prompt_len=prompt_len))
     order = list(range(len(rows)))
     rng.shuffle(order)
     for r, o in zip(rows, order):
@@ -61,7 +61,8 @@ def write_batches(path: str, vocab: int, n_updates: int = 1, seed: int = 0,
 
 
 def make_opd_batch(vocab: int, n_traj: int = 4, turns: int = 3, version: int = 0, seed: int = 0,
-                   group_size: int = 2, zero_scored_traj: bool = True) -> list[dict]:
+                   group_size: int = 2, zero_scored_traj: bool = True,
+                   prompt_len: int = 6) -> list[dict]:
     """OPD trajectories: turns of (observation, action); teacher scores on action tokens.
 
     Turn arrival is interleaved across trajectories (a global random order that keeps each
@@ -69,8 +70,12 @@ def make_opd_batch(vocab: int, n_traj: int = 4, turns: int = 3, version: int = 0
     """
     rng = random.Random(seed * 7919 + version)
     rows, queue = [], []
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)]
+               for _ in range((n_traj + group_size - 1) // group_size)]
     for i in range(n_traj):
-        toks, mask, teacher, ends = [], [], [], []
+        # Members of a group share their prompt (part of turn 0, unscored).
+        toks, mask, teacher, ends = list(prompts[i // group_size]), [0] * prompt_len, \
+            [None] * prompt_len, []
         for j in range(turns):
             n_obs, n_act = rng.randrange(2, 6), rng.randrange(1, 6)
             toks += [rng.randrange(vocab) for _ in range(n_obs + n_act)]
@@ -81,7 +86,8 @@ def make_opd_batch(vocab: int, n_traj: int = 4, turns: int = 3, version: int = 0
             ends.append(len(toks))
         rows.append(dict(traj_id=f"v{version}-o{i}", group_id=f"v{version}-p{i // group_size}",
                          tokens=toks, scored_mask=mask, teacher_logprobs=teacher,
-                         turn_ends=ends, turn_ready_order=[0] * turns, policy_version=version))
+                         turn_ends=ends, turn_ready_order=[0] * turns, policy_version=version,
+                         prompt_len=prompt_len))
         queue.append([(i, j) for j in range(turns)])
     order = 0
     while any(queue):

@@ -30,6 +30,7 @@ from tsync_mcore.model.span import (KV, backward_kv, concat_kv, detached_leaves,
                                     leaf_adjoints)
 from tsync_mcore.objectives.opd import turn_loss
 from tsync_mcore.policy import Policy
+from tsync_mcore.prefix import SharedPrefix
 from tsync_mcore.sources import BatchPlan, SourceError, TurnSource, assign_groups, validate_turn
 
 
@@ -37,13 +38,24 @@ from tsync_mcore.sources import BatchPlan, SourceError, TurnSource, assign_group
 class _Context:
     """A trajectory's served turns: their K/V as leaves (whose .grad is the adjoint)."""
 
+    prompt: SharedPrefix | None = None  # the group's shared prompt, when this one starts with it
+    # This trajectory's own leaves over the prompt K/V (same storage): its adjoint stays
+    # separate, so the group sums per-trajectory adjoints in the accumulator precision.
+    prompt_leaves: list[KV] | None = None
     turns: list[TurnSource] = field(default_factory=list)
     leaves: list[list[KV]] = field(default_factory=list)
     kept: list[list[KV]] = field(default_factory=list)  # graph-attached K/V, retain mode only
 
-    @property
-    def offset(self) -> int:
-        return self.turns[-1].end if self.turns else 0
+    def span(self, turn: TurnSource) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """(start, tokens, scored mask) this learner computes for a turn: turn 0 skips the
+        shared prompt, whose K/V come from the group's prefix leaves."""
+        q = len(self.prompt) if self.prompt is not None and turn.turn == 0 else 0
+        return turn.start + q, turn.tokens[q:], turn.scored_mask[q:]
+
+    def past(self, i: int) -> list[KV] | None:
+        """Context K/V leaves of turn i: the shared prompt, then turns 0..i−1."""
+        parts = ([self.prompt_leaves] if self.prompt is not None else []) + self.leaves[:i]
+        return concat_kv(parts) if parts else None
 
     def nbytes(self) -> int:
         # Leaves plus their adjoints (same shape) once a later turn has consumed them.
@@ -79,6 +91,8 @@ class OPDLearner:
         self.released: list[TurnSource] = []
         self.held: list[TurnSource] = []
         self.ctx: dict[str, _Context] = {}
+        self.prompts: dict[str, SharedPrefix | None] = {}
+        self.open_members = {g: sum(t in self.mine for t in ts) for g, ts in plan.groups.items()}
         self.trace: list[dict] = []
         self.scored_local = 0
         self.kv_peak_bytes = 0
@@ -152,15 +166,21 @@ class OPDLearner:
 
     def _serve(self, turn: TurnSource) -> None:
         start = self._now()
-        ctx = self.ctx.setdefault(turn.traj_id, _Context())
+        if turn.turn == 0:
+            prompt = self._prompt_for(turn)
+            self.ctx[turn.traj_id] = _Context(
+                prompt=prompt, prompt_leaves=detached_leaves(prompt.produced) if prompt else None)
+        ctx = self.ctx[turn.traj_id]
         last = turn.turn == turn.n_turns - 1
         dev = self.policy.device
-        ids = torch.tensor(turn.tokens, dtype=torch.long, device=dev)
-        past = concat_kv(ctx.leaves) if ctx.leaves else None
-        logits, kv = self.policy.span_forward(ids, turn.start, past, want_logits=turn.n_scored > 0)
+        offset, tokens, mask = ctx.span(turn)
+        ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        logits, kv = self.policy.span_forward(ids, offset, ctx.past(turn.turn),
+                                              want_logits=turn.n_scored > 0)
         if turn.n_scored > 0:
-            pos = torch.nonzero(torch.tensor(turn.scored_mask, device=dev)).squeeze(1)
-            teacher = torch.tensor([turn.teacher_logprobs[p] for p in pos.tolist()],
+            pos = torch.nonzero(torch.tensor(mask, device=dev)).squeeze(1)
+            q = offset - turn.start
+            teacher = torch.tensor([turn.teacher_logprobs[q + p] for p in pos.tolist()],
                                    dtype=torch.float64, device=dev)
             student = self.policy.scored_logprob(logits, ids, pos)
             loss = turn_loss(student, teacher)  # N_k is the deferred scalar at close
@@ -172,7 +192,9 @@ class OPDLearner:
             ctx.leaves.append(detached_leaves(kv))
             if self.replay_mode == "retain":
                 ctx.kept.append(kv)
-        self.kv_peak_bytes = max(self.kv_peak_bytes, sum(c.nbytes() for c in self.ctx.values()))
+        held = sum(c.nbytes() for c in self.ctx.values()) + sum(
+            2 * kv_bytes(p.produced) for p in self.prompts.values() if p is not None)
+        self.kv_peak_bytes = max(self.kv_peak_bytes, held)
         self._note(turn, start=start, end=self._now())
         if last:
             self._replay(turn.traj_id)
@@ -188,15 +210,37 @@ class OPDLearner:
             if self.replay_mode == "retain":
                 produced = ctx.kept[i]
             else:
-                turn = ctx.turns[i]
-                ids = torch.tensor(turn.tokens, dtype=torch.long, device=self.policy.device)
-                past = concat_kv(ctx.leaves[:i]) if i else None
-                _, produced = self.policy.span_forward(ids, turn.start, past, stop_after_kv=True)
+                offset, tokens, _ = ctx.span(ctx.turns[i])
+                ids = torch.tensor(tokens, dtype=torch.long, device=self.policy.device)
+                _, produced = self.policy.span_forward(ids, offset, ctx.past(i),
+                                                       stop_after_kv=True)
             backward_kv(produced, adjoint)
         self._fold()
+        if ctx.prompt is not None:
+            ctx.prompt.fold_direct(1.0, ctx.prompt_leaves)
+        self._prompt_done(self.group_of[traj_id])
         self.trace.append(dict(kind="replay", traj_id=traj_id, rank=self.policy.par.rank,
                                policy_version=self.version, ready=start, start=start,
                                end=self._now(), turns=len(ctx.leaves)))
+
+    def _prompt_for(self, turn: TurnSource) -> SharedPrefix | None:
+        """The group's shared prompt (built from its first served turn 0), if this turn
+        starts with it. Members' prompt adjoints are summed and pushed back once."""
+        if not self.cfg.shared_prefix:
+            return None
+        g = turn.group_id
+        if g not in self.prompts:
+            self.prompts[g] = SharedPrefix.build(self.policy, turn, dtype=self.acc.dtype)
+        prompt = self.prompts[g]
+        return prompt if prompt is not None and prompt.covers(turn) else None
+
+    def _prompt_done(self, g: str) -> None:
+        """After the group's last trajectory completes: one backward through its prompt."""
+        self.open_members[g] -= 1
+        if self.open_members[g] == 0:
+            prompt = self.prompts.pop(g, None)
+            if prompt is not None and prompt.backward_prefix(1.0, 0.0):
+                self._fold()
 
     def _fold(self) -> None:
         self.acc.fold_direct(self.policy.grad_buffers(), 1.0)
@@ -233,6 +277,7 @@ class OPDLearner:
         self.acc.reset()
         self.policy.zero_grads()
         self.ctx = {}
+        self.prompts = {}
         self.plan = None
 
     def _now(self) -> float:

@@ -7,9 +7,10 @@ boundary adjoints are summed exactly like G1'/G2 — A1 = Σ (r_i − c)·adj_i,
 (or A = Σ coef_i·adj_i when the advantages are already known) — and at group close one
 backward through the prompt with scale·(A1 − mu·A2) adds the prompt's share of g_G.
 
-The prefix is the first scored source's tokens up to the position before its first scored
-token (that position's logits score the first action token, so it belongs to the
-continuation). Members that do not start with the same tokens fall back to a plain
+The prefix is the group's prompt less its last token when the source says how long the
+prompt is (`prompt_len`), otherwise the first served member's tokens up to the position
+before its first scored token (that position's logits score the first action token, so it
+belongs to the continuation). Members that do not start with the same tokens fall back to a plain
 full-sequence backward, which is exact too.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tsync_mcore.model.span import KV, detached_leaves
+from tsync_mcore.model.span import KV, backward_kv, detached_leaves
 from tsync_mcore.sources import TrajectorySource
 
 
@@ -34,7 +35,14 @@ class SharedPrefix:
     @classmethod
     def build(cls, policy, src: TrajectorySource,
               dtype: torch.dtype = torch.float32) -> "SharedPrefix | None":
-        q = src.scored_mask.index(1) - 1
+        if src.prompt_len is not None:
+            # Known prompt: share all of it but its last token, whose logits may score the
+            # first action token, so every member splits at the same place.
+            q = src.prompt_len - 1
+        elif 1 in src.scored_mask:
+            q = src.scored_mask.index(1) - 1
+        else:
+            return None
         if q < 1:
             return None  # nothing before the first scored token's context to share
         ids = torch.tensor(src.tokens[:q], dtype=torch.long, device=policy.device)
@@ -42,6 +50,9 @@ class SharedPrefix:
         if produced[0].k.dtype == torch.float64:
             dtype = torch.float64
         return cls(tuple(src.tokens[:q]), produced, detached_leaves(produced), dtype)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
 
     def covers(self, src: TrajectorySource) -> bool:
         q = len(self.tokens)
@@ -57,9 +68,9 @@ class SharedPrefix:
         logp = policy.scored_logprob(logits, ids, pos)
         (-weight * logp.sum()).backward()
 
-    def _take_adjoint(self) -> list[torch.Tensor]:
+    def _take_adjoint(self, leaves: list[KV] | None = None) -> list[torch.Tensor]:
         adj = []
-        for leaf in self.leaves:
+        for leaf in self.leaves if leaves is None else leaves:
             for t in (leaf.k, leaf.v):
                 g = t.grad if t.grad is not None else torch.zeros_like(t)
                 adj.append(g.to(self.dtype))
@@ -75,8 +86,9 @@ class SharedPrefix:
             a1.add_(a, alpha=r_minus_c)
             a2.add_(a)
 
-    def fold_direct(self, coef: float) -> None:
-        adj = self._take_adjoint()
+    def fold_direct(self, coef: float, leaves: list[KV] | None = None) -> None:
+        """A += coef·adj, taking (and clearing) the adjoint on `leaves` (default: own)."""
+        adj = self._take_adjoint(leaves)
         if self.a1 is None:
             self.a1 = [torch.zeros_like(a) for a in adj]
         for a1, a in zip(self.a1, adj):
@@ -86,10 +98,12 @@ class SharedPrefix:
         """Backward through the prompt with scale·(A1 − mu·A2); False if nothing to do."""
         if self.a1 is None:
             return False
-        outs = [t for kv in self.produced for t in (kv.k, kv.v)]
-        grads = []
-        for i, (out, a1) in enumerate(zip(outs, self.a1)):
-            g = a1 if self.a2 is None or mu == 0.0 else a1 - mu * self.a2[i]
-            grads.append((g * scale).to(out.dtype))
-        torch.autograd.backward(outs, grads)
-        return True
+        adjoint = []
+        for i in range(0, len(self.a1), 2):
+            pair = []
+            for j in (i, i + 1):
+                g = self.a1[j] if self.a2 is None or mu == 0.0 else self.a1[j] - mu * self.a2[j]
+                pair.append(g * scale)
+            adjoint.append(tuple(pair))
+        return backward_kv(self.produced, adjoint)
+

@@ -65,6 +65,15 @@ def read_opd_batches(path: str) -> list[list[TurnSource]]:
     return [sorted(by_version[v], key=lambda t: t.ready_order) for v in versions]
 
 
+def _gather(x: int) -> list[int]:
+    """One value per rank (memory figures are per rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [x]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tsync_mcore.replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
         "sources": sum(len(b) for b in batches),
         "accum_peak_bytes": max(r.accum_peak_bytes for r in results),
         "accum_bound_bytes": results[0].accum_bound_bytes,
-        "kv_peak_bytes": max(r.kv_peak_bytes for r in results),
+        "kv_peak_bytes_per_rank": _gather(max(r.kv_peak_bytes for r in results)),
+        "accum_peak_bytes_per_rank": _gather(max(r.accum_peak_bytes for r in results)),
         "time_s": round(elapsed, 3), "out": args.out,
     }
     if par.rank == 0:

@@ -25,6 +25,7 @@ class TrajectorySource:
     reward: float
     policy_version: int
     ready_order: int = 0
+    prompt_len: int | None = None  # the group's shared prompt length, when the rollout knows it
 
     @property
     def n_scored(self) -> int:
@@ -48,6 +49,7 @@ class TrajectorySource:
             reward=obj["reward"],
             policy_version=obj["policy_version"],
             ready_order=obj.get("ready_order", 0),
+            prompt_len=obj.get("prompt_len"),
         )
 
 
@@ -58,6 +60,15 @@ def _check_ids_and_mask(name: str, tokens, mask, vocab_size: int) -> None:
         raise SourceError(f"{name}: token ids {bad[:5]} out of vocabulary [0, {vocab_size})")
     if any(m not in (0, 1) for m in mask):
         raise SourceError(f"{name}: scored_mask must hold only 0/1")
+
+
+def _check_prompt_len(name: str, prompt_len, mask) -> None:
+    if prompt_len is None:
+        return
+    if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) \
+            or not 0 <= prompt_len < len(mask) or any(mask[:prompt_len]):
+        raise SourceError(f"{name}: prompt_len {prompt_len!r} must be an integer in [0, "
+                          f"{len(mask)}) covering only unscored tokens")
 
 
 def validate_source(src: TrajectorySource, vocab_size: int) -> None:
@@ -73,6 +84,7 @@ def validate_source(src: TrajectorySource, vocab_size: int) -> None:
     if src.scored_mask[0]:
         # The first token has no context, so its log-prob is undefined.
         raise SourceError(f"{name}: the first token cannot be scored (no context)")
+    _check_prompt_len(name, src.prompt_len, src.scored_mask)
     if isinstance(src.reward, bool) or not isinstance(src.reward, (int, float)) \
             or not math.isfinite(src.reward):
         raise SourceError(f"{name}: reward must be a finite number, got {src.reward!r}")
@@ -141,6 +153,7 @@ class TurnSource:
     teacher_logprobs: tuple[float | None, ...]
     policy_version: int
     ready_order: int = 0
+    prompt_len: int | None = None  # shared prompt length of the group (turn 0 starts with it)
 
     @property
     def end(self) -> int:
@@ -179,7 +192,8 @@ def opd_turns_from_json(obj: dict) -> list[TurnSource]:
             traj_id=str(obj["traj_id"]), group_id=str(obj["group_id"]), turn=j,
             n_turns=len(ends), start=start, tokens=tuple(toks[start:end]),
             scored_mask=tuple(mask[start:end]), teacher_logprobs=tuple(teacher[start:end]),
-            policy_version=obj["policy_version"], ready_order=order[j]))
+            policy_version=obj["policy_version"], ready_order=order[j],
+            prompt_len=obj.get("prompt_len")))
         start = end
     return turns
 
@@ -197,6 +211,8 @@ def validate_turn(src: TurnSource, vocab_size: int) -> None:
         # Its log-prob needs the previous turn's last hidden state; turns start at context.
         raise SourceError(f"{name}: the first token of a turn cannot be scored; start each "
                           f"turn at its observation/template tokens")
+    if src.turn == 0:
+        _check_prompt_len(name, src.prompt_len, src.scored_mask)
     for i, (m, lp) in enumerate(zip(src.scored_mask, src.teacher_logprobs)):
         if not m:
             continue
