@@ -82,16 +82,72 @@ class LearnerConfig:
 
 
 @dataclass
+class RunConfig:
+    dir: str = "runs/default"  # config.yaml, metrics.jsonl, traces, checkpoints
+    updates: int = 10
+    save_every: int = 0  # checkpoint every N updates (0: only at the end)
+    publish_dir: str = "/dev/shm/tsync"  # where θ_{k+1} is written for the replicas
+
+    def validate(self) -> None:
+        _check(self.updates >= 1, "run.updates", f"must be >= 1, got {self.updates}")
+        _check(self.save_every >= 0, "run.save_every", "must be >= 0")
+
+
+@dataclass
+class ChannelConfig:
+    addr: str = "127.0.0.1"
+    port: int = 29610
+    timeout_s: float = 300.0  # a learner waiting longer for a source stops with an error
+    ack_timeout_s: float = 120.0  # publication must be acknowledged within this
+
+    def validate(self) -> None:
+        _check(0 < self.port < 65536, "channel.port", f"must be a TCP port, got {self.port}")
+        _check(self.timeout_s > 0, "channel.timeout_s", "must be > 0")
+        _check(self.ack_timeout_s > 0, "channel.ack_timeout_s", "must be > 0")
+
+
+@dataclass
+class RolloutConfig:
+    n_learners: int = 2  # learner ranks (world size of the learner torchrun)
+    env: str = "toy"  # "toy" or "skyrl:<env name>"
+    groups_per_batch: int = 8
+    group_size: int = 4
+    max_turns: int = 3
+    max_tokens_per_turn: int = 8
+    max_total_tokens: int = 96
+    temperature: float = 1.0
+    tool_latency_s: float = 0.05  # median of the long-tailed (log-normal) tool latency
+    tool_timeout_s: float = 1.0
+    teacher_dir: str = ""  # OPD: the frozen teacher's HF directory
+    kv_cache_gib: float = 1.0
+
+    def validate(self) -> None:
+        _check(self.n_learners >= 1, "rollout.n_learners", "must be >= 1")
+        _check(self.groups_per_batch >= 1, "rollout.groups_per_batch", "must be >= 1")
+        _check(self.group_size >= 1, "rollout.group_size", "must be >= 1")
+        _check(self.max_turns >= 1, "rollout.max_turns", "must be >= 1")
+        _check(self.max_tokens_per_turn >= 1, "rollout.max_tokens_per_turn", "must be >= 1")
+        _check(self.env == "toy" or self.env.startswith("skyrl:"), "rollout.env",
+               f"must be 'toy' or 'skyrl:<name>', got {self.env!r}")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    channel: ChannelConfig = field(default_factory=ChannelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     seed: int = 1234
 
     def validate(self) -> None:
         self.model.validate()
         self.optim.validate()
         self.learner.validate()
+        self.run.validate()
+        self.channel.validate()
+        self.rollout.validate()
 
 
 def _check(ok: bool, key: str, why: str) -> None:

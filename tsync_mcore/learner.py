@@ -172,11 +172,15 @@ class Learner:
     def close(self, export_grad: bool = False) -> UpdateResult:
         if self.plan is None:
             raise RuntimeError("close() before begin(): no batch is open")
-        missing = {g: [t for t in ts if t not in self.arrived] for g, ts in self.plan.groups.items()}
+        me = self.policy.par.dp_rank
+        missing = {g: [t for t in ts if t not in self.arrived]
+                   for g, ts in self.plan.groups.items() if self.owner[g] == me}
         missing = {g: ts for g, ts in missing.items() if ts}
-        if missing:
-            raise SourceError(f"batch for policy version {self.version} closed with groups missing "
-                              f"members: {missing}")
+        # Every rank must agree before the collective step: count what is missing anywhere.
+        n_missing = int(self.policy.dp_sum(sum(len(ts) for ts in missing.values())))
+        if n_missing:
+            raise SourceError(f"batch for policy version {self.version} closed with {n_missing} "
+                              f"trajectories missing; groups missing members on this rank: {missing}")
         self.queue.close()
         self._drain()
         assert self.queue.pending() == 0 and not self.acc.open, "batch closed with work left"
@@ -196,6 +200,14 @@ class Learner:
         self.version += 1
         self.plan = None
         return result
+
+    def waiting_for(self) -> list[str]:
+        """Registered trajectories of this rank's groups that have not arrived yet."""
+        if self.plan is None:
+            return []
+        me = self.policy.par.dp_rank
+        return [t for g, ts in self.plan.groups.items() if self.owner[g] == me
+                for t in ts if t not in self.arrived]
 
     def abort(self) -> None:
         """Drop the open batch without touching θ (e.g. after a rejected close)."""

@@ -251,11 +251,12 @@ class OPDLearner:
     def close(self, export_grad: bool = False) -> UpdateResult:
         if self.plan is None:
             raise RuntimeError("close() before begin(): no batch is open")
-        missing = [f"{t}#{j}" for t, n in self.n_turns.items() for j in range(n)
-                   if f"{t}#{j}" not in self.arrived]
-        if missing:
-            raise SourceError(f"batch for policy version {self.version} closed with turns "
-                              f"missing (trajectory#turn): {missing}")
+        missing = [f"{t}#{j}" for t, n in self.n_turns.items() if t in self.mine
+                   for j in range(n) if f"{t}#{j}" not in self.arrived]
+        n_missing = int(self.policy.dp_sum(len(missing)))  # agree before the collective step
+        if n_missing:
+            raise SourceError(f"batch for policy version {self.version} closed with {n_missing} "
+                              f"turns missing; on this rank (trajectory#turn): {missing}")
         self.released += sorted(self.held, key=lambda t: (t.traj_id, t.turn)) \
             if self.cfg.schedule == "sync" else self.held
         self.held = []
@@ -272,6 +273,13 @@ class OPDLearner:
         self.version += 1
         self.plan = None
         return result
+
+    def waiting_for(self) -> list[str]:
+        """Turns (trajectory#turn) of this rank's trajectories that have not arrived yet."""
+        if self.plan is None:
+            return []
+        return [f"{t}#{j}" for t, n in self.n_turns.items() if t in self.mine
+                for j in range(n) if f"{t}#{j}" not in self.arrived]
 
     def abort(self) -> None:
         self.acc.reset()

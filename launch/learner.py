@@ -1,0 +1,35 @@
+"""Learner launcher: `torchrun --nproc-per-node N launch/learner.py --config C [--resume]`.
+
+Runs alongside `python launch/rollout.py --config C`; both read the same config.
+"""
+
+import argparse
+import sys
+
+from tsync_mcore.config import load_config
+from tsync_mcore.trainer import LearnerStopped, Trainer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--config", required=True)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="override config keys, e.g. learner.schedule=sync run.updates=4")
+    args = p.parse_args()
+    cfg = load_config(args.config, dict(_parse(kv) for kv in args.set))
+    try:
+        Trainer(cfg, resume=args.resume).run()
+    except LearnerStopped as e:
+        print(f"learner stopped: {e}", file=sys.stderr, flush=True)
+        sys.exit(3)
+
+
+def _parse(kv: str):
+    import yaml
+    key, _, value = kv.partition("=")
+    return key, yaml.safe_load(value)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""Readiness channel: wire codec, malformed input, real links between processes, failures."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dist_util import REPO_ROOT, free_port
+from tsync_mcore.channel import (
+    MAGIC, WIRE_VERSION, Ack, ChannelError, ChannelTimeout, CloseBatch, Limits, MsgType,
+    PeerGone, Publish, RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg, decode, encode,
+    open_learner_side, open_rollout_side,
+)
+from tsync_mcore.sources import TurnSource
+
+WORKER = os.path.join(REPO_ROOT, "tests", "workers", "channel_worker.py")
+sys.path.insert(0, os.path.dirname(WORKER))
+import channel_worker as cw  # noqa: E402
+
+ALL_MESSAGES = [cw.HELLO, cw.PUBLISH, Shutdown(""), Shutdown("bye ✓"),
+                *cw.sample_rollout_messages(), cw.bench_message(0),
+                TurnMsg(TurnSource("t", "g", 0, 1, 0, (1, 2), (0, 0), (None, None), 0))]
+
+
+# ---------------------------------------------------------------- codec
+
+@pytest.mark.parametrize("msg", ALL_MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip_every_type(msg):
+    tensors = encode(msg)
+    header = tensors[0].tolist()
+    assert header[:2] == [MAGIC, WIRE_VERSION] and header[4] == len(tensors) - 1
+    assert MsgType(header[2]).name.replace("_", "").lower().startswith(
+        type(msg).__name__.lower().replace("msg", "")[:4])
+    back = decode(tensors)
+    assert back == msg and type(back) is type(msg)
+    if isinstance(msg, (TrajectoryMsg, TurnMsg)):
+        assert header[3] == msg.source.policy_version
+        assert all(type(t) is int for t in back.source.tokens)
+
+
+def _tweak_header(tensors, slot: int, value: int) -> list[torch.Tensor]:
+    """Change one header slot and re-seal the header checksum (so the slot check fires)."""
+    h = tensors[0].clone()
+    h[slot] = value
+    h[15] = int(h[:15].sum()) % (1 << 62)
+    return [h, *tensors[1:]]
+
+
+def _seal(header: torch.Tensor, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Rewrite descriptors and checksums for these payloads: only the content can object."""
+    h = header.clone()
+    codes = {torch.int64: 1, torch.uint8: 2, torch.float64: 3}
+    for j, p in enumerate(payloads):
+        h[5 + j] = (p.numel() << 8) | codes[p.dtype]
+    h[14] = sum((j + 1) * int(p.contiguous().view(torch.uint8).sum())
+                for j, p in enumerate(payloads)) % (1 << 62)
+    h[15] = int(h[:15].sum()) % (1 << 62)
+    return [h, *payloads]
+
+
+def _traj_tensors():
+    return encode(cw.bench_message(1))
+
+
+MALFORMED = {
+    "bad magic": (lambda t: _tweak_header(t, 0, 1234), "bad magic"),
+    "wire version": (lambda t: _tweak_header(t, 1, 99), "wire version 99"),
+    "unknown type": (lambda t: _tweak_header(t, 2, 42), "unknown message type 42"),
+    "payload count": (lambda t: _tweak_header(t, 4, 3), "announces 3 payload tensors"),
+    "truncated message": (lambda t: t[:3], "truncated: header announces 5 payload tensors, got 2"),
+    "truncated payload": (lambda t: [t[0], t[1][:-10], *t[2:]], r"tokens\): truncated payload"),
+    "wrong dtype": (lambda t: [t[0], t[1].to(torch.int32), *t[2:]], r"tokens\): dtype torch.int32"),
+    "header dtype": (lambda t: [t[0].double(), *t[1:]], r"header must be int64\[16\]"),
+    "header checksum": (lambda t: [t[0].clone().index_fill_(0, torch.tensor([3]), 7), *t[1:]],
+                        "header checksum mismatch"),
+    "payload damaged": (lambda t: [t[0], t[1].clone().index_fill_(0, torch.tensor([5]), 77),
+                                   *t[2:]],
+                        "payload checksum mismatch"),
+    "descriptor dtype": (lambda t: _tweak_header(t, 6, (1000 << 8) | 3),
+                         r"scored_mask\): dtype code 3"),
+    "empty": (lambda t: [], "empty message"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_rejected_naming_the_problem(case):
+    mangle, pattern = MALFORMED[case]
+    with pytest.raises(ChannelError, match=pattern):
+        decode(mangle(_traj_tensors()))
+
+
+def test_limits_and_bad_payload_content():
+    tensors = _traj_tensors()
+    with pytest.raises(ChannelError, match=r"tokens\): 1000 elements, over the limit "
+                                           r"max_tokens=999"):
+        decode(tensors, Limits(max_tokens=999))
+    with pytest.raises(ChannelError, match="max_tokens=10"):  # the sender finds out first
+        encode(cw.bench_message(0), Limits(max_tokens=10))
+    with pytest.raises(ChannelError, match="path.*max_bytes=4"):
+        encode(Publish(1, "/a/long/path"), Limits(max_bytes=4))
+    # Payload bytes that pass the checksum but are not what the type promises.
+    pub = encode(Publish(1, "ab"))
+    bad = torch.tensor([0xFF, 0xFE], dtype=torch.uint8)
+    with pytest.raises(ChannelError, match="Publish path: invalid utf-8"):
+        decode(_seal(pub[0], [bad]))
+    ints = tensors[4].clone()
+    ints[1] = 2  # has_prompt_len flag
+    with pytest.raises(ChannelError, match="has_prompt_len flag 2"):
+        decode(_seal(tensors[0], [*tensors[1:4], ints, tensors[5]]))
+    ids = encode(RegisterBatch(0, "grpo", {}, {}, 0))
+    with pytest.raises(ChannelError, match="RegisterBatch batch_json: invalid JSON"):
+        decode(_seal(ids[0], [ids[1], ids[2][:-1]]))
+
+
+def test_encode_rejects_what_it_cannot_carry_exactly():
+    src = cw.bench_message(0).source
+    cases = {
+        "tokens must be a flat sequence of integers": replace(src, tokens=(1, 2.5)),
+        "scored_mask: values must fit uint8": replace(src, scored_mask=(0, 256)),
+        "policy_version must be an int64 integer": replace(src, policy_version=True),
+        "traj_id must be a str": replace(src, traj_id=7),
+        "tokens must be a flat sequence of integers within int64": replace(src, tokens=(1, 2**70)),
+    }
+    for pattern, bad in cases.items():
+        with pytest.raises(ChannelError, match=pattern):
+            encode(TrajectoryMsg(bad))
+    with pytest.raises(ChannelError, match="not a channel message"):
+        encode("hello")
+    with pytest.raises(ChannelError, match="groups must map"):
+        encode(RegisterBatch(0, "grpo", {"g": [1, 2]}, {}, 0))
+    with pytest.raises(ChannelError, match="teacher_logprobs must be a real"):
+        encode(TurnMsg(TurnSource("t", "g", 0, 1, 0, (1,), (0,), ("x",), 0)))
+    nan_reward = decode(encode(TrajectoryMsg(replace(src, reward=math.nan))))
+    assert math.isnan(nan_reward.source.reward)  # content checks are the learner's
+
+
+# ---------------------------------------------------------------- links, one process
+
+@contextmanager
+def link_pair(timeout_s: float = 10, limits: Limits = Limits()):
+    """(rollout link, learner link) for one learner, both ends in this process."""
+    port, box = free_port(), {}
+    th = threading.Thread(target=lambda: box.update(
+        links=open_rollout_side("127.0.0.1", port, 1, timeout_s, limits)))
+    th.start()
+    learner = open_learner_side("127.0.0.1", port, 0, 1, timeout_s, limits)
+    th.join()
+    (rollout,) = box["links"]
+    try:
+        yield rollout, learner
+    finally:
+        rollout.close()
+        learner.close()
+
+
+def test_timeout_keeps_link_and_shutdown_handshake():
+    with link_pair(limits=Limits(max_tokens=2000)) as (rollout, learner):
+        t0 = time.monotonic()
+        with pytest.raises(ChannelTimeout, match="nothing arrived within 0.2 s"):
+            learner.recv(0.2)
+        assert time.monotonic() - t0 < 2
+        rollout.send(CloseBatch(version=1, rollout_time_s=0.5, n_sources=3))
+        assert learner.recv(5) == CloseBatch(1, 0.5, 3)  # the timeout broke nothing
+        with pytest.raises(ChannelError, match="learner side does not send TrajectoryMsg"):
+            learner.send(cw.bench_message(0))
+        with pytest.raises(ChannelError, match="max_tokens=2000"):
+            rollout.send(TrajectoryMsg(replace(cw.bench_message(0).source, tokens=(1,) * 2001,
+                                               scored_mask=(0,) * 2001)))
+        learner.send(Publish(1, "p"))
+        assert rollout.recv(5) == Publish(1, "p")
+        rollout.send(Shutdown("done"))
+        assert learner.recv(5) == Shutdown("done")
+        with pytest.raises(PeerGone, match="peer sent Shutdown"):
+            learner.recv(5)
+        with pytest.raises(PeerGone):
+            learner.send(Publish(2, "q"))
+        assert rollout.recv(5) == Shutdown("reply")  # the automatic reply ends rollout's reader
+        t0 = time.monotonic()
+        rollout.close()
+        learner.close()
+        assert time.monotonic() - t0 < 2
+        with pytest.raises(ChannelError, match="after close"):
+            rollout.send(Ack(1, True))
+
+
+def _raw_send(link, tensors: list[torch.Tensor]) -> None:
+    """Bypass Link.send's checks, as a buggy or foreign peer would."""
+    for tag, t in enumerate(tensors):
+        if t.numel():
+            link._pg.send([t], link._peer, tag).wait()
+
+
+@pytest.mark.parametrize("fault", ["bad magic", "wrong direction"])
+def test_protocol_error_is_final_and_told_to_the_peer(fault):
+    with link_pair() as (rollout, learner):
+        if fault == "bad magic":
+            victim, peer = learner, rollout
+            _raw_send(rollout, _tweak_header(encode(Shutdown("x")), 0, 7)[:1])
+            pattern = "bad magic 0x7"
+        else:
+            victim, peer = rollout, learner
+            _raw_send(learner, encode(cw.bench_message(0)))
+            pattern = "unexpected TrajectoryMsg from the learner side"
+        for _ in range(2):  # final: raised again on every later recv
+            with pytest.raises(ChannelError, match=pattern):
+                victim.recv(5)
+        told = peer.recv(5)
+        assert isinstance(told, Shutdown) and "protocol error" in told.reason
+        assert pattern.split()[0] in told.reason
+
+
+def test_rendezvous_failures_are_named():
+    with pytest.raises(ChannelTimeout, match="not reachable"):
+        open_learner_side("127.0.0.1", free_port(), 0, 1, timeout_s=1)
+    port, box = free_port(), {}
+
+    def host():
+        try:
+            open_rollout_side("127.0.0.1", port, 1, timeout_s=2)
+        except ChannelError as e:
+            box["err"] = e
+
+    th = threading.Thread(target=host)
+    th.start()
+    with pytest.raises(ChannelError, match="rollout expects 1 learner ranks, this learner was "
+                                           "launched with 2"):
+        open_learner_side("127.0.0.1", port, 0, 2, timeout_s=5)
+    th.join()
+    assert isinstance(box.get("err"), ChannelTimeout) and "learner rank 0" in str(box["err"])
+
+
+# ---------------------------------------------------------------- links between processes
+
+def _spawn(*args) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH"))
+                                          if p))
+    return subprocess.Popen([sys.executable, WORKER, *map(str, args)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _finish(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=30)
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"worker failed (rc {proc.returncode}):\n{err[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_two_process_round_trip_and_latency():
+    n_bench, port = 200, free_port()
+    proc = _spawn("learner", port, n_bench, free_port())
+    try:
+        (link,) = open_rollout_side("127.0.0.1", port, 1, timeout_s=30)
+        assert link.recv(30) == cw.HELLO
+        for msg in cw.sample_rollout_messages():
+            link.send(msg)
+        assert link.recv(10) == cw.PUBLISH
+        rtts = []
+        for i in range(n_bench):
+            msg = cw.bench_message(i)
+            t0 = time.perf_counter()
+            link.send(msg)
+            reply = link.recv(10)
+            rtts.append(time.perf_counter() - t0)
+            assert reply == Publish(version=i, path="")
+        assert link.recv(10) == Shutdown("learner done")
+        with pytest.raises(PeerGone, match="Shutdown"):
+            link.recv(5)
+        link.close()
+        result = _finish(proc)
+    finally:
+        proc.kill()
+    assert result == {"mismatches": [], "reply": "reply", "default_pg_ok": True}
+    ms = sorted(r * 1e3 for r in rtts)
+    print(f"\n1k-token TrajectoryMsg + Publish reply round trip over {n_bench}: "
+          f"median {statistics.median(ms):.2f} ms, p90 {ms[int(0.9 * len(ms))]:.2f} ms, "
+          f"min {ms[0]:.2f} ms")
+    assert statistics.median(ms) < 50
+
+
+@pytest.mark.parametrize("killed", ["learner", "rollout"])
+def test_killed_peer_surfaces_fast(killed):
+    port = free_port()
+    proc = _spawn("idle" if killed == "learner" else "idle_rollout", port)
+    try:
+        if killed == "learner":
+            (link,) = open_rollout_side("127.0.0.1", port, 1, timeout_s=30)
+            assert link.recv(30) == cw.HELLO
+        else:
+            link = open_learner_side("127.0.0.1", port, 0, 1, timeout_s=30)
+            assert link.recv(30) == Ack(0, True)
+        t0 = time.monotonic()
+        proc.kill()
+        with pytest.raises((PeerGone, ChannelTimeout)) as err:
+            link.recv(10)
+        waited = time.monotonic() - t0
+        print(f"\nkilled {killed}: {type(err.value).__name__} {waited * 1e3:.1f} ms after SIGKILL "
+              f"({err.value})")
+        assert waited < 5
+        with pytest.raises((PeerGone, ChannelTimeout)):
+            link.send(Ack(1, True) if killed == "learner" else Publish(1, "x"))
+        t0 = time.monotonic()
+        link.close()
+        assert time.monotonic() - t0 < 2
+    finally:
+        proc.kill()
+        proc.communicate(timeout=10)

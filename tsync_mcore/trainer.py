@@ -1,0 +1,173 @@
+"""The learner process loop: channel in, one update per batch, publication out.
+
+    hello (rank 0: resume point) → publish θ_start → per update k:
+      RegisterBatch → sources stream in and are served as they arrive → CloseBatch
+      → close: reduce, clip, one optimizer step → publish θ_{k+1} and wait for the
+      rollout's acknowledgement (rank 0) → metrics, checkpoint
+The other ranks need not wait for the acknowledgement: the rollout registers batch k+1
+only after it has reloaded θ_{k+1}, so their next receive is the barrier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import yaml
+
+from tsync_mcore import checkpoint, publish
+from tsync_mcore.channel import (Ack, ChannelError, ChannelTimeout, CloseBatch, Hello,
+                                 RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg,
+                                 open_learner_side)
+from tsync_mcore.config import Config, to_dict
+from tsync_mcore.learner import Learner
+from tsync_mcore.learner_opd import OPDLearner
+from tsync_mcore.policy import Policy
+from tsync_mcore.sources import BatchPlan, SourceError
+
+
+class LearnerStopped(RuntimeError):
+    """The learner stopped before finishing its updates; the message says why."""
+
+
+class Trainer:
+    def __init__(self, cfg: Config, resume: bool = False):
+        self.cfg = cfg
+        self.policy = Policy(cfg)
+        self.par = self.policy.par
+        self.opd = cfg.learner.objective == "opd"
+        self.version, self.data_pos = 0, 0
+        if resume:
+            ckpt = checkpoint.latest(cfg.run.dir)
+            if ckpt is None:
+                raise LearnerStopped(f"--resume: no checkpoint under {cfg.run.dir}/checkpoints")
+            meta = checkpoint.load(ckpt, self.policy)
+            self.version, self.data_pos = meta["version"], meta["data_pos"]
+        if self.opd:
+            self.learner = OPDLearner(cfg.learner, self.policy, self.version,
+                                      replay_mode=cfg.learner.opd_replay)
+        else:
+            self.learner = Learner(cfg.learner, self.policy, self.version)
+        if self.par.rank == 0:
+            os.makedirs(cfg.run.dir, exist_ok=True)
+            with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
+                yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        ch = cfg.channel
+        self.link = open_learner_side(ch.addr, ch.port, self.par.rank, self.par.world_size,
+                                      timeout_s=ch.timeout_s)
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            if self.par.rank == 0:
+                self.link.send(Hello(self.version, self.data_pos))
+            self._publish()  # replicas start from exactly θ_start
+            while self.version < self.cfg.run.updates:
+                self._update()
+            if self.par.rank == 0:
+                self.link.send(Shutdown("learner finished all updates"))
+        except ChannelError as e:
+            waiting = self.learner.waiting_for()
+            raise LearnerStopped(
+                f"learner rank {self.par.rank} stopped at policy version {self.version}: {e}"
+                + (f"; still waiting for {waiting}" if waiting else "")
+                + ". θ and the last checkpoint are intact.") from e
+        finally:
+            self.link.close()
+
+    def _update(self) -> None:
+        cfg = self.cfg
+        reg = self._recv(RegisterBatch)
+        t_start = time.perf_counter()
+        if reg.version != self.version:
+            raise LearnerStopped(f"rollout registered a batch for policy version {reg.version}, "
+                                 f"the learner is at {self.version}")
+        plan = BatchPlan(groups={g: list(ts) for g, ts in reg.groups.items()})
+        if self.opd:
+            self.learner.begin(plan, dict(reg.n_turns))
+        else:
+            self.learner.begin(plan)
+        rewards: list[float] = []
+        rejected = 0
+        while True:
+            msg = self.link.recv(timeout_s=cfg.channel.timeout_s)
+            if isinstance(msg, (TrajectoryMsg, TurnMsg)):
+                try:
+                    self.learner.submit(msg.source)
+                except SourceError as e:  # never trained on; the learner state is untouched
+                    rejected += 1
+                    print(f"[learner rank {self.par.rank}] rejected: {e}", file=sys.stderr,
+                          flush=True)
+                    continue
+                if isinstance(msg, TrajectoryMsg):
+                    rewards.append(float(msg.source.reward))
+            elif isinstance(msg, CloseBatch):
+                close = msg
+                break
+            else:
+                raise LearnerStopped(f"unexpected {type(msg).__name__} during batch {self.version}")
+        t_closed = time.perf_counter()
+        result = self.learner.close()
+        t_stepped = time.perf_counter()
+        self.version += 1
+        self.data_pos = reg.data_pos
+        publish_s = self._publish()
+        t_end = time.perf_counter()
+        if cfg.run.save_every and self.version % cfg.run.save_every == 0 \
+                or self.version == cfg.run.updates:
+            checkpoint.save(cfg.run.dir, self.policy, self.version, self.data_pos)
+        n_r = self.policy.dp_sum(len(rewards))
+        reward_mean = self.policy.dp_sum(sum(rewards)) / n_r if n_r else None
+        stale = sum(1 for e in result.trace if e.get("policy_version", result.policy_version)
+                    != result.policy_version)
+        metrics = dict(
+            step=self.version, policy_version=result.policy_version,
+            schedule=cfg.learner.schedule, objective=cfg.learner.objective,
+            step_wall_time_s=t_end - t_start, rollout_time_s=close.rollout_time_s,
+            learner_tail_s=t_stepped - t_closed, publish_time_s=publish_s,
+            reward_mean=reward_mean if reward_mean is not None else close.reward_mean,
+            trajectories=close.n_sources if not self.opd else len(reg.n_turns),
+            scored_tokens=result.scored_tokens, stale_sources=int(self.policy.dp_sum(stale)),
+            rejected_sources=int(self.policy.dp_sum(rejected)),
+            grad_norm=result.grad_norm, accum_peak_bytes=result.accum_peak_bytes,
+            kv_peak_bytes=result.kv_peak_bytes)
+        self._write_trace(result.trace)
+        if self.par.rank == 0:
+            with open(os.path.join(cfg.run.dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            print("STEP " + json.dumps(metrics), flush=True)
+
+    # --- publication ----------------------------------------------------------------------
+
+    def _publish(self) -> float:
+        """Export θ_version, hand it to the rollout and wait for its acknowledgement."""
+        t0 = time.perf_counter()
+        path = publish.write(self.policy, self.cfg.run.publish_dir, self.version)
+        if self.par.rank != 0:
+            return 0.0
+        self.link.send(publish.notice(self.version, path))
+        ack = self._recv(Ack, timeout_s=self.cfg.channel.ack_timeout_s)
+        if ack.version != self.version or not ack.ok:
+            raise LearnerStopped(f"rollout did not load policy version {self.version} "
+                                 f"(ack for {ack.version}, ok={ack.ok}: {ack.error}); "
+                                 f"refusing to train on the old policy")
+        publish.cleanup(self.cfg.run.publish_dir, keep=self.version)
+        return time.perf_counter() - t0
+
+    def _recv(self, kind: type, timeout_s: float | None = None):
+        msg = self.link.recv(timeout_s=timeout_s or self.cfg.channel.timeout_s)
+        if isinstance(msg, Shutdown):
+            raise LearnerStopped(f"rollout shut down: {msg.reason}")
+        if not isinstance(msg, kind):
+            raise LearnerStopped(f"expected {kind.__name__}, got {type(msg).__name__}")
+        return msg
+
+    def _write_trace(self, trace: list[dict]) -> None:
+        path = os.path.join(self.cfg.run.dir, "traces", f"rank{self.par.rank}.jsonl")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a") as f:
+            for e in trace:
+                f.write(json.dumps({"update": self.version - 1, **e}) + "\n")
