@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test setup clean-venv
+.PHONY: test demo setup clean-venv
 
 $(VENV)/.ready: requirements.txt pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -21,6 +21,10 @@ setup: $(VENV)/.ready
 
 test: setup
 	$(VPY) -m pytest -q tests
+
+# The main job: a real GRPO training run on the embedded CPU default (see configs/demo.yaml).
+demo: setup
+	$(VPY) launch/demo.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -48,7 +48,8 @@ def main() -> None:
         from tsync_mcore.testing.tiny import make_tiny_checkpoint
         print(f"creating a tiny Qwen2 checkpoint + tokenizer in {cfg.model.hf_dir}", flush=True)
         make_tiny_checkpoint(cfg.model.hf_dir, arch="qwen2", vocab_size=320, hidden=64,
-                             layers=2, heads=4, kv_heads=2, intermediate=128, seed=0)
+                             layers=2, heads=2, kv_heads=1, intermediate=128, seed=0)
+        # heads=2: vLLM's CPU attention needs head_dim >= 32
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     common = ["--config", args.config, "--set", *overrides]

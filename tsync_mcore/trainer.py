@@ -90,7 +90,6 @@ class Trainer:
             self.learner.begin(plan, dict(reg.n_turns))
         else:
             self.learner.begin(plan)
-        rewards: list[float] = []
         rejected = 0
         while True:
             msg = self.link.recv(timeout_s=cfg.channel.timeout_s)
@@ -102,8 +101,6 @@ class Trainer:
                     print(f"[learner rank {self.par.rank}] rejected: {e}", file=sys.stderr,
                           flush=True)
                     continue
-                if isinstance(msg, TrajectoryMsg):
-                    rewards.append(float(msg.source.reward))
             elif isinstance(msg, CloseBatch):
                 close = msg
                 break
@@ -119,8 +116,6 @@ class Trainer:
         if cfg.run.save_every and self.version % cfg.run.save_every == 0 \
                 or self.version == cfg.run.updates:
             checkpoint.save(cfg.run.dir, self.policy, self.version, self.data_pos)
-        n_r = self.policy.dp_sum(len(rewards))
-        reward_mean = self.policy.dp_sum(sum(rewards)) / n_r if n_r else None
         stale = sum(1 for e in result.trace if e.get("policy_version", result.policy_version)
                     != result.policy_version)
         metrics = dict(
@@ -128,7 +123,7 @@ class Trainer:
             schedule=cfg.learner.schedule, objective=cfg.learner.objective,
             step_wall_time_s=t_end - t_start, rollout_time_s=close.rollout_time_s,
             learner_tail_s=t_stepped - t_closed, publish_time_s=publish_s,
-            reward_mean=reward_mean if reward_mean is not None else close.reward_mean,
+            reward_mean=close.reward_mean,
             trajectories=close.n_sources if not self.opd else len(reg.n_turns),
             scored_tokens=result.scored_tokens, stale_sources=int(self.policy.dp_sum(stale)),
             rejected_sources=int(self.policy.dp_sum(rejected)),

@@ -69,6 +69,11 @@ class Link:
         self._reader = threading.Thread(target=self._read_loop, name=self.name, daemon=True)
         self._reader.start()
 
+    @property
+    def peer_shutdown(self) -> str | None:
+        """The reason the peer gave in its Shutdown, once one arrived (else None)."""
+        return self._peer_shutdown
+
     # ------------------------------------------------------------ sending
     def send(self, msg: Message) -> None:
         """Deliver one message; blocks until the peer's reader took it (≤ timeout_s)."""

@@ -1,0 +1,32 @@
+"""Rollout launcher: `python launch/rollout.py --config C`, alongside the learner's torchrun.
+
+Hosts the readiness channel (config `channel.addr`/`channel.port`), runs the vLLM engine
+and the agent loop, and streams ready sources to the learner ranks.
+"""
+
+import argparse
+import sys
+
+from tsync_mcore.config import load_config
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--config", required=True)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="override config keys, e.g. rollout.groups_per_batch=4")
+    args = p.parse_args()
+    import yaml
+    cfg = load_config(args.config, {k: yaml.safe_load(v) for k, _, v in
+                                    (s.partition("=") for s in args.set)})
+    from tsync_mcore.rollout.driver import RolloutDriver, RolloutStopped
+    try:
+        RolloutDriver(cfg).run()
+    except RolloutStopped as e:
+        import traceback; traceback.print_exc()
+        print(f"rollout stopped: {e}", file=sys.stderr, flush=True)
+        sys.exit(3)
+
+
+if __name__ == "__main__":
+    main()

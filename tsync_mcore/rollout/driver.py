@@ -1,0 +1,227 @@
+"""The rollout process: vLLM engine + agent loop, streaming ready sources to the learners.
+
+    hello ← learner rank 0 (resume point)   reload θ_start, ack
+    per update k:
+      RegisterBatch → every learner rank (the groups of batch k; group → rank is the
+      learner's own deterministic assignment)
+      launch every trajectory at once; each one is sent to its owner rank the moment its
+      reward is fixed (GRPO) — or each turn the moment the teacher scored it (OPD)
+      CloseBatch → every rank; wait for Publish(θ_{k+1}), reload in place, reset the prefix
+      cache, Ack. Only then does batch k+1 start.
+A learner that dies or stops surfaces here as PeerGone/ChannelTimeout: the rollout stops
+cleanly with that reason instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+from transformers import AutoTokenizer
+
+from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, Hello, Link, PeerGone,
+                                 Publish, RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg,
+                                 open_rollout_side)
+from tsync_mcore.config import Config
+from tsync_mcore.rollout.agent import run_batch
+from tsync_mcore.rollout.engine import EngineThread, RolloutEngine, TeacherScorer
+from tsync_mcore.rollout.envs import SkyRLGymAdapter, ToyToolConfig, ToyToolEnv
+from tsync_mcore.sources import BatchPlan, TrajectorySource, TurnSource, assign_groups
+
+
+FINISHED = "learner finished"  # reason prefix of the learner's Shutdown after its last update
+
+
+class RolloutStopped(RuntimeError):
+    """The rollout stopped before the learner finished; the message says why."""
+
+
+@dataclass
+class _Batch:
+    version: int
+    groups: dict[str, list[str]]
+    env_seeds: list[int]
+    seeds: list[int]
+    traj_ids: list[str]
+    group_of: list[str]
+
+
+class RolloutDriver:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.rc = cfg.rollout
+        self.opd = cfg.learner.objective == "opd"
+        self.tp = cfg.model.tp
+        ch = cfg.channel
+        self.links: list[Link] = open_rollout_side(ch.addr, ch.port, self.rc.n_learners,
+                                                   timeout_s=ch.timeout_s)
+        self.tok = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
+        self.et = EngineThread()
+        self.engine: RolloutEngine = self.et.run(self._make_engine())
+        self.teacher = TeacherScorer(self.rc.teacher_dir) if self.opd else None
+        if self.opd and not self.rc.teacher_dir:
+            raise RolloutStopped("OPD needs rollout.teacher_dir (the frozen teacher's HF directory)")
+
+    async def _make_engine(self) -> RolloutEngine:
+        engine = RolloutEngine(self.cfg.model.hf_dir, seed=self.cfg.seed,
+                               kv_cache_gib=self.rc.kv_cache_gib,
+                               max_model_len=max(self.rc.max_total_tokens, 64))
+        await engine.warmup()
+        return engine
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            hello = self._recv(0, Hello)
+            version, data_pos = hello.version, hello.data_pos
+            self._serve_publish(version)
+            while version < self.cfg.run.updates:
+                batch = self._plan(version, data_pos)
+                data_pos += self.rc.groups_per_batch
+                for link in self.links:
+                    link.send(RegisterBatch(
+                        version=version, objective=self.cfg.learner.objective,
+                        groups=batch.groups, n_turns=self._n_turns(batch), data_pos=data_pos))
+                t0 = time.perf_counter()
+                n_sources, reward_mean = self.et.run(self._rollout(batch))
+                close = CloseBatch(version=version, rollout_time_s=time.perf_counter() - t0,
+                                   n_sources=n_sources, reward_mean=reward_mean)
+                for link in self.links:
+                    link.send(close)
+                version += 1
+                if not self._serve_publish(version):
+                    return  # the learner finished
+        except ChannelError as e:
+            raise RolloutStopped(str(e)) from e
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()
+        try:
+            self.et.run(self.engine.aclose())
+        finally:
+            self.et.close()
+
+    # --- one batch ------------------------------------------------------------------------
+
+    def _plan(self, version: int, data_pos: int) -> _Batch:
+        groups, env_seeds, seeds, traj_ids, group_of = {}, [], [], [], []
+        for g in range(self.rc.groups_per_batch):
+            gid = f"v{version}-g{g}"
+            members = [f"{gid}-t{i}" for i in range(self.rc.group_size)]
+            groups[gid] = members
+            for i, tid in enumerate(members):
+                env_seeds.append(data_pos + g)  # members share the task (prompt)
+                seeds.append(hash((self.cfg.seed, version, g, i)) & 0x7FFFFFFF)
+                traj_ids.append(tid)
+                group_of.append(gid)
+        return _Batch(version, groups, env_seeds, seeds, traj_ids, group_of)
+
+    def _n_turns(self, batch: _Batch) -> dict[str, int]:
+        # OPD registers turn counts up front; the toy task always runs max_turns turns.
+        return {t: self.rc.max_turns for t in batch.traj_ids} if self.opd else {}
+
+    def _owners(self, batch: _Batch) -> dict[str, list[int]]:
+        """Group → the learner ranks that serve it (all TP ranks of its DP owner)."""
+        dp = self.rc.n_learners // self.tp
+        owner = assign_groups(BatchPlan(groups=batch.groups), {}, dp)
+        return {g: [d * self.tp + t for t in range(self.tp)] for g, d in owner.items()}
+
+    def _envs(self, n: int) -> list:
+        if self.rc.env == "toy":
+            conf = ToyToolConfig(max_turns=self.rc.max_turns,
+                                 latency_median_s=self.rc.tool_latency_s,
+                                 tool_timeout_s=self.rc.tool_timeout_s)
+            return [ToyToolEnv(self.tok, conf, latency_rng=random.Random(i)) for i in range(n)]
+        name = self.rc.env.split(":", 1)[1]
+        prompt = [{"role": "user", "content": "Solve the task step by step."}]
+        return [SkyRLGymAdapter.from_registry(name, self.tok, prompt) for _ in range(n)]
+
+    async def _rollout(self, batch: _Batch) -> tuple[int, float | None]:
+        owners = self._owners(batch)
+        order = 0
+        n = len(batch.traj_ids)
+
+        def send(gid: str, msg) -> None:
+            for r in owners[gid]:
+                self.links[r].send(msg)
+
+        def on_turn(i: int):
+            tid, gid = batch.traj_ids[i], batch.group_of[i]
+
+            async def release(turn: int, tokens: list[int], start: int, end: int,
+                              mask: list[int]) -> None:
+                nonlocal order
+                span = tokens[start:end]
+                scored = [p for p in range(start, end) if mask[p]]
+                teacher = await self.teacher.ascore(tokens[:end], scored)
+                lp = [None] * (end - start)
+                for p, v in zip(scored, teacher):
+                    lp[p - start] = v
+                send(gid, TurnMsg(TurnSource(
+                    traj_id=tid, group_id=gid, turn=turn, n_turns=self.rc.max_turns,
+                    start=start, tokens=tuple(span),
+                    scored_mask=tuple(mask[start:end]), teacher_logprobs=tuple(lp),
+                    policy_version=batch.version, ready_order=order,
+                    prompt_len=None)))
+                order += 1
+            return release
+
+        rewards = []
+        kwargs = dict(max_turns=self.rc.max_turns, max_tokens_per_turn=self.rc.max_tokens_per_turn,
+                      max_total_tokens=self.rc.max_total_tokens, temperature=self.rc.temperature,
+                      step_timeout_s=self.rc.tool_timeout_s * 2)
+        async for i, res in run_batch(self.engine, self._envs(n), seeds=batch.seeds,
+                                      env_seeds=batch.env_seeds,
+                                      on_turn=on_turn if self.opd else None, **kwargs):
+            rewards.append(res.reward)
+            if self.opd:
+                continue
+            send(batch.group_of[i], TrajectoryMsg(TrajectorySource(
+                traj_id=batch.traj_ids[i], group_id=batch.group_of[i], tokens=tuple(res.tokens),
+                scored_mask=tuple(res.scored_mask), reward=float(res.reward),
+                policy_version=batch.version, ready_order=order, prompt_len=res.prompt_len)))
+            order += 1
+        reward_mean = sum(rewards) / len(rewards) if rewards else None
+        return order, reward_mean
+
+    # --- publication ----------------------------------------------------------------------
+
+    def _serve_publish(self, version: int) -> bool:
+        """Wait for θ_version from learner rank 0, reload it, acknowledge. False once the
+        learner says it finished."""
+        try:
+            msg = self.links[0].recv(timeout_s=self.cfg.channel.timeout_s)
+        except PeerGone:
+            if (self.links[0].peer_shutdown or "").startswith(FINISHED):
+                return False
+            raise
+        if isinstance(msg, Shutdown):
+            if msg.reason.startswith(FINISHED):
+                return False
+            raise RolloutStopped(f"learner shut down: {msg.reason}")
+        if not isinstance(msg, Publish):
+            raise RolloutStopped(f"expected Publish, got {type(msg).__name__}")
+        if msg.version != version:
+            self.links[0].send(Ack(version=msg.version, ok=False,
+                                   error=f"rollout expected version {version}"))
+            raise RolloutStopped(f"learner published version {msg.version}, expected {version}")
+        try:
+            seconds = self.et.run(self.engine.reload_weights(msg.path))
+        except Exception as e:  # tell the learner; it must not train on the old policy
+            self.links[0].send(Ack(version=version, ok=False, error=f"reload failed: {e}"))
+            raise RolloutStopped(f"reload of {msg.path} failed: {e}") from e
+        self.links[0].send(Ack(version=version, ok=True, reload_time_s=seconds))
+        return True
+
+    def _recv(self, rank: int, kind: type):
+        msg = self.links[rank].recv(timeout_s=self.cfg.channel.timeout_s)
+        if not isinstance(msg, kind):
+            raise RolloutStopped(f"expected {kind.__name__} from learner rank {rank}, "
+                                 f"got {type(msg).__name__}")
+        return msg

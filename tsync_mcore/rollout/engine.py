@@ -1,0 +1,308 @@
+"""Rollout side: a vLLM generation engine with in-place weight reload, and a frozen teacher.
+
+`RolloutEngine` wraps vLLM's `AsyncLLM` for a local Hugging Face directory. In vLLM 0.32
+`AsyncLLM` always runs its engine core in a child process (spawned: scripts that create
+one need the `if __name__ == "__main__":` guard); `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps
+the model executor inside that child instead of a third process (start ~12 s instead of
+~19 s on 2 cores). Weights reach the child as a path to an HF-named safetensors file
+(tensors sent through `collective_rpc` would arrive as Python lists).
+
+`EngineThread` owns an event loop in a background thread so that a non-async caller (the
+launcher, pytest) can drive the engine and the agent coroutines: `et.run(coro)`.
+
+`TeacherScorer` is the frozen OPD teacher, in plain PyTorch on the HF model (fp32, no
+grad). A second in-process vLLM engine driven from another thread gives wrong outputs or
+crashes (vLLM's forward context is process-global), and vLLM's `prompt_logprobs` never
+reads the prefix cache, so it is no cheaper per turn. The vLLM alternative, when the
+teacher is large: an `LLM` in its own process scoring with
+`SamplingParams(max_tokens=1, prompt_logprobs=0)` and reading
+`out.prompt_logprobs[p][ids[p]].logprob`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+WORKER_EXTENSION = "tsync_mcore.rollout.worker_ext.ReloadExtension"
+
+
+def _set_cpu_env(kv_cache_gib: float) -> None:
+    # vLLM reads these at engine creation; explicit values from the caller's env win.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if not torch.cuda.is_available():
+        # The CPU default asks for most of RAM and fails on small machines.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, round(kv_cache_gib)))))
+
+
+@dataclass(frozen=True)
+class GenOut:
+    """One completion: sampled ids, their log-probs under the sampling policy, why it stopped.
+
+    `logprobs` are raw (temperature-free) log-softmax values of the model's logits, vLLM's
+    default `logprobs_mode`; at temperature 1 they are the behaviour policy's log-probs.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (EOS or a stop id) or "length"
+    policy_version: int  # engine weight version when the request finished
+
+
+class RolloutEngine:
+    """vLLM `AsyncLLM` over a local HF checkpoint, generating from token ids.
+
+    All coroutines must run on one event loop (the one that first calls `generate`);
+    build it on that loop too (see `EngineThread`). `max_model_len` defaults to the
+    checkpoint's; `kv_cache_gib` sets `VLLM_CPU_KVCACHE_SPACE` on CPU unless the caller's
+    environment already does; `gpu_memory_utilization` is passed through on GPU.
+    `enforce_eager` skips torch.compile (its warm-up costs ~35 s on 2 cores).
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        dtype: str = "float32",
+        kv_cache_gib: float = 1.0,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enforce_eager: bool = True,
+        enable_prefix_caching: bool = True,
+        gpu_memory_utilization: float | None = None,
+    ) -> None:
+        _set_cpu_env(kv_cache_gib)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=model_dir,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            # On CPU a chunked prefill discards the partial step's sampled token and rewinds
+            # a seeded request's generator with `set_offset`, which CPU generators lack:
+            # the engine core dies ("CPU Generator does not use offset"). Whole prompts per
+            # step avoid it; vLLM then raises the token budget to at least max_model_len.
+            enable_chunked_prefill=None if torch.cuda.is_available() else False,
+            max_num_batched_tokens=max_num_batched_tokens,
+            worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=True,
+            **({} if gpu_memory_utilization is None
+               else {"gpu_memory_utilization": gpu_memory_utilization}),
+        )
+        self.model_dir = model_dir
+        # vLLM may seed the global RNGs of the launching process; keep the caller's streams.
+        cpu_rng, py_rng = torch.get_rng_state(), random.getstate()
+        try:
+            self._llm: Any = AsyncLLM.from_engine_args(args)
+        finally:
+            torch.set_rng_state(cpu_rng)
+            random.setstate(py_rng)
+        self.max_model_len: int = self._llm.model_config.max_model_len
+        self.vocab_size: int = self._llm.model_config.get_vocab_size()
+        self.version = 0  # bumped by every reload_weights
+        self._reload_lock: asyncio.Lock | None = None
+        self._closed = False
+
+    def _live(self) -> Any:
+        if self._llm is None:
+            raise RuntimeError("RolloutEngine: used after shutdown")
+        return self._llm
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        top_p: float = 1.0,
+    ) -> GenOut:
+        """Sample one completion of `prompt_ids`; EOS of the checkpoint always stops it."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if not prompt_ids:
+            raise ValueError("generate: empty prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"generate: prompt of {len(prompt_ids)} tokens leaves no room in "
+                             f"max_model_len={self.max_model_len}")
+        if max_tokens < 1:
+            raise ValueError(f"generate: max_tokens must be >= 1, got {max_tokens}")
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            logprobs=0,  # the sampled token's own log-prob only
+            stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
+            detokenize=False,  # ids in, ids out: skip detokenizer work
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        # Unique per call: a multi-turn trajectory issues one request per turn.
+        request_id = f"tsync-{uuid.uuid4().hex}"
+        final = None
+        async for out in self._live().generate(TokensPrompt(prompt_token_ids=list(prompt_ids)),
+                                            params, request_id=request_id):
+            final = out
+        if final is None or not final.outputs:
+            raise RuntimeError(f"generate: request {request_id} returned no output")
+        comp = final.outputs[0]
+        ids = list(comp.token_ids)
+        lps = [float(comp.logprobs[i][t].logprob) for i, t in enumerate(ids)]
+        return GenOut(ids, lps, str(comp.finish_reason), self.version)
+
+    async def reload_weights(
+        self, path: str, *, mode: Literal["keep", "wait", "abort"] = "keep"
+    ) -> float:
+        """Load an HF-named safetensors file into the running engine; return seconds taken.
+
+        `mode` says what happens to requests in flight: "keep" freezes them and, after the
+        update, preempts them so that their K/V is recomputed with the new weights (their
+        earlier tokens stay; later ones sample from the new policy); "wait" drains them
+        first; "abort" ends them. The prefix cache is always cleared: its blocks hold K/V
+        of the old weights. A file may hold a subset of parameters, but whole layers only.
+        """
+        if self._reload_lock is None:
+            self._reload_lock = asyncio.Lock()
+        path = os.path.abspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(path)
+        async with self._reload_lock:
+            t0 = time.perf_counter()
+            llm = self._live()
+            await llm.pause_generation(mode=mode, clear_cache=False)
+            try:
+                await llm.collective_rpc("tsync_reload_from_file", args=(path,))
+                # Frozen requests hold K/V blocks; without preempting them the reset fails
+                # and later prompts could hit stale prefix blocks.
+                ok = await llm.reset_prefix_cache(reset_running_requests=True)
+                if not ok:
+                    raise RuntimeError("reload_weights: prefix cache could not be reset")
+                self.version += 1
+            finally:
+                await llm.resume_generation()
+            return time.perf_counter() - t0
+
+    async def warmup(self, prompt_len: int = 8, batch: int = 8, max_tokens: int = 4) -> float:
+        """Run one small seeded batch with log-probs; the first such call is slow (~2 s)."""
+        t0 = time.perf_counter()
+        ids = [i % max(2, self.vocab_size - 1) + 1 for i in range(prompt_len)]
+        await asyncio.gather(*[self.generate(ids, max_tokens=max_tokens, seed=i)
+                               for i in range(batch)])
+        return time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        """Stop the engine-core process. From its event loop prefer `await aclose()`."""
+        if not self._closed:
+            self._closed = True
+            llm, self._llm = self._llm, None
+            llm.shutdown()
+            # Drop the last reference now: AsyncLLM.__del__ shuts down again, which fails
+            # at interpreter exit once vLLM's module globals are gone.
+            del llm
+
+    async def aclose(self) -> None:
+        """`shutdown` on the engine's loop, then let vLLM's output task finish cancelling."""
+        handler = getattr(self._llm, "output_handler", None)
+        self.shutdown()
+        if isinstance(handler, asyncio.Task):
+            await asyncio.gather(handler, return_exceptions=True)
+
+
+class EngineThread:
+    """An event loop in a daemon thread, for callers that are not async themselves.
+
+    Create the engine and run every coroutine that touches it through `run` (or `submit`
+    for a concurrent.futures.Future), so that they all share this loop.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return self.submit(coro).result(timeout)
+
+    def close(self) -> None:
+        """Cancel what still runs on the loop, then stop and close it."""
+        if self.loop.is_running():
+            async def cancel_rest() -> None:
+                rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for t in rest:
+                    t.cancel()
+                await asyncio.gather(*rest, return_exceptions=True)
+
+            self.run(cancel_rest(), timeout=10)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+class TeacherScorer:
+    """Frozen teacher log-probs log π_T(ids[p] | ids[:p]) from the HF model, fp32, no grad.
+
+    Each call is one full forward over `token_ids` (exact, simple). Scoring every turn of
+    a trajectory in its growing context is therefore quadratic in the number of turns; a
+    per-trajectory K/V cache would make it linear if teachers grow large.
+    """
+
+    def __init__(self, model_dir: str, *, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu") -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.device = device
+        self.vocab_size: int = int(self.model.config.vocab_size)
+        self._lock = threading.Lock()  # one forward at a time: torch already uses all cores
+
+    @torch.no_grad()
+    def score(self, token_ids: Sequence[int], positions: Sequence[int]) -> list[float]:
+        n = len(token_ids)
+        if any(not 1 <= p < n for p in positions):
+            raise ValueError(f"TeacherScorer.score: positions must lie in [1, {n}) "
+                             f"(position 0 has no context), got {list(positions)[:5]}...")
+        if not positions:
+            return []
+        end = max(positions)  # logits past the last scored position are not needed
+        ids = torch.tensor([list(token_ids[:end])], dtype=torch.long, device=self.device)
+        with self._lock:
+            logits = self.model(input_ids=ids).logits[0].float()
+        pos = torch.tensor(list(positions), dtype=torch.long, device=self.device)
+        tgt = torch.tensor([token_ids[p] for p in positions], dtype=torch.long,
+                           device=self.device)
+        # log_softmax over only the rows needed: [len(positions), V]
+        rows = torch.log_softmax(logits[pos - 1], dim=-1)
+        return rows.gather(1, tgt[:, None])[:, 0].tolist()
+
+    async def ascore(self, token_ids: Sequence[int], positions: Sequence[int]) -> list[float]:
+        """`score` in a worker thread, so the rollout loop keeps serving other trajectories."""
+        return await asyncio.to_thread(self.score, list(token_ids), list(positions))
