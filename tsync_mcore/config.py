@@ -170,6 +170,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                f"must be an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         _check(ok, key, f"must be a number, got {value!r}")
         return float(value)

