@@ -41,9 +41,6 @@ def main() -> None:
     overrides = [f"channel.port={free_port()}", *args.set]
     cfg = load_config(args.config, {k: v for k, v in (_kv(x) for x in overrides)})
     os.makedirs(cfg.run.dir, exist_ok=True)
-    metrics_path = os.path.join(cfg.run.dir, "metrics.jsonl")
-    if os.path.exists(metrics_path):
-        os.remove(metrics_path)
     if not os.path.exists(os.path.join(cfg.model.hf_dir, "config.json")):
         from tsync_mcore.testing.tiny import make_tiny_checkpoint
         print(f"creating a tiny Qwen2 checkpoint + tokenizer in {cfg.model.hf_dir}", flush=True)
@@ -51,11 +48,49 @@ def main() -> None:
                              layers=2, heads=2, kv_heads=1, intermediate=128, seed=0)
         # heads=2: vLLM's CPU attention needs head_dim >= 32
 
+    t0 = time.time()
+    if cfg.learner.objective == "opd" and not cfg.rollout.teacher_dir:
+        # The teacher: the same architecture, trained briefly with GRPO by the demo itself.
+        teacher_run = os.path.join(cfg.run.dir, "teacher_run")
+        print(f"OPD needs a teacher: training one briefly with GRPO in {teacher_run}", flush=True)
+        tcfg = [f"learner.objective=grpo", f"run.dir={teacher_run}", "run.updates=10",
+                f"run.publish_dir={cfg.run.publish_dir}-teacher", f"channel.port={free_port()}"]
+        run_job(args.config, overrides + tcfg, load_config(args.config, dict(
+            _kv(x) for x in overrides + tcfg)))
+        teacher = os.path.join(cfg.run.dir, "teacher")
+        make_hf_dir(cfg.model.hf_dir, f"{cfg.run.publish_dir}-teacher", teacher)
+        overrides.append(f"rollout.teacher_dir={teacher}")
+        cfg = load_config(args.config, dict(_kv(x) for x in overrides))
+    rows = run_job(args.config, overrides, cfg)
+    rewards = [m["reward_mean"] for m in rows if m["reward_mean"] is not None]
+    k = max(1, len(rewards) // 4)
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    stale = sum(m["stale_sources"] for m in rows)
+    print(f"\ndone in {time.time() - t0:.0f}s: mean reward of the first {k} updates {first:.3f} → "
+          f"last {k} updates {last:.3f} ({'improved' if last > first else 'did NOT improve'}); "
+          f"stale sources trained on: {stale}; run directory {cfg.run.dir}", flush=True)
+
+
+def make_hf_dir(base_dir: str, publish_dir: str, out_dir: str) -> None:
+    """An HF checkpoint of the newest published weights (config/tokenizer from base_dir)."""
+    import glob
+    import shutil
+    newest = max(glob.glob(os.path.join(publish_dir, "policy_v*.safetensors")),
+                 key=lambda p: int(p.rsplit("_v", 1)[1].split(".")[0]))
+    shutil.copytree(base_dir, out_dir, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    shutil.copy(newest, os.path.join(out_dir, "model.safetensors"))
+
+
+def run_job(config: str, overrides: list[str], cfg) -> list[dict]:
+    """Start the rollout launcher and the learner ranks; stream per-update lines."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    common = ["--config", args.config, "--set", *overrides]
+    common = ["--config", config, "--set", *overrides]
     log_dir = os.path.join(cfg.run.dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
-    t0 = time.time()
+    metrics_path = os.path.join(cfg.run.dir, "metrics.jsonl")
+    if os.path.exists(metrics_path):
+        os.remove(metrics_path)
     rollout = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch/rollout.py"), *common],
                                stdout=open(os.path.join(log_dir, "rollout.log"), "w"),
                                stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -87,13 +122,7 @@ def main() -> None:
     if rc_l != 0 or rc_r != 0:
         print(f"demo failed: learner exit {rc_l}, rollout exit {rc_r}; see {log_dir}", file=sys.stderr)
         sys.exit(1)
-    rewards = [m["reward_mean"] for m in rows if m["reward_mean"] is not None]
-    k = max(1, len(rewards) // 4)
-    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-    stale = sum(m["stale_sources"] for m in rows)
-    print(f"\ndone in {time.time() - t0:.0f}s: mean reward of the first {k} updates {first:.3f} → "
-          f"last {k} updates {last:.3f} ({'improved' if last > first else 'did NOT improve'}); "
-          f"stale sources trained on: {stale}; run directory {cfg.run.dir}", flush=True)
+    return rows
 
 
 def _kv(s: str):

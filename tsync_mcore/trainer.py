@@ -104,6 +104,8 @@ class Trainer:
             elif isinstance(msg, CloseBatch):
                 close = msg
                 break
+            elif isinstance(msg, Shutdown):
+                raise LearnerStopped(f"rollout shut down during batch {self.version}: {msg.reason}")
             else:
                 raise LearnerStopped(f"unexpected {type(msg).__name__} during batch {self.version}")
         t_closed = time.perf_counter()

@@ -96,6 +96,13 @@ class RolloutDriver:
                     return  # the learner finished
         except ChannelError as e:
             raise RolloutStopped(str(e)) from e
+        except RolloutStopped as e:
+            for link in self.links:  # tell every learner rank why, instead of a bare close
+                try:
+                    link.send(Shutdown(f"rollout stopped: {e}"[:4000]))
+                except ChannelError:
+                    pass
+            raise
         finally:
             self.close()
 
@@ -181,6 +188,11 @@ class RolloutDriver:
                                       on_turn=on_turn if self.opd else None, **kwargs):
             rewards.append(res.reward)
             if self.opd:
+                if res.n_turns != self.rc.max_turns:  # its turn count was registered up front
+                    raise RolloutStopped(
+                        f"OPD trajectory {batch.traj_ids[i]} ended after {res.n_turns} of "
+                        f"{self.rc.max_turns} turns ({res.stop_reason}); raise "
+                        f"rollout.max_total_tokens so every trajectory runs all its turns")
                 continue
             send(batch.group_of[i], TrajectoryMsg(TrajectorySource(
                 traj_id=batch.traj_ids[i], group_id=batch.group_of[i], tokens=tuple(res.tokens),

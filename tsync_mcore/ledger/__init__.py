@@ -1,0 +1,34 @@
+"""Measurement layer (SPEC §4–5): learner FLOPs, MFU, NVML timeline, peak memory.
+
+Importing this package pulls in neither megatron nor pynvml; `flops.load_spec` and the NVML
+sampler import them when used.
+"""
+
+from tsync_mcore.ledger.flops import (
+    FlopBreakdown,
+    forward_flops,
+    frozen_names,
+    load_spec,
+    replay_flops,
+    span_flops,
+    train_flops,
+)
+from tsync_mcore.ledger.memory import MemoryMeter
+from tsync_mcore.ledger.mfu import Peak, detect_peak, mfu_active, steady_state
+from tsync_mcore.ledger.nvml import NvmlSampler
+
+__all__ = [
+    "FlopBreakdown",
+    "MemoryMeter",
+    "NvmlSampler",
+    "Peak",
+    "detect_peak",
+    "forward_flops",
+    "frozen_names",
+    "load_spec",
+    "mfu_active",
+    "replay_flops",
+    "span_flops",
+    "steady_state",
+    "train_flops",
+]

@@ -1,0 +1,56 @@
+"""`python -m tsync_mcore.ledger --model HF_DIR --seq-lens 128,512 [--scored 40,100] [--json]`
+
+FLOPs of one forward + backward of the given sequences (whole model; `--tp N` adds what one
+of N tensor-parallel ranks executes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tsync_mcore.ledger.flops import ATTENTION_MODES, load_spec, train_flops
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tsync_mcore.ledger", description=__doc__)
+    ap.add_argument("--model", required=True, help="Hugging Face checkpoint dir (config.json)")
+    ap.add_argument("--seq-lens", required=True, type=_ints, help="e.g. 128,512")
+    ap.add_argument("--scored", type=_ints, default=None,
+                    help="positions per sequence that go through the vocab projection")
+    ap.add_argument("--attention", choices=ATTENTION_MODES, default="full")
+    ap.add_argument("--tp", type=int, default=1, help="also report per-rank FLOPs at this TP")
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = ap.parse_args(argv)
+    if args.scored is not None and len(args.scored) != len(args.seq_lens):
+        ap.error(f"--scored needs one count per sequence ({len(args.seq_lens)})")
+    spec = load_spec(args.model)
+    b = train_flops(spec, args.seq_lens, attention=args.attention, logits_positions=args.scored)
+    out = {
+        "model": args.model, "arch": spec.arch, "seq_lens": args.seq_lens,
+        "scored": args.scored, "attention": args.attention, **b.to_dict(),
+    }  # fmt: skip
+    if args.tp > 1:
+        r = b.per_rank(args.tp)
+        out.update(tp=args.tp, per_rank_total_flops=r.total)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{spec.arch} seq_lens={args.seq_lens} attention={args.attention}")
+    for key in ("forward_flops", "backward_flops", "total_flops"):
+        print(f"  {key:16s} {out[key]:.6e}")
+    if args.tp > 1:
+        print(f"  per rank (tp={args.tp}) {out['per_rank_total_flops']:.6e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
