@@ -32,7 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_learner(hf_dir, run_dir, port, updates=2, extra=()):
+def start_learner(hf_dir, run_dir, port, updates=2, extra=(), flags=()):
     sets = [f"model.hf_dir={hf_dir}", f"run.dir={run_dir}", f"run.updates={updates}",
             "run.save_every=1", f"run.publish_dir={run_dir}/publish", f"channel.port={port}",
             "channel.timeout_s=20", "channel.ack_timeout_s=20", "optim.lr=1e-4", *extra]
@@ -41,7 +41,7 @@ def start_learner(hf_dir, run_dir, port, updates=2, extra=()):
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_port()), os.path.join(ROOT, "launch/learner.py"),
-         "--config", os.path.join(ROOT, "configs/grpo_cpu_tiny.yaml"), "--set", *sets],
+         "--config", os.path.join(ROOT, "configs/grpo_cpu_tiny.yaml"), *flags, "--set", *sets],
         cwd=ROOT, stdout=open(os.path.join(run_dir, "learner.out"), "w"),
         stderr=open(os.path.join(run_dir, "learner.err"), "w"), text=True)
     proc.run_dir = run_dir
@@ -64,17 +64,18 @@ def scripted_rollout(port, updates, bad=None, ack_ok=True, stop_after=None):
     published = {}
     try:
         hello = links[0].recv()
-        assert isinstance(hello, Hello) and hello.version == 0
+        assert isinstance(hello, Hello)
+        v0 = hello.version  # a resumed learner starts later
 
         def serve_publish(v):
             msg = links[0].recv()
             assert isinstance(msg, Publish) and msg.version == v
             published[v] = load_file(msg.path)
-            links[0].send(Ack(version=v, ok=ack_ok or v == 0,
-                              error="" if ack_ok or v == 0 else "replica 0 failed to load"))
+            links[0].send(Ack(version=v, ok=ack_ok or v == v0,
+                              error="" if ack_ok or v == v0 else "replica 0 failed to load"))
 
-        serve_publish(0)
-        for v in range(updates):
+        serve_publish(v0)
+        for v in range(v0, updates):
             srcs = sources(v)
             plan = BatchPlan.from_sources(srcs)
             owner = assign_groups(plan, {}, 2)
@@ -131,6 +132,20 @@ def test_clean_run_publishes_every_version_and_writes_metrics(golden):
     p0, p2 = golden["published"][0], golden["published"][2]
     assert any(not torch.equal(p0[k], p2[k]) for k in p0)
     assert os.path.exists(os.path.join(golden["run"], "checkpoints", "step_2", "meta.json"))
+
+
+def test_resume_continues_exactly(tiny_qwen2, golden, tmp_path):
+    for updates, extra in ((1, ()), (2, ("--resume",))):
+        port = free_port()
+        proc = start_learner(tiny_qwen2, str(tmp_path), port, updates=updates, flags=extra)
+        published, links = scripted_rollout(port, updates)
+        rc, out, err = finish(proc)
+        for link in links:
+            link.close()
+        assert rc == 0, err[-4000:]
+    assert sorted(published) == [1, 2]  # the resumed learner republished θ_1, then made θ_2
+    for v in (1, 2):
+        assert all(torch.equal(published[v][k], golden["published"][v][k]) for k in published[v])
 
 
 def test_bad_sources_over_the_channel_are_rejected_and_change_nothing(tiny_qwen2, golden, tmp_path):

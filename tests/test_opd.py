@@ -141,6 +141,8 @@ def test_opd_cost_is_linear_in_turns_recompute_and_retain(tmp_path):
         print(f"OPD {mode}: total/plain FLOPs {r['total_over_plain']:.3f}, deferred/plain "
               f"{r['deferred_over_plain']:.3f}, saved activations peak {r['saved_peak_bytes']} B "
               f"(plain {res['plain_saved_peak_bytes']} B), K/V leaves+adjoints {r['kv_peak_bytes']} B")
+        print(f"  ledger vs FlopCounterMode: {r['ledger_err']:.2e}")
+        assert r["ledger_err"] <= 0.02
         assert r["total_over_plain"] <= 2.2
         assert r["deferred_over_plain"] <= 0.55
     # retain trades memory for the recomputation

@@ -140,7 +140,7 @@ def test_speedup_two_at_exact_balance() -> None:
 
 
 def test_discretized_release_law_within_eq27() -> None:
-    # n equal-service atoms at the midpoint quantiles of F_GRPO: |λ_trace − λ| ≤ ρ/(2n) (Eq. 27)
+    # n equal-service atoms at F_GRPO's midpoint quantiles: |λ_trace − λ| ≤ ρ/(2n) (Eq. 27)
     for rho, n in ((1.0, 50), (1.5, 200), (0.8, 100)):
         def quantile(q: float) -> float:
             lo, hi = 0.0, 1.0
@@ -185,7 +185,8 @@ def test_eq26_forms() -> None:
     assert speedup_waves(1.0, 0.15, 0.05, 3.0) == pytest.approx(6.05 / 3.2)
     for rho in (0.25, 0.5, 2.0, 4.0):
         lam = tail_grpo(rho)
-        assert speedup_waves(rho, lam, 0.05, 1e7) == pytest.approx((1 + rho) / max(1, rho), rel=1e-6)
+        limit = (1 + rho) / max(1, rho)
+        assert speedup_waves(rho, lam, 0.05, 1e7) == pytest.approx(limit, rel=1e-6)
     for obj in ("grpo", "opd"):
         for B in (32, 64, 128, 300, 2048):
             for r in (0.3, 0.7, 1.0, 1.3, 4.0):

@@ -79,13 +79,16 @@ class Learner:
 
     # --- stream ---------------------------------------------------------------------------
 
-    def submit(self, src: TrajectorySource) -> None:
-        """Accept a ready source and serve whatever the schedule releases now."""
+    def submit(self, src: TrajectorySource, arrived: float | None = None) -> None:
+        """Accept a ready source and serve whatever the schedule releases now.
+
+        `arrived`: perf_counter time the source reached this process (default: now), so the
+        trace's ready time is not delayed by the learner being busy."""
         self._check(src)
         self.arrived[src.traj_id] = src
         if self.owner[src.group_id] == self.policy.par.dp_rank:
             self.queue.arrive(src)
-            self._note(src, ready=self._now())
+            self._note(src, ready=self._now() if arrived is None else arrived - self.t0)
             self._drain()
 
     def _check(self, src: TrajectorySource) -> None:
@@ -122,6 +125,8 @@ class Learner:
                 self.policy.backward_source(list(src.tokens), list(src.scored_mask), w)
             else:
                 prefix.backward_continuation(self.policy, src, w)
+            q = len(prefix) if prefix is not None else 0
+            span = dict(span_tokens=src.n_tokens - q, context=q)  # what ran (FLOP ledger)
             grads = self.policy.grad_buffers()
             if svc.fold == "direct":
                 coef = self._direct_coef(src)
@@ -143,7 +148,8 @@ class Learner:
         elif svc.fold == "direct" and self.served[g] == len(self.plan.groups[g]):
             self._close_prefix(g, 1.0, 0.0)
         self._note(src, start=start, end=self._now(), fold=svc.fold,
-                   closes_group=svc.closes_group, open_groups=self.queue.open_groups)
+                   closes_group=svc.closes_group, open_groups=self.queue.open_groups,
+                   **(span if src.n_scored > 0 else dict(span_tokens=0, context=0)))
 
     def _direct_coef(self, src: TrajectorySource) -> float:
         i = self.plan.groups[src.group_id].index(src.traj_id)
@@ -160,9 +166,13 @@ class Learner:
     def _close_prefix(self, g: str, scale: float, mu: float) -> None:
         """One backward through the prompt with scale·(A1 − mu·A2), into the batch."""
         prefix = self.prefixes.pop(g, None)
+        start = self._now()
         if prefix is not None and prefix.backward_prefix(scale, mu):
             self.acc.fold_direct(self.policy.grad_buffers(), 1.0)
             self.policy.zero_grads()
+            self.trace.append(dict(kind="prefix", group_id=g, rank=self.policy.par.rank,
+                                   policy_version=self.version, ready=start, start=start,
+                                   end=self._now(), span_tokens=len(prefix), context=0))
 
     def _group_rewards(self, g: str) -> list[float]:
         return [float(self.arrived[t].reward) for t in self.plan.groups[g]]
@@ -227,5 +237,5 @@ class Learner:
                                    policy_version=src.policy_version,
                                    rank=self.policy.par.rank, scored_tokens=src.n_scored, **fields))
         else:
-            entry = next(e for e in reversed(self.trace) if e["traj_id"] == src.traj_id)
+            entry = next(e for e in reversed(self.trace) if e.get("traj_id") == src.traj_id)
             entry.update(fields)

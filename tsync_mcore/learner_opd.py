@@ -101,7 +101,8 @@ class OPDLearner:
 
     # --- stream ---------------------------------------------------------------------------
 
-    def submit(self, turn: TurnSource) -> None:
+    def submit(self, turn: TurnSource, arrived: float | None = None) -> None:
+        """`arrived`: perf_counter time the turn reached this process (default: now)."""
         self._check(turn)
         self.arrived[turn.key] = turn
         if turn.traj_id not in self.mine:
@@ -109,7 +110,7 @@ class OPDLearner:
         self.trace.append(dict(kind="turn", traj_id=turn.traj_id, turn=turn.turn,
                                group_id=turn.group_id, policy_version=turn.policy_version,
                                rank=self.policy.par.rank, scored_tokens=turn.n_scored,
-                               ready=self._now()))
+                               ready=self._now() if arrived is None else arrived - self.t0))
         sched = self.cfg.schedule
         if sched == "thundersync":
             self.released.append(turn)
@@ -195,7 +196,8 @@ class OPDLearner:
         held = sum(c.nbytes() for c in self.ctx.values()) + sum(
             2 * kv_bytes(p.produced) for p in self.prompts.values() if p is not None)
         self.kv_peak_bytes = max(self.kv_peak_bytes, held)
-        self._note(turn, start=start, end=self._now())
+        self._note(turn, start=start, end=self._now(), span_tokens=len(tokens), context=offset,
+                   logits=turn.n_scored > 0)
         if last:
             self._replay(turn.traj_id)
 
@@ -203,10 +205,13 @@ class OPDLearner:
         """Deferred work: push accumulated K/V adjoints back through earlier turns."""
         start = self._now()
         ctx = self.ctx.pop(traj_id)
+        spans = []  # (tokens, context) of every turn pushed back through (FLOP ledger)
         for i in reversed(range(len(ctx.leaves))):
             adjoint = leaf_adjoints(ctx.leaves[i])
             if all(gk is None and gv is None for gk, gv in adjoint):
                 continue  # no later turn had a scored token
+            offset_i, tokens_i, _ = ctx.span(ctx.turns[i])
+            spans.append((len(tokens_i), offset_i))
             if self.replay_mode == "retain":
                 produced = ctx.kept[i]
             else:
@@ -221,7 +226,8 @@ class OPDLearner:
         self._prompt_done(self.group_of[traj_id])
         self.trace.append(dict(kind="replay", traj_id=traj_id, rank=self.policy.par.rank,
                                policy_version=self.version, ready=start, start=start,
-                               end=self._now(), turns=len(ctx.leaves)))
+                               end=self._now(), turns=len(ctx.leaves), spans=spans,
+                               replay_mode=self.replay_mode))
 
     def _prompt_for(self, turn: TurnSource) -> SharedPrefix | None:
         """The group's shared prompt (built from its first served turn 0), if this turn
@@ -239,8 +245,12 @@ class OPDLearner:
         self.open_members[g] -= 1
         if self.open_members[g] == 0:
             prompt = self.prompts.pop(g, None)
+            start = self._now()
             if prompt is not None and prompt.backward_prefix(1.0, 0.0):
                 self._fold()
+                self.trace.append(dict(kind="prefix", group_id=g, rank=self.policy.par.rank,
+                                       policy_version=self.version, ready=start, start=start,
+                                       end=self._now(), span_tokens=len(prompt), context=0))
 
     def _fold(self) -> None:
         self.acc.fold_direct(self.policy.grad_buffers(), 1.0)

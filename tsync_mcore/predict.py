@@ -15,7 +15,8 @@ CLI::
 
     python -m tsync_mcore.predict trace RUN_DIR [--warmup N] [--suffix full|publish] [--json]
     python -m tsync_mcore.predict analytic --objective grpo|opd --batch B --ratio r --turns a
-        [--group-size m --beta β --delta δ --gamma γ --capacity Q --suffix κ_w] [--peak] [--json]
+        [--group-size m --beta β --delta δ --gamma γ --capacity Q --suffix κ_w]
+        [--peak] [--json]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ Job = tuple[float, float]  # (τ_j ready time, p_j service time), seconds from t
 
 
 def lane_completion(jobs: Iterable[Job]) -> float:
-    """Endpoint ``c_n`` of one learner lane (Eq. 14): ``c_0 = 0``, ``c_j = max(τ_j, c_{j-1}) + p_j``.
+    """Endpoint ``c_n`` of one learner lane (Eq. 14): ``c_j = max(τ_j, c_{j-1}) + p_j``, c_0 = 0.
 
     Jobs are served in nondecreasing readiness order; the sort is stable, so jobs with equal
     τ keep the order given (callers use this to put a trajectory's deferred work after its
@@ -105,8 +106,8 @@ def predict_update(entries: Iterable[dict[str, Any]], R: float, P: float) -> dic
     close, ``T_sync = R + max_r L_r + P`` (Eq. 16). A job stamped ready after R (the learner
     stamps readiness on receipt, which waits while it serves an earlier job) delays the
     ThunderSyncRL lane only through Eq. 14 and is available to Sync at close, as R is by
-    definition the last rollout event (F.1). Returns the times, ``ρ = L/R``, ``κ = P/R``, ``λ = [c_n - R]_+/R`` and ``S = T_sync/T``
-    ``= (1+ρ+κ)/(1+λ+κ) ≤ 2`` (Eq. 16-17)."""
+    definition the last rollout event (F.1). Returns the times, ``ρ = L/R``, ``κ = P/R``,
+    ``λ = [c_n - R]_+/R`` and ``S = T_sync/T = (1+ρ+κ)/(1+λ+κ) ≤ 2`` (Eq. 16-17)."""
     lanes = jobs_by_rank(entries)
     ends = {r: lane_completion(js) for r, js in lanes.items()}
     loads = {r: sum(p for _, p in js) for r, js in lanes.items()}
@@ -120,7 +121,8 @@ def predict_update(entries: Iterable[dict[str, Any]], R: float, P: float) -> dic
         R=R, P=P, L=L, L_total=sum(loads.values()), c_n=c_n, tail_s=max(0.0, c_n - R),
         rho=_ratio(L, R), kappa=_ratio(P, R), lam=_ratio(max(0.0, c_n - R), R),
         n_jobs=sum(len(js) for js in lanes.values()), ranks=sorted(lanes), slow_rank=slow,
-        lane_end={str(r): c for r, c in ends.items()}, lane_load={str(r): l for r, l in loads.items()})
+        lane_end={str(r): c for r, c in ends.items()},
+        lane_load={str(r): x for r, x in loads.items()})
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,12 +238,15 @@ def format_run(res: dict[str, Any]) -> str:
             f"{u['R']:>8.3f} {u['L']:>8.3f} {u['P']:>7.3f} {u['tail_s']:>7.3f} "
             f"{u['T_thundersync']:>9.3f} {u['T_sync']:>9.3f} {_fmt(u['speedup']):>6} "
             f"{str(u['slow_rank']):>4} {_fmt(u['prediction_error_pct'], '.1f'):>6}")
-    lines.append(f"(* = warm-up, discarded; P = publish{' + reduction/optimizer' if res['suffix'] == 'full' else ''})")
+    extra = " + reduction/optimizer" if res["suffix"] == "full" else ""
+    lines.append(f"(* = warm-up, discarded; P = publish{extra})")
     lines.append(
-        f"steady state over {res['n_steady']} updates: measured {_fmt(res['step_time_measured_mean'])} s, "
-        f"predicted thundersync {_fmt(res['T_thundersync_mean'])} s, sync {_fmt(res['T_sync_mean'])} s, "
-        f"speedup {_fmt(res['speedup_predicted'])}x "
-        f"(rho {_fmt(res['rho_mean'])}, kappa {_fmt(res['kappa_mean'])}, lambda {_fmt(res['lam_mean'])})")
+        f"steady state over {res['n_steady']} updates: "
+        f"measured {_fmt(res['step_time_measured_mean'])} s, "
+        f"predicted thundersync {_fmt(res['T_thundersync_mean'])} s, "
+        f"sync {_fmt(res['T_sync_mean'])} s, speedup {_fmt(res['speedup_predicted'])}x "
+        f"(rho {_fmt(res['rho_mean'])}, kappa {_fmt(res['kappa_mean'])}, "
+        f"lambda {_fmt(res['lam_mean'])})")
     return "\n".join(lines)
 
 
@@ -281,7 +286,8 @@ def _sup_tail(rho: float, candidates: Iterable[float], F: Callable[[float], floa
     return best - 1.0
 
 
-def _bisect_increasing(f: Callable[[float], float], lo: float, hi: float, iters: int = 200) -> float:
+def _bisect_increasing(f: Callable[[float], float], lo: float, hi: float,
+                       iters: int = 200) -> float:
     """Root of an increasing function on [lo, hi] with f(lo) ≤ 0 ≤ f(hi)."""
     for _ in range(iters):
         mid = 0.5 * (lo + hi)

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 
+import torch
 import yaml
 
 from tsync_mcore import checkpoint, publish
@@ -23,6 +24,10 @@ from tsync_mcore.channel import (Ack, ChannelError, ChannelTimeout, CloseBatch, 
                                  open_learner_side)
 from tsync_mcore.config import Config, to_dict
 from tsync_mcore.learner import Learner
+from tsync_mcore.ledger.account import update_flops
+from tsync_mcore.ledger.memory import MemoryMeter
+from tsync_mcore.ledger.mfu import detect_peak, mfu_active
+from tsync_mcore.ledger.nvml import NvmlSampler
 from tsync_mcore.learner_opd import OPDLearner
 from tsync_mcore.policy import Policy
 from tsync_mcore.sources import BatchPlan, SourceError
@@ -54,6 +59,11 @@ class Trainer:
             os.makedirs(cfg.run.dir, exist_ok=True)
             with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        # Measurement: the peak is measured once on CPU; memory peaks start after set-up.
+        self.peak = detect_peak()
+        self.memory = MemoryMeter()
+        self.memory.reset_after_setup()
+        self.nvml = NvmlSampler().start()
         ch = cfg.channel
         self.link = open_learner_side(ch.addr, ch.port, self.par.rank, self.par.world_size,
                                       timeout_s=ch.timeout_s)
@@ -76,6 +86,7 @@ class Trainer:
                 + (f"; still waiting for {waiting}" if waiting else "")
                 + ". θ and the last checkpoint are intact.") from e
         finally:
+            self.nvml.stop()
             self.link.close()
 
     def _update(self) -> None:
@@ -95,7 +106,7 @@ class Trainer:
             msg = self.link.recv(timeout_s=cfg.channel.timeout_s)
             if isinstance(msg, (TrajectoryMsg, TurnMsg)):
                 try:
-                    self.learner.submit(msg.source)
+                    self.learner.submit(msg.source, arrived=self.link.last_arrival)
                 except SourceError as e:  # never trained on; the learner state is untouched
                     rejected += 1
                     print(f"[learner rank {self.par.rank}] rejected: {e}", file=sys.stderr,
@@ -120,6 +131,14 @@ class Trainer:
             checkpoint.save(cfg.run.dir, self.policy, self.version, self.data_pos)
         stale = sum(1 for e in result.trace if e.get("policy_version", result.policy_version)
                     != result.policy_version)
+        # F_k: this DP rank's work from its trace (TP ranks of one DP rank share it), summed.
+        work = update_flops(self.policy.spec, result.trace)
+        flops = self.policy.dp_sum(work.total)
+        recompute = self.policy.dp_sum(work.recompute_flops)
+        step_s = t_end - t_start
+        mem = self.memory.snapshot(host_accum_bytes=result.accum_peak_bytes
+                                   if cfg.learner.accum == "host" else None)
+        peaks = self._gather_max(mem["peak_mem_bytes"])
         metrics = dict(
             step=self.version, policy_version=result.policy_version,
             schedule=cfg.learner.schedule, objective=cfg.learner.objective,
@@ -130,7 +149,12 @@ class Trainer:
             scored_tokens=result.scored_tokens, stale_sources=int(self.policy.dp_sum(stale)),
             rejected_sources=int(self.policy.dp_sum(rejected)),
             grad_norm=result.grad_norm, accum_peak_bytes=result.accum_peak_bytes,
-            kv_peak_bytes=result.kv_peak_bytes)
+            kv_peak_bytes=result.kv_peak_bytes, flops=flops, recompute_flops=recompute,
+            mfu_active=mfu_active(flops, step_s, self.par.world_size, self.peak),
+            peak_tflops=float(self.peak) / 1e12, peak_source=self.peak.source,
+            peak_mem_bytes=max(peaks), peak_mem_bytes_per_rank=peaks,
+            host_accum_bytes=mem.get("host_accum_bytes"), memory=mem,
+            nvml=self.nvml.summary())
         self._write_trace(result.trace)
         if self.par.rank == 0:
             with open(os.path.join(cfg.run.dir, "metrics.jsonl"), "a") as f:
@@ -161,6 +185,13 @@ class Trainer:
         if not isinstance(msg, kind):
             raise LearnerStopped(f"expected {kind.__name__}, got {type(msg).__name__}")
         return msg
+
+    def _gather_max(self, x: int) -> list[int]:
+        """One value per rank (memory is per rank), via a small all-gather."""
+        t = torch.zeros(self.par.world_size, dtype=torch.float64, device=self.policy.device)
+        t[self.par.rank] = float(x)
+        torch.distributed.all_reduce(t)
+        return [int(v) for v in t.tolist()]
 
     def _write_trace(self, trace: list[dict]) -> None:
         path = os.path.join(self.cfg.run.dir, "traces", f"rank{self.par.rank}.jsonl")

@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tsync_mcore.config import load_config
 from tsync_mcore.learner_opd import OPDLearner
+from tsync_mcore.ledger.account import update_flops
 from tsync_mcore.policy import Policy
 from tsync_mcore.sources import BatchPlan, TurnSource
 
@@ -66,9 +67,13 @@ def measure(policy, cfg, mode, turns):
     with saved.hooks(), FlopCounterMode(display=False) as deferred:
         for traj in pending:
             replay(traj)
-    learner.close()
+    result = learner.close()
+    ledger = update_flops(policy.spec, result.trace)
+    counted = per_turn.get_total_flops() + deferred.get_total_flops()
     return dict(per_turn_flops=per_turn.get_total_flops(), deferred_flops=deferred.get_total_flops(),
-                saved_peak_bytes=saved.peak, kv_peak_bytes=learner.kv_peak_bytes)
+                saved_peak_bytes=saved.peak, kv_peak_bytes=learner.kv_peak_bytes,
+                ledger_err=abs(ledger.total + ledger.recompute_flops - counted) / counted,
+                ledger_recompute_flops=ledger.recompute_flops)
 
 
 def main(hf_dir: str) -> None:

@@ -12,6 +12,7 @@ from reference import rel_l2  # noqa: E402
 
 from tsync_mcore.config import load_config  # noqa: E402
 from tsync_mcore.learner import Learner  # noqa: E402
+from tsync_mcore.ledger.account import update_flops  # noqa: E402
 from tsync_mcore.policy import Policy  # noqa: E402
 from tsync_mcore.sources import BatchPlan, TrajectorySource  # noqa: E402
 
@@ -38,8 +39,9 @@ def run(policy, cfg, srcs):
         # Count only learner compute up to the barrier (the step itself is identical).
         learner.queue.close()
         learner._drain()
-    grad = learner.close(export_grad=True).grad
-    return fc.get_total_flops(), grad
+    result = learner.close(export_grad=True)
+    ledger = update_flops(policy.spec, result.trace)  # what the learner reports for MFU
+    return fc.get_total_flops(), result.grad, ledger.total + ledger.recompute_flops
 
 
 def main(hf_dir: str) -> None:
@@ -51,13 +53,16 @@ def main(hf_dir: str) -> None:
                                      "learner.schedule": schedule, "learner.k_open": 2})
             policy = Policy(cfg, par=par)
             par = policy.par
-            flops, grad = run(policy, cfg, batch(policy.vocab_size))
+            flops, grad, ledger = run(policy, cfg, batch(policy.vocab_size))
             out[f"{schedule}_{'on' if shared else 'off'}"] = (flops, grad)
+            out[f"{schedule}_{'on' if shared else 'off'}_ledger_err"] = abs(ledger - flops) / flops
     res = {}
     for schedule in ("thundersync", "sync"):
         (f_on, g_on), (f_off, g_off) = out[f"{schedule}_on"], out[f"{schedule}_off"]
         res[schedule] = dict(flops_on=f_on, flops_off=f_off, saving=1 - f_on / f_off,
-                             rel_l2_on_vs_off=rel_l2(g_on, g_off))
+                             rel_l2_on_vs_off=rel_l2(g_on, g_off),
+                             ledger_err_on=out[f"{schedule}_on_ledger_err"],
+                             ledger_err_off=out[f"{schedule}_off_ledger_err"])
     print("RESULT " + json.dumps(res), flush=True)
 
 

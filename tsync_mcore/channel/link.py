@@ -18,6 +18,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -60,7 +61,9 @@ class Link:
         self._may_recv = LEARNER_SENDS if side == "rollout" else ROLLOUT_SENDS
         self._timeout = timedelta(seconds=timeout_s)
         self.timeout_s, self._limits = timeout_s, limits
-        self._inbox: queue.SimpleQueue[Message | ChannelError] = queue.SimpleQueue()
+        # (message or final error, perf_counter when the reader took it off the wire)
+        self._inbox: queue.SimpleQueue[tuple[Message | ChannelError, float]] = queue.SimpleQueue()
+        self.last_arrival: float = 0.0  # arrival time of the message recv() returned last
         self._send_lock = threading.Lock()
         self._sent_shutdown = False
         self._peer_shutdown: str | None = None  # the peer's Shutdown reason, once received
@@ -120,12 +123,13 @@ class Link:
             raise ChannelError(f"{self.name}: recv after close")
         wait = self.timeout_s if timeout_s is None else timeout_s
         try:
-            item = self._inbox.get(timeout=None if math.isinf(wait) else max(wait, 0.0))
+            item, arrived = self._inbox.get(timeout=None if math.isinf(wait) else max(wait, 0.0))
         except queue.Empty:
             raise ChannelTimeout(f"{self.name}: nothing arrived within {wait:g} s") from None
         if isinstance(item, ChannelError):
-            self._inbox.put(item)  # sticky: the link has ended
+            self._inbox.put((item, arrived))  # sticky: the link has ended
             raise type(item)(str(item))
+        self.last_arrival = arrived
         return item
 
     def _read_one(self, pg: dist.ProcessGroup) -> Message:
@@ -148,7 +152,7 @@ class Link:
                                        f"{'learner' if self.side == 'rollout' else 'rollout'} side")
                 if isinstance(msg, Shutdown):
                     self._peer_shutdown = msg.reason  # before the app can see the message
-                self._inbox.put(msg)
+                self._inbox.put((msg, time.perf_counter()))
                 if isinstance(msg, Shutdown):
                     if not msg.reason.startswith(PROTOCOL_ERROR):  # that peer reads no more
                         self._reply_shutdown("reply")
@@ -161,7 +165,7 @@ class Link:
             self._reply_shutdown(f"{PROTOCOL_ERROR}{e}")
         except RuntimeError as e:
             end = _gloo_error(f"{self.name}: recv", e)
-        self._inbox.put(end)
+        self._inbox.put((end, time.perf_counter()))
 
     def _reply_shutdown(self, reason: str) -> None:
         # Our Shutdown is what lets the peer's reader (and its close()) finish.

@@ -3,7 +3,7 @@
 Every counted product is a matmul, 2·m·k·n for (m×k)(k×n); norms, RoPE, softmax, SwiGLU and
 the loss are elementwise and not counted (as `torch.utils.flop_counter` does not). Per layer:
 
-    qkv_proj     T·H → T·(heads + 2·kv_heads)·head_dim        (GQA shapes; bias adds not counted)
+    qkv_proj     T·H → T·(heads + 2·kv_heads)·head_dim   (GQA shapes; bias adds not counted)
     attn_scores  QK^T per head: pairs · head_dim              (pairs: see below)
     attn_values  AV   per head: pairs · head_dim              (K/V are repeated to all heads)
     out_proj     T·(heads·head_dim) → T·H
