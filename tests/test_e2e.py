@@ -129,9 +129,26 @@ def test_clean_run_publishes_every_version_and_writes_metrics(golden):
             "trajectories", "scored_tokens", "stale_sources"}
     assert all(need <= set(r) for r in rows)
     assert all(r["stale_sources"] == 0 and r["rejected_sources"] == 0 for r in rows)
+    # measurement fields: ledger FLOPs, trainer active MFU, per-rank memory, NVML summary
+    for r in rows:
+        assert r["flops"] > 0 and 0 < r["mfu_active"] < 1
+        assert r["peak_source"] == "measured-cpu-matmul" and r["peak_tflops"] > 0
+        assert len(r["peak_mem_bytes_per_rank"]) == 2 and r["peak_mem_bytes"] > 0
+        assert r["nvml"]["enabled"] is False and "NVML" in r["nvml"]["reason"]
     p0, p2 = golden["published"][0], golden["published"][2]
     assert any(not torch.equal(p0[k], p2[k]) for k in p0)
     assert os.path.exists(os.path.join(golden["run"], "checkpoints", "step_2", "meta.json"))
+
+
+def test_report_and_trace_predictor_render_from_the_run(golden, tmp_path):
+    from tsync_mcore import predict, report
+    out = report.main([golden["run"], "--out", str(tmp_path / "report"), "--warmup", "0"])
+    for name in ("step_breakdown", "release_trace", "utilization", "mfu", "memory"):
+        assert os.path.getsize(os.path.join(out, f"{name}.png")) > 5000, name
+    summary = open(os.path.join(out, "summary.md")).read()
+    assert "| run |" in summary and "MFU active" in summary
+    res = predict.analyze_run(golden["run"], warmup=0)
+    assert len(res["updates"]) == 2 and 1.0 <= res["speedup_predicted"] <= 2.0
 
 
 def test_resume_continues_exactly(tiny_qwen2, golden, tmp_path):

@@ -114,6 +114,9 @@ def test_group_assignment_is_balanced_and_deterministic():
     assert owner == assign_groups(plan, tokens, 3)
     load = [sum(tokens[g] for g, r in owner.items() if r == k) for k in range(3)]
     assert max(load) - min(load) <= 10
+    # token counts unknown (the channel registers groups before any token exists): by count
+    blind = assign_groups(plan, {}, 3)
+    assert sorted(list(blind.values()).count(k) for k in range(3)) == [3, 3, 4]
 
 
 def test_config_errors_name_the_key(tmp_path):

@@ -167,6 +167,23 @@ def markdown(runs: list[dict], warmup: int) -> str:
     return "\n".join(lines) + f"\n\nMeans over updates after {warmup} warm-up update(s).\n"
 
 
+def predicted(runs: list[dict], warmup: int) -> str:
+    """Trace-predicted (Eq. 14) vs measured step times and speedup over sync, per run."""
+    from tsync_mcore import predict
+    lines = ["\n| run | measured step (s) | predicted streaming (s) | predicted sync (s) | "
+             "predicted speedup over sync |", "|---|---|---|---|---|"]
+    for run in runs:
+        try:
+            r = predict.analyze_run(run["dir"], warmup=warmup)
+        except (ValueError, KeyError, FileNotFoundError, ZeroDivisionError) as e:
+            lines.append(f"| {run['label']} | – | – | – | not predictable: {e} |")
+            continue
+        lines.append(f"| {run['label']} | {r['step_time_measured_mean']:.3f} | "
+                     f"{r['T_thundersync_mean']:.3f} | {r['T_sync_mean']:.3f} | "
+                     f"{r['speedup_predicted']:.2f}× |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(prog="python -m tsync_mcore.report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -186,7 +203,7 @@ def main(argv: list[str] | None = None) -> str:
     plot_series(runs, "peak_mem_bytes", "peak memory (MiB)", os.path.join(out, "memory.png"),
                 1 / 2**20)
     plot_series(runs, "reward_mean", "mean reward", os.path.join(out, "reward.png"))
-    md = "# tsync-mcore run report\n\n" + markdown(runs, args.warmup)
+    md = "# tsync-mcore run report\n\n" + markdown(runs, args.warmup) + predicted(runs, args.warmup)
     md += "\n" + "\n".join(f"![{n}]({n}.png)" for n in
                            ("step_breakdown", "release_trace", "utilization", "mfu", "memory",
                             "reward") if os.path.exists(os.path.join(out, f"{n}.png")))

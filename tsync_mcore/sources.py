@@ -127,11 +127,13 @@ def assign_groups(plan: BatchPlan, group_tokens: dict[str, int], n_ranks: int) -
     ties broken by group id and rank index, so every rank computes the same answer.
     """
     load = [0] * n_ranks
+    count = [0] * n_ranks  # breaks ties (and balances when token counts are not known yet)
     owner: dict[str, int] = {}
     for gid in sorted(plan.groups, key=lambda g: (-group_tokens.get(g, 0), g)):
-        r = min(range(n_ranks), key=lambda i: (load[i], i))
+        r = min(range(n_ranks), key=lambda i: (load[i], count[i], i))
         owner[gid] = r
         load[r] += group_tokens.get(gid, 0)
+        count[r] += 1
     return owner
 
 

@@ -87,6 +87,7 @@ class Trainer:
                 + ". θ and the last checkpoint are intact.") from e
         finally:
             self.nvml.stop()
+            self._write_nvml_timeline()
             self.link.close()
 
     def _update(self) -> None:
@@ -192,6 +193,14 @@ class Trainer:
         t[self.par.rank] = float(x)
         torch.distributed.all_reduce(t)
         return [int(v) for v in t.tolist()]
+
+    def _write_nvml_timeline(self) -> None:
+        """Per-GPU samples (perf_counter and wall clock), to align with the release traces."""
+        samples = self.nvml.timeline()
+        if samples:
+            with open(os.path.join(self.cfg.run.dir, f"nvml_rank{self.par.rank}.jsonl"), "w") as f:
+                for x in samples:
+                    f.write(json.dumps(x) + "\n")
 
     def _write_trace(self, trace: list[dict]) -> None:
         path = os.path.join(self.cfg.run.dir, "traces", f"rank{self.par.rank}.jsonl")
