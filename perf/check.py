@@ -1,0 +1,167 @@
+"""Regression guard: compare a perf result file against the committed baseline, by ratios only.
+
+    python perf/check.py RESULT.json [--baseline perf/baseline.json] [--tolerance 0.15]
+                         [--strict] [--write-baseline]
+
+Result schema: {"machine", "date", "overlap": [cells], "kernels": [records]}.
+- overlap cells, keyed by (objective, schedule, ratio, batch): `speedup_measured` and
+  `speedup_measured / speedup_predicted` may not drop by more than the tolerance (relative).
+- kernel records (perf/kernels.py), keyed by (name, impl, shape): `time/plain` (time over the
+  `plain` record of the same name and shape; the fastest rep `time_min_s` where both records
+  have it, as load on a shared machine only ever adds time, else the median `time_s`) may not
+  rise by more than the tolerance, and
+  `bw_fraction` (bytes/s over the file's best `stream_bandwidth` record) may not drop by more.
+Absolute times are never compared, so a baseline from one machine guards another of its kind.
+Cells in the baseline but not the result are reported as missing: a failure only with
+--strict. Exit 1 with a table naming each regression, 2 for unusable input, 0 otherwise.
+--write-baseline copies RESULT to the baseline path instead of comparing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+__all__ = ["InputError", "compare", "kernel_metrics", "main", "overlap_metrics"]
+
+DEFAULT_BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baseline.json")
+HIGHER, LOWER = "higher", "lower"  # which direction is better
+
+
+def _fmt_shape(shape) -> str:
+    if isinstance(shape, dict):
+        return ",".join(f"{k}={shape[k]}" for k in sorted(shape))
+    return "" if shape is None else str(shape)
+
+
+def overlap_metrics(cells: list[dict]) -> dict[tuple[str, str], tuple[float, str]]:
+    """(cell, metric) -> (value, better direction) for the overlap cells."""
+    out = {}
+    for c in cells:
+        cell = (f"overlap {c.get('objective')}/{c.get('schedule')} "
+                f"ratio={c.get('ratio')} batch={c.get('batch')}")
+        measured, predicted = c.get("speedup_measured"), c.get("speedup_predicted")
+        if measured is not None:
+            out[cell, "speedup_measured"] = (float(measured), HIGHER)
+            if predicted:
+                out[cell, "measured/predicted"] = (float(measured) / float(predicted), HIGHER)
+    return out
+
+
+def kernel_metrics(records: list[dict]) -> dict[tuple[str, str], tuple[float, str]]:
+    """(cell, metric) -> (value, better direction) for the kernel records that were timed."""
+    timed = [r for r in records if r.get("time_s")]
+    plain = {(r["name"], _fmt_shape(r.get("shape"))): r for r in timed if r.get("impl") == "plain"}
+    stream = [r["bytes_per_s"] for r in timed if r["name"] == "stream_bandwidth" and r.get("bytes_per_s")]
+    bandwidth = max(stream, default=None)
+    out = {}
+    for r in timed:
+        if r.get("impl") == "plain" or r["name"] == "stream_bandwidth":
+            continue
+        shape = _fmt_shape(r.get("shape"))
+        cell = f"kernel {r['name']}[{r.get('impl')}] {shape}".rstrip()
+        ref = plain.get((r["name"], shape))
+        if ref:
+            key = "time_min_s" if r.get("time_min_s") and ref.get("time_min_s") else "time_s"
+            out[cell, "time/plain"] = (r[key] / ref[key], LOWER)
+        if bandwidth and r.get("bytes_per_s"):
+            out[cell, "bw_fraction"] = (r["bytes_per_s"] / bandwidth, HIGHER)
+    return out
+
+
+def _metrics(doc: dict) -> dict[tuple[str, str], tuple[float, str]]:
+    return {**overlap_metrics(doc.get("overlap") or []), **kernel_metrics(doc.get("kernels") or [])}
+
+
+def compare(result: dict, baseline: dict, tolerance: float = 0.15) -> list[dict]:
+    """One row per baseline metric (and per new one): status ok | regression | missing | new."""
+    new, old = _metrics(result), _metrics(baseline)
+    rows = []
+    for key, (base, better) in old.items():
+        cell, metric = key
+        row = {"cell": cell, "metric": metric, "baseline": base, "result": None, "change": None}
+        if key not in new:
+            rows.append({**row, "status": "missing"})
+            continue
+        value = new[key][0]
+        change = value / base - 1 if base else 0.0
+        worse = change < -tolerance if better == HIGHER else change > tolerance
+        rows.append({**row, "result": value, "change": change, "status": "regression" if worse else "ok"})
+    for (cell, metric), (value, _) in new.items():
+        if (cell, metric) not in old:
+            rows.append({"cell": cell, "metric": metric, "baseline": None, "result": value,
+                         "change": None, "status": "new"})  # fmt: skip
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    def num(x, pct=False):
+        return "-" if x is None else (f"{x:+.1%}" if pct else f"{x:.4g}")
+
+    table = [("status", "cell", "metric", "baseline", "result", "change")]
+    table += [(r["status"].upper() if r["status"] != "ok" else "ok", r["cell"], r["metric"],
+               num(r["baseline"]), num(r["result"]), num(r["change"], pct=True)) for r in rows]  # fmt: skip
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
+
+
+class InputError(ValueError):
+    """A result or baseline file that cannot be compared."""
+
+
+def _load(path: str, what: str) -> dict:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        hint = " (create it with --write-baseline)" if what == "baseline" else ""
+        raise InputError(f"check: {what} {path} does not exist{hint}") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"check: {what} {path} is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("overlap", []), list) \
+            or not isinstance(doc.get("kernels", []), list):  # fmt: skip
+        raise InputError(f"check: {what} {path} needs an object with lists 'overlap' and 'kernels'")
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("result")
+    ap.add_argument("--baseline", default=DEFAULT_BASELINE)
+    ap.add_argument("--tolerance", type=float, default=0.15, help="relative, e.g. 0.15 = 15%%")
+    ap.add_argument("--strict", action="store_true", help="missing cells fail too")
+    ap.add_argument("--write-baseline", action="store_true", help="copy RESULT to --baseline")
+    args = ap.parse_args(argv)
+    try:
+        result = _load(args.result, "result")
+        if args.write_baseline:
+            os.makedirs(os.path.dirname(os.path.abspath(args.baseline)), exist_ok=True)
+            shutil.copyfile(args.result, args.baseline)
+            print(f"check: wrote baseline {args.baseline} from {args.result}")
+            return 0
+        baseline = _load(args.baseline, "baseline")
+    except InputError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if result.get("machine") != baseline.get("machine"):
+        print(f"note: machine differs: baseline {baseline.get('machine')!r}, "
+              f"result {result.get('machine')!r}")
+    rows = compare(result, baseline, args.tolerance)
+    failing = {"regression"} | ({"missing"} if args.strict else set())
+    bad = [r for r in rows if r["status"] in failing]
+    print(format_rows(rows))
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "regression", "missing", "new")}
+    print(", ".join(f"{n} {s}" for s, n in counts.items()) + f" (tolerance {args.tolerance:.0%})")
+    if bad:
+        also = " or missing (--strict)" if args.strict else ""
+        print(f"\nFAIL: {len(bad)} cell(s) beyond tolerance{also}:")
+        print(format_rows(bad))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""CLI for the overlap benchmark: `python perf/run_overlap.py [--quick] --out FILE.json`."""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overlap import cell  # noqa: E402
+
+from tsync_mcore.testing.tiny import make_tiny_checkpoint  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="r = 1 and one batch size only")
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default=None, help="directory for the runs (default: a temp dir)")
+    args = p.parse_args()
+    work = args.work or tempfile.mkdtemp(prefix="tsync-perf-")
+    hf_dir = os.path.join(work, "model")
+    if not os.path.exists(os.path.join(hf_dir, "config.json")):
+        # Big enough that a source's learner service dwarfs per-source overheads.
+        make_tiny_checkpoint(hf_dir, arch="qwen2", vocab_size=1024, hidden=128, layers=4,
+                             heads=4, kv_heads=2, intermediate=384, seed=0)
+    ratios = [1.0] if args.quick else [0.5, 1.0, 2.0]
+    batches = [32] if args.quick else [32, 64]
+    updates = 4 if args.quick else 5
+    rows = []
+    for objective in ("grpo", "opd"):
+        for batch in batches:
+            for ratio in ratios:
+                rows += cell(hf_dir, work, objective, ratio, batch, updates)
+                for r in rows[-3:]:
+                    print(f"{r['objective']:4s} r={r['ratio']:<4} B={r['batch']:<3} "
+                          f"{r['schedule']:12s} step {r['step_time_s']:.3f}s  "
+                          f"speedup {r['speedup_measured']:.2f}x (pred {r['speedup_predicted']:.2f}x, "
+                          f"{100 * r['measured_over_predicted']:.0f}%)  tail {r['learner_tail_s']:.3f}s"
+                          f"  dispatch {100 * r['dispatch_overhead']:.1f}%", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""perf/check.py (regression guard), perf/kernels.py (smoke on tiny shapes), perf/gpu.sh (no GPU)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PERF = os.path.join(ROOT, "perf")
+sys.path.insert(0, PERF)
+
+import check  # noqa: E402
+import kernels  # noqa: E402
+
+
+def _cell(schedule: str, measured: float, predicted: float) -> dict:
+    return {"objective": "grpo", "schedule": schedule, "ratio": 2.0, "batch": 64,
+            "step_time_s": 10.0 / measured, "speedup_measured": measured,
+            "speedup_predicted": predicted, "mfu_active": 0.3}  # fmt: skip
+
+
+def _kernel(name: str, impl: str, time_s: float, bytes_per_s: float | None = None) -> dict:
+    return {"name": name, "impl": impl, "shape": {"numel": 1024}, "time_s": time_s,
+            "peak_mem_bytes": 0, "bytes_per_s": bytes_per_s}  # fmt: skip
+
+
+def _doc() -> dict:
+    return {
+        "machine": "test-box",
+        "date": "2025-01-01",
+        "overlap": [_cell("thundersync", 1.8, 2.0), _cell("group_ready", 1.3, 1.4)],
+        "kernels": [
+            _kernel("stream_bandwidth", "copy_", 1.0, 100.0),
+            _kernel("accumulate_g1g2", "plain", 2.0, 40.0),
+            _kernel("accumulate_g1g2", "fused-triton", 1.0, 80.0),
+        ],
+    }
+
+
+def _run_check(tmp_path, result: dict, baseline: dict, *flags: str) -> subprocess.CompletedProcess:
+    res, base = tmp_path / "result.json", tmp_path / "baseline.json"
+    res.write_text(json.dumps(result))
+    base.write_text(json.dumps(baseline))
+    cmd = [sys.executable, os.path.join(PERF, "check.py"), str(res), "--baseline", str(base), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def test_check_passes_on_equal_ratios_at_other_absolute_speed(tmp_path):
+    result = _doc()
+    for rec in result["kernels"]:  # a machine twice as fast: ratios unchanged
+        rec["time_s"] /= 2
+        rec["bytes_per_s"] *= 2
+    for cell in result["overlap"]:
+        cell["step_time_s"] /= 2
+    out = _run_check(tmp_path, result, _doc())
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 regression" in out.stdout
+
+
+def test_check_names_overlap_regression(tmp_path):
+    result = _doc()
+    result["overlap"][0]["speedup_measured"] = 1.4  # -22 %: beyond 15 %
+    out = _run_check(tmp_path, result, _doc())
+    assert out.returncode == 1
+    fail = out.stdout.split("FAIL")[1]
+    assert "grpo/thundersync ratio=2.0 batch=64" in fail and "speedup_measured" in fail
+    assert "group_ready" not in fail
+    # within a looser tolerance it passes
+    assert _run_check(tmp_path, result, _doc(), "--tolerance", "0.3").returncode == 0
+
+
+def test_check_names_kernel_regression(tmp_path):
+    result = _doc()
+    result["kernels"][2]["time_s"] = 1.5  # fused/plain 0.5 -> 0.75
+    result["kernels"][2]["bytes_per_s"] = 53.0  # bandwidth fraction 0.8 -> 0.53
+    out = _run_check(tmp_path, result, _doc())
+    assert out.returncode == 1
+    fail = out.stdout.split("FAIL")[1]
+    assert "accumulate_g1g2[fused-triton]" in fail
+    assert "time/plain" in fail and "bw_fraction" in fail
+
+
+def test_check_missing_cells_fail_only_when_strict(tmp_path):
+    result = _doc()
+    del result["overlap"][1]
+    out = _run_check(tmp_path, result, _doc())
+    assert out.returncode == 0
+    assert "MISSING" in out.stdout and "group_ready" in out.stdout
+    strict = _run_check(tmp_path, result, _doc(), "--strict")
+    assert strict.returncode == 1
+    assert "group_ready" in strict.stdout.split("FAIL")[1]
+
+
+def test_check_write_baseline_and_bad_input(tmp_path):
+    res, base = tmp_path / "r.json", tmp_path / "sub" / "b.json"
+    res.write_text(json.dumps(_doc()))
+    cmd = [sys.executable, os.path.join(PERF, "check.py"), str(res), "--baseline", str(base)]
+    missing = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "--write-baseline" in missing.stderr
+    assert subprocess.run(cmd + ["--write-baseline"], capture_output=True, timeout=60).returncode == 0
+    assert json.loads(base.read_text()) == _doc()
+    assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
+
+
+def test_compare_improvement_is_not_a_regression():
+    result = copy.deepcopy(_doc())
+    result["kernels"][2]["time_s"] = 0.5
+    result["overlap"][0]["speedup_measured"] = 2.5
+    rows = check.compare(result, _doc(), 0.15)
+    assert {r["status"] for r in rows} == {"ok"}
+
+
+def test_kernels_smoke_fields_and_equal_work():
+    recs = kernels.run_benchmarks("cpu", quick=True, logprob_shapes=[(16, 300)], accum_numel=4096,
+                                  stream_numel=4096, reps=1)  # fmt: skip
+    timed = [r for r in recs if r["time_s"] is not None]
+    for r in recs:
+        assert {"name", "impl", "shape", "time_s", "peak_mem_bytes", "bytes_per_s"} <= r.keys()
+    names = {(r["name"], r["impl"]) for r in timed}
+    for name in ("scored_logprob_fwd", "scored_logprob_fwd_bwd", "accumulate_g1g2", "combine_group", "axpy"):
+        assert {(name, "plain"), (name, "fused-torch")} <= names
+    assert {("stream_bandwidth", "copy_"), ("stream_bandwidth", "add_")} <= names
+    for r in timed:
+        assert r["time_s"] > 0 and r["peak_mem_bytes"] >= 0 and r["peak_mem_source"] == "analytic"
+        if r["name"].startswith("scored_logprob"):
+            assert r["max_abs_err"] <= 1e-5 and r["grad_max_abs_err"] <= 1e-5, r
+        if r["name"] in ("accumulate_g1g2", "combine_group", "axpy"):
+            assert 0 < r["bw_fraction"] and r["vs_plain"] > 0
+    liger = [r for r in recs if r["impl"] == "liger"]
+    assert len(liger) == 1 and liger[0]["time_s"] is None and "unavailable" in liger[0]["skipped"]
+
+
+def test_kernels_fused_equals_log_softmax_gather():
+    gen = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(32, 1000, generator=gen)
+    targets = torch.randint(0, 1000, (32,), generator=gen)
+    import triton_kernels as K
+
+    with kernels._backend("torch"):
+        fused = K.scored_logprob(logits, targets)
+    torch.testing.assert_close(fused, kernels.plain_logprob(logits, targets), atol=1e-5, rtol=0)
+
+
+def test_kernels_quick_cli_skips_large_shapes(tmp_path, monkeypatch):
+    shrunk = {**kernels.ACCUM_NUMEL, "cpu-quick": 4096}
+    monkeypatch.setattr(kernels, "ACCUM_NUMEL", shrunk)
+    monkeypatch.setattr(kernels, "STREAM_NUMEL", {**kernels.STREAM_NUMEL, "cpu-quick": 4096})
+    monkeypatch.setattr(kernels, "LOGPROB_SHAPES", [(8, 100), (4096, 4096)])
+    monkeypatch.setattr(kernels, "MIN_ACCUM_REPS", 1)
+    out = tmp_path / "k.json"
+    assert kernels.main(["--quick", "--device", "cpu", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {"machine", "date", "overlap", "kernels"} <= doc.keys()
+    skipped = [r for r in doc["kernels"] if r.get("skipped") and r["name"].startswith("scored")]
+    assert {r["shape"]["T"] for r in skipped} == {4096} and all("quick" in r["skipped"] for r in skipped)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_gpu_sh_exits_zero_without_gpu(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable}
+    out = subprocess.run(["bash", os.path.join(PERF, "gpu.sh")], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "no CUDA GPU" in out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_gpu_step_exits_zero_without_gpu(capsys, tmp_path):
+    import gpu_step
+
+    assert gpu_step.main(["--json", str(tmp_path / "x.json")]) == 0
+    assert "no CUDA GPU" in capsys.readouterr().out
+    assert not (tmp_path / "x.json").exists()
