@@ -102,8 +102,11 @@ def free_port() -> int:
 
 
 def run_cell(hf_dir: str, run_dir: str, work: Workload, schedule: str, R: float,
-             updates: int, k_open: int = 4) -> dict:
-    """Launch 2 learner ranks, play `updates` batches, return the run's metrics rows."""
+             updates: int, k_open: int = 16) -> dict:
+    """Launch 2 learner ranks, play `updates` batches, return the run's metrics rows.
+
+    k_open defaults to every group of a rank: a tighter cap holds back sources of new
+    groups until open ones close, which on small batches turns into learner tail."""
     port = free_port()
     os.makedirs(run_dir, exist_ok=True)
     sets = [f"model.hf_dir={hf_dir}", f"run.dir={run_dir}", f"run.updates={updates}",
@@ -209,12 +212,17 @@ def _group_ready_prediction(run_dir: str, warmup: int, res: dict) -> float:
     t_gr = []
     for upd in res["updates"][warmup:]:
         es = [e for e in entries if e["update"] == upd["update"] and "start" in e]
+        # GRPO: a group's sources wait for its last member; OPD: a trajectory's turns wait
+        # for its last turn. Replay/prefix work keeps its own release time.
+        unit = lambda e: e["traj_id"] if e.get("kind") == "turn" else e.get("group_id")  # noqa: E731
         last: dict[str, float] = {}
         for e in es:
-            last[e["group_id"]] = max(last.get(e["group_id"], 0.0), e["ready"])
+            if e.get("kind") in (None, "turn"):
+                last[unit(e)] = max(last.get(unit(e), 0.0), e["ready"])
         lanes: dict[int, list] = {}
         for e in es:
-            lanes.setdefault(e["rank"], []).append((last[e["group_id"]], e["end"] - e["start"]))
+            release = last[unit(e)] if e.get("kind") in (None, "turn") else e["ready"]
+            lanes.setdefault(e["rank"], []).append((release, e["end"] - e["start"]))
         P = upd["publish_s"] + upd["step_s"]
         t_gr.append(max(predict.replay_lane(jobs, rollout[upd["update"]], P)
                         for jobs in lanes.values()))
@@ -241,7 +249,9 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
             mfu_active=mean(m["mfu_active"] for m in steady),
             peak_mem_bytes=max(m["peak_mem_bytes"] for m in steady),
             speedup_predicted=predicted_speedup(d, warmup, schedule),
-            dispatch_overhead=dispatch_overhead(d), run_dir=d))
+            # only a streaming lane goes idle between arrivals, where the cost shows alone
+            dispatch_overhead=dispatch_overhead(d) if schedule == "thundersync" else None,
+            run_dir=d))
     sync_t = rows[0]["step_time_s"]
     for r in rows:
         r["speedup_measured"] = sync_t / r["step_time_s"]

@@ -25,7 +25,7 @@ def main() -> None:
         make_tiny_checkpoint(hf_dir, arch="qwen2", vocab_size=1024, hidden=128, layers=4,
                              heads=4, kv_heads=2, intermediate=384, seed=0)
     ratios = [1.0] if args.quick else [0.5, 1.0, 2.0]
-    batches = [32] if args.quick else [32, 64]
+    batches = [64] if args.quick else [64, 128]
     updates = 4 if args.quick else 5
     rows = []
     for objective in ("grpo", "opd"):
@@ -37,7 +37,8 @@ def main() -> None:
                           f"{r['schedule']:12s} step {r['step_time_s']:.3f}s  "
                           f"speedup {r['speedup_measured']:.2f}x (pred {r['speedup_predicted']:.2f}x, "
                           f"{100 * r['measured_over_predicted']:.0f}%)  tail {r['learner_tail_s']:.3f}s"
-                          f"  dispatch {100 * r['dispatch_overhead']:.1f}%", flush=True)
+                          + (f"  dispatch {100 * r['dispatch_overhead']:.2f}%"
+                             if r["dispatch_overhead"] is not None else ""), flush=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -177,3 +177,31 @@ def test_gpu_step_exits_zero_without_gpu(capsys, tmp_path):
     assert gpu_step.main(["--json", str(tmp_path / "x.json")]) == 0
     assert "no CUDA GPU" in capsys.readouterr().out
     assert not (tmp_path / "x.json").exists()
+
+
+def test_overlap_workload_is_valid_and_follows_the_release_model():
+    # The simulator's sources must pass the learner's own validation, arrive within R,
+    # and grow with completion time (service ∝ U^γ).
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "perf"))
+    from overlap import Workload
+    from tsync_mcore.sources import opd_turns_from_json, validate_source, validate_turn  # noqa: F401
+
+    for objective in ("grpo", "opd"):
+        w = Workload(objective=objective, batch=16)
+        plan, n_turns, items = w.update(0, R=2.0)
+        assert plan.n_groups == 4 and all(0 <= t <= 2.0 for t, _ in items)
+        assert [t for t, _ in items] == sorted(t for t, _ in items)
+        for _, src in items:
+            (validate_source if objective == "grpo" else validate_turn)(src, w.vocab)
+        if objective == "grpo":
+            pts = sorted((t, src.n_tokens) for t, src in items)
+            assert pts[-1][1] > pts[0][1]
+        else:
+            by_traj = {}
+            for _, src in items:
+                by_traj.setdefault(src.traj_id, []).append(src)
+            for turns in by_traj.values():
+                turns.sort(key=lambda s: s.turn)
+                assert [s.turn for s in turns] == list(range(w.turns))
+                assert all(a.end == b.start for a, b in zip(turns, turns[1:]))

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One command, one result file: `perf/run.sh [--quick]`.
+# Runs everything that fits this machine (quick: under 10 minutes), writes
+# perf/results/<date>-<host>.json (+ plots), prints a table, and compares with the
+# committed baseline (perf/baseline.json) when there is one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+QUICK=""
+[ "${1:-}" = "--quick" ] && QUICK="--quick"
+stamp="$(date +%Y%m%d)-$(hostname)"
+out="perf/results/${stamp}.json"
+work="$(mktemp -d /tmp/tsync-perf-XXXX)"
+mkdir -p perf/results
+echo "== overlap (rollout simulator → channel → 2 learner ranks) =="
+$PY perf/run_overlap.py $QUICK --out "$work/overlap.json" --work "$work"
+echo "== kernels =="
+$PY perf/kernels.py $QUICK --json "$work/kernels.json"
+$PY perf/collect.py --overlap "$work/overlap.json" --kernels "$work/kernels.json" --out "$out" \
+    --plots "perf/results/${stamp}"
+if [ -f perf/baseline.json ]; then
+  $PY perf/check.py "$out" --baseline perf/baseline.json
+fi
+echo "result: $out"
