@@ -27,7 +27,7 @@ from tsync_mcore.policy import Policy
 from tsync_mcore.prefix import SharedPrefix
 from tsync_mcore.schedule import ReadinessQueue, Service
 from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, assign_groups,
-                                 validate_source)
+                                 check_version, validate_source)
 
 ACCUM_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -96,9 +96,7 @@ class Learner:
             raise RuntimeError("submit() before begin(): no batch is open")
         validate_source(src, self.policy.vocab_size)
         name = f"trajectory {src.traj_id!r}"
-        if src.policy_version != self.version:
-            raise SourceError(f"{name}: policy version {src.policy_version} is not the current "
-                              f"version {self.version}; stale or future sources are never trained on")
+        check_version(name, src.policy_version, self.version)
         if src.traj_id in self.arrived:
             raise SourceError(f"{name}: duplicate, already received in this batch")
         members = self.plan.groups.get(src.group_id)

@@ -31,7 +31,8 @@ from tsync_mcore.model.span import (KV, backward_kv, concat_kv, detached_leaves,
 from tsync_mcore.objectives.opd import turn_loss
 from tsync_mcore.policy import Policy
 from tsync_mcore.prefix import SharedPrefix
-from tsync_mcore.sources import BatchPlan, SourceError, TurnSource, assign_groups, validate_turn
+from tsync_mcore.sources import (BatchPlan, SourceError, TurnSource, assign_groups,
+                                 check_version, validate_turn)
 
 
 @dataclass
@@ -130,9 +131,7 @@ class OPDLearner:
             raise RuntimeError("submit() before begin(): no batch is open")
         validate_turn(turn, self.policy.vocab_size)
         name = f"turn {turn.turn} of trajectory {turn.traj_id!r}"
-        if turn.policy_version != self.version:
-            raise SourceError(f"{name}: policy version {turn.policy_version} is not the current "
-                              f"version {self.version}; stale or future sources are never trained on")
+        check_version(name, turn.policy_version, self.version)
         if self.group_of.get(turn.traj_id) != turn.group_id:
             raise SourceError(f"{name}: trajectory not registered in group {turn.group_id!r}")
         if turn.key in self.arrived:

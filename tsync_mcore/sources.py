@@ -53,6 +53,13 @@ class TrajectorySource:
         )
 
 
+def check_version(name: str, version: int, current: int) -> None:
+    """Every source is trained on only by the update of the policy that sampled it."""
+    if version != current:
+        raise SourceError(f"{name}: policy version {version} is not the current version "
+                          f"{current}; stale or future sources are never trained on")
+
+
 def _check_ids_and_mask(name: str, tokens, mask, vocab_size: int) -> None:
     bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool)
            or t < 0 or t >= vocab_size]
