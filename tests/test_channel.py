@@ -123,6 +123,13 @@ def test_limits_and_bad_payload_content():
         decode(_seal(ids[0], [ids[1], ids[2][:-1]]))
 
 
+def test_register_batch_carries_an_optional_schedule():
+    plain = RegisterBatch(3, "opd", {"g": ["a", "b"]}, {"a": 2, "b": 1}, 7)
+    assert decode(encode(plain)) == plain and plain.schedule is None
+    override = replace(plain, schedule="group_ready")
+    assert decode(encode(override)) == override
+
+
 def test_encode_rejects_what_it_cannot_carry_exactly():
     src = cw.bench_message(0).source
     cases = {
@@ -139,6 +146,8 @@ def test_encode_rejects_what_it_cannot_carry_exactly():
         encode("hello")
     with pytest.raises(ChannelError, match="groups must map"):
         encode(RegisterBatch(0, "grpo", {"g": [1, 2]}, {}, 0))
+    with pytest.raises(ChannelError, match="schedule must be one of"):
+        encode(RegisterBatch(0, "grpo", {}, {}, 0, schedule="eager"))
     with pytest.raises(ChannelError, match="teacher_logprobs must be a real"):
         encode(TurnMsg(TurnSource("t", "g", 0, 1, 0, (1,), (0,), ("x",), 0)))
     nan_reward = decode(encode(TrajectoryMsg(replace(src, reward=math.nan))))

@@ -54,11 +54,12 @@ def sources(version):
                             key=lambda r: r["ready_order"])]
 
 
-def scripted_rollout(port, updates, bad=None, ack_ok=True, stop_after=None):
+def scripted_rollout(port, updates, bad=None, ack_ok=True, stop_after=None, schedules=None):
     """Play `updates` batches; return the weights published for each version.
 
     bad(version, sources) → extra malformed sources to interleave; stop_after=(v, n): return
-    (links open, learner waiting) after sending n sources of batch v.
+    (links open, learner waiting) after sending n sources of batch v; schedules: version →
+    release schedule for that batch (RegisterBatch override).
     """
     links = open_rollout_side("127.0.0.1", port, 2, timeout_s=60)
     published = {}
@@ -81,7 +82,8 @@ def scripted_rollout(port, updates, bad=None, ack_ok=True, stop_after=None):
             owner = assign_groups(plan, {}, 2)
             for link in links:
                 link.send(RegisterBatch(version=v, objective="grpo", groups=plan.groups,
-                                        n_turns={}, data_pos=v + 1))
+                                        n_turns={}, data_pos=v + 1,
+                                        schedule=(schedules or {}).get(v)))
             # bad sources go right after the first good one (so a duplicate is a duplicate)
             stream = srcs[:1] + (bad(v, srcs) if bad else []) + srcs[1:]
             for n, s in enumerate(stream):
@@ -118,6 +120,34 @@ def golden(tiny_qwen2, tmp_path_factory):
         link.close()
     assert rc == 0, err[-4000:]
     return dict(published=published, run=run, out=out)
+
+
+def test_rollout_sets_the_schedule_per_batch(tiny_qwen2, tmp_path):
+    # The learner is configured for thundersync; batches 0 and 1 ask for sync / group_ready.
+    port = free_port()
+    proc = start_learner(tiny_qwen2, str(tmp_path), port, updates=3)
+    _, links = scripted_rollout(port, 3, schedules={0: "sync", 1: "group_ready"})
+    rc, _, err = finish(proc)
+    for link in links:
+        link.close()
+    assert rc == 0, err[-4000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["schedule"] for r in rows] == ["sync", "group_ready", "thundersync"]
+    trace = [json.loads(line) for r in (0, 1) for line in open(tmp_path / "traces" / f"rank{r}.jsonl")]
+    for update, rule in [(0, "batch"), (1, "group"), (2, "source")]:
+        es = [e for e in trace if e["update"] == update and "traj_id" in e]
+        last = max(e["ready"] for e in es)
+        last_of = {}
+        for e in es:
+            last_of[e["group_id"]] = max(last_of.get(e["group_id"], 0.0), e["ready"])
+        if rule == "batch":  # sync: nothing starts before the whole batch is in
+            assert all(e["start"] >= last for e in es)
+        elif rule == "group":  # group_ready: nothing starts before its group is complete
+            assert all(e["start"] >= last_of[e["group_id"]] for e in es)
+        else:  # thundersync: sources are served before their group is complete
+            assert any(e["fold"] == "pair" for e in es)
+        if rule != "source":  # the advantage is known when served: no G1'/G2 pair
+            assert all(e["fold"] == "direct" for e in es)
 
 
 def test_clean_run_publishes_every_version_and_writes_metrics(golden):

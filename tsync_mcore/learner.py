@@ -60,14 +60,17 @@ class Learner:
 
     # --- register -------------------------------------------------------------------------
 
-    def begin(self, plan: BatchPlan, group_tokens: dict[str, int] | None = None) -> None:
+    def begin(self, plan: BatchPlan, group_tokens: dict[str, int] | None = None,
+              schedule: str | None = None) -> None:
+        """`schedule` overrides the configured release schedule for this batch only."""
         if self.plan is not None:
             raise RuntimeError(f"batch for policy version {self.version} is still open")
         par = self.policy.par
+        self.schedule = schedule or self.cfg.schedule
         self.owner = assign_groups(plan, group_tokens or {}, par.dp_size)
         mine = {g for g, r in self.owner.items() if r == par.dp_rank}
         self.plan = plan
-        self.queue = ReadinessQueue(self.cfg.schedule, plan, mine, self.cfg.k_open)
+        self.queue = ReadinessQueue(self.schedule, plan, mine, self.cfg.k_open)
         self.member_of = {t: g for g, ts in plan.groups.items() for t in ts}
         self.arrived: dict[str, TrajectorySource] = {}
         self.trace: list[dict] = []

@@ -31,6 +31,7 @@ from tsync_mcore.model.span import (KV, backward_kv, concat_kv, detached_leaves,
 from tsync_mcore.objectives.opd import turn_loss
 from tsync_mcore.policy import Policy
 from tsync_mcore.prefix import SharedPrefix
+from tsync_mcore.schedule import SCHEDULES
 from tsync_mcore.sources import (BatchPlan, SourceError, TurnSource, assign_groups,
                                  check_version, validate_turn)
 
@@ -79,9 +80,14 @@ class OPDLearner:
     # --- register -------------------------------------------------------------------------
 
     def begin(self, plan: BatchPlan, n_turns: dict[str, int],
-              group_tokens: dict[str, int] | None = None) -> None:
+              group_tokens: dict[str, int] | None = None, schedule: str | None = None) -> None:
+        """`schedule` overrides the configured release schedule for this batch only."""
         if self.plan is not None:
             raise RuntimeError(f"batch for policy version {self.version} is still open")
+        schedule = schedule or self.cfg.schedule
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}")
+        self.schedule = schedule
         par = self.policy.par
         owner = assign_groups(plan, group_tokens or {}, par.dp_size)
         self.plan = plan
@@ -112,7 +118,7 @@ class OPDLearner:
                                group_id=turn.group_id, policy_version=turn.policy_version,
                                rank=self.policy.par.rank, scored_tokens=turn.n_scored,
                                ready=self._now() if arrived is None else arrived - self.t0))
-        sched = self.cfg.schedule
+        sched = self.schedule
         if sched == "thundersync":
             self.released.append(turn)
         else:
@@ -267,7 +273,7 @@ class OPDLearner:
             raise SourceError(f"batch for policy version {self.version} closed with {n_missing} "
                               f"turns missing; on this rank (trajectory#turn): {missing}")
         self.released += sorted(self.held, key=lambda t: (t.traj_id, t.turn)) \
-            if self.cfg.schedule == "sync" else self.held
+            if self.schedule == "sync" else self.held
         self.held = []
         self._drain()
         assert not self.released and not self.ctx, "batch closed with turns left"

@@ -18,6 +18,7 @@ from typing import Literal
 from tsync_mcore.sources import BatchPlan, TrajectorySource
 
 Fold = Literal["direct", "pair"]
+SCHEDULES = ("sync", "group_ready", "thundersync")
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Service:
 
 class ReadinessQueue:
     def __init__(self, schedule: str, plan: BatchPlan, groups: set[str], k_open: int):
-        if schedule not in ("sync", "group_ready", "thundersync"):
+        if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}")
         self.schedule = schedule
         self.plan = plan

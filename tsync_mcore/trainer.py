@@ -99,9 +99,9 @@ class Trainer:
                                  f"the learner is at {self.version}")
         plan = BatchPlan(groups={g: list(ts) for g, ts in reg.groups.items()})
         if self.opd:
-            self.learner.begin(plan, dict(reg.n_turns))
+            self.learner.begin(plan, dict(reg.n_turns), schedule=reg.schedule)
         else:
-            self.learner.begin(plan)
+            self.learner.begin(plan, schedule=reg.schedule)
         rejected = 0
         while True:
             msg = self.link.recv(timeout_s=cfg.channel.timeout_s)
@@ -142,7 +142,7 @@ class Trainer:
         peaks = self._gather_max(mem["peak_mem_bytes"])
         metrics = dict(
             step=self.version, policy_version=result.policy_version,
-            schedule=cfg.learner.schedule, objective=cfg.learner.objective,
+            schedule=self.learner.schedule, objective=cfg.learner.objective,
             step_wall_time_s=t_end - t_start, rollout_time_s=close.rollout_time_s,
             learner_tail_s=t_stepped - t_closed, publish_time_s=publish_s,
             reward_mean=close.reward_mean,

@@ -29,6 +29,9 @@ class RegisterBatch:
     groups: dict[str, list[str]] = field(default_factory=dict)
     n_turns: dict[str, int] = field(default_factory=dict)  # OPD: trajectory id → turn count
     data_pos: int = 0  # data position after this batch (what a resume would start from)
+    # Release schedule for this batch only (None: the learner's configured one). Lets a
+    # benchmark alternate schedules batch by batch in one run, so machine drift is paired.
+    schedule: str | None = None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tsync_mcore.channel.errors import ChannelError
+from tsync_mcore.schedule import SCHEDULES
 from tsync_mcore.channel.messages import (
     Ack, CloseBatch, Hello, Message, Publish, RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg,
 )
@@ -165,7 +166,8 @@ def _payloads(msg) -> tuple[MsgType, int, list[torch.Tensor]]:
         return kind, _int("RegisterBatch.version", msg.version), [
             _scalar(_I, _int("RegisterBatch.data_pos", msg.data_pos)),
             _json("RegisterBatch", _check_batch_obj(
-                {"objective": msg.objective, "groups": msg.groups, "n_turns": msg.n_turns},
+                {"objective": msg.objective, "groups": msg.groups, "n_turns": msg.n_turns,
+                 **({"schedule": msg.schedule} if msg.schedule is not None else {})},
                 "RegisterBatch"))]
     if isinstance(msg, TrajectoryMsg):
         s, n = msg.source, "TrajectoryMsg"
@@ -302,6 +304,9 @@ def _check_batch_obj(obj, name: str) -> dict:
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
             for k, v in n_turns.items()):
         raise ChannelError(f"{name}: n_turns must map str trajectory ids to ints")
+    if obj.get("schedule") not in (None, *SCHEDULES):
+        raise ChannelError(f"{name}: schedule must be one of {list(SCHEDULES)}, "
+                           f"got {obj.get('schedule')!r}")
     return obj
 
 
@@ -346,7 +351,8 @@ def decode(tensors: list[torch.Tensor], limits: Limits = DEFAULT_LIMITS) -> Mess
     if kind == MsgType.REGISTER_BATCH:
         obj = _check_batch_obj(_load_json(f"{name} batch_json", p[1]), name)
         return RegisterBatch(version=version, objective=obj["objective"], groups=obj["groups"],
-                             n_turns=obj["n_turns"], data_pos=int(p[0][0]))
+                             n_turns=obj["n_turns"], data_pos=int(p[0][0]),
+                             schedule=obj.get("schedule"))
     if kind == MsgType.TRAJECTORY:
         traj_id, group_id = _ids(name, p[4])
         ready_order, has_pl, pl = p[3].tolist()
