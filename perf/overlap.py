@@ -7,10 +7,15 @@ U_i ~ Uniform(0, 1); its length (and so its learner service) grows as U_i^γ; GR
 have m members; OPD trajectories release `turns` turns spread over their lifetime. The
 simulator sleeps: it does not compete for the learner's cores.
 
-R is set from the learner time L of the same workload (a calibration run with every source
-available at once): R = r·L. Each cell runs `updates` updates and discards the warm-up.
-Speedup = mean step time of `sync` / mean step time of the schedule, same workload; the
-predicted speedup replays the run's own trace through Eq. 14 (tsync_mcore.predict).
+One learner launch per cell (objective, r, B). It first serves every draw (random batch) once
+with all sources ready at once (sync, R = 0; plus one warm-up update) to measure L, the
+busiest rank's learner time for that batch, and sets R = r·L per draw. Then it plays
+`rounds` rounds; in each, the three schedules run the same draw back to back, in an order
+rotated every round, switched per batch through RegisterBatch. Pairing them in time matters
+on a shared machine: runs of identical code launched minutes apart differed by up to 15 %
+here, updates one second apart by a few %. Speedup = mean step time of `sync` / mean step
+time of the schedule; the predicted speedup replays the schedule's own traces through
+Eq. 14 (tsync_mcore.predict).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -48,9 +54,12 @@ class Workload:
     vocab: int = 1024
     seed: int = 42
 
-    def update(self, version: int, R: float) -> tuple[BatchPlan, dict, list]:
-        """(plan, n_turns, [(ready_time, source)]) for one update."""
-        rng = random.Random(self.seed * 1000 + version)
+    def update(self, version: int, R: float, draw: int | None = None) -> tuple[BatchPlan, dict, list]:
+        """(plan, n_turns, [(ready_time, source)]) for one update of policy `version`.
+
+        `draw` picks the random batch (default: the version), so several updates can play
+        the same batch under different schedules."""
+        rng = random.Random(self.seed * 1000 + (version if draw is None else draw))
         plan, n_turns, items = BatchPlan(), {}, []
         groups = self.batch // self.group_size
         for g in range(groups):
@@ -95,24 +104,52 @@ class Workload:
         return out
 
 
+SCHEDULES = ("sync", "group_ready", "thundersync")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_cell(hf_dir: str, run_dir: str, work: Workload, schedule: str, R: float,
-             updates: int, k_open: int = 16) -> dict:
-    """Launch 2 learner ranks, play `updates` batches, return the run's metrics rows.
+@dataclass(frozen=True)
+class Step:
+    """One update the simulator plays: which batch (draw), how, and how long the rollout is."""
+
+    draw: int
+    schedule: str
+    ratio: float | None  # R = ratio·L(draw); None: every source ready at once (R = 0)
+
+
+def plan_steps(rounds: int, warmup: int = 2) -> list[Step]:
+    """Warm-up, then `rounds` rounds: a calibration update of the round's draw (every source
+    ready at once), then the three schedules on that draw in an order rotated per round.
+    Calibration sits next to the updates it sets R for: the machine drifts over a run
+    (the first updates of a process ran up to 10 % slower here)."""
+    steps = [Step(draw=-1 - i, schedule="sync", ratio=None) for i in range(warmup)]
+    for d in range(rounds):
+        order = SCHEDULES[d % 3:] + SCHEDULES[:d % 3]
+        steps += [Step(draw=d, schedule="sync", ratio=None)]
+        steps += [Step(draw=d, schedule=s, ratio=1.0) for s in order]
+    return steps
+
+
+def run_cell(hf_dir: str, run_dir: str, work: Workload, ratio: float, rounds: int,
+             warmup: int = 2, k_open: int = 16) -> list[dict]:
+    """Launch 2 learner ranks, play the cell's updates, return the metrics rows (each with
+    the Step that produced it and its R).
 
     k_open defaults to every group of a rank: a tighter cap holds back sources of new
     groups until open ones close, which on small batches turns into learner tail."""
+    steps = plan_steps(rounds, warmup)
     port = free_port()
-    os.makedirs(run_dir, exist_ok=True)
-    sets = [f"model.hf_dir={hf_dir}", f"run.dir={run_dir}", f"run.updates={updates}",
+    shutil.rmtree(run_dir, ignore_errors=True)  # the learner appends to metrics and traces
+    os.makedirs(run_dir)
+    sets = [f"model.hf_dir={hf_dir}", f"run.dir={run_dir}", f"run.updates={len(steps)}",
             "run.save_every=0", f"run.publish_dir={run_dir}/publish", f"channel.port={port}",
-            f"learner.schedule={schedule}", f"learner.objective={work.objective}",
-            f"learner.k_open={k_open}", "channel.timeout_s=300"]
+            f"learner.objective={work.objective}", f"learner.k_open={k_open}",
+            "channel.timeout_s=300"]
     env = dict(os.environ, OMP_NUM_THREADS="1")  # one core per learner rank
     learner = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -121,26 +158,25 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload, schedule: str, R: float,
         cwd=ROOT, env=env, stdout=open(os.path.join(run_dir, "learner.out"), "w"),
         stderr=open(os.path.join(run_dir, "learner.err"), "w"))
     links = open_rollout_side("127.0.0.1", port, 2, timeout_s=300)
+    L: dict[int, float] = {}  # draw → busiest rank's learner time, from its calibration update
+    v_of_calibration: dict[int, int] = {}
+    Rs, sim_cpu = [], []
     try:
         assert isinstance(links[0].recv(), Hello)
         _ack(links[0], 0)
-        for v in range(updates):
-            plan, n_turns, items = work.update(v, R)
-            owner = assign_groups(plan, {}, 2)
-            for link in links:
-                link.send(RegisterBatch(version=v, objective=work.objective, groups=plan.groups,
-                                        n_turns=n_turns, data_pos=v + 1))
-            t0 = time.perf_counter()
-            for ready, src in items:
-                delay = t0 + ready - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                msg = TrajectoryMsg(src) if work.objective == "grpo" else TurnMsg(src)
-                links[owner[src.group_id]].send(msg)
-            rollout_s = max(R, time.perf_counter() - t0)
-            time.sleep(max(0.0, t0 + R - time.perf_counter()))
-            for link in links:
-                link.send(CloseBatch(version=v, rollout_time_s=rollout_s, n_sources=len(items)))
+        for v, step in enumerate(steps):
+            if step.ratio is not None:
+                if step.draw not in L:
+                    v_cal = v_of_calibration[step.draw]
+                    L[step.draw] = _busiest_lane(_wait_for_trace(run_dir, v_cal), v_cal)
+                R = ratio * L[step.draw]
+            else:
+                R = 0.0
+                v_of_calibration[step.draw] = v
+            Rs.append(R)
+            cpu0 = time.process_time()
+            _play(links, work, v, step, R)
+            sim_cpu.append(time.process_time() - cpu0)
             _ack(links[0], v + 1)
         learner.wait(timeout=300)
     finally:
@@ -151,7 +187,35 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload, schedule: str, R: float,
     if learner.returncode != 0:
         raise RuntimeError(f"learner failed ({learner.returncode}); see {run_dir}/learner.err")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        rows = [json.loads(line) for line in f]
+    for row, step, R, cpu in zip(rows, steps, Rs, sim_cpu):
+        assert row["schedule"] == step.schedule, (row["schedule"], step)
+        # sim_cpu_s: CPU the simulator spent sending this batch, taken from the learners'
+        # two cores (a real rollout runs elsewhere)
+        row.update(draw=step.draw, calibration=step.ratio is None, R_s=R, sim_cpu_s=cpu)
+    return rows
+
+
+def _play(links, work: Workload, v: int, step: Step, R: float) -> None:
+    """One batch: register, release sources at their completion times, close at R."""
+    plan, n_turns, items = work.update(v, R, draw=step.draw)
+    owner = assign_groups(plan, {}, 2)
+    msgs = [(ready, owner[src.group_id],
+             TrajectoryMsg(src) if work.objective == "grpo" else TurnMsg(src))
+            for ready, src in items]
+    for link in links:
+        link.send(RegisterBatch(version=v, objective=work.objective, groups=plan.groups,
+                                n_turns=n_turns, data_pos=v + 1, schedule=step.schedule))
+    t0 = time.perf_counter()
+    for ready, rank, msg in msgs:
+        delay = t0 + ready - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        links[rank].send(msg)
+    rollout_s = max(R, time.perf_counter() - t0)
+    time.sleep(max(0.0, t0 + R - time.perf_counter()))
+    for link in links:
+        link.send(CloseBatch(version=v, rollout_time_s=rollout_s, n_sources=len(items)))
 
 
 def _ack(link, version: int) -> None:
@@ -160,31 +224,46 @@ def _ack(link, version: int) -> None:
     link.send(Ack(version=version, ok=True))
 
 
-def learner_time(run_dir: str, warmup: int) -> float:
-    """L: the busiest rank's total service time per update, steady-state mean."""
-    per_update: dict[int, dict[int, float]] = {}
+def _read_trace(run_dir: str) -> list[dict]:
+    out = []
     for r in (0, 1):
         path = os.path.join(run_dir, "traces", f"rank{r}.jsonl")
-        for line in open(path):
-            e = json.loads(line)
-            if "start" in e:
-                u = per_update.setdefault(e["update"], {})
-                u[r] = u.get(r, 0.0) + e["end"] - e["start"]
-    return mean(max(v.values()) for k, v in sorted(per_update.items()) if k >= warmup)
+        if os.path.exists(path):
+            with open(path) as f:
+                out += [json.loads(line) for line in f if line.endswith("\n")]
+    return out
 
 
-def dispatch_overhead(run_dir: str) -> float:
+def _wait_for_trace(run_dir: str, update: int, timeout_s: float = 60.0) -> list[dict]:
+    """Both ranks write an update's trace right after its publication; wait for them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        entries = _read_trace(run_dir)
+        if {e["rank"] for e in entries if e["update"] == update} == {0, 1}:
+            return entries
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{run_dir}: no trace of update {update} from both ranks")
+        time.sleep(0.01)
+
+
+def _busiest_lane(entries: list[dict], update: int) -> float:
+    """L of one update: the busiest rank's total service time."""
+    busy = {0: 0.0, 1: 0.0}
+    for e in entries:
+        if e["update"] == update and "start" in e:
+            busy[e["rank"]] += e["end"] - e["start"]
+    return max(busy.values())
+
+
+def dispatch_overhead(entries: list[dict], updates: set[int]) -> float:
     """Per-source scheduling + bookkeeping cost as a fraction of learner service: for sources
     that found their rank idle, the gap between arrival and service start."""
     gaps, service = [], []
-    for r in (0, 1):
-        entries = [json.loads(line) for line in open(os.path.join(run_dir, "traces", f"rank{r}.jsonl"))]
-        by_update: dict[int, list[dict]] = {}
-        for e in entries:
-            if "start" in e and e.get("kind") in (None, "turn"):
-                by_update.setdefault(e["update"], []).append(e)
-        for es in by_update.values():
-            es.sort(key=lambda e: e["start"])
+    for u in updates:
+        for r in (0, 1):
+            es = sorted((e for e in entries if e["update"] == u and e["rank"] == r
+                         and "start" in e and e.get("kind") in (None, "turn")),
+                        key=lambda e: e["start"])
             prev_end = -1.0
             for e in es:
                 if e["ready"] >= prev_end:  # lane idle when it arrived
@@ -194,66 +273,68 @@ def dispatch_overhead(run_dir: str) -> float:
     return median(gaps) / median(service) if gaps and service else float("nan")
 
 
-def predicted_speedup(run_dir: str, warmup: int, schedule: str) -> float:
-    res = predict.analyze_run(run_dir, warmup=warmup)
-    if schedule == "sync":
-        return 1.0
-    if schedule == "thundersync":
-        return res["T_sync_mean"] / res["T_thundersync_mean"]
-    return _group_ready_prediction(run_dir, warmup, res)
-
-
-def _group_ready_prediction(run_dir: str, warmup: int, res: dict) -> float:
-    """Eq. 14 with each source released at its group's last arrival (group_ready)."""
-    rollout = {json.loads(line)["policy_version"]: json.loads(line)["rollout_time_s"]
-               for line in open(os.path.join(run_dir, "metrics.jsonl"))}
-    entries = [json.loads(line) for r in (0, 1)
-               for line in open(os.path.join(run_dir, "traces", f"rank{r}.jsonl"))]
-    t_gr = []
-    for upd in res["updates"][warmup:]:
-        es = [e for e in entries if e["update"] == upd["update"] and "start" in e]
-        # GRPO: a group's sources wait for its last member; OPD: a trajectory's turns wait
-        # for its last turn. Replay/prefix work keeps its own release time.
-        unit = lambda e: e["traj_id"] if e.get("kind") == "turn" else e.get("group_id")  # noqa: E731
-        last: dict[str, float] = {}
-        for e in es:
-            if e.get("kind") in (None, "turn"):
-                last[unit(e)] = max(last.get(unit(e), 0.0), e["ready"])
-        lanes: dict[int, list] = {}
-        for e in es:
-            release = last[unit(e)] if e.get("kind") in (None, "turn") else e["ready"]
-            lanes.setdefault(e["rank"], []).append((release, e["end"] - e["start"]))
-        P = upd["publish_s"] + upd["step_s"]
-        t_gr.append(max(predict.replay_lane(jobs, rollout[upd["update"]], P)
-                        for jobs in lanes.values()))
-    return res["T_sync_mean"] / mean(t_gr)
+def _group_ready_step(entries: list[dict], R: float, P: float) -> float:
+    """Eq. 14 for one update with each source released at its group's last arrival (GRPO)
+    or its trajectory's last turn (OPD); replay/prefix work keeps its own release time."""
+    unit = lambda e: e["traj_id"] if e.get("kind") == "turn" else e.get("group_id")  # noqa: E731
+    last: dict[str, float] = {}
+    for e in entries:
+        if e.get("kind") in (None, "turn"):
+            last[unit(e)] = max(last.get(unit(e), 0.0), e["ready"])
+    lanes: dict[int, list] = {}
+    for e in entries:
+        release = last[unit(e)] if e.get("kind") in (None, "turn") else e["ready"]
+        lanes.setdefault(e["rank"], []).append((release, e["end"] - e["start"]))
+    return max(predict.replay_lane(jobs, R, P) for jobs in lanes.values())
 
 
 def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
-         updates: int, warmup: int = 1) -> list[dict]:
-    """All three schedules at one (objective, ratio, batch)."""
+         rounds: int, warmup: int = 2) -> list[dict]:
+    """All three schedules at one (objective, ratio, batch), paired round by round."""
     work = Workload(objective=objective, batch=batch)
-    calib = run_cell(hf_dir, os.path.join(out_dir, f"{objective}-b{batch}-calib"), work, "sync",
-                     R=0.0, updates=warmup + 2)
-    L = learner_time(os.path.join(out_dir, f"{objective}-b{batch}-calib"), warmup)
-    R = ratio * L
-    rows = []
-    for schedule in ("sync", "group_ready", "thundersync"):
-        d = os.path.join(out_dir, f"{objective}-r{ratio}-b{batch}-{schedule}")
-        metrics = run_cell(hf_dir, d, work, schedule, R, updates)
-        steady = metrics[warmup:]
-        rows.append(dict(
-            objective=objective, schedule=schedule, ratio=ratio, batch=batch, R_s=R, L_s=L,
-            step_time_s=mean(m["step_wall_time_s"] for m in steady),
-            learner_tail_s=mean(m["learner_tail_s"] for m in steady),
-            mfu_active=mean(m["mfu_active"] for m in steady),
-            peak_mem_bytes=max(m["peak_mem_bytes"] for m in steady),
-            speedup_predicted=predicted_speedup(d, warmup, schedule),
+    d = os.path.join(out_dir, f"{objective}-r{ratio}-b{batch}")
+    rows = [r for r in run_cell(hf_dir, d, work, ratio, rounds, warmup) if not r["calibration"]]
+    pred = {u["update"]: u for u in predict.analyze_run(d, warmup=0)["updates"]}
+    entries = _read_trace(d)
+    by_update: dict[int, list[dict]] = {}
+    for e in entries:
+        if "start" in e:
+            by_update.setdefault(e["update"], []).append(e)
+    out = []
+    for schedule in SCHEDULES:
+        mine = [r for r in rows if r["schedule"] == schedule]
+        ups = [r["policy_version"] for r in mine]
+        t_sync_pred = mean(pred[u]["T_sync"] for u in ups)
+        if schedule == "sync":
+            t_pred = t_sync_pred
+        elif schedule == "thundersync":
+            t_pred = mean(pred[u]["T_thundersync"] for u in ups)
+        else:
+            t_pred = mean(_group_ready_step(by_update[u], pred[u]["R"], pred[u]["P"]) for u in ups)
+        L_sync = mean(_busiest_lane(entries, r["policy_version"]) for r in rows
+                      if r["schedule"] == "sync")
+        out.append(dict(
+            objective=objective, schedule=schedule, ratio=ratio, batch=batch, rounds=rounds,
+            R_s=mean(r["R_s"] for r in mine), L_s=L_sync,
+            # R over the learner time the sync updates actually took (noise shows here)
+            ratio_effective=mean(r["R_s"] for r in mine) / L_sync,
+            step_time_s=mean(r["step_wall_time_s"] for r in mine),
+            step_times_s=[r["step_wall_time_s"] for r in mine],
+            learner_tail_s=mean(r["learner_tail_s"] for r in mine),
+            mfu_active=mean(r["mfu_active"] for r in mine),
+            sim_cpu_s=mean(r["sim_cpu_s"] for r in mine),
+            # CPU: process-lifetime RSS of the cell's learner (ru_maxrss cannot be reset)
+            peak_mem_bytes=max(r["peak_mem_bytes"] for r in mine),
+            accum_peak_bytes=max(r["accum_peak_bytes"] for r in mine),
+            speedup_predicted=t_sync_pred / t_pred,
+            prediction_error_pct=mean(pred[u]["prediction_error_pct"] for u in ups)
+            if schedule != "group_ready" else None,
             # only a streaming lane goes idle between arrivals, where the cost shows alone
-            dispatch_overhead=dispatch_overhead(d) if schedule == "thundersync" else None,
+            dispatch_overhead=dispatch_overhead(entries, set(ups))
+            if schedule == "thundersync" else None,
             run_dir=d))
-    sync_t = rows[0]["step_time_s"]
-    for r in rows:
-        r["speedup_measured"] = sync_t / r["step_time_s"]
-        r["measured_over_predicted"] = r["speedup_measured"] / r["speedup_predicted"]
-    return rows
+    sync_t = out[0]["step_time_s"]
+    for c in out:
+        c["speedup_measured"] = sync_t / c["step_time_s"]
+        c["measured_over_predicted"] = c["speedup_measured"] / c["speedup_predicted"]
+    return out

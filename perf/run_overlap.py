@@ -17,6 +17,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="r = 1 and one batch size only")
     p.add_argument("--out", required=True)
     p.add_argument("--work", default=None, help="directory for the runs (default: a temp dir)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="rounds per cell; each plays one batch under all three schedules")
+    p.add_argument("--objectives", default="grpo,opd")
+    p.add_argument("--ratios", default=None, help="comma list (default: 1 quick, 0.5,1,2 full)")
+    p.add_argument("--batches", default=None, help="comma list (default: 64 quick, 64,128 full)")
     args = p.parse_args()
     work = args.work or tempfile.mkdtemp(prefix="tsync-perf-")
     hf_dir = os.path.join(work, "model")
@@ -24,19 +29,21 @@ def main() -> None:
         # Big enough that a source's learner service dwarfs per-source overheads.
         make_tiny_checkpoint(hf_dir, arch="qwen2", vocab_size=1024, hidden=128, layers=4,
                              heads=4, kv_heads=2, intermediate=384, seed=0)
-    ratios = [1.0] if args.quick else [0.5, 1.0, 2.0]
-    batches = [64] if args.quick else [64, 128]
-    updates = 4 if args.quick else 5
+    ratios = [float(x) for x in args.ratios.split(",")] if args.ratios else \
+        [1.0] if args.quick else [0.5, 1.0, 2.0]
+    batches = [int(x) for x in args.batches.split(",")] if args.batches else \
+        [64] if args.quick else [64, 128]
     rows = []
-    for objective in ("grpo", "opd"):
+    for objective in args.objectives.split(","):
         for batch in batches:
             for ratio in ratios:
-                rows += cell(hf_dir, work, objective, ratio, batch, updates)
+                rows += cell(hf_dir, work, objective, ratio, batch, args.rounds)
                 for r in rows[-3:]:
                     print(f"{r['objective']:4s} r={r['ratio']:<4} B={r['batch']:<3} "
                           f"{r['schedule']:12s} step {r['step_time_s']:.3f}s  "
                           f"speedup {r['speedup_measured']:.2f}x (pred {r['speedup_predicted']:.2f}x, "
                           f"{100 * r['measured_over_predicted']:.0f}%)  tail {r['learner_tail_s']:.3f}s"
+                          f"  r_eff {r['ratio_effective']:.2f}"
                           + (f"  dispatch {100 * r['dispatch_overhead']:.2f}%"
                              if r["dispatch_overhead"] is not None else ""), flush=True)
     with open(args.out, "w") as f:

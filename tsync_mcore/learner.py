@@ -116,6 +116,7 @@ class Learner:
     def _serve(self, svc: Service) -> None:
         src, g = svc.source, svc.source.group_id
         start = self._now()
+        cpu0 = time.thread_time()
         if svc.fold == "pair" and not self.acc.is_open(g):
             self.acc.open_group(g, shift=src.reward)  # c = the group's first reward
         if src.n_scored > 0:
@@ -148,8 +149,10 @@ class Learner:
             self._close_prefix(g, scale, mu)
         elif svc.fold == "direct" and self.served[g] == len(self.plan.groups[g]):
             self._close_prefix(g, 1.0, 0.0)
-        self._note(src, start=start, end=self._now(), fold=svc.fold,
-                   closes_group=svc.closes_group, open_groups=self.queue.open_groups,
+        # cpu: this thread's CPU time; wall − cpu is time the core or the GIL was elsewhere
+        self._note(src, start=start, end=self._now(), cpu=time.thread_time() - cpu0,
+                   fold=svc.fold, closes_group=svc.closes_group,
+                   open_groups=self.queue.open_groups,
                    **(span if src.n_scored > 0 else dict(span_tokens=0, context=0)))
 
     def _direct_coef(self, src: TrajectorySource) -> float:

@@ -172,6 +172,7 @@ class OPDLearner:
 
     def _serve(self, turn: TurnSource) -> None:
         start = self._now()
+        cpu0 = time.thread_time()
         if turn.turn == 0:
             prompt = self._prompt_for(turn)
             self.ctx[turn.traj_id] = _Context(
@@ -201,7 +202,8 @@ class OPDLearner:
         held = sum(c.nbytes() for c in self.ctx.values()) + sum(
             2 * kv_bytes(p.produced) for p in self.prompts.values() if p is not None)
         self.kv_peak_bytes = max(self.kv_peak_bytes, held)
-        self._note(turn, start=start, end=self._now(), span_tokens=len(tokens), context=offset,
+        self._note(turn, start=start, end=self._now(), cpu=time.thread_time() - cpu0,
+                   span_tokens=len(tokens), context=offset,
                    logits=turn.n_scored > 0)
         if last:
             self._replay(turn.traj_id)
