@@ -136,13 +136,19 @@ def plan_steps(rounds: int, warmup: int = 2) -> list[Step]:
 
 
 def run_cell(hf_dir: str, run_dir: str, work: Workload, ratio: float, rounds: int,
-             warmup: int = 2, k_open: int = 16) -> list[dict]:
+             warmup: int = 2, k_open: int = 16, batch_sched: bool = True) -> list[dict]:
     """Launch 2 learner ranks, play the cell's updates, return the metrics rows (each with
     the Step that produced it and its R).
 
     k_open defaults to every group of a rank: a tighter cap holds back sources of new
     groups until open ones close, which on small batches turns into learner tail."""
     steps = plan_steps(rounds, warmup)
+    if batch_sched:
+        # Simulator, learners and their channel threads share 2 cores here. Under
+        # SCHED_BATCH a thread woken by a message does not preempt a learner mid-kernel;
+        # it runs at the next tick (a real rollout and channel sit on other host cores).
+        # Threads and processes started from here on inherit it.
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     port = free_port()
     shutil.rmtree(run_dir, ignore_errors=True)  # the learner appends to metrics and traces
     os.makedirs(run_dir)
@@ -273,6 +279,16 @@ def dispatch_overhead(entries: list[dict], updates: set[int]) -> float:
     return median(gaps) / median(service) if gaps and service else float("nan")
 
 
+def _serve_cpu(entries: list[dict], updates: set[int]) -> float:
+    """Serving-thread CPU seconds per update, summed over ranks."""
+    return sum(e["cpu"] for e in entries if e["update"] in updates and "cpu" in e) / len(updates)
+
+
+def _wall_over_cpu(entries: list[dict], updates: set[int]) -> float:
+    es = [e for e in entries if e["update"] in updates and "cpu" in e]
+    return sum(e["end"] - e["start"] for e in es) / sum(e["cpu"] for e in es)
+
+
 def _group_ready_step(entries: list[dict], R: float, P: float) -> float:
     """Eq. 14 for one update with each source released at its group's last arrival (GRPO)
     or its trajectory's last turn (OPD); replay/prefix work keeps its own release time."""
@@ -289,11 +305,12 @@ def _group_ready_step(entries: list[dict], R: float, P: float) -> float:
 
 
 def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
-         rounds: int, warmup: int = 2) -> list[dict]:
+         rounds: int, warmup: int = 2, batch_sched: bool = True) -> list[dict]:
     """All three schedules at one (objective, ratio, batch), paired round by round."""
     work = Workload(objective=objective, batch=batch)
     d = os.path.join(out_dir, f"{objective}-r{ratio}-b{batch}")
-    rows = [r for r in run_cell(hf_dir, d, work, ratio, rounds, warmup) if not r["calibration"]]
+    rows = [r for r in run_cell(hf_dir, d, work, ratio, rounds, warmup, batch_sched=batch_sched)
+            if not r["calibration"]]
     pred = {u["update"]: u for u in predict.analyze_run(d, warmup=0)["updates"]}
     entries = _read_trace(d)
     by_update: dict[int, list[dict]] = {}
@@ -332,6 +349,10 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
             # only a streaming lane goes idle between arrivals, where the cost shows alone
             dispatch_overhead=dispatch_overhead(entries, set(ups))
             if schedule == "thundersync" else None,
+            # serving wall time over the serving thread's CPU time: > 1 where the core or
+            # the GIL was elsewhere (channel, simulator); CPU time itself shows cache effects
+            wall_over_cpu=_wall_over_cpu(entries, set(ups)),
+            serve_cpu_s=_serve_cpu(entries, set(ups)),
             run_dir=d))
     sync_t = out[0]["step_time_s"]
     for c in out:

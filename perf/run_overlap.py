@@ -20,6 +20,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds per cell; each plays one batch under all three schedules")
     p.add_argument("--objectives", default="grpo,opd")
+    p.add_argument("--normal-sched", action="store_true",
+                   help="keep SCHED_OTHER (default: SCHED_BATCH, see overlap.run_cell)")
     p.add_argument("--ratios", default=None, help="comma list (default: 1 quick, 0.5,1,2 full)")
     p.add_argument("--batches", default=None, help="comma list (default: 64 quick, 64,128 full)")
     args = p.parse_args()
@@ -37,13 +39,14 @@ def main() -> None:
     for objective in args.objectives.split(","):
         for batch in batches:
             for ratio in ratios:
-                rows += cell(hf_dir, work, objective, ratio, batch, args.rounds)
+                rows += cell(hf_dir, work, objective, ratio, batch, args.rounds,
+                             batch_sched=not args.normal_sched)
                 for r in rows[-3:]:
                     print(f"{r['objective']:4s} r={r['ratio']:<4} B={r['batch']:<3} "
                           f"{r['schedule']:12s} step {r['step_time_s']:.3f}s  "
                           f"speedup {r['speedup_measured']:.2f}x (pred {r['speedup_predicted']:.2f}x, "
                           f"{100 * r['measured_over_predicted']:.0f}%)  tail {r['learner_tail_s']:.3f}s"
-                          f"  r_eff {r['ratio_effective']:.2f}"
+                          f"  r_eff {r['ratio_effective']:.2f}  wall/cpu {r['wall_over_cpu']:.3f}"
                           + (f"  dispatch {100 * r['dispatch_overhead']:.2f}%"
                              if r["dispatch_overhead"] is not None else ""), flush=True)
     with open(args.out, "w") as f:
