@@ -142,18 +142,20 @@ class Learner:
             self.policy.zero_grads()
             self.scored_local += src.n_scored
         self.served[g] = self.served.get(g, 0) + 1
-        if svc.closes_group:
+        closes = svc.closes_group
+        if closes:
             scale, mu = self.objective.closure(self._group_rewards(g), self.acc.shift_of(g),
                                                self.cfg.adv_eps)
             self.acc.close_group(g, scale, mu)
+        # cpu: this thread's CPU time; wall − cpu is time the core or the GIL was elsewhere.
+        # Noted before the prompt backward, which is its own trace entry (counted once).
+        self._note(src, start=start, end=self._now(), cpu=time.thread_time() - cpu0,
+                   fold=svc.fold, closes_group=closes, open_groups=self.queue.open_groups,
+                   **(span if src.n_scored > 0 else dict(span_tokens=0, context=0)))
+        if closes:
             self._close_prefix(g, scale, mu)
         elif svc.fold == "direct" and self.served[g] == len(self.plan.groups[g]):
             self._close_prefix(g, 1.0, 0.0)
-        # cpu: this thread's CPU time; wall − cpu is time the core or the GIL was elsewhere
-        self._note(src, start=start, end=self._now(), cpu=time.thread_time() - cpu0,
-                   fold=svc.fold, closes_group=svc.closes_group,
-                   open_groups=self.queue.open_groups,
-                   **(span if src.n_scored > 0 else dict(span_tokens=0, context=0)))
 
     def _direct_coef(self, src: TrajectorySource) -> float:
         i = self.plan.groups[src.group_id].index(src.traj_id)
@@ -170,13 +172,14 @@ class Learner:
     def _close_prefix(self, g: str, scale: float, mu: float) -> None:
         """One backward through the prompt with scale·(A1 − mu·A2), into the batch."""
         prefix = self.prefixes.pop(g, None)
-        start = self._now()
+        start, cpu0 = self._now(), time.thread_time()
         if prefix is not None and prefix.backward_prefix(scale, mu):
             self.acc.fold_direct(self.policy.grad_buffers(), 1.0)
             self.policy.zero_grads()
             self.trace.append(dict(kind="prefix", group_id=g, rank=self.policy.par.rank,
                                    policy_version=self.version, ready=start, start=start,
-                                   end=self._now(), span_tokens=len(prefix), context=0))
+                                   end=self._now(), cpu=time.thread_time() - cpu0,
+                                   span_tokens=len(prefix), context=0))
 
     def _group_rewards(self, g: str) -> list[float]:
         return [float(self.arrived[t].reward) for t in self.plan.groups[g]]

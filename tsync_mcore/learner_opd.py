@@ -210,7 +210,7 @@ class OPDLearner:
 
     def _replay(self, traj_id: str) -> None:
         """Deferred work: push accumulated K/V adjoints back through earlier turns."""
-        start = self._now()
+        start, cpu0 = self._now(), time.thread_time()
         ctx = self.ctx.pop(traj_id)
         spans = []  # (tokens, context) of every turn pushed back through (FLOP ledger)
         for i in reversed(range(len(ctx.leaves))):
@@ -230,11 +230,12 @@ class OPDLearner:
         self._fold()
         if ctx.prompt is not None:
             ctx.prompt.fold_direct(1.0, ctx.prompt_leaves)
-        self._prompt_done(self.group_of[traj_id])
         self.trace.append(dict(kind="replay", traj_id=traj_id, rank=self.policy.par.rank,
                                policy_version=self.version, ready=start, start=start,
-                               end=self._now(), turns=len(ctx.leaves), spans=spans,
+                               end=self._now(), cpu=time.thread_time() - cpu0,
+                               turns=len(ctx.leaves), spans=spans,
                                replay_mode=self.replay_mode))
+        self._prompt_done(self.group_of[traj_id])  # its own trace entry, after this one
 
     def _prompt_for(self, turn: TurnSource) -> SharedPrefix | None:
         """The group's shared prompt (built from its first served turn 0), if this turn
@@ -252,12 +253,13 @@ class OPDLearner:
         self.open_members[g] -= 1
         if self.open_members[g] == 0:
             prompt = self.prompts.pop(g, None)
-            start = self._now()
+            start, cpu0 = self._now(), time.thread_time()
             if prompt is not None and prompt.backward_prefix(1.0, 0.0):
                 self._fold()
                 self.trace.append(dict(kind="prefix", group_id=g, rank=self.policy.par.rank,
                                        policy_version=self.version, ready=start, start=start,
-                                       end=self._now(), span_tokens=len(prompt), context=0))
+                                       end=self._now(), cpu=time.thread_time() - cpu0,
+                                       span_tokens=len(prompt), context=0))
 
     def _fold(self) -> None:
         self.acc.fold_direct(self.policy.grad_buffers(), 1.0)
