@@ -159,6 +159,7 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload, ratio: float, rounds: in
     env = dict(os.environ, OMP_NUM_THREADS="1")  # one core per learner rank
     learner = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--monitor-interval", "1",  # the agent's 0.1 s default polling takes a learner core
          "--master-port", str(free_port()), os.path.join(ROOT, "launch/learner.py"),
          "--config", os.path.join(ROOT, "configs/grpo_cpu_tiny.yaml"), "--set", *sets],
         cwd=ROOT, env=env, stdout=open(os.path.join(run_dir, "learner.out"), "w"),
@@ -305,9 +306,10 @@ def _group_ready_step(entries: list[dict], R: float, P: float) -> float:
 
 
 def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
-         rounds: int, warmup: int = 2, batch_sched: bool = True) -> list[dict]:
-    """All three schedules at one (objective, ratio, batch), paired round by round."""
-    work = Workload(objective=objective, batch=batch)
+         rounds: int, warmup: int = 2, batch_sched: bool = True, **workload) -> list[dict]:
+    """All three schedules at one (objective, ratio, batch), paired round by round.
+    `workload`: other Workload fields (lengths, group size, turns)."""
+    work = Workload(objective=objective, batch=batch, **workload)
     d = os.path.join(out_dir, f"{objective}-r{ratio}-b{batch}")
     rows = [r for r in run_cell(hf_dir, d, work, ratio, rounds, warmup, batch_sched=batch_sched)
             if not r["calibration"]]

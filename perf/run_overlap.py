@@ -17,7 +17,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="r = 1 and one batch size only")
     p.add_argument("--out", required=True)
     p.add_argument("--work", default=None, help="directory for the runs (default: a temp dir)")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=int, default=4,
                    help="rounds per cell; each plays one batch under all three schedules")
     p.add_argument("--objectives", default="grpo,opd")
     p.add_argument("--normal-sched", action="store_true",
