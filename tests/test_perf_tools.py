@@ -205,3 +205,23 @@ def test_overlap_workload_is_valid_and_follows_the_release_model():
                 turns.sort(key=lambda s: s.turn)
                 assert [s.turn for s in turns] == list(range(w.turns))
                 assert all(a.end == b.start for a, b in zip(turns, turns[1:]))
+
+
+def test_overlap_plan_pairs_schedules_per_draw():
+    # Each round: a calibration update of its draw (R = 0), then all three schedules on the
+    # same draw, the order rotated so no schedule always runs first after calibration.
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "perf"))
+    from overlap import SCHEDULES, plan_steps
+
+    steps = plan_steps(rounds=3, warmup=2)
+    assert [s.ratio for s in steps[:2]] == [None, None] and all(s.draw < 0 for s in steps[:2])
+    rounds = [steps[2 + 4 * i: 6 + 4 * i] for i in range(3)]
+    assert len(steps) == 2 + 4 * 3
+    firsts = set()
+    for d, (calib, *timed) in enumerate(rounds):
+        assert calib.ratio is None and calib.schedule == "sync" and calib.draw == d
+        assert sorted(s.schedule for s in timed) == sorted(SCHEDULES)
+        assert all(s.draw == d and s.ratio == 1.0 for s in timed)
+        firsts.add(timed[0].schedule)
+    assert firsts == set(SCHEDULES)

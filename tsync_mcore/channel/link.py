@@ -135,12 +135,13 @@ class Link:
     def _read_one(self, pg: dist.ProcessGroup) -> Message:
         header = torch.empty(16, dtype=torch.int64)
         pg.recv([header], self._peer, _HEADER_TAG).wait(_FOREVER)
-        _, specs = check_header(header, self._limits)  # sizes checked before allocating
+        checked = check_header(header, self._limits)  # sizes checked before allocating
+        specs = checked[1]
         payloads = [torch.empty(n, dtype=dt) for _, dt, n in specs]
         works = [pg.recv([p], self._peer, 1 + j) for j, p in enumerate(payloads) if p.numel()]
         for w in works:
             w.wait(self._timeout)
-        return decode([header, *payloads], self._limits)
+        return decode([header, *payloads], self._limits, checked=checked)
 
     def _read_loop(self) -> None:
         pg = self._pg  # held by this thread: close() may drop the Link's reference
