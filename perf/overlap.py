@@ -115,11 +115,11 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class Step:
-    """One update the simulator plays: which batch (draw), how, and how long the rollout is."""
+    """One update the simulator plays: which batch (draw) and how."""
 
     draw: int
     schedule: str
-    ratio: float | None  # R = ratio·L(draw); None: every source ready at once (R = 0)
+    calibration: bool = False  # every source ready at once (R = 0), to measure L(draw)
 
 
 def plan_steps(rounds: int, warmup: int = 2) -> list[Step]:
@@ -127,11 +127,11 @@ def plan_steps(rounds: int, warmup: int = 2) -> list[Step]:
     ready at once), then the three schedules on that draw in an order rotated per round.
     Calibration sits next to the updates it sets R for: the machine drifts over a run
     (the first updates of a process ran up to 10 % slower here)."""
-    steps = [Step(draw=-1 - i, schedule="sync", ratio=None) for i in range(warmup)]
+    steps = [Step(draw=-1 - i, schedule="sync", calibration=True) for i in range(warmup)]
     for d in range(rounds):
         order = SCHEDULES[d % 3:] + SCHEDULES[:d % 3]
-        steps += [Step(draw=d, schedule="sync", ratio=None)]
-        steps += [Step(draw=d, schedule=s, ratio=1.0) for s in order]
+        steps += [Step(draw=d, schedule="sync", calibration=True)]
+        steps += [Step(draw=d, schedule=s) for s in order]
     return steps
 
 
@@ -172,7 +172,7 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload, ratio: float, rounds: in
         assert isinstance(links[0].recv(), Hello)
         _ack(links[0], 0)
         for v, step in enumerate(steps):
-            if step.ratio is not None:
+            if not step.calibration:
                 if step.draw not in L:
                     v_cal = v_of_calibration[step.draw]
                     L[step.draw] = _busiest_lane(_wait_for_trace(run_dir, v_cal), v_cal)
@@ -199,7 +199,7 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload, ratio: float, rounds: in
         assert row["schedule"] == step.schedule, (row["schedule"], step)
         # sim_cpu_s: CPU the simulator spent sending this batch, taken from the learners'
         # two cores (a real rollout runs elsewhere)
-        row.update(draw=step.draw, calibration=step.ratio is None, R_s=R, sim_cpu_s=cpu)
+        row.update(draw=step.draw, calibration=step.calibration, R_s=R, sim_cpu_s=cpu)
     return rows
 
 

@@ -215,13 +215,13 @@ def test_overlap_plan_pairs_schedules_per_draw():
     from overlap import SCHEDULES, plan_steps
 
     steps = plan_steps(rounds=3, warmup=2)
-    assert [s.ratio for s in steps[:2]] == [None, None] and all(s.draw < 0 for s in steps[:2])
+    assert all(s.calibration and s.draw < 0 for s in steps[:2])
     rounds = [steps[2 + 4 * i: 6 + 4 * i] for i in range(3)]
     assert len(steps) == 2 + 4 * 3
     firsts = set()
     for d, (calib, *timed) in enumerate(rounds):
-        assert calib.ratio is None and calib.schedule == "sync" and calib.draw == d
+        assert calib.calibration and calib.schedule == "sync" and calib.draw == d
         assert sorted(s.schedule for s in timed) == sorted(SCHEDULES)
-        assert all(s.draw == d and s.ratio == 1.0 for s in timed)
+        assert all(s.draw == d and not s.calibration for s in timed)
         firsts.add(timed[0].schedule)
     assert firsts == set(SCHEDULES)
