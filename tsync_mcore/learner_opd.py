@@ -98,6 +98,7 @@ class OPDLearner:
         self.released: list[TurnSource] = []
         self.held: list[TurnSource] = []
         self.ctx: dict[str, _Context] = {}
+        self._last_traj: str | None = None
         self.prompts: dict[str, SharedPrefix | None] = {}
         self.open_members = {g: sum(t in self.mine for t in ts) for g, ts in plan.groups.items()}
         self.trace: list[dict] = []
@@ -158,19 +159,27 @@ class OPDLearner:
                               f"at {nxt.start}; turn spans must be contiguous")
 
     def _drain(self) -> None:
-        progress = True
-        while progress:
-            progress = False
-            for i, turn in enumerate(self.released):
-                ctx = self.ctx.get(turn.traj_id)
-                served = len(ctx.turns) if ctx else 0
-                if served == turn.turn:  # its context is complete: serve it
-                    del self.released[i]
-                    self._serve(turn)
-                    progress = True
-                    break
+        while (i := self._next_servable()) is not None:
+            self._serve(self.released.pop(i))
+
+    def _next_servable(self) -> int | None:
+        """Index of the released turn to serve next: one whose earlier turns are served,
+        preferring the trajectory served last (its K/V context is still in cache and its
+        replay, which frees the context, comes sooner); otherwise the earliest released.
+        Lane completion does not depend on this order, only the cost per turn does."""
+        first = None
+        for i, turn in enumerate(self.released):
+            ctx = self.ctx.get(turn.traj_id)
+            if (len(ctx.turns) if ctx else 0) != turn.turn:
+                continue  # its context is not complete yet
+            if turn.traj_id == self._last_traj:
+                return i
+            if first is None:
+                first = i
+        return first
 
     def _serve(self, turn: TurnSource) -> None:
+        self._last_traj = turn.traj_id
         start = self._now()
         cpu0 = time.thread_time()
         if turn.turn == 0:
