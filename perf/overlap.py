@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from statistics import mean, median
+from statistics import mean, median, stdev
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -360,4 +360,8 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
     for c in out:
         c["speedup_measured"] = sync_t / c["step_time_s"]
         c["measured_over_predicted"] = c["speedup_measured"] / c["speedup_predicted"]
+        # spread: the same batch's sync step over this schedule's step, round by round
+        per_round = [a / b for a, b in zip(out[0]["step_times_s"], c["step_times_s"])]
+        c["speedup_per_round"] = per_round
+        c["speedup_stderr"] = stdev(per_round) / len(per_round) ** 0.5 if len(per_round) > 1 else None
     return out

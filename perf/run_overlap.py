@@ -44,7 +44,8 @@ def main() -> None:
                 for r in rows[-3:]:
                     print(f"{r['objective']:4s} r={r['ratio']:<4} B={r['batch']:<3} "
                           f"{r['schedule']:12s} step {r['step_time_s']:.3f}s  "
-                          f"speedup {r['speedup_measured']:.2f}x (pred {r['speedup_predicted']:.2f}x, "
+                          f"speedup {r['speedup_measured']:.2f}x ±{r['speedup_stderr'] or 0:.2f} "
+                          f"(pred {r['speedup_predicted']:.2f}x, "
                           f"{100 * r['measured_over_predicted']:.0f}%)  tail {r['learner_tail_s']:.3f}s"
                           f"  r_eff {r['ratio_effective']:.2f}  wall/cpu {r['wall_over_cpu']:.3f}"
                           + (f"  dispatch {100 * r['dispatch_overhead']:.2f}%"
