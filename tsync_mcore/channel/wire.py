@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from tsync_mcore.channel.errors import ChannelError
-from tsync_mcore.schedule import SCHEDULES
 from tsync_mcore.channel.messages import (
     Ack, CloseBatch, Hello, Message, Publish, RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg,
 )
+from tsync_mcore.schedule import SCHEDULES
 from tsync_mcore.sources import TrajectorySource, TurnSource
 
 MAGIC = 0x7473796E63  # b"tsync"
