@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from types import SimpleNamespace
 
 import torch
@@ -209,6 +210,7 @@ def learner_step(args, device: str) -> dict:
         sync()
         times.append(time.perf_counter() - t)
     step_time = statistics.median(times)
+    profile = profile_step(step, sync, cuda) if args.profile else None
     flops = train_flops(spec, [args.seq_len] * args.sources, attention=attention)
     peak = detect_peak(device=device)
     return {
@@ -222,7 +224,28 @@ def learner_step(args, device: str) -> dict:
         "mfu_active": mfu_active(flops.total, step_time, 1, peak), **peak.to_dict(),
         "peak_mem_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "kernel_backend": K.backend_for(torch.empty(0, device=device)),
+        **({"profile": profile} if profile else {}),
     }  # fmt: skip
+
+
+def profile_step(step, sync, cuda: bool, top: int = 25) -> dict:
+    """One step under torch.profiler: device-busy fraction and the ops that take the time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        step()
+        sync()
+    wall = time.perf_counter() - t
+    dev = "device" if cuda else "cpu"
+    key = f"self_{dev}_time_total"
+    avgs = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)
+    print(prof.key_averages().table(sort_by=key, row_limit=top))
+    busy = sum(getattr(e, key, 0.0) for e in avgs) / 1e6  # µs -> s (kernels of one stream)
+    return {"wall_s": wall, f"{dev}_busy_s": busy, "busy_fraction": busy / wall,
+            "top": [{"name": e.key, "self_s": getattr(e, key, 0.0) / 1e6, "calls": e.count}
+                    for e in avgs[:top]]}  # fmt: skip
 
 
 def param_count(spec) -> int:
@@ -246,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="profile one more step: busy fraction, top ops")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(NO_GPU)
@@ -260,15 +284,22 @@ def main(argv: list[str] | None = None) -> int:
         records = kbench.run_benchmarks(args.device, quick=args.device == "cpu")
         print(kbench.format_table(records))
         print(f"kernels: {time.perf_counter() - t0:.1f} s")
+    failed = False
     if not args.skip_step:
-        step = learner_step(args, args.device)
-        print("learner step:", json.dumps(step, indent=1))
+        try:
+            step = learner_step(args, args.device)
+            print("learner step:", json.dumps(step, indent=1))
+        except Exception as e:  # the kernel records above are still worth writing
+            failed = True
+            step = {"backend": args.backend, "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc()[-4000:]}
+            print(f"learner step failed ({args.backend} backend):\n{step['traceback']}", file=sys.stderr)
     doc = kbench.result_document(records, args.device, step=step)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"wrote {out}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
