@@ -115,13 +115,14 @@ class GroupSums:
             acc.zero_()
 
 
-def megatron_step_fn(ckpt: str, sources: list[dict], device: str):
+def megatron_step_fn(ckpt: str, sources: list[dict], device: str, attention: str = "auto"):
     """(step fn, description, attention mode) on the learner's own Megatron Policy."""
     from tsync_mcore.config import load_config
     from tsync_mcore.policy import Policy
 
     dtype = "bf16" if device == "cuda" else "fp32"
-    policy = Policy(load_config(None, {"model.hf_dir": ckpt, "model.dtype": dtype}))
+    policy = Policy(load_config(None, {"model.hf_dir": ckpt, "model.dtype": dtype,
+                                       "model.attention": attention}))
     te = device == "cuda" and _imports("transformer_engine.pytorch")  # as bridge picks the spec
     sums = GroupSums(policy.grad_buffers())
     mu = statistics.mean(s["reward"] for s in sources)
@@ -137,8 +138,10 @@ def megatron_step_fn(ckpt: str, sources: list[dict], device: str):
 
     import megatron.core
 
-    desc = f"megatron-core {megatron.core.__version__} ({'te' if te else 'local'} spec), tsync_mcore Policy"
-    return step, desc, "causal" if te else "full"
+    core = type(policy.model.decoder.layers[0].self_attention.core_attention).__name__
+    desc = (f"megatron-core {megatron.core.__version__} ({'te' if te else 'local'} spec, {core}), "
+            "tsync_mcore Policy")
+    return step, desc, policy.attention_mode
 
 
 def hf_step_fn(ckpt: str, sources: list[dict], device: str):
@@ -195,7 +198,8 @@ def learner_step(args, device: str) -> dict:
     if backend == "auto":
         backend = "megatron" if _imports("megatron.core") else "hf"
     build = megatron_step_fn if backend == "megatron" else hf_step_fn
-    step, desc, attention = build(ckpt, sources, device)
+    extra = {"attention": args.attention} if backend == "megatron" else {}
+    step, desc, attention = build(ckpt, sources, device, **extra)
     setup_s = time.perf_counter() - t0
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -267,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sources", type=int, default=16, help="trajectories in the group")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
+    ap.add_argument("--attention", choices=("auto", "sdpa", "megatron"), default="auto",
+                    help="megatron local spec's core attention (auto: SDPA on GPU)")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
     ap.add_argument("--profile", action="store_true", help="profile one more step: busy fraction, top ops")

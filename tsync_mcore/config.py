@@ -33,6 +33,8 @@ class ModelConfig:
     dtype: DType = "fp32"  # student forward/backward precision; grads accumulate in FP32
     tp: int = 1  # tensor-parallel size; data-parallel size = world size / tp
     spec: Literal["auto", "local", "te"] = "auto"  # TE layer spec on GPU, local spec on CPU
+    # local spec's core attention: SDPA kernels (auto: on GPU) or megatron's DotProductAttention
+    attention: Literal["auto", "sdpa", "megatron"] = "auto"
 
     def validate(self) -> None:
         _check(self.tp >= 1, "model.tp", f"must be >= 1, got {self.tp}")

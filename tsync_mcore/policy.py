@@ -33,7 +33,9 @@ class Policy:
         self.cfg = cfg
         self.par = par or init_parallel(tp_size=cfg.model.tp, seed=cfg.seed)
         self.model, self.spec = bridge.build_model(
-            cfg.model.hf_dir, dtype=DTYPES[cfg.model.dtype], spec=cfg.model.spec)
+            cfg.model.hf_dir, dtype=DTYPES[cfg.model.dtype], spec=cfg.model.spec,
+            attention=cfg.model.attention)
+        self.attention_mode = bridge.attention_mode(self.model)  # what the FLOP ledger counts
         self.ddp = train.wrap_ddp(self.model, use_distributed_optimizer=cfg.optim.distributed)
         o = cfg.optim
         self.optimizer = train.build_optimizer(

@@ -133,7 +133,7 @@ class Trainer:
         stale = sum(1 for e in result.trace if e.get("policy_version", result.policy_version)
                     != result.policy_version)
         # F_k: this DP rank's work from its trace (TP ranks of one DP rank share it), summed.
-        work = update_flops(self.policy.spec, result.trace)
+        work = update_flops(self.policy.spec, result.trace, attention=self.policy.attention_mode)
         flops = self.policy.dp_sum(work.total)
         recompute = self.policy.dp_sum(work.recompute_flops)
         step_s = t_end - t_start

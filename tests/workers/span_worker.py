@@ -139,10 +139,10 @@ def forward_err(model, tokens: torch.Tensor, bounds: list[int]) -> tuple[float, 
 BOUNDS = [0, 7, 20, 29, 41]
 
 
-def check_model(path: str) -> dict:
+def check_model(path: str, attention: str = "auto") -> dict:
     out: dict = {}
     for dtype, tag in ((torch.float64, "fp64"), (torch.float32, "fp32")):
-        model, spec = bridge.build_model(path, dtype=dtype)
+        model, spec = bridge.build_model(path, dtype=dtype, attention=attention)
         tokens, targets, coef = problem(spec.vocab_size, BOUNDS[-1], 0, dtype)
         out[f"fwd_{tag}"], out["local_vocab"] = forward_err(model, tokens, BOUNDS)
         ref = full_grads(model, tokens, targets, coef)

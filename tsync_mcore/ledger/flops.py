@@ -14,7 +14,8 @@ would replace `_mlp` (router + experts by tokens dispatched); dense models are a
 
 Attention pairs per sequence of length s: `attention="full"` counts s² (Megatron's local
 DotProductAttention computes the whole S×S score matrix and masks it: the default, since it is
-what executes), `"causal"` counts s(s+1)/2 (a causal flash kernel). A span of n tokens after P
+what executes), `"causal"` counts s(s+1)/2 (a causal flash kernel: `SDPAttention`, TE);
+`bridge.attention_mode(model)` says which one a built model runs. A span of n tokens after P
 context tokens: n·(P+n) full, n·P + n(n+1)/2 causal.
 
 Backward follows what Megatron-Core 0.16.1 executes (tensor_parallel/layers.py):

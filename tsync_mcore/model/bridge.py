@@ -30,9 +30,11 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from safetensors import safe_open
 
 from tsync_mcore import platform
+from tsync_mcore.model.attention import SDPAttention
 
 __all__ = [
     "ModelSpec",
@@ -292,7 +294,12 @@ def _te_available() -> bool:
     return True
 
 
-def _layer_spec(spec: ModelSpec, which: str):
+ATTENTIONS = ("auto", "sdpa", "megatron")
+
+
+def _layer_spec(spec: ModelSpec, which: str, attention: str = "auto"):
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
     if which == "auto":
         which = "te" if platform.on_gpu() and _te_available() else "local"
     if which == "te":
@@ -304,8 +311,23 @@ def _layer_spec(spec: ModelSpec, which: str):
     if which == "local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        return get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+        layer = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+        # why: megatron's DotProductAttention materializes and masks the score matrix; on GPU
+        # SDPA's flash kernels are the fast path without TE. The CPU default stays megatron's
+        # (the committed CPU perf baseline and FP64 equivalences were measured with it).
+        if attention == "sdpa" or (attention == "auto" and platform.on_gpu()):
+            layer.submodules.self_attention.submodules.core_attention = SDPAttention
+        return layer
     raise ValueError(f"spec must be 'auto', 'te' or 'local', got {which!r}")
+
+
+def attention_mode(model: torch.nn.Module) -> str:
+    """FLOP-ledger attention mode of `model`: 'causal' when its kernels skip masked blocks
+    (SDPA, TE), 'full' for megatron's DotProductAttention (whole score matrix)."""
+    while not isinstance(model, GPTModel) and hasattr(model, "module"):
+        model = model.module
+    core = model.decoder.layers[0].self_attention.core_attention
+    return "full" if type(core) is DotProductAttention else "causal"
 
 
 def _transformer_config(spec: ModelSpec, dtype: torch.dtype, tp: int) -> TransformerConfig:
@@ -347,12 +369,14 @@ def build_model(
     *,
     dtype: torch.dtype = torch.float32,
     spec: str = "auto",
+    attention: str = "auto",
     load_weights: bool = True,
 ) -> tuple[GPTModel, ModelSpec]:
     """GPTModel for `hf_dir` at the current TP size, with this rank's shard of the weights.
 
     `spec`: "auto" (TE with CUDA and an importable transformer_engine, else local),
-    "te" or "local". Needs `init_parallel()` first.
+    "te" or "local". `attention` (local spec): "sdpa" (`SDPAttention`), "megatron"
+    (`DotProductAttention`), or "auto" (SDPA on GPU). Needs `init_parallel()` first.
     """
     if not ps.model_parallel_is_initialized():
         raise RuntimeError("call tsync_mcore.model.parallel.init_parallel() before build_model")
@@ -373,7 +397,7 @@ def build_model(
     config.perform_initialization = not load_weights  # loaded weights overwrite it anyway
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(mspec, spec),
+        transformer_layer_spec=_layer_spec(mspec, spec, attention),
         vocab_size=mspec.vocab_size,
         max_sequence_length=mspec.max_position,
         pre_process=True,
@@ -463,7 +487,8 @@ def logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """
     b, s = tokens.shape
     position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-    mask = None if platform.on_gpu() else causal_mask(s, tokens.device)
+    # SDPAttention takes None as causal (no mask tensor, causal kernels)
+    mask = None if platform.on_gpu() or attention_mode(model) == "causal" else causal_mask(s, tokens.device)
     out = model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
     assert out.shape[:2] == (b, s), f"unexpected logits shape {tuple(out.shape)}"
     return out

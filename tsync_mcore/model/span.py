@@ -17,7 +17,7 @@ Passing `past` as detached leaves makes backward deliver both the span's paramet
 and the adjoints of the context K/V (per-turn distillation, shared GRPO prefixes).
 
 Requirements (checked): the local layer spec (megatron's `DotProductAttention`, which honours
-an explicit mask with sq != sk), no fused masked softmax (on GPU the fused causal kernel
+an explicit mask with sq != sk, or `attention.SDPAttention`, causal aligned to the last key), no fused masked softmax (on GPU the fused causal kernel
 ignores the mask and asserts sq == sk; `bridge` builds with `masked_softmax_fusion=False`),
 dropout 0 (recompute must be bit-identical), no sequence/context parallelism, plain RoPE.
 TE's core attention would need `causal_bottom_right` with sq != sk; on GPU build with
@@ -35,6 +35,8 @@ from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import Tensor
+
+from tsync_mcore.model.attention import SDPAttention
 
 __all__ = ["KV", "span_forward", "concat_kv", "detached_leaves", "kv_bytes", "span_mask",
            "leaf_adjoints", "backward_kv"]
@@ -180,7 +182,9 @@ def span_forward(
     x = gpt.embedding(input_ids=tokens[None], position_ids=None)  # [n, 1, h]
     # why: equals rotary_pos_emb(offset + n)[offset:] (positions are arange(n) + offset).
     freqs = gpt.rotary_pos_emb(n, offset=offset)
-    mask = span_mask(n, offset, tokens.device)
+    # SDPAttention reads None as causal aligned to the last key: no mask, causal kernels
+    sdpa = isinstance(layers[0].self_attention.core_attention, SDPAttention)
+    mask = None if sdpa else span_mask(n, offset, tokens.device)
     out_kv: list[KV] = []
     for i, layer in enumerate(layers):
         sa = layer.self_attention

@@ -1,0 +1,52 @@
+"""Core attention for the local layer spec through `torch.nn.functional.scaled_dot_product_attention`.
+
+Megatron's local `DotProductAttention` materializes the [b, heads, sq, sk] score matrix, masks
+and softmaxes it in separate kernels: on an H200 that was ~45 % of a 0.5B learner step's GPU
+time (perf/results/20261130-h200-gpu-profile.json). Without Transformer Engine this module is
+the fast path: SDPA picks a flash / memory-efficient kernel on GPU (a fused math path on CPU),
+with grouped-query attention handled by the kernel instead of repeated K/V.
+
+Same interface and tensor layout as `DotProductAttention` (it subclasses it, so K/V-span
+forwards work unchanged): query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np·hn].
+Masks: `None` with the layer's causal mask type means causal aligned to the last key (query i
+of sq sees keys 0..sk−sq+i: a whole sequence when sq == sk, a span after sk−sq context
+tokens), so no mask tensor is built and causal kernels skip the masked blocks. An explicit
+megatron bool mask (True = masked) is honoured as given.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
+
+__all__ = ["SDPAttention"]
+
+
+class SDPAttention(DotProductAttention):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.config.softmax_type != "vanilla":
+            raise ValueError(f"SDPAttention supports softmax_type 'vanilla' only, got "
+                             f"{self.config.softmax_type!r}")  # fmt: skip
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type: AttnMaskType | None = None, attention_bias: Tensor | None = None,
+                packed_seq_params=None) -> Tensor:  # fmt: skip
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPAttention supports neither packed sequences nor attention bias")
+        sq, b, heads, hn = query.shape
+        sk = key.shape[0]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        kwargs = dict(scale=self.softmax_scale, enable_gqa=k.shape[1] != heads)
+        if attention_mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, **kwargs)
+        elif causal and sq != sk:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(sq, sk), **kwargs)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal and sq > 1, **kwargs)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
