@@ -5,7 +5,8 @@ A rollout simulator plays the paper's completion-time model and delivers real so
 model, 2 gloo ranks, one thread each). Trajectory i completes at τ_i = U_i·R with
 U_i ~ Uniform(0, 1); its length (and so its learner service) grows as U_i^γ; GRPO groups
 have m members; OPD trajectories release `turns` turns spread over their lifetime. The
-simulator sleeps: it does not compete for the learner's cores.
+simulator sleeps: it does not compete for the learner's cores. `RecordedWorkload` replays a
+real run's release trace instead (recorded completion fractions, lengths, groups, turns).
 
 One learner launch per cell (objective, r, B). It first serves every draw (random batch) once
 with all sources ready at once (sync, R = 0; plus one warm-up update) to measure L, the
@@ -104,6 +105,129 @@ class Workload:
         return out
 
 
+class RecordedWorkload:
+    """Replays the release trace of a real run instead of the paper's model.
+
+    `from_run(run_dir)` reads a learner run directory (launch/learner.py's `run.dir`:
+    traces/rank*.jsonl and metrics.jsonl). Per recorded update it keeps each source's
+    completion time as a fraction of that update's rollout time (its `ready` over
+    `rollout_time_s`), its token count, scored-token count and shared-prompt length, the
+    GRPO groups and, for OPD, every turn. `update(v, R, draw)` plays recorded update
+    `draw mod n` at rollout time R. Token ids, rewards and teacher scores are drawn at
+    random (the learner's work depends on lengths only); a source's unscored tokens are
+    placed first. `token_scale` shrinks lengths, e.g. to replay a GPU run on the CPU model.
+    """
+
+    def __init__(self, objective: str, updates: list[dict], vocab: int = 1024, seed: int = 42,
+                 token_scale: float = 1.0):
+        if not updates:
+            raise ValueError("recorded workload: no updates")
+        if token_scale <= 0:
+            raise ValueError(f"token_scale must be > 0, got {token_scale}")
+        self.objective, self.recorded, self.vocab, self.seed = objective, updates, vocab, seed
+        self.token_scale = token_scale
+        self.batch = max(len(u["trajs"]) for u in updates)
+
+    @classmethod
+    def from_run(cls, run_dir: str, vocab: int = 1024, seed: int = 42,
+                 token_scale: float = 1.0) -> "RecordedWorkload":
+        entries = []
+        for name in sorted(os.listdir(os.path.join(run_dir, "traces"))
+                           if os.path.isdir(os.path.join(run_dir, "traces")) else []):
+            if name.startswith("rank") and name.endswith(".jsonl"):
+                with open(os.path.join(run_dir, "traces", name)) as f:
+                    entries += [json.loads(line) for line in f if line.strip()]
+        if not entries:
+            raise ValueError(f"{run_dir}: no traces/rank*.jsonl entries to replay")
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            rollout = {r["policy_version"]: r["rollout_time_s"] for r in map(json.loads, f)}
+        turns = [e for e in entries if e.get("kind") == "turn"]
+        trajs = [e for e in entries if e.get("kind") is None and "traj_id" in e]
+        if turns and trajs:
+            raise ValueError(f"{run_dir}: trace mixes OPD turns and GRPO trajectories")
+        objective = "opd" if turns else "grpo"
+        updates = []
+        for u in sorted({e["update"] for e in turns + trajs}):
+            R = rollout.get(u)
+            if not R or R <= 0:
+                raise ValueError(f"{run_dir}: update {u} has no positive rollout_time_s in metrics.jsonl")
+            rec: dict = {"groups": {}, "trajs": {}}
+            for e in (e for e in turns + trajs if e["update"] == u):
+                n = e["span_tokens"] + (e["context"] if e.get("turn", 0) == 0 else 0)
+                # why: a source without scored tokens ran no learner work, so its trace has
+                # no span; two unscored tokens replay it (validation and bookkeeping only)
+                n = max(n, e["scored_tokens"] + 1, 2)
+                item = dict(u=min(1.0, max(0.0, e["ready"] / R)), n=n, scored=e["scored_tokens"])
+                t = rec["trajs"].setdefault(e["traj_id"], dict(
+                    group=e["group_id"], turns={}, prompt=e["context"] + 1 if e["context"] else None))
+                t["turns"][e.get("turn", 0)] = item
+                rec["groups"].setdefault(e["group_id"], [])
+                if e["traj_id"] not in rec["groups"][e["group_id"]]:
+                    rec["groups"][e["group_id"]].append(e["traj_id"])
+            if len(rec["groups"]) < 2:
+                raise ValueError(f"{run_dir}: update {u} has {len(rec['groups'])} group(s); "
+                                 "two learner ranks need at least 2")
+            updates.append(rec)
+        return cls(objective, updates, vocab=vocab, seed=seed, token_scale=token_scale)
+
+    def longest(self) -> int:
+        """Tokens of the longest trajectory played (after token_scale; OPD: all its turns)."""
+        return max(sum(self._scale(x["n"]) + 1 for x in t["turns"].values())
+                   for rec in self.recorded for t in rec["trajs"].values())
+
+    def _scale(self, n: int) -> int:
+        return max(1, round(n * self.token_scale)) if n > 0 else 0
+
+    def update(self, version: int, R: float, draw: int | None = None) -> tuple[BatchPlan, dict, list]:
+        d = version if draw is None else draw
+        rec = self.recorded[d % len(self.recorded)]
+        rng = random.Random(self.seed * 1000 + d)
+        plan, n_turns, items = BatchPlan(), {}, []
+        ids = {}  # recorded id -> this update's id (policy version in the name, as the learner logs it)
+        for g, (gid, members) in enumerate(rec["groups"].items()):
+            new_gid = f"v{version}-g{g}"
+            for i, tid in enumerate(members):
+                ids[tid] = (new_gid, f"{new_gid}-t{i}")
+            plan.add_group(new_gid, [ids[t][1] for t in members])
+        shared: dict[str, list[int]] = {}  # a group's prompt tokens, the same for its members
+
+        def head(gid: str, n: int) -> list[int]:
+            p = shared.setdefault(gid, [])
+            p += [rng.randrange(self.vocab) for _ in range(n - len(p))]
+            return p[:n]
+
+        for tid, t in rec["trajs"].items():
+            gid, new_tid = ids[tid]
+            prompt = self._scale(t["prompt"]) if t["prompt"] else None
+            if self.objective == "grpo":
+                x = t["turns"][0]
+                scored = self._scale(x["scored"])
+                n = max(self._scale(x["n"]), scored + max(prompt or 0, 1))
+                tokens = tuple(head(gid, prompt or 0) + [rng.randrange(self.vocab)
+                                                         for _ in range(n - (prompt or 0))])
+                src = TrajectorySource(new_tid, gid, tokens, tuple([0] * (n - scored) + [1] * scored),
+                                       rng.random(), version, prompt_len=prompt)
+                items.append((x["u"] * R, src))
+                continue
+            n_turns[new_tid] = len(t["turns"])
+            start = 0
+            for j in range(len(t["turns"])):
+                if j not in t["turns"]:
+                    raise ValueError(f"recorded trajectory {tid}: turn {j} missing")
+                x = t["turns"][j]
+                scored = min(self._scale(x["scored"]), self._scale(x["n"]))
+                lead = max(self._scale(x["n"]) - scored, prompt + 1 if j == 0 and prompt else 0)
+                mask = [0] * lead + [1] * scored
+                teacher = tuple(None if m == 0 else -rng.uniform(0.1, 5.0) for m in mask)
+                q = prompt if j == 0 and prompt else 0
+                tokens = tuple(head(gid, q) + [rng.randrange(self.vocab) for _ in mask[q:]])
+                items.append((x["u"] * R, TurnSource(new_tid, gid, j, len(t["turns"]), start, tokens,
+                                                     tuple(mask), teacher, version, prompt_len=prompt)))
+                start += len(mask)
+        items.sort(key=lambda x: x[0])
+        return plan, n_turns, items
+
+
 SCHEDULES = ("sync", "group_ready", "thundersync")
 
 
@@ -135,7 +259,7 @@ def plan_steps(rounds: int, warmup: int = 2) -> list[Step]:
     return steps
 
 
-def run_cell(hf_dir: str, run_dir: str, work: Workload, ratio: float, rounds: int,
+def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio: float, rounds: int,
              warmup: int = 2, k_open: int = 16, batch_sched: bool = True) -> list[dict]:
     """Launch 2 learner ranks, play the cell's updates, return the metrics rows (each with
     the Step that produced it and its R).
@@ -203,7 +327,7 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload, ratio: float, rounds: in
     return rows
 
 
-def _play(links, work: Workload, v: int, step: Step, R: float) -> None:
+def _play(links, work: Workload | RecordedWorkload, v: int, step: Step, R: float) -> None:
     """One batch: register, release sources at their completion times, close at R."""
     plan, n_turns, items = work.update(v, R, draw=step.draw)
     owner = assign_groups(plan, {}, 2)
@@ -306,11 +430,17 @@ def _group_ready_step(entries: list[dict], R: float, P: float) -> float:
 
 
 def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
-         rounds: int, warmup: int = 2, batch_sched: bool = True, **workload) -> list[dict]:
+         rounds: int, warmup: int = 2, batch_sched: bool = True,
+         recorded: RecordedWorkload | None = None, **workload) -> list[dict]:
     """All three schedules at one (objective, ratio, batch), paired round by round.
-    `workload`: other Workload fields (lengths, group size, turns)."""
-    work = Workload(objective=objective, batch=batch, **workload)
-    d = os.path.join(out_dir, f"{objective}-r{ratio}-b{batch}")
+    `workload`: other Workload fields (lengths, group size, turns); `recorded`: replay a
+    real run's release trace instead (its objective and batch override the arguments)."""
+    if recorded is not None:
+        work, objective, batch = recorded, recorded.objective, recorded.batch
+    else:
+        work = Workload(objective=objective, batch=batch, **workload)
+    tag = "-recorded" if recorded is not None else ""
+    d = os.path.join(out_dir, f"{objective}-r{ratio}-b{batch}{tag}")
     rows = [r for r in run_cell(hf_dir, d, work, ratio, rounds, warmup, batch_sched=batch_sched)
             if not r["calibration"]]
     pred = {u["update"]: u for u in predict.analyze_run(d, warmup=0)["updates"]}
@@ -335,6 +465,7 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
             t_pred = mean(_group_ready_step(by_update[u], pred[u]["R"], pred[u]["P"]) for u in ups)
         out.append(dict(
             objective=objective, schedule=schedule, ratio=ratio, batch=batch, rounds=rounds,
+            workload="recorded" if recorded is not None else "model",
             R_s=mean(r["R_s"] for r in mine), L_s=L_sync,
             # R over the learner time the sync updates actually took (noise shows here)
             ratio_effective=mean(r["R_s"] for r in mine) / L_sync,

@@ -7,7 +7,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overlap import cell  # noqa: E402
+from overlap import RecordedWorkload, cell  # noqa: E402
 
 from tsync_mcore.testing.tiny import make_tiny_checkpoint  # noqa: E402
 
@@ -24,6 +24,11 @@ def main() -> None:
                    help="keep SCHED_OTHER (default: SCHED_BATCH, see overlap.run_cell)")
     p.add_argument("--ratios", default=None, help="comma list (default: 1 quick, 0.5,1,2 full)")
     p.add_argument("--batches", default=None, help="comma list (default: 64 quick, 64,128 full)")
+    p.add_argument("--release-trace", metavar="RUN_DIR", default=None,
+                   help="replay a real run's release trace (a learner run.dir: traces/ and "
+                        "metrics.jsonl) instead of the paper's model; objective and batch come from it")
+    p.add_argument("--trace-token-scale", type=float, default=1.0,
+                   help="multiply recorded token counts (fit a GPU run's lengths to the CPU model)")
     args = p.parse_args()
     work = args.work or tempfile.mkdtemp(prefix="tsync-perf-")
     hf_dir = os.path.join(work, "model")
@@ -35,23 +40,37 @@ def main() -> None:
         [1.0] if args.quick else [0.5, 1.0, 2.0]
     batches = [int(x) for x in args.batches.split(",")] if args.batches else \
         [64] if args.quick else [64, 128]
+    if args.release_trace:
+        recorded = RecordedWorkload.from_run(args.release_trace, token_scale=args.trace_token_scale)
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            positions = json.load(f)["max_position_embeddings"]
+        if recorded.longest() > positions:
+            p.error(f"--release-trace: the longest recorded trajectory has {recorded.longest()} "
+                    f"tokens, the benchmark model {positions} positions; pass --trace-token-scale "
+                    f"{positions / recorded.longest():.3g} or less")
+        jobs = [dict(objective=recorded.objective, batch=recorded.batch, ratio=r, recorded=recorded)
+                for r in ratios]
+    else:
+        jobs = [dict(objective=o, batch=b, ratio=r)
+                for o in args.objectives.split(",") for b in batches for r in ratios]
     rows = []
-    for objective in args.objectives.split(","):
-        for batch in batches:
-            for ratio in ratios:
-                rows += cell(hf_dir, work, objective, ratio, batch, args.rounds,
-                             batch_sched=not args.normal_sched)
-                for r in rows[-3:]:
-                    print(f"{r['objective']:4s} r={r['ratio']:<4} B={r['batch']:<3} "
-                          f"{r['schedule']:12s} step {r['step_time_s']:.3f}s  "
-                          f"speedup {r['speedup_measured']:.2f}x ±{r['speedup_stderr'] or 0:.2f} "
-                          f"(pred {r['speedup_predicted']:.2f}x, "
-                          f"{100 * r['measured_over_predicted']:.0f}%)  tail {r['learner_tail_s']:.3f}s"
-                          f"  r_eff {r['ratio_effective']:.2f}  wall/cpu {r['wall_over_cpu']:.3f}"
-                          + (f"  dispatch {100 * r['dispatch_overhead']:.2f}%"
-                             if r["dispatch_overhead"] is not None else ""), flush=True)
+    for job in jobs:
+        rows += cell(hf_dir, work, rounds=args.rounds, batch_sched=not args.normal_sched, **job)
+        _print(rows[-3:])
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
+
+
+def _print(rows: list[dict]) -> None:
+    for r in rows:
+        print(f"{r['objective']:4s} r={r['ratio']:<4} B={r['batch']:<3} "
+              f"{r['schedule']:12s} step {r['step_time_s']:.3f}s  "
+              f"speedup {r['speedup_measured']:.2f}x ±{r['speedup_stderr'] or 0:.2f} "
+              f"(pred {r['speedup_predicted']:.2f}x, "
+              f"{100 * r['measured_over_predicted']:.0f}%)  tail {r['learner_tail_s']:.3f}s"
+              f"  r_eff {r['ratio_effective']:.2f}  wall/cpu {r['wall_over_cpu']:.3f}"
+              + (f"  dispatch {100 * r['dispatch_overhead']:.2f}%"
+                 if r["dispatch_overhead"] is not None else ""), flush=True)
 
 
 if __name__ == "__main__":

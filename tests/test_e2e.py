@@ -21,7 +21,7 @@ from batchgen import make_batch
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, Hello, PeerGone, Publish,
                                  RegisterBatch,
                                  TrajectoryMsg, open_rollout_side)
-from tsync_mcore.sources import BatchPlan, TrajectorySource, assign_groups
+from tsync_mcore.sources import BatchPlan, TrajectorySource, assign_groups, validate_source
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -183,6 +183,38 @@ def test_report_and_trace_predictor_render_from_the_run(golden, tmp_path):
     assert "| run |" in summary and "MFU active" in summary
     res = predict.analyze_run(golden["run"], warmup=0)
     assert len(res["updates"]) == 2 and 1.0 <= res["speedup_predicted"] <= 2.0
+
+
+def test_overlap_benchmark_replays_the_runs_release_trace(tiny_qwen2, golden, tmp_path):
+    """perf/overlap.py's recorded workload: the run's own release times, lengths and groups,
+    played through the real channel and learner under all three schedules."""
+    sys.path.insert(0, os.path.join(ROOT, "perf"))
+    from overlap import RecordedWorkload, cell
+
+    work = RecordedWorkload.from_run(golden["run"], vocab=256)
+    trace = [json.loads(line) for r in (0, 1)
+             for line in open(os.path.join(golden["run"], "traces", f"rank{r}.jsonl"))]
+    rollout = {json.loads(line)["policy_version"]: json.loads(line)["rollout_time_s"]
+               for line in open(os.path.join(golden["run"], "metrics.jsonl"))}
+    for v in (0, 1):
+        # a source without scored tokens has no span in the trace: replayed as 2 unscored tokens
+        recorded = sorted((min(1.0, max(0.0, e["ready"] / rollout[v])),
+                           max(2, e["span_tokens"] + e["context"]), e["scored_tokens"])
+                          for e in trace if e["update"] == v and "traj_id" in e)
+        plan, _, items = work.update(7, R=3.0, draw=v)
+        played = sorted((t / 3.0, src.n_tokens, src.n_scored) for t, src in items)
+        assert len(played) == len(recorded) == sum(map(len, plan.groups.values()))
+        for (u, n, k), (u2, n2, k2) in zip(recorded, played):
+            assert abs(u - u2) < 1e-12 and (n, k) == (n2, k2)
+        for _, src in items:
+            validate_source(src, 256)
+    rows = cell(tiny_qwen2, str(tmp_path), "grpo", 1.0, work.batch, rounds=1, warmup=1,
+                batch_sched=False, recorded=work)
+    assert [r["schedule"] for r in rows] == ["sync", "group_ready", "thundersync"]
+    for r in rows:
+        assert r["workload"] == "recorded" and r["step_time_s"] > 0 and r["speedup_predicted"] > 0
+    with pytest.raises(ValueError, match="no traces"):
+        RecordedWorkload.from_run(str(tmp_path / "nothing"))
 
 
 def test_resume_continues_exactly(tiny_qwen2, golden, tmp_path):

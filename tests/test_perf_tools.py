@@ -225,3 +225,45 @@ def test_overlap_plan_pairs_schedules_per_draw():
         assert all(s.draw == d and not s.calibration for s in timed)
         firsts.add(timed[0].schedule)
     assert firsts == set(SCHEDULES)
+
+
+def test_recorded_opd_release_trace_replays_turns_and_shared_prompts(tmp_path):
+    # A hand-written OPD trace (2 groups x 2 trajectories x 2 turns, shared 8-token prompts):
+    # turns replay contiguous, at their recorded fraction of R, with the group's prompt.
+    import json
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "perf"))
+    from overlap import RecordedWorkload
+    from tsync_mcore.sources import validate_turn
+
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"policy_version": 0, "rollout_time_s": 4.0}) + "\n")
+    entries = []
+    for g in range(2):
+        for t in range(2):
+            tid = f"v0-g{g}-t{t}"
+            entries += [dict(update=0, kind="turn", traj_id=tid, turn=0, group_id=f"v0-g{g}", rank=g,
+                             ready=1.0 + t, scored_tokens=5, span_tokens=10, context=7),
+                        dict(update=0, kind="turn", traj_id=tid, turn=1, group_id=f"v0-g{g}", rank=g,
+                             ready=2.0 + t, scored_tokens=3, span_tokens=6, context=17),
+                        dict(update=0, kind="replay", traj_id=tid, rank=g, ready=3.0, start=3.0,
+                             end=3.1, spans=[[10, 7]])]
+    for r in (0, 1):
+        (tmp_path / "traces" / f"rank{r}.jsonl").write_text(
+            "".join(json.dumps(e) + "\n" for e in entries if e["rank"] == r))
+    w = RecordedWorkload.from_run(str(tmp_path), vocab=64)
+    assert (w.objective, w.batch) == ("opd", 4)
+    plan, n_turns, items = w.update(3, R=2.0)
+    assert plan.n_groups == 2 and n_turns == {f"v3-g{g}-t{t}": 2 for g in range(2) for t in range(2)}
+    turns = {(s.traj_id, s.turn): (ready, s) for ready, s in items}
+    for (tid, j), (ready, s) in turns.items():
+        validate_turn(s, 64)
+        assert ready == 2.0 * ((1.0 if j == 0 else 2.0) + int(tid[-1])) / 4.0
+        assert (len(s.tokens), s.n_scored) == ((17, 5) if j == 0 else (6, 3))
+        assert s.prompt_len == 8
+    for g in range(2):  # members share the group's prompt tokens (the learner's shared prefix)
+        a, b = turns[(f"v3-g{g}-t0", 0)][1], turns[(f"v3-g{g}-t1", 0)][1]
+        assert a.tokens[:8] == b.tokens[:8]
+    assert turns[("v3-g0-t0", 1)][1].start == 17
+    with pytest.raises(ValueError, match="token_scale"):
+        RecordedWorkload("opd", w.recorded, token_scale=0)
