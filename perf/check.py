@@ -11,6 +11,9 @@ Result schema: {"machine", "date", "overlap": [cells], "kernels": [records]}.
   have it, as load on a shared machine only ever adds time, else the median `time_s`) may not
   rise by more than the tolerance, and
   `bw_fraction` (bytes/s over the file's best `stream_bandwidth` record) may not drop by more.
+- the GPU learner step (perf/gpu_step.py), keyed by backend, shape and attention mode:
+  `mfu_active` may not drop by more than the tolerance (guard GPU runs with
+  `--baseline perf/baseline-gpu.json`).
 Absolute times are never compared, so a baseline from one machine guards another of its kind.
 Cells in the baseline but not the result are reported as missing: a failure only with
 --strict. Exit 1 with a table naming each regression, 2 for unusable input, 0 otherwise.
@@ -25,7 +28,7 @@ import os
 import shutil
 import sys
 
-__all__ = ["InputError", "compare", "kernel_metrics", "main", "overlap_metrics"]
+__all__ = ["InputError", "compare", "kernel_metrics", "main", "overlap_metrics", "step_metrics"]
 
 DEFAULT_BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baseline.json")
 HIGHER, LOWER = "higher", "lower"  # which direction is better
@@ -72,8 +75,18 @@ def kernel_metrics(records: list[dict]) -> dict[tuple[str, str], tuple[float, st
     return out
 
 
+def step_metrics(step: dict | None) -> dict[tuple[str, str], tuple[float, str]]:
+    """The GPU learner step (perf/gpu_step.py): MFU, a fraction of the device's peak."""
+    if not step or step.get("error") or not step.get("mfu_active"):
+        return {}
+    cell = (f"learner step {step.get('backend')} {step.get('n_sources')}x{step.get('seq_len')} "
+            f"attention={step.get('attention')}")
+    return {(cell, "mfu_active"): (float(step["mfu_active"]), HIGHER)}
+
+
 def _metrics(doc: dict) -> dict[tuple[str, str], tuple[float, str]]:
-    return {**overlap_metrics(doc.get("overlap") or []), **kernel_metrics(doc.get("kernels") or [])}
+    return {**overlap_metrics(doc.get("overlap") or []), **kernel_metrics(doc.get("kernels") or []),
+            **step_metrics(doc.get("step"))}
 
 
 def compare(result: dict, baseline: dict, tolerance: float = 0.15) -> list[dict]:

@@ -86,6 +86,18 @@ def test_check_names_kernel_regression(tmp_path):
     assert "time/plain" in fail and "bw_fraction" in fail
 
 
+def test_check_names_gpu_step_mfu_regression(tmp_path):
+    step = {"backend": "megatron", "n_sources": 16, "seq_len": 2048, "attention": "causal",
+            "mfu_active": 0.30}
+    base, result = {**_doc(), "step": step}, {**_doc(), "step": {**step, "mfu_active": 0.20}}
+    p = _run_check(tmp_path, result, base)
+    assert p.returncode == 1 and "learner step megatron 16x2048" in p.stdout
+    assert "REGRESSION" in p.stdout.upper()
+    # a failed step (error recorded, no MFU) is missing, not a crash
+    p = _run_check(tmp_path, {**_doc(), "step": {"backend": "megatron", "error": "OOM"}}, base)
+    assert p.returncode == 0 and "MISSING" in p.stdout
+
+
 def test_check_missing_cells_fail_only_when_strict(tmp_path):
     result = _doc()
     del result["overlap"][1]
