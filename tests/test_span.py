@@ -153,14 +153,14 @@ def test_flops_streamed_vs_plain(parallel1, tiny_qwen2):
 @pytest.fixture(scope="module")
 def tp2_results(tiny_ckpts):
     """One 2-rank launch (a launch costs ~8 s) for all TP=2 checks."""
-    cfg = {"ckpts": {n: tiny_ckpts[n] for n in ("qwen2", "qwen3")}}
+    cfg = {"ckpts": {n: tiny_ckpts[n] for n in ("qwen2", "qwen3")}, "sdpa": ["qwen3"]}
     return run_dist([WORKER, json.dumps(cfg)], nproc=2, timeout=300)
 
 
 def test_tp2_forward_and_streamed_grad(tp2_results):
     for r in tp2_results:
         assert r["tp_size"] == 2 and r["tp_rank"] == r["rank"]
-        for name in ("qwen2", "qwen3"):
+        for name in ("qwen2", "qwen3", "qwen3_sdpa"):
             m = r[name]
             assert m["local_vocab"] == 128  # vocab-parallel logits
             assert m["fwd_fp64"] <= FP64_FWD and m["fwd_fp32"] <= FP32_FWD, (name, m)

@@ -161,6 +161,8 @@ def main() -> None:
     result: dict = {"tp_size": info.tp_size, "tp_rank": info.tp_rank}
     for name, path in cfg["ckpts"].items():
         result[name] = check_model(path)
+    for name in cfg.get("sdpa", []):  # SDPAttention (the GPU default) on the same shards
+        result[f"{name}_sdpa"] = check_model(cfg["ckpts"][name], attention="sdpa")
     report(result)
     dist.barrier()
 
