@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from dataclasses import dataclass
@@ -62,6 +63,10 @@ def init_parallel(tp_size: int = 1, seed: int = 1234) -> ParallelInfo:
         cpu.activate()
     if not dist.is_initialized():
         _init_process_group()
+        # why: left to interpreter teardown, the process group's threads were once destroyed
+        # still joinable ("terminate called without an active exception", SIGABRT after a
+        # clean 2-rank replay); tearing it down at exit is the documented shutdown.
+        atexit.register(destroy_parallel)
     world = dist.get_world_size()
     if world % tp_size != 0:
         raise ValueError(f"world size {world} is not divisible by tp_size {tp_size}")
