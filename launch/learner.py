@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from tsync_mcore.config import load_config
+from tsync_mcore.model.parallel import destroy_parallel
 from tsync_mcore.trainer import LearnerStopped, Trainer
 
 
@@ -23,6 +24,7 @@ def main() -> None:
     except LearnerStopped as e:
         print(f"learner stopped: {e}", file=sys.stderr, flush=True)
         sys.exit(3)
+    destroy_parallel()  # clean finish only (an NCCL teardown on an error path can hang)
 
 
 def _parse(kv: str):

@@ -305,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"wrote {out}")
+    if not failed and step is not None and step.get("backend") == "megatron":
+        from tsync_mcore.model.parallel import destroy_parallel
+
+        destroy_parallel()  # NCCL wants an explicit teardown after a clean finish
     return 1 if failed else 0
 
 

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from tsync_mcore.config import load_config
 from tsync_mcore.learner import Learner
 from tsync_mcore.learner_opd import OPDLearner
+from tsync_mcore.model.parallel import destroy_parallel
 from tsync_mcore.policy import Policy
 from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, TurnSource,
                                  opd_turns_from_json)
@@ -176,3 +177,4 @@ if __name__ == "__main__":
     except SourceError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    destroy_parallel()  # clean finish: every rank passed the final barrier

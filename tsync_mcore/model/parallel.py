@@ -63,10 +63,13 @@ def init_parallel(tp_size: int = 1, seed: int = 1234) -> ParallelInfo:
         cpu.activate()
     if not dist.is_initialized():
         _init_process_group()
-        # why: left to interpreter teardown, the process group's threads were once destroyed
-        # still joinable ("terminate called without an active exception", SIGABRT after a
-        # clean 2-rank replay); tearing it down at exit is the documented shutdown.
-        atexit.register(destroy_parallel)
+        if not platform.on_gpu():
+            # why: left to interpreter teardown, gloo's worker threads can free tensors after
+            # the interpreter is gone (SIGABRT, "terminate called without an active exception",
+            # seen once after a clean 2-rank replay); gloo teardown is local, so doing it at
+            # exit is safe even on an error path. NCCL's is not (it can wait on peers that
+            # failed): GPU entry points destroy explicitly after a clean finish.
+            atexit.register(destroy_parallel)
     world = dist.get_world_size()
     if world % tp_size != 0:
         raise ValueError(f"world size {world} is not divisible by tp_size {tp_size}")
