@@ -151,7 +151,8 @@ def load_traces(run_dir: str) -> dict[int, list[dict[str, Any]]]:
 def infer_step_time(row: dict[str, Any], last_end: float) -> float:
     """Reduction + optimizer time, inferred as ``learner_tail_s`` minus the learner work that
     remained after the batch closed (SPEC §5). With ``step_wall_time_s`` the learner clock of
-    rank 0 gives ``t_stepped = wall - publish`` and ``t_closed = t_stepped - tail``, so the
+    rank 0 gives ``t_stepped = wall - publish`` and ``t_closed = t_stepped - tail`` (the
+    close's arrival), so the
     step is ``t_stepped - max(t_closed, last_end)``; without it the close is taken at R."""
     tail = float(row.get("learner_tail_s") or 0.0)
     publish = float(row.get("publish_time_s") or 0.0)

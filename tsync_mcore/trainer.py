@@ -120,7 +120,10 @@ class Trainer:
                 raise LearnerStopped(f"rollout shut down during batch {self.version}: {msg.reason}")
             else:
                 raise LearnerStopped(f"unexpected {type(msg).__name__} during batch {self.version}")
-        t_closed = time.perf_counter()
+        # The tail counts from the close's arrival (reader thread), not from when this loop
+        # got to it: a streaming learner still serving queued sources reads it late, and
+        # that serving is tail too (measured here: 0.2 s reported vs 0.45 s actual, GRPO r=1).
+        t_closed = min(self.link.last_arrival or time.perf_counter(), time.perf_counter())
         result = self.learner.close()
         t_stepped = time.perf_counter()
         self.version += 1
