@@ -158,9 +158,10 @@ class RecordedWorkload:
                 # no span; two unscored tokens replay it (validation and bookkeeping only)
                 n = max(n, e["scored_tokens"] + 1, 2)
                 item = dict(u=min(1.0, max(0.0, e["ready"] / R)), n=n, scored=e["scored_tokens"])
-                t = rec["trajs"].setdefault(e["traj_id"], dict(
-                    group=e["group_id"], turns={}, prompt=e["context"] + 1 if e["context"] else None))
+                t = rec["trajs"].setdefault(e["traj_id"], dict(group=e["group_id"], turns={}, prompt=None))
                 t["turns"][e.get("turn", 0)] = item
+                if e.get("turn", 0) == 0 and e["context"]:  # the shared prompt ends before it
+                    t["prompt"] = e["context"] + 1
                 rec["groups"].setdefault(e["group_id"], [])
                 if e["traj_id"] not in rec["groups"][e["group_id"]]:
                     rec["groups"][e["group_id"]].append(e["traj_id"])

@@ -254,10 +254,11 @@ def test_recorded_opd_release_trace_replays_turns_and_shared_prompts(tmp_path):
     for g in range(2):
         for t in range(2):
             tid = f"v0-g{g}-t{t}"
-            entries += [dict(update=0, kind="turn", traj_id=tid, turn=0, group_id=f"v0-g{g}", rank=g,
-                             ready=1.0 + t, scored_tokens=5, span_tokens=10, context=7),
-                        dict(update=0, kind="turn", traj_id=tid, turn=1, group_id=f"v0-g{g}", rank=g,
+            # turn 1 logged first (it arrived early): the prompt comes from turn 0's entry
+            entries += [dict(update=0, kind="turn", traj_id=tid, turn=1, group_id=f"v0-g{g}", rank=g,
                              ready=2.0 + t, scored_tokens=3, span_tokens=6, context=17),
+                        dict(update=0, kind="turn", traj_id=tid, turn=0, group_id=f"v0-g{g}", rank=g,
+                             ready=1.0 + t, scored_tokens=5, span_tokens=10, context=7),
                         dict(update=0, kind="replay", traj_id=tid, rank=g, ready=3.0, start=3.0,
                              end=3.1, spans=[[10, 7]])]
     for r in (0, 1):
