@@ -17,8 +17,9 @@ Passing `past` as detached leaves makes backward deliver both the span's paramet
 and the adjoints of the context K/V (per-turn distillation, shared GRPO prefixes).
 
 Requirements (checked): the local layer spec (megatron's `DotProductAttention`, which honours
-an explicit mask with sq != sk, or `attention.SDPAttention`, causal aligned to the last key), no fused masked softmax (on GPU the fused causal kernel
-ignores the mask and asserts sq == sk; `bridge` builds with `masked_softmax_fusion=False`),
+an explicit mask with sq != sk, or `attention.SDPAttention`, causal aligned to the last key),
+no fused masked softmax (on GPU the fused causal kernel ignores the mask and asserts
+sq == sk; `bridge` builds with `masked_softmax_fusion=False`),
 dropout 0 (recompute must be bit-identical), no sequence/context parallelism, plain RoPE.
 TE's core attention would need `causal_bottom_right` with sq != sk; on GPU build with
 `bridge.build_model(..., spec="local")` for span use. At TP > 1 the embedding, QKV (when
