@@ -214,7 +214,7 @@ def learner_step(args, device: str) -> dict:
         sync()
         times.append(time.perf_counter() - t)
     step_time = statistics.median(times)
-    profile = profile_step(step, sync, cuda) if args.profile else None
+    profile = profile_step(step, sync, cuda, step_time) if args.profile else None
     flops = train_flops(spec, [args.seq_len] * args.sources, attention=attention)
     peak = detect_peak(device=device)
     return {
@@ -232,8 +232,10 @@ def learner_step(args, device: str) -> dict:
     }  # fmt: skip
 
 
-def profile_step(step, sync, cuda: bool, top: int = 25) -> dict:
-    """One step under torch.profiler: device-busy fraction and the ops that take the time."""
+def profile_step(step, sync, cuda: bool, step_time: float, top: int = 25) -> dict:
+    """One step under torch.profiler: the ops that take the time, and the device-busy
+    fraction (kernel/copy time over the unprofiled step time: the profiler slows the host)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -246,8 +248,11 @@ def profile_step(step, sync, cuda: bool, top: int = 25) -> dict:
     key = f"self_{dev}_time_total"
     avgs = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)
     print(prof.key_averages().table(sort_by=key, row_limit=top))
-    busy = sum(getattr(e, key, 0.0) for e in avgs) / 1e6  # µs -> s (kernels of one stream)
-    return {"wall_s": wall, f"{dev}_busy_s": busy, "busy_fraction": busy / wall,
+    # why: a CPU op's self device time is its kernels' time again; count device events only
+    # (on CPU each op's self CPU time once)
+    own = [e for e in avgs if (e.device_type != DeviceType.CPU) == cuda]
+    busy = sum(getattr(e, key, 0.0) for e in own) / 1e6  # µs -> s
+    return {"wall_s": wall, f"{dev}_busy_s": busy, "busy_fraction": busy / step_time,
             "top": [{"name": e.key, "self_s": getattr(e, key, 0.0) / 1e6, "calls": e.count}
                     for e in avgs[:top]]}  # fmt: skip
 

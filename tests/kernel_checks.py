@@ -112,7 +112,6 @@ def _check_accumulate(out: dict) -> None:
     import triton_kernels as tk
 
     gen = torch.Generator().manual_seed(5)
-    r, mu, scale, a = 0.7310585786300049, 0.1234567890123, 1.0 / 3.0, -2.718281828459045
 
     def rand(dtype: torch.dtype) -> torch.Tensor:
         return torch.randn(N_FLAT, dtype=torch.float64, generator=gen).to(dtype)
@@ -121,19 +120,25 @@ def _check_accumulate(out: dict) -> None:
         acc_dtype = DTYPES[acc_name]
         for grad_name in (acc_name, "bf16"):
             g1, g2, acc, grad = rand(acc_dtype), rand(acc_dtype), rand(acc_dtype), rand(DTYPES[grad_name])
-            # copy=True: .double() of an fp64 tensor would alias the in-place-updated input.
-            g1_ref, g2_ref, acc_ref, grad_ref = (t.to(torch.float64, copy=True) for t in (g1, g2, acc, grad))
-
-            tk.accumulate_g1g2_(g1, g2, grad, r)
-            g1_ref, g2_ref = g1_ref + r * grad_ref, g2_ref + grad_ref
-            tk.combine_group_(acc, g1, g2, mu, scale)
-            acc_ref = acc_ref + (g1_ref - mu * g2_ref) * scale
-            tk.axpy_(acc, grad, a)
-            acc_ref = acc_ref + a * grad_ref
-
             key = f"{acc_name}_{grad_name}grad"
-            for what, got, ref in (("g1", g1, g1_ref), ("g2", g2, g2_ref), ("acc", acc, acc_ref)):
-                out[f"acc_rel_{what}_{key}"] = _max_abs(got, ref) / ref.abs().max().item()
+            for what, err in accumulate_rel_errors(tk, g1, g2, acc, grad).items():
+                out[f"acc_rel_{what}_{key}"] = err
+
+
+def accumulate_rel_errors(tk, g1, g2, acc, grad) -> dict[str, float]:
+    """accumulate_g1g2_, combine_group_ and axpy_ in sequence (in place, on any device) vs an
+    FP64 reference: max abs error over max |ref| for g1, g2 and acc."""
+    r, mu, scale, a = 0.7310585786300049, 0.1234567890123, 1.0 / 3.0, -2.718281828459045
+    # copy=True: .double() of an fp64 tensor would alias the in-place-updated input.
+    g1_ref, g2_ref, acc_ref, grad_ref = (t.to(torch.float64, copy=True) for t in (g1, g2, acc, grad))
+    tk.accumulate_g1g2_(g1, g2, grad, r)
+    g1_ref, g2_ref = g1_ref + r * grad_ref, g2_ref + grad_ref
+    tk.combine_group_(acc, g1, g2, mu, scale)
+    acc_ref = acc_ref + (g1_ref - mu * g2_ref) * scale
+    tk.axpy_(acc, grad, a)
+    acc_ref = acc_ref + a * grad_ref
+    return {what: _max_abs(got, ref) / ref.abs().max().item()
+            for what, got, ref in (("g1", g1, g1_ref), ("g2", g2, g2_ref), ("acc", acc, acc_ref))}
 
 
 def _tp_worker(rank: int, world: int, init_file: str, result_dir: str) -> None:

@@ -321,12 +321,19 @@ def _layer_spec(spec: ModelSpec, which: str, attention: str = "auto"):
     raise ValueError(f"spec must be 'auto', 'te' or 'local', got {which!r}")
 
 
+def unwrap(model: torch.nn.Module) -> GPTModel:
+    # why: megatron DDP (and Float16Module) keep the GPTModel in `.module`.
+    while not isinstance(model, GPTModel) and hasattr(model, "module"):
+        model = model.module
+    if not isinstance(model, GPTModel):
+        raise TypeError(f"expected a GPTModel (optionally DDP-wrapped), got {type(model)}")
+    return model
+
+
 def attention_mode(model: torch.nn.Module) -> str:
     """FLOP-ledger attention mode of `model`: 'causal' when its kernels skip masked blocks
     (SDPA, TE), 'full' for megatron's DotProductAttention (whole score matrix)."""
-    while not isinstance(model, GPTModel) and hasattr(model, "module"):
-        model = model.module
-    core = model.decoder.layers[0].self_attention.core_attention
+    core = unwrap(model).decoder.layers[0].self_attention.core_attention
     return "full" if type(core) is DotProductAttention else "causal"
 
 

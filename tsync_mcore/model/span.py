@@ -38,6 +38,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import Tensor
 
 from tsync_mcore.model.attention import SDPAttention
+from tsync_mcore.model.bridge import unwrap
 
 __all__ = ["KV", "span_forward", "concat_kv", "detached_leaves", "kv_bytes", "span_mask",
            "leaf_adjoints", "backward_kv"]
@@ -112,15 +113,6 @@ def span_mask(n: int, past_len: int, device: torch.device | None = None) -> Tens
     return torch.triu(full, diagonal=past_len + 1)[None, None]
 
 
-def _unwrap(model: torch.nn.Module) -> GPTModel:
-    # why: megatron DDP (and Float16Module) keep the GPTModel in `.module`.
-    while not isinstance(model, GPTModel) and hasattr(model, "module"):
-        model = model.module
-    if not isinstance(model, GPTModel):
-        raise TypeError(f"expected a GPTModel (optionally DDP-wrapped), got {type(model)}")
-    return model
-
-
 def _check_supported(model: GPTModel) -> None:
     cfg = model.config
     if model.position_embedding_type != "rope" or not (model.pre_process and model.post_process):
@@ -163,7 +155,7 @@ def span_forward(
     last layer's K/V: the last layer's attention/MLP, the final norm and the output layer
     feed only the logits.
     """
-    gpt = _unwrap(model)
+    gpt = unwrap(model)
     _check_supported(gpt)
     layers = gpt.decoder.layers
     if tokens.dim() != 1 or tokens.numel() == 0:
