@@ -40,14 +40,15 @@ def _bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.double() - ref_b).abs() / ulp).max().item()
 
 
-def _make_logits(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _make_logits(dtype: torch.dtype, seed: int = 0, t: int = T,
+                 v: int = V) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    logits = (3.0 * torch.randn(T, V, generator=gen, dtype=torch.float64)).to(dtype)
-    targets = torch.randint(0, V, (T,), generator=gen)
-    targets[0], targets[1] = 0, V - 1  # vocab edges
+    logits = (3.0 * torch.randn(t, v, generator=gen, dtype=torch.float64)).to(dtype)
+    targets = torch.randint(0, v, (t,), generator=gen)
+    targets[0], targets[1] = 0, v - 1  # vocab edges
     # Row 2: masked vocab prefix spanning whole chunks (max is -inf for the first chunks).
-    logits[2, :300] = float("-inf")
-    targets[2] = 512
+    logits[2, : 3 * v // 10] = float("-inf")
+    targets[2] = 512 * v // 1000
     return logits, targets
 
 

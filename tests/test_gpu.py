@@ -35,17 +35,6 @@ def triton_forced(monkeypatch):
     return tk
 
 
-def _logits(t: int, v: int, dtype: torch.dtype, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    logits = (3.0 * torch.randn(t, v, generator=gen)).to(dtype)
-    targets = torch.randint(0, v, (t,), generator=gen)
-    targets[0], targets[1] = 0, v - 1  # vocab edges
-    logits[2, : v // 3] = float("-inf")  # masked prefix spanning whole vocab blocks
-    targets[2] = v // 2
-    grad = torch.randn(t, generator=gen)
-    return logits.cuda(), targets.cuda(), grad.cuda()
-
-
 # (T, V): odd sizes that are not block multiples, and the real Qwen2 vocabulary.
 SHAPES = [(37, 1000), (333, 32003), (256, 151936)]
 
@@ -53,7 +42,8 @@ SHAPES = [(37, 1000), (333, 32003), (256, 151936)]
 @pytest.mark.parametrize("t,v", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_scored_logprob_triton_cuda(triton_forced, t, v, dtype):
-    logits, targets, grad_logp = _logits(t, v, dtype)
+    logits, targets = (x.cuda() for x in kc._make_logits(dtype, t=t, v=v))
+    grad_logp = torch.randn(t, generator=torch.Generator().manual_seed(1)).cuda()
     ref_logp, ref_grad = kc._reference(logits, targets, grad_logp)  # FP64 autograd, on the GPU
     x = logits.clone().requires_grad_()
     logp = triton_forced.scored_logprob(x, targets)
