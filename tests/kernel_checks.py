@@ -138,8 +138,12 @@ def accumulate_rel_errors(tk, g1, g2, acc, grad) -> dict[str, float]:
     acc_ref = acc_ref + (g1_ref - mu * g2_ref) * scale
     tk.axpy_(acc, grad, a)
     acc_ref = acc_ref + a * grad_ref
+    # fresh: the old contents (NaN here, as a reused buffer may hold) are never read
+    fresh = torch.full_like(acc, float("nan"))
+    tk.axpy_(fresh, grad, a, fresh=True)
     return {what: _max_abs(got, ref) / ref.abs().max().item()
-            for what, got, ref in (("g1", g1, g1_ref), ("g2", g2, g2_ref), ("acc", acc, acc_ref))}
+            for what, got, ref in (("g1", g1, g1_ref), ("g2", g2, g2_ref), ("acc", acc, acc_ref),
+                                   ("fresh", fresh, a * grad_ref))}
 
 
 def _tp_worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
@@ -247,8 +251,12 @@ def aot() -> dict:
         sig = {"acc_ptr": f"*{acc_ty}", "g1_ptr": f"*{acc_ty}", "g2_ptr": f"*{acc_ty}", "mu": "fp64",
                "scale": "fp64", "n_elements": "i64", "BLOCK": "constexpr"}
         variants[f"combine_group_{acc_ty}"] = (acc_k.combine_group_kernel, sig, acc, acc_k.NUM_WARPS)
-    sig = {"acc_ptr": "*fp32", "grad_ptr": "*bf16", "a": "fp64", "n_elements": "i64", "BLOCK": "constexpr"}
-    variants["axpy_fp32_bf16"] = (acc_k.axpy_kernel, sig, acc, acc_k.NUM_WARPS)
+    for acc_ty, grad_ty in (("fp32", "bf16"), ("fp32", "fp32"), ("fp64", "fp32")):
+        sig = {"acc_ptr": f"*{acc_ty}", "grad_ptr": f"*{grad_ty}", "a": "fp64", "n_elements": "i64",
+               "BLOCK": "constexpr", "FRESH": "constexpr"}
+        for fresh in (False, True):
+            variants[f"axpy_{acc_ty}_{grad_ty}{'_fresh' * fresh}"] = (
+                acc_k.axpy_kernel, sig, dict(acc, FRESH=fresh), acc_k.NUM_WARPS)
 
     out = {}
     for name, (fn, signature, constexprs, num_warps) in variants.items():

@@ -118,7 +118,7 @@ def test_vocab_parallel_gloo_two_ranks(checks, backend):
 ])
 def test_grpo_accumulate(checks, backend, acc, grad, tol):
     res = _result(checks, "numerics")
-    for what in ("g1", "g2", "acc"):
+    for what in ("g1", "g2", "acc", "fresh"):
         assert res[f"{backend}:acc_rel_{what}_{acc}_{grad}grad"] <= tol, what
 
 

@@ -70,6 +70,38 @@ def test_shifted_sums_survive_large_nearly_equal_rewards():
     assert float((got - ref).norm() / ref.norm()) < 1e-5
 
 
+def test_reused_pairs_need_no_zeroing():
+    """Pairs go back to the pool with their data: later groups write before they add, an
+    unwritten G1' counts as zero, and the member that closes a group may fold direct."""
+    g = torch.Generator().manual_seed(3)
+    n = 1000
+    acc = GradAccumulators([torch.zeros(n, dtype=torch.float64)], k_open=1, dtype=torch.float64)
+    ref = torch.zeros(n, dtype=torch.float64)
+    cases = [  # (rewards, members with no scored tokens (H = 0, never folded), last direct)
+        ([0.1, 0.9, 0.4, 0.4], set(), False),
+        ([0.3, 0.3, 0.3, 0.3], set(), False),  # G1' never written
+        ([0.5, 0.2, 0.2, 0.8], {0}, False),  # c = 0.5 but the first fold has r − c ≠ 0
+        ([0.7, 0.7, 0.1], set(), True),
+        ([0.2, 0.6], set(), True),  # one pair fold: only G2 written
+    ]
+    for k, (rewards, unfolded, last_direct) in enumerate(cases):
+        H = torch.randn(len(rewards), n, generator=g, dtype=torch.float64)
+        H[list(unfolded)] = 0.0
+        acc.open_group(f"g{k}", shift=rewards[0])
+        for i in range(len(rewards)):
+            if i in unfolded:
+                continue
+            if last_direct and i == len(rewards) - 1:
+                acc.fold_direct([H[i]], ADVANTAGES["grpo"].source_coef(rewards, i, 1e-6))
+            else:
+                acc.fold_pair(f"g{k}", [H[i]], rewards[i])
+        scale, mu = ADVANTAGES["grpo"].closure(rewards, rewards[0], 1e-6)
+        acc.close_group(f"g{k}", scale, mu)
+        ref += _textbook(rewards, H, "grpo")
+        assert torch.allclose(acc.batch[0], ref, rtol=0, atol=1e-12 * ref.abs().max()), rewards
+    assert len(acc._free) == 1  # one pair served every group
+
+
 def _src(t, g, v=0):
     return TrajectorySource(t, g, (1, 2), (0, 1), 1.0, v)
 

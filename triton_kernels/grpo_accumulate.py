@@ -83,17 +83,26 @@ def combine_group_(acc: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor, mu: fl
         acc[sl].add_(diff, alpha=scale)
 
 
-def axpy_(acc: torch.Tensor, grad: torch.Tensor, a: float) -> None:
-    """In place: ``acc += a * grad`` (grad cast to the accumulator dtype)."""
+def axpy_(acc: torch.Tensor, grad: torch.Tensor, a: float, fresh: bool = False) -> None:
+    """In place: ``acc += a * grad`` (grad cast to the accumulator dtype, the product
+    formed in it). ``fresh``: ``acc = a * grad``; acc's old contents are never read, so a
+    reused buffer needs no zeroing first (one write instead of a zero pass and a read)."""
     _check((acc,), (grad,))
     acc, grad = acc.view(-1), grad.view(-1)
     if backend_for(acc) != "torch":
         from triton_kernels import grpo_accumulate_kernels as kernels
 
-        kernels.axpy_(acc, grad, a)
+        kernels.axpy_(acc, grad, a, fresh)
         return
     if grad.dtype == acc.dtype:
-        acc.add_(grad, alpha=a)
+        if fresh:
+            torch.mul(grad, a, out=acc)
+        else:
+            acc.add_(grad, alpha=a)
+        return
+    if fresh:
+        for sl in _chunks(acc.numel()):
+            acc[sl].copy_(grad[sl]).mul_(a)  # cast first: the product is formed in acc's dtype
         return
     buf = _buffer(acc)
     for sl in _chunks(acc.numel()):

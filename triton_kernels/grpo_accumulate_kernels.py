@@ -46,14 +46,17 @@ def combine_group_kernel(
 
 
 @triton.jit
-def axpy_kernel(acc_ptr, grad_ptr, a: tl.float64, n_elements, BLOCK: tl.constexpr):
-    """acc += a * grad."""
+def axpy_kernel(acc_ptr, grad_ptr, a: tl.float64, n_elements, BLOCK: tl.constexpr,
+                FRESH: tl.constexpr):
+    """acc += a * grad, or acc = a * grad when FRESH (acc is not read)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     acc_ty = acc_ptr.dtype.element_ty
-    acc = tl.load(acc_ptr + offs, mask=mask, other=0.0)
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(acc_ty)
-    tl.store(acc_ptr + offs, acc + tl.full([], a, acc_ty) * grad, mask=mask)
+    out = tl.full([], a, acc_ty) * grad
+    if not FRESH:
+        out += tl.load(acc_ptr + offs, mask=mask, other=0.0)
+    tl.store(acc_ptr + offs, out, mask=mask)
 
 
 def _grid(n: int) -> tuple[int]:
@@ -72,7 +75,8 @@ def combine_group_(acc: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor, mu: fl
         combine_group_kernel[_grid(n)](acc, g1, g2, float(mu), float(scale), n, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
-def axpy_(acc: torch.Tensor, grad: torch.Tensor, a: float) -> None:
+def axpy_(acc: torch.Tensor, grad: torch.Tensor, a: float, fresh: bool = False) -> None:
     n = acc.numel()
     if n:
-        axpy_kernel[_grid(n)](acc, grad, float(a), n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        axpy_kernel[_grid(n)](acc, grad, float(a), n, BLOCK=BLOCK, FRESH=bool(fresh),
+                              num_warps=NUM_WARPS)

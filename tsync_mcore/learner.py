@@ -3,7 +3,8 @@
     begin(plan)       register the batch's groups; groups are assigned to DP ranks
     submit(source)    validate → release per schedule → serve: forward, fused scored
                       log-prob, backward into the grad buffers, fold into G1'/G2 (or the
-                      batch accumulator when the advantage is already known), zero buffers;
+                      batch accumulator when the advantage is already known, as it is for
+                      the member that completes a group), zero buffers;
                       a group whose last member is folded is combined (Eq. 7) and freed
     close()           every member present → serve what is left → deferred scalar
                       (1/n_groups or 1/N_k) → reduce → clip → exactly one optimizer step
@@ -130,14 +131,18 @@ class Learner:
             q = len(prefix) if prefix is not None else 0
             span = dict(span_tokens=src.n_tokens - q, context=q)  # what ran (FLOP ledger)
             grads = self.policy.grad_buffers()
-            if svc.fold == "direct":
+            if svc.fold == "direct" or svc.closes_group:
+                # A_i known (for the member that closes a pair too: every reward is in),
+                # so H_i goes straight into the batch and skips the pair.
                 coef = self._direct_coef(src)
                 self.acc.fold_direct(grads, coef)
-                if prefix is not None:
-                    prefix.fold_direct(coef)
             else:
                 self.acc.fold_pair(g, grads, src.reward)
-                if prefix is not None:
+            if prefix is not None:
+                # The prompt's adjoint stays in the prefix's own pair until it closes.
+                if svc.fold == "direct":
+                    prefix.fold_direct(coef)
+                else:
                     prefix.fold_pair(src.reward - self.acc.shift_of(g))
             self.policy.zero_grads()
             self.scored_local += src.n_scored
