@@ -36,8 +36,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tsync_mcore import predict  # noqa: E402
-from tsync_mcore.channel import (Ack, CloseBatch, Hello, Publish, RegisterBatch,  # noqa: E402
-                                 TrajectoryMsg, TurnMsg, open_rollout_side)
+from tsync_mcore.channel import (Ack, CloseBatch, GroupRewards, Hello, Publish,  # noqa: E402
+                                 RegisterBatch, TrajectoryMsg, TurnMsg, open_rollout_side)
+from tsync_mcore.routing import LeastAssigned  # noqa: E402
 from tsync_mcore.sources import BatchPlan, TrajectorySource, TurnSource, assign_groups  # noqa: E402
 
 GAMMA = 0.49  # the paper's service exponent
@@ -261,7 +262,8 @@ def plan_steps(rounds: int, warmup: int = 2) -> list[Step]:
 
 
 def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio: float, rounds: int,
-             warmup: int = 2, k_open: int = 16, batch_sched: bool = True) -> list[dict]:
+             warmup: int = 2, k_open: int = 16, batch_sched: bool = True,
+             routing: str = "balanced") -> list[dict]:
     """Launch 2 learner ranks, play the cell's updates, return the metrics rows (each with
     the Step that produced it and its R).
 
@@ -307,7 +309,7 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
                 v_of_calibration[step.draw] = v
             Rs.append(R)
             cpu0 = time.process_time()
-            _play(links, work, v, step, R)
+            _play(links, work, v, step, R, routing)
             sim_cpu.append(time.process_time() - cpu0)
             _ack(links[0], v + 1)
         learner.wait(timeout=300)
@@ -328,22 +330,44 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
     return rows
 
 
-def _play(links, work: Workload | RecordedWorkload, v: int, step: Step, R: float) -> None:
-    """One batch: register, release sources at their completion times, close at R."""
+def _play(links, work: Workload | RecordedWorkload, v: int, step: Step, R: float,
+          routing: str = "balanced") -> None:
+    """One batch: register, release sources at their completion times, close at R.
+
+    Routing as the real rollout does it (tsync_mcore.routing): "balanced" sends each GRPO
+    trajectory to the rank with the least tokens assigned so far and announces a group's
+    rewards to both ranks after its last member; "static" (and OPD) sends by group owner."""
     plan, n_turns, items = work.update(v, R, draw=step.draw)
+    grpo = work.objective == "grpo"
+    routing = routing if grpo else "static"
     owner = assign_groups(plan, {}, 2)
-    msgs = [(ready, owner[src.group_id],
-             TrajectoryMsg(src) if work.objective == "grpo" else TurnMsg(src))
-            for ready, src in items]
+    router = LeastAssigned(2)
+    finished: dict[str, dict[str, float]] = {}
+    msgs = []  # (ready, [(rank, message)])
+    for ready, src in items:
+        if not grpo:
+            msgs.append((ready, [(owner[src.group_id], TurnMsg(src))]))
+            continue
+        if routing == "static":
+            msgs.append((ready, [(owner[src.group_id], TrajectoryMsg(src))]))
+            continue
+        out = [(router.route(len(src.tokens)), TrajectoryMsg(src))]
+        done = finished.setdefault(src.group_id, {})
+        done[src.traj_id] = float(src.reward)
+        if len(done) == len(plan.groups[src.group_id]):
+            out += [(r, GroupRewards(version=v, group_id=src.group_id, rewards=done)) for r in (0, 1)]
+        msgs.append((ready, out))
     for link in links:
         link.send(RegisterBatch(version=v, objective=work.objective, groups=plan.groups,
-                                n_turns=n_turns, data_pos=v + 1, schedule=step.schedule))
+                                n_turns=n_turns, data_pos=v + 1, schedule=step.schedule,
+                                routing=routing))
     t0 = time.perf_counter()
-    for ready, rank, msg in msgs:
+    for ready, out in msgs:
         delay = t0 + ready - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        links[rank].send(msg)
+        for rank, msg in out:
+            links[rank].send(msg)
     rollout_s = max(R, time.perf_counter() - t0)
     time.sleep(max(0.0, t0 + R - time.perf_counter()))
     for link in links:
@@ -431,7 +455,7 @@ def _group_ready_step(entries: list[dict], R: float, P: float) -> float:
 
 
 def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
-         rounds: int, warmup: int = 2, batch_sched: bool = True,
+         rounds: int, warmup: int = 2, batch_sched: bool = True, routing: str = "balanced",
          recorded: RecordedWorkload | None = None, **workload) -> list[dict]:
     """All three schedules at one (objective, ratio, batch), paired round by round.
     `workload`: other Workload fields (lengths, group size, turns); `recorded`: replay a
@@ -442,7 +466,8 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
         work = Workload(objective=objective, batch=batch, **workload)
     tag = "-recorded" if recorded is not None else ""
     d = os.path.join(out_dir, f"{objective}-r{ratio}-b{batch}{tag}")
-    rows = [r for r in run_cell(hf_dir, d, work, ratio, rounds, warmup, batch_sched=batch_sched)
+    rows = [r for r in run_cell(hf_dir, d, work, ratio, rounds, warmup, batch_sched=batch_sched,
+                                routing=routing)
             if not r["calibration"]]
     pred = {u["update"]: u for u in predict.analyze_run(d, warmup=0)["updates"]}
     entries = _read_trace(d)
@@ -466,6 +491,7 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
             t_pred = mean(_group_ready_step(by_update[u], pred[u]["R"], pred[u]["P"]) for u in ups)
         out.append(dict(
             objective=objective, schedule=schedule, ratio=ratio, batch=batch, rounds=rounds,
+            routing=routing if objective == "grpo" else "static",
             workload="recorded" if recorded is not None else "model",
             R_s=mean(r["R_s"] for r in mine), L_s=L_sync,
             # R over the learner time the sync updates actually took (noise shows here)

@@ -27,6 +27,8 @@ def main() -> None:
     p.add_argument("--release-trace", metavar="RUN_DIR", default=None,
                    help="replay a real run's release trace (a learner run.dir: traces/ and "
                         "metrics.jsonl) instead of the paper's model; objective and batch come from it")
+    p.add_argument("--routing", default="balanced", choices=["balanced", "static"],
+                   help="GRPO: trajectory → least-loaded rank (default) or group → fixed rank")
     p.add_argument("--trace-token-scale", type=float, default=1.0,
                    help="multiply recorded token counts (fit a GPU run's lengths to the CPU model)")
     args = p.parse_args()
@@ -55,7 +57,8 @@ def main() -> None:
                 for o in args.objectives.split(",") for b in batches for r in ratios]
     rows = []
     for job in jobs:
-        rows += cell(hf_dir, work, rounds=args.rounds, batch_sched=not args.normal_sched, **job)
+        rows += cell(hf_dir, work, rounds=args.rounds, batch_sched=not args.normal_sched,
+                     routing=args.routing, **job)
         _print(rows[-3:])
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)

@@ -19,7 +19,7 @@ import torch
 
 from dist_util import REPO_ROOT, free_port
 from tsync_mcore.channel import (
-    MAGIC, WIRE_VERSION, Ack, ChannelError, ChannelTimeout, CloseBatch, Limits, MsgType,
+    MAGIC, WIRE_VERSION, Ack, ChannelError, ChannelTimeout, CloseBatch, GroupRewards, Limits, MsgType,
     PeerGone, Publish, RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg, decode, encode,
     open_learner_side, open_rollout_side,
 )
@@ -31,7 +31,8 @@ import channel_worker as cw  # noqa: E402
 
 ALL_MESSAGES = [cw.HELLO, cw.PUBLISH, Shutdown(""), Shutdown("bye ✓"),
                 *cw.sample_rollout_messages(), cw.bench_message(0),
-                TurnMsg(TurnSource("t", "g", 0, 1, 0, (1, 2), (0, 0), (None, None), 0))]
+                TurnMsg(TurnSource("t", "g", 0, 1, 0, (1, 2), (0, 0), (None, None), 0)),
+                GroupRewards(4, "g ✓", {"a": 0.1, "b": -2.5e300, "c": 0.0})]
 
 
 # ---------------------------------------------------------------- codec
@@ -129,6 +130,26 @@ def test_register_batch_carries_an_optional_schedule():
     assert decode(encode(plain)) == plain and plain.schedule is None
     override = replace(plain, schedule="group_ready")
     assert decode(encode(override)) == override
+
+
+def test_routing_and_group_rewards_on_the_wire():
+    reg = RegisterBatch(3, "grpo", {"g": ["a", "b"]}, {}, 7, routing="balanced")
+    assert decode(encode(reg)) == reg
+    assert decode(encode(replace(reg, routing="static"))).routing == "static"
+    with pytest.raises(ChannelError, match="routing must be one of"):
+        encode(replace(reg, routing="random"))
+    back = decode(encode(GroupRewards(1, "g", {"a": 0.1 + 0.2, "b": 1 / 3})))
+    assert back.rewards == {"a": 0.1 + 0.2, "b": 1 / 3}  # float64, bit for bit
+    with pytest.raises(ChannelError, match=r"GroupRewards.rewards\['a'\] must be a real"):
+        encode(GroupRewards(1, "g", {"a": "high"}))
+    with pytest.raises(ChannelError, match="group_id must be a str"):
+        encode(GroupRewards(1, 7, {"a": 1.0}))
+    good = encode(GroupRewards(1, "g", {"a": 1.0, "b": 2.0}))
+    for ids, why in [(["g", ["a"]], "one per reward"), (["g", ["a", "a"]], "distinct"),
+                     (["g"], "expected")]:
+        blob = torch.tensor(list(json.dumps(ids).encode()), dtype=torch.uint8)
+        with pytest.raises(ChannelError, match=why):
+            decode(_seal(good[0], [good[1], blob]))
 
 
 def test_encode_rejects_what_it_cannot_carry_exactly():

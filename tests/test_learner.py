@@ -55,6 +55,10 @@ def runs(tiny_qwen2, tmp_path_factory):
         ("thundersync_again", batch, ["--schedule", "thundersync", "--k-open", "2",
                                        "--accum", "host"]),
         ("thundersync_perm", perm, ["--schedule", "thundersync", "--k-open", "1"]),
+        # Balanced routing: a group's members served on different ranks, rewards announced.
+        ("thundersync_balanced", batch, ["--schedule", "thundersync", "--k-open", "2",
+                                         "--routing", "balanced"]),
+        ("group_ready_balanced", perm, ["--schedule", "group_ready", "--routing", "balanced"]),
         ("sync_fp64acc", batch, ["--schedule", "sync", "--accum-dtype", "fp64"]),
         ("thundersync_perm_fp64acc", perm, ["--schedule", "thundersync", "--k-open", "1",
                                             "--accum-dtype", "fp64"]),
@@ -76,7 +80,8 @@ def _params(run):
 
 def test_streaming_schedules_match_sync_direction(runs):
     g_sync = _grad(runs["sync"], 0)
-    for name in ("group_ready", "thundersync", "thundersync_perm"):
+    for name in ("group_ready", "thundersync", "thundersync_perm", "thundersync_balanced",
+                 "group_ready_balanced"):
         err = rel_l2(_grad(runs[name], 0), g_sync)
         print(f"{name} vs sync, update 0 direction rel L2 = {err:.2e}")
         assert err <= 1e-6, (name, err)
@@ -85,7 +90,7 @@ def test_streaming_schedules_match_sync_direction(runs):
 def test_direction_matches_independent_fp64_reference(runs):
     rows0 = [r for r in runs["rows"] if r["policy_version"] == 0]
     ref = reference_grad(runs["hf_dir"], rows0, "grpo")
-    for name in ("sync", "thundersync"):
+    for name in ("sync", "thundersync", "thundersync_balanced"):
         got = _grad(runs[name], 0)
         assert got.keys() == ref.keys()
         err = rel_l2(got, ref)
@@ -116,7 +121,7 @@ def test_parameter_gap_after_ten_updates_fp32_accumulators(runs):
     # order noise in gradients that are mathematically zero (Qwen2's K bias: a shift of all
     # keys of a query leaves the softmax unchanged) into O(lr) steps. Measured 5e-5..8e-5 on
     # this model (7e-6..8e-6 without the K-bias entries); see README "Numerics".
-    for name in ("group_ready", "thundersync", "thundersync_perm"):
+    for name in ("group_ready", "thundersync", "thundersync_perm", "thundersync_balanced"):
         assert _gap(runs, name, "sync") <= 2e-4, name
 
 
@@ -150,6 +155,19 @@ def test_trace_records_every_source(runs):
                 assert e["policy_version"] == e["update"]
                 n += e.get("kind") != "prefix"  # prefix entries: one prompt backward per group
     assert n == len(runs["rows"])
+
+
+def test_balanced_routing_splits_groups_and_serves_each_source_once(runs):
+    ranks_of: dict[str, set] = {}
+    served = []
+    for r in range(2):
+        with open(os.path.join(runs["thundersync_balanced"]["dir"], f"trace_rank{r}.jsonl")) as f:
+            for e in map(json.loads, f):
+                if e.get("kind") != "prefix":
+                    served.append((e["update"], e["traj_id"]))
+                    ranks_of.setdefault(e["group_id"], set()).add(r)
+    assert len(served) == len(set(served)) == len(runs["rows"])
+    assert sum(len(rs) == 2 for rs in ranks_of.values()) >= 5, ranks_of  # split groups ran
 
 
 @pytest.mark.parametrize("objective,norm", [("dr_grpo", "trajectory"), ("rloo", "global"),
@@ -195,6 +213,16 @@ def test_bad_input_rejected_and_theta_untouched(tiny_qwen2):
     assert res["grad_bitwise_equal_to_clean"] and res["params_bitwise_equal_to_clean"]
     assert res["theta_moved_after_close"]
     assert res["empty_mask_sources"] >= 1
+    bal = res["bal_errors"]
+    assert all(v != "NO ERROR" for v in bal.values()), bal
+    assert "not registered" in bal["unknown_group"]
+    assert "announced for" in bal["wrong_members"]
+    assert "finite" in bal["nonfinite"]
+    assert "arrived with reward" in bal["disagrees_with_arrival"]
+    assert "duplicate" in bal["duplicate_announcement"]
+    assert "were announced with" in bal["source_disagrees_with_announcement"]
+    assert "arrived on 0 DP ranks" in bal["close_with_source_nowhere"] and res["bal_missing_named"]
+    assert res["theta_untouched_by_bal_errors"] and res["bal_grad_matches_static"]
 
 
 @pytest.mark.parametrize("ckpt", ["qwen2", "qwen3"])

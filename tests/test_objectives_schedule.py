@@ -112,10 +112,13 @@ def test_queue_release_rules_and_admission_cap():
         plan.add_group(g, [f"{g}{i}" for i in range(3)])
     arrivals = ["A0", "B0", "C0", "A1", "B1", "C1", "A2", "B2", "C2"]
     for schedule in ("sync", "group_ready", "thundersync"):
-        q = ReadinessQueue(schedule, plan, set("ABC"), k_open=1)
-        served = []
+        q = ReadinessQueue(schedule, plan, k_open=1)
+        served, seen = [], {}
         for a in arrivals:
             q.arrive(_src(a, a[0]))
+            seen[a[0]] = seen.get(a[0], 0) + 1
+            if seen[a[0]] == 3:  # the learner's call: every reward of the group is known
+                q.complete(a[0])
             while (s := q.next()) is not None:
                 served.append(s)
                 assert q.open_groups <= 1
@@ -124,6 +127,7 @@ def test_queue_release_rules_and_admission_cap():
             served.append(s)
         ids = [s.source.traj_id for s in served]
         assert sorted(ids) == sorted(arrivals)
+        assert [s.last_here for s in served].count(True) == 3
         if schedule == "sync":
             assert ids == ["A0", "A1", "A2", "B0", "B1", "B2", "C0", "C1", "C2"]
             assert all(s.fold == "direct" for s in served)
@@ -132,8 +136,31 @@ def test_queue_release_rules_and_admission_cap():
             assert ids[:3] == ["A0", "A1", "A2"]
         if schedule == "thundersync":
             # A is opened at once; B and C wait for A to close (cap 1); work conserving.
+            # The member that completes A knows its advantage: it folds direct and closes A.
             assert ids[:3] == ["A0", "A1", "A2"]
-            assert [s.fold for s in served[:3]] == ["pair"] * 3 and served[2].closes_group
+            assert [s.fold for s in served[:3]] == ["pair", "pair", "direct"]
+            assert served[2].closes_group and served[2].last_here
+
+
+def test_queue_group_completed_by_announcement():
+    """Balanced routing: a rank holds some members; the rest are announced (rewards only)."""
+    plan = BatchPlan()
+    plan.add_group("A", ["A0", "A1", "A2"])
+    q = ReadinessQueue("thundersync", plan, k_open=1)
+    q.arrive(_src("A0", "A"))
+    s = q.next()
+    assert (s.source.traj_id, s.fold, s.closes_group, s.last_here) == ("A0", "pair", False, False)
+    assert q.next() is None and q.open_groups == 1
+    q.complete("A")  # A1, A2 were served elsewhere: only the pair's close is left here
+    s = q.next()
+    assert (s.source, s.group_id, s.closes_group, s.last_here) == (None, "A", True, True)
+    assert q.next() is None and q.open_groups == 0 and q.pending() == 0
+    g = ReadinessQueue("group_ready", plan, k_open=1)
+    g.arrive(_src("A1", "A"))
+    assert g.next() is None  # held until the group's rewards are all known
+    g.complete("A")
+    s = g.next()
+    assert (s.source.traj_id, s.fold, s.last_here) == ("A1", "direct", True)
 
 
 def test_group_assignment_is_balanced_and_deterministic():

@@ -122,6 +122,9 @@ class RolloutConfig:
     tool_timeout_s: float = 1.0
     teacher_dir: str = ""  # OPD: the frozen teacher's HF directory
     kv_cache_gib: float = 1.0
+    # Which learner rank serves a finished trajectory (tsync_mcore.routing). auto: GRPO
+    # family "balanced" (per trajectory, least-loaded rank), OPD "static" (by group).
+    routing: Literal["auto", "static", "balanced"] = "auto"
 
     def validate(self) -> None:
         _check(self.n_learners >= 1, "rollout.n_learners", "must be >= 1")
@@ -150,6 +153,16 @@ class Config:
         self.run.validate()
         self.channel.validate()
         self.rollout.validate()
+        _check(not (self.learner.objective == "opd" and self.rollout.routing == "balanced"),
+               "rollout.routing", "'balanced' is for the GRPO family; OPD routes by group "
+               "(a trajectory's turns and its group's shared prompt stay on one rank)")
+
+    @property
+    def routing(self) -> str:
+        """rollout.routing with 'auto' resolved for the objective."""
+        if self.rollout.routing != "auto":
+            return self.rollout.routing
+        return "static" if self.learner.objective == "opd" else "balanced"
 
 
 def _check(ok: bool, key: str, why: str) -> None:

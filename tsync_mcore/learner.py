@@ -16,6 +16,7 @@ any point leaves θ and the optimizer intact.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from tsync_mcore.config import LearnerConfig
 from tsync_mcore.objectives import ADVANTAGES
 from tsync_mcore.policy import Policy
 from tsync_mcore.prefix import SharedPrefix
+from tsync_mcore.routing import ROUTINGS
 from tsync_mcore.schedule import ReadinessQueue, Service
 from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, assign_groups,
                                  check_version, validate_source)
@@ -62,22 +64,32 @@ class Learner:
     # --- register -------------------------------------------------------------------------
 
     def begin(self, plan: BatchPlan, group_tokens: dict[str, int] | None = None,
-              schedule: str | None = None) -> None:
-        """`schedule` overrides the configured release schedule for this batch only."""
+              schedule: str | None = None, routing: str = "static") -> None:
+        """`schedule` overrides the configured release schedule for this batch only.
+
+        `routing` says how sources reach the DP ranks (tsync_mcore.routing): "static", each
+        group to its `assign_groups` owner (sources of other groups may be submitted too and
+        only lend their rewards); "balanced", each trajectory to whichever rank the rollout
+        chose, so this rank serves every source it is given and learns the rewards of
+        members served elsewhere from `group_rewards`."""
         if self.plan is not None:
             raise RuntimeError(f"batch for policy version {self.version} is still open")
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
         par = self.policy.par
         self.schedule = schedule or self.cfg.schedule
+        self.routing = routing
         self.owner = assign_groups(plan, group_tokens or {}, par.dp_size)
-        mine = {g for g, r in self.owner.items() if r == par.dp_rank}
         self.plan = plan
-        self.queue = ReadinessQueue(self.schedule, plan, mine, self.cfg.k_open)
+        self.queue = ReadinessQueue(self.schedule, plan, self.cfg.k_open)
         self.member_of = {t: g for g, ts in plan.groups.items() for t in ts}
         self.arrived: dict[str, TrajectorySource] = {}
+        self.rewards: dict[str, float] = {}  # every reward known here, served here or not
+        self.announced: set[str] = set()  # groups whose rewards came from group_rewards
+        self.here: dict[str, int] = {}  # group → its members given to this rank to serve
         self.trace: list[dict] = []
         self.t0 = time.perf_counter()
         self.scored_local = 0
-        self.served: dict[str, int] = {}
         self.prefixes: dict[str, SharedPrefix | None] = {}
         self.acc.reset()
 
@@ -89,11 +101,44 @@ class Learner:
         `arrived`: perf_counter time the source reached this process (default: now), so the
         trace's ready time is not delayed by the learner being busy."""
         self._check(src)
+        g = src.group_id
         self.arrived[src.traj_id] = src
-        if self.owner[src.group_id] == self.policy.par.dp_rank:
+        self.rewards[src.traj_id] = float(src.reward)
+        if self.routing == "balanced" or self.owner[g] == self.policy.par.dp_rank:
+            self.here[g] = self.here.get(g, 0) + 1
             self.queue.arrive(src)
             self._note(src, ready=self._now() if arrived is None else arrived - self.t0)
-            self._drain()
+        self._maybe_complete(g)
+        self._drain()
+
+    def group_rewards(self, group_id: str, rewards: dict[str, float]) -> None:
+        """The rollout's announcement of every reward of a finished group (balanced routing:
+        some members were served on other ranks). Checked against what arrived here."""
+        if self.plan is None:
+            raise RuntimeError("group_rewards() before begin(): no batch is open")
+        members = self.plan.groups.get(group_id)
+        name = f"rewards of group {group_id!r}"
+        if members is None:
+            raise SourceError(f"{name}: group is not registered in this batch")
+        if group_id in self.announced:
+            raise SourceError(f"{name}: duplicate, already announced in this batch")
+        if set(rewards) != set(members):
+            raise SourceError(f"{name}: announced for {sorted(rewards)}, the group registered "
+                              f"{sorted(members)}")
+        for t, r in rewards.items():
+            if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r):
+                raise SourceError(f"{name}: reward of {t!r} must be a finite number, got {r!r}")
+            if t in self.rewards and self.rewards[t] != float(r):
+                raise SourceError(f"{name}: {t!r} arrived with reward {self.rewards[t]!r}, "
+                                  f"announced {float(r)!r}")
+        self.announced.add(group_id)
+        self.rewards.update({t: float(r) for t, r in rewards.items()})
+        self._maybe_complete(group_id)
+        self._drain()
+
+    def _maybe_complete(self, g: str) -> None:
+        if not self.queue.is_complete(g) and all(t in self.rewards for t in self.plan.groups[g]):
+            self.queue.complete(g)
 
     def _check(self, src: TrajectorySource) -> None:
         if self.plan is None:
@@ -109,18 +154,21 @@ class Learner:
         if self.member_of.get(src.traj_id) != src.group_id:
             raise SourceError(f"{name}: not one of the {len(members)} trajectories registered for "
                               f"group {src.group_id!r}; the group would be larger than registered")
+        if src.traj_id in self.rewards and self.rewards[src.traj_id] != float(src.reward):
+            raise SourceError(f"{name}: reward {float(src.reward)!r}, but the group's rewards "
+                              f"were announced with {self.rewards[src.traj_id]!r}")
 
     def _drain(self) -> None:
         while (svc := self.queue.next()) is not None:
             self._serve(svc)
 
     def _serve(self, svc: Service) -> None:
-        src, g = svc.source, svc.source.group_id
+        src, g = svc.source, svc.group_id
         start = self._now()
         cpu0 = time.thread_time()
-        if svc.fold == "pair" and not self.acc.is_open(g):
-            self.acc.open_group(g, shift=src.reward)  # c = the group's first reward
-        if src.n_scored > 0:
+        if src is not None and src.n_scored > 0:
+            if svc.fold == "pair" and not self.acc.is_open(g):
+                self.acc.open_group(g, shift=src.reward)  # c = the group's first folded reward
             # Token weight 1/L_i now; 1/n_groups (or 1/N_k) is the deferred scalar at close.
             w = 1.0 / src.n_scored if self.cfg.token_norm == "trajectory" else 1.0
             prefix = self._prefix_for(src) if self.cfg.shared_prefix else None
@@ -131,36 +179,31 @@ class Learner:
             q = len(prefix) if prefix is not None else 0
             span = dict(span_tokens=src.n_tokens - q, context=q)  # what ran (FLOP ledger)
             grads = self.policy.grad_buffers()
-            if svc.fold == "direct" or svc.closes_group:
-                # A_i known (for the member that closes a pair too: every reward is in),
-                # so H_i goes straight into the batch and skips the pair.
+            if svc.fold == "direct":
                 coef = self._direct_coef(src)
                 self.acc.fold_direct(grads, coef)
+                if prefix is not None:
+                    prefix.fold_direct(coef)
             else:
                 self.acc.fold_pair(g, grads, src.reward)
-            if prefix is not None:
-                # The prompt's adjoint stays in the prefix's own pair until it closes.
-                if svc.fold == "direct":
-                    prefix.fold_direct(coef)
-                else:
+                if prefix is not None:
                     prefix.fold_pair(src.reward - self.acc.shift_of(g))
             self.policy.zero_grads()
             self.scored_local += src.n_scored
-        self.served[g] = self.served.get(g, 0) + 1
-        closes = svc.closes_group
-        if closes:
+        scale, mu = 1.0, 0.0
+        if svc.closes_group and self.acc.is_open(g):
             scale, mu = self.objective.closure(self._group_rewards(g), self.acc.shift_of(g),
                                                self.cfg.adv_eps)
             self.acc.close_group(g, scale, mu)
-        # cpu: this thread's CPU time; wall − cpu is time the core or the GIL was elsewhere.
-        # Noted before the prompt backward, which is its own trace entry (counted once).
-        self._note(src, start=start, end=self._now(), cpu=time.thread_time() - cpu0,
-                   fold=svc.fold, closes_group=closes, open_groups=self.queue.open_groups,
-                   **(span if src.n_scored > 0 else dict(span_tokens=0, context=0)))
-        if closes:
+        if src is not None:
+            # cpu: this thread's CPU time; wall − cpu is time the core or the GIL was elsewhere.
+            # Noted before the prompt backward, which is its own trace entry (counted once).
+            self._note(src, start=start, end=self._now(), cpu=time.thread_time() - cpu0,
+                       fold=svc.fold, closes_group=svc.closes_group,
+                       open_groups=self.queue.open_groups,
+                       **(span if src.n_scored > 0 else dict(span_tokens=0, context=0)))
+        if svc.last_here:
             self._close_prefix(g, scale, mu)
-        elif svc.fold == "direct" and self.served[g] == len(self.plan.groups[g]):
-            self._close_prefix(g, 1.0, 0.0)
 
     def _direct_coef(self, src: TrajectorySource) -> float:
         i = self.plan.groups[src.group_id].index(src.traj_id)
@@ -187,22 +230,19 @@ class Learner:
                                    span_tokens=len(prefix), context=0))
 
     def _group_rewards(self, g: str) -> list[float]:
-        return [float(self.arrived[t].reward) for t in self.plan.groups[g]]
+        return [self.rewards[t] for t in self.plan.groups[g]]
 
     # --- barrier and step -----------------------------------------------------------------
 
     def close(self, export_grad: bool = False) -> UpdateResult:
         if self.plan is None:
             raise RuntimeError("close() before begin(): no batch is open")
-        me = self.policy.par.dp_rank
-        missing = {g: [t for t in ts if t not in self.arrived]
-                   for g, ts in self.plan.groups.items() if self.owner[g] == me}
-        missing = {g: ts for g, ts in missing.items() if ts}
-        # Every rank must agree before the collective step: count what is missing anywhere.
-        n_missing = int(self.policy.dp_sum(sum(len(ts) for ts in missing.values())))
-        if n_missing:
-            raise SourceError(f"batch for policy version {self.version} closed with {n_missing} "
-                              f"trajectories missing; groups missing members on this rank: {missing}")
+        problems = self._incomplete()
+        # Every rank must agree before the collective step: count the problems anywhere.
+        n_bad = int(self.policy.dp_sum(len(problems)))
+        if n_bad:
+            raise SourceError(f"batch for policy version {self.version} closed incomplete "
+                              f"({n_bad} problems over all ranks); on this rank: {problems}")
         self.queue.close()
         self._drain()
         assert self.queue.pending() == 0 and not self.acc.open, "batch closed with work left"
@@ -223,10 +263,30 @@ class Learner:
         self.plan = None
         return result
 
+    def _incomplete(self) -> list[str]:
+        """What keeps this batch from closing, as seen from this rank (a collective)."""
+        if self.routing == "static":
+            me = self.policy.par.dp_rank
+            return [f"{t} (group {g}) missing" for g, ts in self.plan.groups.items()
+                    if self.owner[g] == me for t in ts if t not in self.arrived]
+        # Balanced: every trajectory served on exactly one DP rank, and every group with
+        # members here complete (its other members' rewards announced).
+        order = [t for ts in self.plan.groups.values() for t in ts]
+        mine = [1.0 if t in self.arrived else 0.0 for t in order]
+        counts = self.policy.dp_sum_vector(mine)
+        problems = [f"{t} arrived on {int(n)} DP ranks" for t, n, m in zip(order, counts, mine)
+                    if n != 1 and (m or self.policy.par.dp_rank == 0)]
+        problems += [f"group {g}: rewards of its members on other ranks never announced"
+                     for g in self.here if not self.queue.is_complete(g)]
+        return problems
+
     def waiting_for(self) -> list[str]:
-        """Registered trajectories of this rank's groups that have not arrived yet."""
+        """What this rank still waits for: members of its groups (static routing) or the
+        rewards of groups it serves part of (balanced)."""
         if self.plan is None:
             return []
+        if self.routing == "balanced":
+            return [f"rewards of group {g}" for g in self.here if not self.queue.is_complete(g)]
         me = self.policy.par.dp_rank
         return [t for g, ts in self.plan.groups.items() if self.owner[g] == me
                 for t in ts if t not in self.arrived]

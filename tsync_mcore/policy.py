@@ -114,6 +114,14 @@ class Policy:
         dist.all_reduce(t, group=self.par.dp_group)
         return float(t.item())
 
+    def dp_sum_vector(self, xs: list[float]) -> list[float]:
+        """Elementwise sum of a host vector over data-parallel ranks (one all-reduce)."""
+        if self.par.dp_size == 1 or not xs:
+            return list(xs)
+        t = torch.tensor(xs, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.par.dp_group)
+        return t.tolist()
+
     def export_params(self) -> dict[str, torch.Tensor]:
         return bridge.export_hf_state_dict(self.model, self.spec)
 

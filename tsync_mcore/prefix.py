@@ -4,8 +4,9 @@ The m trajectories of a group share their prompt. The prompt's forward runs once
 continuation runs against the prompt's K/V held as detached leaves, so its backward gives
 the continuation's parameter gradient and a boundary adjoint on the prompt K/V. The
 boundary adjoints are summed exactly like G1'/G2 — A1 = Σ (r_i − c)·adj_i, A2 = Σ adj_i
-(or A = Σ coef_i·adj_i when the advantages are already known) — and at group close one
-backward through the prompt with scale·(A1 − mu·A2) adds the prompt's share of g_G.
+for members folded before the group's rewards were all known, A = Σ coef_i·adj_i for the
+rest — and at group close one backward through the prompt with scale·(A1 − mu·A2) + A
+adds the prompt's share of g_G.
 
 The prefix is the group's prompt less its last token when the source says how long the
 prompt is (`prompt_len`), otherwise the first served member's tokens up to the position
@@ -31,6 +32,7 @@ class SharedPrefix:
         self.leaves = leaves
         self.a1: list[torch.Tensor] | None = None  # per layer: K and V adjoints, flattened
         self.a2: list[torch.Tensor] | None = None
+        self.ad: list[torch.Tensor] | None = None  # Σ coef_i·adj_i of members with A_i known
 
     @classmethod
     def build(cls, policy, src: TrajectorySource,
@@ -89,21 +91,21 @@ class SharedPrefix:
     def fold_direct(self, coef: float, leaves: list[KV] | None = None) -> None:
         """A += coef·adj, taking (and clearing) the adjoint on `leaves` (default: own)."""
         adj = self._take_adjoint(leaves)
-        if self.a1 is None:
-            self.a1 = [torch.zeros_like(a) for a in adj]
-        for a1, a in zip(self.a1, adj):
-            a1.add_(a, alpha=coef)
+        if self.ad is None:
+            self.ad = [torch.zeros_like(a) for a in adj]
+        for ad, a in zip(self.ad, adj):
+            ad.add_(a, alpha=coef)
 
     def backward_prefix(self, scale: float, mu: float) -> bool:
-        """Backward through the prompt with scale·(A1 − mu·A2); False if nothing to do."""
-        if self.a1 is None:
+        """Backward through the prompt with scale·(A1 − mu·A2) + A; False if nothing to do."""
+        if self.a1 is None and self.ad is None:
             return False
-        adjoint = []
-        for i in range(0, len(self.a1), 2):
-            pair = []
-            for j in (i, i + 1):
-                g = self.a1[j] if self.a2 is None or mu == 0.0 else self.a1[j] - mu * self.a2[j]
-                pair.append(g * scale)
-            adjoint.append(tuple(pair))
-        return backward_kv(self.produced, adjoint)
-
+        flat = []
+        for j in range(len(self.a1 if self.a1 is not None else self.ad)):
+            g = None
+            if self.a1 is not None:
+                g = (self.a1[j] if mu == 0.0 else self.a1[j] - mu * self.a2[j]) * scale
+            if self.ad is not None:
+                g = self.ad[j] if g is None else g + self.ad[j]
+            flat.append(g)
+        return backward_kv(self.produced, [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)])

@@ -28,6 +28,7 @@ from tsync_mcore.learner import Learner
 from tsync_mcore.learner_opd import OPDLearner
 from tsync_mcore.model.parallel import destroy_parallel
 from tsync_mcore.policy import Policy
+from tsync_mcore.routing import LeastAssigned
 from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, TurnSource,
                                  opd_turns_from_json)
 
@@ -75,6 +76,23 @@ def _gather(x: int) -> list[int]:
     return out
 
 
+def _feed(learner: Learner, sources: list, plan: BatchPlan, routing: str, par) -> None:
+    """Submit a GRPO batch in readiness order as the channel would deliver it to this rank."""
+    if routing == "static":
+        for src in sources:
+            learner.submit(src)
+        return
+    router = LeastAssigned(par.dp_size)  # the same decisions on every rank
+    finished: dict[str, dict[str, float]] = {}
+    for src in sources:
+        if router.route(len(src.tokens)) == par.dp_rank:
+            learner.submit(src)
+        done = finished.setdefault(src.group_id, {})
+        done[src.traj_id] = float(src.reward)
+        if len(done) == len(plan.groups[src.group_id]):
+            learner.group_rewards(src.group_id, done)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tsync_mcore.replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,6 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="optional YAML config; flags override it")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
     p.add_argument("--k-open", type=int, default=None)
+    p.add_argument("--routing", default="static", choices=["static", "balanced"],
+                   help="GRPO: every source to every rank, each serving its groups (static), "
+                        "or each trajectory to one DP rank as the rollout routes it, with "
+                        "group rewards announced after a group's last member (balanced)")
     p.add_argument("--token-norm", default=None, choices=["trajectory", "global"])
     p.add_argument("--accum", default=None, choices=["device", "host"])
     p.add_argument("--accum-dtype", default=None, choices=["fp32", "fp64"])
@@ -128,10 +150,11 @@ def main(argv: list[str] | None = None) -> dict:
         plan = BatchPlan.from_sources(list(trajs))
         if opd:
             learner.begin(plan, {s.traj_id: s.n_turns for s in sources}, group_tokens=tokens)
+            for src in sources:
+                learner.submit(src)
         else:
-            learner.begin(plan, group_tokens=tokens)
-        for src in sources:
-            learner.submit(src)
+            learner.begin(plan, group_tokens=tokens, routing=args.routing)
+            _feed(learner, sources, plan, args.routing, policy.par)
         last = k == len(batches) - 1
         results.append(learner.close(export_grad=last or args.save_grads == "all"))
     params = policy.export_params()

@@ -19,8 +19,8 @@ import torch
 import yaml
 
 from tsync_mcore import checkpoint, publish
-from tsync_mcore.channel import (Ack, ChannelError, ChannelTimeout, CloseBatch, Hello,
-                                 RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg,
+from tsync_mcore.channel import (Ack, ChannelError, ChannelTimeout, CloseBatch, GroupRewards,
+                                 Hello, RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg,
                                  open_learner_side)
 from tsync_mcore.config import Config, to_dict
 from tsync_mcore.learner import Learner
@@ -99,15 +99,25 @@ class Trainer:
                                  f"the learner is at {self.version}")
         plan = BatchPlan(groups={g: list(ts) for g, ts in reg.groups.items()})
         if self.opd:
+            if reg.routing != "static":
+                raise LearnerStopped(f"rollout registered OPD batch {reg.version} with "
+                                     f"{reg.routing!r} routing; OPD routes by group (static)")
             self.learner.begin(plan, dict(reg.n_turns), schedule=reg.schedule)
         else:
-            self.learner.begin(plan, schedule=reg.schedule)
+            self.learner.begin(plan, schedule=reg.schedule, routing=reg.routing)
         rejected = 0
         while True:
             msg = self.link.recv(timeout_s=cfg.channel.timeout_s)
-            if isinstance(msg, (TrajectoryMsg, TurnMsg)):
+            if isinstance(msg, (TrajectoryMsg, TurnMsg, GroupRewards)):
                 try:
-                    self.learner.submit(msg.source, arrived=self.link.last_arrival)
+                    if isinstance(msg, GroupRewards):
+                        if self.opd or msg.version != self.version:
+                            raise SourceError(f"GroupRewards for group {msg.group_id!r} of "
+                                              f"version {msg.version} during "
+                                              f"{cfg.learner.objective} batch {self.version}")
+                        self.learner.group_rewards(msg.group_id, msg.rewards)
+                    else:
+                        self.learner.submit(msg.source, arrived=self.link.last_arrival)
                 except SourceError as e:  # never trained on; the learner state is untouched
                     rejected += 1
                     print(f"[learner rank {self.par.rank}] rejected: {e}", file=sys.stderr,

@@ -68,7 +68,43 @@ def main(hf_dir: str) -> None:
     r_clean = ref.close(export_grad=True)
 
     theta1 = noisy.export_params()
+
+    # Balanced routing: announcements of group rewards, checked against what arrived.
+    fresh = Policy(cfg, par=noisy.par)  # at θ0, like the clean reference
+    theta_bal0 = {k: v.clone() for k, v in fresh.export_params().items()}
+    bal = Learner(cfg.learner, fresh)
+    bal.begin(plan, routing="balanced")
+    g0 = srcs[0].group_id
+    members = plan.groups[g0]
+    truth = {s.traj_id: float(s.reward) for s in srcs}
+    announce = {t: truth[t] for t in members}
+    bal.submit(srcs[0])
+    bal_errors = {
+        "unknown_group": _err(bal.group_rewards, "nope", announce),
+        "wrong_members": _err(bal.group_rewards, g0, dict(list(announce.items())[:-1])),
+        "nonfinite": _err(bal.group_rewards, g0, {**announce, members[-1]: math.nan}),
+        "disagrees_with_arrival": _err(bal.group_rewards, g0, {**announce,
+                                                               srcs[0].traj_id: truth[srcs[0].traj_id] + 1}),
+    }
+    bal.group_rewards(g0, announce)
+    bal_errors["duplicate_announcement"] = _err(bal.group_rewards, g0, announce)
+    late = next(s for s in srcs if s.group_id == g0 and s.traj_id != srcs[0].traj_id)
+    bal_errors["source_disagrees_with_announcement"] = _err(bal.submit, replace(late, reward=late.reward + 1))
+    for s in srcs[1:-1]:
+        bal.submit(s)
+    bal_errors["close_with_source_nowhere"] = _err(bal.close)
+    bal_missing_named = srcs[-1].traj_id in bal_errors["close_with_source_nowhere"]
+    theta_after_bal_errors = {k: v.clone() for k, v in fresh.export_params().items()}
+    bal.submit(srcs[-1])
+    r_bal = bal.close(export_grad=True)
+    bal_grad_ok = all(torch.allclose(r_bal.grad[k], r_clean.grad[k], rtol=1e-5, atol=1e-7)
+                      for k in r_clean.grad)
+
     out = {
+        "bal_errors": bal_errors,
+        "bal_missing_named": bal_missing_named,
+        "theta_untouched_by_bal_errors": same(theta_bal0, theta_after_bal_errors),
+        "bal_grad_matches_static": bal_grad_ok,
         "errors": errors,
         "missing_named": missing_named,
         "theta_untouched_by_errors": same(theta0, theta_after_errors),

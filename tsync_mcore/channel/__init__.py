@@ -8,23 +8,25 @@ so the default process group (torchrun's, Megatron's) is neither used nor requir
 Payloads are CPU tensors over gloo TCP even with CUDA: they are a few bytes per token, and
 NCCL would tie the channel to CUDA streams and communicator lifetimes of the learner.
 
-Wire format (WIRE_VERSION 1). One message = a header tensor int64[16], then its payloads:
+Wire format (WIRE_VERSION 3). One message = a header tensor int64[16], then its payloads:
 
     [0] MAGIC 0x7473796E63 (b"tsync")   [1] WIRE_VERSION   [2] message type (MsgType)
     [3] policy version (-1 for Shutdown) [4] n payloads     [5..13] payload j descriptor:
     numel << 8 | dtype code (1 int64, 2 uint8, 3 float64); unused slots 0
-    [14] payload checksum: Σ_j (j+1)·(byte sum of payload j)  mod 2^62
+    [14] payload checksum: Σ_j (j+1)·crc32(payload j)          mod 2^62
     [15] header checksum:  Σ header[0..14]                    mod 2^62
 
 Payloads per type (fixed order and dtype; `T` ≤ Limits.max_tokens, `B` ≤ Limits.max_bytes):
 
     Hello          data_pos int64[1]
-    RegisterBatch  data_pos int64[1], utf-8 JSON {"objective","groups","n_turns"} uint8[B]
+    RegisterBatch  data_pos int64[1], utf-8 JSON {"objective","groups","n_turns","routing"[,
+                   "schedule"]} uint8[B]
     TrajectoryMsg  tokens int64[T], scored_mask uint8[T], reward float64[1],
                    [ready_order, has_prompt_len, prompt_len] int64[3], JSON [traj_id, group_id]
     TurnMsg        tokens int64[T], scored_mask uint8[T], teacher_logprobs float64[T] (NaN =
                    None), [turn, n_turns, start, ready_order, has_prompt_len, prompt_len]
                    int64[6], JSON [traj_id, group_id]
+    GroupRewards   rewards float64[T], JSON [group_id, [traj_id per reward]]
     CloseBatch     n_sources int64[1], [rollout_time_s, reward_mean] float64[2]
     Publish        path uint8[B]
     Ack            ok int64[1], reload_time_s float64[1], error uint8[B]
@@ -60,8 +62,8 @@ Link semantics:
 from tsync_mcore.channel.errors import ChannelError, ChannelTimeout, PeerGone
 from tsync_mcore.channel.link import Link, open_learner_side, open_rollout_side
 from tsync_mcore.channel.messages import (
-    LEARNER_SENDS, ROLLOUT_SENDS, Ack, CloseBatch, Hello, Message, Publish, RegisterBatch,
-    Shutdown, TrajectoryMsg, TurnMsg,
+    LEARNER_SENDS, ROLLOUT_SENDS, Ack, CloseBatch, GroupRewards, Hello, Message, Publish,
+    RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg,
 )
 from tsync_mcore.channel.wire import (
     DEFAULT_LIMITS, MAGIC, WIRE_VERSION, Limits, MsgType, check_header, decode, encode,
@@ -71,5 +73,5 @@ __all__ = [
     "ChannelError", "ChannelTimeout", "PeerGone", "Link", "open_rollout_side",
     "open_learner_side", "encode", "decode", "check_header", "Limits", "DEFAULT_LIMITS",
     "MAGIC", "WIRE_VERSION", "MsgType", "Message", "Hello", "RegisterBatch", "TrajectoryMsg",
-    "TurnMsg", "CloseBatch", "Publish", "Ack", "Shutdown", "ROLLOUT_SENDS", "LEARNER_SENDS",
+    "TurnMsg", "GroupRewards", "CloseBatch", "Publish", "Ack", "Shutdown", "ROLLOUT_SENDS", "LEARNER_SENDS",
 ]

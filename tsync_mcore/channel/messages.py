@@ -32,6 +32,9 @@ class RegisterBatch:
     # Release schedule for this batch only (None: the learner's configured one). Lets a
     # benchmark alternate schedules batch by batch in one run, so machine drift is paired.
     schedule: str | None = None
+    # How sources reach the ranks (tsync_mcore.routing): "static" (group → owner) or
+    # "balanced" (trajectory → least-loaded rank, with GroupRewards announcements).
+    routing: str = "static"
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,16 @@ class TurnMsg:
     """Rollout → owner rank: one ready OPD turn."""
 
     source: TurnSource
+
+
+@dataclass(frozen=True)
+class GroupRewards:
+    """Rollout → every learner rank (balanced routing): a GRPO group has finished; the
+    rewards of all its members, sent after the last member's TrajectoryMsg."""
+
+    version: int
+    group_id: str
+    rewards: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -83,7 +96,9 @@ class Shutdown:
     reason: str = ""
 
 
-Message = Hello | RegisterBatch | TrajectoryMsg | TurnMsg | CloseBatch | Publish | Ack | Shutdown
+Message = (Hello | RegisterBatch | TrajectoryMsg | TurnMsg | GroupRewards | CloseBatch | Publish
+           | Ack | Shutdown)
 
-ROLLOUT_SENDS: tuple[type, ...] = (RegisterBatch, TrajectoryMsg, TurnMsg, CloseBatch, Ack, Shutdown)
+ROLLOUT_SENDS: tuple[type, ...] = (RegisterBatch, TrajectoryMsg, TurnMsg, GroupRewards, CloseBatch,
+                                   Ack, Shutdown)
 LEARNER_SENDS: tuple[type, ...] = (Hello, Publish, Shutdown)

@@ -20,13 +20,15 @@ import torch
 
 from tsync_mcore.channel.errors import ChannelError
 from tsync_mcore.channel.messages import (
-    Ack, CloseBatch, Hello, Message, Publish, RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg,
+    Ack, CloseBatch, GroupRewards, Hello, Message, Publish, RegisterBatch, Shutdown,
+    TrajectoryMsg, TurnMsg,
 )
+from tsync_mcore.routing import ROUTINGS
 from tsync_mcore.schedule import SCHEDULES
 from tsync_mcore.sources import TrajectorySource, TurnSource
 
 MAGIC = 0x7473796E63  # b"tsync"
-WIRE_VERSION = 2  # 2: payload checksum is position-weighted CRC-32
+WIRE_VERSION = 3  # 2: payload checksum is position-weighted CRC-32; 3: GroupRewards
 HEADER_LEN = 16
 MAX_PAYLOADS = 9  # header slots 5..13
 NO_VERSION = -1  # policy-version slot of messages that have none (Shutdown)
@@ -46,6 +48,7 @@ class MsgType(IntEnum):
     PUBLISH = 6
     ACK = 7
     SHUTDOWN = 8
+    GROUP_REWARDS = 9
 
 
 @dataclass(frozen=True)
@@ -77,16 +80,17 @@ SCHEMA: dict[MsgType, tuple[tuple[str, torch.dtype, int | str], ...]] = {
     MsgType.PUBLISH: (("path", _U8, BYTES),),
     MsgType.ACK: (("ok", _I, 1), ("reload_time_s", _F, 1), ("error", _U8, BYTES)),
     MsgType.SHUTDOWN: (("reason", _U8, BYTES),),
+    MsgType.GROUP_REWARDS: (("rewards", _F, TOKENS), ("ids_json", _U8, BYTES)),  # [group, [trajs]]
 }
 _TYPE_OF: dict[type, MsgType] = {
     Hello: MsgType.HELLO, RegisterBatch: MsgType.REGISTER_BATCH, TrajectoryMsg: MsgType.TRAJECTORY,
     TurnMsg: MsgType.TURN, CloseBatch: MsgType.CLOSE_BATCH, Publish: MsgType.PUBLISH,
-    Ack: MsgType.ACK, Shutdown: MsgType.SHUTDOWN,
+    Ack: MsgType.ACK, Shutdown: MsgType.SHUTDOWN, GroupRewards: MsgType.GROUP_REWARDS,
 }
 _NAME_OF = {MsgType.HELLO: "Hello", MsgType.REGISTER_BATCH: "RegisterBatch",
             MsgType.TRAJECTORY: "TrajectoryMsg", MsgType.TURN: "TurnMsg",
             MsgType.CLOSE_BATCH: "CloseBatch", MsgType.PUBLISH: "Publish", MsgType.ACK: "Ack",
-            MsgType.SHUTDOWN: "Shutdown"}
+            MsgType.SHUTDOWN: "Shutdown", MsgType.GROUP_REWARDS: "GroupRewards"}
 
 
 # ---------------------------------------------------------------- value → tensor
@@ -168,6 +172,7 @@ def _payloads(msg) -> tuple[MsgType, int, list[torch.Tensor]]:
             _scalar(_I, _int("RegisterBatch.data_pos", msg.data_pos)),
             _json("RegisterBatch", _check_batch_obj(
                 {"objective": msg.objective, "groups": msg.groups, "n_turns": msg.n_turns,
+                 "routing": msg.routing,
                  **({"schedule": msg.schedule} if msg.schedule is not None else {})},
                 "RegisterBatch"))]
     if isinstance(msg, TrajectoryMsg):
@@ -190,6 +195,16 @@ def _payloads(msg) -> tuple[MsgType, int, list[torch.Tensor]]:
             _nullable_floats(f"{n}.teacher_logprobs", s.teacher_logprobs),
             _scalar(_I, *ints, *_prompt_len(n, s.prompt_len)),
             _source_ids(n, s.traj_id, s.group_id)]
+    if isinstance(msg, GroupRewards):
+        n = "GroupRewards"
+        if not isinstance(msg.group_id, str) or not isinstance(msg.rewards, dict) or not all(
+                isinstance(t, str) for t in msg.rewards):
+            raise ChannelError(f"{n}: group_id must be a str and rewards a dict of str "
+                               f"trajectory ids to numbers")
+        ids = list(msg.rewards)
+        return kind, _int(f"{n}.version", msg.version), [
+            torch.tensor([_real(f"{n}.rewards[{t!r}]", msg.rewards[t]) for t in ids], dtype=_F),
+            _json(n, [msg.group_id, ids])]
     if isinstance(msg, CloseBatch):
         return kind, _int("CloseBatch.version", msg.version), [
             _scalar(_I, _int("CloseBatch.n_sources", msg.n_sources)),
@@ -304,6 +319,9 @@ def _check_batch_obj(obj, name: str) -> dict:
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
             for k, v in n_turns.items()):
         raise ChannelError(f"{name}: n_turns must map str trajectory ids to ints")
+    if obj.get("routing", "static") not in ROUTINGS:
+        raise ChannelError(f"{name}: routing must be one of {list(ROUTINGS)}, "
+                           f"got {obj.get('routing')!r}")
     if obj.get("schedule") not in (None, *SCHEDULES):
         raise ChannelError(f"{name}: schedule must be one of {list(SCHEDULES)}, "
                            f"got {obj.get('schedule')!r}")
@@ -354,7 +372,7 @@ def decode(tensors: list[torch.Tensor], limits: Limits = DEFAULT_LIMITS,
         obj = _check_batch_obj(_load_json(f"{name} batch_json", p[1]), name)
         return RegisterBatch(version=version, objective=obj["objective"], groups=obj["groups"],
                              n_turns=obj["n_turns"], data_pos=int(p[0][0]),
-                             schedule=obj.get("schedule"))
+                             schedule=obj.get("schedule"), routing=obj.get("routing", "static"))
     if kind == MsgType.TRAJECTORY:
         traj_id, group_id = _ids(name, p[4])
         ready_order, has_pl, pl = p[3].tolist()
@@ -371,6 +389,15 @@ def decode(tensors: list[torch.Tensor], limits: Limits = DEFAULT_LIMITS,
             tokens=tuple(p[0].tolist()), scored_mask=tuple(p[1].tolist()),
             teacher_logprobs=teacher, policy_version=version, ready_order=ready_order,
             prompt_len=_opt_prompt_len(name, has_pl, pl)))
+    if kind == MsgType.GROUP_REWARDS:
+        ids = _load_json(f"{name} ids", p[1])
+        if not (isinstance(ids, list) and len(ids) == 2 and isinstance(ids[0], str)
+                and isinstance(ids[1], list) and all(isinstance(t, str) for t in ids[1])
+                and len(ids[1]) == p[0].numel() and len(set(ids[1])) == len(ids[1])):
+            raise ChannelError(f"{name} ids: expected [group_id, [distinct trajectory ids, one "
+                               f"per reward]], got {ids!r}")
+        return GroupRewards(version=version, group_id=ids[0],
+                            rewards=dict(zip(ids[1], p[0].tolist())))
     if kind == MsgType.CLOSE_BATCH:
         return CloseBatch(version=version, rollout_time_s=float(p[1][0]), n_sources=int(p[0][0]),
                           reward_mean=None if math.isnan(p[1][1]) else float(p[1][1]))

@@ -2,10 +2,11 @@
 
     hello ← learner rank 0 (resume point)   reload θ_start, ack
     per update k:
-      RegisterBatch → every learner rank (the groups of batch k; group → rank is the
-      learner's own deterministic assignment)
-      launch every trajectory at once; each one is sent to its owner rank the moment its
-      reward is fixed (GRPO) — or each turn the moment the teacher scored it (OPD)
+      RegisterBatch → every learner rank (the groups of batch k and the routing)
+      launch every trajectory at once; each one is sent to a learner rank the moment its
+      reward is fixed (GRPO: balanced routing picks the least-loaded rank, and a group's
+      rewards go to every rank once its last member is in) — or each turn to its group's
+      owner the moment the teacher scored it (OPD)
       CloseBatch → every rank; wait for Publish(θ_{k+1}), reload in place, reset the prefix
       cache, Ack. Only then does batch k+1 start.
 A learner that dies or stops surfaces here as PeerGone/ChannelTimeout: the rollout stops
@@ -21,13 +22,14 @@ from dataclasses import dataclass
 
 from transformers import AutoTokenizer
 
-from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, Hello, Link, PeerGone,
-                                 Publish, RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg,
-                                 open_rollout_side)
+from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, GroupRewards, Hello, Link,
+                                 PeerGone, Publish, RegisterBatch, Shutdown, TrajectoryMsg,
+                                 TurnMsg, open_rollout_side)
 from tsync_mcore.config import Config
 from tsync_mcore.rollout.agent import run_batch
 from tsync_mcore.rollout.engine import EngineThread, RolloutEngine, TeacherScorer
 from tsync_mcore.rollout.envs import SkyRLGymAdapter, ToyToolConfig, ToyToolEnv
+from tsync_mcore.routing import LeastAssigned
 from tsync_mcore.sources import BatchPlan, TrajectorySource, TurnSource, assign_groups
 
 
@@ -84,7 +86,8 @@ class RolloutDriver:
                 for link in self.links:
                     link.send(RegisterBatch(
                         version=version, objective=self.cfg.learner.objective,
-                        groups=batch.groups, n_turns=self._n_turns(batch), data_pos=data_pos))
+                        groups=batch.groups, n_turns=self._n_turns(batch), data_pos=data_pos,
+                        routing=self.cfg.routing))
                 t0 = time.perf_counter()
                 n_sources, reward_mean = self.et.run(self._rollout(batch))
                 close = CloseBatch(version=version, rollout_time_s=time.perf_counter() - t0,
@@ -135,9 +138,11 @@ class RolloutDriver:
 
     def _owners(self, batch: _Batch) -> dict[str, list[int]]:
         """Group → the learner ranks that serve it (all TP ranks of its DP owner)."""
-        dp = self.rc.n_learners // self.tp
-        owner = assign_groups(BatchPlan(groups=batch.groups), {}, dp)
-        return {g: [d * self.tp + t for t in range(self.tp)] for g, d in owner.items()}
+        owner = assign_groups(BatchPlan(groups=batch.groups), {}, self.rc.n_learners // self.tp)
+        return {g: self._ranks_of(d) for g, d in owner.items()}
+
+    def _ranks_of(self, dp_rank: int) -> list[int]:
+        return [dp_rank * self.tp + t for t in range(self.tp)]
 
     def _envs(self, n: int) -> list:
         if self.rc.env == "toy":
@@ -151,6 +156,8 @@ class RolloutDriver:
 
     async def _rollout(self, batch: _Batch) -> tuple[int, float | None]:
         owners = self._owners(batch)
+        router = LeastAssigned(self.rc.n_learners // self.tp)
+        finished: dict[str, dict[str, float]] = {}  # group → rewards of its finished members
         order = 0
         n = len(batch.traj_ids)
 
@@ -194,11 +201,22 @@ class RolloutDriver:
                         f"{self.rc.max_turns} turns ({res.stop_reason}); raise "
                         f"rollout.max_total_tokens so every trajectory runs all its turns")
                 continue
-            send(batch.group_of[i], TrajectoryMsg(TrajectorySource(
-                traj_id=batch.traj_ids[i], group_id=batch.group_of[i], tokens=tuple(res.tokens),
+            gid = batch.group_of[i]
+            msg = TrajectoryMsg(TrajectorySource(
+                traj_id=batch.traj_ids[i], group_id=gid, tokens=tuple(res.tokens),
                 scored_mask=tuple(res.scored_mask), reward=float(res.reward),
-                policy_version=batch.version, ready_order=order, prompt_len=res.prompt_len)))
+                policy_version=batch.version, ready_order=order, prompt_len=res.prompt_len))
             order += 1
+            if self.cfg.routing == "static":
+                send(gid, msg)
+                continue
+            for r in self._ranks_of(router.route(len(res.tokens))):
+                self.links[r].send(msg)
+            finished.setdefault(gid, {})[batch.traj_ids[i]] = float(res.reward)
+            if len(finished[gid]) == len(batch.groups[gid]):  # after its last member's message
+                announce = GroupRewards(version=batch.version, group_id=gid, rewards=finished[gid])
+                for link in self.links:
+                    link.send(announce)
         reward_mean = sum(rewards) / len(rewards) if rewards else None
         return order, reward_mean
 
