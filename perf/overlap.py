@@ -262,14 +262,18 @@ def plan_steps(rounds: int, warmup: int = 2) -> list[Step]:
 
 
 def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio: float, rounds: int,
-             warmup: int = 2, k_open: int = 16, batch_sched: bool = True,
+             warmup: int = 2, k_open: int | None = None, batch_sched: bool = True,
              routing: str = "balanced") -> list[dict]:
     """Launch 2 learner ranks, play the cell's updates, return the metrics rows (each with
     the Step that produced it and its R).
 
-    k_open defaults to every group of a rank: a tighter cap holds back sources of new
-    groups until open ones close, which on small batches turns into learner tail."""
+    k_open defaults to every group a rank can hold (under balanced routing, any group of
+    the batch): a tighter cap holds back sources of new groups until open ones close,
+    which on small batches turns into learner tail."""
     steps = plan_steps(rounds, warmup)
+    if k_open is None:
+        n_groups = max(len(work.update(0, 1.0, draw=s.draw)[0].groups) for s in steps)
+        k_open = n_groups if routing == "balanced" else -(-n_groups // 2)
     if batch_sched:
         # Simulator, learners and their channel threads share 2 cores here. Under
         # SCHED_BATCH a thread woken by a message does not preempt a learner mid-kernel;
