@@ -1,13 +1,15 @@
 """One update of the streaming learner, top to bottom (SPEC §1–3).
 
-    begin(plan)       register the batch's groups; groups are assigned to DP ranks
+    begin(plan)       register the batch's groups and how sources are routed to DP ranks
     submit(source)    validate → release per schedule → serve: forward, fused scored
                       log-prob, backward into the grad buffers, fold into G1'/G2 (or the
-                      batch accumulator when the advantage is already known, as it is for
-                      the member that completes a group), zero buffers;
-                      a group whose last member is folded is combined (Eq. 7) and freed
-    close()           every member present → serve what is left → deferred scalar
-                      (1/n_groups or 1/N_k) → reduce → clip → exactly one optimizer step
+                      batch accumulator once the group's rewards are all known, as they
+                      are for the member that completes it), zero buffers;
+    group_rewards()   (balanced routing) the rewards of members served on other ranks
+                      a complete group's pair is combined (Eq. 7) once nothing of it is
+                      left to serve here, and freed
+    close()           every source present somewhere → serve what is left → deferred
+                      scalar (1/n_groups or 1/N_k) → reduce → clip → one optimizer step
 
 Schedules differ only in when a source is released (schedule.py); the work is the same.
 Nothing touches the parameters before close() has checked the whole batch, so an error at
