@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 from tsync_mcore import predict  # noqa: E402
 from tsync_mcore.channel import (Ack, CloseBatch, GroupRewards, Hello, Publish,  # noqa: E402
                                  RegisterBatch, TrajectoryMsg, TurnMsg, open_rollout_side)
-from tsync_mcore.routing import LeastAssigned  # noqa: E402
+from tsync_mcore.routing import BalancedRouter  # noqa: E402
 from tsync_mcore.sources import BatchPlan, TrajectorySource, TurnSource, assign_groups  # noqa: E402
 
 GAMMA = 0.49  # the paper's service exponent
@@ -339,14 +339,13 @@ def _play(links, work: Workload | RecordedWorkload, v: int, step: Step, R: float
     """One batch: register, release sources at their completion times, close at R.
 
     Routing as the real rollout does it (tsync_mcore.routing): "balanced" sends each GRPO
-    trajectory to the rank with the least tokens assigned so far and announces a group's
-    rewards to both ranks after its last member; "static" (and OPD) sends by group owner."""
+    trajectory to the rank with the least tokens assigned so far and announces a split
+    group's rewards to the ranks holding its members after its last one; "static" (and OPD) sends by group owner."""
     plan, n_turns, items = work.update(v, R, draw=step.draw)
     grpo = work.objective == "grpo"
     routing = routing if grpo else "static"
     owner = assign_groups(plan, {}, 2)
-    router = LeastAssigned(2)
-    finished: dict[str, dict[str, float]] = {}
+    router = BalancedRouter(plan.groups, 2)
     msgs = []  # (ready, [(rank, message)])
     for ready, src in items:
         if not grpo:
@@ -355,11 +354,11 @@ def _play(links, work: Workload | RecordedWorkload, v: int, step: Step, R: float
         if routing == "static":
             msgs.append((ready, [(owner[src.group_id], TrajectoryMsg(src))]))
             continue
-        out = [(router.route(len(src.tokens)), TrajectoryMsg(src))]
-        done = finished.setdefault(src.group_id, {})
-        done[src.traj_id] = float(src.reward)
-        if len(done) == len(plan.groups[src.group_id]):
-            out += [(r, GroupRewards(version=v, group_id=src.group_id, rewards=done)) for r in (0, 1)]
+        to = router.route(src.traj_id, src.group_id, src.reward, len(src.tokens))
+        out = [(to.rank, TrajectoryMsg(src))]
+        if to.rewards is not None:
+            announce = GroupRewards(version=v, group_id=src.group_id, rewards=to.rewards)
+            out += [(r, announce) for r in to.announce_to]
         msgs.append((ready, out))
     for link in links:
         link.send(RegisterBatch(version=v, objective=work.objective, groups=plan.groups,

@@ -9,6 +9,8 @@ PY=${PY:-.venv/bin/python}
 QUICK=""
 [ "${1:-}" = "--quick" ] && QUICK="--quick"
 stamp="$(date +%Y%m%d)-$(hostname)"
+# A later run the same day keeps the earlier result: it gets the time of day as well.
+[ -e "perf/results/${stamp}.json" ] && stamp="${stamp}-$(date +%H%M)"
 out="perf/results/${stamp}.json"
 work="$(mktemp -d /tmp/tsync-perf-XXXX)"
 mkdir -p perf/results

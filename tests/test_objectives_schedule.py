@@ -8,6 +8,7 @@ import torch
 from tsync_mcore.accumulators import GradAccumulators
 from tsync_mcore.config import ConfigError, load_config
 from tsync_mcore.objectives import ADVANTAGES
+from tsync_mcore.routing import BalancedRouter
 from tsync_mcore.schedule import ReadinessQueue
 from tsync_mcore.sources import BatchPlan, TrajectorySource, assign_groups
 
@@ -161,6 +162,23 @@ def test_queue_group_completed_by_announcement():
     g.complete("A")
     s = g.next()
     assert (s.source.traj_id, s.fold, s.last_here) == ("A1", "direct", True)
+
+
+def test_balanced_router_least_assigned_and_announces_split_groups_only():
+    groups = {"A": ["a0", "a1"], "B": ["b0", "b1"], "C": ["c0"]}
+    r = BalancedRouter(groups, 2)
+    assert r.route("a0", "A", 0.1, 10).rank == 0
+    assert r.route("b0", "B", 0.2, 3).rank == 1
+    assert r.route("b1", "B", 0.3, 3).rank == 1  # 6 < 10: B stays whole, no announcement
+    last_b = r.route("c0", "C", 0.9, 5)  # rank 1 (6 < 10); a one-member group
+    assert (last_b.rank, last_b.rewards, last_b.announce_to) == (1, None, ())
+    a1 = r.route("a1", "A", 0.5, 1)  # 10 vs 11: rank 0 again, A whole on rank 0
+    assert (a1.rank, a1.rewards) == (0, None)
+    r2 = BalancedRouter(groups, 2)
+    r2.route("a0", "A", 0.1, 10)
+    split = r2.route("a1", "A", 0.5, 1)  # rank 1 (0 < 10): A is split
+    assert split.rank == 1 and split.rewards == {"a0": 0.1, "a1": 0.5}
+    assert split.announce_to == (0, 1)
 
 
 def test_group_assignment_is_balanced_and_deterministic():

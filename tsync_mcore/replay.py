@@ -28,7 +28,7 @@ from tsync_mcore.learner import Learner
 from tsync_mcore.learner_opd import OPDLearner
 from tsync_mcore.model.parallel import destroy_parallel
 from tsync_mcore.policy import Policy
-from tsync_mcore.routing import LeastAssigned
+from tsync_mcore.routing import BalancedRouter
 from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, TurnSource,
                                  opd_turns_from_json)
 
@@ -82,15 +82,13 @@ def _feed(learner: Learner, sources: list, plan: BatchPlan, routing: str, par) -
         for src in sources:
             learner.submit(src)
         return
-    router = LeastAssigned(par.dp_size)  # the same decisions on every rank
-    finished: dict[str, dict[str, float]] = {}
+    router = BalancedRouter(plan.groups, par.dp_size)  # the same decisions on every rank
     for src in sources:
-        if router.route(len(src.tokens)) == par.dp_rank:
+        to = router.route(src.traj_id, src.group_id, src.reward, len(src.tokens))
+        if to.rank == par.dp_rank:
             learner.submit(src)
-        done = finished.setdefault(src.group_id, {})
-        done[src.traj_id] = float(src.reward)
-        if len(done) == len(plan.groups[src.group_id]):
-            learner.group_rewards(src.group_id, done)
+        if par.dp_rank in to.announce_to:
+            learner.group_rewards(src.group_id, to.rewards)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

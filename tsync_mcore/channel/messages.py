@@ -53,8 +53,9 @@ class TurnMsg:
 
 @dataclass(frozen=True)
 class GroupRewards:
-    """Rollout → every learner rank (balanced routing): a GRPO group has finished; the
-    rewards of all its members, sent after the last member's TrajectoryMsg."""
+    """Rollout → the learner ranks holding members of a split GRPO group (balanced routing):
+    the group has finished; the rewards of all its members, sent after the last member's
+    TrajectoryMsg."""
 
     version: int
     group_id: str

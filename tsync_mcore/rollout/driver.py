@@ -4,9 +4,9 @@
     per update k:
       RegisterBatch → every learner rank (the groups of batch k and the routing)
       launch every trajectory at once; each one is sent to a learner rank the moment its
-      reward is fixed (GRPO: balanced routing picks the least-loaded rank, and a group's
-      rewards go to every rank once its last member is in) — or each turn to its group's
-      owner the moment the teacher scored it (OPD)
+      reward is fixed (GRPO: balanced routing picks the least-loaded rank, and a split
+      group's rewards go to the ranks holding its members once its last one is in) — or
+      each turn to its group's owner the moment the teacher scored it (OPD)
       CloseBatch → every rank; wait for Publish(θ_{k+1}), reload in place, reset the prefix
       cache, Ack. Only then does batch k+1 start.
 A learner that dies or stops surfaces here as PeerGone/ChannelTimeout: the rollout stops
@@ -29,7 +29,7 @@ from tsync_mcore.config import Config
 from tsync_mcore.rollout.agent import run_batch
 from tsync_mcore.rollout.engine import EngineThread, RolloutEngine, TeacherScorer
 from tsync_mcore.rollout.envs import SkyRLGymAdapter, ToyToolConfig, ToyToolEnv
-from tsync_mcore.routing import LeastAssigned
+from tsync_mcore.routing import BalancedRouter
 from tsync_mcore.sources import BatchPlan, TrajectorySource, TurnSource, assign_groups
 
 
@@ -156,8 +156,7 @@ class RolloutDriver:
 
     async def _rollout(self, batch: _Batch) -> tuple[int, float | None]:
         owners = self._owners(batch)
-        router = LeastAssigned(self.rc.n_learners // self.tp)
-        finished: dict[str, dict[str, float]] = {}  # group → rewards of its finished members
+        router = BalancedRouter(batch.groups, self.rc.n_learners // self.tp)
         order = 0
         n = len(batch.traj_ids)
 
@@ -210,13 +209,14 @@ class RolloutDriver:
             if self.cfg.routing == "static":
                 send(gid, msg)
                 continue
-            for r in self._ranks_of(router.route(len(res.tokens))):
+            to = router.route(batch.traj_ids[i], gid, res.reward, len(res.tokens))
+            for r in self._ranks_of(to.rank):
                 self.links[r].send(msg)
-            finished.setdefault(gid, {})[batch.traj_ids[i]] = float(res.reward)
-            if len(finished[gid]) == len(batch.groups[gid]):  # after its last member's message
-                announce = GroupRewards(version=batch.version, group_id=gid, rewards=finished[gid])
-                for link in self.links:
-                    link.send(announce)
+            if to.rewards is not None:  # after its last member's message
+                announce = GroupRewards(version=batch.version, group_id=gid, rewards=to.rewards)
+                for d in to.announce_to:
+                    for r in self._ranks_of(d):
+                        self.links[r].send(announce)
         reward_mean = sum(rewards) / len(rewards) if rewards else None
         return order, reward_mean
 
