@@ -59,9 +59,14 @@ class _Context:
         parts = ([self.prompt_leaves] if self.prompt is not None else []) + self.leaves[:i]
         return concat_kv(parts) if parts else None
 
-    def nbytes(self) -> int:
-        # Leaves plus their adjoints (same shape) once a later turn has consumed them.
-        return sum(2 * kv_bytes(kv) for kv in self.leaves)
+    nbytes: int = 0  # leaves plus their adjoints (same shape) once a later turn consumed them
+
+    def add_leaves(self, kv: list[KV]) -> int:
+        """Keep a served turn's K/V as leaves; returns the bytes this adds (× 2: adjoints)."""
+        self.leaves.append(detached_leaves(kv))
+        added = 2 * kv_bytes(kv)
+        self.nbytes += added
+        return added
 
 
 class OPDLearner:
@@ -104,6 +109,7 @@ class OPDLearner:
         self.trace: list[dict] = []
         self.scored_local = 0
         self.kv_peak_bytes = 0
+        self.kv_live_bytes = 0  # context leaves + adjoints and shared prompts held now
         self.t0 = time.perf_counter()
         self.acc.reset()
 
@@ -205,12 +211,10 @@ class OPDLearner:
             self.scored_local += turn.n_scored
         ctx.turns.append(turn)
         if not last:
-            ctx.leaves.append(detached_leaves(kv))
+            self.kv_live_bytes += ctx.add_leaves(kv)
             if self.replay_mode == "retain":
                 ctx.kept.append(kv)
-        held = sum(c.nbytes() for c in self.ctx.values()) + sum(
-            2 * kv_bytes(p.produced) for p in self.prompts.values() if p is not None)
-        self.kv_peak_bytes = max(self.kv_peak_bytes, held)
+        self.kv_peak_bytes = max(self.kv_peak_bytes, self.kv_live_bytes)
         self._note(turn, start=start, end=self._now(), cpu=time.thread_time() - cpu0,
                    span_tokens=len(tokens), context=offset,
                    logits=turn.n_scored > 0)
@@ -221,6 +225,7 @@ class OPDLearner:
         """Deferred work: push accumulated K/V adjoints back through earlier turns."""
         start, cpu0 = self._now(), time.thread_time()
         ctx = self.ctx.pop(traj_id)
+        self.kv_live_bytes -= ctx.nbytes
         spans = []  # (tokens, context) of every turn pushed back through (FLOP ledger)
         for i in reversed(range(len(ctx.leaves))):
             adjoint = leaf_adjoints(ctx.leaves[i])
@@ -254,6 +259,8 @@ class OPDLearner:
         g = turn.group_id
         if g not in self.prompts:
             self.prompts[g] = SharedPrefix.build(self.policy, turn, dtype=self.acc.dtype)
+            if self.prompts[g] is not None:
+                self.kv_live_bytes += 2 * kv_bytes(self.prompts[g].produced)
         prompt = self.prompts[g]
         return prompt if prompt is not None and prompt.covers(turn) else None
 
@@ -262,6 +269,8 @@ class OPDLearner:
         self.open_members[g] -= 1
         if self.open_members[g] == 0:
             prompt = self.prompts.pop(g, None)
+            if prompt is not None:
+                self.kv_live_bytes -= 2 * kv_bytes(prompt.produced)
             start, cpu0 = self._now(), time.thread_time()
             if prompt is not None and prompt.backward_prefix(1.0, 0.0):
                 self._fold()
