@@ -226,10 +226,13 @@ def test_timeout_keeps_link_and_shutdown_handshake():
 
 
 def _raw_send(link, tensors: list[torch.Tensor]) -> None:
-    """Bypass Link.send's checks, as a buggy or foreign peer would."""
-    for tag, t in enumerate(tensors):
-        if t.numel():
-            link._pg.send([t], link._peer, tag).wait()
+    """Bypass Link.send's checks, as a buggy or foreign peer would: header, packed body."""
+    from tsync_mcore.channel.link import _pack
+
+    link._pg.send([tensors[0]], link._peer, 0).wait()
+    body = _pack(tensors[1:])
+    if body.numel():
+        link._pg.send([body], link._peer, 1).wait()
 
 
 @pytest.mark.parametrize("fault", ["bad magic", "wrong direction"])

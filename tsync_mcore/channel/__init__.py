@@ -32,7 +32,9 @@ Payloads per type (fixed order and dtype; `T` ≤ Limits.max_tokens, `B` ≤ Lim
     Ack            ok int64[1], reload_time_s float64[1], error uint8[B]
     Shutdown       reason uint8[B]
 
-On a link the header goes on tag 0 and payload j on tag 1+j; empty payloads are not sent.
+On a link the header goes on tag 0 and the payloads, packed into one uint8 body (each
+padded to 8 bytes), on tag 1; an empty body is not sent. One gloo op per body instead of
+one per payload halved the CPU a message costs each side (~680 → ~340 µs, 200 tokens).
 `decode` checks structure only; the learner validates content through `tsync_mcore.sources`.
 A link also rejects a message type from the wrong side (`ROLLOUT_SENDS`, `LEARNER_SENDS`).
 

@@ -34,7 +34,34 @@ from tsync_mcore.channel.wire import (
 # A gloo wait that times out closes the pair, so the reader waits "forever" for the next
 # header; a dead peer still surfaces at once (the socket closes).
 _FOREVER = timedelta(days=365)
-_HEADER_TAG = 0  # payload j travels on tag 1 + j: every tag has at most one send in flight
+_HEADER_TAG = 0
+_BODY_TAG = 1  # every tag has at most one send in flight
+
+
+def _pack(payloads: list[torch.Tensor]) -> torch.Tensor:
+    """All payloads as one uint8 tensor, each padded to 8 bytes (so it can be viewed back
+    in place): one gloo op per message body instead of one per payload (each op costs
+    ~90 µs of CPU on each side here; a 5-payload trajectory went from ~680 to ~300 µs)."""
+    parts = []
+    for p in payloads:
+        b = p.contiguous().view(torch.uint8).reshape(-1)
+        parts.append(b)
+        if b.numel() % 8:
+            parts.append(torch.zeros(8 - b.numel() % 8, dtype=torch.uint8))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def _body_bytes(specs) -> int:
+    return sum(-(-n * torch.empty(0, dtype=dt).element_size() // 8) * 8 for _, dt, n in specs)
+
+
+def _unpack(body: torch.Tensor, specs) -> list[torch.Tensor]:
+    out, at = [], 0
+    for _, dt, n in specs:
+        size = n * torch.empty(0, dtype=dt).element_size()
+        out.append(body[at:at + size].view(dt))
+        at += -(-size // 8) * 8
+    return out
 _CLOSE_GRACE_S = 5.0
 # Reason prefix of the Shutdown a reader sends when it stops on a malformed message; the
 # receiver does not answer it (nobody would read the answer).
@@ -103,9 +130,9 @@ class Link:
             self._sent_shutdown = isinstance(msg, Shutdown)
             try:
                 works = [self._pg.send([tensors[0]], self._peer, _HEADER_TAG)]
-                # Empty payloads are implied by the header and never touch the wire.
-                works += [self._pg.send([p], self._peer, 1 + j)
-                          for j, p in enumerate(tensors[1:]) if p.numel()]
+                body = _pack(tensors[1:])
+                if body.numel():  # an all-empty body is implied by the header
+                    works.append(self._pg.send([body], self._peer, _BODY_TAG))
                 for w in works:
                     w.wait(self._timeout)
             except RuntimeError as e:
@@ -137,11 +164,10 @@ class Link:
         pg.recv([header], self._peer, _HEADER_TAG).wait(_FOREVER)
         checked = check_header(header, self._limits)  # sizes checked before allocating
         specs = checked[1]
-        payloads = [torch.empty(n, dtype=dt) for _, dt, n in specs]
-        works = [pg.recv([p], self._peer, 1 + j) for j, p in enumerate(payloads) if p.numel()]
-        for w in works:
-            w.wait(self._timeout)
-        return decode([header, *payloads], self._limits, checked=checked)
+        body = torch.empty(_body_bytes(specs), dtype=torch.uint8)
+        if body.numel():
+            pg.recv([body], self._peer, _BODY_TAG).wait(self._timeout)
+        return decode([header, *_unpack(body, specs)], self._limits, checked=checked)
 
     def _read_loop(self) -> None:
         pg = self._pg  # held by this thread: close() may drop the Link's reference
