@@ -5,7 +5,7 @@
                       log-prob, backward into the grad buffers, fold into G1'/G2 (or the
                       batch accumulator once the group's rewards are all known, as they
                       are for the member that completes it), zero buffers;
-    group_rewards()   (balanced routing) the rewards of members served on other ranks
+    group_rewards()   (balanced routing) the rewards of members served on other ranks;
                       a complete group's pair is combined (Eq. 7) once nothing of it is
                       left to serve here, and freed
     close()           every source present somewhere → serve what is left → deferred
