@@ -414,22 +414,39 @@ def _busiest_lane(entries: list[dict], update: int) -> float:
     return max(busy.values())
 
 
-def dispatch_overhead(entries: list[dict], updates: set[int]) -> float:
-    """Per-source scheduling + bookkeeping cost as a fraction of learner service: for sources
-    that found their rank idle, the gap between arrival and service start."""
-    gaps, service = [], []
+def dispatch_overhead(entries: list[dict], updates: set[int]) -> dict:
+    """Per-source scheduling + bookkeeping cost as a fraction of learner service (median
+    gap ÷ median service). The gap of a source is the time from when its lane could take
+    it (its arrival, or the end of the lane's previous entry if that is later) to its
+    service start: on an idle lane the wake-up and hand-off from the channel, on a busy
+    one the bookkeeping between two services. `all`: every source; `idle`: only those that
+    found their lane idle (few at r < 1, where the learner is behind)."""
+    gaps, idle, service = [], [], []
     for u in updates:
         for r in (0, 1):
-            es = sorted((e for e in entries if e["update"] == u and e["rank"] == r
-                         and "start" in e and e.get("kind") in (None, "turn")),
+            es = sorted((e for e in entries if e["update"] == u and e["rank"] == r and "start" in e),
                         key=lambda e: e["start"])
             prev_end = -1.0
             for e in es:
-                if e["ready"] >= prev_end:  # lane idle when it arrived
-                    gaps.append(e["start"] - e["ready"])
-                service.append(e["end"] - e["start"])
+                if e.get("kind") in (None, "turn"):
+                    gap = e["start"] - max(e["ready"], prev_end)
+                    gaps.append(gap)
+                    if e["ready"] >= prev_end:  # lane idle when it arrived
+                        idle.append(gap)
+                    service.append(e["end"] - e["start"])
                 prev_end = e["end"]
-    return median(gaps) / median(service) if gaps and service else float("nan")
+    if not service:
+        return dict(all=float("nan"), idle=float("nan"), n_idle=0)
+    m = median(service)
+    return dict(all=median(gaps) / m, idle=median(idle) / m if idle else float("nan"),
+                n_idle=len(idle))
+
+
+def _dispatch(entries: list[dict], updates: set[int], streaming: bool) -> dict:
+    if not streaming:
+        return dict(dispatch_overhead=None, dispatch_idle=None, dispatch_idle_n=None)
+    d = dispatch_overhead(entries, updates)
+    return dict(dispatch_overhead=d["all"], dispatch_idle=d["idle"], dispatch_idle_n=d["n_idle"])
 
 
 def _serve_cpu(entries: list[dict], updates: set[int]) -> float:
@@ -511,8 +528,7 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
             prediction_error_pct=mean(pred[u]["prediction_error_pct"] for u in ups)
             if schedule != "group_ready" else None,
             # only a streaming lane goes idle between arrivals, where the cost shows alone
-            dispatch_overhead=dispatch_overhead(entries, set(ups))
-            if schedule == "thundersync" else None,
+            **_dispatch(entries, set(ups), schedule == "thundersync"),
             # serving wall time over the serving thread's CPU time: > 1 where the core or
             # the GIL was elsewhere (channel, simulator); CPU time itself shows cache effects
             wall_over_cpu=_wall_over_cpu(entries, set(ups)),

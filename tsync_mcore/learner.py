@@ -220,16 +220,19 @@ class Learner:
         return prefix if prefix is not None and prefix.covers(src) else None
 
     def _close_prefix(self, g: str, scale: float, mu: float) -> None:
-        """One backward through the prompt with scale·(A1 − mu·A2), into the batch."""
+        """One backward through the prompt with scale·(A1 − mu·A2) + A, into the batch."""
         prefix = self.prefixes.pop(g, None)
         start, cpu0 = self._now(), time.thread_time()
-        if prefix is not None and prefix.backward_prefix(scale, mu):
+        ran = prefix is not None and prefix.backward_prefix(scale, mu)
+        n = len(prefix) if prefix is not None else 0
+        del prefix  # its K/V and graph are freed inside the timing
+        if ran:
             self.acc.fold_direct(self.policy.grad_buffers(), 1.0)
             self.policy.zero_grads()
             self.trace.append(dict(kind="prefix", group_id=g, rank=self.policy.par.rank,
                                    policy_version=self.version, ready=start, start=start,
                                    end=self._now(), cpu=time.thread_time() - cpu0,
-                                   span_tokens=len(prefix), context=0))
+                                   span_tokens=n, context=0))
 
     def _group_rewards(self, g: str) -> list[float]:
         return [self.rewards[t] for t in self.plan.groups[g]]

@@ -100,7 +100,7 @@ class OPDLearner:
         self.group_of = {t: g for g, ts in plan.groups.items() for t in ts}
         self.mine = {t for t, g in self.group_of.items() if owner[g] == par.dp_rank}
         self.arrived: dict[str, TurnSource] = {}
-        self.released: list[TurnSource] = []
+        self.released: dict[str, TurnSource] = {}  # by turn key, in release order
         self.held: list[TurnSource] = []
         self.ctx: dict[str, _Context] = {}
         self._last_traj: str | None = None
@@ -127,12 +127,12 @@ class OPDLearner:
                                ready=self._now() if arrived is None else arrived - self.t0))
         sched = self.schedule
         if sched == "thundersync":
-            self.released.append(turn)
+            self.released[turn.key] = turn
         else:
             self.held.append(turn)
             if sched == "group_ready" and self._all_turns_arrived(turn.traj_id):
                 # Per trajectory: its turns are released when its last turn is scored.
-                self.released += [t for t in self.held if t.traj_id == turn.traj_id]
+                self.released.update((t.key, t) for t in self.held if t.traj_id == turn.traj_id)
                 self.held = [t for t in self.held if t.traj_id != turn.traj_id]
         self._drain()
 
@@ -165,29 +165,39 @@ class OPDLearner:
                               f"at {nxt.start}; turn spans must be contiguous")
 
     def _drain(self) -> None:
-        while (i := self._next_servable()) is not None:
-            self._serve(self.released.pop(i))
+        while (key := self._next_servable()) is not None:
+            self._serve(self.released.pop(key))
 
-    def _next_servable(self) -> int | None:
-        """Index of the released turn to serve next: one whose earlier turns are served,
+    def _next_servable(self) -> str | None:
+        """Key of the released turn to serve next: one whose earlier turns are served,
         preferring the trajectory served last (its K/V context is still in cache and its
         replay, which frees the context, comes sooner); otherwise the earliest released.
-        Lane completion does not depend on this order, only the cost per turn does."""
-        first = None
-        for i, turn in enumerate(self.released):
+        Lane completion does not depend on this order, only the cost per turn does.
+        A lookup, not a scan: a learner behind the rollout holds hundreds of turns."""
+        last = self._last_traj
+        if last is not None and last in self.ctx:
+            key = f"{last}#{len(self.ctx[last].turns)}"
+            if key in self.released:
+                return key
+        for key, turn in self.released.items():
             ctx = self.ctx.get(turn.traj_id)
-            if (len(ctx.turns) if ctx else 0) != turn.turn:
-                continue  # its context is not complete yet
-            if turn.traj_id == self._last_traj:
-                return i
-            if first is None:
-                first = i
-        return first
+            if (len(ctx.turns) if ctx else 0) == turn.turn:
+                return key  # usually the first: turns of a trajectory arrive in order
+        return None
 
     def _serve(self, turn: TurnSource) -> None:
         self._last_traj = turn.traj_id
         start = self._now()
         cpu0 = time.thread_time()
+        n_tokens, offset = self._run_turn(turn)  # its tensors are freed by now: timed too
+        self._note(turn, start=start, end=self._now(), cpu=time.thread_time() - cpu0,
+                   span_tokens=n_tokens, context=offset, logits=turn.n_scored > 0)
+        if turn.turn == turn.n_turns - 1:
+            self._replay(turn.traj_id)
+
+    def _run_turn(self, turn: TurnSource) -> tuple[int, int]:
+        """Forward the turn on its context, backward its loss, keep its K/V; returns the
+        (tokens, context) that ran, for the FLOP ledger."""
         if turn.turn == 0:
             prompt = self._prompt_for(turn)
             self.ctx[turn.traj_id] = _Context(
@@ -215,16 +225,19 @@ class OPDLearner:
             if self.replay_mode == "retain":
                 ctx.kept.append(kv)
         self.kv_peak_bytes = max(self.kv_peak_bytes, self.kv_live_bytes)
-        self._note(turn, start=start, end=self._now(), cpu=time.thread_time() - cpu0,
-                   span_tokens=len(tokens), context=offset,
-                   logits=turn.n_scored > 0)
-        if last:
-            self._replay(turn.traj_id)
+        return len(tokens), offset
 
     def _replay(self, traj_id: str) -> None:
         """Deferred work: push accumulated K/V adjoints back through earlier turns."""
         start, cpu0 = self._now(), time.thread_time()
-        ctx = self.ctx.pop(traj_id)
+        turns, spans = self._push_back(self.ctx.pop(traj_id))  # context freed: timed too
+        self.trace.append(dict(kind="replay", traj_id=traj_id, rank=self.policy.par.rank,
+                               policy_version=self.version, ready=start, start=start,
+                               end=self._now(), cpu=time.thread_time() - cpu0,
+                               turns=turns, spans=spans, replay_mode=self.replay_mode))
+        self._prompt_done(self.group_of[traj_id])  # its own trace entry, after this one
+
+    def _push_back(self, ctx: _Context) -> tuple[int, list[tuple[int, int]]]:
         self.kv_live_bytes -= ctx.nbytes
         spans = []  # (tokens, context) of every turn pushed back through (FLOP ledger)
         for i in reversed(range(len(ctx.leaves))):
@@ -236,20 +249,14 @@ class OPDLearner:
             if self.replay_mode == "retain":
                 produced = ctx.kept[i]
             else:
-                offset, tokens, _ = ctx.span(ctx.turns[i])
-                ids = torch.tensor(tokens, dtype=torch.long, device=self.policy.device)
-                _, produced = self.policy.span_forward(ids, offset, ctx.past(i),
+                ids = torch.tensor(tokens_i, dtype=torch.long, device=self.policy.device)
+                _, produced = self.policy.span_forward(ids, offset_i, ctx.past(i),
                                                        stop_after_kv=True)
             backward_kv(produced, adjoint)
         self._fold()
         if ctx.prompt is not None:
             ctx.prompt.fold_direct(1.0, ctx.prompt_leaves)
-        self.trace.append(dict(kind="replay", traj_id=traj_id, rank=self.policy.par.rank,
-                               policy_version=self.version, ready=start, start=start,
-                               end=self._now(), cpu=time.thread_time() - cpu0,
-                               turns=len(ctx.leaves), spans=spans,
-                               replay_mode=self.replay_mode))
-        self._prompt_done(self.group_of[traj_id])  # its own trace entry, after this one
+        return len(ctx.leaves), spans
 
     def _prompt_for(self, turn: TurnSource) -> SharedPrefix | None:
         """The group's shared prompt (built from its first served turn 0), if this turn
@@ -272,12 +279,15 @@ class OPDLearner:
             if prompt is not None:
                 self.kv_live_bytes -= 2 * kv_bytes(prompt.produced)
             start, cpu0 = self._now(), time.thread_time()
-            if prompt is not None and prompt.backward_prefix(1.0, 0.0):
+            ran = prompt is not None and prompt.backward_prefix(1.0, 0.0)
+            n = len(prompt) if prompt is not None else 0
+            del prompt  # its K/V and graph are freed inside the timing
+            if ran:
                 self._fold()
                 self.trace.append(dict(kind="prefix", group_id=g, rank=self.policy.par.rank,
                                        policy_version=self.version, ready=start, start=start,
                                        end=self._now(), cpu=time.thread_time() - cpu0,
-                                       span_tokens=len(prompt), context=0))
+                                       span_tokens=n, context=0))
 
     def _fold(self) -> None:
         self.acc.fold_direct(self.policy.grad_buffers(), 1.0)
@@ -294,8 +304,9 @@ class OPDLearner:
         if n_missing:
             raise SourceError(f"batch for policy version {self.version} closed with {n_missing} "
                               f"turns missing; on this rank (trajectory#turn): {missing}")
-        self.released += sorted(self.held, key=lambda t: (t.traj_id, t.turn)) \
+        held = sorted(self.held, key=lambda t: (t.traj_id, t.turn)) \
             if self.schedule == "sync" else self.held
+        self.released.update((t.key, t) for t in held)
         self.held = []
         self._drain()
         assert not self.released and not self.ctx, "batch closed with turns left"
