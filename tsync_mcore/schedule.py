@@ -2,13 +2,13 @@
 
 The three schedules run the same learner work and differ only in release time:
   sync         every source is released when the whole batch closes,
-  group_ready  a group's sources are released when its last member arrives,
+  group_ready  a group's sources are released when its last reward is known,
   thundersync  each source is released the moment it arrives.
 The queue is work-conserving and serves released sources in readiness order, skipping
 (not waiting behind) a source whose group would exceed the `k_open` cap of groups holding
-G1'/G2 on this rank. A source whose whole group has arrived needs no pair: its advantage
-is known, so it folds straight into the batch accumulator — as does every member served
-once the group is complete, the one that completes it included.
+G1'/G2 on this rank. A source served once its group is complete (every reward known, the
+one that completes it included) needs no pair: its advantage is known, so it folds
+straight into the batch accumulator.
 """
 
 from __future__ import annotations
