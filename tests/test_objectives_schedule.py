@@ -212,6 +212,13 @@ def test_config_errors_name_the_key(tmp_path):
         load_config(p)
     cfg = load_config(None, {"learner.k_open": 3})
     assert cfg.learner.k_open == 3 and cfg.optim.lr == 1e-6
+    p.write_text("rollout:\n  routing: random\n")
+    with pytest.raises(ConfigError, match="rollout.routing"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="rollout.routing.*OPD routes by group"):
+        load_config(None, {"learner.objective": "opd", "rollout.routing": "balanced"})
+    assert load_config(None, {}).routing == "balanced"  # auto, GRPO
+    assert load_config(None, {"learner.objective": "opd"}).routing == "static"
 
 
 def test_shipped_configs_load():

@@ -115,7 +115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--save-grads", default="last", choices=["last", "all"],
                    help="'all' also writes grad_{k}.safetensors for every update k")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.routing == "balanced" and args.objective == "opd":
+        p.error("--routing balanced is for the GRPO family; OPD routes by group (static)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:
