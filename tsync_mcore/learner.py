@@ -88,7 +88,7 @@ class Learner:
         self.arrived: dict[str, TrajectorySource] = {}
         self.rewards: dict[str, float] = {}  # every reward known here, served here or not
         self.announced: set[str] = set()  # groups whose rewards came from group_rewards
-        self.here: dict[str, int] = {}  # group → its members given to this rank to serve
+        self.here: set[str] = set()  # groups with members given to this rank to serve
         self.trace: list[dict] = []
         self.t0 = time.perf_counter()
         self.scored_local = 0
@@ -107,7 +107,7 @@ class Learner:
         self.arrived[src.traj_id] = src
         self.rewards[src.traj_id] = float(src.reward)
         if self.routing == "balanced" or self.owner[g] == self.policy.par.dp_rank:
-            self.here[g] = self.here.get(g, 0) + 1
+            self.here.add(g)
             self.queue.arrive(src)
             self._note(src, ready=self._now() if arrived is None else arrived - self.t0)
         self._maybe_complete(g)
@@ -271,9 +271,7 @@ class Learner:
     def _incomplete(self) -> list[str]:
         """What keeps this batch from closing, as seen from this rank (a collective)."""
         if self.routing == "static":
-            me = self.policy.par.dp_rank
-            return [f"{t} (group {g}) missing" for g, ts in self.plan.groups.items()
-                    if self.owner[g] == me for t in ts if t not in self.arrived]
+            return [f"{t} missing" for t in self._missing_members()]
         # Balanced: every trajectory served on exactly one DP rank, and every group with
         # members here complete (its other members' rewards announced).
         order = [t for ts in self.plan.groups.values() for t in ts]
@@ -281,9 +279,8 @@ class Learner:
         counts = self.policy.dp_sum_vector(mine)
         problems = [f"{t} arrived on {int(n)} DP ranks" for t, n, m in zip(order, counts, mine)
                     if n != 1 and (m or self.policy.par.dp_rank == 0)]
-        problems += [f"group {g}: rewards of its members on other ranks never announced"
-                     for g in self.here if not self.queue.is_complete(g)]
-        return problems
+        return problems + [f"group {g}: rewards of its members on other ranks never announced"
+                           for g in self._unannounced()]
 
     def waiting_for(self) -> list[str]:
         """What this rank still waits for: members of its groups (static routing) or the
@@ -291,10 +288,18 @@ class Learner:
         if self.plan is None:
             return []
         if self.routing == "balanced":
-            return [f"rewards of group {g}" for g in self.here if not self.queue.is_complete(g)]
+            return [f"rewards of group {g}" for g in self._unannounced()]
+        return self._missing_members()
+
+    def _missing_members(self) -> list[str]:
+        """Static routing: registered members of this rank's groups not arrived yet."""
         me = self.policy.par.dp_rank
         return [t for g, ts in self.plan.groups.items() if self.owner[g] == me
                 for t in ts if t not in self.arrived]
+
+    def _unannounced(self) -> list[str]:
+        """Balanced routing: groups served partly here whose rewards are not all known."""
+        return [g for g in self.here if not self.queue.is_complete(g)]
 
     def abort(self) -> None:
         """Drop the open batch without touching θ (e.g. after a rejected close)."""

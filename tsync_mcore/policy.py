@@ -108,11 +108,7 @@ class Policy:
 
     def dp_sum(self, x: float) -> float:
         """Sum a host scalar over data-parallel ranks (e.g. the global scored-token count)."""
-        if self.par.dp_size == 1:
-            return x
-        t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.par.dp_group)
-        return float(t.item())
+        return self.dp_sum_vector([x])[0]
 
     def dp_sum_vector(self, xs: list[float]) -> list[float]:
         """Elementwise sum of a host vector over data-parallel ranks (one all-reduce)."""

@@ -25,20 +25,6 @@ from dataclasses import dataclass
 ROUTINGS = ("static", "balanced")
 
 
-class LeastAssigned:
-    """Per-batch router: each source to the rank with the least cost assigned so far."""
-
-    def __init__(self, n_ranks: int):
-        if n_ranks < 1:
-            raise ValueError(f"need at least one rank, got {n_ranks}")
-        self.assigned = [0] * n_ranks
-
-    def route(self, cost: int) -> int:
-        r = min(range(len(self.assigned)), key=lambda i: (self.assigned[i], i))
-        self.assigned[r] += cost
-        return r
-
-
 @dataclass(frozen=True)
 class Routed:
     rank: int  # the DP rank that serves this trajectory
@@ -52,13 +38,16 @@ class BalancedRouter:
     """Balanced routing of one GRPO batch, with the bookkeeping for its announcements."""
 
     def __init__(self, groups: dict[str, list[str]], n_ranks: int):
+        if n_ranks < 1:
+            raise ValueError(f"need at least one rank, got {n_ranks}")
         self.groups = groups
-        self.least = LeastAssigned(n_ranks)
+        self.assigned = [0] * n_ranks  # cost (tokens) given to each rank in this batch
         self.rewards: dict[str, dict[str, float]] = {}
         self.holders: dict[str, set[int]] = {}
 
     def route(self, traj_id: str, group_id: str, reward: float, cost: int) -> Routed:
-        rank = self.least.route(cost)
+        rank = min(range(len(self.assigned)), key=lambda i: (self.assigned[i], i))
+        self.assigned[rank] += cost
         done = self.rewards.setdefault(group_id, {})
         done[traj_id] = float(reward)
         holders = self.holders.setdefault(group_id, set())

@@ -41,7 +41,7 @@ _BODY_TAG = 1  # every tag has at most one send in flight
 def _pack(payloads: list[torch.Tensor]) -> torch.Tensor:
     """All payloads as one uint8 tensor, each padded to 8 bytes (so it can be viewed back
     in place): one gloo op per message body instead of one per payload (each op costs
-    ~90 µs of CPU on each side here; a 5-payload trajectory went from ~680 to ~300 µs)."""
+    ~90 µs of CPU on each side here; a 5-payload trajectory went from ~680 to ~340 µs)."""
     parts = []
     for p in payloads:
         b = p.contiguous().view(torch.uint8).reshape(-1)
@@ -51,17 +51,24 @@ def _pack(payloads: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
 
+def _layout(specs) -> list[tuple[torch.dtype, int, int]]:
+    """(dtype, byte offset, byte size) of each payload in a packed body."""
+    out, at = [], 0
+    for _, dt, n in specs:
+        size = n * dt.itemsize
+        out.append((dt, at, size))
+        at += -(-size // 8) * 8
+    return out
+
+
 def _body_bytes(specs) -> int:
-    return sum(-(-n * torch.empty(0, dtype=dt).element_size() // 8) * 8 for _, dt, n in specs)
+    return sum(-(-size // 8) * 8 for _, _, size in _layout(specs))
 
 
 def _unpack(body: torch.Tensor, specs) -> list[torch.Tensor]:
-    out, at = [], 0
-    for _, dt, n in specs:
-        size = n * torch.empty(0, dtype=dt).element_size()
-        out.append(body[at:at + size].view(dt))
-        at += -(-size // 8) * 8
-    return out
+    return [body[at:at + size].view(dt) for dt, at, size in _layout(specs)]
+
+
 _CLOSE_GRACE_S = 5.0
 # Reason prefix of the Shutdown a reader sends when it stops on a malformed message; the
 # receiver does not answer it (nobody would read the answer).
