@@ -19,9 +19,6 @@ def main() -> None:
                    help="override config keys, e.g. learner.schedule=sync run.updates=4")
     args = p.parse_args()
     cfg = load_config(args.config, dict(_parse(kv) for kv in args.set))
-    import os
-    if os.environ.get("TSYNC_PIN"):
-        os.sched_setaffinity(0, {int(os.environ["LOCAL_RANK"]) % os.cpu_count()})
     try:
         Trainer(cfg, resume=args.resume).run()
     except LearnerStopped as e:

@@ -7,7 +7,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overlap import RecordedWorkload, cell  # noqa: E402
+from overlap import HostSetup, RecordedWorkload, cell  # noqa: E402
+
+from tsync_mcore.channel.link import realtime_io_permitted  # noqa: E402
 
 from tsync_mcore.testing.tiny import make_tiny_checkpoint  # noqa: E402
 
@@ -21,7 +23,11 @@ def main() -> None:
                    help="rounds per cell; each plays one batch under all three schedules")
     p.add_argument("--objectives", default="grpo,opd")
     p.add_argument("--normal-sched", action="store_true",
-                   help="keep SCHED_OTHER (default: SCHED_BATCH, see overlap.run_cell)")
+                   help="learners under SCHED_OTHER (default: SCHED_BATCH, see overlap.HostSetup)")
+    p.add_argument("--no-realtime-io", action="store_true",
+                   help="simulator and channel threads without SCHED_FIFO (default: with it "
+                        "where permitted)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin learner rank i to core i")
     p.add_argument("--ratios", default=None, help="comma list (default: 1 quick, 0.5,1,2 full)")
     p.add_argument("--batches", default=None, help="comma list (default: 64 quick, 64,128 full)")
     p.add_argument("--release-trace", metavar="RUN_DIR", default=None,
@@ -55,10 +61,14 @@ def main() -> None:
     else:
         jobs = [dict(objective=o, batch=b, ratio=r)
                 for o in args.objectives.split(",") for b in batches for r in ratios]
+    realtime = not args.no_realtime_io and realtime_io_permitted()
+    if not args.no_realtime_io and not realtime:
+        print("note: SCHED_FIFO not permitted here (CAP_SYS_NICE); the simulator and channel "
+              "threads share the learners' cores at normal priority", flush=True)
+    host = HostSetup(batch_sched=not args.normal_sched, realtime_io=realtime, pin=not args.no_pin)
     rows = []
     for job in jobs:
-        rows += cell(hf_dir, work, rounds=args.rounds, batch_sched=not args.normal_sched,
-                     routing=args.routing, **job)
+        rows += cell(hf_dir, work, rounds=args.rounds, host=host, routing=args.routing, **job)
         _print(rows[-3:])
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
@@ -72,6 +82,7 @@ def _print(rows: list[dict]) -> None:
               f"(pred {r['speedup_predicted']:.2f}x, "
               f"{100 * r['measured_over_predicted']:.0f}%)  tail {r['learner_tail_s']:.3f}s"
               f"  r_eff {r['ratio_effective']:.2f}  wall/cpu {r['wall_over_cpu']:.3f}"
+              f"  lag {r['release_lag_ms']:.1f}/{r['release_lag_max_ms']:.0f}ms"
               + (f"  dispatch {100 * r['dispatch_overhead']:.2f}% (idle lane "
                  f"{100 * r['dispatch_idle']:.2f}%, n={r['dispatch_idle_n']})"
                  if r["dispatch_overhead"] is not None else ""), flush=True)

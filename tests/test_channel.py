@@ -23,6 +23,7 @@ from tsync_mcore.channel import (
     PeerGone, Publish, RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg, decode, encode,
     open_learner_side, open_rollout_side,
 )
+from tsync_mcore.channel.link import realtime_io_permitted
 from tsync_mcore.sources import TurnSource
 
 WORKER = os.path.join(REPO_ROOT, "tests", "workers", "channel_worker.py")
@@ -179,13 +180,13 @@ def test_encode_rejects_what_it_cannot_carry_exactly():
 # ---------------------------------------------------------------- links, one process
 
 @contextmanager
-def link_pair(timeout_s: float = 10, limits: Limits = Limits()):
+def link_pair(timeout_s: float = 10, limits: Limits = Limits(), realtime_io: bool = False):
     """(rollout link, learner link) for one learner, both ends in this process."""
     port, box = free_port(), {}
     th = threading.Thread(target=lambda: box.update(
-        links=open_rollout_side("127.0.0.1", port, 1, timeout_s, limits)))
+        links=open_rollout_side("127.0.0.1", port, 1, timeout_s, limits, realtime_io)))
     th.start()
-    learner = open_learner_side("127.0.0.1", port, 0, 1, timeout_s, limits)
+    learner = open_learner_side("127.0.0.1", port, 0, 1, timeout_s, limits, realtime_io)
     th.join()
     (rollout,) = box["links"]
     try:
@@ -223,6 +224,47 @@ def test_timeout_keeps_link_and_shutdown_handshake():
         assert time.monotonic() - t0 < 2
         with pytest.raises(ChannelError, match="after close"):
             rollout.send(Ack(1, True))
+
+
+def _thread_policies() -> dict[int, int]:
+    """tid → scheduling policy (0 normal, 1 FIFO, 3 batch) of every thread of this process."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                out[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[38])
+        except FileNotFoundError:
+            continue  # ended meanwhile
+    return out
+
+
+@pytest.mark.skipif(not realtime_io_permitted(), reason="SCHED_FIFO not permitted here")
+def test_realtime_io_runs_the_channel_threads_fifo_and_leaves_the_caller_alone():
+    before = _thread_policies()
+    mine = os.sched_getscheduler(0)
+    with link_pair(realtime_io=True) as (rollout, learner):
+        new = {t: p for t, p in _thread_policies().items() if t not in before}
+        names = {t: open(f"/proc/self/task/{t}/comm").read().strip() for t in new}
+        link_threads = {t: p for t, p in new.items() if names[t] != "pt_tcpstore_uv"}
+        assert learner._reader.native_id in new and rollout._reader.native_id in new
+        # readers, gloo I/O loops and workers of both ends; the rendezvous store keeps its own
+        assert sorted(names[t] for t in link_threads).count("gloo_tcp_loop") == 2
+        assert len(link_threads) == 6 and set(link_threads.values()) == {os.SCHED_FIFO}, names
+        assert os.sched_getscheduler(0) == mine  # the calling thread got its policy back
+        rollout.send(CloseBatch(version=1, rollout_time_s=0.5, n_sources=3))
+        assert learner.recv(5) == CloseBatch(1, 0.5, 3)
+
+
+def test_realtime_io_not_permitted_is_a_clear_error(monkeypatch):
+    def refuse(*_):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    with pytest.raises(ChannelError, match="learner rank 0: channel.realtime_io needs SCHED_FIFO"):
+        open_learner_side("127.0.0.1", free_port(), 0, 1, timeout_s=1, realtime_io=True)
+    with pytest.raises(ChannelError, match="rollout side: channel.realtime_io needs SCHED_FIFO"):
+        open_rollout_side("127.0.0.1", free_port(), 1, timeout_s=1, realtime_io=True)
+    assert not realtime_io_permitted()
 
 
 def _raw_send(link, tensors: list[torch.Tensor]) -> None:

@@ -189,7 +189,8 @@ def test_overlap_benchmark_replays_the_runs_release_trace(tiny_qwen2, golden, tm
     """perf/overlap.py's recorded workload: the run's own release times, lengths and groups,
     played through the real channel and learner under all three schedules."""
     sys.path.insert(0, os.path.join(ROOT, "perf"))
-    from overlap import RecordedWorkload, cell
+    from overlap import HostSetup, RecordedWorkload, cell
+    from tsync_mcore.channel.link import realtime_io_permitted
 
     work = RecordedWorkload.from_run(golden["run"], vocab=256)
     trace = [json.loads(line) for r in (0, 1)
@@ -208,11 +209,13 @@ def test_overlap_benchmark_replays_the_runs_release_trace(tiny_qwen2, golden, tm
             assert abs(u - u2) < 1e-12 and (n, k) == (n2, k2)
         for _, src in items:
             validate_source(src, 256)
+    host = HostSetup(batch_sched=False, realtime_io=realtime_io_permitted(), pin=True)
     rows = cell(tiny_qwen2, str(tmp_path), "grpo", 1.0, work.batch, rounds=1, warmup=1,
-                batch_sched=False, recorded=work)
+                host=host, recorded=work)
     assert [r["schedule"] for r in rows] == ["sync", "group_ready", "thundersync"]
     for r in rows:
         assert r["workload"] == "recorded" and r["step_time_s"] > 0 and r["speedup_predicted"] > 0
+        assert r["host"]["pin"] and 0 <= r["release_lag_ms"] <= r["release_lag_max_ms"]
     with pytest.raises(ValueError, match="no traces"):
         RecordedWorkload.from_run(str(tmp_path / "nothing"))
 

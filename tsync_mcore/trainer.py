@@ -66,7 +66,7 @@ class Trainer:
         self.nvml = NvmlSampler().start()
         ch = cfg.channel
         self.link = open_learner_side(ch.addr, ch.port, self.par.rank, self.par.world_size,
-                                      timeout_s=ch.timeout_s)
+                                      timeout_s=ch.timeout_s, realtime_io=ch.realtime_io)
 
     # --- the loop -------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -235,6 +236,41 @@ class Link:
 
 # ---------------------------------------------------------------- rendezvous
 
+@contextmanager
+def _threads_created_realtime(enabled: bool):
+    """Threads started inside inherit SCHED_FIFO (priority 1) from the calling thread, which
+    gets its own policy back on exit.
+
+    For a host whose cores the learner shares with the rollout and the channel (the CPU
+    overlap benchmark): an I/O thread woken by a message then runs at once instead of
+    waiting for a busy learner's time slice (a release was delayed by up to 200 ms there),
+    and it sleeps again within ~1 ms. Linux only; needs CAP_SYS_NICE."""
+    if not enabled:
+        yield
+        return
+    prev = os.sched_getscheduler(0), os.sched_getparam(0)
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, *prev)
+
+
+def realtime_io_permitted() -> bool:
+    """Whether this process may run threads under SCHED_FIFO (see channel.realtime_io)."""
+    try:
+        with _threads_created_realtime(True):
+            return True
+    except (PermissionError, AttributeError, OSError):
+        return False
+
+
+def _require_realtime(who: str) -> None:
+    if not realtime_io_permitted():
+        raise ChannelError(f"{who}: channel.realtime_io needs SCHED_FIFO (Linux, CAP_SYS_NICE), "
+                           f"which this process may not use")
+
+
 def _local_ip_towards(addr: str, port: int) -> str:
     """The local address the OS routes to `addr` (no packet is sent: UDP connect)."""
     family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_DGRAM)[0]
@@ -256,10 +292,13 @@ def _gloo_group(store: dist.Store, learner_rank: int, rank: int, host: str,
 
 
 def open_rollout_side(addr: str, port: int, n_learners: int, timeout_s: float = 300,
-                      limits: Limits = DEFAULT_LIMITS) -> list[Link]:
-    """Host the rendezvous and wait for every learner rank; index = learner rank."""
+                      limits: Limits = DEFAULT_LIMITS, realtime_io: bool = False) -> list[Link]:
+    """Host the rendezvous and wait for every learner rank; index = learner rank.
+    `realtime_io`: the links' threads (gloo I/O, readers) run under SCHED_FIFO."""
     if n_learners < 1:
         raise ChannelError(f"n_learners must be ≥ 1, got {n_learners}")
+    if realtime_io:
+        _require_realtime("rollout side")
     try:
         store = dist.TCPStore(addr, port, None, True, timedelta(seconds=timeout_s),
                               wait_for_workers=False)
@@ -277,16 +316,22 @@ def open_rollout_side(addr: str, port: int, n_learners: int, timeout_s: float = 
                                  f"within {timeout_s:g} s ({str(e).splitlines()[0]})") from None
 
     # Learners arrive in any order; build all links at once so none waits behind another.
-    with ThreadPoolExecutor(n_learners, thread_name_prefix="tsync-link") as ex:
-        pgs = list(ex.map(build, range(n_learners)))
-    return [Link(pg, store, "rollout", i, timeout_s, limits) for i, pg in enumerate(pgs)]
+    with _threads_created_realtime(realtime_io):
+        with ThreadPoolExecutor(n_learners, thread_name_prefix="tsync-link") as ex:
+            pgs = list(ex.map(build, range(n_learners)))
+        return [Link(pg, store, "rollout", i, timeout_s, limits) for i, pg in enumerate(pgs)]
 
 
 def open_learner_side(addr: str, port: int, learner_rank: int, n_learners: int,
-                      timeout_s: float = 300, limits: Limits = DEFAULT_LIMITS) -> Link:
-    """Join the rollout's rendezvous (waiting for it up to timeout_s) as `learner_rank`."""
+                      timeout_s: float = 300, limits: Limits = DEFAULT_LIMITS,
+                      realtime_io: bool = False) -> Link:
+    """Join the rollout's rendezvous (waiting for it up to timeout_s) as `learner_rank`.
+    `realtime_io`: the link's threads (gloo I/O, reader) run under SCHED_FIFO; the
+    calling thread keeps its policy."""
     if not 0 <= learner_rank < n_learners:
         raise ChannelError(f"learner_rank {learner_rank} outside [0, {n_learners})")
+    if realtime_io:
+        _require_realtime(f"learner rank {learner_rank}")
     try:
         store = dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout_s),
                               wait_for_workers=False)
@@ -299,10 +344,11 @@ def open_learner_side(addr: str, port: int, learner_rank: int, n_learners: int,
     if n != str(n_learners):
         raise ChannelError(f"rollout expects {n} learner ranks, this learner was launched with "
                            f"{n_learners}")
-    try:
-        pg = _gloo_group(store, learner_rank, 1, _local_ip_towards(addr, port), timeout_s)
-    except RuntimeError as e:
-        raise ChannelTimeout(
-            f"learner rank {learner_rank}: link to the rollout at {addr}:{port} not built "
-            f"within {timeout_s:g} s ({str(e).splitlines()[0]})") from None
-    return Link(pg, store, "learner", learner_rank, timeout_s, limits)
+    with _threads_created_realtime(realtime_io):
+        try:
+            pg = _gloo_group(store, learner_rank, 1, _local_ip_towards(addr, port), timeout_s)
+        except RuntimeError as e:
+            raise ChannelTimeout(
+                f"learner rank {learner_rank}: link to the rollout at {addr}:{port} not built "
+                f"within {timeout_s:g} s ({str(e).splitlines()[0]})") from None
+        return Link(pg, store, "learner", learner_rank, timeout_s, limits)

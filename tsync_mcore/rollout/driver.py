@@ -58,7 +58,8 @@ class RolloutDriver:
         self.tp = cfg.model.tp
         ch = cfg.channel
         self.links: list[Link] = open_rollout_side(ch.addr, ch.port, self.rc.n_learners,
-                                                   timeout_s=ch.timeout_s)
+                                                   timeout_s=ch.timeout_s,
+                                                   realtime_io=ch.realtime_io)
         self.tok = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
         self.et = EngineThread()
         self.engine: RolloutEngine = self.et.run(self._make_engine())
