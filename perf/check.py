@@ -162,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     if result.get("machine") != baseline.get("machine"):
         print(f"note: machine differs: baseline {baseline.get('machine')!r}, "
               f"result {result.get('machine')!r}")
+    hosts = [sorted({json.dumps(c.get("host"), sort_keys=True) for c in d.get("overlap", [])})
+             for d in (baseline, result)]
+    if hosts[0] != hosts[1]:
+        print(f"note: overlap host set-up differs (scheduling, real-time I/O, pinning): "
+              f"baseline {', '.join(hosts[0])}; result {', '.join(hosts[1])}")
     rows = compare(result, baseline, args.tolerance)
     failing = {"regression"} | ({"missing"} if args.strict else set())
     bad = [r for r in rows if r["status"] in failing]

@@ -8,11 +8,12 @@ have m members; OPD trajectories release `turns` turns spread over their lifetim
 simulator sleeps: it does not compete for the learner's cores. `RecordedWorkload` replays a
 real run's release trace instead (recorded completion fractions, lengths, groups, turns).
 
-One learner launch per cell (objective, r, B). It first serves every draw (random batch) once
-with all sources ready at once (sync, R = 0; plus one warm-up update) to measure L, the
-busiest rank's learner time for that batch, and sets R = r·L per draw. Then it plays
-`rounds` rounds; in each, the three schedules run the same draw back to back, in an order
-rotated every round, switched per batch through RegisterBatch. Pairing them in time matters
+One learner launch per cell (objective, r, B). It serves every draw (random batch) once
+with all sources ready at once (sync, R = 0) to measure L, the busiest rank's learner time
+for that batch, and sets R = r·L per draw. It plays a warm-up round (not measured: the
+first update of each schedule in a process ran up to 40 % slow), then `rounds` rounds; in
+each, the three schedules run the same draw back to back, in an order rotated every round,
+switched per batch through RegisterBatch. Pairing them in time matters
 on a shared machine: runs of identical code launched minutes apart differed by up to 15 %
 here, updates one second apart by a few %. Speedup = mean step time of `sync` / mean step
 time of the schedule; the predicted speedup replays the schedule's own traces through
@@ -246,14 +247,20 @@ class Step:
     draw: int
     schedule: str
     calibration: bool = False  # every source ready at once (R = 0), to measure L(draw)
+    warmup: bool = False  # played, not measured
 
 
-def plan_steps(rounds: int, warmup: int = 2) -> list[Step]:
-    """Warm-up, then `rounds` rounds: a calibration update of the round's draw (every source
-    ready at once), then the three schedules on that draw in an order rotated per round.
-    Calibration sits next to the updates it sets R for: the machine drifts over a run
-    (the first updates of a process ran up to 10 % slower here)."""
-    steps = [Step(draw=-1 - i, schedule="sync", calibration=True) for i in range(warmup)]
+def plan_steps(rounds: int, warmup: int = 1) -> list[Step]:
+    """`warmup` rounds (draws -1, -2, …; not measured), then `rounds` rounds (draws 0, 1, …).
+    A round is a calibration update of its draw (every source ready at once), then the three
+    schedules on that draw in an order rotated per round. Calibration sits next to the
+    updates it sets R for: the machine drifts over a run. A warm-up round runs every
+    schedule once, so each one's first update in the process (cold code paths, the first
+    G1'/G2 pairs allocated) is not measured."""
+    steps = []
+    for i in range(warmup):
+        steps += [Step(draw=-1 - i, schedule="sync", calibration=True)]
+        steps += [Step(draw=-1 - i, schedule=s, warmup=True) for s in SCHEDULES]
     for d in range(rounds):
         order = SCHEDULES[d % 3:] + SCHEDULES[:d % 3]
         steps += [Step(draw=d, schedule="sync", calibration=True)]
@@ -280,7 +287,7 @@ class HostSetup:
 
 
 def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio: float, rounds: int,
-             warmup: int = 2, k_open: int | None = None, host: HostSetup = HostSetup(),
+             warmup: int = 1, k_open: int | None = None, host: HostSetup = HostSetup(),
              routing: str = "balanced") -> list[dict]:
     """Launch 2 learner ranks, play the cell's updates, return the metrics rows (each with
     the Step that produced it, its R and the simulator's release lag).
@@ -352,7 +359,8 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
         # sim_cpu_s: CPU the simulator spent sending this batch, taken from the learners'
         # two cores (a real rollout runs elsewhere). release_lag_s: per source, how long after
         # its model time its send completed (the learner had taken it off the wire).
-        row.update(draw=step.draw, calibration=step.calibration, R_s=R, sim_cpu_s=cpu,
+        row.update(draw=step.draw, calibration=step.calibration, warmup=step.warmup, R_s=R,
+                   sim_cpu_s=cpu,
                    release_lag_s=lag)
     return rows
 
@@ -520,7 +528,7 @@ def _group_ready_step(entries: list[dict], R: float, P: float) -> float:
 
 
 def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
-         rounds: int, warmup: int = 2, host: HostSetup = HostSetup(), routing: str = "balanced",
+         rounds: int, warmup: int = 1, host: HostSetup = HostSetup(), routing: str = "balanced",
          recorded: RecordedWorkload | None = None, **workload) -> list[dict]:
     """All three schedules at one (objective, ratio, batch), paired round by round.
     `workload`: other Workload fields (lengths, group size, turns); `recorded`: replay a
@@ -533,7 +541,7 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
     d = os.path.join(out_dir, f"{objective}-r{ratio}-b{batch}{tag}")
     rows = [r for r in run_cell(hf_dir, d, work, ratio, rounds, warmup, host=host,
                                 routing=routing)
-            if not r["calibration"]]
+            if not r["calibration"] and not r["warmup"]]
     pred = {u["update"]: u for u in predict.analyze_run(d, warmup=0)["updates"]}
     entries = _read_trace(d)
     by_update: dict[int, list[dict]] = {}

@@ -268,12 +268,12 @@ def test_realtime_io_not_permitted_is_a_clear_error(monkeypatch):
 
 
 def _raw_send(link, tensors: list[torch.Tensor]) -> None:
-    """Bypass Link.send's checks, as a buggy or foreign peer would: header, packed body."""
-    from tsync_mcore.channel.link import _pack
+    """Bypass Link.send's checks, as a buggy or foreign peer would: the frame (and body)."""
+    from tsync_mcore.channel.link import _frames
 
-    link._pg.send([tensors[0]], link._peer, 0).wait()
-    body = _pack(tensors[1:])
-    if body.numel():
+    frame, body = _frames(tensors)
+    link._pg.send([frame], link._peer, 0).wait()
+    if body is not None:
         link._pg.send([body], link._peer, 1).wait()
 
 

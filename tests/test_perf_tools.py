@@ -63,6 +63,16 @@ def test_check_passes_on_equal_ratios_at_other_absolute_speed(tmp_path):
     assert "0 regression" in out.stdout
 
 
+def test_check_notes_a_different_host_setup(tmp_path):
+    result, base = _doc(), _doc()
+    for cell in result["overlap"]:
+        cell["host"] = {"batch_sched": True, "pin": True, "realtime_io": False}
+    out = _run_check(tmp_path, result, base)
+    assert out.returncode == 0 and "note: overlap host set-up differs" in out.stdout
+    assert '"realtime_io": false' in out.stdout
+    assert "host set-up" not in _run_check(tmp_path, result, result).stdout
+
+
 def test_check_names_overlap_regression(tmp_path):
     result = _doc()
     result["overlap"][0]["speedup_measured"] = 1.4  # -22 %: beyond 15 %
@@ -227,9 +237,14 @@ def test_overlap_plan_pairs_schedules_per_draw():
     from overlap import SCHEDULES, plan_steps
 
     steps = plan_steps(rounds=3, warmup=2)
-    assert all(s.calibration and s.draw < 0 for s in steps[:2])
-    rounds = [steps[2 + 4 * i: 6 + 4 * i] for i in range(3)]
-    assert len(steps) == 2 + 4 * 3
+    warm, steps = steps[:8], steps[8:]  # a warm-up round plays every schedule once, unmeasured
+    for d, (calib, *played) in zip((-1, -2), (warm[:4], warm[4:])):
+        assert calib.calibration and calib.draw == d
+        assert [s.schedule for s in played] == list(SCHEDULES)
+        assert all(s.warmup and s.draw == d and not s.calibration for s in played)
+    assert not any(s.warmup for s in steps)
+    rounds = [steps[4 * i: 4 + 4 * i] for i in range(3)]
+    assert len(steps) == 4 * 3
     firsts = set()
     for d, (calib, *timed) in enumerate(rounds):
         assert calib.calibration and calib.schedule == "sync" and calib.draw == d

@@ -10,6 +10,7 @@ only after it has reloaded θ_{k+1}, so their next receive is the barrier.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -67,6 +68,16 @@ class Trainer:
         ch = cfg.channel
         self.link = open_learner_side(ch.addr, ch.port, self.par.rank, self.par.world_size,
                                       timeout_s=ch.timeout_s, realtime_io=ch.realtime_io)
+        # Manual GC (as Megatron's --manual-gc): Python's automatic full passes walk every
+        # object of the model and its imports and hold the GIL meanwhile, 200-380 ms here,
+        # mid-stream: the serving thread and the channel reader both stop. Set-up's objects
+        # are frozen out of collection; a pass runs every run.gc_every updates, while the
+        # rollout reloads the published weights.
+        self.gc_s = 0.0
+        if cfg.run.gc_every:
+            gc.collect()
+            gc.freeze()
+            gc.disable()
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -157,7 +168,7 @@ class Trainer:
             step=self.version, policy_version=result.policy_version,
             schedule=self.learner.schedule, objective=cfg.learner.objective,
             step_wall_time_s=t_end - t_start, rollout_time_s=close.rollout_time_s,
-            learner_tail_s=t_stepped - t_closed, publish_time_s=publish_s,
+            learner_tail_s=t_stepped - t_closed, publish_time_s=publish_s, gc_s=self.gc_s,
             reward_mean=close.reward_mean,
             trajectories=close.n_sources if not self.opd else len(reg.n_turns),
             scored_tokens=result.scored_tokens, stale_sources=int(self.policy.dp_sum(stale)),
@@ -182,8 +193,10 @@ class Trainer:
         t0 = time.perf_counter()
         path = publish.write(self.policy, self.cfg.run.publish_dir, self.version)
         if self.par.rank != 0:
+            self._collect_garbage()
             return 0.0
         self.link.send(publish.notice(self.version, path))
+        self._collect_garbage()
         ack = self._recv(Ack, timeout_s=self.cfg.channel.ack_timeout_s)
         if ack.version != self.version or not ack.ok:
             raise LearnerStopped(f"rollout did not load policy version {self.version} "
@@ -191,6 +204,14 @@ class Trainer:
                                  f"refusing to train on the old policy")
         publish.cleanup(self.cfg.run.publish_dir, keep=self.version)
         return time.perf_counter() - t0
+
+    def _collect_garbage(self) -> None:
+        """The update's cycles, after publication (the rollout is busy reloading)."""
+        every, self.gc_s = self.cfg.run.gc_every, 0.0
+        if every and self.version % every == 0:
+            t0 = time.perf_counter()
+            gc.collect()
+            self.gc_s = time.perf_counter() - t0
 
     def _recv(self, kind: type, timeout_s: float | None = None):
         msg = self.link.recv(timeout_s=timeout_s or self.cfg.channel.timeout_s)

@@ -28,7 +28,8 @@ from tsync_mcore.schedule import SCHEDULES
 from tsync_mcore.sources import TrajectorySource, TurnSource
 
 MAGIC = 0x7473796E63  # b"tsync"
-WIRE_VERSION = 3  # 2: payload checksum is position-weighted CRC-32; 3: GroupRewards
+WIRE_VERSION = 4  # 2: payload checksum is position-weighted CRC-32; 3: GroupRewards;
+# 4: a message travels as one fixed-size frame (header + payloads), see link.py
 HEADER_LEN = 16
 MAX_PAYLOADS = 9  # header slots 5..13
 NO_VERSION = -1  # policy-version slot of messages that have none (Shutdown)
