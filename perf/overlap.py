@@ -22,6 +22,7 @@ Eq. 14 (tsync_mcore.predict).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -320,6 +321,12 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
         stderr=open(os.path.join(run_dir, "learner.err"), "w"))
     if host.realtime_io:  # this thread releases the sources; its links' threads inherit
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    # As in the learner (run.gc_every): no automatic full GC pass mid-batch (one walks every
+    # object torch imported, ~0.1-0.3 s here, at real-time priority on a learner's core);
+    # one pass between batches instead.
+    gc.collect()
+    gc.freeze()
+    gc.disable()
     links = open_rollout_side("127.0.0.1", port, 2, timeout_s=300)
     L: dict[int, float] = {}  # draw → busiest rank's learner time, from its calibration update
     v_of_calibration: dict[int, int] = {}
@@ -342,6 +349,7 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
             cpu0 = time.process_time()
             lags.append(_play(links, work, v, step, R, routing))
             sim_cpu.append(time.process_time() - cpu0)
+            gc.collect()  # the learners are in their optimizer step
             _ack(links[0], v + 1)
         learner.wait(timeout=300)
     finally:
@@ -350,6 +358,8 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
         if learner.poll() is None:
             learner.kill()
         os.sched_setscheduler(0, *own_policy)
+        gc.enable()
+        gc.unfreeze()
     if learner.returncode != 0:
         raise RuntimeError(f"learner failed ({learner.returncode}); see {run_dir}/learner.err")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
