@@ -11,7 +11,7 @@ real run's release trace instead (recorded completion fractions, lengths, groups
 One learner launch per cell (objective, r, B). It serves every draw (random batch) once
 with all sources ready at once (sync, R = 0) to measure L, the busiest rank's learner time
 for that batch, and sets R = r·L per draw. It plays a warm-up round (not measured: the
-first update of each schedule in a process ran up to 40 % slow), then `rounds` rounds; in
+first update of a schedule in a process ran up to 1.6× a later one), then `rounds` rounds; in
 each, the three schedules run the same draw back to back, in an order rotated every round,
 switched per batch through RegisterBatch. Pairing them in time matters
 on a shared machine: runs of identical code launched minutes apart differed by up to 15 %
