@@ -278,7 +278,7 @@ class HostSetup:
     mid-kernel. realtime_io: the simulator's thread and every channel thread (gloo I/O,
     readers, both sides) under SCHED_FIFO, so a release goes out on time and is received at
     once instead of waiting for a busy learner's time slice (without it, releases of the
-    streaming schedules lagged their model times by a median 3-7 ms and up to 200 ms, and
+    streaming schedules lagged their model times by a median 2-17 ms and up to 230 ms, and
     the last one stretched R by up to 12 %; each I/O wake-up runs ~1 ms). pin: learner
     rank i on core i (with its threads), so the scheduler does not migrate a learner
     between cores (serving wall/CPU 1.06-1.09 → 1.05-1.07)."""
@@ -327,7 +327,7 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
     gc.collect()
     gc.freeze()
     gc.disable()
-    links = open_rollout_side("127.0.0.1", port, 2, timeout_s=300)
+    links = open_rollout_side("127.0.0.1", port, 2, timeout_s=300, realtime_io=host.realtime_io)
     L: dict[int, float] = {}  # draw → busiest rank's learner time, from its calibration update
     v_of_calibration: dict[int, int] = {}
     Rs, sim_cpu, lags = [], [], []
@@ -370,8 +370,7 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
         # two cores (a real rollout runs elsewhere). release_lag_s: per source, how long after
         # its model time its send completed (the learner had taken it off the wire).
         row.update(draw=step.draw, calibration=step.calibration, warmup=step.warmup, R_s=R,
-                   sim_cpu_s=cpu,
-                   release_lag_s=lag)
+                   sim_cpu_s=cpu, release_lag_s=lag)
     return rows
 
 

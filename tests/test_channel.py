@@ -238,7 +238,8 @@ def _thread_policies() -> dict[int, int]:
     return out
 
 
-@pytest.mark.skipif(not realtime_io_permitted(), reason="SCHED_FIFO not permitted here")
+@pytest.mark.skipif(not realtime_io_permitted(),
+                    reason="needs SCHED_FIFO: Linux and CAP_SYS_NICE, which this process lacks")
 def test_realtime_io_runs_the_channel_threads_fifo_and_leaves_the_caller_alone():
     before = _thread_policies()
     mine = os.sched_getscheduler(0)

@@ -66,14 +66,14 @@ def _frames(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | N
     """(frame, separate body or None) for an encoded message [header, *payloads]."""
     payloads = [p.contiguous().view(torch.uint8).reshape(-1) for p in tensors[1:]]
     specs = [(None, torch.uint8, p.numel()) for p in payloads]
-    layout = _layout(specs)
-    fits = _HEADER_BYTES + _body_bytes(specs) <= FRAME_BYTES
+    n = _body_bytes(specs)
+    fits = _HEADER_BYTES + n <= FRAME_BYTES
     frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
     frame[:_HEADER_BYTES] = tensors[0].view(torch.uint8)
-    body = frame[_HEADER_BYTES:] if fits else torch.zeros(_body_bytes(specs), dtype=torch.uint8)
-    for p, (_, at, size) in zip(payloads, layout):
+    body = frame[_HEADER_BYTES:] if fits else torch.zeros(n, dtype=torch.uint8)
+    for p, (_, at, size) in zip(payloads, _layout(specs)):
         body[at:at + size] = p
-    return frame, None if fits or not payloads else body
+    return frame, None if fits else body
 
 
 def _unpack(body: torch.Tensor, specs) -> list[torch.Tensor]:
@@ -257,7 +257,7 @@ def _threads_created_realtime(enabled: bool):
 
     For a host whose cores the learner shares with the rollout and the channel (the CPU
     overlap benchmark): an I/O thread woken by a message then runs at once instead of
-    waiting for a busy learner's time slice (a release was delayed by up to 200 ms there),
+    waiting for a busy learner's time slice (a release was delayed by up to 230 ms there),
     and it sleeps again within ~1 ms. Linux only; needs CAP_SYS_NICE."""
     if not enabled:
         yield
