@@ -202,8 +202,14 @@ def test_timeout_keeps_link_and_shutdown_handshake():
         with pytest.raises(ChannelTimeout, match="nothing arrived within 0.2 s"):
             learner.recv(0.2)
         assert time.monotonic() - t0 < 2
+        assert learner.poll() is None  # nothing there: poll does not wait
         rollout.send(CloseBatch(version=1, rollout_time_s=0.5, n_sources=3))
         assert learner.recv(5) == CloseBatch(1, 0.5, 3)  # the timeout broke nothing
+        rollout.send(CloseBatch(version=2, rollout_time_s=0.5, n_sources=3))
+        deadline = time.monotonic() + 5
+        while (got := learner.poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.001)  # the reader queues it just after the send completes
+        assert got == CloseBatch(2, 0.5, 3) and learner.poll() is None
         with pytest.raises(ChannelError, match="learner side does not send TrajectoryMsg"):
             learner.send(cw.bench_message(0))
         with pytest.raises(ChannelError, match="max_tokens=2000"):
@@ -215,6 +221,8 @@ def test_timeout_keeps_link_and_shutdown_handshake():
         assert learner.recv(5) == Shutdown("done")
         with pytest.raises(PeerGone, match="peer sent Shutdown"):
             learner.recv(5)
+        with pytest.raises(PeerGone, match="peer sent Shutdown"):
+            learner.poll()  # the end is sticky for poll too
         with pytest.raises(PeerGone):
             learner.send(Publish(2, "q"))
         assert rollout.recv(5) == Shutdown("reply")  # the automatic reply ends rollout's reader
@@ -224,6 +232,8 @@ def test_timeout_keeps_link_and_shutdown_handshake():
         assert time.monotonic() - t0 < 2
         with pytest.raises(ChannelError, match="after close"):
             rollout.send(Ack(1, True))
+        with pytest.raises(ChannelError, match="after close"):
+            learner.poll()
 
 
 def _thread_policies() -> dict[int, int]:

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from batchgen import make_batch
+from test_learner import replay
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, Hello, PeerGone, Publish,
                                  RegisterBatch,
                                  TrajectoryMsg, open_rollout_side)
@@ -227,6 +228,68 @@ def test_resume_continues_exactly(tiny_qwen2, golden, tmp_path):
     assert sorted(published) == [1, 2]  # the resumed learner republished θ_1, then made θ_2
     for v in (1, 2):
         assert all(torch.equal(published[v][k], golden["published"][v][k]) for k in published[v])
+
+
+def test_opd_through_the_channel_matches_replayed_sync(tiny_llama, tmp_path):
+    # Every turn of a batch sent back to back: the trainer hands over whatever arrived
+    # before serving the next turn, in an order it chooses (tests/test_opd.py checks which;
+    # here it depends on timing). With FP64
+    # accumulators the update does not depend on that order: θ after two updates matches
+    # the replay harness serving the same batches synchronously. Not bit for bit: the
+    # replay balances groups over the ranks by tokens, the channel registers none for OPD,
+    # so the FP32 all-reduce rounds differently and Adam turns that into ~2e-6 of the
+    # distance moved (Llama: Qwen2's K bias, whose gradient is pure rounding, gives 3e-5).
+    from batchgen import write_opd_batches
+
+    from tsync_mcore.channel import TurnMsg
+    from tsync_mcore.sources import opd_turns_from_json
+
+    batch = str(tmp_path / "opd.jsonl")
+    rows = write_opd_batches(batch, 256, n_updates=2, seed=5, n_traj=8, turns=3)
+    fp64 = ["learner.objective=opd", "learner.accum_dtype=fp64"]
+    port = free_port()
+    proc = start_learner(tiny_llama, str(tmp_path / "run"), port, updates=2, extra=fp64)
+    links = open_rollout_side("127.0.0.1", port, 2, timeout_s=60)
+    try:
+        assert isinstance(links[0].recv(), Hello)
+        assert isinstance(links[0].recv(), Publish)
+        links[0].send(Ack(version=0, ok=True))
+        for v in (0, 1):
+            mine = [r for r in rows if r["policy_version"] == v]
+            turns = sorted((t for r in mine for t in opd_turns_from_json(r)),
+                           key=lambda t: t.ready_order)
+            plan = BatchPlan.from_sources(list({t.traj_id: t for t in turns}.values()))
+            owner = assign_groups(plan, {}, 2)
+            for link in links:
+                link.send(RegisterBatch(version=v, objective="opd", groups=plan.groups,
+                                        n_turns={r["traj_id"]: len(r["turn_ends"]) for r in mine},
+                                        data_pos=v + 1))
+            for t in turns:
+                links[owner[t.group_id]].send(TurnMsg(t))
+            for link in links:
+                link.send(CloseBatch(version=v, rollout_time_s=0.1, n_sources=len(mine)))
+            msg = links[0].recv()
+            assert isinstance(msg, Publish) and msg.version == v + 1
+            theta = load_file(msg.path)
+            links[0].send(Ack(version=v + 1, ok=True))
+        rc, _, err = finish(proc)
+        assert rc == 0, err[-4000:]
+    finally:
+        for link in links:
+            link.close()
+    ref = replay(tiny_llama, batch, str(tmp_path / "replay"), 2, "--objective", "opd",
+                 "--schedule", "sync", "--accum-dtype", "fp64", "--lr", "1e-4",
+                 "--config", os.path.join(ROOT, "configs/grpo_cpu_tiny.yaml"))
+    want = load_file(os.path.join(ref["out"], "params.safetensors"))
+    theta0 = load_file(os.path.join(tiny_llama, "model.safetensors"))
+    moved = sum(float(((want[k].double() - theta0[k].double()) ** 2).sum()) for k in want) ** 0.5
+    gap = sum(float(((theta[k].double() - want[k].double()) ** 2).sum()) for k in want) ** 0.5
+    print(f"OPD over the channel vs replayed sync: gap / moved = {gap / moved:.2e}")
+    assert moved > 0 and gap / moved <= 1e-5
+    trace = [json.loads(line) for r in (0, 1)
+             for line in open(tmp_path / "run" / "traces" / f"rank{r}.jsonl")]
+    turns = [e for e in trace if e["kind"] == "turn"]
+    assert len(turns) == sum(len(r["turn_ends"]) for r in rows)
 
 
 def test_bad_sources_over_the_channel_are_rejected_and_change_nothing(tiny_qwen2, golden, tmp_path):

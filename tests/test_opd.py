@@ -128,6 +128,27 @@ def test_opd_tensor_parallel_two_ranks_vs_reference(tiny_ckpts, tmp_path):
     assert err <= 1e-5
 
 
+def test_opd_learner_behind_the_rollout_finishes_started_trajectories_first(tiny_qwen2):
+    # Handed several turns at once, the learner serves the next turn of the trajectory it
+    # just served, then turns continuing started trajectories, and only then starts one.
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/workers/opd_order_worker.py"),
+                        tiny_qwen2], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-5000:]
+    res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    print(res)
+    assert res["nothing_served_on_submit"] and res["first_two"] == [True, True]
+    # A0 B0 | C0 A1 B1 arrive: B1 (B was served last), then A1 (started), then C0.
+    assert res["order"] == ["o0#0", "o1#0", "o1#1", "o0#1", "o2#0"]
+    assert res["idle_serve_next"] is False  # nothing servable: o0#2 has not arrived
+    assert res["grad_vs_sync"] <= 1e-12
+    # A whole batch at once: each trajectory's 3 turns back to back (16 of 23 successions),
+    # fewer contexts open than in readiness order, the same gradient.
+    assert res["backlog_same_next"] == 16 / 23
+    assert res["readiness_same_next"] < 0.5
+    assert res["backlog_kv_peak_bytes"] < res["readiness_kv_peak_bytes"]
+    assert res["backlog_vs_readiness_grad"] <= 1e-12
+
+
 def test_opd_cost_is_linear_in_turns_recompute_and_retain(tmp_path):
     # 20 turns × 16 tokens on a 4-layer model; FLOPs and memory for both replay modes.
     from tsync_mcore.testing.tiny import make_tiny_checkpoint

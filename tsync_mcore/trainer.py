@@ -118,7 +118,9 @@ class Trainer:
             self.learner.begin(plan, schedule=reg.schedule, routing=reg.routing)
         rejected = 0
         while True:
-            msg = self.link.recv(timeout_s=cfg.channel.timeout_s)
+            msg = self._next_message()
+            if msg is None:
+                continue  # served one turn
             if isinstance(msg, (TrajectoryMsg, TurnMsg, GroupRewards)):
                 try:
                     if isinstance(msg, GroupRewards):
@@ -127,6 +129,9 @@ class Trainer:
                                               f"version {msg.version} during "
                                               f"{cfg.learner.objective} batch {self.version}")
                         self.learner.group_rewards(msg.group_id, msg.rewards)
+                    elif self.opd:  # served by _next_message once nothing more is here
+                        self.learner.submit(msg.source, arrived=self.link.last_arrival,
+                                            serve=False)
                     else:
                         self.learner.submit(msg.source, arrived=self.link.last_arrival)
                 except SourceError as e:  # never trained on; the learner state is untouched
@@ -212,6 +217,23 @@ class Trainer:
             t0 = time.perf_counter()
             gc.collect()
             self.gc_s = time.perf_counter() - t0
+
+    def _next_message(self):
+        """The next message of the batch, or None after serving one OPD turn.
+
+        OPD: every message already here is handed over before the next turn is served, so
+        the learner chooses among all ready turns, not just those it had read before it
+        fell behind (it keeps a trajectory's turns together: context warm, fewer held).
+        GRPO serves in readiness order either way; each source is served as it is
+        submitted, so whether it folds into its group's pair or, the group being complete,
+        directly, follows from the arrival order alone and a run replays bit for bit."""
+        if self.opd:
+            msg = self.link.poll()
+            if msg is not None:
+                return msg
+            if self.learner.serve_next():
+                return None
+        return self.link.recv(timeout_s=self.cfg.channel.timeout_s)
 
     def _recv(self, kind: type, timeout_s: float | None = None):
         msg = self.link.recv(timeout_s=timeout_s or self.cfg.channel.timeout_s)

@@ -48,7 +48,8 @@ Link semantics:
   process took the message, whatever its main loop is doing; it may be called from several
   threads (one message at a time on the wire).
 - `recv(timeout_s)` waits on the reader's queue: `ChannelTimeout` leaves the link usable.
-  `None` means the link's timeout_s, `math.inf` no limit.
+  `None` means the link's timeout_s, `math.inf` no limit. `poll()` returns the next
+  message if one is there, else None.
 - A peer that dies closes its sockets: `PeerGone` within milliseconds on the next/pending
   recv and send. A peer that hangs with its sockets open (host lost, process stopped) is
   seen only as `ChannelTimeout` of recv, or of a send (that one closes the gloo pair: the

@@ -177,6 +177,12 @@ class Link:
         self.last_arrival = arrived
         return item
 
+    def poll(self) -> Message | None:
+        """The next message if one has arrived, else None (never waits); errors as recv."""
+        if not self._closed and self._inbox.empty():
+            return None
+        return self.recv(timeout_s=math.inf)  # not empty, and only this thread takes from it
+
     def _read_one(self, pg: dist.ProcessGroup) -> Message:
         frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
         pg.recv([frame], self._peer, _FRAME_TAG).wait(_FOREVER)

@@ -1,0 +1,93 @@
+"""An OPD learner behind the rollout: which turn it serves next, and what it holds.
+
+Turns are handed over with submit(serve=False) and served one at a time with serve_next(),
+as the trainer does when several arrived while it was busy. Reports the service order of a
+scripted arrival pattern, the gradient against a sync learner over the same turns, and the
+K/V peak of a whole batch handed over at once vs served in readiness order.
+"""
+
+import json
+import sys
+from dataclasses import replace
+
+sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/tests")
+from batchgen import make_opd_batch  # noqa: E402
+from reference import rel_l2  # noqa: E402
+
+from tsync_mcore.config import load_config  # noqa: E402
+from tsync_mcore.learner_opd import OPDLearner  # noqa: E402
+from tsync_mcore.policy import Policy  # noqa: E402
+from tsync_mcore.sources import BatchPlan, opd_turns_from_json  # noqa: E402
+
+
+def batch(vocab: int, n_traj: int, seed: int):
+    rows = make_opd_batch(vocab, n_traj=n_traj, turns=3, seed=seed, zero_scored_traj=False)
+    turns = sorted([t for r in rows for t in opd_turns_from_json(r)], key=lambda t: t.ready_order)
+    plan = BatchPlan.from_sources(list({t.traj_id: t for t in turns}.values()))
+    return plan, {r["traj_id"]: len(r["turn_ends"]) for r in rows}, turns
+
+
+def at(turns, version: int):
+    """The same turns for a later update (lr 1e-30 leaves θ as it is in fp32, so gradients compare)."""
+    return [replace(t, policy_version=version) for t in turns]
+
+
+def served(learner) -> list[str]:
+    entries = sorted((e for e in learner.trace if e["kind"] == "turn" and "start" in e),
+                     key=lambda e: e["start"])
+    return [f"{e['traj_id'].split('-')[-1]}#{e['turn']}" for e in entries]
+
+
+def grad(result) -> dict:
+    return {k: v.double() for k, v in result.grad.items()}
+
+
+def main(hf_dir: str) -> None:
+    cfg = load_config(None, {"model.hf_dir": hf_dir, "learner.objective": "opd",
+                             "learner.accum_dtype": "fp64", "optim.lr": 1e-30})
+    policy = Policy(cfg)
+    learner = OPDLearner(cfg.learner, policy)
+    res = {}
+
+    # Scripted: A0 B0 arrive; two services; then C0 A1 B1 arrive (in that order).
+    plan, n_turns, turns = batch(policy.vocab_size, 3, seed=11)
+    by = {f"{t.traj_id.split('-')[-1]}#{t.turn}": t for t in turns}
+    learner.begin(plan, n_turns, schedule="thundersync")
+    for k in ("o0#0", "o1#0"):
+        learner.submit(by[k], serve=False)
+    res["nothing_served_on_submit"] = served(learner) == []
+    res["first_two"] = [learner.serve_next(), learner.serve_next()]
+    for k in ("o2#0", "o0#1", "o1#1"):
+        learner.submit(by[k], serve=False)
+    while learner.serve_next():
+        pass
+    res["order"] = served(learner)
+    res["idle_serve_next"] = learner.serve_next()
+    for k in ("o0#2", "o1#2", "o2#1", "o2#2"):  # close serves these
+        learner.submit(by[k], serve=False)
+    streamed = learner.close(export_grad=True)
+    learner.begin(plan, n_turns, schedule="sync")
+    for t in at(turns, learner.version):
+        learner.submit(t)
+    reference = learner.close(export_grad=True)
+    res["grad_vs_sync"] = rel_l2(grad(streamed), grad(reference))
+
+    # A whole batch handed over at once vs served as each turn arrives (readiness order).
+    plan, n_turns, turns = batch(policy.vocab_size, 8, seed=12)
+    grads = {}
+    for mode in ("backlog", "readiness"):
+        learner.begin(plan, n_turns, schedule="thundersync")
+        for t in at(turns, learner.version):
+            learner.submit(t, serve=mode == "readiness")
+        result = learner.close(export_grad=True)
+        res[mode + "_kv_peak_bytes"] = result.kv_peak_bytes
+        grads[mode] = grad(result)
+        trajs = [k.split("#")[0] for k in served(learner)]
+        # how often the next service continues the trajectory just served
+        res[mode + "_same_next"] = sum(a == b for a, b in zip(trajs, trajs[1:])) / (len(trajs) - 1)
+    res["backlog_vs_readiness_grad"] = rel_l2(grads["backlog"], grads["readiness"])
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
