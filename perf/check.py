@@ -1,7 +1,7 @@
 """Regression guard: compare a perf result file against the committed baseline, by ratios only.
 
     python perf/check.py RESULT.json [--baseline perf/baseline.json] [--tolerance 0.15]
-                         [--strict] [--write-baseline]
+                         [--strict] [--write-baseline [--noise-from RUN.json ...]]
 
 Result schema: {"machine", "date", "overlap": [cells], "kernels": [records]}.
 - overlap cells, keyed by (objective, schedule, ratio, batch): `speedup_measured` and
@@ -15,6 +15,11 @@ Result schema: {"machine", "date", "overlap": [cells], "kernels": [records]}.
   `mfu_active` may not drop by more than the tolerance (guard GPU runs with
   `--baseline perf/baseline-gpu.json`).
 Absolute times are never compared, so a baseline from one machine guards another of its kind.
+A baseline may hold `noise`: "cell | metric" → the relative range that metric spanned over
+repeated runs of unchanged code; such a cell's tolerance is the larger of the two (the big
+CPU log-prob shapes, whose time is page faults of a 0.6–1 GB [T, V] tensor, moved by up to
++78 % run to run here). `--write-baseline --noise-from R1.json R2.json ...` measures it for
+the kernel records over those runs and RESULT (give only runs of the same kernel code).
 Cells in the baseline but not the result are reported as missing: a failure only with
 --strict. Exit 1 with a table naming each regression, 2 for unusable input, 0 otherwise.
 --write-baseline copies RESULT to the baseline path instead of comparing.
@@ -28,7 +33,8 @@ import os
 import shutil
 import sys
 
-__all__ = ["InputError", "compare", "kernel_metrics", "main", "overlap_metrics", "step_metrics"]
+__all__ = ["InputError", "compare", "kernel_metrics", "kernel_noise", "main", "overlap_metrics",
+           "step_metrics"]
 
 DEFAULT_BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baseline.json")
 HIGHER, LOWER = "higher", "lower"  # which direction is better
@@ -89,24 +95,43 @@ def _metrics(doc: dict) -> dict[tuple[str, str], tuple[float, str]]:
             **step_metrics(doc.get("step"))}
 
 
+def _noise_key(cell: str, metric: str) -> str:
+    return f"{cell} | {metric}"
+
+
+def kernel_noise(docs: list[dict]) -> dict[str, float]:
+    """"cell | metric" → relative range of each kernel metric over `docs` (runs of the same
+    code): max/min − 1, the change a regression check would see between two of them."""
+    values: dict[tuple[str, str], list[float]] = {}
+    for doc in docs:
+        for key, (value, _) in kernel_metrics(doc.get("kernels") or []).items():
+            values.setdefault(key, []).append(value)
+    return {_noise_key(*key): round(max(vs) / min(vs) - 1, 4)
+            for key, vs in values.items() if len(vs) == len(docs) and min(vs) > 0}
+
+
 def compare(result: dict, baseline: dict, tolerance: float = 0.15) -> list[dict]:
-    """One row per baseline metric (and per new one): status ok | regression | missing | new."""
+    """One row per baseline metric (and per new one): status ok | regression | missing | new.
+    A cell's tolerance is the larger of `tolerance` and its measured noise in the baseline."""
     new, old = _metrics(result), _metrics(baseline)
+    noise = baseline.get("noise") or {}
     rows = []
     for key, (base, better) in old.items():
         cell, metric = key
-        row = {"cell": cell, "metric": metric, "baseline": base, "result": None, "change": None}
+        tol = max(tolerance, float(noise.get(_noise_key(cell, metric), 0.0)))
+        row = {"cell": cell, "metric": metric, "baseline": base, "result": None, "change": None,
+               "tolerance": tol}
         if key not in new:
             rows.append({**row, "status": "missing"})
             continue
         value = new[key][0]
         change = value / base - 1 if base else 0.0
-        worse = change < -tolerance if better == HIGHER else change > tolerance
+        worse = change < -tol if better == HIGHER else change > tol
         rows.append({**row, "result": value, "change": change, "status": "regression" if worse else "ok"})
     for (cell, metric), (value, _) in new.items():
         if (cell, metric) not in old:
             rows.append({"cell": cell, "metric": metric, "baseline": None, "result": value,
-                         "change": None, "status": "new"})  # fmt: skip
+                         "change": None, "tolerance": None, "status": "new"})  # fmt: skip
     return rows
 
 
@@ -114,9 +139,10 @@ def format_rows(rows: list[dict]) -> str:
     def num(x, pct=False):
         return "-" if x is None else (f"{x:+.1%}" if pct else f"{x:.4g}")
 
-    table = [("status", "cell", "metric", "baseline", "result", "change")]
+    table = [("status", "cell", "metric", "baseline", "result", "change", "tolerance")]
     table += [(r["status"].upper() if r["status"] != "ok" else "ok", r["cell"], r["metric"],
-               num(r["baseline"]), num(r["result"]), num(r["change"], pct=True)) for r in rows]  # fmt: skip
+               num(r["baseline"]), num(r["result"]), num(r["change"], pct=True),
+               "-" if r.get("tolerance") is None else f"{r['tolerance']:.0%}") for r in rows]  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
 
@@ -147,12 +173,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tolerance", type=float, default=0.15, help="relative, e.g. 0.15 = 15%%")
     ap.add_argument("--strict", action="store_true", help="missing cells fail too")
     ap.add_argument("--write-baseline", action="store_true", help="copy RESULT to --baseline")
+    ap.add_argument("--noise-from", nargs="+", default=None, metavar="RUN.json",
+                    help="with --write-baseline: earlier runs of the same kernel code; each "
+                         "kernel metric's range over them and RESULT goes into the baseline")
     args = ap.parse_args(argv)
+    if args.noise_from and not args.write_baseline:
+        ap.error("--noise-from goes with --write-baseline")
     try:
         result = _load(args.result, "result")
         if args.write_baseline:
             os.makedirs(os.path.dirname(os.path.abspath(args.baseline)), exist_ok=True)
-            shutil.copyfile(args.result, args.baseline)
+            if args.noise_from:
+                runs = [_load(p, "run") for p in args.noise_from]
+                doc = {**result, "noise": kernel_noise(runs + [result]),
+                       "noise_from": [os.path.basename(p) for p in args.noise_from]
+                       + [os.path.basename(args.result)]}
+                with open(args.baseline, "w") as f:
+                    json.dump(doc, f, indent=1)
+                    f.write("\n")
+            else:
+                shutil.copyfile(args.result, args.baseline)
             print(f"check: wrote baseline {args.baseline} from {args.result}")
             return 0
         baseline = _load(args.baseline, "baseline")

@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+from bisect import bisect_left
 from dataclasses import asdict, dataclass
 from statistics import mean, median, stdev
 
@@ -481,8 +482,12 @@ def dispatch_overhead(entries: list[dict], updates: set[int]) -> dict:
     gap ÷ median service). The gap of a source is the time from when its lane could take
     it (its arrival, or the end of the lane's previous entry if that is later) to its
     service start: on an idle lane the wake-up and hand-off from the channel, on a busy
-    one the bookkeeping between two services. `all`: every source; `idle`: only those that
-    found their lane idle (few at r < 1, where the learner is behind)."""
+    one the bookkeeping between two services. `all`: every source; `idle`: sources that
+    found their lane idle (few at r < 1, where the learner is behind), each counted until
+    the lane's next service starts, whichever source that serves (several arriving
+    together: the OPD learner may serve another one first). A source that arrived before
+    the learner opened the batch (ready < 0: it was still recording the previous update
+    after publishing it) did not find the lane idle."""
     gaps, idle, service = [], [], []
     for u in updates:
         for r in (0, 1):
@@ -491,12 +496,16 @@ def dispatch_overhead(entries: list[dict], updates: set[int]) -> dict:
             prev_end = -1.0
             for e in es:
                 if e.get("kind") in (None, "turn"):
-                    gap = e["start"] - max(e["ready"], prev_end)
-                    gaps.append(gap)
-                    if e["ready"] >= prev_end:  # lane idle when it arrived
-                        idle.append(gap)
+                    gaps.append(e["start"] - max(e["ready"], prev_end))
                     service.append(e["end"] - e["start"])
                 prev_end = e["end"]
+            starts = [x["start"] for x in es]
+            for e in es:
+                if e.get("kind") not in (None, "turn") or e["ready"] < 0:
+                    continue
+                i = bisect_left(starts, e["ready"])  # es[i]: the lane's next start after it
+                if i == 0 or es[i - 1]["end"] <= e["ready"]:  # lane idle on arrival
+                    idle.append(starts[i] - e["ready"])
     if not service:
         return dict(all=float("nan"), idle=float("nan"), n_idle=0)
     m = median(service)

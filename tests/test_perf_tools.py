@@ -130,6 +130,41 @@ def test_check_write_baseline_and_bad_input(tmp_path):
     assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
 
 
+def test_check_noise_measured_over_runs_widens_only_those_cells(tmp_path):
+    # Three runs of the same code: the fused/plain time ratio 0.5, 0.6, 0.8 (range +60 %).
+    runs = []
+    for i, t in enumerate((1.0, 1.2, 1.6)):
+        doc = _doc()
+        doc["kernels"][2]["time_s"] = t
+        runs.append(tmp_path / f"run{i}.json")
+        runs[-1].write_text(json.dumps(doc))
+    base = tmp_path / "base.json"
+    cmd = [sys.executable, os.path.join(PERF, "check.py"), str(runs[0]), "--baseline", str(base),
+           "--write-baseline", "--noise-from", str(runs[1]), str(runs[2])]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    written = json.loads(base.read_text())
+    key = "kernel accumulate_g1g2[fused-triton] numel=1024 | time/plain"
+    assert written["noise"][key] == pytest.approx(0.6)
+    assert written["noise_from"] == ["run1.json", "run2.json", "run0.json"]
+    baseline = written  # its time/plain is 0.5: +50 % is within the noise, +70 % is not
+    result = _doc()
+    result["kernels"][2]["time_s"] = 1.5
+    rows = {(r["cell"], r["metric"]): r for r in check.compare(result, baseline, 0.15)}
+    row = rows["kernel accumulate_g1g2[fused-triton] numel=1024", "time/plain"]
+    assert row["status"] == "ok" and row["tolerance"] == pytest.approx(0.6)
+    result["kernels"][2]["time_s"] = 1.7
+    rows = {(r["cell"], r["metric"]): r for r in check.compare(result, baseline, 0.15)}
+    assert rows["kernel accumulate_g1g2[fused-triton] numel=1024", "time/plain"]["status"] == "regression"
+    # the other cells keep the default tolerance: bw_fraction moved too (80 → 53 bytes/s)
+    result["kernels"][2]["bytes_per_s"] = 53.0
+    rows = {(r["cell"], r["metric"]): r for r in check.compare(result, baseline, 0.15)}
+    assert rows["kernel accumulate_g1g2[fused-triton] numel=1024", "bw_fraction"]["status"] == "regression"
+    bad = subprocess.run(cmd[:5] + ["--noise-from", str(runs[1])], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--noise-from goes with --write-baseline" in bad.stderr
+
+
 def test_compare_improvement_is_not_a_regression():
     result = copy.deepcopy(_doc())
     result["kernels"][2]["time_s"] = 0.5

@@ -66,8 +66,10 @@ class Learner:
     # --- register -------------------------------------------------------------------------
 
     def begin(self, plan: BatchPlan, group_tokens: dict[str, int] | None = None,
-              schedule: str | None = None, routing: str = "static") -> None:
-        """`schedule` overrides the configured release schedule for this batch only.
+              schedule: str | None = None, routing: str = "static",
+              t0: float | None = None) -> None:
+        """`schedule` overrides the configured release schedule for this batch only; `t0`
+        (perf_counter, default now) is the origin of the trace's times.
 
         `routing` says how sources reach the DP ranks (tsync_mcore.routing): "static", each
         group to its `assign_groups` owner (sources of other groups may be submitted too and
@@ -90,7 +92,7 @@ class Learner:
         self.announced: set[str] = set()  # groups whose rewards came from group_rewards
         self.here: set[str] = set()  # groups with members given to this rank to serve
         self.trace: list[dict] = []
-        self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter() if t0 is None else t0
         self.scored_local = 0
         self.prefixes: dict[str, SharedPrefix | None] = {}
         self.acc.reset()

@@ -87,8 +87,10 @@ class OPDLearner:
     # --- register -------------------------------------------------------------------------
 
     def begin(self, plan: BatchPlan, n_turns: dict[str, int],
-              group_tokens: dict[str, int] | None = None, schedule: str | None = None) -> None:
-        """`schedule` overrides the configured release schedule for this batch only."""
+              group_tokens: dict[str, int] | None = None, schedule: str | None = None,
+              t0: float | None = None) -> None:
+        """`schedule` overrides the configured release schedule for this batch only; `t0`
+        (perf_counter, default now) is the origin of the trace's times."""
         if self.plan is not None:
             raise RuntimeError(f"batch for policy version {self.version} is still open")
         schedule = schedule or self.cfg.schedule
@@ -115,7 +117,7 @@ class OPDLearner:
         self.scored_local = 0
         self.kv_peak_bytes = 0
         self.kv_live_bytes = 0  # context leaves + adjoints and shared prompts held now
-        self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter() if t0 is None else t0
         self.acc.reset()
 
     # --- stream ---------------------------------------------------------------------------

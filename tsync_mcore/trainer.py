@@ -86,6 +86,7 @@ class Trainer:
             if self.par.rank == 0:
                 self.link.send(Hello(self.version, self.data_pos))
             self._publish()  # replicas start from exactly θ_start
+            self._await_ack()
             while self.version < self.cfg.run.updates:
                 self._update()
             if self.par.rank == 0:
@@ -104,7 +105,9 @@ class Trainer:
     def _update(self) -> None:
         cfg = self.cfg
         reg = self._recv(RegisterBatch)
-        t_start = time.perf_counter()
+        # The step (and the trace's clock) starts when the registration arrived, not when
+        # this loop got to it.
+        t_start = self.link.last_arrival
         if reg.version != self.version:
             raise LearnerStopped(f"rollout registered a batch for policy version {reg.version}, "
                                  f"the learner is at {self.version}")
@@ -113,9 +116,9 @@ class Trainer:
             if reg.routing != "static":
                 raise LearnerStopped(f"rollout registered OPD batch {reg.version} with "
                                      f"{reg.routing!r} routing; OPD routes by group (static)")
-            self.learner.begin(plan, dict(reg.n_turns), schedule=reg.schedule)
+            self.learner.begin(plan, dict(reg.n_turns), schedule=reg.schedule, t0=t_start)
         else:
-            self.learner.begin(plan, schedule=reg.schedule, routing=reg.routing)
+            self.learner.begin(plan, schedule=reg.schedule, routing=reg.routing, t0=t_start)
         rejected = 0
         while True:
             msg = self._next_message()
@@ -154,30 +157,37 @@ class Trainer:
         t_stepped = time.perf_counter()
         self.version += 1
         self.data_pos = reg.data_pos
-        publish_s = self._publish()
-        t_end = time.perf_counter()
-        if cfg.run.save_every and self.version % cfg.run.save_every == 0 \
-                or self.version == cfg.run.updates:
-            checkpoint.save(cfg.run.dir, self.policy, self.version, self.data_pos)
+        t_publish = time.perf_counter()
+        self._publish()
+        # Recorded while the replicas load θ (seconds on a real rollout), so the learner is
+        # ready for the next batch once they acknowledge it: recording after the ack took
+        # 10-70 ms here, and the next batch's first sources waited for it.
         stale = sum(1 for e in result.trace if e.get("policy_version", result.policy_version)
                     != result.policy_version)
         # F_k: this DP rank's work from its trace (TP ranks of one DP rank share it), summed.
         work = update_flops(self.policy.spec, result.trace, attention=self.policy.attention_mode)
         flops = self.policy.dp_sum(work.total)
         recompute = self.policy.dp_sum(work.recompute_flops)
-        step_s = t_end - t_start
         mem = self.memory.snapshot(host_accum_bytes=result.accum_peak_bytes
                                    if cfg.learner.accum == "host" else None)
         peaks = self._gather_max(mem["peak_mem_bytes"])
+        n_stale, n_rejected = int(self.policy.dp_sum(stale)), int(self.policy.dp_sum(rejected))
+        self._write_trace(result.trace)
+        self._collect_garbage()
+        t_end = self._await_ack()
+        if cfg.run.save_every and self.version % cfg.run.save_every == 0 \
+                or self.version == cfg.run.updates:
+            checkpoint.save(cfg.run.dir, self.policy, self.version, self.data_pos)
+        step_s = t_end - t_start
         metrics = dict(
             step=self.version, policy_version=result.policy_version,
             schedule=self.learner.schedule, objective=cfg.learner.objective,
-            step_wall_time_s=t_end - t_start, rollout_time_s=close.rollout_time_s,
-            learner_tail_s=t_stepped - t_closed, publish_time_s=publish_s, gc_s=self.gc_s,
-            reward_mean=close.reward_mean,
+            step_wall_time_s=step_s, rollout_time_s=close.rollout_time_s,
+            learner_tail_s=t_stepped - t_closed, publish_time_s=t_end - t_publish,
+            gc_s=self.gc_s, reward_mean=close.reward_mean,
             trajectories=close.n_sources if not self.opd else len(reg.n_turns),
-            scored_tokens=result.scored_tokens, stale_sources=int(self.policy.dp_sum(stale)),
-            rejected_sources=int(self.policy.dp_sum(rejected)),
+            scored_tokens=result.scored_tokens, stale_sources=n_stale,
+            rejected_sources=n_rejected,
             grad_norm=result.grad_norm, accum_peak_bytes=result.accum_peak_bytes,
             kv_peak_bytes=result.kv_peak_bytes, flops=flops, recompute_flops=recompute,
             mfu_active=mfu_active(flops, step_s, self.par.world_size, self.peak),
@@ -185,7 +195,6 @@ class Trainer:
             peak_mem_bytes=max(peaks), peak_mem_bytes_per_rank=peaks,
             host_accum_bytes=mem.get("host_accum_bytes"), memory=mem,
             nvml=self.nvml.summary())
-        self._write_trace(result.trace)
         if self.par.rank == 0:
             with open(os.path.join(cfg.run.dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(metrics) + "\n")
@@ -193,22 +202,24 @@ class Trainer:
 
     # --- publication ----------------------------------------------------------------------
 
-    def _publish(self) -> float:
-        """Export θ_version, hand it to the rollout and wait for its acknowledgement."""
-        t0 = time.perf_counter()
+    def _publish(self) -> None:
+        """Export θ_version and hand it to the rollout (rank 0 sends the notice)."""
         path = publish.write(self.policy, self.cfg.run.publish_dir, self.version)
+        if self.par.rank == 0:
+            self.link.send(publish.notice(self.version, path))
+
+    def _await_ack(self) -> float:
+        """Rank 0: wait for the rollout's acknowledgement of θ_version and return when it
+        arrived (reader thread); other ranks: now."""
         if self.par.rank != 0:
-            self._collect_garbage()
-            return 0.0
-        self.link.send(publish.notice(self.version, path))
-        self._collect_garbage()
+            return time.perf_counter()
         ack = self._recv(Ack, timeout_s=self.cfg.channel.ack_timeout_s)
         if ack.version != self.version or not ack.ok:
             raise LearnerStopped(f"rollout did not load policy version {self.version} "
                                  f"(ack for {ack.version}, ok={ack.ok}: {ack.error}); "
                                  f"refusing to train on the old policy")
         publish.cleanup(self.cfg.run.publish_dir, keep=self.version)
-        return time.perf_counter() - t0
+        return self.link.last_arrival
 
     def _collect_garbage(self) -> None:
         """The update's cycles, after publication (the rollout is busy reloading)."""
