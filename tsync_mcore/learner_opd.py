@@ -200,8 +200,9 @@ class OPDLearner:
         cache), then a turn continuing a started trajectory (earliest released), and only
         then the earliest released turn, which starts a trajectory. A learner behind the
         rollout so keeps few trajectories open: their context K/V and adjoints are held
-        until their replay (OPD r = 1, B = 128 on the CPU benchmark: ~20 open on average
-        in readiness order, ~1 this way), and a turn's context is warm when it runs.
+        until their replay (CPU overlap benchmark, B = 128, at a turn's service: 29 open on
+        average in readiness order, 1.0 this way at r = 0.5 and 3.5 at r = 1), and a
+        turn's context is warm when it runs.
         The lane finishes at the same time in any work-conserving order; only the cost per
         turn and the memory held differ. Lookups, not scans: a learner behind the rollout
         holds hundreds of turns."""
