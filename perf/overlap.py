@@ -485,9 +485,10 @@ def dispatch_overhead(entries: list[dict], updates: set[int]) -> dict:
     one the bookkeeping between two services. `all`: every source; `idle`: sources that
     found their lane idle (few at r < 1, where the learner is behind), each counted until
     the lane's next service starts, whichever source that serves (several arriving
-    together: the OPD learner may serve another one first). A source that arrived before
-    the learner opened the batch (ready < 0: it was still recording the previous update
-    after publishing it) did not find the lane idle."""
+    together: the OPD learner may serve another one first). Ready times below 0 (traces
+    whose clock started when the learner opened the batch rather than at the
+    registration's arrival: a source could come before the learner was ready) do not count
+    as an idle lane."""
     gaps, idle, service = [], [], []
     for u in updates:
         for r in (0, 1):

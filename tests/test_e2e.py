@@ -233,9 +233,9 @@ def test_resume_continues_exactly(tiny_qwen2, golden, tmp_path):
 def test_opd_through_the_channel_matches_replayed_sync(tiny_llama, tmp_path):
     # Every turn of a batch sent back to back: the trainer hands over whatever arrived
     # before serving the next turn, in an order it chooses (tests/test_opd.py checks which;
-    # here it depends on timing). With FP64
-    # accumulators the update does not depend on that order: θ after two updates matches
-    # the replay harness serving the same batches synchronously. Not bit for bit: the
+    # here it depends on timing). With FP64 accumulators the update does not depend on that
+    # order: θ after two updates matches the replay harness serving the same batches
+    # synchronously. Not bit for bit: the
     # replay balances groups over the ranks by tokens, the channel registers none for OPD,
     # so the FP32 all-reduce rounds differently and Adam turns that into ~2e-6 of the
     # distance moved (Llama: Qwen2's K bias, whose gradient is pure rounding, gives 3e-5).
