@@ -155,11 +155,12 @@ def test_check_noise_measured_over_runs_widens_only_those_cells(tmp_path):
     assert row["status"] == "ok" and row["tolerance"] == pytest.approx(0.6)
     result["kernels"][2]["time_s"] = 1.7
     rows = {(r["cell"], r["metric"]): r for r in check.compare(result, baseline, 0.15)}
-    assert rows["kernel accumulate_g1g2[fused-triton] numel=1024", "time/plain"]["status"] == "regression"
+    cell = "kernel accumulate_g1g2[fused-triton] numel=1024"
+    assert rows[cell, "time/plain"]["status"] == "regression"
     # the other cells keep the default tolerance: bw_fraction moved too (80 → 53 bytes/s)
     result["kernels"][2]["bytes_per_s"] = 53.0
     rows = {(r["cell"], r["metric"]): r for r in check.compare(result, baseline, 0.15)}
-    assert rows["kernel accumulate_g1g2[fused-triton] numel=1024", "bw_fraction"]["status"] == "regression"
+    assert rows[cell, "bw_fraction"]["status"] == "regression"
     bad = subprocess.run(cmd[:5] + ["--noise-from", str(runs[1])], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--noise-from goes with --write-baseline" in bad.stderr

@@ -28,7 +28,8 @@ def batch(vocab: int, n_traj: int, seed: int):
 
 
 def at(turns, version: int):
-    """The same turns for a later update (lr 1e-30 leaves θ as it is in fp32, so gradients compare)."""
+    """The same turns for a later update (lr 1e-30 leaves θ as it is in fp32, so the
+    gradients compare)."""
     return [replace(t, policy_version=version) for t in turns]
 
 
