@@ -67,7 +67,7 @@ Link semantics:
 """
 
 from tsync_mcore.channel.errors import ChannelError, ChannelTimeout, PeerGone
-from tsync_mcore.channel.link import Link, open_learner_side, open_rollout_side
+from tsync_mcore.channel.link import Link, Prepared, open_learner_side, open_rollout_side
 from tsync_mcore.channel.messages import (
     LEARNER_SENDS, ROLLOUT_SENDS, Ack, CloseBatch, GroupRewards, Hello, Message, Publish,
     RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg,
@@ -77,7 +77,7 @@ from tsync_mcore.channel.wire import (
 )
 
 __all__ = [
-    "ChannelError", "ChannelTimeout", "PeerGone", "Link", "open_rollout_side",
+    "ChannelError", "ChannelTimeout", "PeerGone", "Link", "Prepared", "open_rollout_side",
     "open_learner_side", "encode", "decode", "check_header", "Limits", "DEFAULT_LIMITS",
     "MAGIC", "WIRE_VERSION", "MsgType", "Message", "Hello", "RegisterBatch", "TrajectoryMsg",
     "TurnMsg", "GroupRewards", "CloseBatch", "Publish", "Ack", "Shutdown", "ROLLOUT_SENDS", "LEARNER_SENDS",

@@ -21,15 +21,17 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from tsync_mcore.channel.errors import ChannelError, ChannelTimeout, PeerGone
 from tsync_mcore.channel.messages import LEARNER_SENDS, ROLLOUT_SENDS, Message, Shutdown
 from tsync_mcore.channel.wire import (
-    DEFAULT_LIMITS, HEADER_LEN, WIRE_VERSION, Limits, check_header, decode, encode,
+    DEFAULT_LIMITS, HEADER_LEN, WIRE_VERSION, Limits, check_header_values, decode_arrays, encode,
 )
 
 # A gloo wait that times out closes the pair, so the reader waits "forever" for the next
@@ -76,8 +78,11 @@ def _frames(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | N
     return frame, None if fits else body
 
 
-def _unpack(body: torch.Tensor, specs) -> list[torch.Tensor]:
-    return [body[at:at + size].view(dt) for dt, at, size in _layout(specs)]
+def _unpack(body: np.ndarray, specs) -> list[np.ndarray]:
+    return [body[at:at + size].view(_NUMPY[dt]) for dt, at, size in _layout(specs)]
+
+
+_NUMPY = {torch.int64: np.int64, torch.uint8: np.uint8, torch.float64: np.float64}
 
 
 _CLOSE_GRACE_S = 5.0
@@ -91,6 +96,17 @@ def _gloo_error(where: str, e: BaseException) -> ChannelError:
     if "imed out" in text or "timeout" in text.lower():
         return ChannelTimeout(f"{where}: timed out ({text})")
     return PeerGone(f"{where}: peer gone ({text})")
+
+
+@dataclass(frozen=True, eq=False)
+class Prepared:
+    """A message encoded and framed ahead of its send (`Link.prepare`): sending it is the
+    gloo op alone. A rollout that knows its messages before their release time (the
+    overlap benchmark's simulator) encodes them while the learners are not waiting."""
+
+    kind: type
+    frame: torch.Tensor
+    body: torch.Tensor | None
 
 
 class Link:
@@ -123,13 +139,23 @@ class Link:
         return self._peer_shutdown
 
     # ------------------------------------------------------------ sending
-    def send(self, msg: Message) -> None:
-        """Deliver one message; blocks until the peer's reader took it (≤ timeout_s)."""
+    def prepare(self, msg: Message) -> Prepared:
+        """Encode and frame `msg` now (checked as `send` would) for a later `send`."""
+        self._check_sendable(type(msg))
+        if isinstance(msg, Shutdown):
+            raise ChannelError(f"{self.name}: Shutdown is sent, not prepared")
+        return Prepared(type(msg), *_frames(encode(msg, self._limits)))
+
+    def _check_sendable(self, kind: type) -> None:
+        if not issubclass(kind, self._may_send):
+            raise ChannelError(f"{self.name}: the {self.side} side does not send {kind.__name__}")
+
+    def send(self, msg: Message | Prepared) -> None:
+        """Deliver one message (or one `prepare`d); blocks until the peer's reader took it
+        (≤ timeout_s)."""
         if self._closed:
             raise ChannelError(f"{self.name}: send after close")
-        if not isinstance(msg, self._may_send):
-            raise ChannelError(f"{self.name}: the {self.side} side does not send "
-                               f"{type(msg).__name__}")
+        self._check_sendable(msg.kind if isinstance(msg, Prepared) else type(msg))
         if self._send_error is not None:
             raise type(self._send_error)(str(self._send_error))
         if self._peer_shutdown is not None:
@@ -138,23 +164,25 @@ class Link:
             raise PeerGone(f"{self.name}: peer sent Shutdown ({self._peer_shutdown!r})")
         self._transmit(msg)
 
-    def _transmit(self, msg: Message) -> None:
-        tensors = encode(msg, self._limits)
+    def _transmit(self, msg: Message | Prepared) -> None:
+        prepared = msg if isinstance(msg, Prepared) else None
+        kind = prepared.kind if prepared else type(msg)
+        frame, body = ((prepared.frame, prepared.body) if prepared
+                       else _frames(encode(msg, self._limits)))
         with self._send_lock:
             if self._sent_shutdown:
-                if isinstance(msg, Shutdown):
+                if kind is Shutdown:
                     return
-                raise ChannelError(f"{self.name}: send of {type(msg).__name__} after Shutdown")
-            self._sent_shutdown = isinstance(msg, Shutdown)
+                raise ChannelError(f"{self.name}: send of {kind.__name__} after Shutdown")
+            self._sent_shutdown = kind is Shutdown
             try:
-                frame, body = _frames(tensors)
                 works = [self._pg.send([frame], self._peer, _FRAME_TAG)]
                 if body is not None:
                     works.append(self._pg.send([body], self._peer, _BODY_TAG))
                 for w in works:
                     w.wait(self._timeout)
             except RuntimeError as e:
-                self._send_error = _gloo_error(f"{self.name}: send {type(msg).__name__}", e)
+                self._send_error = _gloo_error(f"{self.name}: send {kind.__name__}", e)
                 raise self._send_error from None
 
     # ------------------------------------------------------------ receiving
@@ -184,18 +212,21 @@ class Link:
         return self.recv(timeout_s=math.inf)  # not empty, and only this thread takes from it
 
     def _read_one(self, pg: dist.ProcessGroup) -> Message:
+        # Numpy views of the receive buffer from here on: this thread wakes per message on
+        # a learner's core, where each small torch op costs more than the numpy one.
         frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
         pg.recv([frame], self._peer, _FRAME_TAG).wait(_FOREVER)
-        header = frame[:_HEADER_BYTES].view(torch.int64)
-        checked = check_header(header, self._limits)  # sizes checked before allocating
-        specs = checked[1]
+        raw = frame.numpy()
+        header = raw[:_HEADER_BYTES].view(np.int64).tolist()
+        kind, specs = check_header_values(header, self._limits)  # sizes checked before allocating
         n = _body_bytes(specs)
         if _HEADER_BYTES + n <= FRAME_BYTES:
-            body = frame[_HEADER_BYTES:_HEADER_BYTES + n]
+            body = raw[_HEADER_BYTES:_HEADER_BYTES + n]
         else:
-            body = torch.empty(n, dtype=torch.uint8)
-            pg.recv([body], self._peer, _BODY_TAG).wait(self._timeout)
-        return decode([header, *_unpack(body, specs)], self._limits, checked=checked)
+            received = torch.empty(n, dtype=torch.uint8)
+            pg.recv([received], self._peer, _BODY_TAG).wait(self._timeout)
+            body = received.numpy()
+        return decode_arrays(kind, header, _unpack(body, specs))
 
     def _read_loop(self) -> None:
         pg = self._pg  # held by this thread: close() may drop the Link's reference

@@ -223,12 +223,12 @@ def _payloads(msg) -> tuple[MsgType, int, list[torch.Tensor]]:
     return kind, NO_VERSION, [_text("Shutdown.reason", msg.reason)]
 
 
-def _payload_checksum(payloads: list[torch.Tensor]) -> int:
+def _payload_checksum(payloads: list[np.ndarray]) -> int:
     # Position-weighted CRC-32s: catches swapped, shifted and damaged payloads. zlib, not a
     # torch/numpy reduction: on a reader thread that wakes per message the small C routine
     # costs a few µs where a tensor reduction cost ~50 µs (cold dispatch paths).
-    return sum((j + 1) * zlib.crc32(p.contiguous().numpy()) for j, p in enumerate(payloads)
-               if p.numel()) % _MOD
+    return sum((j + 1) * zlib.crc32(np.ascontiguousarray(p)) for j, p in enumerate(payloads)
+               if p.size) % _MOD
 
 
 def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> list[torch.Tensor]:
@@ -238,7 +238,7 @@ def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> list[torch.Tensor]:
     h[0], h[1], h[2], h[3], h[4] = MAGIC, WIRE_VERSION, int(kind), version, len(payloads)
     for j, p in enumerate(payloads):
         h[5 + j] = (p.numel() << 8) | _CODE_OF[p.dtype]
-    h[14] = _payload_checksum(payloads)
+    h[14] = _payload_checksum([p.numpy() for p in payloads])
     h[15] = sum(h[:15]) % _MOD
     header = torch.tensor(h, dtype=_I)
     check_header(header, limits)  # the sender learns of an over-limit message, not the peer
@@ -258,7 +258,12 @@ def check_header(header: torch.Tensor,
         got = (f"{header.dtype}{list(header.shape)}" if isinstance(header, torch.Tensor)
                else type(header).__name__)
         raise ChannelError(f"header must be int64[{HEADER_LEN}], got {got}")
-    h = header.tolist()
+    return check_header_values(header.tolist(), limits)
+
+
+def check_header_values(h: list[int],
+                        limits: Limits = DEFAULT_LIMITS) -> tuple[MsgType, list[PayloadSpec]]:
+    """`check_header` on the header's 16 values (a reader that holds them as a list)."""
     if h[0] != MAGIC:
         raise ChannelError(f"bad magic 0x{h[0] & ((1 << 64) - 1):x} (expected 0x{MAGIC:x}): "
                            f"not a tsync channel message, or the stream is out of step")
@@ -294,14 +299,14 @@ def check_header(header: torch.Tensor,
     return kind, specs
 
 
-def _str(name: str, t: torch.Tensor) -> str:
+def _str(name: str, t: np.ndarray) -> str:
     try:
-        return t.numpy().tobytes().decode("utf-8")
+        return t.tobytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise ChannelError(f"{name}: invalid utf-8 ({e})") from None
 
 
-def _load_json(name: str, t: torch.Tensor):
+def _load_json(name: str, t: np.ndarray):
     try:
         return json.loads(_str(name, t))
     except json.JSONDecodeError as e:
@@ -329,7 +334,7 @@ def _check_batch_obj(obj, name: str) -> dict:
     return obj
 
 
-def _ids(name: str, t: torch.Tensor) -> tuple[str, str]:
+def _ids(name: str, t: np.ndarray) -> tuple[str, str]:
     ids = _load_json(f"{name} ids", t)
     if not (isinstance(ids, list) and len(ids) == 2 and all(isinstance(i, str) for i in ids)):
         raise ChannelError(f"{name} ids: expected [traj_id, group_id] strings, got {ids!r}")
@@ -362,11 +367,19 @@ def decode(tensors: list[torch.Tensor], limits: Limits = DEFAULT_LIMITS,
         if p.numel() != numel:
             raise ChannelError(f"{where}: truncated payload: {p.numel()} elements, header says "
                                f"{numel}")
-    payloads = [p.reshape(-1).cpu() for p in payloads]
-    if _payload_checksum(payloads) != tensors[0][14].item():
+    return decode_arrays(kind, tensors[0].tolist(),
+                         [p.reshape(-1).cpu().numpy() for p in payloads])
+
+
+def decode_arrays(kind: MsgType, header: list[int], p: list[np.ndarray]) -> Message:
+    """Rebuild one message from its checked header values (`check_header_values`) and its
+    payloads as flat numpy arrays of the schema's dtypes and announced sizes (a reader
+    that views them in its receive buffer: no torch op per message). Verifies the payload
+    checksum."""
+    name = _NAME_OF[kind]
+    if _payload_checksum(p) != header[14]:
         raise ChannelError(f"{name}: payload checksum mismatch (corrupted or reordered payload)")
-    version = int(tensors[0][3])
-    p = payloads
+    version = header[3]
     if kind == MsgType.HELLO:
         return Hello(version=version, data_pos=int(p[0][0]))
     if kind == MsgType.REGISTER_BATCH:
@@ -394,7 +407,7 @@ def decode(tensors: list[torch.Tensor], limits: Limits = DEFAULT_LIMITS,
         ids = _load_json(f"{name} ids", p[1])
         if not (isinstance(ids, list) and len(ids) == 2 and isinstance(ids[0], str)
                 and isinstance(ids[1], list) and all(isinstance(t, str) for t in ids[1])
-                and len(ids[1]) == p[0].numel() and len(set(ids[1])) == len(ids[1])):
+                and len(ids[1]) == p[0].size and len(set(ids[1])) == len(ids[1])):
             raise ChannelError(f"{name} ids: expected [group_id, [distinct trajectory ids, one "
                                f"per reward]], got {ids!r}")
         return GroupRewards(version=version, group_id=ids[0],
