@@ -530,9 +530,48 @@ def _serve_cpu(entries: list[dict], updates: set[int]) -> float:
     return sum(e["cpu"] for e in entries if e["update"] in updates and "cpu" in e) / len(updates)
 
 
-def _wall_over_cpu(entries: list[dict], updates: set[int]) -> float:
-    es = [e for e in entries if e["update"] in updates and "cpu" in e]
+def _wall_over_cpu(entries: list[dict], updates: set[int],
+                   arriving: dict[int, float] | None = None) -> float | None:
+    """Serving wall time over serving CPU time. `arriving` (update → R): only services that
+    started while sources were still arriving (before R), when the simulator and the
+    channel threads share the learners' cores; None where there were none (sync)."""
+    es = [e for e in entries if e["update"] in updates and "cpu" in e
+          and (arriving is None or e["start"] < arriving[e["update"]])]
+    if not es:
+        return None
     return sum(e["end"] - e["start"] for e in es) / sum(e["cpu"] for e in es)
+
+
+def _paired_service(by_update: dict[int, list[dict]], mine: list[dict],
+                    sync: list[dict]) -> dict:
+    """Each source's service (wall, CPU) in this schedule over the same source's in the sync
+    update of the same draw (same batch, same tokens): the mean ratio over every source,
+    and over those served while sources were still arriving (before R), where the
+    simulator and the channel share the learners' cores. Sources are matched by their ids
+    without the policy version (and turn)."""
+    def key(e: dict) -> tuple[str, int]:
+        return e["traj_id"].split("-", 1)[1], e.get("turn", 0)
+
+    sync_of = {r["draw"]: {key(e): e for e in by_update[r["policy_version"]]
+                           if e.get("kind") in (None, "turn")} for r in sync}
+    ratios: dict[str, list[tuple[float, float]]] = {"all": [], "arriving": []}
+    for r in mine:
+        base = sync_of[r["draw"]]
+        for e in by_update[r["policy_version"]]:
+            if e.get("kind") not in (None, "turn") or key(e) not in base:
+                continue
+            b = base[key(e)]
+            x = ((e["end"] - e["start"]) / (b["end"] - b["start"]), e["cpu"] / b["cpu"])
+            ratios["all"].append(x)
+            if e["start"] < r["rollout_time_s"]:
+                ratios["arriving"].append(x)
+    out = {}
+    for k, xs in ratios.items():
+        sfx = "" if k == "all" else "_arriving"
+        out[f"service_vs_sync{sfx}"] = mean(w for w, _ in xs) if xs else None
+        out[f"service_cpu_vs_sync{sfx}"] = mean(c for _, c in xs) if xs else None
+    out["sources_arriving"] = len(ratios["arriving"]) / max(1, len(ratios["all"]))
+    return out
 
 
 def _group_ready_step(entries: list[dict], R: float, P: float) -> float:
@@ -612,6 +651,9 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
             # serving wall time over the serving thread's CPU time: > 1 where the core or
             # the GIL was elsewhere (channel, simulator); CPU time itself shows cache effects
             wall_over_cpu=_wall_over_cpu(entries, set(ups)),
+            wall_over_cpu_arriving=_wall_over_cpu(
+                entries, set(ups), {r["policy_version"]: r["rollout_time_s"] for r in mine}),
+            **_paired_service(by_update, mine, [r for r in rows if r["schedule"] == "sync"]),
             serve_cpu_s=_serve_cpu(entries, set(ups)),
             run_dir=d))
     sync_t = out[0]["step_time_s"]

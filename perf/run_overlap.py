@@ -82,7 +82,10 @@ def _print(rows: list[dict]) -> None:
               f"(pred {r['speedup_predicted']:.2f}x, "
               f"{100 * r['measured_over_predicted']:.0f}%)  tail {r['learner_tail_s']:.3f}s"
               f"  r_eff {r['ratio_effective']:.2f}  wall/cpu {r['wall_over_cpu']:.3f}"
-              f"  lag {r['release_lag_ms']:.1f}/{r['release_lag_max_ms']:.0f}ms"
+              + (f"  service/sync {r['service_vs_sync']:.3f} (arriving "
+                 f"{r['service_vs_sync_arriving']:.3f})"
+                 if r.get("service_vs_sync_arriving") is not None else "")
+              + f"  lag {r['release_lag_ms']:.1f}/{r['release_lag_max_ms']:.0f}ms"
               + (f"  dispatch {100 * r['dispatch_overhead']:.2f}% (idle lane "
                  f"{100 * r['dispatch_idle']:.2f}%, n={r['dispatch_idle_n']})"
                  if r["dispatch_overhead"] is not None else ""), flush=True)

@@ -20,8 +20,8 @@ import torch
 from dist_util import REPO_ROOT, free_port
 from tsync_mcore.channel import (
     MAGIC, WIRE_VERSION, Ack, ChannelError, ChannelTimeout, CloseBatch, GroupRewards, Limits, MsgType,
-    PeerGone, Publish, RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg, decode, encode,
-    open_learner_side, open_rollout_side,
+    ROLLOUT_SENDS, PeerGone, Publish, RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg, decode,
+    encode, open_learner_side, open_rollout_side,
 )
 from tsync_mcore.channel.link import realtime_io_permitted
 from tsync_mcore.sources import TurnSource
@@ -236,6 +236,32 @@ def test_timeout_keeps_link_and_shutdown_handshake():
             learner.poll()
 
 
+def test_prepared_messages_arrive_as_sent_and_are_checked_when_prepared():
+    long = TrajectoryMsg(replace(cw.bench_message(1).source, tokens=tuple(range(6000)),
+                                 scored_mask=(0,) * 100 + (1,) * 5900))  # frame + body
+    with link_pair(limits=Limits(max_tokens=8000)) as (rollout, learner):
+        sent = [m for m in ALL_MESSAGES if isinstance(m, ROLLOUT_SENDS)
+                and not isinstance(m, Shutdown)] + [long]
+        prepared = [rollout.prepare(m) for m in sent]
+        assert learner.poll() is None  # preparing sends nothing
+        for p in prepared:
+            rollout.send(p)
+        assert [learner.recv(5) for _ in sent] == sent
+        rollout.send(prepared[0])  # a prepared message may be sent again
+        assert learner.recv(5) == sent[0]
+        with pytest.raises(ChannelError, match="Shutdown is sent, not prepared"):
+            rollout.prepare(Shutdown("x"))
+        with pytest.raises(ChannelError, match="rollout side does not send Publish"):
+            rollout.prepare(Publish(1, "p"))
+        with pytest.raises(ChannelError, match="learner side does not send TrajectoryMsg"):
+            learner.send(prepared[-1])
+        with pytest.raises(ChannelError, match="max_tokens=8000"):
+            rollout.prepare(TrajectoryMsg(replace(long.source, tokens=(1,) * 8001,
+                                                  scored_mask=(0,) * 8001)))
+        rollout.send(CloseBatch(version=1, rollout_time_s=0.5, n_sources=3))
+        assert learner.recv(5) == CloseBatch(1, 0.5, 3)  # refused preparations sent nothing
+
+
 def _thread_policies() -> dict[int, int]:
     """tid → scheduling policy (0 normal, 1 FIFO, 3 batch) of every thread of this process."""
     out = {}
@@ -288,13 +314,20 @@ def _raw_send(link, tensors: list[torch.Tensor]) -> None:
         link._pg.send([body], link._peer, 1).wait()
 
 
-@pytest.mark.parametrize("fault", ["bad magic", "wrong direction"])
+@pytest.mark.parametrize("fault", ["bad magic", "damaged payload", "wrong direction"])
 def test_protocol_error_is_final_and_told_to_the_peer(fault):
     with link_pair() as (rollout, learner):
         if fault == "bad magic":
             victim, peer = learner, rollout
             _raw_send(rollout, _tweak_header(encode(Shutdown("x")), 0, 7)[:1])
             pattern = "bad magic 0x7"
+        elif fault == "damaged payload":  # one token flipped after the checksum was sealed
+            victim, peer = learner, rollout
+            tensors = encode(cw.bench_message(0))
+            tensors[1] = tensors[1].clone()
+            tensors[1][3] += 1
+            _raw_send(rollout, tensors)
+            pattern = "TrajectoryMsg: payload checksum mismatch"
         else:
             victim, peer = rollout, learner
             _raw_send(learner, encode(cw.bench_message(0)))

@@ -217,6 +217,11 @@ def test_overlap_benchmark_replays_the_runs_release_trace(tiny_qwen2, golden, tm
     for r in rows:
         assert r["workload"] == "recorded" and r["step_time_s"] > 0 and r["speedup_predicted"] > 0
         assert r["host"]["pin"] and 0 <= r["release_lag_ms"] <= r["release_lag_max_ms"]
+    # streaming serves while sources arrive; each source's service is paired with its sync one
+    ts = rows[2]
+    assert ts["wall_over_cpu_arriving"] > 0 and ts["sources_arriving"] > 0
+    assert ts["service_vs_sync"] > 0 and ts["service_vs_sync_arriving"] > 0
+    assert rows[0]["service_vs_sync"] == 1.0 and rows[0]["sources_arriving"] == 0
     with pytest.raises(ValueError, match="no traces"):
         RecordedWorkload.from_run(str(tmp_path / "nothing"))
 
