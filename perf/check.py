@@ -46,12 +46,16 @@ def _fmt_shape(shape) -> str:
     return "" if shape is None else str(shape)
 
 
+def _overlap_cell(c: dict) -> str:
+    return (f"overlap {c.get('objective')}/{c.get('schedule')} "
+            f"ratio={c.get('ratio')} batch={c.get('batch')}")
+
+
 def overlap_metrics(cells: list[dict]) -> dict[tuple[str, str], tuple[float, str]]:
     """(cell, metric) -> (value, better direction) for the overlap cells."""
     out = {}
     for c in cells:
-        cell = (f"overlap {c.get('objective')}/{c.get('schedule')} "
-                f"ratio={c.get('ratio')} batch={c.get('batch')}")
+        cell = _overlap_cell(c)
         measured, predicted = c.get("speedup_measured"), c.get("speedup_predicted")
         if measured is not None:
             out[cell, "speedup_measured"] = (float(measured), HIGHER)
@@ -217,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         also = " or missing (--strict)" if args.strict else ""
         print(f"\nFAIL: {len(bad)} cell(s) beyond tolerance{also}:")
         print(format_rows(bad))
+        # the benchmark flags cells run while something else held the learners' cores
+        busy = {_overlap_cell(c) for c in result.get("overlap", []) if c.get("host_busy")}
+        for cell in sorted({r["cell"] for r in bad} & busy):
+            print(f"note: {cell}: the host was busy during this cell (serving wall/CPU above "
+                  f"the run's other cells of its schedule): re-run it before trusting this")
         return 1
     return 0
 

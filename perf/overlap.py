@@ -574,6 +574,22 @@ def _paired_service(by_update: dict[int, list[dict]], mine: list[dict],
     return out
 
 
+def mark_busy_host(cells: list[dict], margin: float = 0.03) -> list[dict]:
+    """Flag (`host_busy`) and return the cells whose serving wall/CPU exceeds the run's
+    median for the same schedule by more than `margin`: something else held the learners'
+    cores during that cell, and its speedups say more about that than about the code
+    (the 21:29 sweep: one cell at 1.105 while every other streaming cell ran at
+    1.034–1.059, and its rounds spread ±0.10)."""
+    busy = []
+    for schedule in {c["schedule"] for c in cells}:
+        mine = [c for c in cells if c["schedule"] == schedule and c.get("wall_over_cpu")]
+        typical = median(c["wall_over_cpu"] for c in mine) if mine else 0.0
+        for c in mine:
+            c["host_busy"] = c["wall_over_cpu"] > typical + margin
+            busy += [c] if c["host_busy"] else []
+    return busy
+
+
 def _group_ready_step(entries: list[dict], R: float, P: float) -> float:
     """Eq. 14 for one update with each source released at its group's last arrival (GRPO)
     or its trajectory's last turn (OPD); replay/prefix work keeps its own release time."""

@@ -7,7 +7,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overlap import HostSetup, RecordedWorkload, cell  # noqa: E402
+from overlap import HostSetup, RecordedWorkload, cell, mark_busy_host  # noqa: E402
 
 from tsync_mcore.channel.link import realtime_io_permitted  # noqa: E402
 
@@ -70,6 +70,10 @@ def main() -> None:
     for job in jobs:
         rows += cell(hf_dir, work, rounds=args.rounds, host=host, routing=args.routing, **job)
         _print(rows[-3:])
+    for c in mark_busy_host(rows):
+        print(f"note: host busy during {c['objective']} r={c['ratio']} B={c['batch']} "
+              f"{c['schedule']} (serving wall/CPU {c['wall_over_cpu']:.3f}, above the run's "
+              f"other {c['schedule']} cells): re-run that cell before trusting it", flush=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
 

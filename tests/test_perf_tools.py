@@ -81,8 +81,31 @@ def test_check_names_overlap_regression(tmp_path):
     fail = out.stdout.split("FAIL")[1]
     assert "grpo/thundersync ratio=2.0 batch=64" in fail and "speedup_measured" in fail
     assert "group_ready" not in fail
+    assert "host was busy" not in out.stdout
     # within a looser tolerance it passes
     assert _run_check(tmp_path, result, _doc(), "--tolerance", "0.3").returncode == 0
+    # a cell the benchmark flagged as run on a busy host: the failure says so
+    result["overlap"][0]["host_busy"] = True
+    out = _run_check(tmp_path, result, _doc())
+    assert out.returncode == 1
+    assert ("note: overlap grpo/thundersync ratio=2.0 batch=64: the host was busy during this "
+            "cell") in out.stdout
+
+
+def test_overlap_flags_cells_run_on_a_busy_host():
+    from overlap import mark_busy_host
+
+    def c(schedule, ratio, wall_over_cpu):
+        return {"schedule": schedule, "ratio": ratio, "wall_over_cpu": wall_over_cpu}
+
+    # the 21:29 sweep's pattern: one streaming cell far above its schedule's others
+    cells = [c("sync", r, 1.025) for r in (0.5, 1, 2)] + [c("sync", 4, 1.041)]
+    cells += [c("thundersync", r, w) for r, w in ((0.5, 1.046), (1, 1.105), (2, 1.035))]
+    cells += [c("group_ready", r, w) for r, w in ((0.5, 1.044), (1, 1.059), (2, 1.034))]
+    busy = mark_busy_host(cells)
+    assert [(b["schedule"], b["ratio"]) for b in busy] == [("thundersync", 1)]
+    assert [x["host_busy"] for x in cells].count(True) == 1
+    assert mark_busy_host([c("sync", 1, 1.3)]) == []  # one cell: nothing to compare with
 
 
 def test_check_names_kernel_regression(tmp_path):
