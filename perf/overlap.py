@@ -558,9 +558,9 @@ def _paired_service(by_update: dict[int, list[dict]], mine: list[dict],
     for r in mine:
         base = sync_of[r["draw"]]
         for e in by_update[r["policy_version"]]:
-            if e.get("kind") not in (None, "turn") or key(e) not in base:
+            b = base.get(key(e)) if e.get("kind") in (None, "turn") else None
+            if b is None:
                 continue
-            b = base[key(e)]
             x = ((e["end"] - e["start"]) / (b["end"] - b["start"]), e["cpu"] / b["cpu"])
             ratios["all"].append(x)
             if e["start"] < r["rollout_time_s"]:
@@ -580,14 +580,12 @@ def mark_busy_host(cells: list[dict], margin: float = 0.03) -> list[dict]:
     cores during that cell, and its speedups say more about that than about the code
     (the 21:29 sweep: one cell at 1.105 while every other streaming cell ran at
     1.034–1.059, and its rounds spread ±0.10)."""
-    busy = []
-    for schedule in {c["schedule"] for c in cells}:
+    for schedule in {c["schedule"] for c in cells if c.get("wall_over_cpu")}:
         mine = [c for c in cells if c["schedule"] == schedule and c.get("wall_over_cpu")]
-        typical = median(c["wall_over_cpu"] for c in mine) if mine else 0.0
+        typical = median(c["wall_over_cpu"] for c in mine)
         for c in mine:
             c["host_busy"] = c["wall_over_cpu"] > typical + margin
-            busy += [c] if c["host_busy"] else []
-    return busy
+    return [c for c in cells if c.get("host_busy")]
 
 
 def _group_ready_step(entries: list[dict], R: float, P: float) -> float:
@@ -629,6 +627,7 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
     # L: the learner time the sync updates took (R was set from their calibration twins)
     L_sync = mean(_busiest_lane(by_update[r["policy_version"]], r["policy_version"])
                   for r in rows if r["schedule"] == "sync")
+    sync_rows = [r for r in rows if r["schedule"] == "sync"]
     out = []
     for schedule in SCHEDULES:
         mine = [r for r in rows if r["schedule"] == schedule]
@@ -669,7 +668,7 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
             wall_over_cpu=_wall_over_cpu(entries, set(ups)),
             wall_over_cpu_arriving=_wall_over_cpu(
                 entries, set(ups), {r["policy_version"]: r["rollout_time_s"] for r in mine}),
-            **_paired_service(by_update, mine, [r for r in rows if r["schedule"] == "sync"]),
+            **_paired_service(by_update, mine, sync_rows),
             serve_cpu_s=_serve_cpu(entries, set(ups)),
             run_dir=d))
     sync_t = out[0]["step_time_s"]

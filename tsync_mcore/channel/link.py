@@ -78,11 +78,11 @@ def _frames(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | N
     return frame, None if fits else body
 
 
+_NUMPY = {torch.int64: np.int64, torch.uint8: np.uint8, torch.float64: np.float64}
+
+
 def _unpack(body: np.ndarray, specs) -> list[np.ndarray]:
     return [body[at:at + size].view(_NUMPY[dt]) for dt, at, size in _layout(specs)]
-
-
-_NUMPY = {torch.int64: np.int64, torch.uint8: np.uint8, torch.float64: np.float64}
 
 
 _CLOSE_GRACE_S = 5.0
@@ -144,6 +144,9 @@ class Link:
         self._check_sendable(type(msg))
         if isinstance(msg, Shutdown):
             raise ChannelError(f"{self.name}: Shutdown is sent, not prepared")
+        return self._frame(msg)
+
+    def _frame(self, msg: Message) -> Prepared:
         return Prepared(type(msg), *_frames(encode(msg, self._limits)))
 
     def _check_sendable(self, kind: type) -> None:
@@ -162,13 +165,10 @@ class Link:
             if isinstance(msg, Shutdown):
                 return  # the reader has answered already (or the peer no longer reads)
             raise PeerGone(f"{self.name}: peer sent Shutdown ({self._peer_shutdown!r})")
-        self._transmit(msg)
+        self._transmit(msg if isinstance(msg, Prepared) else self._frame(msg))
 
-    def _transmit(self, msg: Message | Prepared) -> None:
-        prepared = msg if isinstance(msg, Prepared) else None
-        kind = prepared.kind if prepared else type(msg)
-        frame, body = ((prepared.frame, prepared.body) if prepared
-                       else _frames(encode(msg, self._limits)))
+    def _transmit(self, msg: Prepared) -> None:
+        kind = msg.kind
         with self._send_lock:
             if self._sent_shutdown:
                 if kind is Shutdown:
@@ -176,9 +176,9 @@ class Link:
                 raise ChannelError(f"{self.name}: send of {kind.__name__} after Shutdown")
             self._sent_shutdown = kind is Shutdown
             try:
-                works = [self._pg.send([frame], self._peer, _FRAME_TAG)]
-                if body is not None:
-                    works.append(self._pg.send([body], self._peer, _BODY_TAG))
+                works = [self._pg.send([msg.frame], self._peer, _FRAME_TAG)]
+                if msg.body is not None:
+                    works.append(self._pg.send([msg.body], self._peer, _BODY_TAG))
                 for w in works:
                     w.wait(self._timeout)
             except RuntimeError as e:
@@ -256,7 +256,7 @@ class Link:
     def _reply_shutdown(self, reason: str) -> None:
         # Our Shutdown is what lets the peer's reader (and its close()) finish.
         try:
-            self._transmit(Shutdown(reason[:4096]))
+            self._transmit(self._frame(Shutdown(reason[:4096])))
         except ChannelError:
             pass  # the peer is gone already: nothing to tell it
 

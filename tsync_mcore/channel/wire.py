@@ -347,13 +347,11 @@ def _opt_prompt_len(name: str, has: int, value: int) -> int | None:
     return value if has else None
 
 
-def decode(tensors: list[torch.Tensor], limits: Limits = DEFAULT_LIMITS,
-           checked: tuple[MsgType, list[PayloadSpec]] | None = None) -> Message:
-    """Rebuild one message from its tensors; ChannelError names any structural problem.
-    `checked`: check_header's result when the caller has just run it on this header."""
+def decode(tensors: list[torch.Tensor], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Rebuild one message from its tensors; ChannelError names any structural problem."""
     if not tensors:
         raise ChannelError("empty message: no header tensor")
-    kind, specs = checked or check_header(tensors[0], limits)
+    kind, specs = check_header(tensors[0], limits)
     name, payloads = _NAME_OF[kind], list(tensors[1:])
     if len(payloads) != len(specs):
         what = "truncated" if len(payloads) < len(specs) else "extra tensors"
