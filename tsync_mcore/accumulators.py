@@ -25,23 +25,27 @@ import triton_kernels as K
 
 @dataclass
 class _Pair:
-    g1: list[torch.Tensor]  # Σ (r_i − c) H_i, valid once has_g1
     g2: list[torch.Tensor]  # Σ H_i, valid once has_g2
     shift: float  # c: the group's first folded reward
+    g1: list[torch.Tensor] | None = None  # Σ (r_i − c) H_i, taken from the pool when needed
     has_g1: bool = False  # False: G1' = 0 (buffer holds a previous group's data)
     has_g2: bool = False
 
 
 class GradAccumulators:
+    """`per_group`: vectors a group may hold while open (2: G1'/G2 of an affine advantage;
+    1: the plain sum of an objective whose coefficients need no group statistics)."""
+
     def __init__(self, like: list[torch.Tensor], k_open: int, placement: str = "device",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, per_group: int = 2):
         self.k_open = k_open
+        self.per_group = per_group
         self.dtype = dtype
         self.numel = sum(t.numel() for t in like)
         self._devices = [t.device if placement == "device" else torch.device("cpu") for t in like]
         self._pin = placement == "host" and torch.cuda.is_available()
         self._sizes = [t.numel() for t in like]
-        self._free: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._free: list[list[torch.Tensor]] = []  # pooled vectors, with stale data
         self.open: dict[str, _Pair] = {}
         self.batch = self._new()
         self.peak_bytes = self.bytes_allocated
@@ -50,15 +54,27 @@ class GradAccumulators:
         return [torch.zeros(n, dtype=self.dtype, device=d, pin_memory=self._pin)
                 for n, d in zip(self._sizes, self._devices)]
 
+    def _take(self) -> list[torch.Tensor]:
+        v = self._free.pop() if self._free else self._new()
+        return v
+
+    @property
+    def vector_bytes(self) -> int:
+        return self.numel * torch.finfo(self.dtype).bits // 8
+
     @property
     def bytes_allocated(self) -> int:
-        """Bytes held by the batch accumulator, open pairs and pooled pairs."""
-        n_vectors = 1 + 2 * (len(self.open) + len(self._free))
-        return n_vectors * self.numel * torch.finfo(self.dtype).bits // 8
+        """Bytes held by the batch accumulator, open groups' vectors and pooled vectors."""
+        held = sum(1 + (p.g1 is not None) for p in self.open.values())
+        return (1 + held + len(self._free)) * self.vector_bytes
 
     @property
     def bound_bytes(self) -> int:
-        return (2 * self.k_open + 1) * self.numel * torch.finfo(self.dtype).bits // 8
+        return (self.per_group * self.k_open + 1) * self.vector_bytes
+
+    def group_bytes(self, group_id: str) -> int:
+        p = self.open.get(group_id)
+        return 0 if p is None else (1 + (p.g1 is not None)) * self.vector_bytes
 
     def _staged(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         # Host placement: bring the device gradient over once per fold.
@@ -71,12 +87,11 @@ class GradAccumulators:
             K.axpy_(acc, g, coef)
 
     def open_group(self, group_id: str, shift: float) -> None:
-        """Give a group its G1'/G2 pair; `shift` is c, its first folded reward."""
+        """Give a group its accumulator; `shift` is c, its first folded reward."""
         if len(self.open) >= self.k_open:
             raise RuntimeError(
                 f"admission cap exceeded: {len(self.open)} groups open, k_open={self.k_open}")
-        g1, g2 = self._free.pop() if self._free else (self._new(), self._new())
-        self.open[group_id] = _Pair(g1, g2, shift=float(shift))
+        self.open[group_id] = _Pair(self._take(), shift=float(shift))
         self.peak_bytes = max(self.peak_bytes, self.bytes_allocated)
 
     def fold_pair(self, group_id: str, grads: list[torch.Tensor], reward: float) -> None:
@@ -84,12 +99,16 @@ class GradAccumulators:
         hold data; before that, writes instead of adds (see the module docstring)."""
         pair = self.open[group_id]
         r = float(reward) - pair.shift
-        for a1, a2, g in zip(pair.g1, pair.g2, self._staged(grads)):
+        if r != 0.0 and pair.g1 is None:
+            pair.g1 = self._take()
+            self.peak_bytes = max(self.peak_bytes, self.bytes_allocated)
+        for j, g in enumerate(self._staged(grads)):
+            a2 = pair.g2[j]
             if pair.has_g1:
-                K.accumulate_g1g2_(a1, a2, g, r)
+                K.accumulate_g1g2_(pair.g1[j], a2, g, r)
                 continue
             if r != 0.0:
-                K.axpy_(a1, g, r, fresh=True)
+                K.axpy_(pair.g1[j], g, r, fresh=True)
             K.axpy_(a2, g, 1.0, fresh=not pair.has_g2)
         pair.has_g1 = pair.has_g1 or r != 0.0
         pair.has_g2 = True
@@ -101,20 +120,30 @@ class GradAccumulators:
         return group_id in self.open
 
     def close_group(self, group_id: str, scale: float, mu: float) -> None:
-        """batch += scale · (G1' − mu·G2); the pair returns to the pool as it is."""
+        """batch += scale · (G1' − mu·G2); the vectors return to the pool as they are."""
         pair = self.open.pop(group_id)
-        for acc, a1, a2 in zip(self.batch, pair.g1, pair.g2):
+        for j, acc in enumerate(self.batch):
             if pair.has_g1:
-                K.combine_group_(acc, a1, a2, mu, scale)
+                K.combine_group_(acc, pair.g1[j], pair.g2[j], mu, scale)
             elif pair.has_g2:
-                K.axpy_(acc, a2, -mu * scale)  # G1' = 0: only −mu·G2 is left
-        self._free.append((pair.g1, pair.g2))
+                K.axpy_(acc, pair.g2[j], -mu * scale)  # G1' = 0: only −mu·G2 is left
+        self._release(pair)
+
+    def discard_group(self, group_id: str) -> None:
+        """Drop an open group's sums without touching the batch (the group does not train)."""
+        pair = self.open.pop(group_id, None)
+        if pair is not None:
+            self._release(pair)
+
+    def _release(self, pair: _Pair) -> None:
+        self._free.append(pair.g2)
+        if pair.g1 is not None:
+            self._free.append(pair.g1)
 
     def reset(self) -> None:
         """Start a new batch (or abandon a failed one): everything back to zero."""
         for gid in list(self.open):
-            pair = self.open.pop(gid)
-            self._free.append((pair.g1, pair.g2))
+            self._release(self.open.pop(gid))
         for t in self.batch:
             t.zero_()
 

@@ -18,7 +18,7 @@ import yaml
 Objective = Literal["grpo", "dr_grpo", "rloo", "opd"]
 Schedule = Literal["sync", "group_ready", "thundersync"]
 DType = Literal["fp32", "bf16"]
-TokenNorm = Literal["trajectory", "global"]
+TokenNorm = Literal["auto", "trajectory", "global"]
 AccumPlacement = Literal["device", "host"]
 AccumDType = Literal["fp32", "fp64"]
 
@@ -69,7 +69,9 @@ class LearnerConfig:
     # fp64 doubles accumulator memory (8(2k+1)P bytes) but makes the update independent of
     # arrival order to within FP32 rounding of the final sum (see README, numerics).
     accum_dtype: AccumDType = "fp32"
-    token_norm: TokenNorm = "trajectory"  # w = 1/(n_groups·L_i), or 1/N_k global token mean
+    # w = 1/(n_groups·L_i), or 1/N_k global token mean; auto: GRPO family "trajectory",
+    # OPD "global" (a turn streams before its trajectory's length L_i is known)
+    token_norm: TokenNorm = "auto"
     adv_eps: float = 1e-6  # ε in (r − μ)/(σ + ε)
     # OPD deferred replay: recompute earlier turns from their context leaves (linear FLOPs),
     # or retain each turn's graph until its trajectory completes (no recompute, more memory).
@@ -77,10 +79,20 @@ class LearnerConfig:
     # GRPO groups share their prompt: run it once per group and backpropagate it once at
     # group close with the combined boundary adjoint (appendix I). Same update either way.
     shared_prefix: bool = True
+    # Memory-aware admission: a new group opens only while what open groups hold (G1'/G2 or
+    # gradient sums, K/V leaves + adjoints, shared prompts) plus its estimate fits; 0: off.
+    max_open_bytes: int = 0
 
     def validate(self) -> None:
         _check(self.k_open >= 1, "learner.k_open", f"must be >= 1, got {self.k_open}")
         _check(self.adv_eps > 0, "learner.adv_eps", f"must be > 0, got {self.adv_eps}")
+        _check(self.max_open_bytes >= 0, "learner.max_open_bytes",
+               f"must be >= 0 (0: no byte budget), got {self.max_open_bytes}")
+        _check(not (self.objective == "opd" and self.token_norm == "trajectory"),
+               "learner.token_norm", "'trajectory' needs each trajectory's scored length "
+               "before its first source trains; OPD streams turns, use 'global'")
+        if self.token_norm == "auto":  # resolved here, once: what runs is what config.yaml says
+            self.token_norm = "global" if self.objective == "opd" else "trajectory"
 
 
 @dataclass

@@ -1,24 +1,25 @@
-"""One update of the streaming learner, top to bottom (SPEC §1–3).
+"""One update of the streaming learner, top to bottom, for every objective (SPEC §1–3).
 
-    begin(plan)       register the batch's groups and how sources are routed to DP ranks
-    submit(source)    validate → release per schedule → serve: forward, fused scored
-                      log-prob, backward into the grad buffers, fold into G1'/G2 (or the
-                      batch accumulator once the group's rewards are all known, as they
-                      are for the member that completes it), zero buffers;
-    group_rewards()   (balanced routing) the rewards of members served on other ranks;
-                      a complete group's pair is combined (Eq. 7) once nothing of it is
-                      left to serve here, and freed
-    close()           every source present somewhere → serve what is left → deferred
-                      scalar (1/n_groups or 1/N_k) → reduce → clip → one optimizer step
+    begin(plan)       register the batch's groups (and turn counts), how sources reach the
+                      DP ranks, and the release schedule
+    submit(source)    validate → release per schedule → serve what is servable: forward,
+                      fused scored log-prob, backward into the grad buffers, fold into the
+                      group's own sums or, once the group is complete, into the batch
+    group_rewards()   (balanced routing) the rewards of members served on other ranks
+    drop_group()      a group leaves the update (a rejected member on the live path): its
+                      open sums and contexts are discarded, nothing of it trains
+    close()           DP agreement on what trains → serve what is left → deferred scalar
+                      (1/n_groups or 1/N_k) → reduce → clip → exactly one optimizer step
 
-Schedules differ only in when a source is released (schedule.py); the work is the same.
-Nothing touches the parameters before close() has checked the whole batch, so an error at
-any point leaves θ and the optimizer intact.
+The objective's math is in `objectives/`; what a source is and how one is served (GRPO
+trajectories: G1'/G2 pairs and group rewards; OPD turns: K/V context and deferred replay)
+in `serving/`; when a unit may run in `schedule.py`. Nothing touches the parameters before
+close() has checked the whole batch, so an error at any point leaves θ and the optimizer
+intact.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -26,13 +27,13 @@ import torch
 
 from tsync_mcore.accumulators import GradAccumulators
 from tsync_mcore.config import LearnerConfig
-from tsync_mcore.objectives import ADVANTAGES
+from tsync_mcore.model.span import KV, kv_bytes
+from tsync_mcore.objectives import OBJECTIVES
 from tsync_mcore.policy import Policy
-from tsync_mcore.prefix import SharedPrefix
-from tsync_mcore.routing import ROUTINGS
 from tsync_mcore.schedule import ReadinessQueue, Service
-from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, assign_groups,
-                                 check_version, validate_source)
+from tsync_mcore.serving import SOURCE_KINDS
+from tsync_mcore.sources import BatchPlan, SourceError, assign_groups, check_version
+from tsync_mcore.trace import DeferredRecord, Record, SourceRecord, UpdateRecord
 
 ACCUM_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -43,24 +44,32 @@ class UpdateResult:
     ok: bool
     grad_norm: float
     n_sources: int  # served on this rank
-    scored_tokens: int  # over all ranks
+    scored_tokens: int  # N_k: scored tokens that trained, over all ranks
+    n_groups: int  # groups that trained, over all ranks
     accum_peak_bytes: int
     accum_bound_bytes: int
     grad: dict[str, torch.Tensor] | None
-    trace: list[dict] = field(default_factory=list)
+    trace: list[Record] = field(default_factory=list)
     kv_peak_bytes: int = 0  # OPD: context K/V leaves + adjoints held at once
+    open_peak_bytes: int = 0  # everything open groups held at once (pairs, K/V, prompts)
+    open_bound: str = ""  # the admission bound that applied
+    dropped_groups: dict[str, str] = field(default_factory=dict)  # over all ranks: why
+    rejected_sources: dict[str, str] = field(default_factory=dict)  # this rank: why
 
 
 class Learner:
     def __init__(self, cfg: LearnerConfig, policy: Policy, policy_version: int = 0):
+        if cfg.objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {cfg.objective!r} (have {sorted(OBJECTIVES)})")
         self.cfg = cfg
         self.policy = policy
         self.version = policy_version
-        if cfg.objective not in ADVANTAGES:
-            raise ValueError(f"Learner runs {sorted(ADVANTAGES)}; use OPDLearner for {cfg.objective!r}")
-        self.objective = ADVANTAGES[cfg.objective]
+        self.objective = OBJECTIVES[cfg.objective]
+        self.kind = SOURCE_KINDS[self.objective.source](self)
         self.acc = GradAccumulators(policy.grad_buffers(), cfg.k_open, cfg.accum,
-                                    dtype=ACCUM_DTYPES[cfg.accum_dtype])
+                                    dtype=ACCUM_DTYPES[cfg.accum_dtype],
+                                    per_group=self.objective.group_vectors)
+        self.kv_per_token = 0  # K/V bytes of one token on this rank, once a forward showed it
         self.plan: BatchPlan | None = None
 
     # --- register -------------------------------------------------------------------------
@@ -73,179 +82,208 @@ class Learner:
 
         `routing` says how sources reach the DP ranks (tsync_mcore.routing): "static", each
         group to its `assign_groups` owner (sources of other groups may be submitted too and
-        only lend their rewards); "balanced", each trajectory to whichever rank the rollout
+        only lend their outcomes); "balanced", each source to whichever rank the rollout
         chose, so this rank serves every source it is given and learns the rewards of
         members served elsewhere from `group_rewards`."""
         if self.plan is not None:
             raise RuntimeError(f"batch for policy version {self.version} is still open")
-        if routing not in ROUTINGS:
-            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
-        par = self.policy.par
+        if routing not in self.objective.routings:
+            raise ValueError(f"routing {routing!r}: the {self.cfg.objective} objective routes "
+                             f"{' or '.join(self.objective.routings)}")
         self.schedule = schedule or self.cfg.schedule
         self.routing = routing
-        self.owner = assign_groups(plan, group_tokens or {}, par.dp_size)
+        self.owner = assign_groups(plan, group_tokens or {}, self.policy.par.dp_size)
         self.plan = plan
-        self.queue = ReadinessQueue(self.schedule, plan, self.cfg.k_open)
+        self.queue = ReadinessQueue(self.schedule, plan, self.cfg.k_open,
+                                    opens=self.kind.opens, fits=self._fits)
         self.member_of = {t: g for g, ts in plan.groups.items() for t in ts}
-        self.arrived: dict[str, TrajectorySource] = {}
-        self.rewards: dict[str, float] = {}  # every reward known here, served here or not
-        self.announced: set[str] = set()  # groups whose rewards came from group_rewards
-        self.here: set[str] = set()  # groups with members given to this rank to serve
-        self.trace: list[dict] = []
+        self.arrived: dict[str, object] = {}  # by unit key, served here or not
+        self.records: dict[str, SourceRecord] = {}  # units given to this rank
+        self.here: set[str] = set()  # groups with units given to this rank to serve
+        self.trace: list[Record] = []
         self.t0 = time.perf_counter() if t0 is None else t0
-        self.scored_local = 0
-        self.prefixes: dict[str, SharedPrefix | None] = {}
+        self.scored: dict[str, int] = {}  # scored tokens served here, per group
+        self.committed: set[str] = set()  # groups with something in the batch accumulator
+        self.dropped: dict[str, str] = {}
+        self.rejected: dict[str, str] = {}
+        self.open_peak_bytes = 0
         self.acc.reset()
+        self.kind.begin()
 
     # --- stream ---------------------------------------------------------------------------
 
-    def submit(self, src: TrajectorySource, arrived: float | None = None) -> None:
-        """Accept a ready source and serve whatever the schedule releases now.
-
+    def submit(self, src, arrived: float | None = None, serve: bool = True) -> None:
+        """Accept a ready source and serve what is servable now (`serve=False`: leave that
+        to `serve_next`, so a caller holding more arrivals hands them all over first).
         `arrived`: perf_counter time the source reached this process (default: now), so the
         trace's ready time is not delayed by the learner being busy."""
         self._check(src)
         g = src.group_id
-        self.arrived[src.traj_id] = src
-        self.rewards[src.traj_id] = float(src.reward)
+        self.arrived[src.key] = src
+        self.kind.arrived(src)
+        if g in self.dropped:
+            return  # a member of a group that left the update: nothing of it trains
         if self.routing == "balanced" or self.owner[g] == self.policy.par.dp_rank:
             self.here.add(g)
             self.queue.arrive(src)
-            self._note(src, ready=self._now() if arrived is None else arrived - self.t0)
+            self.records[src.key] = SourceRecord(
+                update=self.version, rank=self.policy.par.rank,
+                source="turn" if hasattr(src, "turn") else "trajectory", traj_id=src.traj_id,
+                group_id=g, turn=getattr(src, "turn", None), policy_version=src.policy_version,
+                scored_tokens=src.n_scored,
+                ready=self.now() if arrived is None else arrived - self.t0)
         self._maybe_complete(g)
-        self._drain()
+        if serve:
+            self._drain()
 
     def group_rewards(self, group_id: str, rewards: dict[str, float]) -> None:
         """The rollout's announcement of every reward of a finished group (balanced routing:
         some members were served on other ranks). Checked against what arrived here."""
         if self.plan is None:
             raise RuntimeError("group_rewards() before begin(): no batch is open")
-        members = self.plan.groups.get(group_id)
-        name = f"rewards of group {group_id!r}"
-        if members is None:
-            raise SourceError(f"{name}: group is not registered in this batch")
-        if group_id in self.announced:
-            raise SourceError(f"{name}: duplicate, already announced in this batch")
-        if set(rewards) != set(members):
-            raise SourceError(f"{name}: announced for {sorted(rewards)}, the group registered "
-                              f"{sorted(members)}")
-        for t, r in rewards.items():
-            if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r):
-                raise SourceError(f"{name}: reward of {t!r} must be a finite number, got {r!r}")
-            if t in self.rewards and self.rewards[t] != float(r):
-                raise SourceError(f"{name}: {t!r} arrived with reward {self.rewards[t]!r}, "
-                                  f"announced {float(r)!r}")
-        self.announced.add(group_id)
-        self.rewards.update({t: float(r) for t, r in rewards.items()})
+        if group_id in self.dropped:
+            return
+        self.kind.announce(group_id, rewards)
         self._maybe_complete(group_id)
         self._drain()
 
-    def _maybe_complete(self, g: str) -> None:
-        if not self.queue.is_complete(g) and all(t in self.rewards for t in self.plan.groups[g]):
-            self.queue.complete(g)
+    def serve_next(self) -> bool:
+        """Serve the next servable unit; False when there is none now."""
+        svc = self.queue.next()
+        if svc is None:
+            return False
+        self._serve(svc)
+        return True
 
-    def _check(self, src: TrajectorySource) -> None:
+    def _check(self, src) -> None:
         if self.plan is None:
             raise RuntimeError("submit() before begin(): no batch is open")
-        validate_source(src, self.policy.vocab_size)
-        name = f"trajectory {src.traj_id!r}"
+        if not isinstance(src, self.kind.source_type):
+            raise SourceError(f"a {type(src).__name__} in a {self.cfg.objective} batch, which "
+                              f"trains on {self.kind.source_type.__name__}s")
+        self.kind.validate(src)
+        name = f"{type(src).__name__} {src.key!r}"
         check_version(name, src.policy_version, self.version)
-        if src.traj_id in self.arrived:
-            raise SourceError(f"{name}: duplicate, already received in this batch")
         members = self.plan.groups.get(src.group_id)
         if members is None:
             raise SourceError(f"{name}: group {src.group_id!r} is not registered in this batch")
         if self.member_of.get(src.traj_id) != src.group_id:
-            raise SourceError(f"{name}: not one of the {len(members)} trajectories registered for "
+            raise SourceError(f"{name}: trajectory not one of the {len(members)} registered for "
                               f"group {src.group_id!r}; the group would be larger than registered")
-        if src.traj_id in self.rewards and self.rewards[src.traj_id] != float(src.reward):
-            raise SourceError(f"{name}: reward {float(src.reward)!r}, but the group's rewards "
-                              f"were announced with {self.rewards[src.traj_id]!r}")
+        if src.key in self.arrived:
+            raise SourceError(f"{name}: duplicate, already received in this batch")
+        self.kind.check(src)
+
+    def _maybe_complete(self, g: str) -> None:
+        if g not in self.dropped and not self.queue.is_complete(g) and self.kind.complete(g):
+            self.queue.complete(g)
 
     def _drain(self) -> None:
-        while (svc := self.queue.next()) is not None:
-            self._serve(svc)
+        while self.serve_next():
+            pass
 
     def _serve(self, svc: Service) -> None:
         src, g = svc.source, svc.group_id
-        start = self._now()
-        cpu0 = time.thread_time()
-        if src is not None and src.n_scored > 0:
-            if svc.fold == "pair" and not self.acc.is_open(g):
-                self.acc.open_group(g, shift=src.reward)  # c = the group's first folded reward
-            # Token weight 1/L_i now; 1/n_groups (or 1/N_k) is the deferred scalar at close.
-            w = 1.0 / src.n_scored if self.cfg.token_norm == "trajectory" else 1.0
-            prefix = self._prefix_for(src) if self.cfg.shared_prefix else None
-            if prefix is None:
-                self.policy.backward_source(list(src.tokens), list(src.scored_mask), w)
-            else:
-                prefix.backward_continuation(self.policy, src, w)
-            q = len(prefix) if prefix is not None else 0
-            span = dict(span_tokens=src.n_tokens - q, context=q)  # what ran (FLOP ledger)
-            grads = self.policy.grad_buffers()
-            if svc.fold == "direct":
-                coef = self._direct_coef(src)
-                self.acc.fold_direct(grads, coef)
-                if prefix is not None:
-                    prefix.fold_direct(coef)
-            else:
-                self.acc.fold_pair(g, grads, src.reward)
-                if prefix is not None:
-                    prefix.fold_pair(src.reward - self.acc.shift_of(g))
-            self.policy.zero_grads()
-            self.scored_local += src.n_scored
-        scale, mu = 1.0, 0.0
-        if svc.closes_group and self.acc.is_open(g):
-            scale, mu = self.objective.closure(self._group_rewards(g), self.acc.shift_of(g),
-                                               self.cfg.adv_eps)
-            self.acc.close_group(g, scale, mu)
         if src is not None:
+            start, cpu0 = self.now(), time.thread_time()
+            span = self.kind.serve(svc)  # its tensors are freed by now: timed too
             # cpu: this thread's CPU time; wall − cpu is time the core or the GIL was elsewhere.
-            # Noted before the prompt backward, which is its own trace entry (counted once).
-            self._note(src, start=start, end=self._now(), cpu=time.thread_time() - cpu0,
-                       fold=svc.fold, closes_group=svc.closes_group,
-                       open_groups=self.queue.open_groups,
-                       **(span if src.n_scored > 0 else dict(span_tokens=0, context=0)))
+            rec = self.records[src.key]
+            rec.start, rec.end, rec.cpu = start, self.now(), time.thread_time() - cpu0
+            rec.fold, rec.closes_group = svc.fold, svc.closes_group
+            rec.open_groups = self.queue.open_groups
+            rec.span_tokens, rec.context, rec.logits = (span["span_tokens"], span["context"],
+                                                        span["logits"])
+            self.trace.append(rec)
+            self.scored[g] = self.scored.get(g, 0) + src.n_scored
+            self.open_peak_bytes = max(self.open_peak_bytes, self.open_bytes())
+            self.kind.after(svc)  # deferred work (its own trace records, after this one)
         if svc.last_here:
-            self._close_prefix(g, scale, mu)
+            self.kind.finish(svc)
 
-    def _direct_coef(self, src: TrajectorySource) -> float:
-        i = self.plan.groups[src.group_id].index(src.traj_id)
-        return self.objective.source_coef(self._group_rewards(src.group_id), i, self.cfg.adv_eps)
+    # --- what the serving parts call back -------------------------------------------------
 
-    def _prefix_for(self, src: TrajectorySource) -> SharedPrefix | None:
-        """The group's shared prompt, computed once on its first scored source."""
-        g = src.group_id
-        if g not in self.prefixes:
-            self.prefixes[g] = SharedPrefix.build(self.policy, src, dtype=self.acc.dtype)
-        prefix = self.prefixes[g]
-        return prefix if prefix is not None and prefix.covers(src) else None
+    def fold_direct(self, g: str, grads: list[torch.Tensor], coef: float) -> None:
+        """batch += coef·grads: once there, the group cannot be taken out of the update."""
+        self.acc.fold_direct(grads, coef)
+        self.committed.add(g)
 
-    def _close_prefix(self, g: str, scale: float, mu: float) -> None:
-        """One backward through the prompt with scale·(A1 − mu·A2) + A, into the batch."""
-        prefix = self.prefixes.pop(g, None)
-        start, cpu0 = self._now(), time.thread_time()
-        ran = prefix is not None and prefix.backward_prefix(scale, mu)
-        n = len(prefix) if prefix is not None else 0
-        del prefix  # its K/V and graph are freed inside the timing
-        if ran:
-            self.acc.fold_direct(self.policy.grad_buffers(), 1.0)
-            self.policy.zero_grads()
-            self.trace.append(dict(kind="prefix", group_id=g, rank=self.policy.par.rank,
-                                   policy_version=self.version, ready=start, start=start,
-                                   end=self._now(), cpu=time.thread_time() - cpu0,
-                                   span_tokens=n, context=0))
+    def defer(self, rec: DeferredRecord) -> None:
+        self.trace.append(rec)
 
-    def _group_rewards(self, g: str) -> list[float]:
-        return [self.rewards[t] for t in self.plan.groups[g]]
+    def saw_kv(self, kv: list[KV], n_tokens: int) -> None:
+        if n_tokens and not self.kv_per_token:
+            self.kv_per_token = kv_bytes(kv) // n_tokens
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    # --- admission ------------------------------------------------------------------------
+
+    def open_bytes(self) -> int:
+        """Bytes held by open groups now: their sums, K/V leaves + adjoints, prompts."""
+        return sum(self.acc.group_bytes(g) for g in self.acc.open) + self.kind.held_bytes()
+
+    def _fits(self, unit) -> bool:
+        budget = self.cfg.max_open_bytes
+        return not budget or self.open_bytes() + self.kind.estimate(unit) <= budget
+
+    @property
+    def open_bound(self) -> str:
+        b = f"k_open={self.cfg.k_open} groups"
+        return b + (f", max_open_bytes={self.cfg.max_open_bytes}" if self.cfg.max_open_bytes else "")
+
+    # --- leaving groups out ---------------------------------------------------------------
+
+    def drop_group(self, group_id: str, reason: str) -> bool:
+        """Group `group_id` leaves this update (on every rank, once each has been told or at
+        close): nothing of it trains, n_groups and N_k do not count it. False if it had put
+        work into the batch accumulator here already (then close() refuses the batch)."""
+        if self.plan is None:
+            raise RuntimeError("drop_group() before begin(): no batch is open")
+        if group_id not in self.plan.groups:
+            raise SourceError(f"drop of group {group_id!r}: not registered in this batch")
+        if group_id in self.dropped:
+            return group_id not in self.committed
+        self.dropped[group_id] = reason
+        self.queue.drop(group_id)
+        self.kind.drop(group_id)
+        self.acc.discard_group(group_id)
+        self.scored.pop(group_id, None)
+        self._drain()  # what waited behind its admission
+        return group_id not in self.committed
+
+    def reject(self, src, reason: str) -> list[str]:
+        """The live path's answer to a source `submit` refused: record it, and drop the
+        group that registered its trajectory unless a valid copy of it arrived already
+        (a duplicate leaves the first copy standing). Returns the groups dropped."""
+        key = getattr(src, "key", "?")
+        self.rejected[str(key)] = reason
+        g = self.member_of.get(getattr(src, "traj_id", None))
+        if g is None or key in self.arrived or g in self.dropped:
+            return []
+        self.drop_group(g, f"{key}: {reason}")
+        return [g]
 
     # --- barrier and step -----------------------------------------------------------------
 
     def close(self, export_grad: bool = False) -> UpdateResult:
         if self.plan is None:
             raise RuntimeError("close() before begin(): no batch is open")
+        groups = list(self.plan.groups)
+        # Every rank must agree before the collective step: what was dropped anywhere, what
+        # cannot be taken out anywhere, and then what is still missing.
+        flags = self.policy.dp_sum_vector([float(g in self.dropped) for g in groups]
+                                          + [float(g in self.committed) for g in groups])
+        dropped_anywhere = [g for g, n in zip(groups, flags) if n]
+        late = [g for g, d, c in zip(groups, flags, flags[len(groups):]) if d and c]
+        if late:
+            raise SourceError(f"batch for policy version {self.version}: groups {late} were "
+                              f"dropped after their gradient reached the batch on some rank; "
+                              f"the update cannot leave them out exactly")
+        for g in dropped_anywhere:
+            self.drop_group(g, self.dropped.get(g, "dropped on another rank"))
         problems = self._incomplete()
-        # Every rank must agree before the collective step: count the problems anywhere.
         n_bad = int(self.policy.dp_sum(len(problems)))
         if n_bad:
             raise SourceError(f"batch for policy version {self.version} closed incomplete "
@@ -254,18 +292,31 @@ class Learner:
         self._drain()
         assert self.queue.pending() == 0 and not self.acc.open, "batch closed with work left"
 
-        scored = int(self.policy.dp_sum(self.scored_local))
+        scored = int(self.policy.dp_sum(sum(self.scored.values())))
+        n_groups = len(groups) - len(dropped_anywhere)
         if self.cfg.token_norm == "trajectory":
-            scale = 1.0 / self.plan.n_groups
+            scale = 1.0 / n_groups if n_groups else 0.0
         else:
             scale = 1.0 / scored if scored else 0.0
         # The accumulator holds the descent direction −Σ_G g_G; one step per batch.
         step = self.policy.apply_and_step(self.acc.batch, scale, export_grad=export_grad)
+        dropped = {g: self.dropped[g] for g in dropped_anywhere}
+        kv_peak = getattr(self.kind, "kv_peak_bytes", 0)
+        n_sources = sum(1 for r in self.records.values() if r.served)
+        self.trace.append(UpdateRecord(
+            update=self.version, rank=self.policy.par.rank, objective=self.cfg.objective,
+            schedule=self.schedule, n_groups=n_groups, n_sources=n_sources,
+            scored_tokens=scored, dropped_groups=dropped, rejected_sources=dict(self.rejected),
+            open_bound=self.open_bound, accum_peak_bytes=self.acc.peak_bytes,
+            accum_bound_bytes=self.acc.bound_bytes, open_peak_bytes=self.open_peak_bytes,
+            kv_peak_bytes=kv_peak, grad_norm=step.grad_norm, ok=step.ok))
         result = UpdateResult(
             policy_version=self.version, ok=step.ok, grad_norm=step.grad_norm,
-            n_sources=sum(1 for e in self.trace if "end" in e), scored_tokens=scored,
+            n_sources=n_sources, scored_tokens=scored, n_groups=n_groups,
             accum_peak_bytes=self.acc.peak_bytes, accum_bound_bytes=self.acc.bound_bytes,
-            grad=step.grad, trace=self.trace)
+            grad=step.grad, trace=self.trace, kv_peak_bytes=kv_peak,
+            open_peak_bytes=self.open_peak_bytes, open_bound=self.open_bound,
+            dropped_groups=dropped, rejected_sources=dict(self.rejected))
         self.version += 1
         self.plan = None
         return result
@@ -273,10 +324,10 @@ class Learner:
     def _incomplete(self) -> list[str]:
         """What keeps this batch from closing, as seen from this rank (a collective)."""
         if self.routing == "static":
-            return [f"{t} missing" for t in self._missing_members()]
+            return [f"{k} missing" for k in self._missing()]
         # Balanced: every trajectory served on exactly one DP rank, and every group with
         # members here complete (its other members' rewards announced).
-        order = [t for ts in self.plan.groups.values() for t in ts]
+        order = [t for g, ts in self.plan.groups.items() if g not in self.dropped for t in ts]
         mine = [1.0 if t in self.arrived else 0.0 for t in order]
         counts = self.policy.dp_sum_vector(mine)
         problems = [f"{t} arrived on {int(n)} DP ranks" for t, n, m in zip(order, counts, mine)
@@ -285,41 +336,29 @@ class Learner:
                            for g in self._unannounced()]
 
     def waiting_for(self) -> list[str]:
-        """What this rank still waits for: members of its groups (static routing) or the
+        """What this rank still waits for: units of its groups (static routing) or the
         rewards of groups it serves part of (balanced)."""
         if self.plan is None:
             return []
         if self.routing == "balanced":
             return [f"rewards of group {g}" for g in self._unannounced()]
-        return self._missing_members()
+        return self._missing()
 
-    def _missing_members(self) -> list[str]:
-        """Static routing: registered members of this rank's groups not arrived yet."""
+    def _missing(self) -> list[str]:
+        """Static routing: registered units of this rank's groups not arrived yet."""
         me = self.policy.par.dp_rank
-        return [t for g, ts in self.plan.groups.items() if self.owner[g] == me
-                for t in ts if t not in self.arrived]
+        return [k for g, ts in self.plan.groups.items()
+                if self.owner[g] == me and g not in self.dropped
+                for t in ts for k in self.kind.unit_keys(t) if k not in self.arrived]
 
     def _unannounced(self) -> list[str]:
         """Balanced routing: groups served partly here whose rewards are not all known."""
-        return [g for g in self.here if not self.queue.is_complete(g)]
+        return [g for g in self.here if g not in self.dropped and not self.queue.is_complete(g)]
 
     def abort(self) -> None:
         """Drop the open batch without touching θ (e.g. after a rejected close)."""
         self.acc.reset()
         self.policy.zero_grads()
-        self.prefixes = {}
+        if self.plan is not None:
+            self.kind.begin()  # frees every context and prompt
         self.plan = None
-
-    # --- helpers --------------------------------------------------------------------------
-
-    def _now(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def _note(self, src: TrajectorySource, **fields) -> None:
-        if "ready" in fields:
-            self.trace.append(dict(traj_id=src.traj_id, group_id=src.group_id,
-                                   policy_version=src.policy_version,
-                                   rank=self.policy.par.rank, scored_tokens=src.n_scored, **fields))
-        else:
-            entry = next(e for e in reversed(self.trace) if e.get("traj_id") == src.traj_id)
-            entry.update(fields)

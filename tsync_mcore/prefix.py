@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from tsync_mcore.model.span import KV, backward_kv, detached_leaves
+from tsync_mcore.model.span import KV, backward_kv, detached_leaves, kv_bytes
 from tsync_mcore.sources import TrajectorySource
 
 
@@ -55,6 +55,11 @@ class SharedPrefix:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        """What it holds, as the learner's memory accounting counts it: K/V + one adjoint."""
+        return 2 * kv_bytes(self.produced)
 
     def covers(self, src: TrajectorySource) -> bool:
         q = len(self.tokens)

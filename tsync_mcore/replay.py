@@ -23,48 +23,41 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from tsync_mcore.config import load_config
+from tsync_mcore import trace
+from tsync_mcore.config import ConfigError, load_config
 from tsync_mcore.learner import Learner
-from tsync_mcore.learner_opd import OPDLearner
 from tsync_mcore.model.parallel import destroy_parallel
+from tsync_mcore.objectives import OBJECTIVES
 from tsync_mcore.policy import Policy
 from tsync_mcore.routing import BalancedRouter
-from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, TurnSource,
-                                 opd_turns_from_json)
+from tsync_mcore.sources import BatchPlan, SourceError, TrajectorySource, opd_turns_from_json
 
 
-def read_batches(path: str) -> list[list[TrajectorySource]]:
-    by_version: dict[int, list[TrajectorySource]] = {}
+# One JSON Lines record → its sources, per source kind (tsync_mcore.serving).
+PARSERS = {"trajectory": lambda obj: [TrajectorySource.from_json(obj)],
+           "turn": opd_turns_from_json}
+
+
+def read_batches(path: str, source: str = "trajectory") -> list[list]:
+    """The batches of a file, each in readiness order; `source`: the objective's source kind."""
+    parse = PARSERS[source]
+    by_version: dict[int, list] = {}
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                src = TrajectorySource.from_json(json.loads(line))
+                obj = json.loads(line)
+                if not isinstance(obj, dict):
+                    raise SourceError(f"a record must be a JSON object, got {type(obj).__name__}")
+                srcs = parse(obj)
             except (json.JSONDecodeError, SourceError) as e:
                 raise SourceError(f"{path}:{lineno}: {e}") from None
-            by_version.setdefault(src.policy_version, []).append(src)
-    versions = sorted(by_version)
+            by_version.setdefault(srcs[0].policy_version, []).extend(srcs)
+    versions = sorted(by_version, key=repr)
     if versions != list(range(len(versions))):
         raise SourceError(f"{path}: policy versions must be 0, 1, 2, ... without gaps; got {versions}")
     return [sorted(by_version[v], key=lambda s: s.ready_order) for v in versions]
-
-
-def read_opd_batches(path: str) -> list[list[TurnSource]]:
-    by_version: dict[int, list[TurnSource]] = {}
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                turns = opd_turns_from_json(json.loads(line))
-            except (json.JSONDecodeError, SourceError) as e:
-                raise SourceError(f"{path}:{lineno}: {e}") from None
-            by_version.setdefault(turns[0].policy_version, []).extend(turns)
-    versions = sorted(by_version)
-    if versions != list(range(len(versions))):
-        raise SourceError(f"{path}: policy versions must be 0, 1, 2, ... without gaps; got {versions}")
-    return [sorted(by_version[v], key=lambda t: t.ready_order) for v in versions]
 
 
 def _gather(x: int) -> list[int]:
@@ -116,8 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-grads", default="last", choices=["last", "all"],
                    help="'all' also writes grad_{k}.safetensors for every update k")
     args = p.parse_args(argv)
-    if args.routing == "balanced" and args.objective == "opd":
-        p.error("--routing balanced is for the GRPO family; OPD routes by group (static)")
+    if args.routing not in OBJECTIVES[args.objective].routings:
+        p.error(f"--routing {args.routing}: the {args.objective} objective routes "
+                f"{' or '.join(OBJECTIVES[args.objective].routings)} (a trajectory's turns "
+                f"and its group's prompt stay on one rank)")
     return args
 
 
@@ -133,29 +128,19 @@ def main(argv: list[str] | None = None) -> dict:
         if val is not None:
             overrides[key] = val
     cfg = load_config(args.config, overrides)
-    opd = cfg.learner.objective == "opd"
-    batches = read_opd_batches(args.batch) if opd else read_batches(args.batch)
+    batches = read_batches(args.batch, OBJECTIVES[cfg.learner.objective].source)
 
     t0 = time.perf_counter()
     policy = Policy(cfg)
-    if opd:
-        learner = OPDLearner(cfg.learner, policy, replay_mode=cfg.learner.opd_replay)
-    else:
-        learner = Learner(cfg.learner, policy)
+    learner = Learner(cfg.learner, policy)
     results = []
     for k, sources in enumerate(batches):
         tokens: dict[str, int] = {}
         for s in sources:
             tokens[s.group_id] = tokens.get(s.group_id, 0) + len(s.tokens)
-        trajs = {s.traj_id: s for s in sources}.values()  # one per trajectory
-        plan = BatchPlan.from_sources(list(trajs))
-        if opd:
-            learner.begin(plan, {s.traj_id: s.n_turns for s in sources}, group_tokens=tokens)
-            for src in sources:
-                learner.submit(src)
-        else:
-            learner.begin(plan, group_tokens=tokens, routing=args.routing)
-            _feed(learner, sources, plan, args.routing, policy.par)
+        plan = BatchPlan.from_sources(sources)
+        learner.begin(plan, group_tokens=tokens, routing=args.routing)
+        _feed(learner, sources, plan, args.routing, policy.par)
         last = k == len(batches) - 1
         results.append(learner.close(export_grad=last or args.save_grads == "all"))
     params = policy.export_params()
@@ -163,10 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     par = policy.par
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"trace_rank{par.rank}.jsonl"), "w") as f:
-        for k, r in enumerate(results):
-            for e in r.trace:
-                f.write(json.dumps({"update": k, **e}) + "\n")
+    trace.write(os.path.join(args.out, f"trace_rank{par.rank}.jsonl"),
+                [rec for r in results for rec in r.trace], mode="w")
     summary = {
         "updates": len(results), "objective": cfg.learner.objective,
         "schedule": cfg.learner.schedule, "dtype": cfg.model.dtype,
@@ -198,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    except SourceError as e:
+    except (SourceError, ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     destroy_parallel()  # clean finish: every rank passed the final barrier

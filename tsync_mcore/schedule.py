@@ -1,89 +1,152 @@
-"""When a source may be served: release rules and the admission cap (SPEC §3).
+"""When a release unit may be served: release rules, dependencies and admission (SPEC §3).
 
-The three schedules run the same learner work and differ only in release time:
-  sync         every source is released when the whole batch closes,
-  group_ready  a group's sources are released when its last reward is known,
-  thundersync  each source is released the moment it arrives.
-The queue is work-conserving and serves released sources in readiness order, skipping
-(not waiting behind) a source whose group would exceed the `k_open` cap of groups holding
-G1'/G2 on this rank. A source served once its group is complete (every reward known, the
-one that completes it included) needs no pair: its advantage is known, so it folds
-straight into the batch accumulator.
+A release unit is one source: a GRPO trajectory, or one turn of an OPD trajectory (which
+depends on its trajectory's previous turn: it runs against that turn's K/V). The three
+schedules run the same learner work for every objective and differ only in release time:
+  sync         every unit is released when the whole batch closes, and served in the
+               registered order (groups as registered, their members, each one's turns);
+  group_ready  a group's units are released once the group is *complete*: every unit of
+               it that can still be rejected has arrived and every outcome it needs is
+               known (GRPO: every member's reward; OPD: every member's every turn);
+  thundersync  each unit is released the moment it arrives.
+
+The queue is work-conserving. Among released units whose dependency is served it prefers,
+in order: the next unit of the trajectory served last (its context is warm), units
+continuing a started trajectory, units of groups already open, then units that open a
+new group — in release order within each, and only if admission allows.
+
+Admission: a group is *open* on this rank from the first unit that makes it hold state
+(G1'/G2 or its own gradient sum, a shared prompt's K/V, trajectory contexts) until its last
+unit here has been served and its deferred work has run. At most `k_open` groups are open,
+and with a byte budget a new group is held back while the bytes held by open groups plus
+what it would add exceed the budget — unless nothing is open, so the batch always finishes.
+A unit served once its group is complete needs no group sum: its coefficient is known, so
+it folds straight into the batch accumulator ("direct"); before that it folds into its
+group's own sums ("pair"), which a dropped group discards.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal, Protocol
 
-from tsync_mcore.sources import BatchPlan, TrajectorySource
+from tsync_mcore.sources import BatchPlan
 
 Fold = Literal["direct", "pair"]
 SCHEDULES = ("sync", "group_ready", "thundersync")
 
 
+class Unit(Protocol):
+    traj_id: str
+    group_id: str
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def index(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class Service:
     group_id: str
-    source: TrajectorySource | None  # None: only close the group's pair
-    fold: Fold  # "direct": A_i known; "pair": fold into the group's G1'/G2
-    closes_group: bool  # the group's pair is combined after this (its rewards are all known)
+    source: Unit | None  # None: only finish the group (its outcomes became known later)
+    fold: Fold  # "direct": coefficient known; "pair": into the group's own sums
+    closes_group: bool  # the group was open and is finished after this
     last_here: bool  # nothing more of this group will be served on this rank
 
 
 class ReadinessQueue:
-    """One rank's queue. A group is *complete* once every member's reward is known here:
-    all its members arrived (static routing), or the rollout announced the rewards of
-    members that went to other ranks (balanced routing). Only then is A_i known."""
+    """One rank's queue for one batch.
 
-    def __init__(self, schedule: str, plan: BatchPlan, k_open: int):
+    `opens(unit)`: would serving it make its (not yet open) group hold state?
+    `fits(unit)`: may a new group open with it under the byte budget? (default: yes)"""
+
+    def __init__(self, schedule: str, plan: BatchPlan, k_open: int,
+                 opens: Callable[[Unit], bool] = lambda u: True,
+                 fits: Callable[[Unit], bool] = lambda u: True):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}")
-        self.schedule = schedule
-        self.plan = plan
-        self.k_open = k_open
+        self.schedule, self.plan, self.k_open = schedule, plan, k_open
+        self._opens, self._fits = opens, fits
         self._complete: set[str] = set()
-        self._pending: dict[str, int] = {}  # arrived here, not yet served
         self._open: set[str] = set()
-        self._closable: list[str] = []  # complete, pair open, nothing of it left to serve
-        self._released: list[TrajectorySource] = []
-        self._held: list[TrajectorySource] = []  # arrived, not yet released
+        self._pending: dict[str, int] = {}  # arrived here, not yet served, per group
+        self._held: list[Unit] = []  # arrived, not yet released
+        self._waiting: dict[str, Unit] = {}  # released, previous unit not served yet
+        self._continuing: dict[str, Unit] = {}  # released, servable, index > 0
+        self._starting: dict[str, Unit] = {}  # released, servable, a trajectory's first unit
+        self._closable: list[str] = []  # complete, open, nothing of it left to serve
+        self._done: dict[str, int] = {}  # trajectory → units served
+        self._last: str | None = None  # trajectory served last
 
     @property
     def open_groups(self) -> int:
         return len(self._open)
 
-    def arrive(self, src: TrajectorySource) -> None:
-        g = src.group_id
-        self._pending[g] = self._pending.get(g, 0) + 1
-        if self.schedule == "thundersync" or (self.schedule == "group_ready" and g in self._complete):
-            self._released.append(src)
-        else:
-            self._held.append(src)
-
-    def complete(self, g: str) -> None:
-        """Every reward of group g is known: group_ready releases its members here."""
-        self._complete.add(g)
-        if self.schedule == "group_ready":
-            self._released += [s for s in self._held if s.group_id == g]
-            self._held = [s for s in self._held if s.group_id != g]
-        if g in self._open and not self._pending.get(g):
-            self._closable.append(g)
+    def is_open(self, g: str) -> bool:
+        return g in self._open
 
     def is_complete(self, g: str) -> bool:
         return g in self._complete
 
-    def close(self) -> None:
-        """The batch is closed (every source has arrived): release whatever is held."""
-        if self.schedule == "sync":
-            # Synchronous training walks the batch in its registered order.
-            rank = {t: i for i, t in enumerate(t for ts in self.plan.groups.values() for t in ts)}
-            self._held.sort(key=lambda s: rank[s.traj_id])
-        self._released += self._held
-        self._held = []
+    def pending_in(self, g: str) -> int:
+        return self._pending.get(g, 0)
 
     def pending(self) -> int:
-        return len(self._released) + len(self._held) + len(self._closable)
+        return (len(self._held) + len(self._waiting) + len(self._continuing)
+                + len(self._starting) + len(self._closable))
+
+    # --- events ---------------------------------------------------------------------------
+
+    def arrive(self, u: Unit) -> None:
+        g = u.group_id
+        self._pending[g] = self._pending.get(g, 0) + 1
+        if self.schedule == "thundersync" or (self.schedule == "group_ready"
+                                              and g in self._complete):
+            self._release(u)
+        else:
+            self._held.append(u)
+
+    def complete(self, g: str) -> None:
+        """Group g is complete here: group_ready releases its units."""
+        self._complete.add(g)
+        if self.schedule == "group_ready":
+            for u in [u for u in self._held if u.group_id == g]:
+                self._release(u)
+            self._held = [u for u in self._held if u.group_id != g]
+        if g in self._open and not self._pending.get(g):
+            self._closable.append(g)
+
+    def close(self) -> None:
+        """The batch is closed (everything has arrived): release whatever is held."""
+        held, self._held = self._held, []
+        if self.schedule == "sync":
+            rank = {t: i for i, t in enumerate(t for ts in self.plan.groups.values() for t in ts)}
+            held.sort(key=lambda u: (rank[u.traj_id], u.index))
+        for u in held:
+            self._release(u)
+
+    def drop(self, g: str) -> None:
+        """Group g does not train: forget its units and its open state."""
+        self._held = [u for u in self._held if u.group_id != g]
+        for d in (self._waiting, self._continuing, self._starting):
+            for k in [k for k, u in d.items() if u.group_id == g]:
+                del d[k]
+        self._closable = [x for x in self._closable if x != g]
+        self._pending.pop(g, None)
+        self._open.discard(g)
+        self._complete.discard(g)
+
+    def _release(self, u: Unit) -> None:
+        if u.index == 0:
+            self._starting[u.key] = u
+        elif self._done.get(u.traj_id, 0) == u.index:
+            self._continuing[u.key] = u
+        else:
+            self._waiting[u.key] = u
+
+    # --- what runs next -------------------------------------------------------------------
 
     def next(self) -> Service | None:
         """The next piece of work that may run now, or None."""
@@ -91,22 +154,45 @@ class ReadinessQueue:
             g = self._closable.pop(0)
             self._open.discard(g)
             return Service(g, None, "pair", closes_group=True, last_here=True)
-        for i, src in enumerate(self._released):
-            g = src.group_id
-            if g in self._complete:
-                fold: Fold = "direct"
-            elif g in self._open:
-                fold = "pair"
-            elif len(self._open) < self.k_open:
-                fold = "pair"
-                self._open.add(g)
-            else:
-                continue  # would exceed k_open; a later source may still be admissible
-            del self._released[i]
-            self._pending[g] -= 1
-            last = g in self._complete and self._pending[g] == 0
-            closes = last and g in self._open
-            if closes:
-                self._open.discard(g)
-            return Service(g, src, fold, closes_group=closes, last_here=last)
-        return None
+        u = self._choose()
+        if u is None:
+            return None
+        g = u.group_id
+        if g not in self._open and self._opens(u):
+            self._open.add(g)
+        self._continuing.pop(u.key, None)
+        self._starting.pop(u.key, None)
+        self._pending[g] -= 1
+        t = u.traj_id
+        self._done[t] = u.index + 1
+        self._last = t
+        nxt = self._waiting.pop(f"{t}#{u.index + 1}", None)
+        if nxt is not None:
+            self._continuing[nxt.key] = nxt
+        complete = g in self._complete
+        last = complete and self._pending[g] == 0
+        closes = last and g in self._open
+        if closes:
+            self._open.discard(g)
+        return Service(g, u, "direct" if complete else "pair", closes_group=closes,
+                       last_here=last)
+
+    def _choose(self) -> Unit | None:
+        if self._last is not None:
+            u = self._continuing.get(f"{self._last}#{self._done.get(self._last, 0)}")
+            if u is not None:
+                return u
+        if self._continuing:
+            return next(iter(self._continuing.values()))
+        first_new = None
+        for u in self._starting.values():
+            if u.group_id in self._open:
+                return u
+            if first_new is None and self._admissible(u):
+                first_new = u
+        return first_new
+
+    def _admissible(self, u: Unit) -> bool:
+        if not self._opens(u):
+            return True
+        return len(self._open) < self.k_open and (not self._open or self._fits(u))

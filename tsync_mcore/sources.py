@@ -35,6 +35,12 @@ class TrajectorySource:
     def n_tokens(self) -> int:
         return len(self.tokens)
 
+    @property
+    def key(self) -> str:
+        return self.traj_id
+
+    index = 0  # a trajectory is one release unit
+
     @classmethod
     def from_json(cls, obj: dict) -> "TrajectorySource":
         need = ("traj_id", "group_id", "tokens", "scored_mask", "reward", "policy_version")
@@ -101,9 +107,11 @@ def validate_source(src: TrajectorySource, vocab_size: int) -> None:
 
 @dataclass
 class BatchPlan:
-    """The registered groups of one update: group id → trajectory ids, in order."""
+    """The registered groups of one update: group id → trajectory ids, in order, and (OPD)
+    each trajectory's turn count. Registered order is also sync's serving order."""
 
     groups: dict[str, list[str]] = field(default_factory=dict)
+    n_turns: dict[str, int] = field(default_factory=dict)  # trajectory → turns (turn sources)
 
     def add_group(self, group_id: str, traj_ids: list[str]) -> None:
         if group_id in self.groups:
@@ -117,11 +125,16 @@ class BatchPlan:
         return len(self.groups)
 
     @classmethod
-    def from_sources(cls, sources: list[TrajectorySource]) -> "BatchPlan":
+    def from_sources(cls, sources: list) -> "BatchPlan":
+        """Groups in first-seen order; turn sources also give their trajectory's turn count."""
         plan = cls()
         members: dict[str, list[str]] = {}
         for s in sources:
-            members.setdefault(s.group_id, []).append(s.traj_id)
+            ts = members.setdefault(s.group_id, [])
+            if s.traj_id not in ts:
+                ts.append(s.traj_id)
+            if hasattr(s, "n_turns"):
+                plan.n_turns[s.traj_id] = s.n_turns
         for gid, tids in members.items():
             plan.add_group(gid, tids)
         return plan
@@ -176,6 +189,10 @@ class TurnSource:
     def key(self) -> str:
         return f"{self.traj_id}#{self.turn}"
 
+    @property
+    def index(self) -> int:  # its place among its trajectory's release units
+        return self.turn
+
 
 def opd_turns_from_json(obj: dict) -> list[TurnSource]:
     """Split one OPD JSON Lines record into its turn sources, validating alignment."""
@@ -216,10 +233,10 @@ def validate_turn(src: TurnSource, vocab_size: int) -> None:
                           f"({len(src.tokens)}, {len(src.scored_mask)}, "
                           f"{len(src.teacher_logprobs)})")
     _check_ids_and_mask(name, src.tokens, src.scored_mask, vocab_size)
-    if src.scored_mask[0]:
-        # Its log-prob needs the previous turn's last hidden state; turns start at context.
-        raise SourceError(f"{name}: the first token of a turn cannot be scored; start each "
-                          f"turn at its observation/template tokens")
+    if src.scored_mask[0] and src.start == 0:
+        # A later turn may start with a scored token (the learner scores it from the
+        # previous turn's last position); the trajectory's first token has no context.
+        raise SourceError(f"{name}: the first token of a trajectory cannot be scored (no context)")
     if src.turn == 0:
         _check_prompt_len(name, src.prompt_len, src.scored_mask)
     for i, (m, lp) in enumerate(zip(src.scored_mask, src.teacher_logprobs)):

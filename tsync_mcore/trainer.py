@@ -20,8 +20,9 @@ import torch
 import yaml
 
 from tsync_mcore import checkpoint, publish
-from tsync_mcore.channel import (Ack, ChannelError, ChannelTimeout, CloseBatch, GroupRewards,
-                                 Hello, RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg,
+from tsync_mcore import trace
+from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, GroupRewards, Hello,
+                                 RegisterBatch, Rejected, Shutdown, TrajectoryMsg, TurnMsg,
                                  open_learner_side)
 from tsync_mcore.config import Config, to_dict
 from tsync_mcore.learner import Learner
@@ -29,7 +30,6 @@ from tsync_mcore.ledger.account import update_flops
 from tsync_mcore.ledger.memory import MemoryMeter
 from tsync_mcore.ledger.mfu import detect_peak, mfu_active
 from tsync_mcore.ledger.nvml import NvmlSampler
-from tsync_mcore.learner_opd import OPDLearner
 from tsync_mcore.policy import Policy
 from tsync_mcore.sources import BatchPlan, SourceError
 
@@ -43,7 +43,6 @@ class Trainer:
         self.cfg = cfg
         self.policy = Policy(cfg)
         self.par = self.policy.par
-        self.opd = cfg.learner.objective == "opd"
         self.version, self.data_pos = 0, 0
         if resume:
             ckpt = checkpoint.latest(cfg.run.dir)
@@ -51,11 +50,7 @@ class Trainer:
                 raise LearnerStopped(f"--resume: no checkpoint under {cfg.run.dir}/checkpoints")
             meta = checkpoint.load(ckpt, self.policy)
             self.version, self.data_pos = meta["version"], meta["data_pos"]
-        if self.opd:
-            self.learner = OPDLearner(cfg.learner, self.policy, self.version,
-                                      replay_mode=cfg.learner.opd_replay)
-        else:
-            self.learner = Learner(cfg.learner, self.policy, self.version)
+        self.learner = Learner(cfg.learner, self.policy, self.version)
         if self.par.rank == 0:
             os.makedirs(cfg.run.dir, exist_ok=True)
             with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
@@ -91,16 +86,28 @@ class Trainer:
                 self._update()
             if self.par.rank == 0:
                 self.link.send(Shutdown("learner finished all updates"))
-        except ChannelError as e:
-            waiting = self.learner.waiting_for()
+        except (ChannelError, LearnerStopped) as e:
+            waiting = self.learner.waiting_for() if isinstance(e, ChannelError) else []
+            self._tell_rollout(e)
             raise LearnerStopped(
                 f"learner rank {self.par.rank} stopped at policy version {self.version}: {e}"
-                + (f"; still waiting for {waiting}" if waiting else "")
-                + ". θ and the last checkpoint are intact.") from e
+                + (f"; still waiting for {waiting[:10]}" if waiting else "")
+                + f". θ and the last checkpoint ({self._state()}) are intact.") from None
         finally:
             self.nvml.stop()
             self._write_nvml_timeline()
             self.link.close()
+
+    def _state(self) -> str:
+        ckpt = checkpoint.latest(self.cfg.run.dir)
+        return ckpt if ckpt is not None else f"none yet under {self.cfg.run.dir}/checkpoints"
+
+    def _tell_rollout(self, e: Exception) -> None:
+        """Say why before the link closes, so the rollout stops with the reason too."""
+        try:
+            self.link.send(Shutdown(f"learner rank {self.par.rank} stopped: {e}"[:4000]))
+        except ChannelError:
+            pass
 
     def _update(self) -> None:
         cfg = self.cfg
@@ -111,37 +118,41 @@ class Trainer:
         if reg.version != self.version:
             raise LearnerStopped(f"rollout registered a batch for policy version {reg.version}, "
                                  f"the learner is at {self.version}")
-        plan = BatchPlan(groups={g: list(ts) for g, ts in reg.groups.items()})
-        if self.opd:
-            if reg.routing != "static":
-                raise LearnerStopped(f"rollout registered OPD batch {reg.version} with "
-                                     f"{reg.routing!r} routing; OPD routes by group (static)")
-            self.learner.begin(plan, dict(reg.n_turns), schedule=reg.schedule, t0=t_start)
-        else:
+        if reg.objective != cfg.learner.objective:
+            raise LearnerStopped(f"rollout registered a {reg.objective!r} batch, this learner "
+                                 f"trains {cfg.learner.objective!r}: both sides must run the "
+                                 f"same config")
+        plan = BatchPlan(groups={g: list(ts) for g, ts in reg.groups.items()},
+                         n_turns=dict(reg.n_turns))
+        try:
             self.learner.begin(plan, schedule=reg.schedule, routing=reg.routing, t0=t_start)
-        rejected = 0
+        except (ValueError, SourceError) as e:
+            raise LearnerStopped(f"rollout registered batch {reg.version} the learner cannot "
+                                 f"train: {e}") from None
+        # GRPO serves each source as it is handed over, so its folds follow from the arrival
+        # order alone and a run replays bit for bit; OPD hands over every arrived turn
+        # before serving the next, so the learner chooses among all ready turns.
+        serve = self.learner.kind.serves_on_arrival
         while True:
             msg = self._next_message()
             if msg is None:
-                continue  # served one turn
-            if isinstance(msg, (TrajectoryMsg, TurnMsg, GroupRewards)):
+                continue  # served one unit
+            if isinstance(msg, (TrajectoryMsg, TurnMsg)):
                 try:
-                    if isinstance(msg, GroupRewards):
-                        if self.opd or msg.version != self.version:
-                            raise SourceError(f"GroupRewards for group {msg.group_id!r} of "
-                                              f"version {msg.version} during "
-                                              f"{cfg.learner.objective} batch {self.version}")
-                        self.learner.group_rewards(msg.group_id, msg.rewards)
-                    elif self.opd:  # served by _next_message once nothing more is here
-                        self.learner.submit(msg.source, arrived=self.link.last_arrival,
-                                            serve=False)
-                    else:
-                        self.learner.submit(msg.source, arrived=self.link.last_arrival)
-                except SourceError as e:  # never trained on; the learner state is untouched
-                    rejected += 1
-                    print(f"[learner rank {self.par.rank}] rejected: {e}", file=sys.stderr,
-                          flush=True)
-                    continue
+                    self.learner.submit(msg.source, arrived=self.link.last_arrival, serve=serve)
+                except SourceError as e:  # never trained on; its group leaves the update
+                    self._rejected(msg.source, msg.source.group_id, str(e))
+            elif isinstance(msg, GroupRewards):
+                try:
+                    if msg.version != self.version:
+                        raise SourceError(f"GroupRewards for group {msg.group_id!r} of version "
+                                          f"{msg.version} during batch {self.version}")
+                    self.learner.group_rewards(msg.group_id, msg.rewards)
+                except SourceError as e:
+                    self._rejected(None, msg.group_id, str(e))
+            elif isinstance(msg, DropGroup):
+                if msg.version == self.version and msg.group_id in plan.groups:
+                    self.learner.drop_group(msg.group_id, msg.reason)
             elif isinstance(msg, CloseBatch):
                 close = msg
                 break
@@ -153,7 +164,11 @@ class Trainer:
         # got to it: a streaming learner still serving queued sources reads it late, and
         # that serving is tail too (measured here: 0.2 s reported vs 0.45 s actual, GRPO r=1).
         t_closed = self.link.last_arrival
-        result = self.learner.close()
+        try:
+            result = self.learner.close()
+        except SourceError as e:
+            self.learner.abort()
+            raise LearnerStopped(f"batch {self.version} cannot train: {e}") from None
         t_stepped = time.perf_counter()
         self.version += 1
         self.data_pos = reg.data_pos
@@ -162,8 +177,8 @@ class Trainer:
         # Recorded while the replicas load θ (seconds on a real rollout), so the learner is
         # ready for the next batch once they acknowledge it: recording after the ack took
         # 10-70 ms here, and the next batch's first sources waited for it.
-        stale = sum(1 for e in result.trace if e.get("policy_version", result.policy_version)
-                    != result.policy_version)
+        stale = sum(1 for r in trace.sources(result.trace)
+                    if r.policy_version != result.policy_version)
         # F_k: this DP rank's work from its trace (TP ranks of one DP rank share it), summed.
         work = update_flops(self.policy.spec, result.trace, attention=self.policy.attention_mode)
         flops = self.policy.dp_sum(work.total)
@@ -171,7 +186,8 @@ class Trainer:
         mem = self.memory.snapshot(host_accum_bytes=result.accum_peak_bytes
                                    if cfg.learner.accum == "host" else None)
         peaks = self._gather_max(mem["peak_mem_bytes"])
-        n_stale, n_rejected = int(self.policy.dp_sum(stale)), int(self.policy.dp_sum(rejected))
+        n_stale = int(self.policy.dp_sum(stale))
+        n_rejected = int(self.policy.dp_sum(len(result.rejected_sources)))
         self._write_trace(result.trace)
         self._collect_garbage()
         t_end = self._await_ack()
@@ -185,11 +201,13 @@ class Trainer:
             step_wall_time_s=step_s, rollout_time_s=close.rollout_time_s,
             learner_tail_s=t_stepped - t_closed, publish_time_s=t_end - t_publish,
             gc_s=self.gc_s, reward_mean=close.reward_mean,
-            trajectories=close.n_sources if not self.opd else len(reg.n_turns),
+            trajectories=sum(len(ts) for ts in plan.groups.values()),
+            n_groups=result.n_groups, dropped_groups=result.dropped_groups,
             scored_tokens=result.scored_tokens, stale_sources=n_stale,
             rejected_sources=n_rejected,
             grad_norm=result.grad_norm, accum_peak_bytes=result.accum_peak_bytes,
-            kv_peak_bytes=result.kv_peak_bytes, flops=flops, recompute_flops=recompute,
+            kv_peak_bytes=result.kv_peak_bytes, open_peak_bytes=result.open_peak_bytes,
+            open_bound=result.open_bound, flops=flops, recompute_flops=recompute,
             mfu_active=mfu_active(flops, step_s, self.par.world_size, self.peak),
             peak_tflops=float(self.peak) / 1e12, peak_source=self.peak.source,
             peak_mem_bytes=max(peaks), peak_mem_bytes_per_rank=peaks,
@@ -230,21 +248,31 @@ class Trainer:
             self.gc_s = time.perf_counter() - t0
 
     def _next_message(self):
-        """The next message of the batch, or None after serving one OPD turn.
-
-        OPD: every message already here is handed over before the next turn is served, so
-        the learner chooses among all ready turns, not just those it had read before it
-        fell behind (it keeps a trajectory's turns together: context warm, fewer held).
-        GRPO serves in readiness order either way; each source is served as it is
-        submitted, so whether it folds into its group's pair or, the group being complete,
-        directly, follows from the arrival order alone and a run replays bit for bit."""
-        if self.opd:
-            msg = self.link.poll()
-            if msg is not None:
-                return msg
-            if self.learner.serve_next():
-                return None
+        """The next message of the batch, or None after serving one unit: every message
+        already here is handed over before the next unit is served."""
+        msg = self.link.poll()
+        if msg is not None:
+            return msg
+        if self.learner.serve_next():
+            return None
         return self.link.recv(timeout_s=self.cfg.channel.timeout_s)
+
+    def _rejected(self, src, group_id: str, reason: str) -> None:
+        """A source (or announcement) the learner refused: its group leaves the update here,
+        and the rollout is told, so it announces the drop to every rank."""
+        print(f"[learner rank {self.par.rank}] rejected: {reason}", file=sys.stderr, flush=True)
+        if src is not None:
+            dropped = self.learner.reject(src, reason)
+        elif group_id in self.learner.plan.groups and group_id not in self.learner.dropped:
+            self.learner.rejected[f"rewards of {group_id}"] = reason
+            self.learner.drop_group(group_id, reason)
+            dropped = [group_id]
+        else:
+            dropped = []
+        key = getattr(src, "key", f"rewards of {group_id}")
+        for g in dropped:
+            self.link.send(Rejected(version=self.version, group_id=g, source=str(key),
+                                    reason=reason[:2000]))
 
     def _recv(self, kind: type, timeout_s: float | None = None):
         msg = self.link.recv(timeout_s=timeout_s or self.cfg.channel.timeout_s)
@@ -269,9 +297,7 @@ class Trainer:
                 for x in samples:
                     f.write(json.dumps(x) + "\n")
 
-    def _write_trace(self, trace: list[dict]) -> None:
+    def _write_trace(self, records: list) -> None:
         path = os.path.join(self.cfg.run.dir, "traces", f"rank{self.par.rank}.jsonl")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "a") as f:
-            for e in trace:
-                f.write(json.dumps({"update": self.version - 1, **e}) + "\n")
+        trace.write(path, records)

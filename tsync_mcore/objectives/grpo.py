@@ -41,6 +41,9 @@ class AffineAdvantage:
 
     name: str
     alpha: Callable[[GroupStats, float], float]  # (stats, eps) -> α_G
+    source = "trajectory"  # its sources: whole trajectories (tsync_mcore.serving)
+    group_vectors = 2  # an open group holds G1' and G2
+    routings = ("static", "balanced")  # members may be served on several ranks
 
     def advantages(self, rewards: list[float], eps: float) -> list[float]:
         st = group_stats(rewards, rewards[0])

@@ -12,6 +12,19 @@ from __future__ import annotations
 import torch
 
 
+class Distillation:
+    """Per-token advantages against a frozen teacher, on turn sources."""
+
+    name = "opd"
+    source = "turn"  # its sources: scored turns (tsync_mcore.serving)
+    group_vectors = 1  # an open group holds only its plain gradient sum
+    routings = ("static",)  # a trajectory's turns and its group's prompt stay on one rank
+
+    @staticmethod
+    def turn_loss(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+        return turn_loss(student_logp, teacher_logp)
+
+
 def turn_loss(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
     """−Σ_t A_t · log π_θ(a_t): its gradient is −g_j (descent on the turn's objective)."""
     advantage = (teacher_logp.to(student_logp.dtype) - student_logp).detach()
