@@ -4,9 +4,11 @@ Runs alongside `python launch/rollout.py --config C`; both read the same config.
 """
 
 import argparse
+import os
 import sys
 
-from tsync_mcore.config import load_config
+from tsync_mcore.config import ConfigError, load_config
+from tsync_mcore.launch import stopped
 from tsync_mcore.model.parallel import destroy_parallel
 from tsync_mcore.trainer import LearnerStopped, Trainer
 
@@ -18,12 +20,18 @@ def main() -> None:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="override config keys, e.g. learner.schedule=sync run.updates=4")
     args = p.parse_args()
-    cfg = load_config(args.config, dict(_parse(kv) for kv in args.set))
+    try:
+        cfg = load_config(args.config, dict(_parse(kv) for kv in args.set))
+    except (ConfigError, OSError) as e:
+        sys.exit(f"learner: {e}")
+    rank = os.environ.get("RANK", "0")
     try:
         Trainer(cfg, resume=args.resume).run()
     except LearnerStopped as e:
         print(f"learner stopped: {e}", file=sys.stderr, flush=True)
         sys.exit(3)
+    except BaseException as e:  # one line here; the traceback goes to the run's log
+        sys.exit(stopped(f"learner rank {rank}", e, cfg.run.dir))
     destroy_parallel()  # clean finish only (an NCCL teardown on an error path can hang)
 
 

@@ -17,15 +17,21 @@ def main() -> None:
                    help="override config keys, e.g. rollout.groups_per_batch=4")
     args = p.parse_args()
     import yaml
-    cfg = load_config(args.config, {k: yaml.safe_load(v) for k, _, v in
-                                    (s.partition("=") for s in args.set)})
+    from tsync_mcore.config import ConfigError
+    try:
+        cfg = load_config(args.config, {k: yaml.safe_load(v) for k, _, v in
+                                        (s.partition("=") for s in args.set)})
+    except (ConfigError, OSError) as e:
+        sys.exit(f"rollout: {e}")
+    from tsync_mcore.launch import stopped
     from tsync_mcore.rollout.driver import RolloutDriver, RolloutStopped
     try:
         RolloutDriver(cfg).run()
     except RolloutStopped as e:
-        import traceback; traceback.print_exc()
         print(f"rollout stopped: {e}", file=sys.stderr, flush=True)
         sys.exit(3)
+    except BaseException as e:  # one line here; the traceback goes to the run's log
+        sys.exit(stopped("rollout", e, cfg.run.dir))
 
 
 if __name__ == "__main__":

@@ -106,3 +106,24 @@ def write_opd_batches(path: str, vocab: int, n_updates: int = 1, seed: int = 0, 
         for r in rows:
             f.write(json.dumps(r) + "\n")
     return rows
+
+
+def action_first(rows: list[dict], seed: int = 0) -> list[dict]:
+    """The same OPD trajectories cut as "action, then its observation": every turn after the
+    first begins with a scored token (as agent loops that cut at each action do). Arrival
+    is interleaved anew, each trajectory's turns in order."""
+    rng = random.Random(seed)
+    out, queue = [], []
+    for i, r in enumerate(rows):
+        m = r["scored_mask"]
+        starts = [p for p in range(1, len(m)) if m[p] and not m[p - 1]]
+        ends = starts[1:] + [len(m)] if len(starts) > 1 else r["turn_ends"]
+        out.append(dict(r, turn_ends=ends, turn_ready_order=[0] * len(ends)))
+        queue.append([(i, j) for j in range(len(ends))])
+    order = 0
+    while any(queue):
+        q = rng.choice([q for q in queue if q])
+        i, j = q.pop(0)
+        out[i]["turn_ready_order"][j] = order
+        order += 1
+    return out

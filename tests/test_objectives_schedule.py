@@ -100,7 +100,7 @@ def test_reused_pairs_need_no_zeroing():
         acc.close_group(f"g{k}", scale, mu)
         ref += _textbook(rewards, H, "grpo")
         assert torch.allclose(acc.batch[0], ref, rtol=0, atol=1e-12 * ref.abs().max()), rewards
-    assert len(acc._free) == 1  # one pair served every group
+    assert len(acc._free) == 2  # one pair (G1', G2) served every group
 
 
 def _src(t, g, v=0):

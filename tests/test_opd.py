@@ -182,3 +182,66 @@ def test_opd_shared_prompt_same_update(tiny_qwen2, tmp_path):
                  load_file(str(tmp_path / "off" / "grad.safetensors")))
     print(f"OPD shared prompt on vs off: {err:.2e}")
     assert err <= 1e-6
+
+
+def _write(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def test_turns_that_begin_with_a_scored_token(tiny_qwen2, tmp_path):
+    # "action, then its observation": every turn but the first starts with a scored token,
+    # whose log-prob comes from the previous turn's last position.
+    from batchgen import action_first, make_opd_batch
+    rows = action_first(make_opd_batch(256, n_traj=4, turns=3, seed=9, zero_scored_traj=False))
+    assert sum(r["scored_mask"][e] for r in rows for e in r["turn_ends"][:-1]) == 8
+    batch = str(tmp_path / "b.jsonl")
+    _write(batch, rows)
+    common = ["--objective", "opd", "--save-grads", "all"]
+    runs = {name: replay(tiny_qwen2, batch, str(tmp_path / name), n, *common, *flags)
+            for name, n, flags in [("sync", 2, ["--schedule", "sync"]),
+                                   ("thundersync", 2, ["--schedule", "thundersync"]),
+                                   ("retain", 1, ["--opd-replay", "retain"])]}
+    grads = {n: load_file(str(tmp_path / n / "grad.safetensors")) for n in runs}
+    ref = reference_opd_grad(tiny_qwen2, rows)
+    for name in ("thundersync", "retain"):
+        err = rel_l2(grads[name], grads["sync"])
+        print(f"OPD action-first {name} vs sync: {err:.2e}")
+        assert err <= 1e-6
+    for name in runs:
+        err = rel_l2(grads[name], ref)
+        print(f"OPD action-first {name} vs FP64 HF reference: {err:.2e}")
+        assert err <= 1e-5
+
+
+def test_opd_admission_k_open_and_byte_budget(tiny_qwen2, tmp_path):
+    # 8 trajectories in 4 groups of 2. k_open = 1: one group holds contexts at a time; a
+    # byte budget of what one group needs does the same; the update does not change.
+    batch = str(tmp_path / "b.jsonl")
+    write_opd_batches(batch, 256, n_updates=1, seed=3, n_traj=8, turns=3)
+    common = ["--objective", "opd", "--accum-dtype", "fp64"]
+    free = replay(tiny_qwen2, batch, str(tmp_path / "free"), 1, *common)
+    one = replay(tiny_qwen2, batch, str(tmp_path / "one"), 1, *common, "--k-open", "1")
+    assert free["open_groups_peak_per_rank"][0] > 1
+    assert one["open_groups_peak_per_rank"] == [1] and one["open_bound"].startswith("k_open=1")
+    assert one["open_peak_bytes_per_rank"][0] < free["open_peak_bytes_per_rank"][0]
+    # a budget of one group's need (measured with k_open = 1, under group_ready, where a
+    # group's estimate covers all of it)
+    solo = replay(tiny_qwen2, batch, str(tmp_path / "solo"), 1, *common, "--k-open", "1",
+                  "--schedule", "group_ready")
+    budget = solo["open_peak_bytes_per_rank"][0]
+    cfg = tmp_path / "budget.yaml"
+    cfg.write_text(f"learner:\n  max_open_bytes: {budget}\n")
+    runs = {s: replay(tiny_qwen2, batch, str(tmp_path / f"b_{s}"), 1, *common, "--schedule", s,
+                      "--config", str(cfg)) for s in ("group_ready", "thundersync")}
+    assert runs["group_ready"]["open_peak_bytes_per_rank"][0] <= budget
+    assert f"max_open_bytes={budget}" in runs["group_ready"]["open_bound"]
+    for s, r in runs.items():
+        # a second group never opens next to one holding the budget
+        assert r["open_groups_peak_per_rank"] == [1], (s, r)
+    ref = load_file(str(tmp_path / "free" / "grad.safetensors"))
+    for name in ("one", "solo", "b_group_ready", "b_thundersync"):
+        err = rel_l2(load_file(str(tmp_path / name / "grad.safetensors")), ref)
+        print(f"OPD admission {name} vs unconstrained: {err:.2e}")
+        assert err <= 1e-12

@@ -161,6 +161,10 @@ def main(argv: list[str] | None = None) -> dict:
         "accum_bound_bytes": results[0].accum_bound_bytes,
         "kv_peak_bytes_per_rank": _gather(max(r.kv_peak_bytes for r in results)),
         "accum_peak_bytes_per_rank": _gather(max(r.accum_peak_bytes for r in results)),
+        "open_peak_bytes_per_rank": _gather(max(r.open_peak_bytes for r in results)),
+        "open_groups_peak_per_rank": _gather(max(
+            (rec.open_groups for r in results for rec in trace.sources(r.trace)), default=0)),
+        "open_bound": results[0].open_bound,
         "time_s": round(elapsed, 3), "out": args.out,
     }
     if par.rank == 0:

@@ -10,7 +10,7 @@ from batchgen import make_opd_batch  # noqa: E402
 from reference import rel_l2  # noqa: E402
 
 from tsync_mcore.config import load_config  # noqa: E402
-from tsync_mcore.learner_opd import OPDLearner  # noqa: E402
+from tsync_mcore.learner import Learner  # noqa: E402
 from tsync_mcore.policy import Policy  # noqa: E402
 from tsync_mcore.sources import BatchPlan, SourceError, opd_turns_from_json  # noqa: E402
 
@@ -23,12 +23,11 @@ def main(hf_dir: str) -> None:
     clean = Policy(cfg, par=noisy.par)
     rows = make_opd_batch(noisy.vocab_size, n_traj=3, turns=3, seed=4)
     turns = sorted([t for r in rows for t in opd_turns_from_json(r)], key=lambda t: t.ready_order)
-    plan = BatchPlan.from_sources(list({t.traj_id: t for t in turns}.values()))
-    n_turns = {r["traj_id"]: len(r["turn_ends"]) for r in rows}
+    plan = BatchPlan.from_sources(turns)
     theta0 = noisy.export_params()
 
-    learner = OPDLearner(cfg.learner, noisy)
-    learner.begin(plan, n_turns)
+    learner = Learner(cfg.learner, noisy)
+    learner.begin(plan)
     scored = next(t for t in turns if t.n_scored > 0 and t.turn == 0)
     i = scored.scored_mask.index(1)
     tl = list(scored.teacher_logprobs)
@@ -49,9 +48,9 @@ def main(hf_dir: str) -> None:
     for t in first:
         learner.submit(t)
     learner.submit(early)
-    held = early.key in learner.arrived and learner.ctx.get(early.traj_id) is None
+    held = early.key in learner.arrived and learner.kind.ctx.get(early.traj_id) is None
     learner.submit(late)
-    served = len(learner.ctx.get(late.traj_id).turns) == 2 if learner.ctx.get(late.traj_id) else False
+    served = len(learner.kind.ctx.get(late.traj_id).turns) == 2 if learner.kind.ctx.get(late.traj_id) else False
     errors["duplicate"] = _err(learner.submit, late)
     for t in rest[:-1]:
         learner.submit(t)
@@ -60,8 +59,8 @@ def main(hf_dir: str) -> None:
     learner.submit(rest[-1])
     r_noisy = learner.close(export_grad=True)
 
-    ref = OPDLearner(cfg.learner, clean)
-    ref.begin(plan, n_turns)
+    ref = Learner(cfg.learner, clean)
+    ref.begin(plan)
     for t in turns:
         ref.submit(t)
     r_clean = ref.close(export_grad=True)

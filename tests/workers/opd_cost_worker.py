@@ -14,7 +14,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tsync_mcore.config import load_config
-from tsync_mcore.learner_opd import OPDLearner
+from tsync_mcore.learner import Learner
 from tsync_mcore.ledger.account import update_flops
 from tsync_mcore.policy import Policy
 from tsync_mcore.sources import BatchPlan, TurnSource
@@ -56,22 +56,24 @@ def trajectory(vocab: int, turns: int = 20, obs: int = 4, act: int = 12):
 
 
 def measure(policy, cfg, mode, turns):
-    learner = OPDLearner(cfg.learner, policy, replay_mode=mode)
-    learner.begin(BatchPlan(groups={"g": ["t"]}), {"t": len(turns)})
-    pending, replay = [], learner._replay
-    learner._replay = pending.append  # run the deferred part separately, to count it apart
+    cfg.learner.opd_replay = mode
+    learner = Learner(cfg.learner, policy)
+    learner.begin(BatchPlan(groups={"g": ["t"]}, n_turns={"t": len(turns)}))
+    pending, replay = [], learner.kind._replay
+    # run the deferred part separately, to count it apart
+    learner.kind._replay = lambda *args: pending.append(args)
     saved = SavedBytes()
     with saved.hooks(), FlopCounterMode(display=False) as per_turn:
         for t in turns:
             learner.submit(t)
     with saved.hooks(), FlopCounterMode(display=False) as deferred:
-        for traj in pending:
-            replay(traj)
+        for args in pending:
+            replay(*args)
     result = learner.close()
     ledger = update_flops(policy.spec, result.trace)
     counted = per_turn.get_total_flops() + deferred.get_total_flops()
     return dict(per_turn_flops=per_turn.get_total_flops(), deferred_flops=deferred.get_total_flops(),
-                saved_peak_bytes=saved.peak, kv_peak_bytes=learner.kv_peak_bytes,
+                saved_peak_bytes=saved.peak, kv_peak_bytes=result.kv_peak_bytes,
                 ledger_err=abs(ledger.total + ledger.recompute_flops - counted) / counted,
                 ledger_recompute_flops=ledger.recompute_flops)
 

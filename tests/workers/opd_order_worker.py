@@ -15,7 +15,7 @@ from batchgen import make_opd_batch  # noqa: E402
 from reference import rel_l2  # noqa: E402
 
 from tsync_mcore.config import load_config  # noqa: E402
-from tsync_mcore.learner_opd import OPDLearner  # noqa: E402
+from tsync_mcore.learner import Learner  # noqa: E402
 from tsync_mcore.policy import Policy  # noqa: E402
 from tsync_mcore.sources import BatchPlan, opd_turns_from_json  # noqa: E402
 
@@ -23,8 +23,7 @@ from tsync_mcore.sources import BatchPlan, opd_turns_from_json  # noqa: E402
 def batch(vocab: int, n_traj: int, seed: int):
     rows = make_opd_batch(vocab, n_traj=n_traj, turns=3, seed=seed, zero_scored_traj=False)
     turns = sorted([t for r in rows for t in opd_turns_from_json(r)], key=lambda t: t.ready_order)
-    plan = BatchPlan.from_sources(list({t.traj_id: t for t in turns}.values()))
-    return plan, {r["traj_id"]: len(r["turn_ends"]) for r in rows}, turns
+    return BatchPlan.from_sources(turns), turns
 
 
 def at(turns, version: int):
@@ -34,9 +33,8 @@ def at(turns, version: int):
 
 
 def served(learner) -> list[str]:
-    entries = sorted((e for e in learner.trace if e["kind"] == "turn" and "start" in e),
-                     key=lambda e: e["start"])
-    return [f"{e['traj_id'].split('-')[-1]}#{e['turn']}" for e in entries]
+    entries = sorted((r for r in learner.records.values() if r.served), key=lambda r: r.start)
+    return [f"{r.traj_id.split('-')[-1]}#{r.turn}" for r in entries]
 
 
 def grad(result) -> dict:
@@ -47,13 +45,13 @@ def main(hf_dir: str) -> None:
     cfg = load_config(None, {"model.hf_dir": hf_dir, "learner.objective": "opd",
                              "learner.accum_dtype": "fp64", "optim.lr": 1e-30})
     policy = Policy(cfg)
-    learner = OPDLearner(cfg.learner, policy)
+    learner = Learner(cfg.learner, policy)
     res = {}
 
     # Scripted: A0 B0 arrive; two services; then C0 A1 B1 arrive (in that order).
-    plan, n_turns, turns = batch(policy.vocab_size, 3, seed=11)
+    plan, turns = batch(policy.vocab_size, 3, seed=11)
     by = {f"{t.traj_id.split('-')[-1]}#{t.turn}": t for t in turns}
-    learner.begin(plan, n_turns, schedule="thundersync")
+    learner.begin(plan, schedule="thundersync")
     for k in ("o0#0", "o1#0"):
         learner.submit(by[k], serve=False)
     res["nothing_served_on_submit"] = served(learner) == []
@@ -67,17 +65,17 @@ def main(hf_dir: str) -> None:
     for k in ("o0#2", "o1#2", "o2#1", "o2#2"):  # close serves these
         learner.submit(by[k], serve=False)
     streamed = learner.close(export_grad=True)
-    learner.begin(plan, n_turns, schedule="sync")
+    learner.begin(plan, schedule="sync")
     for t in at(turns, learner.version):
         learner.submit(t)
     reference = learner.close(export_grad=True)
     res["grad_vs_sync"] = rel_l2(grad(streamed), grad(reference))
 
     # A whole batch handed over at once vs served as each turn arrives (readiness order).
-    plan, n_turns, turns = batch(policy.vocab_size, 8, seed=12)
+    plan, turns = batch(policy.vocab_size, 8, seed=12)
     grads = {}
     for mode in ("backlog", "readiness"):
-        learner.begin(plan, n_turns, schedule="thundersync")
+        learner.begin(plan, schedule="thundersync")
         for t in at(turns, learner.version):
             learner.submit(t, serve=mode == "readiness")
         result = learner.close(export_grad=True)

@@ -6,7 +6,9 @@
       launch every trajectory at once; each one is sent to a learner rank the moment its
       reward is fixed (GRPO: balanced routing picks the least-loaded rank, and a split
       group's rewards go to the ranks holding its members once its last one is in) — or
-      each turn to its group's owner the moment the teacher scored it (OPD)
+      each turn to its group's owner the moment the teacher scored it (OPD). A source
+      that fails validation here, or that a learner rank rejects (Rejected), drops its
+      group: DropGroup → every rank, and nothing more of the group is sent
       CloseBatch → every rank; wait for Publish(θ_{k+1}), reload in place, reset the prefix
       cache, Ack. Only then does batch k+1 start.
 A learner that dies or stops surfaces here as PeerGone/ChannelTimeout: the rollout stops
@@ -16,21 +18,23 @@ cleanly with that reason instead of hanging.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from dataclasses import dataclass
 
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
-from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, GroupRewards, Hello, Link,
-                                 PeerGone, Publish, RegisterBatch, Shutdown, TrajectoryMsg,
-                                 TurnMsg, open_rollout_side)
+from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, GroupRewards, Hello,
+                                 Link, PeerGone, Publish, RegisterBatch, Rejected, Shutdown,
+                                 TrajectoryMsg, TurnMsg, open_rollout_side)
 from tsync_mcore.config import Config
 from tsync_mcore.rollout.agent import run_batch
 from tsync_mcore.rollout.engine import EngineThread, RolloutEngine, TeacherScorer
 from tsync_mcore.rollout.envs import SkyRLGymAdapter, ToyToolConfig, ToyToolEnv
 from tsync_mcore.routing import BalancedRouter
-from tsync_mcore.sources import BatchPlan, TrajectorySource, TurnSource, assign_groups
+from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, TurnSource,
+                                 assign_groups, validate_source, validate_turn)
 
 
 FINISHED = "learner finished"  # reason prefix of the learner's Shutdown after its last update
@@ -54,13 +58,18 @@ class RolloutDriver:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.rc = cfg.rollout
-        self.opd = cfg.learner.objective == "opd"
+        self.opd = cfg.learner.objective == "opd"  # choosing the objective's parts: sources
         self.tp = cfg.model.tp
         ch = cfg.channel
         self.links: list[Link] = open_rollout_side(ch.addr, ch.port, self.rc.n_learners,
                                                    timeout_s=ch.timeout_s,
                                                    realtime_io=ch.realtime_io)
         self.tok = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
+        # Sources are checked here as the learner checks them, so a bad one (a broken reward
+        # function, an engine emitting ids outside the vocabulary) drops its group before
+        # any of it is sent, instead of reaching a learner rank.
+        self.vocab_size = AutoConfig.from_pretrained(cfg.model.hf_dir).vocab_size
+        self.dropped: dict[str, str] = {}  # this batch's dropped groups: why
         self.et = EngineThread()
         self.engine: RolloutEngine = self.et.run(self._make_engine())
         self.teacher = TeacherScorer(self.rc.teacher_dir) if self.opd else None
@@ -155,11 +164,48 @@ class RolloutDriver:
         prompt = [{"role": "user", "content": "Solve the task step by step."}]
         return [SkyRLGymAdapter.from_registry(name, self.tok, prompt) for _ in range(n)]
 
+    def _drop(self, version: int, gid: str, reason: str) -> None:
+        """Group `gid` leaves update `version`: every learner rank is told, once."""
+        if gid in self.dropped:
+            return
+        self.dropped[gid] = reason
+        print(f"[rollout] dropped group {gid} of update {version}: {reason}", flush=True)
+        for link in self.links:
+            link.send(DropGroup(version=version, group_id=gid, reason=reason[:2000]))
+
+    def _take_rejections(self, version: int) -> None:
+        """Learner ranks say which sources they refused (a check the rollout did not make):
+        the group is dropped everywhere. Never waits."""
+        for link in self.links:
+            while (msg := link.poll()) is not None:
+                self._on_learner_message(msg, version)
+
+    def _on_learner_message(self, msg, version: int) -> None:
+        if isinstance(msg, Rejected):
+            if msg.version == version:
+                self._drop(version, msg.group_id, f"a learner rejected {msg.source}: {msg.reason}")
+            return
+        if isinstance(msg, Shutdown):
+            raise RolloutStopped(f"learner shut down: {msg.reason}")
+        raise RolloutStopped(f"unexpected {type(msg).__name__} from a learner mid-batch")
+
+    def _checked(self, version: int, src) -> bool:
+        """True if the source may be sent; otherwise its group is dropped."""
+        if src.group_id in self.dropped:
+            return False
+        try:
+            (validate_turn if isinstance(src, TurnSource) else validate_source)(src, self.vocab_size)
+        except SourceError as e:
+            self._drop(version, src.group_id, str(e))
+            return False
+        return True
+
     async def _rollout(self, batch: _Batch) -> tuple[int, float | None]:
         owners = self._owners(batch)
         router = BalancedRouter(batch.groups, self.rc.n_learners // self.tp)
         order = 0
         n = len(batch.traj_ids)
+        self.dropped = {}
 
         def send(gid: str, msg) -> None:
             for r in owners[gid]:
@@ -177,13 +223,16 @@ class RolloutDriver:
                 lp = [None] * (end - start)
                 for p, v in zip(scored, teacher):
                     lp[p - start] = v
-                send(gid, TurnMsg(TurnSource(
+                src = TurnSource(
                     traj_id=tid, group_id=gid, turn=turn, n_turns=self.rc.max_turns,
                     start=start, tokens=tuple(span),
                     scored_mask=tuple(mask[start:end]), teacher_logprobs=tuple(lp),
                     policy_version=batch.version, ready_order=order,
-                    prompt_len=None)))
-                order += 1
+                    prompt_len=None)
+                self._take_rejections(batch.version)
+                if self._checked(batch.version, src):
+                    send(gid, TurnMsg(src))
+                    order += 1
             return release
 
         rewards = []
@@ -194,18 +243,23 @@ class RolloutDriver:
                                       env_seeds=batch.env_seeds,
                                       on_turn=on_turn if self.opd else None, **kwargs):
             rewards.append(res.reward)
+            gid = batch.group_of[i]
+            self._take_rejections(batch.version)
             if self.opd:
                 if res.n_turns != self.rc.max_turns:  # its turn count was registered up front
-                    raise RolloutStopped(
-                        f"OPD trajectory {batch.traj_ids[i]} ended after {res.n_turns} of "
-                        f"{self.rc.max_turns} turns ({res.stop_reason}); raise "
-                        f"rollout.max_total_tokens so every trajectory runs all its turns")
+                    self._drop(batch.version, gid,
+                               f"OPD trajectory {batch.traj_ids[i]} ended after {res.n_turns} "
+                               f"of {self.rc.max_turns} registered turns ({res.stop_reason}); "
+                               f"raise rollout.max_total_tokens so every trajectory runs all "
+                               f"its turns")
                 continue
-            gid = batch.group_of[i]
-            msg = TrajectoryMsg(TrajectorySource(
+            src = TrajectorySource(
                 traj_id=batch.traj_ids[i], group_id=gid, tokens=tuple(res.tokens),
-                scored_mask=tuple(res.scored_mask), reward=float(res.reward),
-                policy_version=batch.version, ready_order=order, prompt_len=res.prompt_len))
+                scored_mask=tuple(res.scored_mask), reward=res.reward,
+                policy_version=batch.version, ready_order=order, prompt_len=res.prompt_len)
+            if not self._checked(batch.version, src):
+                continue
+            msg = TrajectoryMsg(src)
             order += 1
             if self.cfg.routing == "static":
                 send(gid, msg)
@@ -218,7 +272,9 @@ class RolloutDriver:
                 for d in to.announce_to:
                     for r in self._ranks_of(d):
                         self.links[r].send(announce)
-        reward_mean = sum(rewards) / len(rewards) if rewards else None
+        self._take_rejections(batch.version)
+        ok = [r for r in rewards if isinstance(r, (int, float)) and math.isfinite(r)]
+        reward_mean = sum(ok) / len(ok) if ok else None
         return order, reward_mean
 
     # --- publication ----------------------------------------------------------------------
@@ -228,6 +284,10 @@ class RolloutDriver:
         learner says it finished."""
         try:
             msg = self.links[0].recv(timeout_s=self.cfg.channel.timeout_s)
+            while isinstance(msg, Rejected):  # after the close: the learners agree on it
+                print(f"[rollout] learner rejected {msg.source} of update {msg.version} after "
+                      f"the batch closed: {msg.reason}", flush=True)
+                msg = self.links[0].recv(timeout_s=self.cfg.channel.timeout_s)
         except PeerGone:
             if (self.links[0].peer_shutdown or "").startswith(FINISHED):
                 return False

@@ -1,0 +1,31 @@
+"""How a process that stopped unexpectedly says so: one line, the traceback in the run dir."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+
+def stopped(who: str, e: BaseException, run_dir: str) -> int:
+    """Print one line naming what stopped, why and where the state and traceback are;
+    returns the exit code (130 for an interrupt, 4 otherwise)."""
+    if isinstance(e, KeyboardInterrupt):
+        print(f"{who} interrupted; the last checkpoint under {run_dir}/checkpoints is intact",
+              file=sys.stderr, flush=True)
+        return 130
+    if isinstance(e, SystemExit):
+        return e.code if isinstance(e.code, int) else 1
+    log = os.path.join(run_dir, "logs", f"{who.replace(' ', '_')}.traceback")
+    try:
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        with open(log, "w") as f:
+            traceback.print_exception(e, file=f)
+    except OSError:
+        log = "(not written: run dir not writable)"
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
+    print(f"{who} stopped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+          f"{where}. The last checkpoint under {run_dir}/checkpoints is intact; traceback: "
+          f"{log}", file=sys.stderr, flush=True)
+    return 4
