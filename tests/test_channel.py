@@ -24,6 +24,7 @@ from tsync_mcore.channel import (
     encode, open_learner_side, open_rollout_side,
 )
 from tsync_mcore.channel.link import realtime_io_permitted
+from tsync_mcore.channel.wire import SPECS
 from tsync_mcore.sources import TurnSource
 
 WORKER = os.path.join(REPO_ROOT, "tests", "workers", "channel_worker.py")
@@ -72,6 +73,20 @@ def _seal(header: torch.Tensor, payloads: list[torch.Tensor]) -> list[torch.Tens
     return [h, *payloads]
 
 
+def _with_text(tensors, field: str, raw: bytes) -> list[torch.Tensor]:
+    """Replace one text field's bytes (and its byte length in the ints payload), sealed."""
+    spec = SPECS[MsgType(int(tensors[0][2]))]
+    k, j = spec.text_names.index(field), 1 + spec.n_arrays  # tensors[j]: the ints payload
+    ints = tensors[j].clone()
+    lengths = ints[spec.n_scalars:].tolist()
+    at = sum(lengths[:k])
+    old = bytes(tensors[-1].tolist())
+    text = old[:at] + raw + old[at + lengths[k]:]
+    ints[spec.n_scalars + k] = len(raw)
+    return _seal(tensors[0], [*tensors[1:j], ints, *tensors[j + 1:-1],
+                              torch.tensor(list(text), dtype=torch.uint8)])
+
+
 def _traj_tensors():
     return encode(cw.bench_message(1))
 
@@ -113,17 +128,15 @@ def test_limits_and_bad_payload_content():
     with pytest.raises(ChannelError, match="path.*max_bytes=4"):
         encode(Publish(1, "/a/long/path"), Limits(max_bytes=4))
     # Payload bytes that pass the checksum but are not what the type promises.
-    pub = encode(Publish(1, "ab"))
-    bad = torch.tensor([0xFF, 0xFE], dtype=torch.uint8)
     with pytest.raises(ChannelError, match="Publish path: invalid utf-8"):
-        decode(_seal(pub[0], [bad]))
-    ints = tensors[4].clone()
+        decode(_with_text(encode(Publish(1, "ab")), "path", b"\xff\xfe"))
+    ints = tensors[3].clone()  # TrajectoryMsg ints: ready_order, has_prompt_len, prompt_len, ...
     ints[1] = 2  # has_prompt_len flag
     with pytest.raises(ChannelError, match="has_prompt_len flag 2"):
-        decode(_seal(tensors[0], [*tensors[1:4], ints, tensors[5]]))
-    ids = encode(RegisterBatch(0, "grpo", {}, {}, 0))
-    with pytest.raises(ChannelError, match="RegisterBatch batch_json: invalid JSON"):
-        decode(_seal(ids[0], [ids[1], ids[2][:-1]]))
+        decode(_seal(tensors[0], [*tensors[1:3], ints, *tensors[4:]]))
+    reg = encode(RegisterBatch(0, "grpo", {}, {}, 0))
+    with pytest.raises(ChannelError, match="RegisterBatch.groups: invalid JSON"):
+        decode(_with_text(reg, "groups", b'{"g": '))
 
 
 def test_register_batch_carries_an_optional_schedule():
@@ -146,11 +159,10 @@ def test_routing_and_group_rewards_on_the_wire():
     with pytest.raises(ChannelError, match="group_id must be a str"):
         encode(GroupRewards(1, 7, {"a": 1.0}))
     good = encode(GroupRewards(1, "g", {"a": 1.0, "b": 2.0}))
-    for ids, why in [(["g", ["a"]], "one per reward"), (["g", ["a", "a"]], "distinct"),
-                     (["g"], "expected")]:
-        blob = torch.tensor(list(json.dumps(ids).encode()), dtype=torch.uint8)
+    for keys, why in [(["a"], "one per reward"), (["a", "a"], "distinct"),
+                      ({"a": 0}, "expected")]:
         with pytest.raises(ChannelError, match=why):
-            decode(_seal(good[0], [good[1], blob]))
+            decode(_with_text(good, "rewards", json.dumps(keys).encode()))
 
 
 def test_encode_rejects_what_it_cannot_carry_exactly():
