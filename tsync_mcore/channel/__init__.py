@@ -9,6 +9,7 @@ semantics, with the layout table generated from the declarations
 validates content through `tsync_mcore.sources`.
 """
 
+from tsync_mcore.channel import schema
 from tsync_mcore.channel.errors import ChannelError, ChannelTimeout, PeerGone
 from tsync_mcore.channel.link import Link, Prepared, open_learner_side, open_rollout_side
 from tsync_mcore.channel.messages import (
@@ -21,6 +22,7 @@ from tsync_mcore.channel.wire import (
 )
 
 __all__ = [
+    "schema",
     "ChannelError", "ChannelTimeout", "PeerGone", "Link", "Prepared", "open_rollout_side",
     "open_learner_side", "encode", "decode", "check_header", "check_header_values",
     "decode_arrays", "schema_table", "Limits", "DEFAULT_LIMITS", "MAGIC", "WIRE_VERSION",

@@ -181,7 +181,9 @@ def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> list[torch.Tensor]:
     h[14] = _payload_checksum(payloads)
     h[15] = sum(h[:15]) % _MOD
     check_header_values(h, limits)  # the sender learns of an over-limit message, not the peer
-    return [torch.tensor(h, dtype=torch.int64), *map(torch.from_numpy, payloads)]
+    return [torch.tensor(h, dtype=torch.int64),
+            *(torch.from_numpy(p) if p.size else torch.empty(0, dtype=_TORCH[p.dtype.type])
+              for p in payloads)]  # numpy's empty arrays can have stride 0: not viewable
 
 
 _TORCH = {np.int64: torch.int64, np.uint8: torch.uint8, np.float64: torch.float64}
