@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,11 +20,14 @@ import torch
 
 from dist_util import REPO_ROOT, free_port
 from tsync_mcore.channel import (
-    MAGIC, WIRE_VERSION, Ack, ChannelError, ChannelTimeout, CloseBatch, GroupRewards, Limits, MsgType,
-    ROLLOUT_SENDS, PeerGone, Publish, RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg, decode,
-    encode, open_learner_side, open_rollout_side,
+    LEARNER_SENDS, MAGIC, MESSAGES, WIRE_VERSION, Ack, ChannelError, ChannelTimeout, CloseBatch,
+    DropGroup, GroupRewards, Hello, Limits, MsgType, ROLLOUT_SENDS, PeerGone, Publish, RegisterBatch,
+    Rejected, Shutdown, TrajectoryMsg, TurnMsg, decode, encode, open_learner_side,
+    open_rollout_side, schema,
 )
 from tsync_mcore.channel.link import realtime_io_permitted
+from tsync_mcore.channel.messages import GROUPS, TURN_COUNTS
+from tsync_mcore.channel.wire import SPECS, schema_table
 from tsync_mcore.sources import TurnSource
 
 WORKER = os.path.join(REPO_ROOT, "tests", "workers", "channel_worker.py")
@@ -72,6 +76,20 @@ def _seal(header: torch.Tensor, payloads: list[torch.Tensor]) -> list[torch.Tens
     return [h, *payloads]
 
 
+def _with_text(tensors, field: str, raw: bytes) -> list[torch.Tensor]:
+    """Replace one text field's bytes (and its byte length in the ints payload), sealed."""
+    spec = SPECS[MsgType(int(tensors[0][2]))]
+    k, j = spec.text_names.index(field), 1 + spec.n_arrays  # tensors[j]: the ints payload
+    ints = tensors[j].clone()
+    lengths = [max(n, 0) for n in ints[spec.n_scalars:].tolist()]  # -1: None
+    at = sum(lengths[:k])
+    old = bytes(tensors[-1].tolist())
+    text = old[:at] + raw + old[at + lengths[k]:]
+    ints[spec.n_scalars + k] = len(raw)
+    return _seal(tensors[0], [*tensors[1:j], ints, *tensors[j + 1:-1],
+                              torch.tensor(list(text), dtype=torch.uint8)])
+
+
 def _traj_tensors():
     return encode(cw.bench_message(1))
 
@@ -113,17 +131,15 @@ def test_limits_and_bad_payload_content():
     with pytest.raises(ChannelError, match="path.*max_bytes=4"):
         encode(Publish(1, "/a/long/path"), Limits(max_bytes=4))
     # Payload bytes that pass the checksum but are not what the type promises.
-    pub = encode(Publish(1, "ab"))
-    bad = torch.tensor([0xFF, 0xFE], dtype=torch.uint8)
     with pytest.raises(ChannelError, match="Publish path: invalid utf-8"):
-        decode(_seal(pub[0], [bad]))
-    ints = tensors[4].clone()
+        decode(_with_text(encode(Publish(1, "ab")), "path", b"\xff\xfe"))
+    ints = tensors[3].clone()  # TrajectoryMsg ints: ready_order, has_prompt_len, prompt_len, ...
     ints[1] = 2  # has_prompt_len flag
     with pytest.raises(ChannelError, match="has_prompt_len flag 2"):
-        decode(_seal(tensors[0], [*tensors[1:4], ints, tensors[5]]))
-    ids = encode(RegisterBatch(0, "grpo", {}, {}, 0))
-    with pytest.raises(ChannelError, match="RegisterBatch batch_json: invalid JSON"):
-        decode(_seal(ids[0], [ids[1], ids[2][:-1]]))
+        decode(_seal(tensors[0], [*tensors[1:3], ints, *tensors[4:]]))
+    reg = encode(RegisterBatch(0, "grpo", {}, {}, 0))
+    with pytest.raises(ChannelError, match="RegisterBatch.groups: invalid JSON"):
+        decode(_with_text(reg, "groups", b'{"g": '))
 
 
 def test_register_batch_carries_an_optional_schedule():
@@ -146,11 +162,10 @@ def test_routing_and_group_rewards_on_the_wire():
     with pytest.raises(ChannelError, match="group_id must be a str"):
         encode(GroupRewards(1, 7, {"a": 1.0}))
     good = encode(GroupRewards(1, "g", {"a": 1.0, "b": 2.0}))
-    for ids, why in [(["g", ["a"]], "one per reward"), (["g", ["a", "a"]], "distinct"),
-                     (["g"], "expected")]:
-        blob = torch.tensor(list(json.dumps(ids).encode()), dtype=torch.uint8)
+    for keys, why in [(["a"], "one per reward"), (["a", "a"], "distinct"),
+                      ({"a": 0}, "expected")]:
         with pytest.raises(ChannelError, match=why):
-            decode(_seal(good[0], [good[1], blob]))
+            decode(_with_text(good, "rewards", json.dumps(keys).encode()))
 
 
 def test_encode_rejects_what_it_cannot_carry_exactly():
@@ -175,6 +190,135 @@ def test_encode_rejects_what_it_cannot_carry_exactly():
         encode(TurnMsg(TurnSource("t", "g", 0, 1, 0, (1,), (0,), ("x",), 0)))
     nan_reward = decode(encode(TrajectoryMsg(replace(src, reward=math.nan))))
     assert math.isnan(nan_reward.source.reward)  # content checks are the learner's
+
+
+# ---------------------------------------------------------------- the declarations
+
+_BIG, _SMALL = (1 << 63) - 1, -(1 << 63)
+# Two edge values per wire kind: a message built from column 0 and one from column 1.
+_EDGES = {
+    schema.VERSION: (_SMALL, _BIG), schema.I64: (_BIG, _SMALL), schema.BOOL: (False, True),
+    schema.OPT_I64: (None, _SMALL), schema.F64: (-0.0, math.inf), schema.OPT_F64: (None, 5e-324),
+    schema.STR: ("", "τ\x00 ✓ " * 50), schema.TOKENS: ((), (_BIG, _SMALL, 0)),
+    schema.MASK: ((), (0, 255, 1)), schema.OPT_F64S: ((), (None, -0.0, -math.inf, 1e308)),
+    schema.FLOAT_MAP: ({}, {"a ✓": -math.inf, "": 2.5e-300}),
+    GROUPS: ({}, {"g ✓": ["a", ""], "": []}), TURN_COUNTS: ({}, {"t": _BIG, "": -1}),
+}
+
+
+def _edge(kind, col: int):
+    if isinstance(kind, schema.Nested):
+        return kind.cls(*(_edge(k, col) for k in kind.fields.values()))
+    if isinstance(kind, schema.Str) and kind is not schema.STR:
+        options = (*(kind.choices or ("x", "✓" * 9)), *((None,) if kind.optional else ()))
+        return options[col % len(options)] if col == 0 else options[-1]
+    assert kind in _EDGES, f"no edge values for wire kind {kind.doc!r}: add them to _EDGES"
+    return _EDGES[kind][col]
+
+
+def edge_messages() -> list:
+    """Every declared message type, twice: from each column of edge values."""
+    return [cls(*(_edge(f.metadata["wire"], col) for f in dataclasses.fields(cls)))
+            for cls in MESSAGES for col in (0, 1)]
+
+
+@pytest.mark.parametrize("msg", edge_messages(), ids=lambda m: type(m).__name__)
+def test_every_declared_type_round_trips_its_edge_values(msg):
+    tensors = encode(msg)
+    back = decode(tensors)
+    assert back == msg and type(back) is type(msg)
+    assert repr(back) == repr(msg)  # -0.0 stays -0.0, ints stay ints
+    spec = SPECS[MsgType(int(tensors[0][2]))]
+    assert spec.cls is type(msg) and len(tensors) - 1 == len(spec.payloads)
+
+
+def test_directions_and_codes_come_from_the_declarations():
+    assert set(ROLLOUT_SENDS) == {RegisterBatch, TrajectoryMsg, TurnMsg, GroupRewards,
+                                  CloseBatch, Ack, Shutdown, DropGroup}
+    assert set(LEARNER_SENDS) == {Hello, Publish, Shutdown, Rejected}
+    assert {m.name: int(m) for m in MsgType} == {
+        "HELLO": 1, "REGISTER_BATCH": 2, "TRAJECTORY": 3, "TURN": 4, "CLOSE_BATCH": 5,
+        "PUBLISH": 6, "ACK": 7, "SHUTDOWN": 8, "GROUP_REWARDS": 9, "REJECTED": 10,
+        "DROP_GROUP": 11}
+    with pytest.raises(TypeError, match="do not say how they travel"):
+        @schema.message(code=99, sender=schema.ROLLOUT)
+        class Undeclared:
+            version: int = schema.on_wire(schema.VERSION)
+            extra: int = 0
+    with pytest.raises(TypeError, match="declare exactly its fields"):
+        schema.Nested(TurnSource, traj_id=schema.STR)
+
+
+def test_docs_wire_md_holds_the_generated_table():
+    from tsync_mcore.channel.__main__ import DOCS, embedded_table
+
+    with open(DOCS, encoding="utf-8") as f:
+        text = f.read()
+    assert f"WIRE_VERSION {WIRE_VERSION}" in text
+    assert embedded_table(text) == schema_table(), (
+        "docs/wire.md is stale: run python -m tsync_mcore.channel --update-docs")
+    out = subprocess.run([sys.executable, "-m", "tsync_mcore.channel", "--table"], check=True,
+                         capture_output=True, text=True, cwd=REPO_ROOT,
+                         env=dict(os.environ, PYTHONPATH=REPO_ROOT)).stdout
+    assert out == schema_table()
+    for cls in MESSAGES:
+        assert f"| {cls.__name__} |" in out
+
+
+def test_rejected_and_drop_group_round_trip_and_refuse_bad_values():
+    rej = Rejected(version=7, group_id="g/1 ✓", source="t3#2", reason="token 999999 out of vocab")
+    drop = DropGroup(version=7, group_id="g/1 ✓", reason="rank 1 rejected t3#2")
+    for msg in (rej, drop, Rejected(0, "", "", ""), DropGroup(-1, "", "")):
+        assert decode(encode(msg)) == msg
+    assert encode(rej)[0][3] == 7  # the update's version rides in the header
+    bad = {
+        "Rejected.version must be an int64 integer": replace(rej, version="7"),
+        "Rejected.group_id must be a str": replace(rej, group_id=1),
+        "Rejected.source must be a str": replace(rej, source=None),
+        "Rejected.reason must be a str": replace(rej, reason=b"x"),
+        "DropGroup.version must be an int64 integer": replace(drop, version=7.0),
+        "DropGroup.group_id must be a str": replace(drop, group_id=["g"]),
+        "DropGroup.reason must be a str": replace(drop, reason=None),
+        "DropGroup.reason: not encodable as utf-8": replace(drop, reason="\ud800"),
+    }
+    for pattern, msg in bad.items():
+        with pytest.raises(ChannelError, match=pattern):
+            encode(msg)
+    with pytest.raises(ChannelError, match=r"Rejected payload 1 \(text: group_id, source, "
+                                           r"reason\): 36 elements, over the limit max_bytes=8"):
+        encode(rej, Limits(max_bytes=8))
+    # On the wire: each text field's bytes and length are checked by name.
+    with pytest.raises(ChannelError, match="Rejected source: invalid utf-8"):
+        decode(_with_text(encode(rej), "source", b"t\xff"))
+    with pytest.raises(ChannelError, match="DropGroup reason: invalid utf-8"):
+        decode(_with_text(encode(drop), "reason", b"\xc3"))
+    t = encode(drop)
+    lengths = t[1].clone()
+    lengths[1] += 1  # the reason's byte length runs past the text payload
+    with pytest.raises(ChannelError, match="DropGroup reason: byte length .* does not fit"):
+        decode(_seal(t[0], [lengths, t[2]]))
+    lengths[0], lengths[1] = 1, 2  # lengths that leave bytes over
+    with pytest.raises(ChannelError, match="DropGroup: text lengths cover 3 of"):
+        decode(_seal(t[0], [lengths, t[2]]))
+    lengths[0], lengths[1] = -1, t[2].numel()  # None, where a str is declared
+    with pytest.raises(ChannelError, match="DropGroup.group_id must be a str, got NoneType"):
+        decode(_seal(t[0], [lengths, t[2]]))
+    with pytest.raises(ChannelError, match=r"Rejected payload 0 \(ints\): 2 elements, expected 3"):
+        decode(_seal(encode(rej)[0], [t[1], encode(rej)[2]]))
+
+
+def test_register_batch_objective_is_a_non_empty_str():
+    reg = RegisterBatch(1, "opd", {}, {"t": 2}, 0)
+    for bad in ("", None, 3):
+        with pytest.raises(ChannelError, match="RegisterBatch.objective must be a non-empty str"):
+            encode(replace(reg, objective=bad))
+    with pytest.raises(ChannelError, match="RegisterBatch.objective must be a non-empty str"):
+        decode(_with_text(encode(reg), "objective", b""))
+    assert decode(encode(replace(reg, objective="anything"))).objective == "anything"
+    with pytest.raises(ChannelError, match="n_turns must map str trajectory ids to int"):
+        decode(_with_text(encode(reg), "n_turns", b'{"t": true}'))
+    with pytest.raises(ChannelError, match="schedule must be one of"):
+        decode(_with_text(encode(reg), "schedule", b"eager"))
 
 
 # ---------------------------------------------------------------- links, one process
@@ -260,6 +404,21 @@ def test_prepared_messages_arrive_as_sent_and_are_checked_when_prepared():
                                                   scored_mask=(0,) * 8001)))
         rollout.send(CloseBatch(version=1, rollout_time_s=0.5, n_sources=3))
         assert learner.recv(5) == CloseBatch(1, 0.5, 3)  # refused preparations sent nothing
+
+
+def test_every_declared_type_crosses_a_link_from_its_side():
+    with link_pair() as (rollout, learner):
+        msgs = [m for m in edge_messages() if not isinstance(m, Shutdown)]
+        for sender, receiver, may in ((rollout, learner, ROLLOUT_SENDS),
+                                      (learner, rollout, LEARNER_SENDS)):
+            mine = [m for m in msgs if isinstance(m, may)]
+            for m in mine:
+                sender.send(m)
+            assert [receiver.recv(5) for _ in mine] == mine
+        with pytest.raises(ChannelError, match="rollout side does not send Rejected"):
+            rollout.send(Rejected(1, "g", "t", "why"))
+        with pytest.raises(ChannelError, match="learner side does not send DropGroup"):
+            learner.send(DropGroup(1, "g", "why"))
 
 
 def _thread_policies() -> dict[int, int]:
@@ -407,6 +566,24 @@ def test_two_process_round_trip_and_latency():
           f"median {statistics.median(ms):.2f} ms, p90 {ms[int(0.9 * len(ms))]:.2f} ms, "
           f"min {ms[0]:.2f} ms")
     assert statistics.median(ms) < 50
+
+
+def test_two_process_rejected_and_drop_group():
+    port = free_port()
+    proc = _spawn("reject", port)
+    try:
+        (link,) = open_rollout_side("127.0.0.1", port, 1, timeout_s=30)
+        assert link.recv(30) == cw.HELLO
+        for i in range(3):
+            link.send(cw.bench_message(i))
+            assert link.recv(10) == Rejected(4, f"bg0", f"b{i}", f"token {i} ✗")
+        link.send(DropGroup(4, "bg0", "rank 0 rejected b0 ✓"))
+        assert link.recv(10) == Shutdown("dropped bg0 of 4: rank 0 rejected b0 ✓")
+        link.close()
+        result = _finish(proc)
+    finally:
+        proc.kill()
+    assert result == {"rejected": 3, "reply": "reply"}
 
 
 @pytest.mark.parametrize("killed", ["learner", "rollout"])

@@ -4,6 +4,9 @@
         messages, Publish, echo N_BENCH trajectories (a Publish each), Shutdown. A 1-rank
         default gloo group is initialised first and checked afterwards: the channel must
         not disturb it.
+    channel_worker.py reject PORT            learner rank 0 of 1: Hello; for each TrajectoryMsg
+        a Rejected naming it, until a DropGroup arrives, which it echoes back as the reason of
+        a Shutdown.
     channel_worker.py idle PORT              learner rank 0 of 1: Hello, then wait to be killed.
     channel_worker.py idle_rollout PORT      rollout side for 1 learner: Ack, then wait.
 
@@ -19,8 +22,8 @@ import time
 import torch.distributed as dist
 
 from tsync_mcore.channel import (
-    Ack, CloseBatch, Hello, Publish, RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg,
-    open_learner_side, open_rollout_side,
+    Ack, CloseBatch, DropGroup, Hello, Publish, RegisterBatch, Rejected, Shutdown, TrajectoryMsg,
+    TurnMsg, open_learner_side, open_rollout_side,
 )
 from tsync_mcore.sources import TrajectorySource, TurnSource
 
@@ -88,6 +91,21 @@ def learner(port: int, n_bench: int, pg_port: int) -> dict:
     return result
 
 
+def reject(port: int) -> dict:
+    link = open_learner_side("127.0.0.1", port, 0, 1, timeout_s=30)
+    link.send(HELLO)
+    rejected = 0
+    while isinstance(msg := link.recv(10), TrajectoryMsg):
+        s = msg.source
+        link.send(Rejected(s.policy_version, s.group_id, s.traj_id, f"token {s.tokens[0]} ✗"))
+        rejected += 1
+    assert isinstance(msg, DropGroup), msg
+    link.send(Shutdown(f"dropped {msg.group_id} of {msg.version}: {msg.reason}"))
+    reply = link.recv(10)
+    link.close()
+    return {"rejected": rejected, "reply": reply.reason}
+
+
 def idle(port: int) -> None:
     link = open_learner_side("127.0.0.1", port, 0, 1, timeout_s=30)
     link.send(HELLO)
@@ -104,6 +122,8 @@ if __name__ == "__main__":
     mode, port = sys.argv[1], int(sys.argv[2])
     if mode == "learner":
         out = learner(port, int(sys.argv[3]), int(sys.argv[4]))
+    elif mode == "reject":
+        out = reject(port)
     elif mode == "idle":
         out = idle(port)
     else:
