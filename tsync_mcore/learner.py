@@ -33,6 +33,7 @@ from tsync_mcore.routing import ROUTINGS
 from tsync_mcore.schedule import ReadinessQueue, Service
 from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, assign_groups,
                                  check_version, validate_source)
+from tsync_mcore.trace import DeferredRecord, Record, SourceRecord, UpdateRecord
 
 ACCUM_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -47,7 +48,7 @@ class UpdateResult:
     accum_peak_bytes: int
     accum_bound_bytes: int
     grad: dict[str, torch.Tensor] | None
-    trace: list[dict] = field(default_factory=list)
+    trace: list[Record] = field(default_factory=list)  # ends with this rank's UpdateRecord
     kv_peak_bytes: int = 0  # OPD: context K/V leaves + adjoints held at once
 
 
@@ -91,7 +92,7 @@ class Learner:
         self.rewards: dict[str, float] = {}  # every reward known here, served here or not
         self.announced: set[str] = set()  # groups whose rewards came from group_rewards
         self.here: set[str] = set()  # groups with members given to this rank to serve
-        self.trace: list[dict] = []
+        self.trace: list[Record] = []
         self.t0 = time.perf_counter() if t0 is None else t0
         self.scored_local = 0
         self.prefixes: dict[str, SharedPrefix | None] = {}
@@ -181,7 +182,8 @@ class Learner:
             else:
                 prefix.backward_continuation(self.policy, src, w)
             q = len(prefix) if prefix is not None else 0
-            span = dict(span_tokens=src.n_tokens - q, context=q)  # what ran (FLOP ledger)
+            # what ran (FLOP ledger): the span after the prompt, the LM head and the loss
+            span = dict(span_tokens=src.n_tokens - q, context=q, logits=True)
             grads = self.policy.grad_buffers()
             if svc.fold == "direct":
                 coef = self._direct_coef(src)
@@ -205,7 +207,7 @@ class Learner:
             self._note(src, start=start, end=self._now(), cpu=time.thread_time() - cpu0,
                        fold=svc.fold, closes_group=svc.closes_group,
                        open_groups=self.queue.open_groups,
-                       **(span if src.n_scored > 0 else dict(span_tokens=0, context=0)))
+                       **(span if src.n_scored > 0 else {}))
         if svc.last_here:
             self._close_prefix(g, scale, mu)
 
@@ -231,10 +233,10 @@ class Learner:
         if ran:
             self.acc.fold_direct(self.policy.grad_buffers(), 1.0)
             self.policy.zero_grads()
-            self.trace.append(dict(kind="prefix", group_id=g, rank=self.policy.par.rank,
-                                   policy_version=self.version, ready=start, start=start,
-                                   end=self._now(), cpu=time.thread_time() - cpu0,
-                                   span_tokens=n, context=0))
+            self.trace.append(DeferredRecord(
+                update=self.version, rank=self.policy.par.rank, work="prefix", group_id=g,
+                traj_id=None, ready=start, start=start, end=self._now(),
+                cpu=time.thread_time() - cpu0, spans=[(n, 0)]))
 
     def _group_rewards(self, g: str) -> list[float]:
         return [self.rewards[t] for t in self.plan.groups[g]]
@@ -261,9 +263,16 @@ class Learner:
             scale = 1.0 / scored if scored else 0.0
         # The accumulator holds the descent direction −Σ_G g_G; one step per batch.
         step = self.policy.apply_and_step(self.acc.batch, scale, export_grad=export_grad)
+        served = sum(1 for r in self.trace if isinstance(r, SourceRecord) and r.served)
+        self.trace.append(UpdateRecord(
+            update=self.version, rank=self.policy.par.rank, objective=self.cfg.objective,
+            schedule=self.schedule, n_groups=self.plan.n_groups, n_sources=served,
+            scored_tokens=scored, open_bound=f"k_open={self.cfg.k_open}",
+            accum_peak_bytes=self.acc.peak_bytes, accum_bound_bytes=self.acc.bound_bytes,
+            grad_norm=step.grad_norm, ok=step.ok))
         result = UpdateResult(
             policy_version=self.version, ok=step.ok, grad_norm=step.grad_norm,
-            n_sources=sum(1 for e in self.trace if "end" in e), scored_tokens=scored,
+            n_sources=served, scored_tokens=scored,
             accum_peak_bytes=self.acc.peak_bytes, accum_bound_bytes=self.acc.bound_bytes,
             grad=step.grad, trace=self.trace)
         self.version += 1
@@ -317,9 +326,12 @@ class Learner:
 
     def _note(self, src: TrajectorySource, **fields) -> None:
         if "ready" in fields:
-            self.trace.append(dict(traj_id=src.traj_id, group_id=src.group_id,
-                                   policy_version=src.policy_version,
-                                   rank=self.policy.par.rank, scored_tokens=src.n_scored, **fields))
+            self.trace.append(SourceRecord(
+                update=self.version, rank=self.policy.par.rank, source="trajectory",
+                traj_id=src.traj_id, group_id=src.group_id, turn=None,
+                policy_version=src.policy_version, scored_tokens=src.n_scored, **fields))
         else:
-            entry = next(e for e in reversed(self.trace) if e.get("traj_id") == src.traj_id)
-            entry.update(fields)
+            rec = next(r for r in reversed(self.trace)
+                       if isinstance(r, SourceRecord) and r.traj_id == src.traj_id)
+            for k, v in fields.items():
+                setattr(rec, k, v)

@@ -36,6 +36,7 @@ from tsync_mcore.prefix import SharedPrefix
 from tsync_mcore.schedule import SCHEDULES
 from tsync_mcore.sources import (BatchPlan, SourceError, TurnSource, assign_groups,
                                  check_version, validate_turn)
+from tsync_mcore.trace import DeferredRecord, Record, SourceRecord, UpdateRecord
 
 
 @dataclass
@@ -114,7 +115,7 @@ class OPDLearner:
         self._last_traj: str | None = None
         self.prompts: dict[str, SharedPrefix | None] = {}
         self.open_members = {g: sum(t in self.mine for t in ts) for g, ts in plan.groups.items()}
-        self.trace: list[dict] = []
+        self.trace: list[Record] = []
         self.scored_local = 0
         self.kv_peak_bytes = 0
         self.kv_live_bytes = 0  # context leaves + adjoints and shared prompts held now
@@ -131,10 +132,11 @@ class OPDLearner:
         self.arrived[turn.key] = turn
         if turn.traj_id not in self.mine:
             return
-        self.trace.append(dict(kind="turn", traj_id=turn.traj_id, turn=turn.turn,
-                               group_id=turn.group_id, policy_version=turn.policy_version,
-                               rank=self.policy.par.rank, scored_tokens=turn.n_scored,
-                               ready=self._now() if arrived is None else arrived - self.t0))
+        self.trace.append(SourceRecord(
+            update=self.version, rank=self.policy.par.rank, source="turn",
+            traj_id=turn.traj_id, group_id=turn.group_id, turn=turn.turn,
+            policy_version=turn.policy_version, scored_tokens=turn.n_scored,
+            ready=self._now() if arrived is None else arrived - self.t0, fold="direct"))
         sched = self.schedule
         if sched == "thundersync":
             self._release([turn])
@@ -267,14 +269,15 @@ class OPDLearner:
     def _replay(self, traj_id: str) -> None:
         """Deferred work: push accumulated K/V adjoints back through earlier turns."""
         start, cpu0 = self._now(), time.thread_time()
-        turns, spans = self._push_back(self.ctx.pop(traj_id))  # context freed: timed too
-        self.trace.append(dict(kind="replay", traj_id=traj_id, rank=self.policy.par.rank,
-                               policy_version=self.version, ready=start, start=start,
-                               end=self._now(), cpu=time.thread_time() - cpu0,
-                               turns=turns, spans=spans, replay_mode=self.replay_mode))
+        spans = self._push_back(self.ctx.pop(traj_id))  # context freed: timed too
+        self.trace.append(DeferredRecord(
+            update=self.version, rank=self.policy.par.rank, work="replay",
+            group_id=self.group_of[traj_id], traj_id=traj_id, ready=start, start=start,
+            end=self._now(), cpu=time.thread_time() - cpu0, spans=spans,
+            replay_mode=self.replay_mode))
         self._prompt_done(self.group_of[traj_id])  # its own trace entry, after this one
 
-    def _push_back(self, ctx: _Context) -> tuple[int, list[tuple[int, int]]]:
+    def _push_back(self, ctx: _Context) -> list[tuple[int, int]]:
         self.kv_live_bytes -= ctx.nbytes
         spans = []  # (tokens, context) of every turn pushed back through (FLOP ledger)
         for i in reversed(range(len(ctx.leaves))):
@@ -293,7 +296,7 @@ class OPDLearner:
         self._fold()
         if ctx.prompt is not None:
             ctx.prompt.fold_direct(1.0, ctx.prompt_leaves)
-        return len(ctx.leaves), spans
+        return spans
 
     def _prompt_for(self, turn: TurnSource) -> SharedPrefix | None:
         """The group's shared prompt (built from its first served turn 0), if this turn
@@ -321,10 +324,10 @@ class OPDLearner:
             del prompt  # its K/V and graph are freed inside the timing
             if ran:
                 self._fold()
-                self.trace.append(dict(kind="prefix", group_id=g, rank=self.policy.par.rank,
-                                       policy_version=self.version, ready=start, start=start,
-                                       end=self._now(), cpu=time.thread_time() - cpu0,
-                                       span_tokens=n, context=0))
+                self.trace.append(DeferredRecord(
+                    update=self.version, rank=self.policy.par.rank, work="prefix",
+                    group_id=g, traj_id=None, ready=start, start=start, end=self._now(),
+                    cpu=time.thread_time() - cpu0, spans=[(n, 0)]))
 
     def _fold(self) -> None:
         self.acc.fold_direct(self.policy.grad_buffers(), 1.0)
@@ -350,9 +353,16 @@ class OPDLearner:
         scored = int(self.policy.dp_sum(self.scored_local))
         step = self.policy.apply_and_step(self.acc.batch, 1.0 / scored if scored else 0.0,
                                           export_grad=export_grad)
+        served = sum(1 for r in self.trace if isinstance(r, SourceRecord))
+        self.trace.append(UpdateRecord(
+            update=self.version, rank=self.policy.par.rank, objective=self.cfg.objective,
+            schedule=self.schedule, n_groups=self.plan.n_groups, n_sources=served,
+            scored_tokens=scored, accum_peak_bytes=self.acc.peak_bytes,
+            accum_bound_bytes=self.acc.bound_bytes, kv_peak_bytes=self.kv_peak_bytes,
+            grad_norm=step.grad_norm, ok=step.ok))
         result = UpdateResult(
             policy_version=self.version, ok=step.ok, grad_norm=step.grad_norm,
-            n_sources=sum(1 for e in self.trace if e["kind"] == "turn"), scored_tokens=scored,
+            n_sources=served, scored_tokens=scored,
             accum_peak_bytes=self.acc.peak_bytes, accum_bound_bytes=self.acc.bound_bytes,
             grad=step.grad, trace=self.trace, kv_peak_bytes=self.kv_peak_bytes)
         self.version += 1
@@ -379,7 +389,8 @@ class OPDLearner:
         return time.perf_counter() - self.t0
 
     def _note(self, turn: TurnSource, **fields) -> None:
-        entry = next(e for e in reversed(self.trace)
-                     if e.get("kind") == "turn" and e["traj_id"] == turn.traj_id
-                     and e["turn"] == turn.turn)
-        entry.update(fields)
+        rec = next(r for r in reversed(self.trace)
+                   if isinstance(r, SourceRecord) and r.traj_id == turn.traj_id
+                   and r.turn == turn.turn)
+        for k, v in fields.items():
+            setattr(rec, k, v)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from tsync_mcore import trace
 from tsync_mcore.config import load_config
 from tsync_mcore.learner import Learner
 from tsync_mcore.learner_opd import OPDLearner
@@ -163,10 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     par = policy.par
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"trace_rank{par.rank}.jsonl"), "w") as f:
-        for k, r in enumerate(results):
-            for e in r.trace:
-                f.write(json.dumps({"update": k, **e}) + "\n")
+    trace.write(os.path.join(args.out, f"trace_rank{par.rank}.jsonl"),
+                [rec for r in results for rec in r.trace], mode="w")
     summary = {
         "updates": len(results), "objective": cfg.learner.objective,
         "schedule": cfg.learner.schedule, "dtype": cfg.model.dtype,

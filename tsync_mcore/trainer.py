@@ -24,6 +24,7 @@ from tsync_mcore.channel import (Ack, ChannelError, ChannelTimeout, CloseBatch, 
                                  Hello, RegisterBatch, Shutdown, TrajectoryMsg, TurnMsg,
                                  open_learner_side)
 from tsync_mcore.config import Config, to_dict
+from tsync_mcore import trace
 from tsync_mcore.learner import Learner
 from tsync_mcore.ledger.account import update_flops
 from tsync_mcore.ledger.memory import MemoryMeter
@@ -162,8 +163,8 @@ class Trainer:
         # Recorded while the replicas load θ (seconds on a real rollout), so the learner is
         # ready for the next batch once they acknowledge it: recording after the ack took
         # 10-70 ms here, and the next batch's first sources waited for it.
-        stale = sum(1 for e in result.trace if e.get("policy_version", result.policy_version)
-                    != result.policy_version)
+        stale = sum(1 for s in trace.sources(result.trace)
+                    if s.policy_version != result.policy_version)
         # F_k: this DP rank's work from its trace (TP ranks of one DP rank share it), summed.
         work = update_flops(self.policy.spec, result.trace, attention=self.policy.attention_mode)
         flops = self.policy.dp_sum(work.total)
@@ -269,9 +270,7 @@ class Trainer:
                 for x in samples:
                     f.write(json.dumps(x) + "\n")
 
-    def _write_trace(self, trace: list[dict]) -> None:
+    def _write_trace(self, records: list[trace.Record]) -> None:
         path = os.path.join(self.cfg.run.dir, "traces", f"rank{self.par.rank}.jsonl")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "a") as f:
-            for e in trace:
-                f.write(json.dumps({"update": self.version - 1, **e}) + "\n")
+        trace.write(path, records)  # each record names its update

@@ -18,6 +18,7 @@ from tsync_mcore.config import load_config  # noqa: E402
 from tsync_mcore.learner_opd import OPDLearner  # noqa: E402
 from tsync_mcore.policy import Policy  # noqa: E402
 from tsync_mcore.sources import BatchPlan, opd_turns_from_json  # noqa: E402
+from tsync_mcore.trace import SourceRecord  # noqa: E402
 
 
 def batch(vocab: int, n_traj: int, seed: int):
@@ -34,9 +35,9 @@ def at(turns, version: int):
 
 
 def served(learner) -> list[str]:
-    entries = sorted((e for e in learner.trace if e["kind"] == "turn" and "start" in e),
-                     key=lambda e: e["start"])
-    return [f"{e['traj_id'].split('-')[-1]}#{e['turn']}" for e in entries]
+    entries = sorted((e for e in learner.trace if isinstance(e, SourceRecord) and e.served),
+                     key=lambda e: e.start)
+    return [f"{e.traj_id.split('-')[-1]}#{e.turn}" for e in entries]
 
 
 def grad(result) -> dict:
