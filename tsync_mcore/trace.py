@@ -246,3 +246,7 @@ def _field_notes(cls) -> dict[str, str]:
             notes[m.group(1)] = " ".join(above + ([m.group(2)] if m.group(2) else []))
         above = []
     return notes
+
+
+if __name__ == "__main__":  # the table docs/trace.md carries
+    print(field_table())
