@@ -38,11 +38,12 @@ from statistics import mean, median, stdev
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tsync_mcore import predict  # noqa: E402
+from tsync_mcore import predict, trace  # noqa: E402
 from tsync_mcore.channel import (Ack, CloseBatch, GroupRewards, Hello, Publish,  # noqa: E402
                                  RegisterBatch, TrajectoryMsg, TurnMsg, open_rollout_side)
 from tsync_mcore.routing import BalancedRouter  # noqa: E402
 from tsync_mcore.sources import BatchPlan, TrajectorySource, TurnSource, assign_groups  # noqa: E402
+from tsync_mcore.trace import Record, SourceRecord, UpdateRecord  # noqa: E402
 
 GAMMA = 0.49  # the paper's service exponent
 
@@ -135,40 +136,36 @@ class RecordedWorkload:
     @classmethod
     def from_run(cls, run_dir: str, vocab: int = 1024, seed: int = 42,
                  token_scale: float = 1.0) -> "RecordedWorkload":
-        entries = []
-        for name in sorted(os.listdir(os.path.join(run_dir, "traces"))
-                           if os.path.isdir(os.path.join(run_dir, "traces")) else []):
-            if name.startswith("rank") and name.endswith(".jsonl"):
-                with open(os.path.join(run_dir, "traces", name)) as f:
-                    entries += [json.loads(line) for line in f if line.strip()]
-        if not entries:
+        records = trace.sources(trace.read_run(run_dir))
+        if not records:
             raise ValueError(f"{run_dir}: no traces/rank*.jsonl entries to replay")
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             rollout = {r["policy_version"]: r["rollout_time_s"] for r in map(json.loads, f)}
-        turns = [e for e in entries if e.get("kind") == "turn"]
-        trajs = [e for e in entries if e.get("kind") is None and "traj_id" in e]
+        turns = [s for s in records if s.source == "turn"]
+        trajs = [s for s in records if s.source == "trajectory"]
         if turns and trajs:
             raise ValueError(f"{run_dir}: trace mixes OPD turns and GRPO trajectories")
         objective = "opd" if turns else "grpo"
         updates = []
-        for u in sorted({e["update"] for e in turns + trajs}):
+        for u in sorted({s.update for s in records}):
             R = rollout.get(u)
             if not R or R <= 0:
                 raise ValueError(f"{run_dir}: update {u} has no positive rollout_time_s in metrics.jsonl")
             rec: dict = {"groups": {}, "trajs": {}}
-            for e in (e for e in turns + trajs if e["update"] == u):
-                n = e["span_tokens"] + (e["context"] if e.get("turn", 0) == 0 else 0)
+            for e in (s for s in records if s.update == u):
+                j = e.turn or 0  # a GRPO trajectory: one turn
+                n = e.span_tokens + (e.context if j == 0 else 0)
                 # why: a source without scored tokens ran no learner work, so its trace has
                 # no span; two unscored tokens replay it (validation and bookkeeping only)
-                n = max(n, e["scored_tokens"] + 1, 2)
-                item = dict(u=min(1.0, max(0.0, e["ready"] / R)), n=n, scored=e["scored_tokens"])
-                t = rec["trajs"].setdefault(e["traj_id"], dict(group=e["group_id"], turns={}, prompt=None))
-                t["turns"][e.get("turn", 0)] = item
-                if e.get("turn", 0) == 0 and e["context"]:  # the shared prompt ends before it
-                    t["prompt"] = e["context"] + 1
-                rec["groups"].setdefault(e["group_id"], [])
-                if e["traj_id"] not in rec["groups"][e["group_id"]]:
-                    rec["groups"][e["group_id"]].append(e["traj_id"])
+                n = max(n, e.scored_tokens + 1, 2)
+                item = dict(u=min(1.0, max(0.0, e.ready / R)), n=n, scored=e.scored_tokens)
+                t = rec["trajs"].setdefault(e.traj_id, dict(group=e.group_id, turns={}, prompt=None))
+                t["turns"][j] = item
+                if j == 0 and e.context:  # the shared prompt ends before it
+                    t["prompt"] = e.context + 1
+                rec["groups"].setdefault(e.group_id, [])
+                if e.traj_id not in rec["groups"][e.group_id]:
+                    rec["groups"][e.group_id].append(e.traj_id)
             if len(rec["groups"]) < 2:
                 raise ValueError(f"{run_dir}: update {u} has {len(rec['groups'])} group(s); "
                                  "two learner ranks need at least 2")
@@ -450,38 +447,30 @@ def _ack(link, version: int) -> None:
     link.send(Ack(version=version, ok=True))
 
 
-def _read_trace(run_dir: str) -> list[dict]:
-    out = []
-    for r in (0, 1):
-        path = os.path.join(run_dir, "traces", f"rank{r}.jsonl")
-        if os.path.exists(path):
-            with open(path) as f:
-                out += [json.loads(line) for line in f if line.endswith("\n")]
-    return out
-
-
-def _wait_for_trace(run_dir: str, update: int, timeout_s: float = 60.0) -> list[dict]:
-    """Both ranks write an update's trace right after its publication; wait for them."""
+def _wait_for_trace(run_dir: str, update: int, timeout_s: float = 60.0) -> list[Record]:
+    """Both ranks write an update's trace right after its publication; wait for them (a
+    rank's UpdateRecord is its last record of the update)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        entries = _read_trace(run_dir)
-        if {e["rank"] for e in entries if e["update"] == update} == {0, 1}:
-            return entries
+        records = trace.read_run(run_dir)  # a line still being written is skipped
+        if {r.rank for r in records if isinstance(r, UpdateRecord) and r.update == update} \
+                == {0, 1}:
+            return records
         if time.monotonic() > deadline:
             raise RuntimeError(f"{run_dir}: no trace of update {update} from both ranks")
         time.sleep(0.01)
 
 
-def _busiest_lane(entries: list[dict], update: int) -> float:
+def _busiest_lane(records: list[Record], update: int) -> float:
     """L of one update: the busiest rank's total service time."""
     busy = {0: 0.0, 1: 0.0}
-    for e in entries:
-        if e["update"] == update and "start" in e:
-            busy[e["rank"]] += e["end"] - e["start"]
+    for r in trace.work(records):
+        if r.update == update:
+            busy[r.rank] += r.end - r.start
     return max(busy.values())
 
 
-def dispatch_overhead(entries: list[dict], updates: set[int]) -> dict:
+def dispatch_overhead(records: list[Record], updates: set[int]) -> dict:
     """Per-source scheduling + bookkeeping cost as a fraction of learner service (median
     gap ÷ median service). The gap of a source is the time from when its lane could take
     it (its arrival, or the end of the lane's previous entry if that is later) to its
@@ -494,23 +483,24 @@ def dispatch_overhead(entries: list[dict], updates: set[int]) -> dict:
     registration's arrival: a source could come before the learner was ready) do not count
     as an idle lane."""
     gaps, idle, service = [], [], []
+    work = trace.work(records)
     for u in updates:
         for r in (0, 1):
-            es = sorted((e for e in entries if e["update"] == u and e["rank"] == r and "start" in e),
-                        key=lambda e: e["start"])
+            es = sorted((e for e in work if e.update == u and e.rank == r),
+                        key=lambda e: e.start)
             prev_end = -1.0
             for e in es:
-                if e.get("kind") in (None, "turn"):
-                    gaps.append(e["start"] - max(e["ready"], prev_end))
-                    service.append(e["end"] - e["start"])
-                prev_end = e["end"]
-            starts = [x["start"] for x in es]
+                if isinstance(e, SourceRecord):
+                    gaps.append(e.start - max(e.ready, prev_end))
+                    service.append(e.end - e.start)
+                prev_end = e.end
+            starts = [x.start for x in es]
             for e in es:
-                if e.get("kind") not in (None, "turn") or e["ready"] < 0:
+                if not isinstance(e, SourceRecord) or e.ready < 0:
                     continue
-                i = bisect_left(starts, e["ready"])  # es[i]: the lane's next start after it
-                if i == 0 or es[i - 1]["end"] <= e["ready"]:  # lane idle on arrival
-                    idle.append(starts[i] - e["ready"])
+                i = bisect_left(starts, e.ready)  # es[i]: the lane's next start after it
+                if i == 0 or es[i - 1].end <= e.ready:  # lane idle on arrival
+                    idle.append(starts[i] - e.ready)
     if not service:
         return dict(all=float("nan"), idle=float("nan"), n_idle=0)
     m = median(service)
@@ -518,52 +508,52 @@ def dispatch_overhead(entries: list[dict], updates: set[int]) -> dict:
                 n_idle=len(idle))
 
 
-def _dispatch(entries: list[dict], updates: set[int], streaming: bool) -> dict:
+def _dispatch(records: list[Record], updates: set[int], streaming: bool) -> dict:
     if not streaming:
         return dict(dispatch_overhead=None, dispatch_idle=None, dispatch_idle_n=None)
-    d = dispatch_overhead(entries, updates)
+    d = dispatch_overhead(records, updates)
     return dict(dispatch_overhead=d["all"], dispatch_idle=d["idle"], dispatch_idle_n=d["n_idle"])
 
 
-def _serve_cpu(entries: list[dict], updates: set[int]) -> float:
+def _serve_cpu(records: list[Record], updates: set[int]) -> float:
     """Serving-thread CPU seconds per update, summed over ranks."""
-    return sum(e["cpu"] for e in entries if e["update"] in updates and "cpu" in e) / len(updates)
+    return sum(r.cpu for r in trace.work(records) if r.update in updates) / len(updates)
 
 
-def _wall_over_cpu(entries: list[dict], updates: set[int],
+def _wall_over_cpu(records: list[Record], updates: set[int],
                    arriving: dict[int, float] | None = None) -> float | None:
     """Serving wall time over serving CPU time. `arriving` (update → R): only services that
     started while sources were still arriving (before R), when the simulator and the
     channel threads share the learners' cores; None where there were none (sync)."""
-    es = [e for e in entries if e["update"] in updates and "cpu" in e
-          and (arriving is None or e["start"] < arriving[e["update"]])]
+    es = [e for e in trace.work(records) if e.update in updates
+          and (arriving is None or e.start < arriving[e.update])]
     if not es:
         return None
-    return sum(e["end"] - e["start"] for e in es) / sum(e["cpu"] for e in es)
+    return sum(e.end - e.start for e in es) / sum(e.cpu for e in es)
 
 
-def _paired_service(by_update: dict[int, list[dict]], mine: list[dict],
+def _paired_service(by_update: dict[int, list[Record]], mine: list[dict],
                     sync: list[dict]) -> dict:
     """Each source's service (wall, CPU) in this schedule over the same source's in the sync
     update of the same draw (same batch, same tokens): the mean ratio over every source,
     and over those served while sources were still arriving (before R), where the
     simulator and the channel share the learners' cores. Sources are matched by their ids
     without the policy version (and turn)."""
-    def key(e: dict) -> tuple[str, int]:
-        return e["traj_id"].split("-", 1)[1], e.get("turn", 0)
+    def key(e: SourceRecord) -> tuple[str, int]:
+        return e.traj_id.split("-", 1)[1], e.turn or 0
 
-    sync_of = {r["draw"]: {key(e): e for e in by_update[r["policy_version"]]
-                           if e.get("kind") in (None, "turn")} for r in sync}
+    sync_of = {r["draw"]: {key(e): e for e in trace.sources(by_update[r["policy_version"]])}
+               for r in sync}
     ratios: dict[str, list[tuple[float, float]]] = {"all": [], "arriving": []}
     for r in mine:
         base = sync_of[r["draw"]]
-        for e in by_update[r["policy_version"]]:
-            b = base.get(key(e)) if e.get("kind") in (None, "turn") else None
+        for e in trace.sources(by_update[r["policy_version"]]):
+            b = base.get(key(e))
             if b is None:
                 continue
-            x = ((e["end"] - e["start"]) / (b["end"] - b["start"]), e["cpu"] / b["cpu"])
+            x = ((e.end - e.start) / (b.end - b.start), e.cpu / b.cpu)
             ratios["all"].append(x)
-            if e["start"] < r["rollout_time_s"]:
+            if e.start < r["rollout_time_s"]:
                 ratios["arriving"].append(x)
     out = {}
     for k, xs in ratios.items():
@@ -588,18 +578,17 @@ def mark_busy_host(cells: list[dict], margin: float = 0.03) -> list[dict]:
     return [c for c in cells if c.get("host_busy")]
 
 
-def _group_ready_step(entries: list[dict], R: float, P: float) -> float:
+def _group_ready_step(records: list[Record], R: float, P: float) -> float:
     """Eq. 14 for one update with each source released at its group's last arrival (GRPO)
     or its trajectory's last turn (OPD); replay/prefix work keeps its own release time."""
-    unit = lambda e: e["traj_id"] if e.get("kind") == "turn" else e.get("group_id")  # noqa: E731
+    unit = lambda s: s.traj_id if s.source == "turn" else s.group_id  # noqa: E731
     last: dict[str, float] = {}
-    for e in entries:
-        if e.get("kind") in (None, "turn"):
-            last[unit(e)] = max(last.get(unit(e), 0.0), e["ready"])
+    for s in trace.sources(records):
+        last[unit(s)] = max(last.get(unit(s), 0.0), s.ready)
     lanes: dict[int, list] = {}
-    for e in entries:
-        release = last[unit(e)] if e.get("kind") in (None, "turn") else e["ready"]
-        lanes.setdefault(e["rank"], []).append((release, e["end"] - e["start"]))
+    for e in trace.work(records):
+        release = last[unit(e)] if isinstance(e, SourceRecord) else e.ready
+        lanes.setdefault(e.rank, []).append((release, e.end - e.start))
     return max(predict.replay_lane(jobs, R, P) for jobs in lanes.values())
 
 
@@ -619,11 +608,10 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
                                 routing=routing)
             if not r["calibration"] and not r["warmup"]]
     pred = {u["update"]: u for u in predict.analyze_run(d, warmup=0)["updates"]}
-    entries = _read_trace(d)
-    by_update: dict[int, list[dict]] = {}
-    for e in entries:
-        if "start" in e:
-            by_update.setdefault(e["update"], []).append(e)
+    entries = trace.read_run(d)
+    by_update: dict[int, list[Record]] = {}
+    for e in trace.work(entries):
+        by_update.setdefault(e.update, []).append(e)
     # L: the learner time the sync updates took (R was set from their calibration twins)
     L_sync = mean(_busiest_lane(by_update[r["policy_version"]], r["policy_version"])
                   for r in rows if r["schedule"] == "sync")

@@ -12,6 +12,7 @@ from overlap import HostSetup, RecordedWorkload, cell, mark_busy_host  # noqa: E
 from tsync_mcore.channel.link import realtime_io_permitted  # noqa: E402
 
 from tsync_mcore.testing.tiny import make_tiny_checkpoint  # noqa: E402
+from tsync_mcore.trace import TraceError  # noqa: E402
 
 
 def main() -> None:
@@ -38,6 +39,13 @@ def main() -> None:
     p.add_argument("--trace-token-scale", type=float, default=1.0,
                    help="multiply recorded token counts (fit a GPU run's lengths to the CPU model)")
     args = p.parse_args()
+    recorded = None
+    if args.release_trace:  # read first: a damaged trace fails before any set-up
+        try:
+            recorded = RecordedWorkload.from_run(args.release_trace,
+                                                 token_scale=args.trace_token_scale)
+        except (OSError, ValueError) as e:  # TraceError too: an unusable run directory
+            p.exit(2, f"error: --release-trace: {e}\n")
     work = args.work or tempfile.mkdtemp(prefix="tsync-perf-")
     hf_dir = os.path.join(work, "model")
     if not os.path.exists(os.path.join(hf_dir, "config.json")):
@@ -49,7 +57,6 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",")] if args.batches else \
         [64] if args.quick else [64, 128]
     if args.release_trace:
-        recorded = RecordedWorkload.from_run(args.release_trace, token_scale=args.trace_token_scale)
         with open(os.path.join(hf_dir, "config.json")) as f:
             positions = json.load(f)["max_position_embeddings"]
         if recorded.longest() > positions:
@@ -96,4 +103,8 @@ def _print(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except TraceError as e:  # a damaged trace of a benchmark run: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from batchgen import make_batch
 from test_learner import replay
+from tsync_mcore import trace
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, Hello, PeerGone, Publish,
                                  RegisterBatch,
                                  TrajectoryMsg, open_rollout_side)
@@ -137,22 +138,21 @@ def test_rollout_sets_the_schedule_per_batch(tiny_qwen2, tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["schedule"] for r in rows] == ["sync", "group_ready", "thundersync"]
     # Trace times are relative to each rank's own begin(): compare within a rank.
-    traces = [[json.loads(line) for line in open(tmp_path / "traces" / f"rank{r}.jsonl")]
-              for r in (0, 1)]
-    per_update = lambda trace, u: [e for e in trace if e["update"] == u and "traj_id" in e]  # noqa: E731
-    for trace in traces:
-        sync, group_ready = per_update(trace, 0), per_update(trace, 1)
+    traces = [trace.read(str(tmp_path / "traces" / f"rank{r}.jsonl")) for r in (0, 1)]
+    per_update = lambda rs, u: [e for e in trace.sources(rs) if e.update == u]  # noqa: E731
+    for rs in traces:
+        sync, group_ready = per_update(rs, 0), per_update(rs, 1)
         # sync: nothing starts before the whole batch is in
-        assert all(e["start"] >= max(x["ready"] for x in sync) for e in sync)
+        assert all(e.start >= max(x.ready for x in sync) for e in sync)
         # group_ready: nothing starts before its group is complete
         last_of = {}
         for e in group_ready:
-            last_of[e["group_id"]] = max(last_of.get(e["group_id"], 0.0), e["ready"])
-        assert all(e["start"] >= last_of[e["group_id"]] for e in group_ready)
+            last_of[e.group_id] = max(last_of.get(e.group_id, 0.0), e.ready)
+        assert all(e.start >= last_of[e.group_id] for e in group_ready)
         # the advantage is known when served: no G1'/G2 pair
-        assert all(e["fold"] == "direct" for e in sync + group_ready)
+        assert all(e.fold == "direct" for e in sync + group_ready)
     # thundersync: sources are served before their group is complete
-    assert any(e["fold"] == "pair" for trace in traces for e in per_update(trace, 2))
+    assert any(e.fold == "pair" for rs in traces for e in per_update(rs, 2))
 
 
 def test_clean_run_publishes_every_version_and_writes_metrics(golden):
@@ -194,15 +194,14 @@ def test_overlap_benchmark_replays_the_runs_release_trace(tiny_qwen2, golden, tm
     from tsync_mcore.channel.link import realtime_io_permitted
 
     work = RecordedWorkload.from_run(golden["run"], vocab=256)
-    trace = [json.loads(line) for r in (0, 1)
-             for line in open(os.path.join(golden["run"], "traces", f"rank{r}.jsonl"))]
+    records = trace.sources(trace.read_run(golden["run"]))
     rollout = {json.loads(line)["policy_version"]: json.loads(line)["rollout_time_s"]
                for line in open(os.path.join(golden["run"], "metrics.jsonl"))}
     for v in (0, 1):
         # a source without scored tokens has no span in the trace: replayed as 2 unscored tokens
-        recorded = sorted((min(1.0, max(0.0, e["ready"] / rollout[v])),
-                           max(2, e["span_tokens"] + e["context"]), e["scored_tokens"])
-                          for e in trace if e["update"] == v and "traj_id" in e)
+        recorded = sorted((min(1.0, max(0.0, e.ready / rollout[v])),
+                           max(2, e.span_tokens + e.context), e.scored_tokens)
+                          for e in records if e.update == v)
         plan, _, items = work.update(7, R=3.0, draw=v)
         played = sorted((t / 3.0, src.n_tokens, src.n_scored) for t, src in items)
         assert len(played) == len(recorded) == sum(map(len, plan.groups.values()))
@@ -291,9 +290,8 @@ def test_opd_through_the_channel_matches_replayed_sync(tiny_llama, tmp_path):
     gap = sum(float(((theta[k].double() - want[k].double()) ** 2).sum()) for k in want) ** 0.5
     print(f"OPD over the channel vs replayed sync: gap / moved = {gap / moved:.2e}")
     assert moved > 0 and gap / moved <= 1e-5
-    trace = [json.loads(line) for r in (0, 1)
-             for line in open(tmp_path / "run" / "traces" / f"rank{r}.jsonl")]
-    turns = [e for e in trace if e["kind"] == "turn"]
+    turns = [e for e in trace.sources(trace.read_run(str(tmp_path / "run")))
+             if e.source == "turn"]
     assert len(turns) == sum(len(r["turn_ends"]) for r in rows)
 
 
@@ -388,7 +386,6 @@ def test_vllm_rollout_two_learner_ranks_few_updates(tmp_path):
     assert [r["policy_version"] for r in rows] == [0, 1, 2]
     assert all(r["stale_sources"] == 0 and r["trajectories"] == 16 for r in rows)
     for r in range(2):
-        for line in open(run / "traces" / f"rank{r}.jsonl"):
-            e = json.loads(line)
-            assert e["policy_version"] == e["update"]  # every trained source: θ_k for update k
+        for e in trace.sources(trace.read(str(run / "traces" / f"rank{r}.jsonl"))):
+            assert e.policy_version == e.update  # every trained source: θ_k for update k
     assert "improved" in p.stdout or "did NOT improve" in p.stdout

@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 
 from batchgen import write_batches
 from reference import reference_grad, rel_l2
+from tsync_mcore import trace
+from tsync_mcore.trace import SourceRecord
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_UPDATES = 10
@@ -148,12 +150,12 @@ def test_admission_cap_bounds_accumulator_memory(runs):
 def test_trace_records_every_source(runs):
     n = 0
     for r in range(2):
-        with open(os.path.join(runs["thundersync"]["dir"], f"trace_rank{r}.jsonl")) as f:
-            for line in f:
-                e = json.loads(line)
-                assert e["ready"] <= e["start"] <= e["end"]
-                assert e["policy_version"] == e["update"]
-                n += e.get("kind") != "prefix"  # prefix entries: one prompt backward per group
+        for e in trace.work(trace.read(os.path.join(runs["thundersync"]["dir"],
+                                                    f"trace_rank{r}.jsonl"))):
+            assert e.ready <= e.start <= e.end
+            if isinstance(e, SourceRecord):  # deferred: one prompt backward per group
+                assert e.policy_version == e.update
+                n += 1
     assert n == len(runs["rows"])
 
 
@@ -161,11 +163,10 @@ def test_balanced_routing_splits_groups_and_serves_each_source_once(runs):
     ranks_of: dict[str, set] = {}
     served = []
     for r in range(2):
-        with open(os.path.join(runs["thundersync_balanced"]["dir"], f"trace_rank{r}.jsonl")) as f:
-            for e in map(json.loads, f):
-                if e.get("kind") != "prefix":
-                    served.append((e["update"], e["traj_id"]))
-                    ranks_of.setdefault(e["group_id"], set()).add(r)
+        path = os.path.join(runs["thundersync_balanced"]["dir"], f"trace_rank{r}.jsonl")
+        for e in trace.sources(trace.read(path)):
+            served.append((e.update, e.traj_id))
+            ranks_of.setdefault(e.group_id, set()).add(r)
     assert len(served) == len(set(served)) == len(runs["rows"])
     assert sum(len(rs) == 2 for rs in ranks_of.values()) >= 5, ranks_of  # split groups ran
 

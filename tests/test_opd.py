@@ -12,6 +12,8 @@ from safetensors.torch import load_file
 from batchgen import write_opd_batches
 from reference import reference_opd_grad, rel_l2
 from test_learner import ROOT, replay
+from tsync_mcore import trace
+from tsync_mcore.trace import DeferredRecord
 
 N_UPDATES = 10
 
@@ -75,14 +77,14 @@ def test_deferred_replay_is_in_the_trace_and_memory_is_bounded(opd_runs):
     run = opd_runs["thundersync"]
     entries = []
     for r in range(2):
-        with open(os.path.join(run["dir"], f"trace_rank{r}.jsonl")) as f:
-            entries += [json.loads(line) for line in f]
-    turns = [e for e in entries if e["kind"] == "turn"]
-    replays = [e for e in entries if e["kind"] == "replay"]
+        entries += trace.read(os.path.join(run["dir"], f"trace_rank{r}.jsonl"))
+    turns = [e for e in trace.sources(entries) if e.source == "turn"]
+    replays = [e for e in entries if isinstance(e, DeferredRecord) and e.work == "replay"]
     n_turns = sum(len(r["turn_ends"]) for r in opd_runs["rows"])
     assert len(turns) == n_turns
     assert len(replays) == len(opd_runs["rows"])  # one deferred replay per trajectory
-    assert all(e["start"] <= e["end"] and e["policy_version"] == e["update"] for e in entries)
+    assert all(e.start <= e.end for e in trace.work(entries))
+    assert all(e.policy_version == e.update for e in turns)
     # K/V leaves + adjoints never exceed 2× the K/V of all trajectories of a batch on a rank;
     # with streaming only open trajectories hold them. Per token per layer: 2 (K,V) × ng × hn.
     s = run["summary"]

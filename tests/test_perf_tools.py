@@ -320,6 +320,8 @@ def test_recorded_opd_release_trace_replays_turns_and_shared_prompts(tmp_path):
     import sys
     sys.path.insert(0, os.path.join(ROOT, "perf"))
     from overlap import RecordedWorkload
+    from records import deferred, source
+    from tsync_mcore import trace
     from tsync_mcore.sources import validate_turn
 
     (tmp_path / "traces").mkdir()
@@ -329,15 +331,15 @@ def test_recorded_opd_release_trace_replays_turns_and_shared_prompts(tmp_path):
         for t in range(2):
             tid = f"v0-g{g}-t{t}"
             # turn 1 logged first (it arrived early): the prompt comes from turn 0's entry
-            entries += [dict(update=0, kind="turn", traj_id=tid, turn=1, group_id=f"v0-g{g}", rank=g,
-                             ready=2.0 + t, scored_tokens=3, span_tokens=6, context=17),
-                        dict(update=0, kind="turn", traj_id=tid, turn=0, group_id=f"v0-g{g}", rank=g,
-                             ready=1.0 + t, scored_tokens=5, span_tokens=10, context=7),
-                        dict(update=0, kind="replay", traj_id=tid, rank=g, ready=3.0, start=3.0,
-                             end=3.1, spans=[[10, 7]])]
+            entries += [source(update=0, traj_id=tid, turn=1, group_id=f"v0-g{g}", rank=g,
+                               ready=2.0 + t, scored_tokens=3, span_tokens=6, context=17),
+                        source(update=0, traj_id=tid, turn=0, group_id=f"v0-g{g}", rank=g,
+                               ready=1.0 + t, scored_tokens=5, span_tokens=10, context=7),
+                        deferred(update=0, work="replay", traj_id=tid, group_id=f"v0-g{g}",
+                                 rank=g, ready=3.0, start=3.0, end=3.1, spans=[(10, 7)])]
     for r in (0, 1):
-        (tmp_path / "traces" / f"rank{r}.jsonl").write_text(
-            "".join(json.dumps(e) + "\n" for e in entries if e["rank"] == r))
+        trace.write(str(tmp_path / "traces" / f"rank{r}.jsonl"),
+                    [e for e in entries if e.rank == r])
     w = RecordedWorkload.from_run(str(tmp_path), vocab=64)
     assert (w.objective, w.batch) == ("opd", 4)
     plan, n_turns, items = w.update(3, R=2.0)

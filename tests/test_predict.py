@@ -17,6 +17,9 @@ from tsync_mcore.predict import (
     lane_completion_closed_form, main, peak_ratio, predict_update, release_grpo, release_opd,
     replay_lane, speedup_waves, tail_grpo, tail_opd)
 
+from records import deferred, source
+from tsync_mcore import trace
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -45,14 +48,14 @@ def test_idle_gaps_and_rollout_bound() -> None:
     jobs = [(1.0, 0.5), (3.0, 0.5)]  # c = 1.5 then an idle gap, 3.5
     assert lane_completion(jobs) == pytest.approx(3.5)
     assert replay_lane(jobs, R=5.0, P=0.25) == pytest.approx(5.25)  # T = max(R, c_n) + P
-    pred = predict_update([dict(ready=t, start=t, end=t + p, rank=0) for t, p in jobs], 5.0, 0.25)
+    pred = predict_update([source(ready=t, start=t, end=t + p, rank=0) for t, p in jobs], 5.0, 0.25)
     assert pred["T_sync"] == pytest.approx(5.0 + 1.0 + 0.25)
     assert pred["lam"] == 0.0 and pred["tail_s"] == 0.0
 
 
 def test_job_ready_after_rollout() -> None:
     # a source stamped ready after R extends the lane: c = 1, then 6 + 2 = 8
-    entries = [dict(ready=0.0, start=0.0, end=1.0), dict(ready=6.0, start=6.0, end=8.0)]
+    entries = [source(ready=0.0, start=0.0, end=1.0), source(ready=6.0, start=6.0, end=8.0)]
     pred = predict_update(entries, R=5.0, P=1.0)
     assert pred["c_n"] == pytest.approx(8.0)
     assert pred["T_thundersync"] == pytest.approx(9.0)
@@ -63,7 +66,7 @@ def test_job_ready_after_rollout() -> None:
 
 def test_service_comes_from_end_minus_start_not_from_schedule() -> None:
     # a Sync-run trace: everything served after close; the replay releases at τ_j instead
-    entries = [dict(ready=1.0, start=4.0, end=6.0), dict(ready=2.0, start=6.0, end=7.0)]
+    entries = [source(ready=1.0, start=4.0, end=6.0), source(ready=2.0, start=6.0, end=7.0)]
     pred = predict_update(entries, R=3.0, P=0.5)
     assert pred["c_n"] == pytest.approx(4.0)  # 1 + 2 = 3, max(2, 3) + 1 = 4
     assert pred["T_thundersync"] == pytest.approx(4.5)
@@ -74,8 +77,8 @@ def test_service_comes_from_end_minus_start_not_from_schedule() -> None:
 
 
 def test_slow_rank_determines_step() -> None:
-    e = [dict(rank=0, ready=0.0, start=0.0, end=3.0), dict(rank=0, ready=3.5, start=3.5, end=6.5),
-         dict(rank=1, ready=1.0, start=1.0, end=2.0)]
+    e = [source(rank=0, ready=0.0, start=0.0, end=3.0), source(rank=0, ready=3.5, start=3.5, end=6.5),
+         source(rank=1, ready=1.0, start=1.0, end=2.0)]
     pred = predict_update(e, R=5.0, P=0.5)
     assert pred["slow_rank"] == 0 and pred["ranks"] == [0, 1]
     assert pred["lane_end"] == {"0": pytest.approx(6.5), "1": pytest.approx(2.0)}
@@ -88,11 +91,11 @@ def test_slow_rank_determines_step() -> None:
 
 def test_opd_deferred_replay_ready_at_trajectory_completion() -> None:
     # Sync trace: turns served after close at 10; deferred replay recorded at its start (12)
-    e = [dict(kind="turn", traj_id="a", rank=0, ready=1.0, start=10.0, end=11.0),
-         dict(kind="turn", traj_id="a", rank=0, ready=4.0, start=11.0, end=12.0),
-         dict(kind="replay", traj_id="a", rank=0, ready=12.0, start=12.0, end=14.0),
-         dict(kind="turn", traj_id="b", rank=0, ready=4.0, start=14.0, end=14.5),
-         dict(kind="turn", traj_id="c", rank=1, ready=2.0)]  # never served: no learner work
+    e = [source(turn=0, traj_id="a", rank=0, ready=1.0, start=10.0, end=11.0),
+         source(turn=1, traj_id="a", rank=0, ready=4.0, start=11.0, end=12.0),
+         deferred(work="replay", traj_id="a", rank=0, ready=12.0, start=12.0, end=14.0),
+         source(turn=0, traj_id="b", rank=0, ready=4.0, start=14.0, end=14.5),
+         source(turn=0, traj_id="c", rank=1, ready=2.0)]  # never served: no learner work
     lanes = jobs_by_rank(e)
     assert list(lanes) == [0]
     # replay inherits a's last turn readiness (4); at equal τ deferred work follows turns
@@ -118,7 +121,7 @@ def test_closed_form_bound_and_eq16_on_random_traces() -> None:
         R, P = rng.uniform(0.5, 10), rng.uniform(0, 2)
         jobs = _random_jobs(rng, rng.randint(1, 40), R)
         assert lane_completion(jobs) == pytest.approx(lane_completion_closed_form(jobs))  # Eq. 15
-        entries = [dict(rank=rng.randint(0, 2), ready=t, start=t, end=t + p) for t, p in jobs]
+        entries = [source(rank=rng.randint(0, 2), ready=t, start=t, end=t + p) for t, p in jobs]
         pred = predict_update(entries, R, P)
         assert 1.0 - 1e-12 <= pred["speedup"] <= 2.0 + 1e-12  # Eq. 17
         assert pred["speedup"] == pytest.approx(
@@ -135,7 +138,7 @@ def test_speedup_two_at_exact_balance() -> None:
     # uniform releases, service equal to rollout, tail one infinitesimal job: S → 2
     n, R = 1000, 1.0
     jobs = [((j + 1) / n, 1.0 / n) for j in range(n)]
-    pred = predict_update([dict(ready=t, start=t, end=t + p) for t, p in jobs], R, 0.0)
+    pred = predict_update([source(ready=t, start=t, end=t + p) for t, p in jobs], R, 0.0)
     assert pred["speedup"] == pytest.approx(2.0 / (1.0 + 1.0 / n))
 
 
@@ -271,13 +274,13 @@ def _write_run(root) -> str:
                             objective="grpo", step_wall_time_s=5.5 + k, rollout_time_s=4.0,
                             learner_tail_s=1.0, publish_time_s=0.5))
         # rank 0: 1 + 1 back to back ending at 3.6 + 1.0 = 4.6; rank 1: light
-        traces[0] += [dict(update=k, traj_id=f"v{k}-g0-t0", ready=0.5, start=0.5, end=1.5),
-                      dict(update=k, traj_id=f"v{k}-g0-t1", ready=3.6, start=3.6, end=4.6)]
-        traces[1] += [dict(update=k, traj_id=f"v{k}-g1-t0", rank=1, ready=2.0, start=2.0,
-                           end=2.5)]
+        traces[0] += [source(update=k, traj_id=f"v{k}-g0-t0", ready=0.5, start=0.5, end=1.5),
+                      source(update=k, traj_id=f"v{k}-g0-t1", ready=3.6, start=3.6, end=4.6)]
+        traces[1] += [source(update=k, traj_id=f"v{k}-g1-t0", rank=1, ready=2.0, start=2.0,
+                             end=2.5)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     for r, es in traces.items():
-        (run / "traces" / f"rank{r}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in es))
+        trace.write(str(run / "traces" / f"rank{r}.jsonl"), es)
     return str(run)
 
 

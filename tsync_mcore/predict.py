@@ -22,15 +22,16 @@ CLI::
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
-import re
 import sys
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Sequence
+
+from tsync_mcore import trace
+from tsync_mcore.trace import DeferredRecord, Record
 
 Job = tuple[float, float]  # (τ_j ready time, p_j service time), seconds from the update start
 
@@ -66,31 +67,29 @@ def replay_lane(jobs: Iterable[Job], R: float, P: float) -> float:
     return max(R, lane_completion(jobs)) + P
 
 
-def jobs_by_rank(entries: Iterable[dict[str, Any]]) -> dict[int, list[Job]]:
-    """Learner jobs per rank from release-trace entries of one update (SPEC §5).
+def jobs_by_rank(records: Iterable[Record]) -> dict[int, list[Job]]:
+    """Learner jobs per rank from the trace records of one update (SPEC §5).
 
-    ``p_j = end - start`` and ``τ_j = ready``. An OPD ``kind == "replay"`` entry (deferred
-    work, appendix F.2's δ) becomes ready when its trajectory completes, i.e. at the latest
-    ready time of that trajectory's turns on the rank; it is ordered after those turns.
-    Entries that were never served (no ``start``/``end``) carry no learner work and are
-    skipped."""
-    entries = list(entries)
+    ``p_j = end - start`` and ``τ_j = ready``. An OPD replay (deferred work, appendix F.2's
+    δ) becomes ready when its trajectory completes, i.e. at the latest ready time of that
+    trajectory's turns on the rank; it is ordered after those turns. Sources that were
+    never served carry no learner work and are skipped."""
+    records = list(records)
     last_turn: dict[tuple[int, str], float] = {}
-    for e in entries:
-        if e.get("kind") == "turn" and "ready" in e and "traj_id" in e:
-            key = (int(e.get("rank", 0)), str(e["traj_id"]))
-            last_turn[key] = max(last_turn.get(key, -math.inf), float(e["ready"]))
+    for s in trace.sources(records):
+        if s.source == "turn":
+            key = (s.rank, s.traj_id)
+            last_turn[key] = max(last_turn.get(key, -math.inf), s.ready)
     keyed: dict[int, list[tuple[float, int, int, float]]] = defaultdict(list)
-    for idx, e in enumerate(entries):
-        if "start" not in e or "end" not in e:
+    for idx, r in enumerate(records):
+        if not r.served:
             continue
-        rank = int(e.get("rank", 0))
-        p = max(0.0, float(e["end"]) - float(e["start"]))
-        if e.get("kind") == "replay":
-            tau = last_turn.get((rank, str(e.get("traj_id"))), float(e.get("ready", e["start"])))
-            keyed[rank].append((tau, 1, idx, p))
+        p = max(0.0, r.end - r.start)
+        if isinstance(r, DeferredRecord) and r.work == "replay":
+            tau = last_turn.get((r.rank, r.traj_id), r.ready)
+            keyed[r.rank].append((tau, 1, idx, p))
         else:
-            keyed[rank].append((float(e.get("ready", e["start"])), 0, idx, p))
+            keyed[r.rank].append((r.ready, 0, idx, p))
     return {r: [(tau, p) for tau, _, _, p in sorted(js)] for r, js in sorted(keyed.items())}
 
 
@@ -98,7 +97,7 @@ def _ratio(x: float, R: float) -> float | None:
     return x / R if R > 0 else None
 
 
-def predict_update(entries: Iterable[dict[str, Any]], R: float, P: float) -> dict[str, Any]:
+def predict_update(records: Iterable[Record], R: float, P: float) -> dict[str, Any]:
     """Predicted ThunderSyncRL and Sync step times of one update from its trace (Eq. 14-17).
 
     Each rank is its own lane (F.4: a pooled rate can miss a slow rank); the latest endpoint
@@ -108,7 +107,7 @@ def predict_update(entries: Iterable[dict[str, Any]], R: float, P: float) -> dic
     ThunderSyncRL lane only through Eq. 14 and is available to Sync at close, as R is by
     definition the last rollout event (F.1). Returns the times, ``ρ = L/R``, ``κ = P/R``,
     ``λ = [c_n - R]_+/R`` and ``S = T_sync/T = (1+ρ+κ)/(1+λ+κ) ≤ 2`` (Eq. 16-17)."""
-    lanes = jobs_by_rank(entries)
+    lanes = jobs_by_rank(records)
     ends = {r: lane_completion(js) for r, js in lanes.items()}
     loads = {r: sum(p for _, p in js) for r, js in lanes.items()}
     c_n = max(ends.values(), default=0.0)
@@ -135,16 +134,11 @@ def _read_jsonl(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def load_traces(run_dir: str) -> dict[int, list[dict[str, Any]]]:
-    """All trace entries of a run, keyed by update (``update`` field; rank from the file name
-    when an entry has none)."""
-    by_update: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for path in sorted(glob.glob(os.path.join(run_dir, "traces", "rank*.jsonl"))):
-        m = re.search(r"rank(\d+)\.jsonl$", path)
-        file_rank = int(m.group(1)) if m else 0
-        for e in _read_jsonl(path):
-            e.setdefault("rank", file_rank)
-            by_update[int(e["update"])].append(e)
+def load_traces(run_dir: str) -> dict[int, list[Record]]:
+    """All trace records of a run (traces/rank*.jsonl), keyed by update."""
+    by_update: dict[int, list[Record]] = defaultdict(list)
+    for rec in trace.read_run(run_dir):
+        by_update[rec.update].append(rec)
     return dict(by_update)
 
 
@@ -186,12 +180,12 @@ def analyze_run(run_dir: str, warmup: int = 1, suffix: str = "full") -> dict[str
     traces = load_traces(run_dir)
     updates: list[dict[str, Any]] = []
     for row in rows:
-        entries = traces.get(_update_of(row), [])
+        records = traces.get(_update_of(row), [])
         R = float(row.get("rollout_time_s") or 0.0)
-        last_end = max((float(e["end"]) for e in entries if "end" in e), default=0.0)
+        last_end = max((r.end for r in trace.work(records)), default=0.0)
         publish = float(row.get("publish_time_s") or 0.0)
         step_s = infer_step_time(row, last_end) if suffix == "full" else 0.0
-        pred = predict_update(entries, R, publish + step_s)
+        pred = predict_update(records, R, publish + step_s)
         measured = row.get("step_wall_time_s")
         schedule = row.get("schedule")
         own = {"thundersync": pred["T_thundersync"], "sync": pred["T_sync"]}.get(schedule)
@@ -456,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "trace":
         try:
             res = analyze_run(args.run_dir, args.warmup, args.suffix)
-        except (FileNotFoundError, ValueError) as e:
+        except (FileNotFoundError, ValueError) as e:  # TraceError too: one line, no traceback
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(json.dumps(res, indent=1) if args.json else format_run(res))

@@ -13,7 +13,6 @@ and summary.md (the table to paste into a discussion).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 from statistics import mean
@@ -23,14 +22,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from tsync_mcore import trace  # noqa: E402
+from tsync_mcore.trace import DeferredRecord, TraceError  # noqa: E402
+
 
 def load_run(run_dir: str) -> dict:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f if line.strip()]
-    traces = []
-    for path in sorted(glob.glob(os.path.join(run_dir, "traces", "rank*.jsonl"))):
-        with open(path) as f:
-            traces += [json.loads(line) for line in f if line.strip()]
+    traces = trace.read_run(run_dir)
     name = os.path.basename(os.path.normpath(run_dir))
     label = f"{name} ({metrics[0]['schedule']})" if metrics else name
     return {"dir": run_dir, "label": label, "metrics": metrics, "traces": traces}
@@ -78,16 +77,17 @@ def plot_breakdown(runs: list[dict], warmup: int, path: str) -> None:
 
 
 def plot_release_trace(run: dict, update: int, path: str) -> None:
-    entries = [e for e in run["traces"] if e.get("update") == update and "start" in e]
-    entries.sort(key=lambda e: e["ready"])
+    entries = [r for r in trace.work(run["traces"]) if r.update == update]
+    entries.sort(key=lambda r: r.ready)
     rollout = next((m["rollout_time_s"] for m in run["metrics"]
                     if m["policy_version"] == update), None)
     fig, ax = plt.subplots(figsize=(8, max(3, 0.12 * len(entries) + 1.5)))
     for i, e in enumerate(entries):
-        color = "#c44e52" if e.get("kind") == "replay" else "#4c72b0"
-        ax.plot([e["ready"], e["start"]], [i, i], color="#bbbbbb", lw=1)
-        ax.plot([e["start"], e["end"]], [i, i], color=color, lw=4, solid_capstyle="butt")
-        ax.plot(e["ready"], i, marker="|", color="black", ms=6)
+        replay = isinstance(e, DeferredRecord) and e.work == "replay"
+        color = "#c44e52" if replay else "#4c72b0"
+        ax.plot([e.ready, e.start], [i, i], color="#bbbbbb", lw=1)
+        ax.plot([e.start, e.end], [i, i], color=color, lw=4, solid_capstyle="butt")
+        ax.plot(e.ready, i, marker="|", color="black", ms=6)
     if rollout is not None:
         ax.axvline(rollout, color="black", ls="--", lw=1, label="rollout closes (R)")
         ax.legend(loc="lower right", fontsize=8)
@@ -100,21 +100,21 @@ def plot_release_trace(run: dict, update: int, path: str) -> None:
 
 
 def plot_utilization(run: dict, update: int, path: str) -> None:
-    entries = [e for e in run["traces"] if e.get("update") == update and "start" in e]
+    entries = [r for r in trace.work(run["traces"]) if r.update == update]
     if not entries:
         return
-    end = max(e["end"] for e in entries)
+    end = max(e.end for e in entries)
     rollout = next((m["rollout_time_s"] for m in run["metrics"]
                     if m["policy_version"] == update), end)
-    ranks = sorted({e["rank"] for e in entries})
+    ranks = sorted({e.rank for e in entries})
     horizon = max(end, rollout)
     bins = [horizon * i / 100 for i in range(101)]
     fig, ax = plt.subplots(figsize=(8, 3))
     for r in ranks:
         busy = []
         for a, b in zip(bins[:-1], bins[1:]):
-            t = sum(max(0.0, min(b, e["end"]) - max(a, e["start"]))
-                    for e in entries if e["rank"] == r)
+            t = sum(max(0.0, min(b, e.end) - max(a, e.start))
+                    for e in entries if e.rank == r)
             busy.append(t / (b - a) if b > a else 0.0)
         ax.step(bins[:-1], busy, where="post", label=f"learner rank {r}")
     ax.axvspan(0, rollout, color="#4c72b0", alpha=0.08, label="rollout running")
@@ -192,7 +192,10 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--out", default=None)
     p.add_argument("--warmup", type=int, default=1)
     args = p.parse_args(argv)
-    runs = [load_run(d) for d in [args.run_dir, *args.compare]]
+    try:
+        runs = [load_run(d) for d in [args.run_dir, *args.compare]]
+    except TraceError as e:  # a damaged trace: one line, no traceback
+        p.exit(2, f"error: {e}\n")
     out = args.out or os.path.join(args.run_dir, "report")
     os.makedirs(out, exist_ok=True)
     plot_breakdown(runs, args.warmup, os.path.join(out, "step_breakdown.png"))

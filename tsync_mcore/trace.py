@@ -20,9 +20,14 @@ of its registration), on this rank's clock.
 
 from __future__ import annotations
 
+import glob
+import inspect
 import json
-from dataclasses import asdict, dataclass, field, fields
-from typing import Iterable, Literal, Union
+import os
+import re
+import types
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Iterable, Literal, Union, get_args, get_origin, get_type_hints
 
 SCHEMA_VERSION = 1
 
@@ -34,24 +39,24 @@ class TraceError(ValueError):
 @dataclass
 class SourceRecord:
     update: int  # the policy version this update trains from (θ_k)
-    rank: int
-    source: Literal["trajectory", "turn"]
-    traj_id: str
-    group_id: str
+    rank: int  # the learner rank that wrote it (global rank)
+    source: Literal["trajectory", "turn"]  # a GRPO trajectory or an OPD turn
+    traj_id: str  # the trajectory (an OPD turn's: the one it belongs to)
+    group_id: str  # its group, registered with the batch
     turn: int | None  # OPD: index of the turn in its trajectory; None for trajectories
     policy_version: int  # the version that sampled the source (== update when on-policy)
-    scored_tokens: int
-    ready: float
-    start: float | None = None
-    end: float | None = None
+    scored_tokens: int  # tokens the loss scores
+    ready: float  # when it reached this rank
+    start: float | None = None  # service start; None: not served on this rank
+    end: float | None = None  # service end (its tensors freed)
     cpu: float | None = None  # this thread's CPU seconds over [start, end]
     fold: Literal["direct", "pair"] | None = None  # pair: into the group's G1'/G2
-    closes_group: bool = False
+    closes_group: bool = False  # its service completed its group's G1'/G2 pair
     open_groups: int = 0  # groups holding open state on this rank when it was served
     span_tokens: int = 0  # tokens forwarded (and backpropagated) by its service
     context: int = 0  # K/V positions it attended to before its span
     logits: bool = False  # the LM head and the scored-token loss ran
-    kind: Literal["source"] = "source"
+    kind: Literal["source"] = "source"  # fixed per class
 
     @property
     def served(self) -> bool:
@@ -62,17 +67,17 @@ class SourceRecord:
 class DeferredRecord:
     update: int
     rank: int
-    work: Literal["replay", "prefix"]
+    work: Literal["replay", "prefix"]  # an OPD context replay or a shared prompt's backward
     group_id: str
     traj_id: str | None  # replay: the trajectory whose context is replayed
-    ready: float
-    start: float
+    ready: float  # when it could run: when the sources it belongs to were served
+    start: float  # when it ran
     end: float
-    cpu: float
+    cpu: float  # this thread's CPU seconds over [start, end]
     # (tokens, context) of every span pushed back through; prefix: [(prompt tokens, 0)]
     spans: list[tuple[int, int]] = field(default_factory=list)
     replay_mode: Literal["recompute", "retain"] | None = None  # how replay got each span's K/V
-    kind: Literal["deferred"] = "deferred"
+    kind: Literal["deferred"] = "deferred"  # fixed per class
 
     @property
     def served(self) -> bool:
@@ -83,8 +88,8 @@ class DeferredRecord:
 class UpdateRecord:
     update: int
     rank: int
-    objective: str
-    schedule: str
+    objective: str  # grpo, dr_grpo, rloo, opd
+    schedule: str  # the release schedule of this batch
     n_groups: int  # groups that trained (over all ranks)
     n_sources: int  # sources served on this rank
     scored_tokens: int  # scored tokens that trained (over all ranks): N_k
@@ -95,9 +100,9 @@ class UpdateRecord:
     accum_bound_bytes: int = 0  # 4·(2k+1)·P
     open_peak_bytes: int = 0  # bytes held by open groups at once (pairs, K/V, prompts)
     kv_peak_bytes: int = 0  # context K/V leaves + adjoints and shared prompts at once
-    grad_norm: float = 0.0
-    ok: bool = True
-    kind: Literal["update"] = "update"
+    grad_norm: float = 0.0  # before clipping
+    ok: bool = True  # the step was applied (finite gradients)
+    kind: Literal["update"] = "update"  # fixed per class
 
     @property
     def served(self) -> bool:
@@ -107,6 +112,7 @@ class UpdateRecord:
 Record = Union[SourceRecord, DeferredRecord, UpdateRecord]
 _KINDS: dict[str, type] = {"source": SourceRecord, "deferred": DeferredRecord,
                            "update": UpdateRecord}
+_HINTS = {cls: get_type_hints(cls) for cls in _KINDS.values()}  # annotations, resolved
 
 
 def to_json(rec: Record) -> str:
@@ -120,20 +126,50 @@ def parse(obj, where: str = "trace") -> Record:
     if obj.get("schema") != SCHEMA_VERSION:
         raise TraceError(f"{where}: trace schema {obj.get('schema')!r}, this reader speaks "
                          f"{SCHEMA_VERSION}")
-    cls = _KINDS.get(obj.get("kind"))
+    kind = obj.get("kind")
+    cls = _KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise TraceError(f"{where}: unknown record kind {obj.get('kind')!r}")
+        raise TraceError(f"{where}: unknown record kind {kind!r}")
     names = {f.name for f in fields(cls)}
     unknown = sorted(set(obj) - names - {"schema"})
     if unknown:
-        raise TraceError(f"{where}: {obj['kind']} record has unknown fields {unknown}")
+        raise TraceError(f"{where}: {kind} record has unknown fields {unknown}")
     try:
         rec = cls(**{k: v for k, v in obj.items() if k != "schema"})
     except TypeError as e:  # a required field is missing
-        raise TraceError(f"{where}: {obj['kind']} record: {e}") from None
+        raise TraceError(f"{where}: {kind} record: {e}") from None
+    for f in fields(cls):  # readers use what parse gives without checking it again
+        value = getattr(rec, f.name)
+        if not _fits(value, _HINTS[cls][f.name]):
+            raise TraceError(f"{where}: {kind} record: {f.name} must be {f.type}, "
+                             f"got {value!r:.60}")
     if isinstance(rec, DeferredRecord):
         rec.spans = [tuple(s) for s in rec.spans]
     return rec
+
+
+def _fits(value, hint) -> bool:
+    """Whether a JSON value is of a field's annotated type."""
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is float:  # a writer may write 0 for 0.0
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (str, bool, type(None)):
+        return isinstance(value, hint)
+    if origin is Literal:
+        return isinstance(value, str) and value in args
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is list:
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
+    if origin is tuple:  # a JSON array of the tuple's length
+        return isinstance(value, (list, tuple)) and len(value) == len(args) \
+            and all(_fits(v, a) for v, a in zip(value, args))
+    if origin is dict:
+        return isinstance(value, dict) and all(_fits(k, args[0]) and _fits(v, args[1])
+                                               for k, v in value.items())
+    raise TypeError(f"trace field type {hint!r} has no JSON check")
 
 
 def read(path: str) -> list[Record]:
@@ -151,6 +187,13 @@ def read(path: str) -> list[Record]:
     return out
 
 
+def read_run(run_dir: str) -> list[Record]:
+    """Every record of a run directory's traces/rank{R}.jsonl, in rank order."""
+    paths = glob.glob(os.path.join(run_dir, "traces", "rank*.jsonl"))
+    rank = lambda p: int(re.search(r"rank(\d+)\.jsonl$", p).group(1))  # noqa: E731
+    return [rec for p in sorted(paths, key=rank) for rec in read(p)]
+
+
 def write(path: str, records: Iterable[Record], mode: str = "a") -> None:
     with open(path, mode) as f:
         for rec in records:
@@ -164,3 +207,46 @@ def sources(records: Iterable[Record]) -> list[SourceRecord]:
 def work(records: Iterable[Record]) -> list[SourceRecord | DeferredRecord]:
     """Records of learner work that ran (served sources and deferred work)."""
     return [r for r in records if r.served]
+
+
+# --- the field table of docs/trace.md, generated so that it cannot go stale ---------------
+
+
+def field_table() -> str:
+    """A Markdown table of every record kind's fields, their types, defaults and comments."""
+    out, seen = [], {}
+    for kind, cls in _KINDS.items():
+        notes = seen | _field_notes(cls)  # a field named as in an earlier kind means the same
+        seen = notes
+        out += [f"#### {cls.__name__} (`kind: \"{kind}\"`)", "",
+                "| field | type | default | meaning |", "|---|---|---|---|"]
+        for f in fields(cls):
+            if f.default is not MISSING:
+                default = f"`{json.dumps(f.default)}`"
+            elif f.default_factory is not MISSING:
+                default = f"`{json.dumps(f.default_factory())}`"
+            else:
+                default = "required"
+            typ = str(f.type).replace("|", "\\|")
+            out.append(f"| `{f.name}` | `{typ}` | {default} | {notes.get(f.name, '')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _field_notes(cls) -> dict[str, str]:
+    """Each field's comment in the class source: on its line, or on the lines just above."""
+    notes, above = {}, []
+    for line in inspect.getsource(cls).splitlines()[1:]:
+        s = line.strip()
+        if s.startswith("#"):
+            above.append(s[1:].strip())
+            continue
+        m = re.match(r"(\w+):[^#]*(?:#\s*(.*))?$", s)
+        if m:
+            notes[m.group(1)] = " ".join(above + ([m.group(2)] if m.group(2) else []))
+        above = []
+    return notes
+
+
+if __name__ == "__main__":  # the table docs/trace.md carries
+    print(field_table())
