@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 from batchgen import make_batch
 from test_learner import replay
 from tsync_mcore import trace
-from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, Hello, PeerGone, Publish,
-                                 RegisterBatch,
-                                 TrajectoryMsg, open_rollout_side)
+from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, Hello, PeerGone,
+                                 Publish, RegisterBatch, Rejected, TrajectoryMsg,
+                                 open_rollout_side)
 from tsync_mcore.sources import BatchPlan, TrajectorySource, assign_groups, validate_source
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -312,6 +312,82 @@ def test_bad_sources_over_the_channel_are_rejected_and_change_nothing(tiny_qwen2
     assert [r["rejected_sources"] for r in rows] == [4, 4]
     for what in ("policy version", "out of vocabulary", "larger than registered", "duplicate"):
         assert what in err, what
+
+
+def _rollout_with_a_bad_member(port, updates, bad_group=None, without=None):
+    """Scripted rollout: in batch 0 one member of `bad_group` arrives with a token outside
+    the vocabulary (its valid copy never comes); the learner that owns the group rejects it
+    and says so (Rejected), and the rollout announces the drop to every rank (DropGroup), as
+    the real one does. `without`: batch 0 registered and played without that group at all.
+    Returns the weights published for each version and the Rejected received."""
+    from dataclasses import replace
+    links = open_rollout_side("127.0.0.1", port, 2, timeout_s=60)
+    published, rejected = {}, []
+
+    def serve_publish(v):
+        msg = links[0].recv()
+        assert isinstance(msg, Publish) and msg.version == v, msg
+        published[v] = load_file(msg.path)
+        links[0].send(Ack(version=v, ok=True))
+
+    try:
+        assert isinstance(links[0].recv(), Hello)
+        serve_publish(0)
+        for v in range(updates):
+            srcs = [s for s in sources(v) if v or s.group_id != without]
+            plan = BatchPlan.from_sources(srcs)
+            owner = assign_groups(plan, {}, 2)
+            for link in links:
+                link.send(RegisterBatch(version=v, objective="grpo", groups=plan.groups,
+                                        n_turns={}, data_pos=v + 1, routing="static"))
+            for s in srcs:
+                if v == 0 and s.group_id == bad_group and s.traj_id.endswith("-t1"):
+                    s = replace(s, tokens=s.tokens[:-1] + (256,))
+                links[owner[s.group_id]].send(TrajectoryMsg(s))
+            if v == 0 and bad_group is not None:
+                msg = links[owner[bad_group]].recv(timeout_s=30)
+                assert isinstance(msg, Rejected), msg
+                rejected.append(msg)
+                for link in links:
+                    link.send(DropGroup(version=v, group_id=msg.group_id, reason=msg.reason))
+            for link in links:
+                link.send(CloseBatch(version=v, rollout_time_s=0.1, n_sources=len(srcs)))
+            serve_publish(v + 1)
+        return published, rejected
+    finally:
+        for link in links:
+            link.close()
+
+
+@pytest.mark.parametrize("schedule", ["sync", "thundersync"])
+def test_a_rejected_member_drops_its_group_everywhere_and_the_run_goes_on(tiny_qwen2, tmp_path,
+                                                                          schedule):
+    # The last of the three groups (its owner is rank 0 with or without it, so every other
+    # group is served where it would be anyway) loses a member to a bad token.
+    bad = "v0-g2"
+    extra = ["learner.accum_dtype=fp64", f"learner.schedule={schedule}"]
+    runs = {}
+    for name, kw in (("dropped", dict(bad_group=bad)), ("without", dict(without=bad))):
+        port = free_port()
+        proc = start_learner(tiny_qwen2, str(tmp_path / name), port, updates=2, extra=extra)
+        published, rejected = _rollout_with_a_bad_member(port, 2, **kw)
+        rc, out, err = finish(proc)
+        assert rc == 0, err[-4000:]
+        rows = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+        runs[name] = dict(published=published, rejected=rejected, rows=rows, err=err)
+    d, w = runs["dropped"], runs["without"]
+    assert [(m.group_id, m.source) for m in d["rejected"]] == [(bad, "v0-g2-t1")]
+    assert "out of vocabulary" in d["rejected"][0].reason and "out of vocabulary" in d["err"]
+    r0 = d["rows"][0]
+    assert list(r0["dropped_groups"]) == [bad] and r0["n_groups"] == 2
+    assert r0["rejected_sources"] == 1 and w["rows"][0]["rejected_sources"] == 0
+    assert r0["scored_tokens"] == w["rows"][0]["scored_tokens"]
+    assert d["rows"][1]["dropped_groups"] == {} and d["rows"][1]["n_groups"] == 3
+    for v in (1, 2):  # the update without the group, bit for bit; and the next one
+        assert all(torch.equal(d["published"][v][k], w["published"][v][k])
+                   for k in d["published"][v]), v
+    assert any(not torch.equal(d["published"][0][k], d["published"][1][k])
+               for k in d["published"][0])
 
 
 def test_failed_acknowledgement_stops_the_learner(tiny_qwen2, tmp_path):
