@@ -24,7 +24,7 @@ def test_every_record_kind_round_trips(tmp_path):
         source(traj_id="v0-g0-t1", turn=3, ready=2.0),  # an OPD turn, not served here
         deferred(work="replay", spans=[(10, 7), (6, 0)], replay_mode="retain"),
         deferred(work="prefix", traj_id=None, spans=[(16, 0)], replay_mode=None),
-        update(dropped_groups={"g1": "reward missing"}, rejected_sources={"x": "stale"},
+        update(dropped_groups={"g1": "reward missing"}, rejected_sources=[("x", "stale")],
                open_bound="k_open=4", accum_peak_bytes=3, kv_peak_bytes=5, grad_norm=0.5,
                ok=False),
     ]

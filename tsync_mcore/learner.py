@@ -54,7 +54,7 @@ class UpdateResult:
     open_peak_bytes: int = 0  # everything open groups held at once (pairs, K/V, prompts)
     open_bound: str = ""  # the admission bound that applied
     dropped_groups: dict[str, str] = field(default_factory=dict)  # over all ranks: why
-    rejected_sources: dict[str, str] = field(default_factory=dict)  # this rank: why
+    rejected_sources: list[tuple[str, str]] = field(default_factory=list)  # this rank: why
 
 
 class Learner:
@@ -105,7 +105,7 @@ class Learner:
         self.scored: dict[str, int] = {}  # scored tokens served here, per group
         self.committed: set[str] = set()  # groups with something in the batch accumulator
         self.dropped: dict[str, str] = {}
-        self.rejected: dict[str, str] = {}
+        self.rejected: list[tuple[str, str]] = []  # (source, why), refused here
         self.open_peak_bytes = 0
         self.acc.reset()
         self.kind.begin()
@@ -258,7 +258,7 @@ class Learner:
         group that registered its trajectory unless a valid copy of it arrived already
         (a duplicate leaves the first copy standing). Returns the groups dropped."""
         key = getattr(src, "key", "?")
-        self.rejected[str(key)] = reason
+        self.rejected.append((str(key), reason))
         g = self.member_of.get(getattr(src, "traj_id", None))
         if g is None or key in self.arrived or g in self.dropped:
             return []
@@ -306,7 +306,7 @@ class Learner:
         self.trace.append(UpdateRecord(
             update=self.version, rank=self.policy.par.rank, objective=self.cfg.objective,
             schedule=self.schedule, n_groups=n_groups, n_sources=n_sources,
-            scored_tokens=scored, dropped_groups=dropped, rejected_sources=dict(self.rejected),
+            scored_tokens=scored, dropped_groups=dropped, rejected_sources=list(self.rejected),
             open_bound=self.open_bound, accum_peak_bytes=self.acc.peak_bytes,
             accum_bound_bytes=self.acc.bound_bytes, open_peak_bytes=self.open_peak_bytes,
             kv_peak_bytes=kv_peak, grad_norm=step.grad_norm, ok=step.ok))
@@ -316,7 +316,7 @@ class Learner:
             accum_peak_bytes=self.acc.peak_bytes, accum_bound_bytes=self.acc.bound_bytes,
             grad=step.grad, trace=self.trace, kv_peak_bytes=kv_peak,
             open_peak_bytes=self.open_peak_bytes, open_bound=self.open_bound,
-            dropped_groups=dropped, rejected_sources=dict(self.rejected))
+            dropped_groups=dropped, rejected_sources=list(self.rejected))
         self.version += 1
         self.plan = None
         return result

@@ -94,7 +94,8 @@ class UpdateRecord:
     n_sources: int  # sources served on this rank
     scored_tokens: int  # scored tokens that trained (over all ranks): N_k
     dropped_groups: dict[str, str] = field(default_factory=dict)  # group → why (all ranks)
-    rejected_sources: dict[str, str] = field(default_factory=dict)  # source → why (this rank)
+    # [source, why] of every source refused on this rank (a source may be refused twice)
+    rejected_sources: list[tuple[str, str]] = field(default_factory=list)
     open_bound: str = ""  # the admission bound that applied: "k_open=4", "4 MiB", ...
     accum_peak_bytes: int = 0  # batch accumulator + G1'/G2 pairs held at once
     accum_bound_bytes: int = 0  # 4·(2k+1)·P
@@ -145,6 +146,8 @@ def parse(obj, where: str = "trace") -> Record:
                              f"got {value!r:.60}")
     if isinstance(rec, DeferredRecord):
         rec.spans = [tuple(s) for s in rec.spans]
+    if isinstance(rec, UpdateRecord):
+        rec.rejected_sources = [tuple(s) for s in rec.rejected_sources]
     return rec
 
 

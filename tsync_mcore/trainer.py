@@ -264,7 +264,7 @@ class Trainer:
         if src is not None:
             dropped = self.learner.reject(src, reason)
         elif group_id in self.learner.plan.groups and group_id not in self.learner.dropped:
-            self.learner.rejected[f"rewards of {group_id}"] = reason
+            self.learner.rejected.append((f"rewards of {group_id}", reason))
             self.learner.drop_group(group_id, reason)
             dropped = [group_id]
         else:

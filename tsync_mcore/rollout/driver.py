@@ -29,6 +29,7 @@ from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, Group
                                  Link, PeerGone, Publish, RegisterBatch, Rejected, Shutdown,
                                  TrajectoryMsg, TurnMsg, open_rollout_side)
 from tsync_mcore.config import Config
+from tsync_mcore.objectives import OBJECTIVES
 from tsync_mcore.rollout.agent import run_batch
 from tsync_mcore.rollout.engine import EngineThread, RolloutEngine, TeacherScorer
 from tsync_mcore.rollout.envs import SkyRLGymAdapter, ToyToolConfig, ToyToolEnv
@@ -58,7 +59,9 @@ class RolloutDriver:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.rc = cfg.rollout
-        self.opd = cfg.learner.objective == "opd"  # choosing the objective's parts: sources
+        # The objective's source kind decides what is sent: whole trajectories when their
+        # reward is fixed, or each turn once the teacher has scored it.
+        self.turns = OBJECTIVES[cfg.learner.objective].source == "turn"
         self.tp = cfg.model.tp
         ch = cfg.channel
         self.links: list[Link] = open_rollout_side(ch.addr, ch.port, self.rc.n_learners,
@@ -72,9 +75,10 @@ class RolloutDriver:
         self.dropped: dict[str, str] = {}  # this batch's dropped groups: why
         self.et = EngineThread()
         self.engine: RolloutEngine = self.et.run(self._make_engine())
-        self.teacher = TeacherScorer(self.rc.teacher_dir) if self.opd else None
-        if self.opd and not self.rc.teacher_dir:
-            raise RolloutStopped("OPD needs rollout.teacher_dir (the frozen teacher's HF directory)")
+        self.teacher = TeacherScorer(self.rc.teacher_dir) if self.turns else None
+        if self.turns and not self.rc.teacher_dir:
+            raise RolloutStopped("OPD needs rollout.teacher_dir (the frozen teacher's HF "
+                                 "directory)")
 
     async def _make_engine(self) -> RolloutEngine:
         engine = RolloutEngine(self.cfg.model.hf_dir, seed=self.cfg.seed,
@@ -144,7 +148,7 @@ class RolloutDriver:
 
     def _n_turns(self, batch: _Batch) -> dict[str, int]:
         # OPD registers turn counts up front; the toy task always runs max_turns turns.
-        return {t: self.rc.max_turns for t in batch.traj_ids} if self.opd else {}
+        return {t: self.rc.max_turns for t in batch.traj_ids} if self.turns else {}
 
     def _owners(self, batch: _Batch) -> dict[str, list[int]]:
         """Group → the learner ranks that serve it (all TP ranks of its DP owner)."""
@@ -241,11 +245,11 @@ class RolloutDriver:
                       step_timeout_s=self.rc.tool_timeout_s * 2)
         async for i, res in run_batch(self.engine, self._envs(n), seeds=batch.seeds,
                                       env_seeds=batch.env_seeds,
-                                      on_turn=on_turn if self.opd else None, **kwargs):
+                                      on_turn=on_turn if self.turns else None, **kwargs):
             rewards.append(res.reward)
             gid = batch.group_of[i]
             self._take_rejections(batch.version)
-            if self.opd:
+            if self.turns:
                 if res.n_turns != self.rc.max_turns:  # its turn count was registered up front
                     self._drop(batch.version, gid,
                                f"OPD trajectory {batch.traj_ids[i]} ended after {res.n_turns} "
