@@ -92,7 +92,7 @@ class Trainer:
             raise LearnerStopped(
                 f"learner rank {self.par.rank} stopped at policy version {self.version}: {e}"
                 + (f"; still waiting for {waiting[:10]}" if waiting else "")
-                + f". θ and the last checkpoint ({self._state()}) are intact.") from None
+                + f". θ and the last checkpoint are intact ({self._state()}).") from None
         finally:
             self.nvml.stop()
             self._write_nvml_timeline()
