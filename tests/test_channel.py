@@ -21,9 +21,9 @@ import torch
 from dist_util import REPO_ROOT, free_port
 from tsync_mcore.channel import (
     LEARNER_SENDS, MAGIC, MESSAGES, WIRE_VERSION, Ack, ChannelError, ChannelTimeout, CloseBatch,
-    DropGroup, GroupRewards, Hello, Limits, MsgType, ROLLOUT_SENDS, PeerGone, Publish, RegisterBatch,
-    Rejected, Shutdown, TrajectoryMsg, TurnMsg, decode, encode, open_learner_side,
-    open_rollout_side, schema,
+    DropGroup, GroupRewards, Hello, Limits, MsgType, ROLLOUT_SENDS, PeerGone, Publish,
+    RegisterBatch, Rejected, Shutdown, TrajectoryMsg, TurnMsg, decode, encode,
+    open_learner_side, open_rollout_side, schema,
 )
 from tsync_mcore.channel.link import realtime_io_permitted
 from tsync_mcore.channel.messages import GROUPS, TURN_COUNTS

@@ -80,7 +80,8 @@ class Kind:
 # ---------------------------------------------------------------- value checks
 
 def as_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not _INT64[0] <= v <= _INT64[1]:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) \
+            or not _INT64[0] <= v <= _INT64[1]:
         raise ChannelError(f"{name} must be an int64 integer, got {v!r}")
     return int(v)
 
@@ -303,8 +304,6 @@ class Nested(Kind):
     """A dataclass value whose own fields travel (`TrajectoryMsg.source`); `fields` names
     each one's kind, in the dataclass's field order. On the wire they are the message's
     fields `<name>.<field>`."""
-
-    doc = "its fields below"
 
     def __init__(self, cls: type, **fields: Kind):
         have = [f.name for f in dataclasses.fields(cls)]

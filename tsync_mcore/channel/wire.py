@@ -39,6 +39,7 @@ _MOD = 1 << 62  # checksums stay far from int64 overflow
 
 DTYPE_CODES: dict[int, torch.dtype] = {1: torch.int64, 2: torch.uint8, 3: torch.float64}
 _CODE_OF = {dt: c for c, dt in DTYPE_CODES.items()}
+_TORCH_OF = {np.int64: torch.int64, np.uint8: torch.uint8, np.float64: torch.float64}
 
 
 def _enum_name(cls: type) -> str:  # TrajectoryMsg → TRAJECTORY, GroupRewards → GROUP_REWARDS
@@ -97,7 +98,8 @@ class _Spec:
         for name, kind in leaves:
             self.fields.append(_Field(name, kind, At(i, fl, t, a), f"{self.name}.{name}",
                                       attrgetter(name)))
-            i, fl, t, a = i + kind.ints, fl + kind.floats, t + kind.texts, a + (kind.array is not None)
+            i, fl, t = i + kind.ints, fl + kind.floats, t + kind.texts
+            a += kind.array is not None
         if sum(k.header for _, k in leaves) > 1:
             raise TypeError(f"{self.name}: more than one VERSION field")
         self.n_scalars, self.n_ints, self.n_floats, self.n_texts = i, i + t, fl, t
@@ -142,15 +144,13 @@ def _payload_checksum(payloads: list[np.ndarray]) -> int:
 
 
 def _utf8(spec: _Spec, texts: list[str | None]) -> list[bytes | None]:
-    try:
-        return [None if s is None else s.encode("utf-8") for s in texts]
-    except UnicodeEncodeError:
-        for name, s in zip(spec.text_names, texts):
-            try:
-                s is None or s.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ChannelError(f"{spec.name}.{name}: not encodable as utf-8 ({e})") from None
-        raise
+    out = []
+    for name, s in zip(spec.text_names, texts):
+        try:
+            out.append(None if s is None else s.encode("utf-8"))
+        except UnicodeEncodeError as e:  # a lone surrogate
+            raise ChannelError(f"{spec.name}.{name}: not encodable as utf-8 ({e})") from None
+    return out
 
 
 def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> list[torch.Tensor]:
@@ -177,16 +177,14 @@ def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> list[torch.Tensor]:
     h = [0] * HEADER_LEN
     h[0], h[1], h[2], h[3], h[4] = MAGIC, WIRE_VERSION, int(spec.type), out.version, len(payloads)
     for j, p in enumerate(payloads):
-        h[5 + j] = (p.size << 8) | _CODE_OF[_TORCH[p.dtype.type]]
+        h[5 + j] = (p.size << 8) | _CODE_OF[_TORCH_OF[p.dtype.type]]
     h[14] = _payload_checksum(payloads)
     h[15] = sum(h[:15]) % _MOD
     check_header_values(h, limits)  # the sender learns of an over-limit message, not the peer
     return [torch.tensor(h, dtype=torch.int64),
-            *(torch.from_numpy(p) if p.size else torch.empty(0, dtype=_TORCH[p.dtype.type])
+            *(torch.from_numpy(p) if p.size else torch.empty(0, dtype=_TORCH_OF[p.dtype.type])
               for p in payloads)]  # numpy's empty arrays can have stride 0: not viewable
 
-
-_TORCH = {np.int64: torch.int64, np.uint8: torch.uint8, np.float64: torch.float64}
 
 
 # ---------------------------------------------------------------- tensor → value
@@ -224,7 +222,7 @@ def check_header_values(h: list[int],
         if DTYPE_CODES.get(code) != dtype:
             raise ChannelError(f"{name} payload {j} ({pname}): dtype code {code} "
                                f"({DTYPE_CODES.get(code, 'unknown')}), expected {dtype}")
-        if rule.__class__ is int:
+        if isinstance(rule, int):
             if numel != rule:
                 raise ChannelError(f"{name} payload {j} ({pname}): {numel} elements, expected "
                                    f"{rule}")
