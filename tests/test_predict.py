@@ -77,7 +77,8 @@ def test_service_comes_from_end_minus_start_not_from_schedule() -> None:
 
 
 def test_slow_rank_determines_step() -> None:
-    e = [source(rank=0, ready=0.0, start=0.0, end=3.0), source(rank=0, ready=3.5, start=3.5, end=6.5),
+    e = [source(rank=0, ready=0.0, start=0.0, end=3.0),
+         source(rank=0, ready=3.5, start=3.5, end=6.5),
          source(rank=1, ready=1.0, start=1.0, end=2.0)]
     pred = predict_update(e, R=5.0, P=0.5)
     assert pred["slow_rank"] == 0 and pred["ranks"] == [0, 1]
