@@ -1,10 +1,13 @@
-"""FP32 gradient accumulators: one batch accumulator and G1'/G2 pairs for open groups.
+"""FP32 gradient accumulators: one batch accumulator and the sums of open groups.
 
 Each accumulator is a list of flat tensors shaped like Megatron's DDP grad buffers
-(`grad_data`), so folding a source is one fused pass per buffer. At most `k_open` groups
-hold a pair at once, so accumulator memory never exceeds 4·(2k+1)·P bytes per rank
-(P = gradient elements on this rank). Pairs are pooled and reused across groups.
-Placement "host" keeps them in (pinned, on GPU machines) host memory for large models.
+(`grad_data`), so folding a source is one fused pass per buffer. A group folded before it
+is complete holds G2 = Σ H_i and, once a folded reward differs from its shift c, G1' =
+Σ (r_i − c) H_i (an objective without group statistics only ever holds G2, its plain sum).
+At most `k_open` groups are open, so accumulator memory never exceeds 4·(v·k+1)·P bytes per
+rank (P = gradient elements on this rank, v = 2 vectors per group, or 1). Vectors are pooled
+and reused across groups. Placement "host" keeps them in (pinned, on GPU machines) host
+memory for large models.
 
 Pairs are not zeroed between groups. A pair's first fold writes G2 instead of adding to it,
 and G1' stays unwritten (it stands for zero) while every folded reward equals the shift c,
@@ -55,8 +58,7 @@ class GradAccumulators:
                 for n, d in zip(self._sizes, self._devices)]
 
     def _take(self) -> list[torch.Tensor]:
-        v = self._free.pop() if self._free else self._new()
-        return v
+        return self._free.pop() if self._free else self._new()
 
     @property
     def vector_bytes(self) -> int:

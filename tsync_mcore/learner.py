@@ -231,7 +231,8 @@ class Learner:
     @property
     def open_bound(self) -> str:
         b = f"k_open={self.cfg.k_open} groups"
-        return b + (f", max_open_bytes={self.cfg.max_open_bytes}" if self.cfg.max_open_bytes else "")
+        budget = self.cfg.max_open_bytes
+        return b + (f", max_open_bytes={budget}" if budget else "")
 
     # --- leaving groups out ---------------------------------------------------------------
 

@@ -186,6 +186,9 @@ class Trainer:
         mem = self.memory.snapshot(host_accum_bytes=result.accum_peak_bytes
                                    if cfg.learner.accum == "host" else None)
         peaks = self._gather_max(mem["peak_mem_bytes"])
+        # What open groups held at once, per rank, against the admission bound that applied.
+        open_peaks = self._gather_max(result.open_peak_bytes)
+        kv_peaks = self._gather_max(result.kv_peak_bytes)
         n_stale = int(self.policy.dp_sum(stale))
         n_rejected = int(self.policy.dp_sum(len(result.rejected_sources)))
         self._write_trace(result.trace)
@@ -206,8 +209,9 @@ class Trainer:
             scored_tokens=result.scored_tokens, stale_sources=n_stale,
             rejected_sources=n_rejected,
             grad_norm=result.grad_norm, accum_peak_bytes=result.accum_peak_bytes,
-            kv_peak_bytes=result.kv_peak_bytes, open_peak_bytes=result.open_peak_bytes,
-            open_bound=result.open_bound, flops=flops, recompute_flops=recompute,
+            kv_peak_bytes=max(kv_peaks), kv_peak_bytes_per_rank=kv_peaks,
+            open_peak_bytes_per_rank=open_peaks, open_bound=result.open_bound,
+            accum_bound_bytes=result.accum_bound_bytes, flops=flops, recompute_flops=recompute,
             mfu_active=mfu_active(flops, step_s, self.par.world_size, self.peak),
             peak_tflops=float(self.peak) / 1e12, peak_source=self.peak.source,
             peak_mem_bytes=max(peaks), peak_mem_bytes_per_rank=peaks,
