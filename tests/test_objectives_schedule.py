@@ -227,3 +227,61 @@ def test_shipped_configs_load():
     assert paths
     for p in paths:
         load_config(p)
+
+
+def test_token_norm_auto_and_objective_names():
+    assert load_config(None, {}).learner.token_norm == "trajectory"  # GRPO family
+    assert load_config(None, {"learner.objective": "opd"}).learner.token_norm == "global"
+    with pytest.raises(ConfigError, match="learner.token_norm.*OPD streams turns"):
+        load_config(None, {"learner.objective": "opd", "learner.token_norm": "trajectory"})
+    with pytest.raises(ConfigError, match="learner.objective.*'ppo'"):
+        load_config(None, {"learner.objective": "ppo"})
+    with pytest.raises(ConfigError, match="learner.max_open_bytes"):
+        load_config(None, {"learner.max_open_bytes": -1})
+
+
+def test_queue_turns_wait_for_their_previous_turn_and_prefer_a_warm_context():
+    from tsync_mcore.sources import TurnSource
+
+    def turn(t, j, g="G"):
+        return TurnSource(t, g, j, 3, j * 2, (1, 2), (0, 1), (None, -1.0), 0)
+
+    plan = BatchPlan(groups={"G": ["a", "b"]}, n_turns={"a": 3, "b": 3})
+    q = ReadinessQueue("thundersync", plan, k_open=1)
+    q.arrive(turn("a", 1))  # early: waits for a#0
+    assert q.next() is None
+    for u in (turn("b", 0), turn("a", 0)):
+        q.arrive(u)
+    served = [q.next().source.key for _ in range(2)]
+    assert served == ["b#0", "a#0"]  # release order among starts
+    q.arrive(turn("b", 1))
+    # a was served last and its next turn is released: it runs first, context warm
+    assert [q.next().source.key for _ in range(2)] == ["a#1", "b#1"]
+    assert q.next() is None
+    g = ReadinessQueue("group_ready", plan, k_open=1)
+    for u in (turn("a", 0), turn("b", 0), turn("a", 1)):
+        g.arrive(u)
+    assert g.next() is None  # OPD group_ready: the whole group's turns first
+    g.complete("G")
+    assert g.next().source.key == "a#0"
+    s = ReadinessQueue("sync", plan, k_open=1)
+    for u in (turn("b", 1), turn("a", 0), turn("b", 0), turn("a", 1)):
+        s.arrive(u)
+    s.close()
+    order = []
+    while (svc := s.next()) is not None:
+        order.append(svc.source.key)
+    assert order == ["a#0", "a#1", "b#0", "b#1"]  # registered order, turns in order
+
+
+def test_stopped_prints_one_line_and_keeps_the_traceback(tmp_path, capsys):
+    from tsync_mcore.launch import stopped
+    try:
+        raise RuntimeError("CUDA out of memory\nmore detail")
+    except RuntimeError as e:
+        code = stopped("learner rank 1", e, str(tmp_path))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 4 and len(err) == 1
+    assert err[0].startswith("learner rank 1 stopped: RuntimeError: CUDA out of memory at ")
+    assert "Traceback" in open(tmp_path / "logs" / "learner_rank_1.traceback").read()
+    assert stopped("rollout", KeyboardInterrupt(), str(tmp_path)) == 130

@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import yaml
 
-Objective = Literal["grpo", "dr_grpo", "rloo", "opd"]
 Schedule = Literal["sync", "group_ready", "thundersync"]
 DType = Literal["fp32", "bf16"]
 TokenNorm = Literal["auto", "trajectory", "global"]
@@ -62,7 +61,7 @@ class OptimConfig:
 
 @dataclass
 class LearnerConfig:
-    objective: Objective = "grpo"
+    objective: str = "grpo"  # a name in tsync_mcore.objectives.OBJECTIVES
     schedule: Schedule = "thundersync"
     k_open: int = 4  # admission cap: groups per rank holding G1/G2 at once
     accum: AccumPlacement = "device"  # "host": pinned host memory for large models
@@ -84,6 +83,9 @@ class LearnerConfig:
     max_open_bytes: int = 0
 
     def validate(self) -> None:
+        from tsync_mcore.objectives import OBJECTIVES  # the objectives/ files define the names
+        _check(self.objective in OBJECTIVES, "learner.objective",
+               f"must be one of {sorted(OBJECTIVES)}, got {self.objective!r}")
         _check(self.k_open >= 1, "learner.k_open", f"must be >= 1, got {self.k_open}")
         _check(self.adv_eps > 0, "learner.adv_eps", f"must be > 0, got {self.adv_eps}")
         _check(self.max_open_bytes >= 0, "learner.max_open_bytes",

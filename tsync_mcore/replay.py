@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--batch", required=True, help="JSON Lines batch file")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--objective", default="grpo", choices=["grpo", "dr_grpo", "rloo", "opd"])
+    p.add_argument("--objective", default="grpo", choices=sorted(OBJECTIVES))
     p.add_argument("--opd-replay", default=None, choices=["recompute", "retain"])
     p.add_argument("--schedule", default="thundersync", choices=["sync", "group_ready", "thundersync"])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])

@@ -12,8 +12,8 @@ schedules run the same learner work for every objective and differ only in relea
 
 The queue is work-conserving. Among released units whose dependency is served it prefers,
 in order: the next unit of the trajectory served last (its context is warm), units
-continuing a started trajectory, units of groups already open, then units that open a
-new group — in release order within each, and only if admission allows.
+continuing a started trajectory (earliest released first), then the earliest released unit
+that starts one and that admission allows.
 
 Admission: a group is *open* on this rank from the first unit that makes it hold state
 (G1'/G2 or its own gradient sum, a shared prompt's K/V, trajectory contexts) until its last
@@ -184,15 +184,11 @@ class ReadinessQueue:
                 return u
         if self._continuing:
             return next(iter(self._continuing.values()))
-        first_new = None
-        for u in self._starting.values():
-            if u.group_id in self._open:
-                return u
-            if first_new is None and self._admissible(u):
-                first_new = u
-        return first_new
+        # Earliest released first: an older trajectory is nearer its end, so it holds its
+        # context for less time (preferring an open group's younger members kept more open).
+        return next((u for u in self._starting.values() if self._admissible(u)), None)
 
     def _admissible(self, u: Unit) -> bool:
-        if not self._opens(u):
+        if u.group_id in self._open or not self._opens(u):
             return True
         return len(self._open) < self.k_open and (not self._open or self._fits(u))
