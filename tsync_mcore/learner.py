@@ -128,7 +128,7 @@ class Learner:
             self.queue.arrive(src)
             self.records[src.key] = SourceRecord(
                 update=self.version, rank=self.policy.par.rank,
-                source="turn" if hasattr(src, "turn") else "trajectory", traj_id=src.traj_id,
+                source=self.kind.name, traj_id=src.traj_id,
                 group_id=g, turn=getattr(src, "turn", None), policy_version=src.policy_version,
                 scored_tokens=src.n_scored,
                 ready=self.now() if arrived is None else arrived - self.t0)
@@ -251,7 +251,6 @@ class Learner:
         self.kind.drop(group_id)
         self.acc.discard_group(group_id)
         self.scored.pop(group_id, None)
-        self._drain()  # what waited behind its admission
         return group_id not in self.committed
 
     def reject(self, src, reason: str) -> list[str]:

@@ -24,6 +24,7 @@ from tsync_mcore.trace import DeferredRecord
 
 class TrajectoryKind:
     source_type = TrajectorySource
+    name = "trajectory"  # what its trace records call a source
     serves_on_arrival = True  # served as handed over: its folds follow the arrival order
     announces_rewards = True  # GroupRewards carry what members on other ranks scored
 

@@ -78,6 +78,7 @@ class _Context:
 
 class TurnKind:
     source_type = TurnSource
+    name = "turn"  # what its trace records call a source
     serves_on_arrival = False  # the learner chooses among every arrived turn
     announces_rewards = False  # no group statistics: a turn's coefficient is its own
 
