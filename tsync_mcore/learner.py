@@ -108,7 +108,11 @@ class Learner:
         self.rejected: list[tuple[str, str]] = []  # (source, why), refused here
         self.open_peak_bytes = 0
         self.acc.reset()
-        self.kind.begin()
+        try:
+            self.kind.begin()
+        except SourceError:
+            self.plan = None  # the registration itself is refused: no batch is open
+            raise
 
     # --- stream ---------------------------------------------------------------------------
 
