@@ -69,7 +69,7 @@ def make_opd_batch(vocab: int, n_traj: int = 4, turns: int = 3, version: int = 0
     trajectory's own turns in order, as a rollout produces them).
     """
     rng = random.Random(seed * 7919 + version)
-    rows, queue = [], []
+    rows = []
     prompts = [[rng.randrange(vocab) for _ in range(prompt_len)]
                for _ in range((n_traj + group_size - 1) // group_size)]
     for i in range(n_traj):
@@ -88,14 +88,20 @@ def make_opd_batch(vocab: int, n_traj: int = 4, turns: int = 3, version: int = 0
                          tokens=toks, scored_mask=mask, teacher_logprobs=teacher,
                          turn_ends=ends, turn_ready_order=[0] * turns, policy_version=version,
                          prompt_len=prompt_len))
-        queue.append([(i, j) for j in range(turns)])
+    _interleave(rows, rng)
+    return rows
+
+
+def _interleave(rows: list[dict], rng: random.Random) -> None:
+    """Set each row's turn_ready_order: a random global order that keeps each
+    trajectory's own turns in order, as a rollout produces them."""
+    queue = [[(i, j) for j in range(len(r["turn_ends"]))] for i, r in enumerate(rows)]
     order = 0
     while any(queue):
         q = rng.choice([q for q in queue if q])
         i, j = q.pop(0)
         rows[i]["turn_ready_order"][j] = order
         order += 1
-    return rows
 
 
 def write_opd_batches(path: str, vocab: int, n_updates: int = 1, seed: int = 0, **kw) -> list[dict]:
@@ -112,18 +118,11 @@ def action_first(rows: list[dict], seed: int = 0) -> list[dict]:
     """The same OPD trajectories cut as "action, then its observation": every turn after the
     first begins with a scored token (as agent loops that cut at each action do). Arrival
     is interleaved anew, each trajectory's turns in order."""
-    rng = random.Random(seed)
-    out, queue = [], []
-    for i, r in enumerate(rows):
+    out = []
+    for r in rows:
         m = r["scored_mask"]
         starts = [p for p in range(1, len(m)) if m[p] and not m[p - 1]]
         ends = starts[1:] + [len(m)] if len(starts) > 1 else r["turn_ends"]
         out.append(dict(r, turn_ends=ends, turn_ready_order=[0] * len(ends)))
-        queue.append([(i, j) for j in range(len(ends))])
-    order = 0
-    while any(queue):
-        q = rng.choice([q for q in queue if q])
-        i, j = q.pop(0)
-        out[i]["turn_ready_order"][j] = order
-        order += 1
+    _interleave(out, random.Random(seed))
     return out

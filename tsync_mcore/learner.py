@@ -40,21 +40,13 @@ ACCUM_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 @dataclass
 class UpdateResult:
-    policy_version: int  # the version the batch was sampled from (θ_k)
-    ok: bool
-    grad_norm: float
-    n_sources: int  # served on this rank
-    scored_tokens: int  # N_k: scored tokens that trained, over all ranks
-    n_groups: int  # groups that trained, over all ranks
-    accum_peak_bytes: int
-    accum_bound_bytes: int
-    grad: dict[str, torch.Tensor] | None
+    summary: UpdateRecord  # what the update did on this rank (also the trace's last record)
+    grad: dict[str, torch.Tensor] | None  # g_k, HF names, when asked for
     trace: list[Record] = field(default_factory=list)
-    kv_peak_bytes: int = 0  # OPD: context K/V leaves + adjoints held at once
-    open_peak_bytes: int = 0  # everything open groups held at once (pairs, K/V, prompts)
-    open_bound: str = ""  # the admission bound that applied
-    dropped_groups: dict[str, str] = field(default_factory=dict)  # over all ranks: why
-    rejected_sources: list[tuple[str, str]] = field(default_factory=list)  # this rank: why
+
+    @property
+    def policy_version(self) -> int:  # the version the batch was sampled from (θ_k)
+        return self.summary.update
 
 
 class Learner:
@@ -99,7 +91,6 @@ class Learner:
         self.member_of = {t: g for g, ts in plan.groups.items() for t in ts}
         self.arrived: dict[str, object] = {}  # by unit key, served here or not
         self.records: dict[str, SourceRecord] = {}  # units given to this rank
-        self.here: set[str] = set()  # groups with units given to this rank to serve
         self.trace: list[Record] = []
         self.t0 = time.perf_counter() if t0 is None else t0
         self.scored: dict[str, int] = {}  # scored tokens served here, per group
@@ -128,7 +119,6 @@ class Learner:
         if g in self.dropped:
             return  # a member of a group that left the update: nothing of it trains
         if self.routing == "balanced" or self.owner[g] == self.policy.par.dp_rank:
-            self.here.add(g)
             self.queue.arrive(src)
             self.records[src.key] = SourceRecord(
                 update=self.version, rank=self.policy.par.rank,
@@ -261,13 +251,28 @@ class Learner:
         """The live path's answer to a source `submit` refused: record it, and drop the
         group that registered its trajectory unless a valid copy of it arrived already
         (a duplicate leaves the first copy standing). Returns the groups dropped."""
-        key = getattr(src, "key", "?")
-        self.rejected.append((str(key), reason))
-        g = self.member_of.get(getattr(src, "traj_id", None))
-        if g is None or key in self.arrived or g in self.dropped:
+        key = str(getattr(src, "key", "?"))
+        g = None if key in self.arrived else self.member_of.get(getattr(src, "traj_id", None))
+        return self._reject(key, reason, g)
+
+    def reject_rewards(self, group_id: str, reason: str) -> list[str]:
+        """The live path's answer to a refused GroupRewards: its group cannot be trusted."""
+        g = group_id if self.plan is not None and group_id in self.plan.groups else None
+        return self._reject(f"rewards of {group_id}", reason, g)
+
+    def _reject(self, what: str, reason: str, g: str | None) -> list[str]:
+        self.rejected.append((what, reason))
+        if g is None or g in self.dropped:
             return []
-        self.drop_group(g, f"{key}: {reason}")
+        self.drop_group(g, f"{what}: {reason}")
         return [g]
+
+    @property
+    def serves_on_arrival(self) -> bool:
+        """GRPO: serve each source as it is handed over (its folds follow arrival order, a
+        run replays bit for bit); OPD: a caller hands over every arrival first, so the
+        learner chooses among all ready turns."""
+        return self.kind.serves_on_arrival
 
     # --- barrier and step -----------------------------------------------------------------
 
@@ -304,23 +309,18 @@ class Learner:
             scale = 1.0 / scored if scored else 0.0
         # The accumulator holds the descent direction −Σ_G g_G; one step per batch.
         step = self.policy.apply_and_step(self.acc.batch, scale, export_grad=export_grad)
-        dropped = {g: self.dropped[g] for g in dropped_anywhere}
-        kv_peak = getattr(self.kind, "kv_peak_bytes", 0)
-        n_sources = sum(1 for r in self.records.values() if r.served)
-        self.trace.append(UpdateRecord(
+        summary = UpdateRecord(
             update=self.version, rank=self.policy.par.rank, objective=self.cfg.objective,
-            schedule=self.schedule, n_groups=n_groups, n_sources=n_sources,
-            scored_tokens=scored, dropped_groups=dropped, rejected_sources=list(self.rejected),
-            open_bound=self.open_bound, accum_peak_bytes=self.acc.peak_bytes,
-            accum_bound_bytes=self.acc.bound_bytes, open_peak_bytes=self.open_peak_bytes,
-            kv_peak_bytes=kv_peak, grad_norm=step.grad_norm, ok=step.ok))
-        result = UpdateResult(
-            policy_version=self.version, ok=step.ok, grad_norm=step.grad_norm,
-            n_sources=n_sources, scored_tokens=scored, n_groups=n_groups,
+            schedule=self.schedule, n_groups=n_groups,
+            n_sources=sum(1 for r in self.records.values() if r.served), scored_tokens=scored,
+            dropped_groups={g: self.dropped[g] for g in dropped_anywhere},
+            rejected_sources=list(self.rejected), open_bound=self.open_bound,
             accum_peak_bytes=self.acc.peak_bytes, accum_bound_bytes=self.acc.bound_bytes,
-            grad=step.grad, trace=self.trace, kv_peak_bytes=kv_peak,
-            open_peak_bytes=self.open_peak_bytes, open_bound=self.open_bound,
-            dropped_groups=dropped, rejected_sources=list(self.rejected))
+            open_peak_bytes=self.open_peak_bytes,
+            kv_peak_bytes=self.kind.kv_peak_bytes, grad_norm=step.grad_norm,
+            ok=step.ok)
+        self.trace.append(summary)
+        result = UpdateResult(summary=summary, grad=step.grad, trace=self.trace)
         self.version += 1
         self.plan = None
         return result
@@ -357,7 +357,8 @@ class Learner:
 
     def _unannounced(self) -> list[str]:
         """Balanced routing: groups served partly here whose rewards are not all known."""
-        return [g for g in self.here if g not in self.dropped and not self.queue.is_complete(g)]
+        here = {r.group_id for r in self.records.values()}  # groups with units given here
+        return [g for g in here if g not in self.dropped and not self.queue.is_complete(g)]
 
     def abort(self) -> None:
         """Drop the open batch without touching θ (e.g. after a rejected close)."""

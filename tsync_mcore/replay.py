@@ -19,7 +19,6 @@ import os
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
@@ -150,21 +149,22 @@ def main(argv: list[str] | None = None) -> dict:
     os.makedirs(args.out, exist_ok=True)
     trace.write(os.path.join(args.out, f"trace_rank{par.rank}.jsonl"),
                 [rec for r in results for rec in r.trace], mode="w")
+    done = [r.summary for r in results]
     summary = {
         "updates": len(results), "objective": cfg.learner.objective,
         "schedule": cfg.learner.schedule, "dtype": cfg.model.dtype,
         "world_size": par.world_size, "tp": par.tp_size, "dp": par.dp_size,
-        "grad_norm": [r.grad_norm for r in results], "ok": all(r.ok for r in results),
-        "scored_tokens": [r.scored_tokens for r in results],
+        "grad_norm": [r.grad_norm for r in done], "ok": all(r.ok for r in done),
+        "scored_tokens": [r.scored_tokens for r in done],
         "sources": sum(len(b) for b in batches),
-        "accum_peak_bytes": max(r.accum_peak_bytes for r in results),
-        "accum_bound_bytes": results[0].accum_bound_bytes,
-        "kv_peak_bytes_per_rank": _gather(max(r.kv_peak_bytes for r in results)),
-        "accum_peak_bytes_per_rank": _gather(max(r.accum_peak_bytes for r in results)),
-        "open_peak_bytes_per_rank": _gather(max(r.open_peak_bytes for r in results)),
+        "accum_peak_bytes": max(r.accum_peak_bytes for r in done),
+        "accum_bound_bytes": done[0].accum_bound_bytes,
+        "kv_peak_bytes_per_rank": _gather(max(r.kv_peak_bytes for r in done)),
+        "accum_peak_bytes_per_rank": _gather(max(r.accum_peak_bytes for r in done)),
+        "open_peak_bytes_per_rank": _gather(max(r.open_peak_bytes for r in done)),
         "open_groups_peak_per_rank": _gather(max(
             (rec.open_groups for r in results for rec in trace.sources(r.trace)), default=0)),
-        "open_bound": results[0].open_bound,
+        "open_bound": done[0].open_bound,
         "time_s": round(elapsed, 3), "out": args.out,
     }
     if par.rank == 0:

@@ -41,10 +41,7 @@ class Unit(Protocol):
     group_id: str
 
     @property
-    def key(self) -> str: ...
-
-    @property
-    def index(self) -> int: ...
+    def index(self) -> int: ...  # its place among its trajectory's units
 
 
 @dataclass(frozen=True)
@@ -73,9 +70,10 @@ class ReadinessQueue:
         self._open: set[str] = set()
         self._pending: dict[str, int] = {}  # arrived here, not yet served, per group
         self._held: list[Unit] = []  # arrived, not yet released
-        self._waiting: dict[str, Unit] = {}  # released, previous unit not served yet
-        self._continuing: dict[str, Unit] = {}  # released, servable, index > 0
-        self._starting: dict[str, Unit] = {}  # released, servable, a trajectory's first unit
+        # Released units by (trajectory, index), in release order:
+        self._waiting: dict[tuple[str, int], Unit] = {}  # its previous unit not served yet
+        self._continuing: dict[tuple[str, int], Unit] = {}  # servable, index > 0
+        self._starting: dict[tuple[str, int], Unit] = {}  # servable, a trajectory's first
         self._closable: list[str] = []  # complete, open, nothing of it left to serve
         self._done: dict[str, int] = {}  # trajectory → units served
         self._last: str | None = None  # trajectory served last
@@ -140,11 +138,11 @@ class ReadinessQueue:
 
     def _release(self, u: Unit) -> None:
         if u.index == 0:
-            self._starting[u.key] = u
+            self._starting[_at(u)] = u
         elif self._done.get(u.traj_id, 0) == u.index:
-            self._continuing[u.key] = u
+            self._continuing[_at(u)] = u
         else:
-            self._waiting[u.key] = u
+            self._waiting[_at(u)] = u
 
     # --- what runs next -------------------------------------------------------------------
 
@@ -160,15 +158,15 @@ class ReadinessQueue:
         g = u.group_id
         if g not in self._open and self._opens(u):
             self._open.add(g)
-        self._continuing.pop(u.key, None)
-        self._starting.pop(u.key, None)
+        self._continuing.pop(_at(u), None)
+        self._starting.pop(_at(u), None)
         self._pending[g] -= 1
         t = u.traj_id
         self._done[t] = u.index + 1
         self._last = t
-        nxt = self._waiting.pop(f"{t}#{u.index + 1}", None)
+        nxt = self._waiting.pop((t, u.index + 1), None)
         if nxt is not None:
-            self._continuing[nxt.key] = nxt
+            self._continuing[_at(nxt)] = nxt
         complete = g in self._complete
         last = complete and self._pending[g] == 0
         closes = last and g in self._open
@@ -179,7 +177,7 @@ class ReadinessQueue:
 
     def _choose(self) -> Unit | None:
         if self._last is not None:
-            u = self._continuing.get(f"{self._last}#{self._done.get(self._last, 0)}")
+            u = self._continuing.get((self._last, self._done.get(self._last, 0)))
             if u is not None:
                 return u
         if self._continuing:
@@ -192,3 +190,7 @@ class ReadinessQueue:
         if u.group_id in self._open or not self._opens(u):
             return True
         return len(self._open) < self.k_open and (not self._open or self._fits(u))
+
+
+def _at(u: Unit) -> tuple[str, int]:
+    return u.traj_id, u.index

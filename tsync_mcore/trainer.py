@@ -129,10 +129,7 @@ class Trainer:
         except (ValueError, SourceError) as e:
             raise LearnerStopped(f"rollout registered batch {reg.version} the learner cannot "
                                  f"train: {e}") from None
-        # GRPO serves each source as it is handed over, so its folds follow from the arrival
-        # order alone and a run replays bit for bit; OPD hands over every arrived turn
-        # before serving the next, so the learner chooses among all ready turns.
-        serve = self.learner.kind.serves_on_arrival
+        serve = self.learner.serves_on_arrival
         while True:
             msg = self._next_message()
             if msg is None:
@@ -169,6 +166,7 @@ class Trainer:
         except SourceError as e:
             self.learner.abort()
             raise LearnerStopped(f"batch {self.version} cannot train: {e}") from None
+        done = result.summary
         t_stepped = time.perf_counter()
         self.version += 1
         self.data_pos = reg.data_pos
@@ -183,14 +181,14 @@ class Trainer:
         work = update_flops(self.policy.spec, result.trace, attention=self.policy.attention_mode)
         flops = self.policy.dp_sum(work.total)
         recompute = self.policy.dp_sum(work.recompute_flops)
-        mem = self.memory.snapshot(host_accum_bytes=result.accum_peak_bytes
+        mem = self.memory.snapshot(host_accum_bytes=done.accum_peak_bytes
                                    if cfg.learner.accum == "host" else None)
         peaks = self._gather_max(mem["peak_mem_bytes"])
         # What open groups held at once, per rank, against the admission bound that applied.
-        open_peaks = self._gather_max(result.open_peak_bytes)
-        kv_peaks = self._gather_max(result.kv_peak_bytes)
+        open_peaks = self._gather_max(done.open_peak_bytes)
+        kv_peaks = self._gather_max(done.kv_peak_bytes)
         n_stale = int(self.policy.dp_sum(stale))
-        n_rejected = int(self.policy.dp_sum(len(result.rejected_sources)))
+        n_rejected = int(self.policy.dp_sum(len(done.rejected_sources)))
         self._write_trace(result.trace)
         self._collect_garbage()
         t_end = self._await_ack()
@@ -205,13 +203,13 @@ class Trainer:
             learner_tail_s=t_stepped - t_closed, publish_time_s=t_end - t_publish,
             gc_s=self.gc_s, reward_mean=close.reward_mean,
             trajectories=sum(len(ts) for ts in plan.groups.values()),
-            n_groups=result.n_groups, dropped_groups=result.dropped_groups,
-            scored_tokens=result.scored_tokens, stale_sources=n_stale,
+            n_groups=done.n_groups, dropped_groups=done.dropped_groups,
+            scored_tokens=done.scored_tokens, stale_sources=n_stale,
             rejected_sources=n_rejected,
-            grad_norm=result.grad_norm, accum_peak_bytes=result.accum_peak_bytes,
+            grad_norm=done.grad_norm, accum_peak_bytes=done.accum_peak_bytes,
             kv_peak_bytes=max(kv_peaks), kv_peak_bytes_per_rank=kv_peaks,
-            open_peak_bytes_per_rank=open_peaks, open_bound=result.open_bound,
-            accum_bound_bytes=result.accum_bound_bytes, flops=flops, recompute_flops=recompute,
+            open_peak_bytes_per_rank=open_peaks, open_bound=done.open_bound,
+            accum_bound_bytes=done.accum_bound_bytes, flops=flops, recompute_flops=recompute,
             mfu_active=mfu_active(flops, step_s, self.par.world_size, self.peak),
             peak_tflops=float(self.peak) / 1e12, peak_source=self.peak.source,
             peak_mem_bytes=max(peaks), peak_mem_bytes_per_rank=peaks,
@@ -265,14 +263,8 @@ class Trainer:
         """A source (or announcement) the learner refused: its group leaves the update here,
         and the rollout is told, so it announces the drop to every rank."""
         print(f"[learner rank {self.par.rank}] rejected: {reason}", file=sys.stderr, flush=True)
-        if src is not None:
-            dropped = self.learner.reject(src, reason)
-        elif group_id in self.learner.plan.groups and group_id not in self.learner.dropped:
-            self.learner.rejected.append((f"rewards of {group_id}", reason))
-            self.learner.drop_group(group_id, reason)
-            dropped = [group_id]
-        else:
-            dropped = []
+        dropped = (self.learner.reject(src, reason) if src is not None
+                   else self.learner.reject_rewards(group_id, reason))
         key = getattr(src, "key", f"rewards of {group_id}")
         for g in dropped:
             self.link.send(Rejected(version=self.version, group_id=g, source=str(key),

@@ -73,7 +73,7 @@ def measure(policy, cfg, mode, turns):
     ledger = update_flops(policy.spec, result.trace)
     counted = per_turn.get_total_flops() + deferred.get_total_flops()
     return dict(per_turn_flops=per_turn.get_total_flops(), deferred_flops=deferred.get_total_flops(),
-                saved_peak_bytes=saved.peak, kv_peak_bytes=result.kv_peak_bytes,
+                saved_peak_bytes=saved.peak, kv_peak_bytes=result.summary.kv_peak_bytes,
                 ledger_err=abs(ledger.total + ledger.recompute_flops - counted) / counted,
                 ledger_recompute_flops=ledger.recompute_flops)
 

@@ -79,7 +79,7 @@ def main(hf_dir: str) -> None:
         for t in at(turns, learner.version):
             learner.submit(t, serve=mode == "readiness")
         result = learner.close(export_grad=True)
-        res[mode + "_kv_peak_bytes"] = result.kv_peak_bytes
+        res[mode + "_kv_peak_bytes"] = result.summary.kv_peak_bytes
         grads[mode] = grad(result)
         trajs = [k.split("#")[0] for k in served(learner)]
         # how often the next service continues the trajectory just served

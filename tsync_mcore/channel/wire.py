@@ -26,7 +26,7 @@ import torch
 
 from tsync_mcore.channel.errors import ChannelError
 from tsync_mcore.channel.messages import MESSAGES, Message
-from tsync_mcore.channel.schema import NO_VERSION, At, Kind, Nested, Slots
+from tsync_mcore.channel.schema import At, Kind, Nested, Slots
 
 MAGIC = 0x7473796E63  # b"tsync"
 WIRE_VERSION = 5  # 2: payload checksum is position-weighted CRC-32; 3: GroupRewards;

@@ -36,6 +36,7 @@ class TrajectoryKind:
         self.announced: set[str] = set()
         self.prefixes: dict[str, SharedPrefix | None] = {}
         self.closure: dict[str, tuple[float, float]] = {}  # (scale, mu) of combined pairs
+        self.kv_peak_bytes = 0  # shared prompts' K/V + adjoints held at once
 
     # --- checks and completion ------------------------------------------------------------
 
@@ -180,6 +181,7 @@ class TrajectoryKind:
             self.prefixes[g] = SharedPrefix.build(self.l.policy, src, dtype=self.l.acc.dtype)
             if self.prefixes[g] is not None:
                 self.l.saw_kv(self.prefixes[g].produced, len(self.prefixes[g]))
+                self.kv_peak_bytes = max(self.kv_peak_bytes, self.held_bytes())
         prefix = self.prefixes[g]
         return prefix if prefix is not None and prefix.covers(src) else None
 

@@ -96,9 +96,9 @@ class TurnKind:
         self.arrived_units: dict[str, int] = {}
         self.ctx: dict[str, _Context] = {}
         self.prompts: dict[str, SharedPrefix | None] = {}
-        self.kv_live_bytes = 0  # context leaves + adjoints and shared prompts held now
-        self.kv_group: dict[str, int] = {}  # of which per group
+        self.kv_group: dict[str, int] = {}  # context leaves + adjoints and prompts held now
         self.kv_peak_bytes = 0
+        self.kept_tokens: dict[str, int] = {}  # arrived tokens whose K/V a group will keep
 
     # --- checks and completion ------------------------------------------------------------
 
@@ -126,6 +126,8 @@ class TurnKind:
     def arrived(self, turn: TurnSource) -> None:
         g = turn.group_id
         self.arrived_units[g] = self.arrived_units.get(g, 0) + 1
+        if turn.turn < turn.n_turns - 1:  # a trajectory's last turn keeps no K/V
+            self.kept_tokens[g] = self.kept_tokens.get(g, 0) + len(turn.tokens)
 
     def unit_keys(self, traj_id: str) -> list[str]:
         return [f"{traj_id}#{j}" for j in range(self.n_turns[traj_id])]
@@ -146,13 +148,11 @@ class TurnKind:
         """Bytes the group will hold at most, counting its turns that have arrived: every
         kept turn's K/V + adjoint, and its gradient sum while incomplete."""
         g = turn.group_id
-        tokens = sum(len(t.tokens) for k, t in self.l.arrived.items()
-                     if t.group_id == g and t.turn < t.n_turns - 1)
-        n = 2 * self.l.kv_per_token * tokens
+        n = 2 * self.l.kv_per_token * self.kept_tokens.get(g, 0)
         return n if self.l.queue.is_complete(g) else n + self.l.acc.vector_bytes
 
     def held_bytes(self) -> int:
-        return self.kv_live_bytes
+        return sum(self.kv_group.values())
 
     # --- service --------------------------------------------------------------------------
 
@@ -192,7 +192,7 @@ class TurnKind:
         for t in [t for t, c in self.ctx.items() if self.l.member_of[t] == g]:
             del self.ctx[t]
         self.prompts.pop(g, None)
-        self.kv_live_bytes -= self.kv_group.pop(g, 0)
+        self.kv_group.pop(g, None)
 
     # --- one turn -------------------------------------------------------------------------
 
@@ -294,10 +294,8 @@ class TurnKind:
         l.policy.zero_grads()
 
     def _hold(self, g: str, n: int) -> None:
-        self.kv_live_bytes += n
         self.kv_group[g] = self.kv_group.get(g, 0) + n
-        self.kv_peak_bytes = max(self.kv_peak_bytes, self.kv_live_bytes)
+        self.kv_peak_bytes = max(self.kv_peak_bytes, self.held_bytes())
 
     def _free(self, g: str, n: int) -> None:
-        self.kv_live_bytes -= n
-        self.kv_group[g] = self.kv_group.get(g, 0) - n
+        self.kv_group[g] -= n
