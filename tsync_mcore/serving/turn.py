@@ -186,7 +186,6 @@ class TurnKind:
         if self.l.acc.is_open(g):
             self.l.acc.close_group(g, 1.0, -1.0)  # batch += the group's gradient sum
             self.l.committed.add(g)
-        self.kv_group.pop(g, None)
 
     def drop(self, g: str) -> None:
         for t in [t for t, c in self.ctx.items() if self.l.member_of[t] == g]:
@@ -298,4 +297,8 @@ class TurnKind:
         self.kv_peak_bytes = max(self.kv_peak_bytes, self.held_bytes())
 
     def _free(self, g: str, n: int) -> None:
-        self.kv_group[g] -= n
+        left = self.kv_group.get(g, 0) - n
+        if left:
+            self.kv_group[g] = left
+        else:
+            self.kv_group.pop(g, None)  # the group holds nothing more
