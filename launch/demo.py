@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from tsync_mcore.config import load_config
+from tsync_mcore.launch import config_or_exit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +39,7 @@ def main() -> None:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     args = p.parse_args()
     overrides = [f"channel.port={free_port()}", *args.set]
-    cfg = load_config(args.config, {k: v for k, v in (_kv(x) for x in overrides)})
+    cfg = config_or_exit("demo", args.config, overrides)
     os.makedirs(cfg.run.dir, exist_ok=True)
     if not os.path.exists(os.path.join(cfg.model.hf_dir, "config.json")):
         from tsync_mcore.testing.tiny import make_tiny_checkpoint
@@ -55,12 +55,12 @@ def main() -> None:
         print(f"OPD needs a teacher: training one briefly with GRPO in {teacher_run}", flush=True)
         tcfg = [f"learner.objective=grpo", f"run.dir={teacher_run}", "run.updates=10",
                 f"run.publish_dir={cfg.run.publish_dir}-teacher", f"channel.port={free_port()}"]
-        run_job(args.config, overrides + tcfg, load_config(args.config, dict(
-            _kv(x) for x in overrides + tcfg)))
+        run_job(args.config, overrides + tcfg, config_or_exit("demo", args.config,
+                                                                overrides + tcfg))
         teacher = os.path.join(cfg.run.dir, "teacher")
         make_hf_dir(cfg.model.hf_dir, f"{cfg.run.publish_dir}-teacher", teacher)
         overrides.append(f"rollout.teacher_dir={teacher}")
-        cfg = load_config(args.config, dict(_kv(x) for x in overrides))
+        cfg = config_or_exit("demo", args.config, overrides)
     rows = run_job(args.config, overrides, cfg)
     rewards = [m["reward_mean"] for m in rows if m["reward_mean"] is not None]
     k = max(1, len(rewards) // 4)
@@ -120,15 +120,9 @@ def run_job(config: str, overrides: list[str], cfg) -> list[dict]:
         rollout.kill()
         rc_r = -9
     if rc_l != 0 or rc_r != 0:
-        print(f"demo failed: learner exit {rc_l}, rollout exit {rc_r}; see {log_dir}", file=sys.stderr)
+        print(f"error: demo failed: learner exit {rc_l}, rollout exit {rc_r}; see {log_dir}", file=sys.stderr)
         sys.exit(1)
     return rows
-
-
-def _kv(s: str):
-    import yaml
-    k, _, v = s.partition("=")
-    return k, yaml.safe_load(v)
 
 
 if __name__ == "__main__":

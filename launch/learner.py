@@ -7,8 +7,7 @@ import argparse
 import os
 import sys
 
-from tsync_mcore.config import ConfigError, load_config
-from tsync_mcore.launch import stopped
+from tsync_mcore.launch import config_or_exit, stopped
 from tsync_mcore.model.parallel import destroy_parallel
 from tsync_mcore.trainer import LearnerStopped, Trainer
 
@@ -20,25 +19,16 @@ def main() -> None:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="override config keys, e.g. learner.schedule=sync run.updates=4")
     args = p.parse_args()
-    try:
-        cfg = load_config(args.config, dict(_parse(kv) for kv in args.set))
-    except (ConfigError, OSError) as e:
-        sys.exit(f"learner: {e}")
+    cfg = config_or_exit("learner", args.config, args.set)
     rank = os.environ.get("RANK", "0")
     try:
         Trainer(cfg, resume=args.resume).run()
     except LearnerStopped as e:
-        print(f"learner stopped: {e}", file=sys.stderr, flush=True)
+        print(f"error: learner stopped: {e}", file=sys.stderr, flush=True)
         sys.exit(3)
     except BaseException as e:  # one line here; the traceback goes to the run's log
         sys.exit(stopped(f"learner rank {rank}", e, cfg.run.dir))
     destroy_parallel()  # clean finish only (an NCCL teardown on an error path can hang)
-
-
-def _parse(kv: str):
-    import yaml
-    key, _, value = kv.partition("=")
-    return key, yaml.safe_load(value)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,22 @@ into the batch, its advantage being known by then).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 import triton_kernels as K
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def f32(x: float) -> float:
+    """A float64 coefficient as the FP32 kernels can take it: beyond FP32's range it becomes
+    ±inf, so the sums go non-finite and the step guard refuses the update (torch refuses to
+    convert such a scalar and would stop the learner mid-stream instead)."""
+    return math.copysign(math.inf, x) if abs(x) > _F32_MAX else x
 
 
 @dataclass
@@ -86,7 +97,7 @@ class GradAccumulators:
     def fold_direct(self, grads: list[torch.Tensor], coef: float) -> None:
         """batch += coef · H (advantage already known: sync and group_ready)."""
         for acc, g in zip(self.batch, self._staged(grads)):
-            K.axpy_(acc, g, coef)
+            K.axpy_(acc, g, f32(coef))
 
     def open_group(self, group_id: str, shift: float) -> None:
         """Give a group its accumulator; `shift` is c, its first folded reward."""
@@ -100,7 +111,7 @@ class GradAccumulators:
         """G1' += (r − c)·H and G2 += H for an open group, in one pass per buffer once both
         hold data; before that, writes instead of adds (see the module docstring)."""
         pair = self.open[group_id]
-        r = float(reward) - pair.shift
+        r = f32(float(reward) - pair.shift)
         if r != 0.0 and pair.g1 is None:
             pair.g1 = self._take()
             self.peak_bytes = max(self.peak_bytes, self.bytes_allocated)
@@ -118,6 +129,15 @@ class GradAccumulators:
     def shift_of(self, group_id: str) -> float:
         return self.open[group_id].shift
 
+    def holding(self, group_id: str) -> list[torch.Tensor]:
+        """The vectors that hold data a fold into `group_id` may have reached: the batch
+        and, while open, the group's valid sums (pooled vectors keep stale data)."""
+        out = list(self.batch)
+        p = self.open.get(group_id)
+        if p is not None:
+            out += (p.g2 if p.has_g2 else []) + (p.g1 if p.has_g1 else [])
+        return out
+
     def is_open(self, group_id: str) -> bool:
         return group_id in self.open
 
@@ -126,9 +146,9 @@ class GradAccumulators:
         pair = self.open.pop(group_id)
         for j, acc in enumerate(self.batch):
             if pair.has_g1:
-                K.combine_group_(acc, pair.g1[j], pair.g2[j], mu, scale)
+                K.combine_group_(acc, pair.g1[j], pair.g2[j], f32(mu), f32(scale))
             elif pair.has_g2:
-                K.axpy_(acc, pair.g2[j], -mu * scale)  # G1' = 0: only −mu·G2 is left
+                K.axpy_(acc, pair.g2[j], f32(-mu * scale))  # G1' = 0: only −mu·G2 is left
         self._release(pair)
 
     def discard_group(self, group_id: str) -> None:

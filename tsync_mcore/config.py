@@ -8,6 +8,9 @@ immediately with a message naming the dotted key (e.g. `learner.k_open`).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import math
+import socket
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +84,15 @@ class LearnerConfig:
     # Memory-aware admission: a new group opens only while what open groups hold (G1'/G2 or
     # gradient sums, K/V leaves + adjoints, shared prompts) plus its estimate fits; 0: off.
     max_open_bytes: int = 0
+    # Longest source (a GRPO trajectory, an OPD turn's end) accepted; 0: the model's positions.
+    max_tokens: int = 0
+    # A non-finite reduced gradient never steps (θ and the optimizer stay as they were);
+    # "stop" ends the run with the reason, "drop_batch" goes on with the next batch on θ_k.
+    on_nonfinite: Literal["stop", "drop_batch"] = "stop"
+    # "update": one check of the reduced gradient before the step; "source": also check the
+    # sums after every source's service, so the report names the source that broke them
+    # (one more pass over a gradient-sized vector per source).
+    check_finite: Literal["update", "source"] = "update"
 
     def validate(self) -> None:
         from tsync_mcore.objectives import OBJECTIVES  # the objectives/ files define the names
@@ -90,6 +102,8 @@ class LearnerConfig:
         _check(self.adv_eps > 0, "learner.adv_eps", f"must be > 0, got {self.adv_eps}")
         _check(self.max_open_bytes >= 0, "learner.max_open_bytes",
                f"must be >= 0 (0: no byte budget), got {self.max_open_bytes}")
+        _check(self.max_tokens >= 0, "learner.max_tokens",
+               f"must be >= 0 (0: the model's positions), got {self.max_tokens}")
         _check(not (self.objective == "opd" and self.token_norm == "trajectory"),
                "learner.token_norm", "'trajectory' needs each trajectory's scored length "
                "before its first source trains; OPD streams turns, use 'global'")
@@ -125,6 +139,8 @@ class ChannelConfig:
 
     def validate(self) -> None:
         _check(0 < self.port < 65536, "channel.port", f"must be a TCP port, got {self.port}")
+        _check(_resolvable(self.addr), "channel.addr",
+               f"{self.addr!r} is neither an IP address nor a resolvable host name")
         _check(self.timeout_s > 0, "channel.timeout_s", "must be > 0")
         _check(self.ack_timeout_s > 0, "channel.ack_timeout_s", "must be > 0")
 
@@ -155,6 +171,12 @@ class RolloutConfig:
         _check(self.max_tokens_per_turn >= 1, "rollout.max_tokens_per_turn", "must be >= 1")
         _check(self.env == "toy" or self.env.startswith("skyrl:"), "rollout.env",
                f"must be 'toy' or 'skyrl:<name>', got {self.env!r}")
+        _check(self.max_total_tokens >= 1, "rollout.max_total_tokens", "must be >= 1")
+        _check(self.temperature >= 0, "rollout.temperature",
+               f"must be >= 0 (0: greedy), got {self.temperature}")
+        _check(self.tool_latency_s >= 0, "rollout.tool_latency_s", "must be >= 0")
+        _check(self.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0")
+        _check(self.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0")
 
 
 @dataclass
@@ -174,6 +196,9 @@ class Config:
         self.run.validate()
         self.channel.validate()
         self.rollout.validate()
+        _check(self.rollout.n_learners % self.model.tp == 0, "rollout.n_learners",
+               f"{self.rollout.n_learners} learner ranks do not split into tensor-parallel "
+               f"groups of model.tp = {self.model.tp}")
         _check(not (self.learner.objective == "opd" and self.rollout.routing == "balanced"),
                "rollout.routing", "'balanced' is for the GRPO family; OPD routes by group "
                "(a trajectory's turns and its group's shared prompt stay on one rank)")
@@ -184,6 +209,19 @@ class Config:
         if self.rollout.routing != "auto":
             return self.rollout.routing
         return "static" if self.learner.objective == "opd" else "balanced"
+
+
+def _resolvable(addr: str) -> bool:
+    try:
+        ipaddress.ip_address(addr)
+        return True
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(addr, None)
+        return True
+    except (OSError, UnicodeError):
+        return False
 
 
 def _check(ok: bool, key: str, why: str) -> None:
@@ -213,6 +251,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         _check(ok, key, f"must be a number, got {value!r}")
+        # inf/nan would pass every range check below and then poison the update
+        _check(math.isfinite(float(value)), key, f"must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         _check(isinstance(value, str), key, f"must be a string, got {value!r}")
@@ -223,7 +263,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """Build dataclass `cls` from a mapping, naming the dotted key of any error."""
     if not isinstance(data, dict):
-        raise ConfigError(f"config key '{prefix or '<root>'}': must be a mapping, got {data!r}")
+        where = prefix.rstrip(".") or "<root>"
+        raise ConfigError(f"config key '{where}': must be a mapping of its keys, got "
+                          f"{type(data).__name__} {str(data)[:80]!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
@@ -240,17 +282,55 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` command-line overrides; each VALUE is read as YAML (`4`, `true`, `1e-6`)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: must be KEY=VALUE with a dotted key, e.g. "
+                              f"learner.k_open=2")
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not YAML "
+                              f"({str(e).splitlines()[0]})") from None
+    return out
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path}: not UTF-8 text") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}" if mark is not None else ""
+        why = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {path}{at}: not valid YAML ({why})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: must be a mapping of sections (model:, "
+                          f"learner:, ...), got a YAML {type(data).__name__}")
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Load a YAML file (or defaults) and apply dotted overrides like {"learner.k_open": 2}."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+    data: dict[str, Any] = _read_yaml(path) if path is not None else {}
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")
-        for p in parents:
+        for i, p in enumerate(parents):
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                where = ".".join(parents[:i + 1])
+                raise ConfigError(f"config key '{where}': a section, cannot hold "
+                                  f"'{dotted}' (it was set to {node!r})")
         node[leaf] = value
     cfg = from_dict(Config, data)
     cfg.validate()

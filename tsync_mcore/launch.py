@@ -7,6 +7,16 @@ import sys
 import traceback
 
 
+def config_or_exit(who: str, path: str | None, overrides: list[str]):
+    """The validated config, or one `error:` line naming the key or file and exit code 2."""
+    from tsync_mcore.config import ConfigError, load_config, parse_overrides
+    try:
+        return load_config(path, parse_overrides(overrides))
+    except ConfigError as e:
+        print(f"error: {who}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def stopped(who: str, e: BaseException, run_dir: str) -> int:
     """Print one line naming what stopped, why and where the state and traceback are;
     returns the exit code (130 for an interrupt, 4 otherwise)."""

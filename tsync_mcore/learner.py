@@ -62,6 +62,8 @@ class Learner:
                                     dtype=ACCUM_DTYPES[cfg.accum_dtype],
                                     per_group=self.objective.group_vectors)
         self.kv_per_token = 0  # K/V bytes of one token on this rank, once a forward showed it
+        # Longest source accepted: the model's positions, or less (learner.max_tokens).
+        self.max_tokens = min(policy.spec.max_position, cfg.max_tokens or policy.spec.max_position)
         self.plan: BatchPlan | None = None
 
     # --- register -------------------------------------------------------------------------
@@ -97,6 +99,7 @@ class Learner:
         self.committed: set[str] = set()  # groups with something in the batch accumulator
         self.dropped: dict[str, str] = {}
         self.rejected: list[tuple[str, str]] = []  # (source, why), refused here
+        self.nonfinite: list[str] = []  # check_finite=source: the unit that broke the sums
         self.open_peak_bytes = 0
         self.acc.reset()
         try:
@@ -192,8 +195,17 @@ class Learner:
             self.scored[g] = self.scored.get(g, 0) + src.n_scored
             self.open_peak_bytes = max(self.open_peak_bytes, self.open_bytes())
             self.kind.after(svc)  # deferred work (its own trace records, after this one)
+            self._check_finite(g, f"{type(src).__name__} {src.key!r}")
         if svc.last_here:
             self.kind.finish(svc)
+            self._check_finite(g, f"group {g!r}'s shared prompt / closing sum")
+
+    def _check_finite(self, g: str, what: str) -> None:
+        """learner.check_finite=source: name the first unit after which the sums this rank
+        holds are not finite (checking once per source costs one pass over them)."""
+        if self.cfg.check_finite == "source" and not self.nonfinite \
+                and not self.policy.sums_finite(self.acc.holding(g)):
+            self.nonfinite.append(f"{what} of group {g!r}")
 
     # --- what the serving parts call back -------------------------------------------------
 
@@ -318,10 +330,11 @@ class Learner:
             accum_peak_bytes=self.acc.peak_bytes, accum_bound_bytes=self.acc.bound_bytes,
             open_peak_bytes=self.open_peak_bytes,
             kv_peak_bytes=self.kind.kv_peak_bytes, grad_norm=step.grad_norm,
-            ok=step.ok)
+            ok=step.ok, nonfinite_sources=list(self.nonfinite))
         self.trace.append(summary)
         result = UpdateResult(summary=summary, grad=step.grad, trace=self.trace)
-        self.version += 1
+        if step.ok:  # a skipped step leaves θ_k, so the next batch is again for version k
+            self.version += 1
         self.plan = None
         return result
 

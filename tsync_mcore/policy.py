@@ -47,6 +47,7 @@ class Policy:
         self.vocab_start = self.par.tp_rank * self.vocab_local
         self._tp_group = self.par.tp_group if self.par.tp_size > 1 else None
         self._buffers = train.grad_buffers(self.ddp)
+        self._reduced = train.reduced_grad_ranges(self.ddp)  # this rank's part after the reduce
         self._grad_slices = self._map_grad_slices()
 
     @property
@@ -102,9 +103,32 @@ class Policy:
                                      for n, (i, a, b, shape) in self._grad_slices.items()},
                                     self.spec, tp_partial_grads=self.par.tp_size > 1)
         train.finish_grad_sync(self.ddp)
+        if not self.reduced_grads_finite():
+            # Megatron's Adam steps on whatever it is given (it checks only under a loss
+            # scaler): one NaN would reach every parameter and both moments for good.
+            self.zero_grads()
+            return StepResult(ok=False, grad_norm=float("nan"), grad=grad)
         ok, grad_norm = train.optimizer_step(self.optimizer)
         self.zero_grads()
         return StepResult(ok=ok, grad_norm=grad_norm, grad=grad)
+
+    def reduced_grads_finite(self) -> bool:
+        """Collective over every learner rank: is the reduced gradient finite everywhere?
+
+        A float64 sum is non-finite exactly when an element is (fp32 values cannot overflow
+        it), and needs no gradient-sized mask."""
+        bad = torch.zeros((), dtype=torch.float64, device=self.device)
+        for buf, ranges in zip(self._buffers, self._reduced):
+            for a, b in ranges:
+                bad += buf[a:b].sum(dtype=torch.float64)
+        bad = (~torch.isfinite(bad)).to(torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad)  # DP and TP ranks skip together, or step together
+        return float(bad) == 0.0
+
+    def sums_finite(self, vectors: list[torch.Tensor]) -> bool:
+        """This rank only: are these (gradient-sized) vectors finite?"""
+        return all(bool(torch.isfinite(v.sum(dtype=torch.float64))) for v in vectors)
 
     def dp_sum(self, x: float) -> float:
         """Sum a host scalar over data-parallel ranks (e.g. the global scored-token count)."""

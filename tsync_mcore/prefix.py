@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from tsync_mcore.accumulators import f32
 from tsync_mcore.model.span import KV, backward_kv, detached_leaves, kv_bytes
 from tsync_mcore.sources import TrajectorySource
 
@@ -90,7 +91,7 @@ class SharedPrefix:
             self.a1 = [torch.zeros_like(a) for a in adj]
             self.a2 = [torch.zeros_like(a) for a in adj]
         for a1, a2, a in zip(self.a1, self.a2, adj):
-            a1.add_(a, alpha=r_minus_c)
+            a1.add_(a, alpha=f32(r_minus_c))
             a2.add_(a)
 
     def fold_direct(self, coef: float, leaves: list[KV] | None = None) -> None:
@@ -99,7 +100,7 @@ class SharedPrefix:
         if self.ad is None:
             self.ad = [torch.zeros_like(a) for a in adj]
         for ad, a in zip(self.ad, adj):
-            ad.add_(a, alpha=coef)
+            ad.add_(a, alpha=f32(coef))
 
     def backward_prefix(self, scale: float, mu: float) -> bool:
         """Backward through the prompt with scale·(A1 − mu·A2) + A; False if nothing to do."""

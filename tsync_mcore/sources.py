@@ -16,6 +16,31 @@ class SourceError(ValueError):
     """A source, or the batch it belongs to, is malformed; the message names it."""
 
 
+# Bounds on the numbers a source carries, so nothing downstream can overflow: group
+# statistics square reward deviations in float64, and OPD turns a teacher log-prob into a
+# per-token loss weight in the student's precision. Rewards of RL tasks are O(1); a sampled
+# token's teacher log-prob is far above the floor, while a masked logit (−inf, −3.4e38,
+# −1e9, fp16's −65504) lands below it: the teacher could not have produced that token.
+MAX_ABS_REWARD = 1e6
+TEACHER_LOGPROB_FLOOR = -1e4
+
+
+def check_reward(name: str, r) -> float:
+    """The reward as a float, or SourceError unless it is a number with |r| ≤ MAX_ABS_REWARD."""
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) \
+            or abs(r) > MAX_ABS_REWARD:
+        raise SourceError(f"{name}: reward must be a finite number with |r| ≤ {MAX_ABS_REWARD:g}, "
+                          f"got {r!r}")
+    return float(r)
+
+
+def check_length(name: str, end: int, max_tokens: int | None) -> None:
+    """A source may not reach past the positions the learner accepts (the model's, or less)."""
+    if max_tokens is not None and end > max_tokens:
+        raise SourceError(f"{name}: {end} tokens, more than the learner accepts ({max_tokens}: "
+                          f"min of the model's positions and learner.max_tokens)")
+
+
 @dataclass(frozen=True)
 class TrajectorySource:
     traj_id: str
@@ -84,11 +109,12 @@ def _check_prompt_len(name: str, prompt_len, mask) -> None:
                           f"{len(mask)}) covering only unscored tokens")
 
 
-def validate_source(src: TrajectorySource, vocab_size: int) -> None:
+def validate_source(src: TrajectorySource, vocab_size: int, max_tokens: int | None = None) -> None:
     """Shape/content checks that need no batch context."""
     name = f"trajectory {src.traj_id!r} (group {src.group_id!r})"
     if len(src.tokens) == 0:
         raise SourceError(f"{name}: empty token list")
+    check_length(name, len(src.tokens), max_tokens)  # before any per-token work
     if len(src.tokens) != len(src.scored_mask):
         raise SourceError(
             f"{name}: scored_mask has {len(src.scored_mask)} entries but tokens has "
@@ -98,9 +124,7 @@ def validate_source(src: TrajectorySource, vocab_size: int) -> None:
         # The first token has no context, so its log-prob is undefined.
         raise SourceError(f"{name}: the first token cannot be scored (no context)")
     _check_prompt_len(name, src.prompt_len, src.scored_mask)
-    if isinstance(src.reward, bool) or not isinstance(src.reward, (int, float)) \
-            or not math.isfinite(src.reward):
-        raise SourceError(f"{name}: reward must be a finite number, got {src.reward!r}")
+    check_reward(name, src.reward)
     if not isinstance(src.policy_version, int) or isinstance(src.policy_version, bool):
         raise SourceError(f"{name}: policy_version must be an integer")
 
@@ -224,10 +248,13 @@ def opd_turns_from_json(obj: dict) -> list[TurnSource]:
     return turns
 
 
-def validate_turn(src: TurnSource, vocab_size: int) -> None:
+def validate_turn(src: TurnSource, vocab_size: int, max_tokens: int | None = None) -> None:
     name = f"turn {src.turn} of trajectory {src.traj_id!r}"
     if not src.tokens:
         raise SourceError(f"{name}: empty span")
+    if isinstance(src.start, bool) or not isinstance(src.start, int) or src.start < 0:
+        raise SourceError(f"{name}: start must be an integer ≥ 0, got {src.start!r}")
+    check_length(name, src.end, max_tokens)  # the turn's end: its context is attended too
     if not (len(src.tokens) == len(src.scored_mask) == len(src.teacher_logprobs)):
         raise SourceError(f"{name}: tokens, scored_mask and teacher_logprobs differ in length "
                           f"({len(src.tokens)}, {len(src.scored_mask)}, "
@@ -245,8 +272,9 @@ def validate_turn(src: TurnSource, vocab_size: int) -> None:
         if lp is None:
             raise SourceError(f"{name}: teacher log-prob missing for scored token {src.start + i}")
         if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp) \
-                or lp > 0:
+                or not TEACHER_LOGPROB_FLOOR <= lp <= 0:
             raise SourceError(f"{name}: teacher log-prob {lp!r} at token {src.start + i} is not "
-                              f"a finite log-probability (≤ 0)")
+                              f"a log-probability in [{TEACHER_LOGPROB_FLOOR:g}, 0] (a masked "
+                              f"logit gives −inf/−3.4e38: the teacher cannot have sampled it)")
     if not isinstance(src.policy_version, int) or isinstance(src.policy_version, bool):
         raise SourceError(f"{name}: policy_version must be an integer")

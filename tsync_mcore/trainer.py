@@ -34,6 +34,11 @@ from tsync_mcore.policy import Policy
 from tsync_mcore.sources import BatchPlan, SourceError
 
 
+# learner.on_nonfinite: drop_batch still stops once this many batches in a row broke: a
+# policy (or data) that keeps producing non-finite gradients would otherwise loop forever.
+MAX_DROPPED_IN_A_ROW = 3
+
+
 class LearnerStopped(RuntimeError):
     """The learner stopped before finishing its updates; the message says why."""
 
@@ -51,6 +56,7 @@ class Trainer:
             meta = checkpoint.load(ckpt, self.policy)
             self.version, self.data_pos = meta["version"], meta["data_pos"]
         self.learner = Learner(cfg.learner, self.policy, self.version)
+        self.dropped_in_a_row = 0  # batches skipped for a non-finite gradient, in a row
         if self.par.rank == 0:
             os.makedirs(cfg.run.dir, exist_ok=True)
             with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
@@ -167,6 +173,10 @@ class Trainer:
             self.learner.abort()
             raise LearnerStopped(f"batch {self.version} cannot train: {e}") from None
         done = result.summary
+        if not done.ok:
+            self._skipped(result, reg)
+            return
+        self.dropped_in_a_row = 0
         t_stepped = time.perf_counter()
         self.version += 1
         self.data_pos = reg.data_pos
@@ -197,7 +207,7 @@ class Trainer:
             checkpoint.save(cfg.run.dir, self.policy, self.version, self.data_pos)
         step_s = t_end - t_start
         metrics = dict(
-            step=self.version, policy_version=result.policy_version,
+            step=self.version, policy_version=result.policy_version, ok=True,
             schedule=self.learner.schedule, objective=cfg.learner.objective,
             step_wall_time_s=step_s, rollout_time_s=close.rollout_time_s,
             learner_tail_s=t_stepped - t_closed, publish_time_s=t_end - t_publish,
@@ -219,6 +229,41 @@ class Trainer:
             with open(os.path.join(cfg.run.dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(metrics) + "\n")
             print("STEP " + json.dumps(metrics), flush=True)
+
+    def _skipped(self, result, reg: RegisterBatch) -> None:
+        """The reduced gradient was not finite and the step did not run: θ_k and the
+        optimizer are as they were. Nothing of it is published or checkpointed; the run
+        stops, or (learner.on_nonfinite: drop_batch) republishes θ_k and goes on."""
+        done = result.summary
+        self._write_trace(result.trace)  # the update record says ok: false, and why
+        names = [s for s in done.nonfinite_sources]
+        gathered = [None] * self.par.world_size
+        torch.distributed.all_gather_object(gathered, names)
+        culprits = [f"rank {r}: {n[0]}" for r, n in enumerate(gathered) if n]
+        why = (f"update {self.version}: the reduced gradient is not finite, so the optimizer "
+               f"step was skipped (θ_{self.version} and the optimizer state are untouched; "
+               f"nothing of it was published or checkpointed); "
+               + (f"first non-finite after {'; '.join(culprits)}" if culprits else
+                  f"{done.n_sources} sources served on rank {self.par.rank}; set "
+                  f"learner.check_finite=source to name the one that broke the sums"))
+        if self.cfg.learner.on_nonfinite == "stop":
+            raise LearnerStopped(why)
+        self.dropped_in_a_row += 1
+        if self.dropped_in_a_row > MAX_DROPPED_IN_A_ROW:
+            raise LearnerStopped(f"{why}; {self.dropped_in_a_row} batches in a row were "
+                                 f"dropped, so the run stops")
+        print(f"[learner rank {self.par.rank}] batch dropped: {why}", file=sys.stderr,
+              flush=True)
+        self.data_pos = reg.data_pos  # the batch's data was used; θ_k stays
+        if self.par.rank == 0:
+            # θ_k again, under its own version: the rollout keeps its weights and
+            # registers the next batch for version k.
+            self.link.send(publish.notice(self.version,
+                                          publish.path_for(self.cfg.run.publish_dir, self.version)))
+            with open(os.path.join(self.cfg.run.dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(dict(step=self.version, policy_version=self.version,
+                                        ok=False, skipped=why)) + "\n")
+        self._await_ack()
 
     # --- publication ----------------------------------------------------------------------
 

@@ -71,7 +71,10 @@ class RolloutDriver:
         # Sources are checked here as the learner checks them, so a bad one (a broken reward
         # function, an engine emitting ids outside the vocabulary) drops its group before
         # any of it is sent, instead of reaching a learner rank.
-        self.vocab_size = AutoConfig.from_pretrained(cfg.model.hf_dir).vocab_size
+        hf = AutoConfig.from_pretrained(cfg.model.hf_dir)
+        self.vocab_size = hf.vocab_size
+        positions = getattr(hf, "max_position_embeddings", None) or 4096  # as the learner's bridge
+        self.max_tokens = min(positions, cfg.learner.max_tokens or positions)
         self.dropped: dict[str, str] = {}  # this batch's dropped groups: why
         self.et = EngineThread()
         self.engine: RolloutEngine = self.et.run(self._make_engine())
@@ -108,9 +111,10 @@ class RolloutDriver:
                                    n_sources=n_sources, reward_mean=reward_mean)
                 for link in self.links:
                     link.send(close)
-                version += 1
-                if not self._serve_publish(version):
+                live = self._serve_publish(version + 1, kept=version)
+                if live is None:
                     return  # the learner finished
+                version = live  # == version when the learner dropped the batch
         except ChannelError as e:
             raise RolloutStopped(str(e)) from e
         except RolloutStopped as e:
@@ -198,7 +202,8 @@ class RolloutDriver:
         if src.group_id in self.dropped:
             return False
         try:
-            (validate_turn if isinstance(src, TurnSource) else validate_source)(src, self.vocab_size)
+            check = validate_turn if isinstance(src, TurnSource) else validate_source
+            check(src, self.vocab_size, self.max_tokens)
         except SourceError as e:
             self._drop(version, src.group_id, str(e))
             return False
@@ -283,9 +288,11 @@ class RolloutDriver:
 
     # --- publication ----------------------------------------------------------------------
 
-    def _serve_publish(self, version: int) -> bool:
-        """Wait for θ_version from learner rank 0, reload it, acknowledge. False once the
-        learner says it finished."""
+    def _serve_publish(self, version: int, kept: int | None = None) -> int | None:
+        """Wait for θ_version from learner rank 0, reload it, acknowledge; returns the
+        version now served, None once the learner says it finished. A notice for `kept`
+        (the version already loaded) means the learner dropped the batch without stepping
+        (a non-finite gradient): the weights stay, and the next batch is for `kept` again."""
         try:
             msg = self.links[0].recv(timeout_s=self.cfg.channel.timeout_s)
             while isinstance(msg, Rejected):  # after the close: the learners agree on it
@@ -294,14 +301,19 @@ class RolloutDriver:
                 msg = self.links[0].recv(timeout_s=self.cfg.channel.timeout_s)
         except PeerGone:
             if (self.links[0].peer_shutdown or "").startswith(FINISHED):
-                return False
+                return None
             raise
         if isinstance(msg, Shutdown):
             if msg.reason.startswith(FINISHED):
-                return False
+                return None
             raise RolloutStopped(f"learner shut down: {msg.reason}")
         if not isinstance(msg, Publish):
             raise RolloutStopped(f"expected Publish, got {type(msg).__name__}")
+        if kept is not None and msg.version == kept:
+            print(f"[rollout] learner dropped the batch of version {kept} (non-finite "
+                  f"gradient); θ_{kept} stays loaded", flush=True)
+            self.links[0].send(Ack(version=kept, ok=True, reload_time_s=0.0))
+            return kept
         if msg.version != version:
             self.links[0].send(Ack(version=msg.version, ok=False,
                                    error=f"rollout expected version {version}"))
@@ -312,7 +324,7 @@ class RolloutDriver:
             self.links[0].send(Ack(version=version, ok=False, error=f"reload failed: {e}"))
             raise RolloutStopped(f"reload of {msg.path} failed: {e}") from e
         self.links[0].send(Ack(version=version, ok=True, reload_time_s=seconds))
-        return True
+        return version
 
     def _recv(self, rank: int, kind: type):
         msg = self.links[rank].recv(timeout_s=self.cfg.channel.timeout_s)

@@ -13,12 +13,11 @@ on several ranks — in the rollout's GroupRewards announcement.
 
 from __future__ import annotations
 
-import math
 import time
 
 from tsync_mcore.prefix import SharedPrefix
 from tsync_mcore.schedule import Service
-from tsync_mcore.sources import SourceError, TrajectorySource, validate_source
+from tsync_mcore.sources import SourceError, TrajectorySource, check_reward, validate_source
 from tsync_mcore.trace import DeferredRecord
 
 
@@ -41,7 +40,7 @@ class TrajectoryKind:
     # --- checks and completion ------------------------------------------------------------
 
     def validate(self, src: TrajectorySource) -> None:
-        validate_source(src, self.l.policy.vocab_size)
+        validate_source(src, self.l.policy.vocab_size, self.l.max_tokens)
 
     def check(self, src: TrajectorySource) -> None:
         known = self.rewards.get(src.traj_id)
@@ -69,8 +68,7 @@ class TrajectoryKind:
             raise SourceError(f"{name}: announced for {sorted(rewards)}, the group registered "
                               f"{sorted(members)}")
         for t, r in rewards.items():
-            if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r):
-                raise SourceError(f"{name}: reward of {t!r} must be a finite number, got {r!r}")
+            check_reward(f"{name}, member {t!r}", r)
             if t in self.rewards and self.rewards[t] != float(r):
                 raise SourceError(f"{name}: {t!r} arrived with reward {self.rewards[t]!r}, "
                                   f"announced {float(r)!r}")

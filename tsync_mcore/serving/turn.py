@@ -103,7 +103,7 @@ class TurnKind:
     # --- checks and completion ------------------------------------------------------------
 
     def validate(self, turn: TurnSource) -> None:
-        validate_turn(turn, self.l.policy.vocab_size)
+        validate_turn(turn, self.l.policy.vocab_size, self.l.max_tokens)
 
     def check(self, turn: TurnSource) -> None:
         name = f"turn {turn.turn} of trajectory {turn.traj_id!r}"
