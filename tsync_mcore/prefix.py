@@ -33,6 +33,7 @@ class SharedPrefix:
         self.leaves = leaves
         self.a1: list[torch.Tensor] | None = None  # per layer: K and V adjoints, flattened
         self.a2: list[torch.Tensor] | None = None
+        self.has_a1 = False  # a folded reward differed from the shift (else A1 = 0 exactly)
         self.ad: list[torch.Tensor] | None = None  # Σ coef_i·adj_i of members with A_i known
 
     @classmethod
@@ -90,6 +91,7 @@ class SharedPrefix:
         if self.a1 is None:
             self.a1 = [torch.zeros_like(a) for a in adj]
             self.a2 = [torch.zeros_like(a) for a in adj]
+        self.has_a1 = self.has_a1 or r_minus_c != 0.0
         for a1, a2, a in zip(self.a1, self.a2, adj):
             a1.add_(a, alpha=f32(r_minus_c))
             a2.add_(a)
@@ -110,7 +112,12 @@ class SharedPrefix:
         for j in range(len(self.a1 if self.a1 is not None else self.ad)):
             g = None
             if self.a1 is not None:
-                g = (self.a1[j] if mu == 0.0 else self.a1[j] - mu * self.a2[j]) * scale
+                if mu == 0.0 and not self.has_a1:
+                    # A uniform group's share is exactly zero, however large its scale
+                    # (A1 = 0 times an FP32-overflowing scale would be NaN).
+                    g = torch.zeros_like(self.a1[j])
+                else:
+                    g = (self.a1[j] if mu == 0.0 else self.a1[j] - mu * self.a2[j]) * f32(scale)
             if self.ad is not None:
                 g = self.ad[j] if g is None else g + self.ad[j]
             flat.append(g)
