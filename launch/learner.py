@@ -8,8 +8,6 @@ import os
 import sys
 
 from tsync_mcore.launch import config_or_exit, stopped
-from tsync_mcore.model.parallel import destroy_parallel
-from tsync_mcore.trainer import LearnerStopped, Trainer
 
 
 def main() -> None:
@@ -19,7 +17,9 @@ def main() -> None:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="override config keys, e.g. learner.schedule=sync run.updates=4")
     args = p.parse_args()
-    cfg = config_or_exit("learner", args.config, args.set)
+    cfg = config_or_exit("learner", args.config, args.set)  # before megatron's import noise
+    from tsync_mcore.model.parallel import destroy_parallel
+    from tsync_mcore.trainer import LearnerStopped, Trainer
     rank = os.environ.get("RANK", "0")
     try:
         Trainer(cfg, resume=args.resume).run()

@@ -282,6 +282,6 @@ def test_stopped_prints_one_line_and_keeps_the_traceback(tmp_path, capsys):
         code = stopped("learner rank 1", e, str(tmp_path))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 4 and len(err) == 1
-    assert err[0].startswith("learner rank 1 stopped: RuntimeError: CUDA out of memory at ")
+    assert err[0].startswith("error: learner rank 1 stopped: RuntimeError: CUDA out of memory at ")
     assert "Traceback" in open(tmp_path / "logs" / "learner_rank_1.traceback").read()
     assert stopped("rollout", KeyboardInterrupt(), str(tmp_path)) == 130

@@ -35,7 +35,7 @@ def stopped(who: str, e: BaseException, run_dir: str) -> int:
         log = "(not written: run dir not writable)"
     tb = traceback.extract_tb(e.__traceback__)
     where = f" at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
-    print(f"{who} stopped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    print(f"error: {who} stopped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
           f"{where}. The last checkpoint under {run_dir}/checkpoints is intact; traceback: "
           f"{log}", file=sys.stderr, flush=True)
     return 4
