@@ -165,7 +165,7 @@ def test_a_non_finite_update_never_steps_and_leaves_no_trace_in_theta_or_adam(ti
         assert [r["grad_norm"] for r in (a, b)] == [r["grad_norm"] for r in clean[rank]]
     named = poisoned[0][1]["nonfinite"] + poisoned[1][1]["nonfinite"]
     if check == "source":  # the unit that broke the sums, on the rank that owns its group
-        assert len(named) == 1 and "group 'v1-g0'" in named[0], named
+        assert len(named) == 1 and "(group 'v1-g0')" in named[0], named
     else:
         assert named == []
     x = load_file(str(tmp_path / f"params_poisoned_{check}.safetensors"))

@@ -195,17 +195,17 @@ class Learner:
             self.scored[g] = self.scored.get(g, 0) + src.n_scored
             self.open_peak_bytes = max(self.open_peak_bytes, self.open_bytes())
             self.kind.after(svc)  # deferred work (its own trace records, after this one)
-            self._check_finite(g, f"{type(src).__name__} {src.key!r}")
+            self._check_finite(g, f"{type(src).__name__} {src.key!r} (group {g!r})")
         if svc.last_here:
             self.kind.finish(svc)
-            self._check_finite(g, f"group {g!r}'s shared prompt / closing sum")
+            self._check_finite(g, f"the close of group {g!r} (its shared prompt and sum)")
 
     def _check_finite(self, g: str, what: str) -> None:
         """learner.check_finite=source: name the first unit after which the sums this rank
         holds are not finite (checking once per source costs one pass over them)."""
         if self.cfg.check_finite == "source" and not self.nonfinite \
                 and not self.policy.sums_finite(self.acc.holding(g)):
-            self.nonfinite.append(f"{what} of group {g!r}")
+            self.nonfinite.append(what)
 
     # --- what the serving parts call back -------------------------------------------------
 
