@@ -107,7 +107,7 @@ def test_opd_bad_input_rejected(tiny_qwen2):
     errs = res["errors"]
     assert all(v != "NO ERROR" for v in errs.values()), errs
     assert "teacher log-prob missing" in errs["teacher_missing"]
-    assert "not a finite" in errs["teacher_nan"]
+    assert "is not a log-probability in" in errs["teacher_nan"]
     assert "differ in length" in errs["teacher_misaligned"]
     assert "policy version" in errs["wrong_version"]
     assert "duplicate" in errs["duplicate"]
