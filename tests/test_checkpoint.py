@@ -26,4 +26,5 @@ def test_resume_is_exact_on_two_ranks_with_distributed_optimizer(tiny_qwen2, tmp
     assert all(torch.equal(a[k], b[k]) for k in a)
     ckpt = os.path.join(run, "checkpoints")
     assert open(os.path.join(ckpt, "latest")).read().strip() == "step_2"
-    assert sorted(os.listdir(os.path.join(ckpt, "step_2"))) == ["meta.json", "rank0.pt", "rank1.pt"]
+    assert sorted(os.listdir(os.path.join(ckpt, "step_2"))) == [
+        "meta.json", "rank0.safetensors", "rank0.sha256", "rank1.safetensors", "rank1.sha256"]
