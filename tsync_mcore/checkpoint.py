@@ -194,17 +194,18 @@ def latest(run_dir: str) -> str | None:
     if not _STEP_DIR.fullmatch(name):
         raise CheckpointError(f"checkpoint pointer {path}: {name[:40]!r} is not a step_N name")
     ckpt = os.path.join(root, name)
-    _check_step_dir(ckpt, root)
+    _check_step_dir(ckpt, root, via=path)
     return ckpt
 
 
-def _check_step_dir(ckpt: str, root: str) -> None:
+def _check_step_dir(ckpt: str, root: str, via: str = "") -> None:
+    where = f"checkpoint pointer {via}: {os.path.basename(ckpt)}" if via else f"checkpoint {ckpt}"
     if os.path.islink(ckpt):
-        raise CheckpointError(f"checkpoint {ckpt}: is a symlink")
+        raise CheckpointError(f"{where} is a symlink")
     if not os.path.isdir(ckpt):
-        raise CheckpointError(f"checkpoint {ckpt}: missing or not a directory")
+        raise CheckpointError(f"{where} is missing or not a directory")
     if os.path.dirname(os.path.realpath(ckpt)) != os.path.realpath(root):
-        raise CheckpointError(f"checkpoint {ckpt}: resolves outside {root}")
+        raise CheckpointError(f"{where} resolves outside {root}")
 
 
 def _checked(fn, *args, **kw):
@@ -376,9 +377,9 @@ def _check_tensors(tensors: dict[str, torch.Tensor], want: dict, where: str) -> 
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     extra = sorted(set(tensors) - set(want))
     if extra:
-        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} (not a parameter of "
-                              f"this rank)" + (f" (and {len(extra) - 1} more)" if len(extra) > 1
-                                               else ""))
+        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} (not part of this "
+                              f"rank's state)" + (f" (and {len(extra) - 1} more)"
+                                                  if len(extra) > 1 else ""))
     for k, (shape, dtype) in want.items():
         t = tensors[k]
         if t.shape != shape or t.dtype != dtype:

@@ -45,10 +45,13 @@ class Trainer:
         self.par = self.policy.par
         self.version, self.data_pos = 0, 0
         if resume:
-            ckpt = checkpoint.latest(cfg.run.dir)
-            if ckpt is None:
-                raise LearnerStopped(f"--resume: no checkpoint under {cfg.run.dir}/checkpoints")
-            meta = checkpoint.load(ckpt, self.policy)
+            try:
+                ckpt = checkpoint.latest(cfg.run.dir)
+                if ckpt is None:
+                    raise LearnerStopped(f"--resume: no checkpoint under {cfg.run.dir}/checkpoints")
+                meta = checkpoint.load(ckpt, self.policy)
+            except checkpoint.CheckpointError as e:
+                raise LearnerStopped(f"--resume refused: {e}") from None
             self.version, self.data_pos = meta["version"], meta["data_pos"]
         self.learner = Learner(cfg.learner, self.policy, self.version)
         if self.par.rank == 0:
@@ -99,7 +102,10 @@ class Trainer:
             self.link.close()
 
     def _state(self) -> str:
-        ckpt = checkpoint.latest(self.cfg.run.dir)
+        try:
+            ckpt = checkpoint.latest(self.cfg.run.dir)
+        except checkpoint.CheckpointError as e:
+            return str(e)
         return ckpt if ckpt is not None else f"none yet under {self.cfg.run.dir}/checkpoints"
 
     def _tell_rollout(self, e: Exception) -> None:
