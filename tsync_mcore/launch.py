@@ -6,6 +6,8 @@ import os
 import sys
 import traceback
 
+from tsync_mcore.safe_files import BadFile
+
 
 def stopped(who: str, e: BaseException, run_dir: str) -> int:
     """Print one line naming what stopped, why and where the state and traceback are;
@@ -16,6 +18,9 @@ def stopped(who: str, e: BaseException, run_dir: str) -> int:
         return 130
     if isinstance(e, SystemExit):
         return e.code if isinstance(e.code, int) else 1
+    if isinstance(e, BadFile):  # an input file the message names; no traceback needed
+        print(f"{who}: error: {e}", file=sys.stderr, flush=True)
+        return 2
     log = os.path.join(run_dir, "logs", f"{who.replace(' ', '_')}.traceback")
     try:
         os.makedirs(os.path.dirname(log), exist_ok=True)

@@ -91,3 +91,58 @@ def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]
 def _first_line(e: BaseException) -> str:
     s = str(e).strip()
     return s.splitlines()[0][:200] if s else type(e).__name__
+
+
+# --------------------------------------------------------------------------- HF model dirs
+
+
+class ModelDirError(BadFile):
+    """A Hugging Face model directory that cannot be loaded; the message names the file."""
+
+
+def hf_config(hf_dir: str) -> dict:
+    """config.json of an HF model directory, parsed."""
+    if not os.path.isdir(hf_dir):
+        raise ModelDirError(f"model directory {hf_dir or repr(hf_dir)}: missing or not a "
+                            f"directory")
+    try:
+        return read_json_object(os.path.join(hf_dir, "config.json"))
+    except BadFile as e:
+        raise ModelDirError(str(e)) from None
+
+
+def hf_weight_map(hf_dir: str) -> dict[str, str]:
+    """Tensor name -> safetensors file name of an HF model directory (sharded or not). Every
+    file's header is checked here, so a truncated shard fails before anything is built."""
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    try:
+        if os.path.exists(index):
+            wm = read_json_object(index).get("weight_map")
+            if not (isinstance(wm, dict) and wm and all(
+                    isinstance(k, str) and isinstance(v, str) and v == os.path.basename(v)
+                    and v.endswith(".safetensors") and not v.startswith(".")
+                    for k, v in wm.items())):
+                raise ModelDirError(f"{index}: weight_map must map tensor names to "
+                                    f"*.safetensors file names in the same directory")
+            for fname in sorted(set(wm.values())):
+                names, _ = safetensors_header(os.path.join(hf_dir, fname))
+                absent = [k for k, v in wm.items() if v == fname and k not in set(names)]
+                if absent:
+                    raise ModelDirError(f"{os.path.join(hf_dir, fname)}: lacks {absent[0]!r} "
+                                        f"listed in {index}")
+            return wm
+        single = os.path.join(hf_dir, "model.safetensors")
+        if not os.path.exists(single):
+            raise ModelDirError(f"model directory {hf_dir}: no model.safetensors(.index.json)")
+        names, _ = safetensors_header(single)
+        return {k: "model.safetensors" for k in names}
+    except ModelDirError:
+        raise
+    except BadFile as e:
+        raise ModelDirError(str(e)) from None
+
+
+def check_hf_dir(hf_dir: str) -> None:
+    """Up-front check of a directory another library (vLLM, transformers) will load."""
+    hf_config(hf_dir)
+    hf_weight_map(hf_dir)

@@ -54,7 +54,12 @@ class Trainer:
                 raise LearnerStopped(f"--resume refused: {e}") from None
             self.version, self.data_pos = meta["version"], meta["data_pos"]
         self.learner = Learner(cfg.learner, self.policy, self.version)
+        self.publish_dir = publish.resolve_dir(cfg.run)
         if self.par.rank == 0:
+            try:
+                publish.ensure_private_dir(self.publish_dir)
+            except publish.PublishDirError as e:
+                raise LearnerStopped(str(e)) from None
             os.makedirs(cfg.run.dir, exist_ok=True)
             with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
@@ -230,7 +235,7 @@ class Trainer:
 
     def _publish(self) -> None:
         """Export θ_version and hand it to the rollout (rank 0 sends the notice)."""
-        path = publish.write(self.policy, self.cfg.run.publish_dir, self.version)
+        path = publish.write(self.policy, self.publish_dir, self.version)
         if self.par.rank == 0:
             self.link.send(publish.notice(self.version, path))
 
@@ -244,7 +249,7 @@ class Trainer:
             raise LearnerStopped(f"rollout did not load policy version {self.version} "
                                  f"(ack for {ack.version}, ok={ack.ok}: {ack.error}); "
                                  f"refusing to train on the old policy")
-        publish.cleanup(self.cfg.run.publish_dir, keep=self.version)
+        publish.cleanup(self.publish_dir, keep=self.version)
         return self.link.last_arrival
 
     def _collect_garbage(self) -> None:
