@@ -107,26 +107,28 @@ class ModelSpec:
         )
 
 
+_HF_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "intermediate_size")
+_HF_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_HF_OPTIONAL_FLOATS = ("rms_norm_eps", "rope_theta")
+
+
 def load_hf_config(hf_dir: str) -> ModelSpec:
     """The ModelSpec of `hf_dir`; a broken or unusable config.json is a ModelDirError."""
     path = os.path.join(hf_dir, "config.json")
     cfg = hf_config(hf_dir)
-    try:
-        spec = ModelSpec.from_hf_config(cfg)
-    except KeyError as e:
-        raise ModelDirError(f"{path}: missing key {e}") from None
-    except (TypeError, ValueError, AttributeError) as e:
-        raise ModelDirError(f"{path}: {e}") from None
-    for k in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn",
-              "max_position"):
-        v = getattr(spec, k)
-        if type(v) is not int or v < 1:
+    for k in _HF_INTS + _HF_OPTIONAL_INTS:
+        v = cfg.get(k)
+        if (v is not None or k in _HF_INTS) and (type(v) is not int or v < 1):
             raise ModelDirError(f"{path}: {k} must be a positive integer, got {v!r}")
-    for k in ("rms_eps", "rope_theta"):
-        v = getattr(spec, k)
-        if type(v) not in (int, float) or not 0 < v < float("inf"):
+    for k in _HF_OPTIONAL_FLOATS:
+        v = cfg.get(k)
+        if v is not None and (type(v) not in (int, float) or not 0 < v < float("inf")):
             raise ModelDirError(f"{path}: {k} must be a positive number, got {v!r}")
-    return spec
+    try:
+        return ModelSpec.from_hf_config(cfg)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ModelDirError(f"{path}: {e}") from None
 
 
 # --------------------------------------------------------------------------- name mapping
