@@ -237,6 +237,8 @@ def load(ckpt_dir: str, policy: Policy) -> dict:
         plan = _validate(ckpt_dir, policy)
     except CheckpointError as e:
         error = e
+    except Exception as e:  # still a refusal, and still this rank's vote (no peer hangs)
+        error = CheckpointError(f"checkpoint {ckpt_dir}: unreadable ({type(e).__name__}: {e})")
     bad = _count_failures(error is not None, policy)
     if error is not None:
         raise error
