@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+from tsync_mcore import publish
 from tsync_mcore.launch import config_or_exit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,11 +55,11 @@ def main() -> None:
         teacher_run = os.path.join(cfg.run.dir, "teacher_run")
         print(f"OPD needs a teacher: training one briefly with GRPO in {teacher_run}", flush=True)
         tcfg = [f"learner.objective=grpo", f"run.dir={teacher_run}", "run.updates=10",
-                f"run.publish_dir={cfg.run.publish_dir}-teacher", f"channel.port={free_port()}"]
-        run_job(args.config, overrides + tcfg, config_or_exit("demo", args.config,
-                                                                overrides + tcfg))
+                f"channel.port={free_port()}"]
+        teacher_cfg = config_or_exit("demo", args.config, overrides + tcfg)
+        run_job(args.config, overrides + tcfg, teacher_cfg)
         teacher = os.path.join(cfg.run.dir, "teacher")
-        make_hf_dir(cfg.model.hf_dir, f"{cfg.run.publish_dir}-teacher", teacher)
+        make_hf_dir(cfg.model.hf_dir, publish.resolve_dir(teacher_cfg.run), teacher)
         overrides.append(f"rollout.teacher_dir={teacher}")
         cfg = config_or_exit("demo", args.config, overrides)
     rows = run_job(args.config, overrides, cfg)

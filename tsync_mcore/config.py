@@ -116,7 +116,9 @@ class RunConfig:
     dir: str = "runs/default"  # config.yaml, metrics.jsonl, traces, checkpoints
     updates: int = 10
     save_every: int = 0  # checkpoint every N updates (0: only at the end)
-    publish_dir: str = "/dev/shm/tsync"  # where θ_{k+1} is written for the replicas
+    # Where θ_{k+1} is written for the replicas; "" (default): a private per-run directory
+    # in /dev/shm derived from the absolute run.dir (publish.resolve_dir).
+    publish_dir: str = ""
     # Python GC: automatic collection off, one pass after publishing every N updates
     # (0: Python's automatic GC, whose full passes stalled the learner mid-stream)
     gc_every: int = 1
@@ -125,6 +127,7 @@ class RunConfig:
         _check(self.updates >= 1, "run.updates", f"must be >= 1, got {self.updates}")
         _check(self.save_every >= 0, "run.save_every", "must be >= 0")
         _check(self.gc_every >= 0, "run.gc_every", f"must be >= 0, got {self.gc_every}")
+        _check(bool(self.dir), "run.dir", "must not be empty")
 
 
 @dataclass

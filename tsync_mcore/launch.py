@@ -6,6 +6,8 @@ import os
 import sys
 import traceback
 
+from tsync_mcore.safe_files import BadFile
+
 
 def config_or_exit(who: str, path: str | None, overrides: list[str]):
     """The validated config, or one `error:` line naming the key or file and exit code 2."""
@@ -26,6 +28,9 @@ def stopped(who: str, e: BaseException, run_dir: str) -> int:
         return 130
     if isinstance(e, SystemExit):
         return e.code if isinstance(e.code, int) else 1
+    if isinstance(e, BadFile):  # an input file the message names; no traceback needed
+        print(f"error: {who}: {e}", file=sys.stderr, flush=True)
+        return 2
     log = os.path.join(run_dir, "logs", f"{who.replace(' ', '_')}.traceback")
     try:
         os.makedirs(os.path.dirname(log), exist_ok=True)

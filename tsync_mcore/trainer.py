@@ -50,14 +50,22 @@ class Trainer:
         self.par = self.policy.par
         self.version, self.data_pos = 0, 0
         if resume:
-            ckpt = checkpoint.latest(cfg.run.dir)
-            if ckpt is None:
-                raise LearnerStopped(f"--resume: no checkpoint under {cfg.run.dir}/checkpoints")
-            meta = checkpoint.load(ckpt, self.policy)
+            try:
+                ckpt = checkpoint.latest(cfg.run.dir)
+                if ckpt is None:
+                    raise LearnerStopped(f"--resume: no checkpoint under {cfg.run.dir}/checkpoints")
+                meta = checkpoint.load(ckpt, self.policy)
+            except checkpoint.CheckpointError as e:
+                raise LearnerStopped(f"--resume refused: {e}") from None
             self.version, self.data_pos = meta["version"], meta["data_pos"]
         self.learner = Learner(cfg.learner, self.policy, self.version)
         self.dropped_in_a_row = 0  # batches skipped for a non-finite gradient, in a row
+        self.publish_dir = publish.resolve_dir(cfg.run)
         if self.par.rank == 0:
+            try:
+                publish.ensure_private_dir(self.publish_dir)
+            except publish.PublishDirError as e:
+                raise LearnerStopped(str(e)) from None
             os.makedirs(cfg.run.dir, exist_ok=True)
             with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
@@ -105,7 +113,10 @@ class Trainer:
             self.link.close()
 
     def _state(self) -> str:
-        ckpt = checkpoint.latest(self.cfg.run.dir)
+        try:
+            ckpt = checkpoint.latest(self.cfg.run.dir)
+        except checkpoint.CheckpointError as e:
+            return str(e)
         return ckpt if ckpt is not None else f"none yet under {self.cfg.run.dir}/checkpoints"
 
     def _tell_rollout(self, e: Exception) -> None:
@@ -259,7 +270,7 @@ class Trainer:
             # θ_k again, under its own version: the rollout keeps its weights and
             # registers the next batch for version k.
             self.link.send(publish.notice(self.version,
-                                          publish.path_for(self.cfg.run.publish_dir, self.version)))
+                                          publish.path_for(self.publish_dir, self.version)))
             with open(os.path.join(self.cfg.run.dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(dict(step=self.version, policy_version=self.version,
                                         ok=False, skipped=why)) + "\n")
@@ -269,7 +280,7 @@ class Trainer:
 
     def _publish(self) -> None:
         """Export θ_version and hand it to the rollout (rank 0 sends the notice)."""
-        path = publish.write(self.policy, self.cfg.run.publish_dir, self.version)
+        path = publish.write(self.policy, self.publish_dir, self.version)
         if self.par.rank == 0:
             self.link.send(publish.notice(self.version, path))
 
@@ -283,7 +294,7 @@ class Trainer:
             raise LearnerStopped(f"rollout did not load policy version {self.version} "
                                  f"(ack for {ack.version}, ok={ack.ok}: {ack.error}); "
                                  f"refusing to train on the old policy")
-        publish.cleanup(self.cfg.run.publish_dir, keep=self.version)
+        publish.cleanup(self.publish_dir, keep=self.version)
         return self.link.last_arrival
 
     def _collect_garbage(self) -> None:

@@ -1,13 +1,15 @@
 """Resume exactness: N updates straight vs k updates, checkpoint, fresh process, N − k more.
 
-Usage: resume_worker.py HF_DIR BATCH RUN_DIR MODE   (MODE: straight | first | resume)
-Prints RESULT with a digest path of the final parameters (rank 0 writes them).
+Usage: resume_worker.py HF_DIR BATCH RUN_DIR MODE   (MODE: straight | first | resume | refused)
+Prints RESULT with a digest path of the final parameters (rank 0 writes them); `refused`
+expects the resume to fail on every rank and reports each rank's error instead.
 """
 
 import json
 import os
 import sys
 
+import torch
 from safetensors.torch import save_file
 
 from tsync_mcore import checkpoint
@@ -23,6 +25,18 @@ def main(hf_dir: str, batch: str, run_dir: str, mode: str, split: int = 2) -> No
     policy = Policy(cfg)
     batches = read_batches(batch)
     start = 0
+    if mode == "refused":
+        before = policy.export_params()
+        try:
+            checkpoint.load(checkpoint.latest(run_dir), policy)
+            error = None
+        except checkpoint.CheckpointError as e:
+            error = str(e)
+        after = policy.export_params()
+        same = all(torch.equal(before[k], after[k]) for k in before)
+        print("RESULT " + json.dumps({"rank": policy.par.rank, "error": error,
+                                      "unchanged": same}), flush=True)
+        return
     if mode == "resume":
         meta = checkpoint.load(checkpoint.latest(run_dir), policy)
         start = meta["data_pos"]

@@ -18,7 +18,6 @@ interleaved per query group: [q heads of group g; k_g; v_g] for g in groups.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -31,10 +30,11 @@ from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from tsync_mcore import platform
 from tsync_mcore.model.attention import SDPAttention
+from tsync_mcore.safe_files import ModelDirError, hf_config, hf_weight_map
 
 __all__ = [
     "ModelSpec",
@@ -107,9 +107,28 @@ class ModelSpec:
         )
 
 
+_HF_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "intermediate_size")
+_HF_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_HF_OPTIONAL_FLOATS = ("rms_norm_eps", "rope_theta")
+
+
 def load_hf_config(hf_dir: str) -> ModelSpec:
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        return ModelSpec.from_hf_config(json.load(f))
+    """The ModelSpec of `hf_dir`; a broken or unusable config.json is a ModelDirError."""
+    path = os.path.join(hf_dir, "config.json")
+    cfg = hf_config(hf_dir)
+    for k in _HF_INTS + _HF_OPTIONAL_INTS:
+        v = cfg.get(k)
+        if (v is not None or k in _HF_INTS) and (type(v) is not int or v < 1):
+            raise ModelDirError(f"{path}: {k} must be a positive integer, got {v!r}")
+    for k in _HF_OPTIONAL_FLOATS:
+        v = cfg.get(k)
+        if v is not None and (type(v) not in (int, float) or not 0 < v < float("inf")):
+            raise ModelDirError(f"{path}: {k} must be a positive number, got {v!r}")
+    try:
+        return ModelSpec.from_hf_config(cfg)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ModelDirError(f"{path}: {e}") from None
 
 
 # --------------------------------------------------------------------------- name mapping
@@ -232,18 +251,8 @@ class _HFWeights:
     """Reads tensors by name from a (possibly sharded) safetensors checkpoint."""
 
     def __init__(self, hf_dir: str) -> None:
-        index = os.path.join(hf_dir, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
-        else:
-            single = os.path.join(hf_dir, "model.safetensors")
-            if not os.path.exists(single):
-                raise FileNotFoundError(f"no model.safetensors(.index.json) in {hf_dir}")
-            with safe_open(single, "pt") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}
         self._dir = hf_dir
-        self._map = weight_map
+        self._map = hf_weight_map(hf_dir)  # headers checked: a truncated file fails here
         self._files: dict[str, object] = {}
 
     def names(self) -> list[str]:
@@ -254,9 +263,13 @@ class _HFWeights:
 
     def get(self, name: str) -> torch.Tensor:
         fname = self._map[name]
-        if fname not in self._files:
-            self._files[fname] = safe_open(os.path.join(self._dir, fname), "pt")
-        return self._files[fname].get_tensor(name)
+        path = os.path.join(self._dir, fname)
+        try:
+            if fname not in self._files:
+                self._files[fname] = safe_open(path, "pt")
+            return self._files[fname].get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise ModelDirError(f"{path}: cannot read tensor {name!r} ({e})") from None
 
 
 def load_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
@@ -274,12 +287,17 @@ def _load_weights(model: GPTModel, hf_dir: str, spec: ModelSpec) -> None:
             kind, hf_names = _rule(mname)
             missing = [n for n in hf_names if n not in weights]
             if missing:
-                raise KeyError(f"{hf_dir}: missing {missing} for Megatron {mname}")
-            local = _to_local(kind, [weights.get(n) for n in hf_names], spec, rank, tp)
+                raise ModelDirError(f"model directory {hf_dir}: missing {missing} for "
+                                    f"Megatron {mname}")
+            hf = [weights.get(n) for n in hf_names]
+            try:
+                local = _to_local(kind, hf, spec, rank, tp)
+            except (RuntimeError, ValueError, IndexError) as e:  # shapes the config contradicts
+                raise ModelDirError(f"model directory {hf_dir}: {hf_names[0]}: {e}") from None
             if local.shape != param.shape:
-                raise ValueError(
-                    f"{mname}: HF gives {tuple(local.shape)}, model has {tuple(param.shape)}"
-                )
+                raise ModelDirError(f"model directory {hf_dir}: {hf_names[0]} gives "
+                                    f"{tuple(local.shape)} for {mname}, the config.json "
+                                    f"model has {tuple(param.shape)}")
             param.copy_(local)
 
 

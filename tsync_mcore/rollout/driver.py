@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -28,12 +29,14 @@ from transformers import AutoConfig, AutoTokenizer
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, GroupRewards, Hello,
                                  Link, PeerGone, Publish, RegisterBatch, Rejected, Shutdown,
                                  TrajectoryMsg, TurnMsg, open_rollout_side)
+from tsync_mcore import publish
 from tsync_mcore.config import Config
 from tsync_mcore.objectives import OBJECTIVES
 from tsync_mcore.rollout.agent import run_batch
 from tsync_mcore.rollout.engine import EngineThread, RolloutEngine, TeacherScorer
 from tsync_mcore.rollout.envs import SkyRLGymAdapter, ToyToolConfig, ToyToolEnv
 from tsync_mcore.routing import BalancedRouter
+from tsync_mcore.safe_files import check_hf_dir
 from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, TurnSource,
                                  assign_groups, validate_source, validate_turn)
 
@@ -63,6 +66,11 @@ class RolloutDriver:
         # reward is fixed, or each turn once the teacher has scored it.
         self.turns = OBJECTIVES[cfg.learner.objective].source == "turn"
         self.tp = cfg.model.tp
+        # vLLM and transformers read these dirs later with tracebacks of their own; a broken
+        # config.json or truncated shard is named here, in one line, before anything starts.
+        check_hf_dir(cfg.model.hf_dir)
+        if self.turns and self.rc.teacher_dir:
+            check_hf_dir(self.rc.teacher_dir)
         ch = cfg.channel
         self.links: list[Link] = open_rollout_side(ch.addr, ch.port, self.rc.n_learners,
                                                    timeout_s=ch.timeout_s,
@@ -318,6 +326,17 @@ class RolloutDriver:
             self.links[0].send(Ack(version=msg.version, ok=False,
                                    error=f"rollout expected version {version}"))
             raise RolloutStopped(f"learner published version {msg.version}, expected {version}")
+        # Load only from this run's private publication directory, whatever the notice says.
+        want = publish.path_for(publish.resolve_dir(self.cfg.run), version)
+        if os.path.realpath(msg.path) != os.path.realpath(want):
+            self.links[0].send(Ack(version=version, ok=False, error=f"rollout loads {want}"))
+            raise RolloutStopped(f"learner published {msg.path}, this rollout expects {want} "
+                                 f"(both must run the same config from the same directory)")
+        try:
+            publish.check_private_dir(os.path.dirname(want))
+        except publish.PublishDirError as e:
+            self.links[0].send(Ack(version=version, ok=False, error=str(e)))
+            raise RolloutStopped(str(e)) from None
         try:
             seconds = self.et.run(self.engine.reload_weights(msg.path))
         except Exception as e:  # tell the learner; it must not train on the old policy
