@@ -103,8 +103,8 @@ def check_record(obj: Any, fields: tuple[dict[str, Check], dict[str, Check]]) ->
     problems, unknown = [], []
     for k in obj:
         if k not in known:
-            close = difflib.get_close_matches(k[:100], list(known), n=1)
-            unknown.append(_short(k) + (f" (did you mean {close[0]!r}?)" if close else ""))
+            close = difflib.get_close_matches(str(k)[:100], list(known), n=1)
+            unknown.append(_short(str(k)) + (f" (did you mean {close[0]!r}?)" if close else ""))
     if unknown:
         problems.append(f"unknown field{'s' if len(unknown) > 1 else ''} " + ", ".join(unknown))
     missing = [k for k in required if k not in obj]
