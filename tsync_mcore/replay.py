@@ -123,10 +123,11 @@ def batches_from_lines(path: str, lines: Iterable[bytes], source: str = "traject
             for s in srcs:
                 if (v, s.ready_order) in place:
                     at = place[v, s.ready_order]
-                    field = "ready_order" if source == "trajectory" else f"turn_ready_order[{s.turn}]"
+                    field = f"turn_ready_order[{s.turn}]" if source == "turn" else "ready_order"
                     where = "an earlier turn of this line" if at == lineno else f"line {at}"
-                    raise fail(lineno, f"{field} {s.ready_order} duplicates {where} (policy_version "
-                                       f"{v}); each source of an update arrives at its own place")
+                    raise fail(lineno, f"{field} {s.ready_order} duplicates {where} "
+                                       f"(policy_version {v}); each source of an update "
+                                       f"arrives at its own place")
                 place[v, s.ready_order] = lineno
         first_line.setdefault(v, lineno)
         by_version.setdefault(v, []).extend(srcs)
@@ -175,7 +176,9 @@ def check_out(out: str) -> None:
     if d != os.path.abspath(out):
         return
     for entry in os.scandir(out):
-        if OUT_FILES.fullmatch(entry.name) and (entry.is_dir() or not os.access(entry.path, os.W_OK)):
+        if not OUT_FILES.fullmatch(entry.name):
+            continue
+        if entry.is_dir() or not os.access(entry.path, os.W_OK):
             what = "a directory" if entry.is_dir() else "not writable"
             raise OutError(f"--out {out}: {entry.name} is {what}; the run writes a file there")
 

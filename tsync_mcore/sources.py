@@ -52,7 +52,8 @@ Check = Callable[[Any], "str | None"]
 
 
 def _id(v: Any) -> str | None:
-    return None if isinstance(v, str) or _is_int(v) else f"must be a string or an integer, got {_got(v)}"
+    ok = isinstance(v, str) or _is_int(v)
+    return None if ok else f"must be a string or an integer, got {_got(v)}"
 
 
 def _int(v: Any) -> str | None:
