@@ -16,8 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+import tempfile
 import time
+from typing import Iterable
 
 import torch.distributed as dist
 from safetensors.torch import save_file
@@ -29,34 +32,155 @@ from tsync_mcore.model.parallel import destroy_parallel
 from tsync_mcore.objectives import OBJECTIVES
 from tsync_mcore.policy import Policy
 from tsync_mcore.routing import BalancedRouter
-from tsync_mcore.sources import BatchPlan, SourceError, TrajectorySource, opd_turns_from_json
+from tsync_mcore.sources import (GRPO_FIELDS, OPD_FIELDS, BatchPlan, SourceError,
+                                 TrajectorySource, opd_turns_from_json)
 
 
 # One JSON Lines record → its sources, per source kind (tsync_mcore.serving).
 PARSERS = {"trajectory": lambda obj: [TrajectorySource.from_json(obj)],
            "turn": opd_turns_from_json}
+# A record of the other kind: the objective does not match the file, say so.
+OTHER = {"trajectory": (OPD_FIELDS, "an OPD record? run with --objective opd"),
+         "turn": (GRPO_FIELDS, "a GRPO record? --objective opd reads OPD records")}
+
+
+def _unique_keys(pairs: list) -> dict:
+    """json object hook: a repeated key would silently keep only its last value."""
+    obj = {}
+    for k, v in pairs:
+        if k in obj:
+            raise SourceError(f"field {k[:100]!r} appears twice")
+        obj[k] = v
+    return obj
+
+
+def parse_line(raw: bytes, source: str = "trajectory", first: bool = False) -> tuple[dict, list]:
+    """One line of a replay file → (record, its sources). Pure: no model, no file; a bad
+    line is a SourceError saying what is wrong (the caller adds FILE:LINE)."""
+    try:
+        text = raw.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as e:
+        raise SourceError(f"not UTF-8 text (byte {e.start} is {raw[e.start:e.start + 1]!r}); "
+                          f"a replay file is JSON Lines, is this a binary file?") from None
+    try:
+        obj = json.loads(text, object_pairs_hook=_unique_keys)
+    except SourceError:  # a repeated key
+        raise
+    except json.JSONDecodeError as e:
+        raise SourceError(f"invalid JSON at column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise SourceError("invalid JSON: nested too deeply") from None
+    except ValueError as e:  # e.g. an integer past the interpreter's digit limit
+        raise SourceError(f"invalid JSON: {str(e).split(':')[0][:120]}") from None
+    try:
+        return obj, PARSERS[source](obj)
+    except SourceError as e:
+        fields, hint = OTHER[source]
+        if isinstance(obj, dict) and set(obj) >= set(fields[0]):
+            raise SourceError(f"{e} ({hint})") from None
+        raise
+
+
+def batches_from_lines(path: str, lines: Iterable[bytes], source: str = "trajectory") -> list[list]:
+    """The batches of a replay file's lines, each in arrival order. Every line's syntax,
+    key set and field types, and the file's policy versions and arrival order are checked
+    here, before any model exists; a problem is a SourceError `FILE:LINE: what`.
+
+    Arrival: GRPO lines carry `ready_order` on every line, or on none (then file order);
+    OPD lines carry `turn_ready_order`. Within an update no two sources share a place, and
+    no trajectory appears twice."""
+    by_version: dict[int, list] = {}
+    first_line: dict[int, int] = {}          # version → its first line
+    place: dict[tuple[int, int], int] = {}   # (version, ready_order) → line
+    trajs: dict[tuple[int, str], int] = {}   # (version, traj_id) → line
+    ordered: dict[bool, int] = {}            # GRPO: has ready_order → first such line
+
+    def fail(lineno: int, msg: str) -> SourceError:
+        return SourceError(f"{path}:{lineno}: {msg}")
+
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            obj, srcs = parse_line(raw, source, first=lineno == 1)
+        except SourceError as e:
+            raise fail(lineno, str(e)) from None
+        v, tid = srcs[0].policy_version, srcs[0].traj_id
+        if (v, tid) in trajs:
+            raise fail(lineno, f"trajectory {tid[:40]!r} appears twice in policy_version {v} "
+                               f"(first at line {trajs[v, tid]})")
+        trajs[v, tid] = lineno
+        has = source != "trajectory" or "ready_order" in obj  # OPD: required by the parser
+        if source == "trajectory":
+            ordered.setdefault(has, lineno)
+            if not has and True in ordered:
+                raise fail(lineno, f"missing field 'ready_order' (line {ordered[True]} has one; "
+                                   f"give every line its arrival place, or none for file order)")
+            if has and False in ordered:
+                raise fail(lineno, f"ready_order given, but line {ordered[False]} has none; "
+                                   f"give every line its arrival place, or none for file order")
+        if has:
+            for s in srcs:
+                if (v, s.ready_order) in place:
+                    at = place[v, s.ready_order]
+                    field = f"turn_ready_order[{s.turn}]" if source == "turn" else "ready_order"
+                    where = "an earlier turn of this line" if at == lineno else f"line {at}"
+                    raise fail(lineno, f"{field} {s.ready_order} duplicates {where} "
+                                       f"(policy_version {v}); each source of an update "
+                                       f"arrives at its own place")
+                place[v, s.ready_order] = lineno
+        first_line.setdefault(v, lineno)
+        by_version.setdefault(v, []).extend(srcs)
+    if not by_version:
+        raise SourceError(f"{path}: no sources (the file is empty)")
+    for i, v in enumerate(sorted(by_version)):
+        if v != i:
+            why = "is negative" if v < 0 else f"but no line has policy_version {i}"
+            raise fail(first_line[v], f"policy_version {v} {why}; versions must run "
+                                      f"0, 1, 2, ... without gaps (one update each)")
+    return [sorted(by_version[v], key=lambda s: s.ready_order) for v in sorted(by_version)]
 
 
 def read_batches(path: str, source: str = "trajectory") -> list[list]:
-    """The batches of a file, each in readiness order; `source`: the objective's source kind."""
-    parse = PARSERS[source]
-    by_version: dict[int, list] = {}
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                if not isinstance(obj, dict):
-                    raise SourceError(f"a record must be a JSON object, got {type(obj).__name__}")
-                srcs = parse(obj)
-            except (json.JSONDecodeError, SourceError) as e:
-                raise SourceError(f"{path}:{lineno}: {e}") from None
-            by_version.setdefault(srcs[0].policy_version, []).extend(srcs)
-    versions = sorted(by_version, key=repr)
-    if versions != list(range(len(versions))):
-        raise SourceError(f"{path}: policy versions must be 0, 1, 2, ... without gaps; got {versions}")
-    return [sorted(by_version[v], key=lambda s: s.ready_order) for v in versions]
+    """The batches of a replay file, each in readiness order; `source`: the objective's
+    source kind. See batches_from_lines."""
+    try:
+        with open(path, "rb") as f:
+            return batches_from_lines(path, f, source)
+    except OSError as e:
+        raise SourceError(f"{path}: cannot read the batch file: {e.strerror or e}") from None
+
+
+class OutError(ValueError):
+    """The output location cannot take the run's outputs."""
+
+
+OUT_FILES = re.compile(r"grad(_\d+)?\.safetensors|params\.safetensors|trace_rank\d+\.jsonl")
+
+
+def check_out(out: str) -> None:
+    """Fail now, not after the whole run, where the outputs could not be written: DIR must
+    be (or be creatable as) a writable directory, and no output name in it a directory."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise OutError(f"--out {out}: exists and is not a directory")
+    d = os.path.abspath(out)
+    while not os.path.exists(d):
+        d = os.path.dirname(d)
+    if not os.path.isdir(d):
+        raise OutError(f"--out {out}: {d} is not a directory, so {out} cannot be created")
+    try:  # a real probe, not os.access: root passes any mode bits, ACLs and mounts differ
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as e:
+        raise OutError(f"--out {out}: cannot write in {d}: {e.strerror or e}") from None
+    if d != os.path.abspath(out):
+        return
+    for entry in os.scandir(out):
+        if not OUT_FILES.fullmatch(entry.name):
+            continue
+        if entry.is_dir() or not os.access(entry.path, os.W_OK):
+            what = "a directory" if entry.is_dir() else "not writable"
+            raise OutError(f"--out {out}: {entry.name} is {what}; the run writes a file there")
 
 
 def _gather(x: int) -> list[int]:
@@ -117,6 +241,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    check_out(args.out)  # before any work: a run that cannot save its results is not started
     overrides = {"model.hf_dir": args.model, "model.dtype": args.dtype,
                  "learner.objective": args.objective, "learner.schedule": args.schedule}
     for key, val in [("model.tp", args.tp), ("learner.k_open", args.k_open),
@@ -185,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    except (SourceError, ConfigError, OSError) as e:
+    except (SourceError, ConfigError, OutError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     destroy_parallel()  # clean finish: every rank passed the final barrier

@@ -8,8 +8,10 @@ or the parameters.
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 
 class SourceError(ValueError):
@@ -41,6 +43,108 @@ def check_length(name: str, end: int, max_tokens: int | None) -> None:
                           f"min of the model's positions and learner.max_tokens)")
 
 
+# --- JSON Lines records: key set and field types, checked before any source is built ---
+
+def _got(v: Any) -> str:
+    """A value as the JSON that held it, shortened: messages stay one readable line."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        r = repr(v)
+        return r if len(r) <= 24 else r[:20] + "..."
+    if isinstance(v, str):
+        return _short(v)
+    return "a list" if isinstance(v, list) else "an object" if isinstance(v, dict) \
+        else type(v).__name__
+
+
+def _short(s: str, n: int = 40) -> str:
+    return repr(s) if len(s) <= n else repr(s[:n]) + "..."
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a number
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# A field checker returns what is wrong with a value, or None.
+Check = Callable[[Any], "str | None"]
+
+
+def _id(v: Any) -> str | None:
+    ok = isinstance(v, str) or _is_int(v)
+    return None if ok else f"must be a string or an integer, got {_got(v)}"
+
+
+def _int(v: Any) -> str | None:
+    return None if _is_int(v) else f"must be an integer, got {_got(v)}"
+
+
+def _int_or_null(v: Any) -> str | None:
+    return None if v is None or _is_int(v) else f"must be an integer or null, got {_got(v)}"
+
+
+def _finite(v: Any) -> str | None:
+    return None if _is_num(v) and math.isfinite(v) else f"must be a finite number, got {_got(v)}"
+
+
+def _list_of(ok: Callable[[Any], bool], what: str) -> Check:
+    def check(v: Any) -> str | None:
+        if not isinstance(v, list):
+            return f"must be a list of {what}, got {_got(v)}"
+        bad = next((i for i, x in enumerate(v) if not ok(x)), None)
+        return None if bad is None else f"must be a list of {what}; item {bad} is {_got(v[bad])}"
+    return check
+
+
+_ints = _list_of(_is_int, "integers")
+_logprobs = _list_of(lambda x: x is None or _is_num(x), "numbers or nulls")
+
+# Field → checker, per record kind: (required, optional).
+GRPO_FIELDS: tuple[dict[str, Check], dict[str, Check]] = (
+    {"traj_id": _id, "group_id": _id, "tokens": _ints, "scored_mask": _ints,
+     "reward": _finite, "policy_version": _int},
+    {"ready_order": _int, "prompt_len": _int_or_null})
+OPD_FIELDS: tuple[dict[str, Check], dict[str, Check]] = (
+    {"traj_id": _id, "group_id": _id, "tokens": _ints, "scored_mask": _ints,
+     "teacher_logprobs": _logprobs, "turn_ends": _ints, "turn_ready_order": _ints,
+     "policy_version": _int},
+    {"prompt_len": _int_or_null})
+
+
+def check_record(obj: Any, fields: tuple[dict[str, Check], dict[str, Check]]) -> str:
+    """The record is a JSON object with exactly its kind's fields, each of the right type;
+    returns its name for later messages. Misspelt fields get a did-you-mean."""
+    if not isinstance(obj, dict):
+        raise SourceError(f"a record must be a JSON object, got {_got(obj)}")
+    required, optional = fields
+    known = {**required, **optional}
+    tid = obj.get("traj_id")
+    name = f"trajectory {_got(tid)}" if _id(tid) is None else "record"
+    problems, unknown = [], []
+    for k in obj:
+        if k not in known:
+            close = difflib.get_close_matches(str(k)[:100], list(known), n=1)
+            unknown.append(_short(str(k)) + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if unknown:
+        problems.append(f"unknown field{'s' if len(unknown) > 1 else ''} " + ", ".join(unknown))
+    missing = [k for k in required if k not in obj]
+    if missing:
+        problems.append(f"missing field{'s' if len(missing) > 1 else ''} "
+                        + ", ".join(repr(k) for k in missing))
+    if problems:
+        raise SourceError(f"{name}: {'; '.join(problems)}")
+    for k, check in known.items():
+        if k in obj and (why := check(obj[k])) is not None:
+            raise SourceError(f"{name}: {k} {why}")
+    return name
+
+
 @dataclass(frozen=True)
 class TrajectorySource:
     traj_id: str
@@ -68,10 +172,9 @@ class TrajectorySource:
 
     @classmethod
     def from_json(cls, obj: dict) -> "TrajectorySource":
-        need = ("traj_id", "group_id", "tokens", "scored_mask", "reward", "policy_version")
-        missing = [k for k in need if k not in obj]
-        if missing:
-            raise SourceError(f"trajectory {obj.get('traj_id', '?')!r}: missing fields {missing}")
+        """One GRPO JSON Lines record; a wrong key set or field type is a SourceError.
+        Values (vocabulary, mask, prompt_len range) are validate_source's."""
+        check_record(obj, GRPO_FIELDS)
         return cls(
             traj_id=str(obj["traj_id"]),
             group_id=str(obj["group_id"]),
@@ -219,13 +322,9 @@ class TurnSource:
 
 
 def opd_turns_from_json(obj: dict) -> list[TurnSource]:
-    """Split one OPD JSON Lines record into its turn sources, validating alignment."""
-    name = f"trajectory {obj.get('traj_id', '?')!r}"
-    need = ("traj_id", "group_id", "tokens", "scored_mask", "teacher_logprobs", "turn_ends",
-            "turn_ready_order", "policy_version")
-    missing = [k for k in need if k not in obj]
-    if missing:
-        raise SourceError(f"{name}: missing fields {missing}")
+    """Split one OPD JSON Lines record into its turn sources, validating key set, field
+    types and alignment."""
+    name = check_record(obj, OPD_FIELDS)
     toks, mask, teacher = obj["tokens"], obj["scored_mask"], obj["teacher_logprobs"]
     ends, order = obj["turn_ends"], obj["turn_ready_order"]
     if not (len(toks) == len(mask) == len(teacher)):
