@@ -171,3 +171,27 @@ def test_a_non_finite_update_never_steps_and_leaves_no_trace_in_theta_or_adam(ti
     x = load_file(str(tmp_path / f"params_poisoned_{check}.safetensors"))
     y = load_file(str(tmp_path / f"params_clean_{check}.safetensors"))
     assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_replay_of_a_non_finite_update_fails_and_writes_nothing(tiny_qwen2, tmp_path):
+    """The replay command used to report rc 0 with grad_norm [NaN] and write the NaN θ."""
+    from batchgen import make_batch
+    rows = sorted(make_batch(256, n_groups=3, m=3, version=0, seed=2),
+                  key=lambda r: r["ready_order"])
+    g = rows[0]["group_id"]
+    members = [r["traj_id"] for r in rows if r["group_id"] == g]
+    for r in rows:
+        if r["group_id"] == g:
+            r["reward"] = 1e-300 if r["traj_id"] == members[1] else 0.0
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("learner:\n  adv_eps: 1.0e-300\n  check_finite: source\n")
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "tsync_mcore.replay", "--model", tiny_qwen2,
+                        "--batch", str(batch), "--out", str(out), "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    err = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert p.returncode == 3 and len(err) == 1, p.stderr[-3000:]
+    assert "reduced gradient is not finite" in err[0] and f"(group '{g}')" in err[0], err
+    assert "Traceback" not in p.stderr and not out.exists()

@@ -267,6 +267,13 @@ def main(argv: list[str] | None = None) -> dict:
         _feed(learner, sources, plan, args.routing, policy.par)
         last = k == len(batches) - 1
         results.append(learner.close(export_grad=last or args.save_grads == "all"))
+        done = results[-1].summary
+        if not done.ok:  # collective: every rank skipped the step and stops here
+            named = "; ".join(done.nonfinite_sources) or \
+                "learner.check_finite: source in --config names the source that broke the sums"
+            raise NonFiniteUpdate(f"{args.batch}: update {k}: the reduced gradient is not "
+                                  f"finite, the step was skipped and nothing is written "
+                                  f"({named})")
     params = policy.export_params()
     elapsed = time.perf_counter() - t0
 
@@ -307,10 +314,17 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+class NonFiniteUpdate(RuntimeError):
+    """An update's reduced gradient was not finite: the step did not run."""
+
+
 if __name__ == "__main__":
     try:
         main()
     except (SourceError, ConfigError, OutError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteUpdate as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(3)
     destroy_parallel()  # clean finish: every rank passed the final barrier
