@@ -84,6 +84,11 @@ def make_hf_dir(base_dir: str, publish_dir: str, out_dir: str) -> None:
 
 def run_job(config: str, overrides: list[str], cfg) -> list[dict]:
     """Start the rollout launcher and the learner ranks; stream per-update lines."""
+    from tsync_mcore.channel import ChannelError, channel_secret
+    try:
+        channel_secret(cfg)  # one secret for both launchers, created before either starts
+    except ChannelError as e:
+        sys.exit(f"demo: {e}")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     common = ["--config", config, "--set", *overrides]
     log_dir = os.path.join(cfg.run.dir, "logs")

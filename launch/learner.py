@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from tsync_mcore.channel import ChannelError, channel_secret
 from tsync_mcore.config import ConfigError, load_config
 from tsync_mcore.launch import stopped
 from tsync_mcore.model.parallel import destroy_parallel
@@ -23,6 +24,10 @@ def main() -> None:
     try:
         cfg = load_config(args.config, dict(_parse(kv) for kv in args.set))
     except (ConfigError, OSError) as e:
+        sys.exit(f"learner: {e}")
+    try:
+        channel_secret(cfg)  # the run's channel secret: created here if no launcher did yet
+    except ChannelError as e:
         sys.exit(f"learner: {e}")
     rank = os.environ.get("RANK", "0")
     try:

@@ -1,6 +1,7 @@
 """Rollout launcher: `python launch/rollout.py --config C`, alongside the learner's torchrun.
 
-Hosts the readiness channel (config `channel.addr`/`channel.port`), runs the vLLM engine
+Hosts the readiness channel (config `channel.addr`/`channel.port`, authenticated with the
+run's secret `channel.secret_file`), runs the vLLM engine
 and the agent loop, and streams ready sources to the learner ranks.
 """
 
@@ -22,6 +23,11 @@ def main() -> None:
         cfg = load_config(args.config, {k: yaml.safe_load(v) for k, _, v in
                                         (s.partition("=") for s in args.set)})
     except (ConfigError, OSError) as e:
+        sys.exit(f"rollout: {e}")
+    from tsync_mcore.channel import ChannelError, channel_secret
+    try:
+        channel_secret(cfg)  # the run's channel secret: created here if no launcher did yet
+    except ChannelError as e:
         sys.exit(f"rollout: {e}")
     from tsync_mcore.launch import stopped
     from tsync_mcore.rollout.driver import RolloutDriver, RolloutStopped

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -27,7 +28,8 @@ from transformers import AutoConfig, AutoTokenizer
 
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, GroupRewards, Hello,
                                  Link, PeerGone, Publish, RegisterBatch, Rejected, Shutdown,
-                                 TrajectoryMsg, TurnMsg, open_rollout_side)
+                                 TrajectoryMsg, TurnMsg, channel_secret,
+                                 open_rollout_side)
 from tsync_mcore.config import Config
 from tsync_mcore.objectives import OBJECTIVES
 from tsync_mcore.rollout.agent import run_batch
@@ -66,7 +68,8 @@ class RolloutDriver:
         ch = cfg.channel
         self.links: list[Link] = open_rollout_side(ch.addr, ch.port, self.rc.n_learners,
                                                    timeout_s=ch.timeout_s,
-                                                   realtime_io=ch.realtime_io)
+                                                   realtime_io=ch.realtime_io,
+                                                   secret=channel_secret(cfg))
         self.tok = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
         # Sources are checked here as the learner checks them, so a bad one (a broken reward
         # function, an engine emitting ids outside the vocabulary) drops its group before
@@ -286,26 +289,10 @@ class RolloutDriver:
     def _serve_publish(self, version: int) -> bool:
         """Wait for θ_version from learner rank 0, reload it, acknowledge. False once the
         learner says it finished."""
-        try:
-            msg = self.links[0].recv(timeout_s=self.cfg.channel.timeout_s)
-            while isinstance(msg, Rejected):  # after the close: the learners agree on it
-                print(f"[rollout] learner rejected {msg.source} of update {msg.version} after "
-                      f"the batch closed: {msg.reason}", flush=True)
-                msg = self.links[0].recv(timeout_s=self.cfg.channel.timeout_s)
-        except PeerGone:
-            if (self.links[0].peer_shutdown or "").startswith(FINISHED):
-                return False
-            raise
-        if isinstance(msg, Shutdown):
-            if msg.reason.startswith(FINISHED):
-                return False
-            raise RolloutStopped(f"learner shut down: {msg.reason}")
-        if not isinstance(msg, Publish):
-            raise RolloutStopped(f"expected Publish, got {type(msg).__name__}")
-        if msg.version != version:
-            self.links[0].send(Ack(version=msg.version, ok=False,
-                                   error=f"rollout expected version {version}"))
-            raise RolloutStopped(f"learner published version {msg.version}, expected {version}")
+        msg = await_publish(self.links[0], version, self.cfg.channel.timeout_s,
+                            self.cfg.run.publish_dir)
+        if msg is None:
+            return False
         try:
             seconds = self.et.run(self.engine.reload_weights(msg.path))
         except Exception as e:  # tell the learner; it must not train on the old policy
@@ -320,3 +307,45 @@ class RolloutDriver:
             raise RolloutStopped(f"expected {kind.__name__} from learner rank {rank}, "
                                  f"got {type(msg).__name__}")
         return msg
+
+
+def await_publish(link: Link, version: int, timeout_s: float, publish_dir: str) -> Publish | None:
+    """The Publish of θ_version from learner rank 0's link, checked: its version, and a path
+    under `publish_dir` (run.publish_dir), so a learner can only make the rollout load what
+    the learners publish. None once the learner says it finished; RolloutStopped (the
+    learner told with a failed Ack) for anything else."""
+    try:
+        msg = link.recv(timeout_s=timeout_s)
+        while isinstance(msg, Rejected):  # after the close: the learners agree on it
+            print(f"[rollout] learner rejected {msg.source} of update {msg.version} after "
+                  f"the batch closed: {msg.reason}", flush=True)
+            msg = link.recv(timeout_s=timeout_s)
+    except PeerGone:
+        if (link.peer_shutdown or "").startswith(FINISHED):
+            return None
+        raise
+    if isinstance(msg, Shutdown):
+        if msg.reason.startswith(FINISHED):
+            return None
+        raise RolloutStopped(f"learner shut down: {msg.reason}")
+    if not isinstance(msg, Publish):
+        raise RolloutStopped(f"expected Publish, got {type(msg).__name__}")
+    if msg.version != version:
+        link.send(Ack(version=msg.version, ok=False, error=f"rollout expected version {version}"))
+        raise RolloutStopped(f"learner published version {msg.version}, expected {version}")
+    why = _outside(msg.path, publish_dir)
+    if why:
+        link.send(Ack(version=version, ok=False, error=why))
+        raise RolloutStopped(why)
+    return msg
+
+
+def _outside(path: str, publish_dir: str) -> str | None:
+    """Why `path` is not a file name under `publish_dir` (realpaths compared), or None."""
+    if not path or "\0" in path:
+        return f"published path {path!r} is not a file name; expected one under run.publish_dir"
+    root, real = os.path.realpath(publish_dir), os.path.realpath(path)
+    if real == root or os.path.commonpath([real, root]) != root:
+        return (f"published path {path!r} resolves to {real}, outside run.publish_dir {root}: "
+                f"refusing to load it")
+    return None
