@@ -34,7 +34,8 @@ def channel_secret(cfg: "Config") -> bytes:
 def load_secret(path: str) -> bytes:
     """Read and check an existing secret file (FileNotFoundError when there is none)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a symlink fails here (ELOOP)
+        # O_NOFOLLOW: a symlink fails here (ELOOP); O_NONBLOCK: a FIFO does not wait for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         raise
     except OSError as e:

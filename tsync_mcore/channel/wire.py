@@ -234,9 +234,14 @@ def check_header_values(h: list[int],
             if numel != rule:
                 raise ChannelError(f"{name} payload {j} ({pname}): {numel} elements, expected "
                                    f"{rule}")
-        elif not 0 <= numel <= (limit := limits.max_tokens if rule == TOKENS else limits.max_bytes):
-            raise ChannelError(f"{name} payload {j} ({pname}): {numel} elements, over the limit "
-                               f"{'max_tokens' if rule == TOKENS else 'max_bytes'}={limit}")
+        else:
+            limit = limits.max_tokens if rule == TOKENS else limits.max_bytes
+            if numel < 0:
+                raise ChannelError(f"{name} payload {j} ({pname}): negative size {numel}")
+            if numel > limit:
+                raise ChannelError(f"{name} payload {j} ({pname}): {numel} elements, over the "
+                                   f"limit {'max_tokens' if rule == TOKENS else 'max_bytes'}="
+                                   f"{limit}")
         specs.append((pname, dtype, numel))
     if any(h[5 + len(schema):14]):
         raise ChannelError(f"{name}: header has descriptors beyond its {len(schema)} payloads")
