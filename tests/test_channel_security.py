@@ -399,3 +399,11 @@ def test_rollout_loads_only_what_is_under_the_publish_dir(tmp_path):
             assert repr(path) in str(err.value) and "run.publish_dir" in str(err.value)
             ack = learner.recv(5)
             assert isinstance(ack, Ack) and not ack.ok and ack.error == str(err.value)
+
+
+def test_a_short_or_missing_secret_is_refused_before_any_connection():
+    for bad, got in ((b"short", "5 bytes"), ("a str secret of enough length", "str")):
+        with pytest.raises(ChannelError, match=f"at least 16 bytes, got {got}"):
+            open_learner_side("127.0.0.1", free_port(), 0, 1, 1, secret=bad)
+        with pytest.raises(ChannelError, match=f"at least 16 bytes, got {got}"):
+            open_rollout_side("127.0.0.1", free_port(), 1, 1, secret=bad)

@@ -96,17 +96,18 @@ _NUMPY = {torch.int64: np.dtype("<i8"), torch.uint8: np.dtype(np.uint8),
 
 
 def read_frame(sock: socket.socket, mac: Mac, seq: int, limits: Limits,
-               hbuf: np.ndarray | None = None) -> Message:
+               hbuf: np.ndarray | None = None, patient: bool = False) -> Message:
     """Read and check one frame from `sock` (message number `seq` of its direction).
-    ChannelError (PeerGone if the connection ends) for anything not a genuine message."""
+    ChannelError (PeerGone if the connection ends) for anything not a genuine message;
+    `patient`: the socket's timeout is a read slice to wait through, not an error."""
     hbuf = np.empty(_HEADER_BYTES, dtype=np.uint8) if hbuf is None else hbuf
-    _recv_into(sock, memoryview(hbuf), "before a message")
+    _recv_into(sock, memoryview(hbuf), "before a message", patient)
     header = hbuf.view("<i8").tolist()
     kind, specs = check_header_values(header, limits)  # sizes checked before allocating
     layout = _layout(specs)
     n = _body_bytes(layout)
     body = np.empty(n + TAG_BYTES, dtype=np.uint8)
-    _recv_into(sock, memoryview(body), f"inside a {SPECS[kind].name}")
+    _recv_into(sock, memoryview(body), f"inside a {SPECS[kind].name}", patient)
     tag = Mac.tag(mac.begin(hbuf, body[:n]), seq)
     if not _compare(tag, body[n:]):
         raise ChannelError(f"{SPECS[kind].name} (message {seq}) fails its MAC: tampered, "
@@ -118,13 +119,15 @@ def _compare(tag: bytes, got: np.ndarray) -> bool:
     return hmac.compare_digest(tag, got.tobytes())
 
 
-def _recv_into(sock: socket.socket, view: memoryview, where: str) -> None:
+def _recv_into(sock: socket.socket, view: memoryview, where: str, patient: bool) -> None:
     got = 0
     while got < len(view):
         try:
             k = sock.recv_into(view[got:])
         except TimeoutError:
-            continue  # a read slice ended: keep waiting
+            if patient:
+                continue  # a read slice ended: keep waiting
+            raise ChannelTimeout(f"nothing more arrived {where}") from None
         except OSError as e:
             raise PeerGone(f"peer gone ({e.strerror or e})") from None
         if k == 0:
@@ -266,7 +269,7 @@ class Link:
         peer = "learner" if self.side == "rollout" else "rollout"
         try:
             while True:
-                msg = read_frame(sock, self._recv_mac, seq, self._limits, hbuf)
+                msg = read_frame(sock, self._recv_mac, seq, self._limits, hbuf, patient=True)
                 seq += 1
                 if not isinstance(msg, self._may_recv):
                     raise ChannelError(f"unexpected {type(msg).__name__} from the {peer} side")
