@@ -9,7 +9,8 @@
       each turn to its group's owner the moment the teacher scored it (OPD). A source
       that fails validation here, or that a learner rank rejects (Rejected), drops its
       group: DropGroup → every rank, and nothing more of the group is sent
-      CloseBatch → every rank; wait for Publish(θ_{k+1}), reload in place, reset the prefix
+      CloseBatch → every rank; wait for Publish(θ_{k+1}) (a path under run.publish_dir, or the
+      rollout stops), reload in place, reset the prefix
       cache, Ack. Only then does batch k+1 start.
 A learner that dies or stops surfaces here as PeerGone/ChannelTimeout: the rollout stops
 cleanly with that reason instead of hanging.
@@ -312,8 +313,8 @@ class RolloutDriver:
 def await_publish(link: Link, version: int, timeout_s: float, publish_dir: str) -> Publish | None:
     """The Publish of θ_version from learner rank 0's link, checked: its version, and a path
     under `publish_dir` (run.publish_dir), so a learner can only make the rollout load what
-    the learners publish. None once the learner says it finished; RolloutStopped (the
-    learner told with a failed Ack) for anything else."""
+    the learners publish. None once the learner says it finished; RolloutStopped for
+    anything else (a wrong version or path is told to the learner with a failed Ack)."""
     try:
         msg = link.recv(timeout_s=timeout_s)
         while isinstance(msg, Rejected):  # after the close: the learners agree on it
