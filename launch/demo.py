@@ -18,7 +18,7 @@ import sys
 import time
 
 from tsync_mcore import publish
-from tsync_mcore.launch import config_or_exit
+from tsync_mcore.launch import config_or_exit, secret_or_exit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,6 +85,7 @@ def make_hf_dir(base_dir: str, publish_dir: str, out_dir: str) -> None:
 
 def run_job(config: str, overrides: list[str], cfg) -> list[dict]:
     """Start the rollout launcher and the learner ranks; stream per-update lines."""
+    secret_or_exit("demo", cfg)  # one secret for both launchers, created before either starts
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     common = ["--config", config, "--set", *overrides]
     log_dir = os.path.join(cfg.run.dir, "logs")

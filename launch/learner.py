@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from tsync_mcore.launch import config_or_exit, stopped
+from tsync_mcore.launch import config_or_exit, secret_or_exit, stopped
 
 
 def main() -> None:
@@ -18,6 +18,7 @@ def main() -> None:
                    help="override config keys, e.g. learner.schedule=sync run.updates=4")
     args = p.parse_args()
     cfg = config_or_exit("learner", args.config, args.set)  # before megatron's import noise
+    secret_or_exit("learner", cfg)  # the run's channel secret: created here if no launcher did
     from tsync_mcore.model.parallel import destroy_parallel
     from tsync_mcore.trainer import LearnerStopped, Trainer
     rank = os.environ.get("RANK", "0")

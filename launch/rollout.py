@@ -1,6 +1,7 @@
 """Rollout launcher: `python launch/rollout.py --config C`, alongside the learner's torchrun.
 
-Hosts the readiness channel (config `channel.addr`/`channel.port`), runs the vLLM engine
+Hosts the readiness channel (config `channel.addr`/`channel.port`, authenticated with the
+run's secret `channel.secret_file`), runs the vLLM engine
 and the agent loop, and streams ready sources to the learner ranks.
 """
 
@@ -15,8 +16,9 @@ def main() -> None:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="override config keys, e.g. rollout.groups_per_batch=4")
     args = p.parse_args()
-    from tsync_mcore.launch import config_or_exit, stopped
+    from tsync_mcore.launch import config_or_exit, secret_or_exit, stopped
     cfg = config_or_exit("rollout", args.config, args.set)
+    secret_or_exit("rollout", cfg)  # the run's channel secret: created here if no launcher did
     from tsync_mcore.rollout.driver import RolloutDriver, RolloutStopped
     try:
         RolloutDriver(cfg).run()

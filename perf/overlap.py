@@ -40,7 +40,8 @@ sys.path.insert(0, ROOT)
 
 from tsync_mcore import predict, trace  # noqa: E402
 from tsync_mcore.channel import (Ack, CloseBatch, GroupRewards, Hello, Publish,  # noqa: E402
-                                 RegisterBatch, TrajectoryMsg, TurnMsg, open_rollout_side)
+                                 RegisterBatch, TrajectoryMsg, TurnMsg, load_or_create_secret,
+                                 open_rollout_side)
 from tsync_mcore.routing import BalancedRouter  # noqa: E402
 from tsync_mcore.sources import BatchPlan, TrajectorySource, TurnSource, assign_groups  # noqa: E402
 from tsync_mcore.trace import Record, SourceRecord, UpdateRecord  # noqa: E402
@@ -305,6 +306,7 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
     port = free_port()
     shutil.rmtree(run_dir, ignore_errors=True)  # the learner appends to metrics and traces
     os.makedirs(run_dir)
+    secret = load_or_create_secret(os.path.join(run_dir, "channel.secret"))  # the learner's too
     sets = [f"model.hf_dir={hf_dir}", f"run.dir={run_dir}", f"run.updates={len(steps)}",
             "run.save_every=0", f"run.publish_dir={run_dir}/publish", f"channel.port={port}",
             f"learner.objective={work.objective}", f"learner.k_open={k_open}",
@@ -325,7 +327,8 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
     gc.collect()
     gc.freeze()
     gc.disable()
-    links = open_rollout_side("127.0.0.1", port, 2, timeout_s=300, realtime_io=host.realtime_io)
+    links = open_rollout_side("127.0.0.1", port, 2, timeout_s=300, realtime_io=host.realtime_io,
+                              secret=secret)
     L: dict[int, float] = {}  # draw → busiest rank's learner time, from its calibration update
     v_of_calibration: dict[int, int] = {}
     Rs, sim_cpu, lags = [], [], []

@@ -328,9 +328,11 @@ def link_pair(timeout_s: float = 10, limits: Limits = Limits(), realtime_io: boo
     """(rollout link, learner link) for one learner, both ends in this process."""
     port, box = free_port(), {}
     th = threading.Thread(target=lambda: box.update(
-        links=open_rollout_side("127.0.0.1", port, 1, timeout_s, limits, realtime_io)))
+        links=open_rollout_side("127.0.0.1", port, 1, timeout_s, limits, realtime_io,
+                                secret=cw.SECRET)))
     th.start()
-    learner = open_learner_side("127.0.0.1", port, 0, 1, timeout_s, limits, realtime_io)
+    learner = open_learner_side("127.0.0.1", port, 0, 1, timeout_s, limits, realtime_io,
+                                secret=cw.SECRET)
     th.join()
     (rollout,) = box["links"]
     try:
@@ -439,13 +441,11 @@ def test_realtime_io_runs_the_channel_threads_fifo_and_leaves_the_caller_alone()
     before = _thread_policies()
     mine = os.sched_getscheduler(0)
     with link_pair(realtime_io=True) as (rollout, learner):
-        new = {t: p for t, p in _thread_policies().items() if t not in before}
-        names = {t: open(f"/proc/self/task/{t}/comm").read().strip() for t in new}
-        link_threads = {t: p for t, p in new.items() if names[t] != "pt_tcpstore_uv"}
-        assert learner._reader.native_id in new and rollout._reader.native_id in new
-        # readers, gloo I/O loops and workers of both ends; the rendezvous store keeps its own
-        assert sorted(names[t] for t in link_threads).count("gloo_tcp_loop") == 2
-        assert len(link_threads) == 6 and set(link_threads.values()) == {os.SCHED_FIFO}, names
+        now = _thread_policies()
+        readers = {learner._reader.native_id, rollout._reader.native_id}
+        assert readers <= set(now) and not readers & set(before)
+        # the readers are a link's only threads; the handshake's ended with the join
+        assert {now[t] for t in readers} == {os.SCHED_FIFO}, now
         assert os.sched_getscheduler(0) == mine  # the calling thread got its policy back
         rollout.send(CloseBatch(version=1, rollout_time_s=0.5, n_sources=3))
         assert learner.recv(5) == CloseBatch(1, 0.5, 3)
@@ -457,20 +457,24 @@ def test_realtime_io_not_permitted_is_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(os, "sched_setscheduler", refuse)
     with pytest.raises(ChannelError, match="learner rank 0: channel.realtime_io needs SCHED_FIFO"):
-        open_learner_side("127.0.0.1", free_port(), 0, 1, timeout_s=1, realtime_io=True)
+        open_learner_side("127.0.0.1", free_port(), 0, 1, timeout_s=1, realtime_io=True,
+                          secret=cw.SECRET)
     with pytest.raises(ChannelError, match="rollout side: channel.realtime_io needs SCHED_FIFO"):
-        open_rollout_side("127.0.0.1", free_port(), 1, timeout_s=1, realtime_io=True)
+        open_rollout_side("127.0.0.1", free_port(), 1, timeout_s=1, realtime_io=True,
+                          secret=cw.SECRET)
     assert not realtime_io_permitted()
 
 
 def _raw_send(link, tensors: list[torch.Tensor]) -> None:
-    """Bypass Link.send's checks, as a buggy or foreign peer would: the frame (and body)."""
-    from tsync_mcore.channel.link import _frames
+    """Bypass Link.send's checks, as a buggy peer that holds the secret would: the tensors
+    framed and MACed as they are."""
+    from tsync_mcore.channel.handshake import Mac
+    from tsync_mcore.channel.link import _pack
 
-    frame, body = _frames(tensors)
-    link._pg.send([frame], link._peer, 0).wait()
-    if body is not None:
-        link._pg.send([body], link._peer, 1).wait()
+    frame = _pack(tensors[0].tolist(), [t.numpy() for t in tensors[1:]])
+    with link._send_lock:
+        link._sock.sendall(frame.tobytes() + Mac.tag(link._send_mac.begin(frame), link._send_seq))
+        link._send_seq += 1
 
 
 @pytest.mark.parametrize("fault", ["bad magic", "damaged payload", "wrong direction"])
@@ -501,12 +505,12 @@ def test_protocol_error_is_final_and_told_to_the_peer(fault):
 
 def test_rendezvous_failures_are_named():
     with pytest.raises(ChannelTimeout, match="not reachable"):
-        open_learner_side("127.0.0.1", free_port(), 0, 1, timeout_s=1)
+        open_learner_side("127.0.0.1", free_port(), 0, 1, timeout_s=1, secret=cw.SECRET)
     port, box = free_port(), {}
 
     def host():
         try:
-            open_rollout_side("127.0.0.1", port, 1, timeout_s=2)
+            open_rollout_side("127.0.0.1", port, 1, timeout_s=2, secret=cw.SECRET)
         except ChannelError as e:
             box["err"] = e
 
@@ -514,7 +518,7 @@ def test_rendezvous_failures_are_named():
     th.start()
     with pytest.raises(ChannelError, match="rollout expects 1 learner ranks, this learner was "
                                            "launched with 2"):
-        open_learner_side("127.0.0.1", port, 0, 2, timeout_s=5)
+        open_learner_side("127.0.0.1", port, 0, 2, timeout_s=5, secret=cw.SECRET)
     th.join()
     assert isinstance(box.get("err"), ChannelTimeout) and "learner rank 0" in str(box["err"])
 
@@ -540,7 +544,7 @@ def test_two_process_round_trip_and_latency():
     n_bench, port = 200, free_port()
     proc = _spawn("learner", port, n_bench, free_port())
     try:
-        (link,) = open_rollout_side("127.0.0.1", port, 1, timeout_s=30)
+        (link,) = open_rollout_side("127.0.0.1", port, 1, timeout_s=30, secret=cw.SECRET)
         assert link.recv(30) == cw.HELLO
         for msg in cw.sample_rollout_messages():
             link.send(msg)
@@ -572,7 +576,7 @@ def test_two_process_rejected_and_drop_group():
     port = free_port()
     proc = _spawn("reject", port)
     try:
-        (link,) = open_rollout_side("127.0.0.1", port, 1, timeout_s=30)
+        (link,) = open_rollout_side("127.0.0.1", port, 1, timeout_s=30, secret=cw.SECRET)
         assert link.recv(30) == cw.HELLO
         for i in range(3):
             link.send(cw.bench_message(i))
@@ -592,10 +596,10 @@ def test_killed_peer_surfaces_fast(killed):
     proc = _spawn("idle" if killed == "learner" else "idle_rollout", port)
     try:
         if killed == "learner":
-            (link,) = open_rollout_side("127.0.0.1", port, 1, timeout_s=30)
+            (link,) = open_rollout_side("127.0.0.1", port, 1, timeout_s=30, secret=cw.SECRET)
             assert link.recv(30) == cw.HELLO
         else:
-            link = open_learner_side("127.0.0.1", port, 0, 1, timeout_s=30)
+            link = open_learner_side("127.0.0.1", port, 0, 1, timeout_s=30, secret=cw.SECRET)
             assert link.recv(30) == Ack(0, True)
         t0 = time.monotonic()
         proc.kill()

@@ -22,7 +22,7 @@ from test_learner import replay
 from tsync_mcore import trace
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, Hello, PeerGone,
                                  Publish, RegisterBatch, Rejected, TrajectoryMsg,
-                                 open_rollout_side)
+                                 load_or_create_secret, open_rollout_side)
 from tsync_mcore.sources import BatchPlan, TrajectorySource, assign_groups, validate_source
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,20 +50,29 @@ def start_learner(hf_dir, run_dir, port, updates=2, extra=(), flags=()):
     return proc
 
 
+def rollout_links(port, run_dir):
+    """The rollout side of the channel for the 2 learner ranks of the run in `run_dir`,
+    authenticated with that run's secret (whoever comes first creates it)."""
+    secret = load_or_create_secret(os.path.join(run_dir, "channel.secret"))
+    return open_rollout_side("127.0.0.1", port, 2, timeout_s=60, secret=secret)
+
+
 def sources(version):
     return [TrajectorySource.from_json(r)
             for r in sorted(make_batch(256, n_groups=3, m=3, version=version, seed=1),
                             key=lambda r: r["ready_order"])]
 
 
-def scripted_rollout(port, updates, bad=None, ack_ok=True, stop_after=None, schedules=None):
-    """Play `updates` batches; return the weights published for each version.
+def scripted_rollout(port, updates, run_dir, bad=None, ack_ok=True, stop_after=None,
+                     schedules=None):
+    """Play `updates` batches for the learner of `run_dir`; return the weights published for
+    each version.
 
     bad(version, sources) → extra malformed sources to interleave; stop_after=(v, n): return
     (links open, learner waiting) after sending n sources of batch v; schedules: version →
     release schedule for that batch (RegisterBatch override).
     """
-    links = open_rollout_side("127.0.0.1", port, 2, timeout_s=60)
+    links = rollout_links(port, run_dir)
     published = {}
     try:
         hello = links[0].recv()
@@ -109,7 +118,7 @@ def run_scripted(hf_dir, run_dir, updates=2, flags=(), **rollout):
     """Learner ranks + the scripted rollout to the end: (rc, stdout, stderr, published)."""
     port = free_port()
     proc = start_learner(hf_dir, run_dir, port, updates=updates, flags=flags)
-    published, links = scripted_rollout(port, updates, **rollout)
+    published, links = scripted_rollout(port, updates, run_dir, **rollout)
     rc, out, err = finish(proc)
     for link in links:
         link.close()
@@ -253,7 +262,7 @@ def test_opd_through_the_channel_matches_replayed_sync(tiny_llama, tmp_path):
     fp64 = ["learner.objective=opd", "learner.accum_dtype=fp64"]
     port = free_port()
     proc = start_learner(tiny_llama, str(tmp_path / "run"), port, updates=2, extra=fp64)
-    links = open_rollout_side("127.0.0.1", port, 2, timeout_s=60)
+    links = rollout_links(port, str(tmp_path / "run"))
     try:
         assert isinstance(links[0].recv(), Hello)
         assert isinstance(links[0].recv(), Publish)
@@ -314,14 +323,14 @@ def test_bad_sources_over_the_channel_are_rejected_and_change_nothing(tiny_qwen2
         assert what in err, what
 
 
-def _rollout_with_a_bad_member(port, updates, bad_group=None, without=None):
+def _rollout_with_a_bad_member(port, updates, run_dir, bad_group=None, without=None):
     """Scripted rollout: in batch 0 one member of `bad_group` arrives with a token outside
     the vocabulary (its valid copy never comes); the learner that owns the group rejects it
     and says so (Rejected), and the rollout announces the drop to every rank (DropGroup), as
     the real one does. `without`: batch 0 registered and played without that group at all.
     Returns the weights published for each version and the Rejected received."""
     from dataclasses import replace
-    links = open_rollout_side("127.0.0.1", port, 2, timeout_s=60)
+    links = rollout_links(port, run_dir)
     published, rejected = {}, []
 
     def serve_publish(v):
@@ -370,7 +379,7 @@ def test_a_rejected_member_drops_its_group_everywhere_and_the_run_goes_on(tiny_q
     for name, kw in (("dropped", dict(bad_group=bad)), ("without", dict(without=bad))):
         port = free_port()
         proc = start_learner(tiny_qwen2, str(tmp_path / name), port, updates=2, extra=extra)
-        published, rejected = _rollout_with_a_bad_member(port, 2, **kw)
+        published, rejected = _rollout_with_a_bad_member(port, 2, str(tmp_path / name), **kw)
         rc, out, err = finish(proc)
         assert rc == 0, err[-4000:]
         rows = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
@@ -406,7 +415,8 @@ def test_rollout_killed_mid_step_learner_stops_naming_what_it_waited_for(tiny_qw
     # A separate process plays the rollout and is killed mid-batch 1.
     script = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'tests')!r});"
               f"import test_e2e as t, os, time;"
-              f"t.scripted_rollout({port}, 2, stop_after=(1, 3)); print('READY', flush=True);"
+              f"t.scripted_rollout({port}, 2, {str(tmp_path)!r}, stop_after=(1, 3));"
+              f"print('READY', flush=True);"
               f"time.sleep(600)")
     rollout = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
                                text=True)
@@ -424,7 +434,7 @@ def test_rollout_killed_mid_step_learner_stops_naming_what_it_waited_for(tiny_qw
 def test_learner_rank_dies_rollout_side_stops_instead_of_hanging(tiny_qwen2, tmp_path):
     port = free_port()
     proc = start_learner(tiny_qwen2, str(tmp_path), port)
-    links = open_rollout_side("127.0.0.1", port, 2, timeout_s=60)
+    links = rollout_links(port, str(tmp_path))
     assert isinstance(links[0].recv(), Hello)
     assert isinstance(links[0].recv(), Publish)
     ranks = sorted(int(x) for x in subprocess.check_output(["pgrep", "-P", str(proc.pid)]).split())

@@ -10,9 +10,9 @@ from dataclasses import replace
 from safetensors.torch import load_file
 import torch
 
-from test_e2e import finish, free_port, sources, start_learner
+from test_e2e import finish, free_port, rollout_links, sources, start_learner
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, Hello, Publish, RegisterBatch,
-                                 Shutdown, TrajectoryMsg, open_rollout_side)
+                                 Shutdown, TrajectoryMsg)
 from tsync_mcore.sources import BatchPlan, assign_groups
 
 # adv_eps this small lets a group whose rewards differ by 1e-300 overflow its FP32 scale
@@ -27,10 +27,10 @@ def poisoned(v):
             if s.group_id == g else s for s in srcs]
 
 
-def rollout(port, updates, poison_at=None):
+def rollout(port, run, updates, poison_at=None):
     """Play batches until `updates`; batch `poison_at` (first attempt only) is poisoned.
     Returns (published weights by version, notices in order, the learner's Shutdown reason)."""
-    links = open_rollout_side("127.0.0.1", port, 2, timeout_s=60)
+    links = rollout_links(port, run)
     published, notices = {}, []
     try:
         hello = links[0].recv()
@@ -78,7 +78,7 @@ def test_non_finite_update_stops_the_run_and_resume_starts_from_the_last_good_th
     run = str(tmp_path)
     port = free_port()
     proc = start_learner(tiny_qwen2, run, port, updates=3, extra=POISON)
-    published, notices, reason = rollout(port, 3, poison_at=1)
+    published, notices, reason = rollout(port, run, 3, poison_at=1)
     rc, out, err = finish(proc)
     assert rc != 0 and notices == [0, 1]
     bad_group = poisoned(1)[0].group_id
@@ -100,7 +100,7 @@ def test_non_finite_update_stops_the_run_and_resume_starts_from_the_last_good_th
     # Resume: the learner's first publication is θ_1, bit for bit, and the run completes.
     port = free_port()
     proc = start_learner(tiny_qwen2, run, port, updates=3, extra=POISON, flags=["--resume"])
-    resumed, notices, reason = rollout(port, 3)
+    resumed, notices, reason = rollout(port, run, 3)
     rc, out, err = finish(proc)
     assert rc == 0 and reason is None and notices == [1, 2, 3], err[-3000:]
     assert all(torch.equal(resumed[1][k], published[1][k]) for k in published[1])
@@ -112,7 +112,7 @@ def test_non_finite_update_drops_its_batch_when_configured_and_the_run_goes_on(t
     port = free_port()
     proc = start_learner(tiny_qwen2, run, port, updates=2,
                          extra=POISON + ["learner.on_nonfinite=drop_batch"])
-    published, notices, reason = rollout(port, 2, poison_at=1)
+    published, notices, reason = rollout(port, run, 2, poison_at=1)
     rc, out, err = finish(proc)
     assert rc == 0 and reason is None, err[-3000:]
     assert notices == [0, 1, 1, 2]  # θ_1 again after the dropped batch, then θ_2

@@ -136,9 +136,12 @@ class ChannelConfig:
     port: int = 29610
     timeout_s: float = 300.0  # a learner waiting longer for a source stops with an error
     ack_timeout_s: float = 120.0  # publication must be acknowledged within this
-    # The channel's threads (gloo I/O, reader) under SCHED_FIFO (Linux, CAP_SYS_NICE): for
-    # hosts where the learner shares cores with the rollout, like the CPU overlap benchmark.
+    # The channel's reader threads under SCHED_FIFO (Linux, CAP_SYS_NICE): for hosts where
+    # the learner shares cores with the rollout, like the CPU overlap benchmark.
     realtime_io: bool = False
+    # The shared secret both sides prove at join and key the message MACs with; "" means
+    # <run.dir>/channel.secret. Created by the first launcher (mode 0600) if missing.
+    secret_file: str = ""
 
     def validate(self) -> None:
         _check(0 < self.port < 65536, "channel.port", f"must be a TCP port, got {self.port}")

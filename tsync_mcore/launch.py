@@ -19,6 +19,16 @@ def config_or_exit(who: str, path: str | None, overrides: list[str]):
         raise SystemExit(2) from None
 
 
+def secret_or_exit(who: str, cfg) -> None:
+    """Create (or check) the run's channel secret file, or one `error:` line and exit 2."""
+    from tsync_mcore.channel import ChannelError, channel_secret
+    try:
+        channel_secret(cfg)
+    except ChannelError as e:
+        print(f"error: {who}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def stopped(who: str, e: BaseException, run_dir: str) -> int:
     """Print one line naming what stopped, why and where the state and traceback are;
     returns the exit code (130 for an interrupt, 4 otherwise)."""

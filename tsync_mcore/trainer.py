@@ -23,7 +23,7 @@ from tsync_mcore import checkpoint, publish
 from tsync_mcore import trace
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, GroupRewards, Hello,
                                  RegisterBatch, Rejected, Shutdown, TrajectoryMsg, TurnMsg,
-                                 open_learner_side)
+                                 channel_secret, open_learner_side)
 from tsync_mcore.config import Config, to_dict
 from tsync_mcore.learner import Learner
 from tsync_mcore.ledger.account import update_flops
@@ -76,7 +76,8 @@ class Trainer:
         self.nvml = NvmlSampler().start()
         ch = cfg.channel
         self.link = open_learner_side(ch.addr, ch.port, self.par.rank, self.par.world_size,
-                                      timeout_s=ch.timeout_s, realtime_io=ch.realtime_io)
+                                      timeout_s=ch.timeout_s, realtime_io=ch.realtime_io,
+                                      secret=channel_secret(cfg))
         # Manual GC (as Megatron's --manual-gc): Python's automatic full passes walk every
         # object of the model and its imports and hold the GIL meanwhile, 200-380 ms here,
         # mid-stream: the serving thread and the channel reader both stop. Set-up's objects

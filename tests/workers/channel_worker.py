@@ -27,6 +27,7 @@ from tsync_mcore.channel import (
 )
 from tsync_mcore.sources import TrajectorySource, TurnSource
 
+SECRET = b"tsync channel test secret, not for runs"  # both test processes use it
 HELLO = Hello(version=3, data_pos=17)
 PUBLISH = Publish(version=4, path="/ckpt/θ_4 ü")
 
@@ -66,7 +67,7 @@ def learner(port: int, n_bench: int, pg_port: int) -> dict:
     # A default group like torchrun's: the channel must leave it alone.
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=0,
                             world_size=1)
-    link = open_learner_side("127.0.0.1", port, 0, 1, timeout_s=30)
+    link = open_learner_side("127.0.0.1", port, 0, 1, timeout_s=30, secret=SECRET)
     link.send(HELLO)
     mismatches = []
     for want in sample_rollout_messages():
@@ -92,7 +93,7 @@ def learner(port: int, n_bench: int, pg_port: int) -> dict:
 
 
 def reject(port: int) -> dict:
-    link = open_learner_side("127.0.0.1", port, 0, 1, timeout_s=30)
+    link = open_learner_side("127.0.0.1", port, 0, 1, timeout_s=30, secret=SECRET)
     link.send(HELLO)
     rejected = 0
     while isinstance(msg := link.recv(10), TrajectoryMsg):
@@ -107,13 +108,13 @@ def reject(port: int) -> dict:
 
 
 def idle(port: int) -> None:
-    link = open_learner_side("127.0.0.1", port, 0, 1, timeout_s=30)
+    link = open_learner_side("127.0.0.1", port, 0, 1, timeout_s=30, secret=SECRET)
     link.send(HELLO)
     time.sleep(600)
 
 
 def idle_rollout(port: int) -> None:
-    (link,) = open_rollout_side("127.0.0.1", port, 1, timeout_s=30)
+    (link,) = open_rollout_side("127.0.0.1", port, 1, timeout_s=30, secret=SECRET)
     link.send(Ack(version=0, ok=True))
     time.sleep(600)
 

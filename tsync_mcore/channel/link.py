@@ -1,127 +1,169 @@
-"""Links: one 2-party gloo process group per learner rank, rendezvoused on a TCPStore.
+"""Links: one TCP connection per learner rank, authenticated with the run's shared secret.
 
-The rollout process hosts the TCPStore (is_master) at (addr, port); link i is a
-`ProcessGroupGloo` over `PrefixStore("tsync/link{i}", store)` with the rollout as rank 0 and
-learner i as rank 1. Nothing here touches the default process group, which torchrun and
-Megatron own on the learner side.
+The rollout process listens on (addr, port), bound to that address only; each learner rank
+connects and runs the join handshake (handshake.py: wire version, learner rank, n_learners,
+and a mutual proof of the secret). Then every message travels as one frame:
 
-Each Link owns a reader thread that always has the next frame's recv posted. That matters
-because a gloo send completes only once the peer has posted the matching recv: with the
-reader, a sender never waits on the peer's main loop (a learner busy in backward), and
-`recv(timeout_s)` is a queue wait, so a timeout leaves the link intact.
+    header int64[16] | payloads, each padded to 8 bytes | HMAC-SHA256 tag (32 bytes)
+
+The header announces the body's size; the reader checks it against `Limits` before it
+allocates or reads a byte of the body, reads exactly that much, and checks the tag (keyed per
+direction, over the header, the body and the direction's sequence number) before it decodes.
+Nothing a peer sends can make a receiver abort: every violation is a `ChannelError`, told to
+the peer as a protocol-error Shutdown.
+
+Each Link owns a reader thread that takes every frame off the socket as it arrives, so a
+sender never waits on the peer's main loop (a learner busy in backward), and `recv(timeout_s)`
+is a queue wait: a timeout leaves the link intact. Nothing here touches torch.distributed,
+which torchrun and Megatron own on the learner side.
 """
 
 from __future__ import annotations
 
+import hmac
 import math
 import os
 import queue
 import socket
+import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from tsync_mcore.channel.errors import ChannelError, ChannelTimeout, PeerGone
+from tsync_mcore.channel.handshake import (
+    TAG_BYTES, Keys, Mac, check_secret, learner_handshake, rollout_handshake,
+)
 from tsync_mcore.channel.messages import LEARNER_SENDS, ROLLOUT_SENDS, Message, Shutdown
 from tsync_mcore.channel.wire import (
-    DEFAULT_LIMITS, HEADER_LEN, WIRE_VERSION, Limits, check_header_values, decode_arrays, encode,
+    DEFAULT_LIMITS, HEADER_LEN, SPECS, Limits, check_header_values, decode_arrays, encode_arrays,
 )
 
-# A gloo wait that times out closes the pair, so the reader waits "forever" for the next
-# header; a dead peer still surfaces at once (the socket closes).
-_FOREVER = timedelta(days=365)
-_FRAME_TAG = 0
-_BODY_TAG = 1  # every tag has at most one send in flight
-# Every message opens with one frame of exactly FRAME_BYTES: the header, then the packed
-# payloads when they fit (every message but trajectories over ~3.6k tokens, turns over
-# ~1.9k). One gloo op per message: the reader keeps the next frame's recv posted, so a send
-# completes without a round trip to the receiver's Python thread (header, then the body's
-# recv posted after decoding it, cost both sides ~0.2 ms of CPU per message more on this
-# 2-core VM).
-# A larger body follows the frame on its own tag.
-FRAME_BYTES = 32 * 1024
 _HEADER_BYTES = HEADER_LEN * 8
-
-
-def _layout(specs) -> list[tuple[torch.dtype, int, int]]:
-    """(dtype, byte offset, byte size) of each payload in a packed body; each payload is
-    padded to 8 bytes, so it can be viewed back in place."""
-    out, at = [], 0
-    for _, dt, n in specs:
-        size = n * dt.itemsize
-        out.append((dt, at, size))
-        at += -(-size // 8) * 8
-    return out
-
-
-def _body_bytes(specs) -> int:
-    return sum(-(-size // 8) * 8 for _, _, size in _layout(specs))
-
-
-def _frames(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(frame, separate body or None) for an encoded message [header, *payloads]."""
-    payloads = [p.contiguous().view(torch.uint8).reshape(-1) for p in tensors[1:]]
-    specs = [(None, torch.uint8, p.numel()) for p in payloads]
-    n = _body_bytes(specs)
-    fits = _HEADER_BYTES + n <= FRAME_BYTES
-    frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
-    frame[:_HEADER_BYTES] = tensors[0].view(torch.uint8)
-    body = frame[_HEADER_BYTES:] if fits else torch.zeros(n, dtype=torch.uint8)
-    for p, (_, at, size) in zip(payloads, _layout(specs)):
-        body[at:at + size] = p
-    return frame, None if fits else body
-
-
-_NUMPY = {torch.int64: np.int64, torch.uint8: np.uint8, torch.float64: np.float64}
-
-
-def _unpack(body: np.ndarray, specs) -> list[np.ndarray]:
-    return [body[at:at + size].view(_NUMPY[dt]) for dt, at, size in _layout(specs)]
-
-
 _CLOSE_GRACE_S = 5.0
+_HANDSHAKE_S = 10.0  # one joiner's handshake; a silent one does not hold the others up
+# The reader's socket waits in slices of this (a plain blocking wait would need its own fd
+# flags, which it shares with the sender's socket); a slice ending is not an error.
+_READ_SLICE_S = 3600.0
 # Reason prefix of the Shutdown a reader sends when it stops on a malformed message; the
 # receiver does not answer it (nobody would read the answer).
 PROTOCOL_ERROR = "protocol error: "
 
 
-def _gloo_error(where: str, e: BaseException) -> ChannelError:
-    text = str(e).splitlines()[0] if str(e) else type(e).__name__
-    if "imed out" in text or "timeout" in text.lower():
-        return ChannelTimeout(f"{where}: timed out ({text})")
-    return PeerGone(f"{where}: peer gone ({text})")
+def _pad8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def _layout(specs) -> list[tuple[np.dtype, int, int]]:
+    """(numpy dtype, byte offset, byte size) of each payload in a packed body; each payload
+    is padded to 8 bytes, so it can be viewed back in place."""
+    out, at = [], 0
+    for _, dt, n in specs:
+        item = _NUMPY[dt]
+        out.append((item, at, n * item.itemsize))
+        at += _pad8(n * item.itemsize)
+    return out
+
+
+def _body_bytes(layout) -> int:
+    return layout[-1][1] + _pad8(layout[-1][2]) if layout else 0
+
+
+def _pack(header: list[int], payloads: list[np.ndarray]) -> np.ndarray:
+    """Header and payloads of one message, packed as they travel (without the tag)."""
+    n = sum(_pad8(p.nbytes) for p in payloads)
+    out = np.zeros(_HEADER_BYTES + n, dtype=np.uint8)
+    out[:_HEADER_BYTES] = np.array(header, dtype="<i8").view(np.uint8)
+    at = _HEADER_BYTES
+    for p in payloads:
+        if p.size:
+            out[at:at + p.nbytes] = np.ascontiguousarray(p).reshape(-1).view(np.uint8)
+        at += _pad8(p.nbytes)
+    return out
+
+
+def _unpack(body: np.ndarray, layout) -> list[np.ndarray]:
+    return [body[at:at + size].view(dt) for dt, at, size in layout]
+
+
+# The declarations name torch dtypes; the link itself works in numpy.
+_NUMPY = {torch.int64: np.dtype("<i8"), torch.uint8: np.dtype(np.uint8),
+          torch.float64: np.dtype("<f8")}
+
+
+def read_frame(sock: socket.socket, mac: Mac, seq: int, limits: Limits,
+               hbuf: np.ndarray | None = None, patient: bool = False) -> Message:
+    """Read and check one frame from `sock` (message number `seq` of its direction).
+    ChannelError (PeerGone if the connection ends) for anything not a genuine message;
+    `patient`: the socket's timeout is a read slice to wait through, not an error."""
+    hbuf = np.empty(_HEADER_BYTES, dtype=np.uint8) if hbuf is None else hbuf
+    _recv_into(sock, memoryview(hbuf), "before a message", patient)
+    header = hbuf.view("<i8").tolist()
+    kind, specs = check_header_values(header, limits)  # sizes checked before allocating
+    layout = _layout(specs)
+    n = _body_bytes(layout)
+    body = np.empty(n + TAG_BYTES, dtype=np.uint8)
+    _recv_into(sock, memoryview(body), f"inside a {SPECS[kind].name}", patient)
+    tag = Mac.tag(mac.begin(hbuf, body[:n]), seq)
+    if not _compare(tag, body[n:]):
+        raise ChannelError(f"{SPECS[kind].name} (message {seq}) fails its MAC: tampered, "
+                           f"injected, replayed or out of order")
+    return decode_arrays(kind, header, _unpack(body[:n], layout))
+
+
+def _compare(tag: bytes, got: np.ndarray) -> bool:
+    return hmac.compare_digest(tag, got.tobytes())
+
+
+def _recv_into(sock: socket.socket, view: memoryview, where: str, patient: bool) -> None:
+    got = 0
+    while got < len(view):
+        try:
+            k = sock.recv_into(view[got:])
+        except TimeoutError:
+            if patient:
+                continue  # a read slice ended: keep waiting
+            raise ChannelTimeout(f"nothing more arrived {where}") from None
+        except OSError as e:
+            raise PeerGone(f"peer gone ({e.strerror or e})") from None
+        if k == 0:
+            raise PeerGone("peer gone (connection closed" +
+                           (")" if got == 0 and where.startswith("before") else f" {where})"))
+        got += k
 
 
 @dataclass(frozen=True, eq=False)
 class Prepared:
-    """A message encoded and framed ahead of its send (`Link.prepare`): sending it is the
-    gloo op alone. A rollout that knows its messages before their release time (the
-    overlap benchmark's simulator) encodes them while the learners are not waiting."""
+    """A message encoded, framed and mostly MACed ahead of its send (`Link.prepare`): sending
+    it is the tag's last block and the socket write. A rollout that knows its messages before
+    their release time (the overlap benchmark's simulator) encodes them while the learners are
+    not waiting."""
 
     kind: type
-    frame: torch.Tensor
-    body: torch.Tensor | None
+    frame: np.ndarray  # header + body
+    mac: object = field(repr=False)  # the HMAC state fed the frame, for the link it was made on
+    link: object = field(repr=False)
 
 
 class Link:
     """One learner ⇄ rollout link. `send` may be called from several threads."""
 
-    def __init__(self, pg: dist.ProcessGroup, store: dist.Store, side: str, learner_rank: int,
+    def __init__(self, sock: socket.socket, keys: Keys, side: str, learner_rank: int,
                  timeout_s: float, limits: Limits = DEFAULT_LIMITS):
         self.side, self.learner_rank = side, learner_rank
         self.name = f"channel link {learner_rank} ({side} side)"
-        self._pg, self._store = pg, store
-        self._peer = 1 if side == "rollout" else 0
+        self._sock = sock  # sends, under timeout_s
+        self._rsock = sock.dup()  # the reader's: its own timeout (one read slice)
+        sock.settimeout(timeout_s)
+        self._rsock.settimeout(_READ_SLICE_S)
+        self._send_mac, self._recv_mac = Mac(keys.send), Mac(keys.recv)
+        self._send_seq = 0
         self._may_send = ROLLOUT_SENDS if side == "rollout" else LEARNER_SENDS
         self._may_recv = LEARNER_SENDS if side == "rollout" else ROLLOUT_SENDS
-        self._timeout = timedelta(seconds=timeout_s)
         self.timeout_s, self._limits = timeout_s, limits
         # (message or final error, perf_counter when the reader took it off the wire)
         self._inbox: queue.SimpleQueue[tuple[Message | ChannelError, float]] = queue.SimpleQueue()
@@ -129,7 +171,7 @@ class Link:
         self._send_lock = threading.Lock()
         self._sent_shutdown = False
         self._peer_shutdown: str | None = None  # the peer's Shutdown reason, once received
-        self._send_error: ChannelError | None = None  # a failed send leaves the pair closed
+        self._send_error: ChannelError | None = None  # a failed send leaves the link dead
         self._closed = False
         self._reader = threading.Thread(target=self._read_loop, name=self.name, daemon=True)
         self._reader.start()
@@ -141,21 +183,23 @@ class Link:
 
     # ------------------------------------------------------------ sending
     def prepare(self, msg: Message) -> Prepared:
-        """Encode and frame `msg` now (checked as `send` would) for a later `send`."""
+        """Encode, frame and MAC `msg` now (checked as `send` would) for a later `send` on
+        this link."""
         self._check_sendable(type(msg))
         if isinstance(msg, Shutdown):
             raise ChannelError(f"{self.name}: Shutdown is sent, not prepared")
         return self._frame(msg)
 
     def _frame(self, msg: Message) -> Prepared:
-        return Prepared(type(msg), *_frames(encode(msg, self._limits)))
+        frame = _pack(*encode_arrays(msg, self._limits))
+        return Prepared(type(msg), frame, self._send_mac.begin(frame), self)
 
     def _check_sendable(self, kind: type) -> None:
         if not issubclass(kind, self._may_send):
             raise ChannelError(f"{self.name}: the {self.side} side does not send {kind.__name__}")
 
     def send(self, msg: Message | Prepared) -> None:
-        """Deliver one message (or one `prepare`d); blocks until the peer's reader took it
+        """Deliver one message (or one `prepare`d); blocks while the socket cannot take it
         (≤ timeout_s)."""
         if self._closed:
             raise ChannelError(f"{self.name}: send after close")
@@ -170,21 +214,28 @@ class Link:
 
     def _transmit(self, msg: Prepared) -> None:
         kind = msg.kind
+        mac = msg.mac if msg.link is self else self._send_mac.begin(msg.frame)
         with self._send_lock:
             if self._sent_shutdown:
                 if kind is Shutdown:
                     return
                 raise ChannelError(f"{self.name}: send of {kind.__name__} after Shutdown")
+            if self._send_error is not None:
+                raise type(self._send_error)(str(self._send_error))
             self._sent_shutdown = kind is Shutdown
+            tag = Mac.tag(mac.copy(), self._send_seq)  # copy: a Prepared may be sent again
             try:
-                works = [self._pg.send([msg.frame], self._peer, _FRAME_TAG)]
-                if msg.body is not None:
-                    works.append(self._pg.send([msg.body], self._peer, _BODY_TAG))
-                for w in works:
-                    w.wait(self._timeout)
-            except RuntimeError as e:
-                self._send_error = _gloo_error(f"{self.name}: send {kind.__name__}", e)
+                _send_all(self._sock, [memoryview(msg.frame), tag])
+            except TimeoutError:
+                self._send_error = ChannelTimeout(
+                    f"{self.name}: send {kind.__name__}: timed out after {self.timeout_s:g} s "
+                    f"(the peer does not read)")
                 raise self._send_error from None
+            except OSError as e:
+                self._send_error = PeerGone(f"{self.name}: send {kind.__name__}: peer gone "
+                                            f"({e.strerror or e})")
+                raise self._send_error from None
+            self._send_seq += 1
 
     # ------------------------------------------------------------ receiving
     def recv(self, timeout_s: float | None = None) -> Message:
@@ -212,31 +263,16 @@ class Link:
             return None
         return self.recv(timeout_s=math.inf)  # not empty, and only this thread takes from it
 
-    def _read_one(self, pg: dist.ProcessGroup) -> Message:
-        # Numpy views of the receive buffer from here on: this thread wakes per message on
-        # a learner's core, where each small torch op costs more than the numpy one.
-        frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
-        pg.recv([frame], self._peer, _FRAME_TAG).wait(_FOREVER)
-        raw = frame.numpy()
-        header = raw[:_HEADER_BYTES].view(np.int64).tolist()
-        kind, specs = check_header_values(header, self._limits)  # sizes checked before allocating
-        n = _body_bytes(specs)
-        if _HEADER_BYTES + n <= FRAME_BYTES:
-            body = raw[_HEADER_BYTES:_HEADER_BYTES + n]
-        else:
-            received = torch.empty(n, dtype=torch.uint8)
-            pg.recv([received], self._peer, _BODY_TAG).wait(self._timeout)
-            body = received.numpy()
-        return decode_arrays(kind, header, _unpack(body, specs))
-
     def _read_loop(self) -> None:
-        pg = self._pg  # held by this thread: close() may drop the Link's reference
+        sock, seq = self._rsock, 0  # held by this thread: close() may drop the Link's reference
+        hbuf = np.empty(_HEADER_BYTES, dtype=np.uint8)
+        peer = "learner" if self.side == "rollout" else "rollout"
         try:
             while True:
-                msg = self._read_one(pg)
+                msg = read_frame(sock, self._recv_mac, seq, self._limits, hbuf, patient=True)
+                seq += 1
                 if not isinstance(msg, self._may_recv):
-                    raise ChannelError(f"{self.name}: unexpected {type(msg).__name__} from the "
-                                       f"{'learner' if self.side == 'rollout' else 'rollout'} side")
+                    raise ChannelError(f"unexpected {type(msg).__name__} from the {peer} side")
                 if isinstance(msg, Shutdown):
                     self._peer_shutdown = msg.reason  # before the app can see the message
                 self._inbox.put((msg, time.perf_counter()))
@@ -246,12 +282,13 @@ class Link:
                     end: ChannelError = PeerGone(
                         f"{self.name}: peer sent Shutdown ({msg.reason!r})")
                     break
+        except PeerGone as e:
+            end = PeerGone(f"{self.name}: recv: {e}")
+            self._send_error = self._send_error or end  # TCP would take a write or two more
         except ChannelError as e:
-            end = e
+            end = ChannelError(f"{self.name}: {e}")
             # Out of step with the peer: say why, rather than let its next send time out.
-            self._reply_shutdown(f"{PROTOCOL_ERROR}{e}")
-        except RuntimeError as e:
-            end = _gloo_error(f"{self.name}: recv", e)
+            self._reply_shutdown(f"{PROTOCOL_ERROR}{end}")
         self._inbox.put((end, time.perf_counter()))
 
     def _reply_shutdown(self, reason: str) -> None:
@@ -263,7 +300,7 @@ class Link:
 
     # ------------------------------------------------------------ closing
     def close(self) -> None:
-        """Send Shutdown (unless one was exchanged), wait ≤ 5 s for the reader, drop the group."""
+        """Send Shutdown (unless one was exchanged), wait ≤ 5 s for the reader, close."""
         if self._closed:
             return
         try:
@@ -272,9 +309,13 @@ class Link:
             pass  # dead or already shut down: nothing to tell
         self._reader.join(min(self.timeout_s, _CLOSE_GRACE_S))
         self._closed = True
-        # A reader still blocked (the peer neither replied nor died) keeps the group alive
-        # until the process exits; it is a daemon thread and holds nothing else.
-        self._pg, self._store = None, None
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a reader still waiting
+        except OSError:
+            pass  # not connected any more
+        self._reader.join(1.0)
+        self._sock.close()
+        self._rsock.close()
 
     def __enter__(self) -> "Link":
         return self
@@ -284,6 +325,18 @@ class Link:
 
     def __repr__(self) -> str:
         return f"<{self.name}{' closed' if self._closed else ''}>"
+
+
+def _send_all(sock: socket.socket, parts: list) -> None:
+    """sendall of several buffers in as few system calls as the socket takes them."""
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        n = sock.sendmsg(views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
 
 
 # ---------------------------------------------------------------- rendezvous
@@ -323,84 +376,140 @@ def _require_realtime(who: str) -> None:
                            f"which this process may not use")
 
 
-def _local_ip_towards(addr: str, port: int) -> str:
-    """The local address the OS routes to `addr` (no packet is sent: UDP connect)."""
-    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect(sockaddr)
-        return s.getsockname()[0]
+def _nodelay(sock: socket.socket) -> socket.socket:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a message is one write
+    return sock
 
 
-def _gloo_group(store: dist.Store, learner_rank: int, rank: int, host: str,
-                timeout_s: float) -> dist.ProcessGroup:
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timedelta(seconds=timeout_s)  # connect timeout; waits pass their own
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
-    opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])
-                     if ifname else dist.ProcessGroupGloo.create_device(hostname=host)]
-    opts._threads = 1  # point-to-point only; the collective worker threads stay idle
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"tsync/link{learner_rank}", store), rank, 2,
-                                 opts)
+def _say(line: str) -> None:
+    print(f"[channel] {line}", file=sys.stderr, flush=True)
 
 
 def open_rollout_side(addr: str, port: int, n_learners: int, timeout_s: float = 300,
-                      limits: Limits = DEFAULT_LIMITS, realtime_io: bool = False) -> list[Link]:
-    """Host the rendezvous and wait for every learner rank; index = learner rank.
-    `realtime_io`: the links' threads (gloo I/O, readers) run under SCHED_FIFO."""
+                      limits: Limits = DEFAULT_LIMITS, realtime_io: bool = False, *,
+                      secret: bytes) -> list[Link]:
+    """Listen on (addr, port) only and wait for every learner rank; index = learner rank.
+    A joiner that fails the handshake (wrong secret, version, n_learners, a rank already
+    joined) is told why and refused; the wait goes on for the others until timeout_s.
+    `realtime_io`: the links' reader threads run under SCHED_FIFO."""
     if n_learners < 1:
         raise ChannelError(f"n_learners must be ≥ 1, got {n_learners}")
+    check_secret(secret)
     if realtime_io:
         _require_realtime("rollout side")
+    where = f"{addr}:{port}"
     try:
-        store = dist.TCPStore(addr, port, None, True, timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
-    except (RuntimeError, OSError) as e:
-        raise ChannelError(f"cannot host the channel rendezvous at {addr}:{port} ({e})") from None
-    store.set("tsync/wire_version", str(WIRE_VERSION))
-    store.set("tsync/n_learners", str(n_learners))
-    host = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][4][0]  # gloo binds here
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port,
+                                                              type=socket.SOCK_STREAM)[0]
+        srv = socket.socket(family, kind, proto)
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(sockaddr)
+        srv.listen(max(16, 2 * n_learners))
+    except OSError as e:
+        raise ChannelError(f"cannot host the channel at {where} ({e.strerror or e})") from None
+    srv.settimeout(0.1)  # the accept loop checks for the end this often
+    deadline = time.monotonic() + timeout_s
+    done = threading.Condition()
+    joined: dict[int, tuple[socket.socket, Keys]] = {}
+    claimed: set[int] = set()
+    refused: list[str] = []
+    state = {"open": True}
 
-    def build(i: int) -> dist.ProcessGroup:
+    def claim(rank: int) -> bool:
+        with done:
+            if rank in claimed or not state["open"]:
+                return False
+            claimed.add(rank)
+            return True
+
+    def release(rank: int) -> None:
+        with done:
+            claimed.discard(rank)
+
+    def join(conn: socket.socket, peer) -> None:
+        conn.settimeout(max(0.1, min(_HANDSHAKE_S, deadline - time.monotonic())))
         try:
-            return _gloo_group(store, i, 0, host, timeout_s)
-        except RuntimeError as e:
-            raise ChannelTimeout(f"learner rank {i} did not join the channel at {addr}:{port} "
-                                 f"within {timeout_s:g} s ({str(e).splitlines()[0]})") from None
+            rank, keys = rollout_handshake(_nodelay(conn), secret, n_learners, claim, release)
+        except ChannelError as e:
+            conn.close()
+            why = f"{peer[0]}:{peer[1]}: {e}"
+            with done:
+                refused.append(why)
+            _say(f"refused a joiner at {where} from {why}")
+            return
+        with done:
+            if state["open"]:
+                joined[rank] = (conn, keys)
+                done.notify_all()
+                return
+        conn.close()  # the wait ended meanwhile
 
-    # Learners arrive in any order; build all links at once so none waits behind another.
+    def accept() -> None:
+        while state["open"]:
+            try:
+                conn, peer = srv.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # the listener closed
+            threading.Thread(target=join, args=(conn, peer), name="tsync-join",
+                             daemon=True).start()
+
+    acceptor = threading.Thread(target=accept, name="tsync-accept", daemon=True)
+    acceptor.start()
+    with done:
+        done.wait_for(lambda: len(joined) == n_learners, timeout=timeout_s)
+        state["open"] = False
+        missing = [i for i in range(n_learners) if i not in joined]
+    acceptor.join()
+    srv.close()  # one set of links per listener: a restarted learner needs a new rollout side
+    if missing:
+        for conn, _ in joined.values():
+            conn.close()
+        ranks = ", ".join(map(str, missing))
+        raise ChannelTimeout(f"learner rank{'s' if len(missing) > 1 else ''} {ranks} did not join "
+                             f"the channel at {where} within {timeout_s:g} s"
+                             + (f" (refused: {'; '.join(refused[-3:])})" if refused else ""))
     with _threads_created_realtime(realtime_io):
-        with ThreadPoolExecutor(n_learners, thread_name_prefix="tsync-link") as ex:
-            pgs = list(ex.map(build, range(n_learners)))
-        return [Link(pg, store, "rollout", i, timeout_s, limits) for i, pg in enumerate(pgs)]
+        return [Link(joined[i][0], joined[i][1], "rollout", i, timeout_s, limits)
+                for i in range(n_learners)]
+
+
+def connect_learner(addr: str, port: int, learner_rank: int, n_learners: int, timeout_s: float,
+                    secret: bytes) -> tuple[socket.socket, Keys]:
+    """Connect to the rollout (retrying while nobody listens, up to timeout_s) and run the
+    learner's half of the handshake: the socket and the link's keys."""
+    where, deadline = f"{addr}:{port}", time.monotonic() + timeout_s
+    while True:
+        try:
+            sock = socket.create_connection((addr, port),
+                                            timeout=max(0.1, deadline - time.monotonic()))
+            break
+        except OSError as e:
+            if time.monotonic() + 0.05 >= deadline:
+                raise ChannelTimeout(f"learner rank {learner_rank}: the channel at {where} is not "
+                                     f"reachable within {timeout_s:g} s ({e.strerror or e})"
+                                     ) from None
+            time.sleep(0.05)
+    try:
+        sock.settimeout(max(0.1, min(_HANDSHAKE_S, deadline - time.monotonic())))
+        return sock, learner_handshake(_nodelay(sock), secret, learner_rank, n_learners, where)
+    except BaseException:
+        sock.close()
+        raise
 
 
 def open_learner_side(addr: str, port: int, learner_rank: int, n_learners: int,
                       timeout_s: float = 300, limits: Limits = DEFAULT_LIMITS,
-                      realtime_io: bool = False) -> Link:
-    """Join the rollout's rendezvous (waiting for it up to timeout_s) as `learner_rank`.
-    `realtime_io`: the link's threads (gloo I/O, reader) run under SCHED_FIFO; the
-    calling thread keeps its policy."""
+                      realtime_io: bool = False, *, secret: bytes) -> Link:
+    """Join the rollout's channel (waiting for it up to timeout_s) as `learner_rank`.
+    `realtime_io`: the link's reader runs under SCHED_FIFO; the calling thread keeps its
+    policy."""
     if not 0 <= learner_rank < n_learners:
         raise ChannelError(f"learner_rank {learner_rank} outside [0, {n_learners})")
+    check_secret(secret)
     if realtime_io:
         _require_realtime(f"learner rank {learner_rank}")
-    try:
-        store = dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
-        wire, n = (store.get(k).decode() for k in ("tsync/wire_version", "tsync/n_learners"))
-    except (RuntimeError, OSError) as e:
-        raise ChannelTimeout(f"learner rank {learner_rank}: channel rendezvous at {addr}:{port} "
-                             f"not reachable within {timeout_s:g} s ({e})") from None
-    if wire != str(WIRE_VERSION):
-        raise ChannelError(f"rollout speaks wire version {wire}, this learner {WIRE_VERSION}")
-    if n != str(n_learners):
-        raise ChannelError(f"rollout expects {n} learner ranks, this learner was launched with "
-                           f"{n_learners}")
+    sock, keys = connect_learner(addr, port, learner_rank, n_learners, timeout_s, secret)
     with _threads_created_realtime(realtime_io):
-        try:
-            pg = _gloo_group(store, learner_rank, 1, _local_ip_towards(addr, port), timeout_s)
-        except RuntimeError as e:
-            raise ChannelTimeout(
-                f"learner rank {learner_rank}: link to the rollout at {addr}:{port} not built "
-                f"within {timeout_s:g} s ({str(e).splitlines()[0]})") from None
-        return Link(pg, store, "learner", learner_rank, timeout_s, limits)
+        return Link(sock, keys, "learner", learner_rank, timeout_s, limits)

@@ -29,10 +29,12 @@ from tsync_mcore.channel.messages import MESSAGES, Message
 from tsync_mcore.channel.schema import At, Kind, Nested, Slots
 
 MAGIC = 0x7473796E63  # b"tsync"
-WIRE_VERSION = 5  # 2: payload checksum is position-weighted CRC-32; 3: GroupRewards;
+WIRE_VERSION = 6  # 2: payload checksum is position-weighted CRC-32; 3: GroupRewards;
 # 4: a message travels as one fixed-size frame (header + payloads), see link.py;
 # 5: layout derived from messages.py: scalars packed into one int64 and one float64 payload,
-#    texts and JSON into one utf-8 payload (byte lengths in the ints); Rejected, DropGroup
+#    texts and JSON into one utf-8 payload (byte lengths in the ints); Rejected, DropGroup;
+# 6: TCP links instead of gloo: an authenticated join handshake (handshake.py), and frames
+#    sized by their header and sealed with an HMAC-SHA256 (link.py)
 HEADER_LEN = 16
 MAX_PAYLOADS = 9  # header slots 5..13
 _MOD = 1 << 62  # checksums stay far from int64 overflow
@@ -153,8 +155,9 @@ def _utf8(spec: _Spec, texts: list[str | None]) -> list[bytes | None]:
     return out
 
 
-def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> list[torch.Tensor]:
-    """The tensors of one message: [header int64[16], payload_0, ...], all on CPU."""
+def encode_arrays(msg: Message,
+                  limits: Limits = DEFAULT_LIMITS) -> tuple[list[int], list[np.ndarray]]:
+    """One message as (its 16 header values, its payloads as flat numpy arrays)."""
     spec = _SPEC_OF_CLASS.get(type(msg))
     if spec is None:
         raise ChannelError(f"cannot encode {type(msg).__name__}: not a channel message")
@@ -181,10 +184,15 @@ def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> list[torch.Tensor]:
     h[14] = _payload_checksum(payloads)
     h[15] = sum(h[:15]) % _MOD
     check_header_values(h, limits)  # the sender learns of an over-limit message, not the peer
+    return h, payloads
+
+
+def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> list[torch.Tensor]:
+    """The tensors of one message: [header int64[16], payload_0, ...], all on CPU."""
+    h, payloads = encode_arrays(msg, limits)
     return [torch.tensor(h, dtype=torch.int64),
             *(torch.from_numpy(p) if p.size else torch.empty(0, dtype=_TORCH_OF[p.dtype.type])
               for p in payloads)]  # numpy's empty arrays can have stride 0: not viewable
-
 
 
 # ---------------------------------------------------------------- tensor → value
@@ -226,9 +234,14 @@ def check_header_values(h: list[int],
             if numel != rule:
                 raise ChannelError(f"{name} payload {j} ({pname}): {numel} elements, expected "
                                    f"{rule}")
-        elif not 0 <= numel <= (limit := limits.max_tokens if rule == TOKENS else limits.max_bytes):
-            raise ChannelError(f"{name} payload {j} ({pname}): {numel} elements, over the limit "
-                               f"{'max_tokens' if rule == TOKENS else 'max_bytes'}={limit}")
+        else:
+            limit = limits.max_tokens if rule == TOKENS else limits.max_bytes
+            if numel < 0:
+                raise ChannelError(f"{name} payload {j} ({pname}): negative size {numel}")
+            if numel > limit:
+                raise ChannelError(f"{name} payload {j} ({pname}): {numel} elements, over the "
+                                   f"limit {'max_tokens' if rule == TOKENS else 'max_bytes'}="
+                                   f"{limit}")
         specs.append((pname, dtype, numel))
     if any(h[5 + len(schema):14]):
         raise ChannelError(f"{name}: header has descriptors beyond its {len(schema)} payloads")

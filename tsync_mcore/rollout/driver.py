@@ -9,7 +9,8 @@
       each turn to its group's owner the moment the teacher scored it (OPD). A source
       that fails validation here, or that a learner rank rejects (Rejected), drops its
       group: DropGroup → every rank, and nothing more of the group is sent
-      CloseBatch → every rank; wait for Publish(θ_{k+1}), reload in place, reset the prefix
+      CloseBatch → every rank; wait for Publish(θ_{k+1}) (a path under run.publish_dir, or the
+      rollout stops), reload in place, reset the prefix
       cache, Ack. Only then does batch k+1 start.
 A learner that dies or stops surfaces here as PeerGone/ChannelTimeout: the rollout stops
 cleanly with that reason instead of hanging.
@@ -28,7 +29,8 @@ from transformers import AutoConfig, AutoTokenizer
 
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, GroupRewards, Hello,
                                  Link, PeerGone, Publish, RegisterBatch, Rejected, Shutdown,
-                                 TrajectoryMsg, TurnMsg, open_rollout_side)
+                                 TrajectoryMsg, TurnMsg, channel_secret,
+                                 open_rollout_side)
 from tsync_mcore import publish
 from tsync_mcore.config import Config
 from tsync_mcore.objectives import OBJECTIVES
@@ -74,7 +76,8 @@ class RolloutDriver:
         ch = cfg.channel
         self.links: list[Link] = open_rollout_side(ch.addr, ch.port, self.rc.n_learners,
                                                    timeout_s=ch.timeout_s,
-                                                   realtime_io=ch.realtime_io)
+                                                   realtime_io=ch.realtime_io,
+                                                   secret=channel_secret(cfg))
         self.tok = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
         # Sources are checked here as the learner checks them, so a bad one (a broken reward
         # function, an engine emitting ids outside the vocabulary) drops its group before
@@ -301,42 +304,15 @@ class RolloutDriver:
         version now served, None once the learner says it finished. A notice for `kept`
         (the version already loaded) means the learner dropped the batch without stepping
         (a non-finite gradient): the weights stay, and the next batch is for `kept` again."""
-        try:
-            msg = self.links[0].recv(timeout_s=self.cfg.channel.timeout_s)
-            while isinstance(msg, Rejected):  # after the close: the learners agree on it
-                print(f"[rollout] learner rejected {msg.source} of update {msg.version} after "
-                      f"the batch closed: {msg.reason}", flush=True)
-                msg = self.links[0].recv(timeout_s=self.cfg.channel.timeout_s)
-        except PeerGone:
-            if (self.links[0].peer_shutdown or "").startswith(FINISHED):
-                return None
-            raise
-        if isinstance(msg, Shutdown):
-            if msg.reason.startswith(FINISHED):
-                return None
-            raise RolloutStopped(f"learner shut down: {msg.reason}")
-        if not isinstance(msg, Publish):
-            raise RolloutStopped(f"expected Publish, got {type(msg).__name__}")
-        if kept is not None and msg.version == kept:
+        msg = await_publish(self.links[0], version, self.cfg.channel.timeout_s,
+                            publish.resolve_dir(self.cfg.run), kept=kept)
+        if msg is None:
+            return None
+        if msg.version == kept:
             print(f"[rollout] learner dropped the batch of version {kept} (non-finite "
                   f"gradient); θ_{kept} stays loaded", flush=True)
             self.links[0].send(Ack(version=kept, ok=True, reload_time_s=0.0))
             return kept
-        if msg.version != version:
-            self.links[0].send(Ack(version=msg.version, ok=False,
-                                   error=f"rollout expected version {version}"))
-            raise RolloutStopped(f"learner published version {msg.version}, expected {version}")
-        # Load only from this run's private publication directory, whatever the notice says.
-        want = publish.path_for(publish.resolve_dir(self.cfg.run), version)
-        if os.path.realpath(msg.path) != os.path.realpath(want):
-            self.links[0].send(Ack(version=version, ok=False, error=f"rollout loads {want}"))
-            raise RolloutStopped(f"learner published {msg.path}, this rollout expects {want} "
-                                 f"(both must run the same config from the same directory)")
-        try:
-            publish.check_private_dir(os.path.dirname(want))
-        except publish.PublishDirError as e:
-            self.links[0].send(Ack(version=version, ok=False, error=str(e)))
-            raise RolloutStopped(str(e)) from None
         try:
             seconds = self.et.run(self.engine.reload_weights(msg.path))
         except Exception as e:  # tell the learner; it must not train on the old policy
@@ -351,3 +327,56 @@ class RolloutDriver:
             raise RolloutStopped(f"expected {kind.__name__} from learner rank {rank}, "
                                  f"got {type(msg).__name__}")
         return msg
+
+
+def await_publish(link: Link, version: int, timeout_s: float, publish_dir: str,
+                  kept: int | None = None) -> Publish | None:
+    """The Publish of θ_version (or of `kept`, a dropped batch's θ_k again) from learner
+    rank 0's link, checked: its version, and exactly this version's file in the private
+    `publish_dir` (publish.resolve_dir), so a learner can only make the rollout load what the
+    learners publish. None once the learner says it finished; RolloutStopped for anything
+    else (a wrong version or path is told to the learner with a failed Ack)."""
+    try:
+        msg = link.recv(timeout_s=timeout_s)
+        while isinstance(msg, Rejected):  # after the close: the learners agree on it
+            print(f"[rollout] learner rejected {msg.source} of update {msg.version} after "
+                  f"the batch closed: {msg.reason}", flush=True)
+            msg = link.recv(timeout_s=timeout_s)
+    except PeerGone:
+        if (link.peer_shutdown or "").startswith(FINISHED):
+            return None
+        raise
+    if isinstance(msg, Shutdown):
+        if msg.reason.startswith(FINISHED):
+            return None
+        raise RolloutStopped(f"learner shut down: {msg.reason}")
+    if not isinstance(msg, Publish):
+        raise RolloutStopped(f"expected Publish, got {type(msg).__name__}")
+    if msg.version != version and msg.version != kept:
+        link.send(Ack(version=msg.version, ok=False, error=f"rollout expected version {version}"))
+        raise RolloutStopped(f"learner published version {msg.version}, expected {version}")
+    why = _outside(msg.path, publish_dir)
+    want = publish.path_for(publish_dir, msg.version)
+    if not why and os.path.realpath(msg.path) != os.path.realpath(want):
+        why = (f"learner published {msg.path}, this rollout loads {want} (both must run the "
+               f"same config from the same directory)")
+    if not why:
+        try:
+            publish.check_private_dir(publish_dir)
+        except publish.PublishDirError as e:
+            why = str(e)
+    if why:
+        link.send(Ack(version=msg.version, ok=False, error=why))
+        raise RolloutStopped(why)
+    return msg
+
+
+def _outside(path: str, publish_dir: str) -> str | None:
+    """Why `path` is not a file name under `publish_dir` (realpaths compared), or None."""
+    if not path or "\0" in path:
+        return f"published path {path!r} is not a file name; expected one under run.publish_dir"
+    root, real = os.path.realpath(publish_dir), os.path.realpath(path)
+    if real == root or os.path.commonpath([real, root]) != root:
+        return (f"published path {path!r} resolves to {real}, outside run.publish_dir {root}: "
+                f"refusing to load it")
+    return None
