@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import socket
 import subprocess
@@ -57,11 +58,14 @@ def run_dist(
             f"--- stderr tail ---\n{proc.stderr[-8000:]}\n"
             f"--- stdout tail ---\n{proc.stdout[-3000:]}"
         )
-    results = [
-        json.loads(line[len(RESULT_PREFIX):])
-        for line in proc.stdout.splitlines()
-        if line.startswith(RESULT_PREFIX)
-    ]
+    # Each RESULT object wherever it starts: ranks share the pipe, and another rank's output
+    # may end up on the same line.
+    decoder, results = json.JSONDecoder(), []
+    for m in re.finditer(re.escape(RESULT_PREFIX), proc.stdout):
+        try:
+            results.append(decoder.raw_decode(proc.stdout, m.end())[0])
+        except json.JSONDecodeError:
+            pass
     if len(results) != nproc:
         raise AssertionError(
             f"expected {nproc} RESULT lines, got {len(results)}\n"
