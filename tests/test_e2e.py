@@ -323,6 +323,15 @@ def test_bad_sources_over_the_channel_are_rejected_and_change_nothing(tiny_qwen2
         assert what in err, what
 
 
+def register_static(links, v, srcs) -> dict[str, int]:
+    """Register batch v of `srcs` on every rank (static routing); returns group → owner."""
+    plan = BatchPlan.from_sources(srcs)
+    for link in links:
+        link.send(RegisterBatch(version=v, objective="grpo", groups=plan.groups, n_turns={},
+                                data_pos=v + 1, routing="static"))
+    return assign_groups(plan, {}, 2)
+
+
 def _rollout_with_a_bad_member(port, updates, run_dir, bad_group=None, without=None):
     """Scripted rollout: in batch 0 one member of `bad_group` arrives with a token outside
     the vocabulary (its valid copy never comes); the learner that owns the group rejects it
@@ -344,11 +353,7 @@ def _rollout_with_a_bad_member(port, updates, run_dir, bad_group=None, without=N
         serve_publish(0)
         for v in range(updates):
             srcs = [s for s in sources(v) if v or s.group_id != without]
-            plan = BatchPlan.from_sources(srcs)
-            owner = assign_groups(plan, {}, 2)
-            for link in links:
-                link.send(RegisterBatch(version=v, objective="grpo", groups=plan.groups,
-                                        n_turns={}, data_pos=v + 1, routing="static"))
+            owner = register_static(links, v, srcs)
             for s in srcs:
                 if v == 0 and s.group_id == bad_group and s.traj_id.endswith("-t1"):
                     s = replace(s, tokens=s.tokens[:-1] + (256,))

@@ -10,10 +10,9 @@ from dataclasses import replace
 from safetensors.torch import load_file
 import torch
 
-from test_e2e import finish, free_port, rollout_links, sources, start_learner
-from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, Hello, Publish, RegisterBatch,
-                                 Shutdown, TrajectoryMsg)
-from tsync_mcore.sources import BatchPlan, assign_groups
+from test_e2e import finish, free_port, register_static, rollout_links, sources, start_learner
+from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, Hello, Publish, Shutdown,
+                                 TrajectoryMsg)
 
 # adv_eps this small lets a group whose rewards differ by 1e-300 overflow its FP32 scale
 POISON = ["learner.adv_eps=1e-300", "learner.check_finite=source"]
@@ -51,11 +50,7 @@ def rollout(port, run, updates, poison_at=None):
         while v < updates:
             srcs = poisoned(v) if v == poison else sources(v)
             poison = None if v == poison else poison
-            plan = BatchPlan.from_sources(srcs)
-            owner = assign_groups(plan, {}, 2)
-            for link in links:
-                link.send(RegisterBatch(version=v, objective="grpo", groups=plan.groups,
-                                        n_turns={}, data_pos=v + 1, routing="static"))
+            owner = register_static(links, v, srcs)
             for s in srcs:
                 links[owner[s.group_id]].send(TrajectoryMsg(s))
             for link in links:
