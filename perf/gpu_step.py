@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import kernels as kbench  # noqa: E402
-import triton_kernels as K  # noqa: E402
+import tsync_mcore.kernels as K  # noqa: E402
 from tsync_mcore.ledger.flops import train_flops  # noqa: E402
 from tsync_mcore.ledger.mfu import detect_peak, mfu_active  # noqa: E402
 

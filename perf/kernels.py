@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import triton_kernels as K  # noqa: E402
-from triton_kernels import dispatch  # noqa: E402
+import tsync_mcore.kernels as K  # noqa: E402
+from tsync_mcore.kernels import dispatch  # noqa: E402
 
 __all__ = ["HBM_PEAK_BYTES_PER_S", "hbm_peak", "machine_name", "run_benchmarks", "main"]
 

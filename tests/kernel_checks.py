@@ -61,7 +61,7 @@ def _reference(logits: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Ten
 
 
 def _check_scored_logprob(out: dict) -> None:
-    import triton_kernels as tk
+    import tsync_mcore.kernels as tk
 
     for name, dtype in DTYPES.items():
         logits, targets = _make_logits(dtype)
@@ -95,7 +95,7 @@ def _check_scored_logprob(out: dict) -> None:
 
 def _check_vocab_parallel(out: dict) -> None:
     """Two shards combined with the same function the autograd uses == unsharded."""
-    import triton_kernels as tk
+    import tsync_mcore.kernels as tk
 
     for name in ("fp64", "fp32"):
         logits, targets = _make_logits(DTYPES[name], seed=3)
@@ -110,7 +110,7 @@ def _check_vocab_parallel(out: dict) -> None:
 
 
 def _check_accumulate(out: dict) -> None:
-    import triton_kernels as tk
+    import tsync_mcore.kernels as tk
 
     gen = torch.Generator().manual_seed(5)
 
@@ -150,7 +150,7 @@ def _tp_worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
     """One TP rank: scored_logprob on its vocab shard with a real gloo group, both backends."""
     import torch.distributed as dist
 
-    import triton_kernels as tk
+    import tsync_mcore.kernels as tk
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     group = dist.new_group(list(range(world)))
@@ -186,7 +186,7 @@ def _check_tp_gloo(out: dict) -> None:
 
 
 def numerics() -> dict:
-    import triton_kernels as tk
+    import tsync_mcore.kernels as tk
 
     out: dict = {}
     probe = torch.zeros(1)
@@ -209,8 +209,8 @@ def aot() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from triton_kernels import grpo_accumulate_kernels as acc_k
-    from triton_kernels import scored_logprob_kernels as lp_k
+    from tsync_mcore.kernels import grpo_accumulate_kernels as acc_k
+    from tsync_mcore.kernels import scored_logprob_kernels as lp_k
 
     target = GPUTarget("cuda", 90, 32)
     aligned = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned, as the JIT would note
@@ -268,7 +268,7 @@ def aot() -> dict:
 def no_triton() -> dict:
     """With triton unimportable the package imports and every entry point runs on torch."""
     sys.modules["triton"] = None  # makes `import triton` raise ImportError
-    import triton_kernels as tk
+    import tsync_mcore.kernels as tk
 
     logits, targets = _make_logits(torch.float64)
     x = logits.clone().requires_grad_()

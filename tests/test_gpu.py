@@ -28,7 +28,7 @@ ACC_FP32_REL_TOL = 1e-6
 
 @pytest.fixture
 def triton_forced(monkeypatch):
-    import triton_kernels as tk
+    import tsync_mcore.kernels as tk
 
     monkeypatch.setenv("TSYNC_KERNELS", "triton")
     assert tk.backend_for(torch.empty(0, device="cuda")) == "triton"

@@ -1,4 +1,4 @@
-"""triton_kernels: numerics vs FP64 torch references, TP combine, dispatch, sm_90 AOT compile.
+"""tsync_mcore.kernels: numerics vs FP64 torch references, TP combine, dispatch, sm_90 AOT compile.
 
 The Triton checks run in subprocesses (tests/kernel_checks.py): the interpreter needs
 TRITON_INTERPRET=1 before Triton's first import, the AOT compile needs it unset, and
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from triton_kernels import dispatch
+from tsync_mcore.kernels import dispatch
 
 CHECKS = Path(__file__).with_name("kernel_checks.py")
 REPO = CHECKS.parents[1]
@@ -185,7 +185,7 @@ def test_unknown_mode_rejected(monkeypatch, cpu_tensor):
 
 
 def test_accumulate_rejects_bad_inputs():
-    from triton_kernels import accumulate_g1g2_
+    from tsync_mcore.kernels import accumulate_g1g2_
 
     with pytest.raises(ValueError):
         accumulate_g1g2_(torch.zeros(4), torch.zeros(4), torch.zeros(5), 1.0)

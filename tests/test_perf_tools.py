@@ -221,7 +221,7 @@ def test_kernels_fused_equals_log_softmax_gather():
     gen = torch.Generator().manual_seed(0)
     logits = 3 * torch.randn(32, 1000, generator=gen)
     targets = torch.randint(0, 1000, (32,), generator=gen)
-    import triton_kernels as K
+    import tsync_mcore.kernels as K
 
     with kernels._backend("torch"):
         fused = K.scored_logprob(logits, targets)

@@ -386,3 +386,21 @@ def test_skyrl_gym_adapter(et, engine, tok):
     res = et.run(run_trajectory(engine, env, seed=0, max_turns=2, max_tokens_per_turn=12,
                                 max_total_tokens=300))
     check_well_formed(res, max_turns=2, max_tokens_per_turn=12, max_total_tokens=300)
+
+
+def test_vllm_does_not_see_our_kernels_as_triton_kernels(tmp_path):
+    """vLLM probes for the Triton project's `triton_kernels` library at start-up; a package of
+    ours under that name shadowed it and every start logged a failed import. A process set up
+    like the rollout launcher (the installed package, no repository root on sys.path) must
+    find no `triton_kernels` while our kernels import as `tsync_mcore.kernels`."""
+    import subprocess
+    import sys
+    code = ("import tsync_mcore.kernels, importlib.util\n"
+            "from vllm.utils.import_utils import has_triton_kernels\n"
+            "print(importlib.util.find_spec('triton_kernels') is None, has_triton_kernels())\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-2:] == ["True", "False"], proc.stdout + proc.stderr[-2000:]
+    assert "Failed to import Triton kernels" not in proc.stderr

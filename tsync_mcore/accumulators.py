@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-import triton_kernels as K
+import tsync_mcore.kernels as K
 
 
 _F32_MAX = float(torch.finfo(torch.float32).max)

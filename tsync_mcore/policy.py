@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import triton_kernels as K
+import tsync_mcore.kernels as K
 from tsync_mcore.config import Config
 from tsync_mcore.model import bridge, span, train
 from tsync_mcore.model.parallel import ParallelInfo, init_parallel

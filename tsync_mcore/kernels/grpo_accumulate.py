@@ -11,7 +11,7 @@ from typing import Iterator
 
 import torch
 
-from triton_kernels.dispatch import backend_for
+from tsync_mcore.kernels.dispatch import backend_for
 
 __all__ = ["accumulate_g1g2_", "axpy_", "combine_group_"]
 
@@ -51,7 +51,7 @@ def accumulate_g1g2_(g1: torch.Tensor, g2: torch.Tensor, grad: torch.Tensor, r: 
     _check((g1, g2), (grad,))
     g1, g2, grad = g1.view(-1), g2.view(-1), grad.view(-1)
     if backend_for(g1) != "torch":
-        from triton_kernels import grpo_accumulate_kernels as kernels
+        from tsync_mcore.kernels import grpo_accumulate_kernels as kernels
 
         kernels.accumulate_g1g2_(g1, g2, grad, r)
         return
@@ -71,7 +71,7 @@ def combine_group_(acc: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor, mu: fl
     _check((acc, g1, g2), ())
     acc, g1, g2 = acc.view(-1), g1.view(-1), g2.view(-1)
     if backend_for(acc) != "torch":
-        from triton_kernels import grpo_accumulate_kernels as kernels
+        from tsync_mcore.kernels import grpo_accumulate_kernels as kernels
 
         kernels.combine_group_(acc, g1, g2, mu, scale)
         return
@@ -90,7 +90,7 @@ def axpy_(acc: torch.Tensor, grad: torch.Tensor, a: float, fresh: bool = False) 
     _check((acc,), (grad,))
     acc, grad = acc.view(-1), grad.view(-1)
     if backend_for(acc) != "torch":
-        from triton_kernels import grpo_accumulate_kernels as kernels
+        from tsync_mcore.kernels import grpo_accumulate_kernels as kernels
 
         kernels.axpy_(acc, grad, a, fresh)
         return

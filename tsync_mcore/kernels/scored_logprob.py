@@ -14,7 +14,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from triton_kernels.dispatch import backend_for
+from tsync_mcore.kernels.dispatch import backend_for
 
 __all__ = [
     "LogprobPartials",
@@ -106,7 +106,7 @@ def logprob_partials(
     targets = targets.to(torch.int64).contiguous()
     if backend_for(logits) == "torch":
         return _partials_torch(logits, targets, vocab_start)
-    from triton_kernels import scored_logprob_kernels as kernels
+    from tsync_mcore.kernels import scored_logprob_kernels as kernels
 
     return LogprobPartials(*kernels.partials(logits, targets, vocab_start, _acc_dtype(logits.dtype), block_v))
 
@@ -127,7 +127,7 @@ def scored_logprob_backward(
     grad_logp = grad_logp.contiguous()
     if backend_for(logits) == "torch":
         return _backward_torch(logits, targets, vocab_start, lse, grad_logp)
-    from triton_kernels import scored_logprob_kernels as kernels
+    from tsync_mcore.kernels import scored_logprob_kernels as kernels
 
     return kernels.backward(logits, targets, vocab_start, lse, grad_logp, block_v)
 
