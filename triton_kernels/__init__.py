@@ -8,6 +8,7 @@ from triton_kernels.grpo_accumulate import accumulate_g1g2_, axpy_, combine_grou
 from triton_kernels.scored_logprob import (
     LogprobPartials,
     all_reduce_partials,
+    combine_entropy,
     combine_partials,
     logprob_partials,
     scored_logprob,
@@ -20,6 +21,7 @@ __all__ = [
     "all_reduce_partials",
     "axpy_",
     "backend_for",
+    "combine_entropy",
     "combine_group_",
     "combine_partials",
     "logprob_partials",
