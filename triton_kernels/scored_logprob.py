@@ -87,9 +87,11 @@ def _partials_torch(
         alpha = torch.exp(m - ref)
         d = x - ref[:, None]
         e = torch.exp(d)
+        s_new = s * alpha + e.sum(dim=1)
         if w is not None:  # rescaled to the new max; -inf logits (e = 0) add 0, not NaN
-            w = alpha * (w + _shift(m, ref) * s) + (e * torch.where(e > 0, d, 0.0)).sum(dim=1)
-        s = s * alpha + e.sum(dim=1)
+            contrib = d.clamp_min_(torch.finfo(acc).min).mul_(e).sum(dim=1)  # in place: d is ours
+            w = alpha * (w + _shift(m, ref) * s) + contrib
+        s = s_new
         m = m_new
     local, owned = _target_columns(targets, vocab_start, n_cols)
     picked = logits.gather(1, local.clamp(0, max(n_cols - 1, 0))[:, None]).squeeze(1).to(acc)
