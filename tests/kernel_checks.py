@@ -60,6 +60,12 @@ def _reference(logits: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Ten
     return logp.detach(), x.grad
 
 
+def _entropy_reference(logits: torch.Tensor) -> torch.Tensor:
+    """FP64 entropy of each row's full softmax, -sum p log p (p = 0 terms count 0)."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    return -(logp.exp() * torch.where(torch.isneginf(logp), 0.0, logp)).sum(dim=-1)
+
+
 def _check_scored_logprob(out: dict) -> None:
     import tsync_mcore.kernels as tk
 
@@ -78,6 +84,12 @@ def _check_scored_logprob(out: dict) -> None:
         if dtype == torch.bfloat16:
             # bf16 grads are rounded on store: judge them in bf16 ulps of the rounded reference.
             out[f"bwd_ulp_{name}"] = _bf16_ulps(x.grad, ref_grad)
+        # with_entropy: the same logp, and the entropy from the same pass, with no gradient.
+        y = logits.clone().requires_grad_()
+        logp2, ent = tk.scored_logprob(y, targets, with_entropy=True)
+        out[f"ent_logp_same_{name}"] = float(torch.equal(logp2.detach(), logp.detach()))
+        out[f"ent_no_grad_{name}"] = float(not ent.requires_grad and ent.dtype == out_dtype)
+        out[f"ent_err_{name}"] = _max_abs(ent, _entropy_reference(logits))
 
     # [..., V] input that is not contiguous, flattened and reshaped back by the wrapper.
     gen = torch.Generator().manual_seed(2)
@@ -104,6 +116,8 @@ def _check_vocab_parallel(out: dict) -> None:
         shards = [(0, logits[:, :SHARD_SPLIT]), (SHARD_SPLIT, logits[:, SHARD_SPLIT:])]
         parts = [tk.logprob_partials(shard, targets, start) for start, shard in shards]
         lse, tgt = tk.combine_partials(parts)
+        ent_parts = [tk.logprob_partials(shard, targets, start, entropy=True) for start, shard in shards]
+        out[f"tp_sim_ent_err_{name}"] = _max_abs(tk.combine_entropy(ent_parts), _entropy_reference(logits))
         grads = [tk.scored_logprob_backward(shard, targets, start, lse, grad_logp) for start, shard in shards]
         out[f"tp_sim_fwd_err_{name}"] = _max_abs(tgt - lse, ref_logp)
         out[f"tp_sim_bwd_err_{name}"] = _max_abs(torch.cat(grads, dim=1), ref_grad)
@@ -163,7 +177,8 @@ def _tp_worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
         shard = logits[:, start:stop].clone().requires_grad_()
         logp = tk.scored_logprob(shard, targets, vocab_start=start, tp_group=group)
         (logp * grad_logp).sum().backward()
-        results[backend] = {"logp": logp.detach(), "grad": shard.grad, "start": start, "stop": stop}
+        _, ent = tk.scored_logprob(shard.detach(), targets, vocab_start=start, tp_group=group, with_entropy=True)
+        results[backend] = {"logp": logp.detach(), "grad": shard.grad, "ent": ent, "start": start, "stop": stop}
     torch.save(results, os.path.join(result_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -183,6 +198,7 @@ def _check_tp_gloo(out: dict) -> None:
         # Every rank must hold the full-vocab logp; each holds the grad of its own columns.
         out[f"{backend}:tp_gloo_fwd_err_fp64"] = max(_max_abs(r["logp"], ref_logp) for r in res)
         out[f"{backend}:tp_gloo_bwd_err_fp64"] = _max_abs(torch.cat([r["grad"] for r in res], dim=1), ref_grad)
+        out[f"{backend}:tp_gloo_ent_err_fp64"] = max(_max_abs(r["ent"], _entropy_reference(logits)) for r in res)
 
 
 def numerics() -> dict:
@@ -232,8 +248,9 @@ def aot() -> dict:
     for logits_ty, acc_ty in (("fp32", "fp32"), ("bf16", "fp32"), ("fp64", "fp64")):
         fwd_sig = {
             "logits_ptr": f"*{logits_ty}", "targets_ptr": "*i64",
-            "m_ptr": f"*{acc_ty}", "s_ptr": f"*{acc_ty}", "tgt_ptr": f"*{acc_ty}",
+            "m_ptr": f"*{acc_ty}", "s_ptr": f"*{acc_ty}", "tgt_ptr": f"*{acc_ty}", "w_ptr": f"*{acc_ty}",
             "n_cols": "i32", "stride_row": "i32", "vocab_start": "i32", "BLOCK_V": "constexpr",
+            "ENTROPY": "constexpr",
         }
         bwd_sig = {
             "logits_ptr": f"*{logits_ty}", "targets_ptr": "*i64", "lse_ptr": f"*{acc_ty}",
@@ -241,7 +258,9 @@ def aot() -> dict:
             "n_cols": "i32", "stride_row": "i32", "grad_stride_row": "i32", "vocab_start": "i32",
             "BLOCK_V": "constexpr",
         }
-        variants[f"scored_logprob_fwd_{logits_ty}"] = (lp_k.scored_logprob_fwd_kernel, fwd_sig, lp, lp_k.GPU_NUM_WARPS)
+        for ent in (False, True):
+            variants[f"scored_logprob_fwd_{logits_ty}{'_entropy' * ent}"] = (
+                lp_k.scored_logprob_fwd_kernel, fwd_sig, dict(lp, ENTROPY=ent), lp_k.GPU_NUM_WARPS)
         variants[f"scored_logprob_bwd_{logits_ty}"] = (lp_k.scored_logprob_bwd_kernel, bwd_sig, lp, lp_k.GPU_NUM_WARPS)
     for acc_ty, grad_ty in (("fp32", "bf16"), ("fp32", "fp32"), ("fp64", "bf16")):
         sig = {"g1_ptr": f"*{acc_ty}", "g2_ptr": f"*{acc_ty}", "grad_ptr": f"*{grad_ty}", "r": "fp64",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import math
+import os
 import socket
 import typing
 from dataclasses import dataclass, field
@@ -122,12 +123,23 @@ class RunConfig:
     # Python GC: automatic collection off, one pass after publishing every N updates
     # (0: Python's automatic GC, whose full passes stalled the learner mid-stream)
     gc_every: int = 1
+    # Where each update's metrics go (tsync_mcore.tracking): console, jsonl (metrics.jsonl,
+    # which report/predict read), tensorboard, wandb (offline unless WANDB_API_KEY is set),
+    # mlflow (a file store under run.dir unless MLFLOW_TRACKING_URI is set)
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    project: str = ""  # W&B project / MLflow experiment; "": tsync-mcore
+    name: str = ""  # W&B / MLflow run name; "": the last part of run.dir
 
     def validate(self) -> None:
         _check(self.updates >= 1, "run.updates", f"must be >= 1, got {self.updates}")
         _check(self.save_every >= 0, "run.save_every", "must be >= 0")
         _check(self.gc_every >= 0, "run.gc_every", f"must be >= 0, got {self.gc_every}")
         _check(bool(self.dir), "run.dir", "must not be empty")
+        from tsync_mcore.tracking import check_loggers  # the tracking module names the backends
+        why = check_loggers(self.loggers)
+        _check(why is None, "run.loggers", why or "")
+        self.project = self.project or "tsync-mcore"  # resolved once: config.yaml says it
+        self.name = self.name or os.path.basename(os.path.normpath(os.path.abspath(self.dir)))
 
 
 @dataclass
@@ -263,6 +275,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is str:
         _check(isinstance(value, str), key, f"must be a string, got {value!r}")
         return value
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        _check(isinstance(value, list), key, f"must be a list, e.g. [a, b], got {value!r}")
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     raise ConfigError(f"config key '{key}': unsupported type {tp}")
 
 

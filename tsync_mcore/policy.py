@@ -49,6 +49,9 @@ class Policy:
         self._buffers = train.grad_buffers(self.ddp)
         self._reduced = train.reduced_grad_ranges(self.ddp)  # this rank's part after the reduce
         self._grad_slices = self._map_grad_slices()
+        # Entropy of the scored tokens served since the last take_entropy() (a metric).
+        self._entropy_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._entropy_tokens = 0
 
     @property
     def vocab_size(self) -> int:
@@ -70,9 +73,22 @@ class Policy:
         return float(logp.detach().sum())
 
     def scored_logprob(self, logits: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor):
-        """log π(ids[pos] | ids[:pos]) from logits of positions pos − 1 (vocab-parallel safe)."""
-        return K.scored_logprob(logits[pos - 1], ids[pos], vocab_start=self.vocab_start,
-                                tp_group=self._tp_group)
+        """log π(ids[pos] | ids[:pos]) from logits of positions pos − 1 (vocab-parallel safe).
+
+        The same pass adds the entropy of π(· | ids[:pos]) at each scored position to the
+        sums `take_entropy` returns (no gradient; its TP partials share the SUM collective)."""
+        logp, ent = K.scored_logprob(logits[pos - 1], ids[pos], vocab_start=self.vocab_start,
+                                     tp_group=self._tp_group, with_entropy=True)
+        self._entropy_sum += ent.sum(dtype=torch.float64)
+        self._entropy_tokens += ent.numel()
+        return logp
+
+    def take_entropy(self) -> tuple[float, int]:
+        """(Σ entropy, scored tokens) since the last call, and reset (one host sync)."""
+        out = float(self._entropy_sum), self._entropy_tokens
+        self._entropy_sum.zero_()
+        self._entropy_tokens = 0
+        return out
 
     def span_forward(self, ids: torch.Tensor, offset: int, past: list[span.KV] | None,
                      *, want_logits: bool = True, stop_after_kv: bool = False):

@@ -30,8 +30,10 @@ from tsync_mcore.ledger.account import update_flops
 from tsync_mcore.ledger.memory import MemoryMeter
 from tsync_mcore.ledger.mfu import detect_peak, mfu_active
 from tsync_mcore.ledger.nvml import NvmlSampler
+from tsync_mcore.metrics import local_stats, reduce_stats, throughput
 from tsync_mcore.policy import Policy
 from tsync_mcore.sources import BatchPlan, SourceError
+from tsync_mcore.tracking import Tracker, TrackingError
 
 
 # learner.on_nonfinite: drop_batch still stops once this many batches in a row broke: a
@@ -69,6 +71,12 @@ class Trainer:
             os.makedirs(cfg.run.dir, exist_ok=True)
             with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        self.tracker = None  # rank 0: metrics.jsonl and the run.loggers backends
+        if self.par.rank == 0:
+            try:
+                self.tracker = Tracker.from_config(cfg)
+            except TrackingError as e:
+                raise LearnerStopped(str(e)) from None
         # Measurement: the peak is measured once on CPU; memory peaks start after set-up.
         self.peak = detect_peak()
         self.memory = MemoryMeter()
@@ -109,6 +117,8 @@ class Trainer:
                 + (f"; still waiting for {waiting[:10]}" if waiting else "")
                 + f". θ and the last checkpoint are intact ({self._state()}).") from None
         finally:
+            if self.tracker is not None:
+                self.tracker.finish()
             self.nvml.stop()
             self._write_nvml_timeline()
             self.link.close()
@@ -211,6 +221,7 @@ class Trainer:
         kv_peaks = self._gather_max(done.kv_peak_bytes)
         n_stale = int(self.policy.dp_sum(stale))
         n_rejected = int(self.policy.dp_sum(len(done.rejected_sources)))
+        stats = self._learner_stats(result.trace, done.dropped_groups)
         self._write_trace(result.trace)
         self._collect_garbage()
         t_end = self._await_ack()
@@ -236,10 +247,10 @@ class Trainer:
             peak_tflops=float(self.peak) / 1e12, peak_source=self.peak.source,
             peak_mem_bytes=max(peaks), peak_mem_bytes_per_rank=peaks,
             host_accum_bytes=mem.get("host_accum_bytes"), memory=mem,
-            nvml=self.nvml.summary())
+            nvml=self.nvml.summary(), **stats,
+            tokens_per_s_per_device=throughput(stats["tokens"], step_s, self.par.world_size))
         if self.par.rank == 0:
-            with open(os.path.join(cfg.run.dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(metrics) + "\n")
+            self.tracker.log(metrics, step=self.version)
             print("STEP " + json.dumps(metrics), flush=True)
 
     def _skipped(self, result, reg: RegisterBatch) -> None:
@@ -247,6 +258,7 @@ class Trainer:
         optimizer are as they were. Nothing of it is published or checkpointed; the run
         stops, or (learner.on_nonfinite: drop_batch) republishes θ_k and goes on."""
         done = result.summary
+        self.policy.take_entropy()  # nothing of this batch is reported
         self._write_trace(result.trace)  # the update record says ok: false, and why
         names = [s for s in done.nonfinite_sources]
         gathered = [None] * self.par.world_size
@@ -272,9 +284,8 @@ class Trainer:
             # registers the next batch for version k.
             self.link.send(publish.notice(self.version,
                                           publish.path_for(self.publish_dir, self.version)))
-            with open(os.path.join(self.cfg.run.dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(dict(step=self.version, policy_version=self.version,
-                                        ok=False, skipped=why)) + "\n")
+            self.tracker.log(dict(step=self.version, policy_version=self.version, ok=False,
+                                  skipped=why), step=self.version)
         self._await_ack()
 
     # --- publication ----------------------------------------------------------------------
@@ -334,6 +345,18 @@ class Trainer:
         if not isinstance(msg, kind):
             raise LearnerStopped(f"expected {kind.__name__}, got {type(msg).__name__}")
         return msg
+
+    def _learner_stats(self, records: list, dropped) -> dict:
+        """Response lengths, tokens and the scored tokens' mean entropy over DP ranks (one
+        all-reduce; TP ranks of a DP rank hold the same, so only tp_rank 0 adds its row)."""
+        ent_sum, ent_n = self.policy.take_entropy()
+        row = local_stats(records, dropped, ent_sum, ent_n)
+        t = torch.zeros(self.par.world_size, len(row), dtype=torch.float64,
+                        device=self.policy.device)
+        if self.par.tp_rank == 0:
+            t[self.par.rank] = torch.tensor(row, dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return reduce_stats(t.tolist())
 
     def _gather_max(self, x: int) -> list[int]:
         """One value per rank (memory is per rank), via a small all-gather."""

@@ -11,6 +11,7 @@ from tsync_mcore.kernels.grpo_accumulate import accumulate_g1g2_, axpy_, combine
 from tsync_mcore.kernels.scored_logprob import (
     LogprobPartials,
     all_reduce_partials,
+    combine_entropy,
     combine_partials,
     logprob_partials,
     scored_logprob,
@@ -23,6 +24,7 @@ __all__ = [
     "all_reduce_partials",
     "axpy_",
     "backend_for",
+    "combine_entropy",
     "combine_group_",
     "combine_partials",
     "logprob_partials",

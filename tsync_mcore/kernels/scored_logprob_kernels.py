@@ -25,12 +25,15 @@ def scored_logprob_fwd_kernel(
     m_ptr,
     s_ptr,
     tgt_ptr,
+    w_ptr,
     n_cols,
     stride_row,
     vocab_start,
     BLOCK_V: tl.constexpr,
+    ENTROPY: tl.constexpr,
 ):
-    """One program per row: online max / sum-exp over vocab chunks, plus the target logit."""
+    """One program per row: online max / sum-exp over vocab chunks, plus the target logit;
+    ENTROPY: also w = sum exp(x - m) * (x - m), the row's share of the entropy."""
     row = tl.program_id(0).to(tl.int64)
     acc_ty = m_ptr.dtype.element_ty
     row_ptr = logits_ptr + row * stride_row
@@ -38,13 +41,19 @@ def scored_logprob_fwd_kernel(
 
     m = tl.full([], float("-inf"), acc_ty)
     s = tl.zeros([], acc_ty)
+    w = tl.zeros([], acc_ty)
     for start in range(0, n_cols, BLOCK_V):
         offs = start + cols
         x = tl.load(row_ptr + offs, mask=offs < n_cols, other=float("-inf")).to(acc_ty)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         # An all -inf prefix (masked vocab) would give exp(-inf - -inf) = NaN; rescale by 0 instead.
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new).to(acc_ty)
-        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(x - m_ref), axis=0)
+        alpha = tl.exp(m - m_ref)
+        e = tl.exp(x - m_ref)
+        if ENTROPY:  # rescaled to the new max: alpha * (w + (m - m_ref) * s); -inf lanes add 0
+            shift = tl.where(m == float("-inf"), 0.0, m - m_ref).to(acc_ty)
+            w = alpha * (w + shift * s) + tl.sum(e * tl.where(e > 0, x - m_ref, 0.0), axis=0)
+        s = s * alpha + tl.sum(e, axis=0)
         m = m_new
 
     # Targets are global ids; only the shard owning the id contributes its logit.
@@ -55,6 +64,8 @@ def scored_logprob_fwd_kernel(
     tl.store(m_ptr + row, m)
     tl.store(s_ptr + row, s)
     tl.store(tgt_ptr + row, tgt)
+    if ENTROPY:
+        tl.store(w_ptr + row, w)
 
 
 @triton.jit
@@ -100,18 +111,20 @@ def partials(
     vocab_start: int,
     acc_dtype: torch.dtype,
     block_v: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(m, s, tgt) per row of a row-major ``[T, V]`` logits shard."""
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(m, s, tgt, w) per row of a row-major ``[T, V]`` logits shard; w is None unless ``entropy``."""
     n_rows, n_cols = logits.shape
     m, s, tgt = (torch.empty(n_rows, dtype=acc_dtype, device=logits.device) for _ in range(3))
+    w = torch.empty_like(m) if entropy else None
     if n_rows == 0:
-        return m, s, tgt
+        return m, s, tgt, w
     bv = _block_v(n_cols, logits.is_cuda, block_v)
     scored_logprob_fwd_kernel[(n_rows,)](
-        logits, targets, m, s, tgt, n_cols, logits.stride(0), vocab_start,
-        BLOCK_V=bv, num_warps=GPU_NUM_WARPS,
+        logits, targets, m, s, tgt, m if w is None else w, n_cols, logits.stride(0), vocab_start,
+        BLOCK_V=bv, ENTROPY=entropy, num_warps=GPU_NUM_WARPS,
     )
-    return m, s, tgt
+    return m, s, tgt, w
 
 
 def backward(
