@@ -130,7 +130,8 @@ def reference_agg_grad(hf_dir: str, rows: list[dict], objective: str = "grpo",
     mask = torch.zeros(len(rows), T, dtype=torch.float64)
     for i, r in enumerate(rows):
         ids = torch.tensor(r["tokens"])
-        lp = torch.log_softmax(model(ids[None]).logits[0, :-1], dim=-1).gather(1, ids[1:, None])[:, 0]
+        logits = model(ids[None]).logits[0, :-1]
+        lp = torch.log_softmax(logits, dim=-1).gather(1, ids[1:, None])[:, 0]
         logp.append(torch.nn.functional.pad(lp, (0, T - lp.numel())))
         mask[i, :lp.numel()] = torch.tensor(r["scored_mask"][1:], dtype=torch.float64)
     x = adv[:, None] * torch.stack(logp) * mask  # [B, T]
