@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from dist_util import REPO_ROOT, run_dist
-from reference import reference_agg_grad, rel_l2
+from batchgen import write_opd_batches
+from reference import reference_agg_grad, reference_opd_grad, rel_l2
 from tsync_mcore.config import ConfigError, load_config
 from tsync_mcore.objectives import ADVANTAGES, group_stats
 from tsync_mcore.replay import main as replay_main
@@ -249,3 +250,21 @@ def test_replay_flags(tiny_qwen2, tmp_path):
     with pytest.raises(ConfigError, match="learner.token_norm_constant"):
         replay_main(["--model", tiny_qwen2, "--batch", batch, "--out", str(tmp_path / "o2"),
                      "--token-norm", "seq_mean_token_sum_norm"])
+
+
+def test_opd_seq_mean_token_sum_norm(tiny_qwen2, tmp_path):
+    # OPD streams turns: 1/(B·H) needs no trajectory length, so it runs there; the reference
+    # is Eq. 8–9's 1/N_k gradient rescaled to N_k/(B·H).
+    rows = write_opd_batches(str(tmp_path / "opd.jsonl"), 256, seed=3)
+    cmd = [sys.executable, "-m", "tsync_mcore.replay", "--model", tiny_qwen2, "--batch",
+           str(tmp_path / "opd.jsonl"), "--out", str(tmp_path / "o"), "--objective", "opd",
+           "--token-norm", "seq_mean_token_sum_norm", "--token-norm-constant", str(H)]
+    p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = load_file(str(tmp_path / "o" / "grad.safetensors"))
+    n_scored = sum(sum(r["scored_mask"]) for r in rows)
+    ref = {k: v * n_scored / (len(rows) * H)
+           for k, v in reference_opd_grad(tiny_qwen2, rows).items()}
+    err = rel_l2(got, ref)
+    print(f"opd seq_mean_token_sum_norm vs FP64 reference: {err:.2e}")
+    assert err <= 1e-5
