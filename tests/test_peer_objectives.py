@@ -36,7 +36,8 @@ MODES = [("token_mean", "population", "grpo"),
 ROUTES = [("sync", "static"), ("sync", "balanced"), ("thundersync", "static"),
           ("thundersync", "balanced")]
 # the other affine estimators, once each, on the streaming path
-EXTRA = [("seq_mean_token_mean", "population", "dr_grpo"), ("token_mean", "population", "rloo")]
+EXTRA = [("seq_mean_token_mean", "population", "dr_grpo"), ("token_mean", "population", "rloo"),
+         ("trajectory", "population", "grpo")]  # the default update
 ZERO_MODES = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm",
               "group_scaled_token_mean", "trajectory"]
 
