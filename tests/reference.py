@@ -86,3 +86,70 @@ def reference_opd_grad(hf_dir: str, rows: list[dict]) -> dict[str, torch.Tensor]
     params = list(model.named_parameters())
     grads = torch.autograd.grad(objective_value, [p for _, p in params], allow_unused=True)
     return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params, grads)}
+
+
+def peer_advantages(rewards: torch.Tensor, objective: str, adv_std: str = "population",
+                    eps: float = 1e-6) -> torch.Tensor:
+    """A_i with σ population (÷ m) or Bessel-corrected (÷ m − 1); a group of one gets 0
+    (torch's unbiased std of one value is NaN, and r − μ is 0 there anyway)."""
+    if objective == "grpo" and adv_std == "unbiased":
+        if rewards.numel() < 2:
+            return torch.zeros_like(rewards)
+        return (rewards - rewards.mean()) / (rewards.std(unbiased=True) + eps)
+    return advantages(rewards, objective, eps)
+
+
+def reference_agg_grad(hf_dir: str, rows: list[dict], objective: str = "grpo",
+                       token_norm: str = "token_mean", adv_std: str = "population",
+                       constant: float = 0.0, eps: float = 1e-6) -> dict[str, torch.Tensor]:
+    """∇ of the batch objective in the peers' padded form: a [B, T] matrix of per-token terms
+    A_i·log π(a_t|h_t) (on-policy, ratio 1), a [B, T] scored mask, and each mode's
+    aggregation of the matrix written out on its own (docs/objectives.md):
+
+      token_mean               Σ_{i,t} x / Σ mask                    (verl token-mean, TRL dapo)
+      seq_mean_token_mean      (1/B) Σ_i Σ_t x_i / L_i               (verl seq-mean-token-mean)
+      seq_mean_token_sum_norm  (1/B) Σ_i Σ_t x_i / H                 (verl seq-mean-token-sum-norm)
+      group_scaled_token_mean  Σ_G (1/m_G) Σ_{i∈G} Σ_t x_i / Σ mask
+      trajectory               (1/n_groups) Σ_G (1/m_G) Σ_{i∈G} Σ_t x_i / L_i
+
+    B counts every row (also rows with no scored token: they add 0 but count)."""
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64)
+    model.eval()
+    model.get_input_embeddings().padding_idx = None
+    group_of = [r["group_id"] for r in rows]
+    groups = sorted(set(group_of))
+    adv = torch.zeros(len(rows), dtype=torch.float64)
+    size = torch.zeros(len(rows), dtype=torch.float64)  # m_G of each row's group
+    for g in groups:
+        idx = [i for i, h in enumerate(group_of) if h == g]
+        r = torch.tensor([rows[i]["reward"] for i in idx], dtype=torch.float64)
+        adv[idx] = peer_advantages(r, objective, adv_std, eps)
+        size[idx] = float(len(idx))
+    T = max(len(r["tokens"]) for r in rows) - 1
+    logp = []
+    mask = torch.zeros(len(rows), T, dtype=torch.float64)
+    for i, r in enumerate(rows):
+        ids = torch.tensor(r["tokens"])
+        logits = model(ids[None]).logits[0, :-1]
+        lp = torch.log_softmax(logits, dim=-1).gather(1, ids[1:, None])[:, 0]
+        logp.append(torch.nn.functional.pad(lp, (0, T - lp.numel())))
+        mask[i, :lp.numel()] = torch.tensor(r["scored_mask"][1:], dtype=torch.float64)
+    x = adv[:, None] * torch.stack(logp) * mask  # [B, T]
+    B, n_tokens, lengths = len(rows), mask.sum(), mask.sum(-1)
+    per_row = x.sum(-1)
+    safe_len = torch.where(lengths > 0, lengths, torch.ones_like(lengths))
+    if token_norm == "token_mean":
+        J = x.sum() / n_tokens
+    elif token_norm == "seq_mean_token_mean":
+        J = (per_row / safe_len).sum() / B
+    elif token_norm == "seq_mean_token_sum_norm":
+        J = per_row.sum() / (B * constant)
+    elif token_norm == "group_scaled_token_mean":
+        J = (per_row / size).sum() / n_tokens
+    elif token_norm == "trajectory":
+        J = (per_row / (size * safe_len)).sum() / len(groups)
+    else:
+        raise ValueError(token_norm)
+    params = list(model.named_parameters())
+    grads = torch.autograd.grad(J, [p for _, p in params], allow_unused=True)
+    return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params, grads)}

@@ -231,7 +231,7 @@ def test_shipped_configs_load():
 
 def test_token_norm_auto_and_objective_names():
     assert load_config(None, {}).learner.token_norm == "trajectory"  # GRPO family
-    assert load_config(None, {"learner.objective": "opd"}).learner.token_norm == "global"
+    assert load_config(None, {"learner.objective": "opd"}).learner.token_norm == "token_mean"
     with pytest.raises(ConfigError, match="learner.token_norm.*OPD streams turns"):
         load_config(None, {"learner.objective": "opd", "learner.token_norm": "trajectory"})
     with pytest.raises(ConfigError, match="learner.objective.*'ppo'"):

@@ -12,6 +12,7 @@ import ipaddress
 import math
 import os
 import socket
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,8 @@ import yaml
 
 Schedule = Literal["sync", "group_ready", "thundersync"]
 DType = Literal["fp32", "bf16"]
-TokenNorm = Literal["auto", "trajectory", "global"]
+TokenNorm = Literal["auto", "trajectory", "token_mean", "seq_mean_token_mean",
+                    "seq_mean_token_sum_norm", "group_scaled_token_mean", "global"]
 AccumPlacement = Literal["device", "host"]
 AccumDType = Literal["fp32", "fp64"]
 
@@ -72,10 +74,17 @@ class LearnerConfig:
     # fp64 doubles accumulator memory (8(2k+1)P bytes) but makes the update independent of
     # arrival order to within FP32 rounding of the final sum (see README, numerics).
     accum_dtype: AccumDType = "fp32"
-    # w = 1/(n_groups·L_i), or 1/N_k global token mean; auto: GRPO family "trajectory",
-    # OPD "global" (a turn streams before its trajectory's length L_i is known)
+    # Per-token weight (docs/objectives.md): trajectory 1/(n_groups·m_G·L_i), token_mean
+    # 1/N_k, seq_mean_token_mean 1/(B·L_i), seq_mean_token_sum_norm 1/(B·H),
+    # group_scaled_token_mean 1/(m_G·N_k) ("global": its deprecated name); auto: GRPO family
+    # trajectory, OPD token_mean (a turn streams before its trajectory's length L_i is known)
     token_norm: TokenNorm = "auto"
+    # H of seq_mean_token_sum_norm (verl's loss_scale_factor, TRL's max_completion_length)
+    token_norm_constant: float = 0.0
     adv_eps: float = 1e-6  # ε in (r − μ)/(σ + ε)
+    # σ_G in GRPO's (r − μ)/(σ + ε): population (÷ m) or unbiased (÷ m − 1, as verl and TRL);
+    # a group of one gets advantage 0 either way
+    adv_std: Literal["population", "unbiased"] = "population"
     # OPD deferred replay: recompute earlier turns from their context leaves (linear FLOPs),
     # or retain each turn's graph until its trajectory completes (no recompute, more memory).
     opd_replay: Literal["recompute", "retain"] = "recompute"
@@ -105,11 +114,33 @@ class LearnerConfig:
                f"must be >= 0 (0: no byte budget), got {self.max_open_bytes}")
         _check(self.max_tokens >= 0, "learner.max_tokens",
                f"must be >= 0 (0: the model's positions), got {self.max_tokens}")
-        _check(not (self.objective == "opd" and self.token_norm == "trajectory"),
-               "learner.token_norm", "'trajectory' needs each trajectory's scored length "
-               "before its first source trains; OPD streams turns, use 'global'")
+        self._validate_token_norm(OBJECTIVES[self.objective])
+
+    def _validate_token_norm(self, objective) -> None:
+        from tsync_mcore.objectives.token_norm import (AUTO, DEPRECATED, TOKEN_NORMS,
+                                                       streams_on)
+        kind = objective.source  # "trajectory" (GRPO family) or "turn" (OPD)
+        if self.token_norm in DEPRECATED:  # resolved here, once, and said so
+            new = DEPRECATED[self.token_norm][kind]
+            print(f"config: learner.token_norm '{self.token_norm}' is deprecated; resolved to "
+                  f"'{new}' for {self.objective} (docs/objectives.md)", file=sys.stderr,
+                  flush=True)
+            self.token_norm = new
         if self.token_norm == "auto":  # resolved here, once: what runs is what config.yaml says
-            self.token_norm = "global" if self.objective == "opd" else "trajectory"
+            self.token_norm = AUTO[kind]
+        why = streams_on(TOKEN_NORMS[self.token_norm], kind)
+        _check(why is None, "learner.token_norm",
+               f"'{self.token_norm}' {why}; use '{AUTO[kind]}'")
+        sum_norm = self.token_norm == "seq_mean_token_sum_norm"
+        _check(self.token_norm_constant > 0 if sum_norm else self.token_norm_constant == 0,
+               "learner.token_norm_constant",
+               f"must be > 0 with token_norm 'seq_mean_token_sum_norm' (its H), got "
+               f"{self.token_norm_constant}" if sum_norm else
+               f"is H of token_norm 'seq_mean_token_sum_norm' only; token_norm is "
+               f"'{self.token_norm}', so leave it 0, got {self.token_norm_constant}")
+        _check(self.adv_std == "population" or getattr(objective, "uses_std", False),
+               "learner.adv_std", f"'{self.adv_std}': the {self.objective} objective does not "
+               f"divide by the group's std (only grpo does)")
 
 
 @dataclass

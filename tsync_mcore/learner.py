@@ -9,7 +9,8 @@
     drop_group()      a group leaves the update (a rejected member on the live path): its
                       open sums and contexts are discarded, nothing of it trains
     close()           DP agreement on what trains → serve what is left → deferred scalar
-                      (1/n_groups or 1/N_k) → reduce → clip → exactly one optimizer step
+                      (1/n_groups, 1/N_k, 1/B or 1/(B·H): objectives/token_norm.py) → reduce
+                      → clip → exactly one optimizer step
 
 The objective's math is in `objectives/`; what a source is and how one is served (GRPO
 trajectories: G1'/G2 pairs and group rewards; OPD turns: K/V context and deferred replay)
@@ -29,6 +30,8 @@ from tsync_mcore.accumulators import GradAccumulators
 from tsync_mcore.config import LearnerConfig
 from tsync_mcore.model.span import KV, kv_bytes
 from tsync_mcore.objectives import OBJECTIVES
+from tsync_mcore.objectives.grpo import STD_DDOF
+from tsync_mcore.objectives.token_norm import TOKEN_NORMS
 from tsync_mcore.policy import Policy
 from tsync_mcore.schedule import ReadinessQueue, Service
 from tsync_mcore.serving import SOURCE_KINDS
@@ -57,6 +60,11 @@ class Learner:
         self.policy = policy
         self.version = policy_version
         self.objective = OBJECTIVES[cfg.objective]
+        if cfg.token_norm not in TOKEN_NORMS:  # "auto"/"global": a config never validated
+            raise ValueError(f"learner.token_norm {cfg.token_norm!r} is not resolved; build the "
+                             f"config with load_config (LearnerConfig.validate resolves it)")
+        self.norm = TOKEN_NORMS[cfg.token_norm]
+        self.adv_ddof = STD_DDOF[cfg.adv_std]
         self.kind = SOURCE_KINDS[self.objective.source](self)
         self.acc = GradAccumulators(policy.grad_buffers(), cfg.k_open, cfg.accum,
                                     dtype=ACCUM_DTYPES[cfg.accum_dtype],
@@ -315,10 +323,10 @@ class Learner:
 
         scored = int(self.policy.dp_sum(sum(self.scored.values())))
         n_groups = len(groups) - len(dropped_anywhere)
-        if self.cfg.token_norm == "trajectory":
-            scale = 1.0 / n_groups if n_groups else 0.0
-        else:
-            scale = 1.0 / scored if scored else 0.0
+        n_trajectories = sum(len(ts) for g, ts in self.plan.groups.items()
+                             if g not in dropped_anywhere)
+        scale = self.norm.batch_scale(n_groups, n_trajectories, scored,
+                                      self.cfg.token_norm_constant)
         # The accumulator holds the descent direction −Σ_G g_G; one step per batch.
         step = self.policy.apply_and_step(self.acc.batch, scale, export_grad=export_grad)
         summary = UpdateRecord(

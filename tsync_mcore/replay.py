@@ -30,6 +30,8 @@ from tsync_mcore.config import ConfigError, load_config
 from tsync_mcore.learner import Learner
 from tsync_mcore.model.parallel import destroy_parallel
 from tsync_mcore.objectives import OBJECTIVES
+from tsync_mcore.objectives.grpo import STD_DDOF
+from tsync_mcore.objectives.token_norm import DEPRECATED, TOKEN_NORMS
 from tsync_mcore.policy import Policy
 from tsync_mcore.routing import BalancedRouter
 from tsync_mcore.sources import (GRPO_FIELDS, OPD_FIELDS, BatchPlan, SourceError,
@@ -224,7 +226,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="GRPO: every source to every rank, each serving its groups (static), "
                         "or each trajectory to one DP rank as the rollout routes it, with "
                         "group rewards announced after a group's last member (balanced)")
-    p.add_argument("--token-norm", default=None, choices=["trajectory", "global"])
+    p.add_argument("--token-norm", default=None,
+                   choices=[*TOKEN_NORMS, *DEPRECATED],
+                   help="per-token weight (docs/objectives.md); 'global' is the deprecated "
+                        "name of group_scaled_token_mean (token_mean for OPD)")
+    p.add_argument("--token-norm-constant", type=float, default=None,
+                   help="H of --token-norm seq_mean_token_sum_norm")
+    p.add_argument("--adv-std", default=None, choices=sorted(STD_DDOF),
+                   help="grpo's group std: population (÷ m) or unbiased (÷ m − 1, verl/TRL)")
     p.add_argument("--accum", default=None, choices=["device", "host"])
     p.add_argument("--accum-dtype", default=None, choices=["fp32", "fp64"])
     p.add_argument("--lr", type=float, default=None)
@@ -246,6 +255,8 @@ def main(argv: list[str] | None = None) -> dict:
                  "learner.objective": args.objective, "learner.schedule": args.schedule}
     for key, val in [("model.tp", args.tp), ("learner.k_open", args.k_open),
                      ("learner.token_norm", args.token_norm), ("learner.accum", args.accum),
+                     ("learner.token_norm_constant", args.token_norm_constant),
+                     ("learner.adv_std", args.adv_std),
                      ("learner.accum_dtype", args.accum_dtype),
                      ("learner.opd_replay", args.opd_replay),
                      ("optim.lr", args.lr), ("seed", args.seed)]:

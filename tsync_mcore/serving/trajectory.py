@@ -104,8 +104,9 @@ class TrajectoryKind:
             acc = l.acc
             if svc.fold == "pair" and not acc.is_open(g):
                 acc.open_group(g, shift=src.reward)  # c = the group's first folded reward
-            # Token weight 1/L_i now; 1/n_groups (or 1/N_k) is the deferred scalar at close.
-            w = 1.0 / src.n_scored if l.cfg.token_norm == "trajectory" else 1.0
+            # Token weight 1/L_i (or 1) now; the batch's divisor is the deferred scalar at
+            # close (objectives/token_norm.py).
+            w = l.norm.source_weight(src.n_scored)
             prefix = self._prefix_for(src) if l.cfg.shared_prefix else None
             if prefix is None:
                 l.policy.backward_source(list(src.tokens), list(src.scored_mask), w)
@@ -154,7 +155,8 @@ class TrajectoryKind:
         scale, mu = 1.0, 0.0
         if self.l.acc.is_open(g):
             scale, mu = self.l.objective.closure(self._group_rewards(g),
-                                                 self.l.acc.shift_of(g), self.l.cfg.adv_eps)
+                                                 self.l.acc.shift_of(g), self.l.cfg.adv_eps,
+                                                 self.l.adv_ddof, self.l.norm.group_mean)
             self.l.acc.close_group(g, scale, mu)
             self.l.committed.add(g)
         self.closure[g] = (scale, mu)
@@ -167,7 +169,8 @@ class TrajectoryKind:
     def _coef(self, src: TrajectorySource) -> float:
         i = self.l.plan.groups[src.group_id].index(src.traj_id)
         return self.l.objective.source_coef(self._group_rewards(src.group_id), i,
-                                            self.l.cfg.adv_eps)
+                                            self.l.cfg.adv_eps, self.l.adv_ddof,
+                                            self.l.norm.group_mean)
 
     def _group_rewards(self, g: str) -> list[float]:
         return [self.rewards[t] for t in self.l.plan.groups[g]]
