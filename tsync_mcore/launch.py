@@ -54,3 +54,42 @@ def stopped(who: str, e: BaseException, run_dir: str) -> int:
           f"{where}. The last checkpoint under {run_dir}/checkpoints is intact; traceback: "
           f"{log}", file=sys.stderr, flush=True)
     return 4
+
+
+# --------------------------------------------------------------------------- command lines
+
+
+def add_config_args(p, config_default: str | None = None) -> None:
+    """--config, --set (repeatable) and --print-config, the same in every launcher."""
+    p.add_argument("--config", required=config_default is None, default=config_default,
+                   metavar="YAML", help="the run's config file (keys: docs/config.md)"
+                   + (f"; default {config_default}" if config_default else ""))
+    p.add_argument("--set", action="append", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="override config keys, e.g. --set run.updates=4 learner.k_open=2; may "
+                        "repeat (--set a=1 --set b=2); each VALUE is read as YAML")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (every auto made concrete) as YAML and exit")
+
+
+def set_items(args) -> list[str]:
+    """The --set items of all occurrences, in order."""
+    return [item for group in args.set for item in group]
+
+
+def config_from_args(who: str, args, extra: list[str] = (), log: bool = True):
+    """The resolved config of a launcher's arguments (`extra` overrides first, so the user's
+    --set wins); with --print-config prints it and exits 0. `log`: print the choices that
+    `resolve` made, one line each, to stderr."""
+    cfg = config_or_exit(who, args.config, [*extra, *set_items(args)])
+    if getattr(args, "print_config", False):
+        import yaml
+
+        from tsync_mcore.config import to_dict
+        for line in getattr(cfg, "choices", []):
+            print(f"# {line}")
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="", flush=True)
+        raise SystemExit(0)
+    if log:
+        for line in getattr(cfg, "choices", []):
+            print(f"[config] {line}", file=sys.stderr, flush=True)
+    return cfg
