@@ -322,8 +322,9 @@ def resolve(cfg: Config) -> list[str]:
         gpu = _on_gpu()
         te = gpu and _te_available()
         if mc.spec == "te":
-            _check(not spans, "model.spec", f"'te' cannot run the span forwards {spans} needs "
-                   f"(model/span.py): use 'local' or 'auto'")
+            _check(not spans, "model.spec", f"'te' cannot run the span forwards "
+                   f"(model/span.py) that {spans} needs: use 'local' or 'auto'"
+                   + (", or learner.shared_prefix: false" if not opd else ""))
             _check(te, "model.spec", "'te' needs CUDA and an importable transformer_engine")
         if mc.spec == "auto":
             why = ("no CUDA" if not gpu else "transformer_engine not importable" if not te
