@@ -28,7 +28,8 @@ def main() -> None:
     try:
         Trainer(cfg, resume=args.resume).run()
     except ChannelError as e:  # joining the channel failed: the message names addr:port
-        print(f"error: learner rank {rank}: {e}", file=sys.stderr, flush=True)
+        who = "" if str(e).startswith("learner rank") else f"learner rank {rank}: "
+        print(f"error: {who}{e}", file=sys.stderr, flush=True)
         sys.exit(3)
     except LearnerStopped as e:
         print(f"error: learner stopped: {e}", file=sys.stderr, flush=True)

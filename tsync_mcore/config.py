@@ -2,7 +2,10 @@
 
 Every section is a dataclass. `load_config` walks the YAML mapping against the dataclass
 fields, so a misspelt key or a value of the wrong type or outside its allowed set fails
-immediately with a message naming the dotted key (e.g. `learner.k_open`).
+immediately with a message naming the dotted key (e.g. `learner.k_open`). `resolve` then
+turns every `auto` into a concrete, logged choice and refuses impossible combinations.
+The comment on (or above) each field is its documentation: docs/config.md is generated
+from them (`python -m tsync_mcore.config --reference`).
 """
 
 from __future__ import annotations
