@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import socket
 import subprocess
 import sys
@@ -185,29 +186,36 @@ def test_bad_set_items_are_one_line_errors(item, why, capsys):
     assert e.value.code == 2 and why in err and err.count("\n") == 1 and err.startswith("error:")
 
 
+def launcher(name: str, *argv: str, monkeypatch) -> int:
+    """Run launch/<name>.py in this process (as `python launch/<name>.py ARGV`); its exit code."""
+    monkeypatch.setattr(sys, "argv", [f"launch/{name}.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(os.path.join(ROOT, "launch", f"{name}.py"), run_name="__main__")
+    return e.value.code
+
+
 @pytest.mark.parametrize("name", LAUNCHERS)
-def test_every_launcher_prints_the_resolved_config(name, tmp_path):
+def test_every_launcher_prints_the_resolved_config(name, tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "launch", f"{name}.py"),
-                        "--config", os.path.join(ROOT, "configs/demo.yaml"),
-                        "--set", "run.updates=3", "learner.k_open=2", "--set", "seed=7",
-                        f"run.dir={run_dir}", "--print-config"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
-    printed = yaml.safe_load(p.stdout)
+    rc = launcher(name, "--config", os.path.join(ROOT, "configs/demo.yaml"),
+                  "--set", "run.updates=3", "learner.k_open=2", "--set", "seed=7",
+                  f"run.dir={run_dir}", "--print-config", monkeypatch=monkeypatch)
+    out = capsys.readouterr().out
+    assert rc == 0
+    printed = yaml.safe_load(out)
     assert (printed["run"]["updates"], printed["learner"]["k_open"], printed["seed"]) == (3, 2, 7)
     assert printed["learner"]["token_norm"] == "trajectory"
     assert '"auto"' not in json.dumps(printed)
+    assert out.startswith("# learner.token_norm: auto -> trajectory")  # the choices, as comments
     assert not run_dir.exists()  # printing starts nothing and writes nothing
 
 
 @pytest.mark.parametrize("name", LAUNCHERS)
-def test_every_launcher_documents_every_option(name):
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "launch", f"{name}.py"), "--help"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0
-    assert "--print-config" in p.stdout and "may repeat" in p.stdout
-    lines = p.stdout.split("options:")[1].splitlines()
+def test_every_launcher_documents_every_option(name, monkeypatch, capsys):
+    assert launcher(name, "--help", monkeypatch=monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert "--print-config" in out and "may repeat" in out
+    lines = out.split("options:")[1].splitlines()
     flags = [i for i, line in enumerate(lines) if line.startswith("  -")]
     assert len(flags) >= 4
     for i in flags:  # help on the flag's line (after a column gap) or indented below it
@@ -303,14 +311,13 @@ def test_run_with_a_taken_port_stops_both_sides_with_the_rollouts_line(tmp_path)
     assert os.path.exists(tmp_path / "run" / "logs" / "rollout.log")
 
 
-def test_resume_without_a_checkpoint_is_one_line(tmp_path):
+def test_resume_without_a_checkpoint_is_one_line(tmp_path, monkeypatch, capsys):
     for name in ("run", "demo"):
-        p = subprocess.run([sys.executable, os.path.join(ROOT, "launch", f"{name}.py"),
-                            "--config", os.path.join(ROOT, "configs/demo.yaml"), "--resume",
-                            "--set", f"run.dir={tmp_path}/{name}"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(
-            "error: --resume: no checkpoint under"), p.stderr[-2000:]
+        rc = launcher(name, "--config", os.path.join(ROOT, "configs/demo.yaml"), "--resume",
+                      "--set", f"run.dir={tmp_path}/{name}", monkeypatch=monkeypatch)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and err[-1].startswith("error: --resume: no checkpoint under"), err
+        assert not any(line.startswith("error:") for line in err[:-1])
 
 
 def test_resume_keeps_the_metrics_rows_up_to_the_checkpoint(tmp_path):
@@ -333,7 +340,7 @@ def test_run_launcher_trains_two_updates(tmp_path):
         [sys.executable, os.path.join(ROOT, "launch/run.py"), "--config",
          os.path.join(ROOT, "configs/demo.yaml"), "--set", f"run.dir={run}",
          f"model.hf_dir={tmp_path}/model", "run.updates=2", "--set", "run.save_every=1",
-         "rollout.groups_per_batch=2", "rollout.group_size=2",
+         "rollout.groups_per_batch=2", "rollout.group_size=2", "rollout.n_learners=1",
          f"run.publish_dir={tmp_path}/publish"],
         cwd=ROOT, capture_output=True, text=True, timeout=380)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
