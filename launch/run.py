@@ -1,4 +1,4 @@
-"""One training run on this node: `python launch/run.py --config C [--set KEY=VALUE ...] [--resume]`.
+"""One training run on this node: `python launch/run.py --config C [--set K=V ...] [--resume]`.
 
 Starts the rollout (launch/rollout.py) and rollout.n_learners learner ranks under torchrun
 (launch/learner.py) with free ports for the channel and torchrun's rendezvous, each with

@@ -204,7 +204,6 @@ def run_job(config: str | None, overrides: list[str], cfg, *, who: str = "run",
     import queue
     import subprocess
     import threading
-    import time
 
     secret_or_exit(who, cfg)  # one secret for both launchers, created before either starts
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -256,7 +255,10 @@ def run_job(config: str | None, overrides: list[str], cfg, *, who: str = "run",
             if line is None:
                 break
             if line.startswith("STEP "):
-                m = json.loads(line[5:])
+                try:
+                    m = json.loads(line[5:])
+                except ValueError:
+                    continue  # not the trainer's line (it is in learner.out all the same)
                 rows.append(m)
                 r = "-" if m["reward_mean"] is None else f"{m['reward_mean']:.3f}"
                 print(f"{bar(len(rows), total)} step {m['step']:3d}  version "
@@ -281,6 +283,11 @@ def run_job(config: str | None, overrides: list[str], cfg, *, who: str = "run",
     finally:
         for proc in (learner, rollout):
             _stop(proc)
+    if failed == "interrupted":
+        print(f"{who} interrupted: both sides stopped; the last checkpoint under "
+              f"{cfg.run.dir}/checkpoints is intact (continue with --resume)", file=sys.stderr,
+              flush=True)
+        raise SystemExit(130)
     if failed:
         rc = f"learner exit {learner.returncode}, rollout exit {rollout.returncode}"
         first, other = ((rollout_log, learner_err) if failed == "rollout"
@@ -288,5 +295,5 @@ def run_job(config: str | None, overrides: list[str], cfg, *, who: str = "run",
         why = _last_error(first) or _last_error(other) or f"the {failed} side stopped first"
         print(f"error: {who} failed ({rc}): {why.removeprefix('error: ')}; logs in {log_dir}",
               file=sys.stderr, flush=True)
-        raise SystemExit(130 if failed == "interrupted" else 1)
+        raise SystemExit(1)
     return rows
