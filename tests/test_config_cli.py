@@ -144,6 +144,16 @@ def test_launch_and_rollout_engine_keys_are_checked():
             load_config(None, overrides)
 
 
+def test_tensor_parallel_sizes_are_checked_against_the_checkpoint(tiny_qwen2):
+    # tiny_qwen2: 4 attention heads, 2 KV heads, vocab 256
+    assert load_config(None, {"model.hf_dir": tiny_qwen2, "model.tp": 2,
+                              "rollout.n_learners": 2, "rollout.tp": 4}).model.tp == 2
+    with pytest.raises(ConfigError, match=r"'model.tp': 4 does not divide the 2 KV heads"):
+        load_config(None, {"model.hf_dir": tiny_qwen2, "model.tp": 4, "rollout.n_learners": 4})
+    with pytest.raises(ConfigError, match=r"'rollout.tp': vLLM cannot split"):
+        load_config(None, {"model.hf_dir": tiny_qwen2, "rollout.tp": 3})
+
+
 def test_every_config_file_loads_and_resolves():
     paths = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, "configs"))
              for f in fs if f.endswith(".yaml")]

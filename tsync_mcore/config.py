@@ -338,7 +338,36 @@ def resolve(cfg: Config) -> list[str]:
             mc.attention = choose("model.attention", "sdpa" if gpu else "megatron",
                                   "GPU: torch SDPA kernels" if gpu else
                                   "CPU: megatron DotProductAttention")
+    _check_splits(cfg)
     return lines
+
+
+def _check_splits(cfg: Config) -> None:
+    """model.tp and rollout.tp against the checkpoint's shapes, when its config.json reads
+    (otherwise the launchers' model-directory check names what is wrong with it)."""
+    import os
+
+    from tsync_mcore.safe_files import BadFile, read_json_object
+    path = os.path.join(cfg.model.hf_dir, "config.json")
+    if not cfg.model.hf_dir or not os.path.isfile(path):
+        return
+    try:
+        hf = read_json_object(path)
+    except BadFile:
+        return
+    sizes = {k: hf.get(k) for k in ("num_attention_heads", "num_key_value_heads", "vocab_size",
+                                    "intermediate_size")}
+    sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+               for v in sizes.values()):
+        return
+    heads, kv, vocab, ffn = sizes.values()
+    tp, where = cfg.model.tp, cfg.model.hf_dir
+    for n, what in ((kv, "KV heads"), (vocab, "vocabulary entries"), (ffn, "MLP channels")):
+        _check(n % tp == 0, "model.tp", f"{tp} does not divide the {n} {what} of {where}")
+    rtp = cfg.rollout.tp
+    _check(heads % rtp == 0 and (kv % rtp == 0 or rtp % kv == 0), "rollout.tp",
+           f"vLLM cannot split the {heads} attention / {kv} KV heads of {where} {rtp} ways")
 
 
 def _resolvable(addr: str) -> bool:
