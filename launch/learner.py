@@ -7,23 +7,30 @@ import argparse
 import os
 import sys
 
-from tsync_mcore.launch import config_or_exit, secret_or_exit, stopped
+from tsync_mcore.launch import add_config_args, config_from_args, secret_or_exit, stopped
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--config", required=True)
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="override config keys, e.g. learner.schedule=sync run.updates=4")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p)
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in run.dir/checkpoints (same "
+                        "ranks and model.tp)")
     args = p.parse_args()
-    cfg = config_or_exit("learner", args.config, args.set)  # before megatron's import noise
+    rank = os.environ.get("RANK", "0")
+    # before megatron's import noise; the choices logged once, by rank 0
+    cfg = config_from_args("learner", args, log=rank == "0")
     secret_or_exit("learner", cfg)  # the run's channel secret: created here if no launcher did
+    from tsync_mcore.channel import ChannelError
     from tsync_mcore.model.parallel import destroy_parallel
     from tsync_mcore.trainer import LearnerStopped, Trainer
-    rank = os.environ.get("RANK", "0")
     try:
         Trainer(cfg, resume=args.resume).run()
+    except ChannelError as e:  # joining the channel failed: the message names addr:port
+        who = "" if str(e).startswith("learner rank") else f"learner rank {rank}: "
+        print(f"error: {who}{e}", file=sys.stderr, flush=True)
+        sys.exit(3)
     except LearnerStopped as e:
         print(f"error: learner stopped: {e}", file=sys.stderr, flush=True)
         sys.exit(3)

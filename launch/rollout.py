@@ -11,17 +11,20 @@ import sys
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--config", required=True)
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="override config keys, e.g. rollout.groups_per_batch=4")
+    from tsync_mcore.launch import add_config_args, config_from_args, secret_or_exit, stopped
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p)
     args = p.parse_args()
-    from tsync_mcore.launch import config_or_exit, secret_or_exit, stopped
-    cfg = config_or_exit("rollout", args.config, args.set)
+    cfg = config_from_args("rollout", args)
     secret_or_exit("rollout", cfg)  # the run's channel secret: created here if no launcher did
+    from tsync_mcore.channel import ChannelError
     from tsync_mcore.rollout.driver import RolloutDriver, RolloutStopped
     try:
         RolloutDriver(cfg).run()
+    except ChannelError as e:  # hosting the channel failed: the message names addr:port
+        print(f"error: rollout: {e}", file=sys.stderr, flush=True)
+        sys.exit(3)
     except RolloutStopped as e:
         print(f"error: rollout stopped: {e}", file=sys.stderr, flush=True)
         sys.exit(3)

@@ -121,8 +121,10 @@ def megatron_step_fn(ckpt: str, sources: list[dict], device: str, attention: str
     from tsync_mcore.policy import Policy
 
     dtype = "bf16" if device == "cuda" else "fp32"
+    # shared_prefix off: whole-sequence steps only, so spec auto may pick TE (config.resolve)
     policy = Policy(load_config(None, {"model.hf_dir": ckpt, "model.dtype": dtype,
-                                       "model.attention": attention}))
+                                       "model.attention": attention,
+                                       "learner.shared_prefix": False}))
     te = device == "cuda" and _imports("transformer_engine.pytorch")  # as bridge picks the spec
     sums = GroupSums(policy.grad_buffers())
     mu = statistics.mean(s["reward"] for s in sources)

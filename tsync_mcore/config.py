@@ -2,7 +2,10 @@
 
 Every section is a dataclass. `load_config` walks the YAML mapping against the dataclass
 fields, so a misspelt key or a value of the wrong type or outside its allowed set fails
-immediately with a message naming the dotted key (e.g. `learner.k_open`).
+immediately with a message naming the dotted key (e.g. `learner.k_open`). `resolve` then
+turns every `auto` into a concrete, logged choice and refuses impossible combinations.
+The comment on (or above) each field is its documentation: docs/config.md is generated
+from them (`python -m tsync_mcore.config --reference`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ Schedule = Literal["sync", "group_ready", "thundersync"]
 DType = Literal["fp32", "bf16"]
 TokenNorm = Literal["auto", "trajectory", "token_mean", "seq_mean_token_mean",
                     "seq_mean_token_sum_norm", "group_scaled_token_mean", "global"]
+RolloutDType = Literal["auto", "fp32", "bf16"]
 AccumPlacement = Literal["device", "host"]
 AccumDType = Literal["fp32", "fp64"]
 
@@ -34,10 +38,14 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    """The student model the learner trains and the rollout serves."""
+
     hf_dir: str = ""  # Hugging Face checkpoint directory (Qwen2/Qwen3/Llama)
     dtype: DType = "fp32"  # student forward/backward precision; grads accumulate in FP32
     tp: int = 1  # tensor-parallel size; data-parallel size = world size / tp
-    spec: Literal["auto", "local", "te"] = "auto"  # TE layer spec on GPU, local spec on CPU
+    # Megatron layer spec; auto: TE with CUDA and transformer_engine unless span forwards
+    # (OPD, learner.shared_prefix) need the local spec, else local
+    spec: Literal["auto", "local", "te"] = "auto"
     # local spec's core attention: SDPA kernels (auto: on GPU) or megatron's DotProductAttention
     attention: Literal["auto", "sdpa", "megatron"] = "auto"
 
@@ -47,13 +55,14 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    # SPEC §4: AdamW β 0.9/0.999, ε 1e-8, wd 0, lr 1e-6 constant, global-norm clip 1.0.
-    lr: float = 1e-6
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
+    """AdamW (SPEC §4 defaults: β 0.9/0.999, ε 1e-8, wd 0, lr 1e-6 constant, clip 1.0)."""
+
+    lr: float = 1e-6  # learning rate
+    beta1: float = 0.9  # Adam β1 (first-moment decay)
+    beta2: float = 0.999  # Adam β2 (second-moment decay)
+    eps: float = 1e-8  # Adam ε
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay
+    clip_grad: float = 1.0  # global gradient-norm clip of the reduced gradient (0: off)
     distributed: bool = True  # shard optimizer state across data-parallel ranks
 
     def validate(self) -> None:
@@ -67,7 +76,11 @@ class OptimConfig:
 
 @dataclass
 class LearnerConfig:
+    """The streaming learner: objective, release schedule, admission and accumulators."""
+
     objective: str = "grpo"  # a name in tsync_mcore.objectives.OBJECTIVES
+    # when a ready source may train: at batch close (sync), once its group is complete
+    # (group_ready), or on arrival (thundersync)
     schedule: Schedule = "thundersync"
     k_open: int = 4  # admission cap: groups per rank holding G1/G2 at once
     accum: AccumPlacement = "device"  # "host": pinned host memory for large models
@@ -126,9 +139,9 @@ class LearnerConfig:
                   f"'{new}' for {self.objective} (docs/objectives.md)", file=sys.stderr,
                   flush=True)
             self.token_norm = new
-        if self.token_norm == "auto":  # resolved here, once: what runs is what config.yaml says
-            self.token_norm = AUTO[kind]
-        why = streams_on(TOKEN_NORMS[self.token_norm], kind)
+        # "auto" is made concrete by resolve() (AUTO[kind], which always streams)
+        why = (None if self.token_norm == "auto"
+               else streams_on(TOKEN_NORMS[self.token_norm], kind))
         _check(why is None, "learner.token_norm",
                f"'{self.token_norm}' {why}; use '{AUTO[kind]}'")
         sum_norm = self.token_norm == "seq_mean_token_sum_norm"
@@ -145,8 +158,10 @@ class LearnerConfig:
 
 @dataclass
 class RunConfig:
+    """The run directory and its length."""
+
     dir: str = "runs/default"  # config.yaml, metrics.jsonl, traces, checkpoints
-    updates: int = 10
+    updates: int = 10  # optimizer steps (one per batch) the run ends after
     save_every: int = 0  # checkpoint every N updates (0: only at the end)
     # Where θ_{k+1} is written for the replicas; "" (default): a private per-run directory
     # in /dev/shm derived from the absolute run.dir (publish.resolve_dir).
@@ -175,7 +190,10 @@ class RunConfig:
 
 @dataclass
 class ChannelConfig:
-    addr: str = "127.0.0.1"
+    """The readiness channel: the rollout listens, each learner rank connects."""
+
+    addr: str = "127.0.0.1"  # address the rollout listens on and the learners connect to
+    # TCP port of that listener (not torchrun's); launch/run.py and make demo pick a free one
     port: int = 29610
     timeout_s: float = 300.0  # a learner waiting longer for a source stops with an error
     ack_timeout_s: float = 120.0  # publication must be acknowledged within this
@@ -196,18 +214,25 @@ class ChannelConfig:
 
 @dataclass
 class RolloutConfig:
+    """The rollout process: vLLM engine, agent loop, environments."""
+
     n_learners: int = 2  # learner ranks (world size of the learner torchrun)
     env: str = "toy"  # "toy" or "skyrl:<env name>"
-    groups_per_batch: int = 8
-    group_size: int = 4
-    max_turns: int = 3
-    max_tokens_per_turn: int = 8
-    max_total_tokens: int = 96
-    temperature: float = 1.0
+    groups_per_batch: int = 8  # prompts (groups) per batch, i.e. per optimizer step
+    group_size: int = 4  # trajectories sampled per prompt (GRPO group size m)
+    max_turns: int = 3  # agent turns per trajectory at most
+    max_tokens_per_turn: int = 8  # tokens generated per turn at most
+    max_total_tokens: int = 96  # a trajectory's length cap (prompt + turns + tool output)
+    temperature: float = 1.0  # sampling temperature (0: greedy)
     tool_latency_s: float = 0.05  # median of the long-tailed (log-normal) tool latency
-    tool_timeout_s: float = 1.0
+    tool_timeout_s: float = 1.0  # a tool call taking longer fails its turn
     teacher_dir: str = ""  # OPD: the frozen teacher's HF directory
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: float = 1.0  # CPU only: vLLM's KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    # vLLM weights/activations precision; auto: model.dtype (bf16 for GPU recipes)
+    dtype: RolloutDType = "auto"
+    tp: int = 1  # vLLM tensor_parallel_size (GPUs of the rollout engine)
+    # GPU only: fraction of each rollout GPU's memory vLLM may take (weights + KV cache)
+    gpu_memory_utilization: float = 0.9
     # Which learner rank serves a finished trajectory (tsync_mcore.routing). auto: GRPO
     # family "balanced" (per trajectory, least-loaded rank), OPD "static" (by group).
     routing: Literal["auto", "static", "balanced"] = "auto"
@@ -226,6 +251,37 @@ class RolloutConfig:
         _check(self.tool_latency_s >= 0, "rollout.tool_latency_s", "must be >= 0")
         _check(self.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0")
         _check(self.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0")
+        _check(self.tp >= 1, "rollout.tp", f"must be >= 1, got {self.tp}")
+        _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+               f"must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class LaunchConfig:
+    """launch/run.py: which GPUs each side gets on one node."""
+
+    # CUDA_VISIBLE_DEVICES of the learner ranks, e.g. "0,1,2,3": one GPU per rank, so as
+    # many as rollout.n_learners ("": inherit the environment's, e.g. on CPU)
+    learner_gpus: str = ""
+    # CUDA_VISIBLE_DEVICES of the rollout (vLLM uses the first rollout.tp of them)
+    rollout_gpus: str = ""
+
+    def validate(self) -> None:
+        for key in ("learner_gpus", "rollout_gpus"):
+            _check(_gpu_list(getattr(self, key)) is not None, f"launch.{key}",
+                   f"must be comma-separated GPU indices like '0,1', got "
+                   f"{getattr(self, key)!r}")
+
+
+def _gpu_list(text: str) -> list[int] | None:
+    """"0,1,2" → [0, 1, 2]; "" → []; None when malformed or repeated."""
+    if not text.strip():
+        return []
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        return None
+    ids = [int(p) for p in parts]
+    return ids if len(set(ids)) == len(ids) else None
 
 
 @dataclass
@@ -236,7 +292,8 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     channel: ChannelConfig = field(default_factory=ChannelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    seed: int = 1234
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    seed: int = 1234  # seeds sampling, environments and the learner's RNGs
 
     def validate(self) -> None:
         self.model.validate()
@@ -245,6 +302,14 @@ class Config:
         self.run.validate()
         self.channel.validate()
         self.rollout.validate()
+        self.launch.validate()
+        learner_gpus = _gpu_list(self.launch.learner_gpus)
+        _check(not learner_gpus or len(learner_gpus) == self.rollout.n_learners,
+               "launch.learner_gpus", f"names {len(learner_gpus or [])} GPUs for "
+               f"rollout.n_learners = {self.rollout.n_learners} learner ranks (one GPU each)")
+        rollout_gpus = _gpu_list(self.launch.rollout_gpus)
+        _check(not rollout_gpus or len(rollout_gpus) >= self.rollout.tp, "launch.rollout_gpus",
+               f"names {len(rollout_gpus or [])} GPUs, fewer than rollout.tp = {self.rollout.tp}")
         _check(self.rollout.n_learners % self.model.tp == 0, "rollout.n_learners",
                f"{self.rollout.n_learners} learner ranks do not split into tensor-parallel "
                f"groups of model.tp = {self.model.tp}")
@@ -254,10 +319,101 @@ class Config:
 
     @property
     def routing(self) -> str:
-        """rollout.routing with 'auto' resolved for the objective."""
+        """rollout.routing with 'auto' resolved for the objective (see `resolve`)."""
         if self.rollout.routing != "auto":
             return self.rollout.routing
         return "static" if self.learner.objective == "opd" else "balanced"
+
+
+def _on_gpu() -> bool:
+    from tsync_mcore.platform import on_gpu  # imports torch: only when a choice needs it
+    return on_gpu()
+
+
+def _te_available() -> bool:
+    # as model.bridge._te_available, without importing megatron
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or RuntimeError (cudnn) without CUDA
+        return False
+    return True
+
+
+def resolve(cfg: Config) -> list[str]:
+    """Turn every `auto` into a concrete choice, in place; refuse impossible combinations.
+
+    Returns one line per choice made, saying why (the launchers log them once at start), so
+    that config.yaml in the run directory holds only concrete values.
+    """
+    lines: list[str] = []
+
+    def choose(key: str, value: str, why: str) -> str:
+        lines.append(f"{key}: auto -> {value} ({why})")
+        return value
+
+    lc, mc, rc = cfg.learner, cfg.model, cfg.rollout
+    opd = lc.objective == "opd"
+    if lc.token_norm == "auto":
+        from tsync_mcore.objectives.token_norm import AUTO
+        lc.token_norm = choose("learner.token_norm", AUTO["turn" if opd else "trajectory"],
+                               "OPD streams turns before a trajectory's length is known: 1/N_k"
+                               if opd else "GRPO family: 1/(n_groups·m_G·L_i)")
+    if rc.routing == "auto":
+        rc.routing = choose("rollout.routing", "static" if opd else "balanced",
+                            "OPD keeps a trajectory's turns on one rank" if opd else
+                            "GRPO family: each trajectory to the least-loaded rank")
+    if rc.dtype == "auto":
+        rc.dtype = choose("rollout.dtype", mc.dtype, "follows model.dtype")
+    # Span forwards (OPD turns, GRPO shared prompts; model/span.py) need the local layer
+    # spec: TE's core attention has no mask for queries shorter than keys.
+    spans = "OPD" if opd else "learner.shared_prefix" if lc.shared_prefix else ""
+    if mc.spec == "auto" or mc.spec == "te" or mc.attention == "auto":
+        gpu = _on_gpu()
+        te = gpu and _te_available()
+        if mc.spec == "te":
+            _check(not spans, "model.spec", f"'te' cannot run the span forwards "
+                   f"(model/span.py) that {spans} needs: use 'local' or 'auto'"
+                   + (", or learner.shared_prefix: false" if not opd else ""))
+            _check(te, "model.spec", "'te' needs CUDA and an importable transformer_engine")
+        if mc.spec == "auto":
+            why = ("no CUDA" if not gpu else "transformer_engine not importable" if not te
+                   else f"{spans} needs span forwards (model/span.py)" if spans
+                   else "CUDA and transformer_engine present")
+            mc.spec = choose("model.spec", "te" if te and not spans else "local", why)
+        if mc.attention == "auto":
+            mc.attention = choose("model.attention", "sdpa" if gpu else "megatron",
+                                  "GPU: torch SDPA kernels" if gpu else
+                                  "CPU: megatron DotProductAttention")
+    _check_splits(cfg)
+    return lines
+
+
+def _check_splits(cfg: Config) -> None:
+    """model.tp and rollout.tp against the checkpoint's shapes, when its config.json reads
+    (otherwise the launchers' model-directory check names what is wrong with it)."""
+    import os
+
+    from tsync_mcore.safe_files import BadFile, read_json_object
+    path = os.path.join(cfg.model.hf_dir, "config.json")
+    if not cfg.model.hf_dir or not os.path.isfile(path):
+        return
+    try:
+        hf = read_json_object(path)
+    except BadFile:
+        return
+    sizes = {k: hf.get(k) for k in ("num_attention_heads", "num_key_value_heads", "vocab_size",
+                                    "intermediate_size")}
+    sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+               for v in sizes.values()):
+        return
+    heads, kv, vocab, ffn = sizes.values()
+    tp, where = cfg.model.tp, cfg.model.hf_dir
+    for n, what in ((kv, "KV heads"), (vocab, "vocabulary entries"), (ffn, "MLP channels")):
+        _check(n % tp == 0, "model.tp", f"{tp} does not divide the {n} {what} of {where}")
+    rtp = cfg.rollout.tp
+    _check(heads % rtp == 0 and (kv % rtp == 0 or rtp % kv == 0), "rollout.tp",
+           f"vLLM cannot split the {heads} attention / {kv} KV heads of {where} {rtp} ways")
 
 
 def _resolvable(addr: str) -> bool:
@@ -387,8 +543,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         node[leaf] = value
     cfg = from_dict(Config, data)
     cfg.validate()
+    cfg.choices = resolve(cfg)  # type: ignore[attr-defined]  # not a key: the launchers log it
     return cfg
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+if __name__ == "__main__":  # python -m tsync_mcore.config --reference | --check
+    from tsync_mcore.config_doc import main
+    raise SystemExit(main())

@@ -54,3 +54,246 @@ def stopped(who: str, e: BaseException, run_dir: str) -> int:
           f"{where}. The last checkpoint under {run_dir}/checkpoints is intact; traceback: "
           f"{log}", file=sys.stderr, flush=True)
     return 4
+
+
+# --------------------------------------------------------------------------- command lines
+
+
+def add_config_args(p, config_default: str | None = None) -> None:
+    """--config, --set (repeatable) and --print-config, the same in every launcher."""
+    p.add_argument("--config", required=config_default is None, default=config_default,
+                   metavar="YAML", help="the run's config file (keys: docs/config.md)"
+                   + (f"; default {config_default}" if config_default else ""))
+    p.add_argument("--set", action="append", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="override config keys, e.g. --set run.updates=4 learner.k_open=2; may "
+                        "repeat (--set a=1 --set b=2); each VALUE is read as YAML")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (every auto made concrete) as YAML and exit")
+
+
+def set_items(args) -> list[str]:
+    """The --set items of all occurrences, in order."""
+    return [item for group in args.set for item in group]
+
+
+def config_from_args(who: str, args, extra: list[str] = (), log: bool = True):
+    """The resolved config of a launcher's arguments (`extra` overrides first, so the user's
+    --set wins); with --print-config prints it and exits 0. `log`: print the choices that
+    `resolve` made, one line each, to stderr."""
+    cfg = config_or_exit(who, args.config, [*extra, *set_items(args)])
+    if getattr(args, "print_config", False):
+        import yaml
+
+        from tsync_mcore.config import to_dict
+        for line in getattr(cfg, "choices", []):
+            print(f"# {line}")
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="", flush=True)
+        raise SystemExit(0)
+    if log:
+        for line in getattr(cfg, "choices", []):
+            print(f"[config] {line}", file=sys.stderr, flush=True)
+    return cfg
+
+
+# --------------------------------------------------------------------------- one node, one job
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    import socket
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def bar(done: int, total: int, width: int = 30) -> str:
+    n = int(width * done / total) if total else width
+    return f"[{'#' * n}{'.' * (width - n)}] {done}/{total}"
+
+
+def resume_version(run_dir: str) -> int:
+    """The policy version of the run's latest checkpoint (its `latest` pointer names
+    step_N); one `error:` line and exit 2 when there is none. The learner checks the
+    checkpoint itself fully before it changes anything."""
+    import re
+    path = os.path.join(run_dir, "checkpoints", "latest")
+    try:
+        with open(path, encoding="ascii") as f:
+            name = f.read(65).strip()
+    except (OSError, UnicodeDecodeError):
+        print(f"error: --resume: no checkpoint under {run_dir}/checkpoints (nothing to resume)",
+              file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    m = re.fullmatch(r"step_(0|[1-9][0-9]{0,17})", name)
+    if m is None:
+        print(f"error: --resume: checkpoint pointer {path}: {name[:40]!r} is not a step_N name",
+              file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    return int(m.group(1))
+
+
+def _metrics_before(path: str, version: int) -> list[dict]:
+    """Rows of metrics.jsonl for updates up to `version` (what a resumed run keeps); the
+    file is rewritten with only those, so it reads as one run."""
+    import json
+    rows, kept = [], []
+    if not os.path.exists(path):
+        return rows
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut by the interruption
+            if isinstance(row, dict) and isinstance(row.get("step"), int) \
+                    and row["step"] <= version:
+                rows.append(row)
+                kept.append(line if line.endswith("\n") else line + "\n")
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    return rows
+
+
+def _gpu_env(env: dict, gpus: str) -> dict:
+    return dict(env, CUDA_VISIBLE_DEVICES=gpus) if gpus.strip() else dict(env)
+
+
+def _last_error(*paths: str) -> str:
+    """The last `error:` line of these logs (the one-line reason a launcher printed)."""
+    found = ""
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if line.startswith("error:"):
+                        found = line.strip()
+        except OSError:
+            pass
+    return found
+
+
+def _stop(proc, grace_s: float = 10.0) -> None:
+    """End a child this launcher started and its process group (torchrun's workers,
+    vLLM's engine core): SIGTERM, then SIGKILL after `grace_s`."""
+    import signal
+    import subprocess
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_job(config: str | None, overrides: list[str], cfg, *, who: str = "run",
+            resume: bool = False) -> list[dict]:
+    """Start the rollout launcher and the learner ranks (torchrun) for `cfg` on this node,
+    stream one line per update, and return the metrics rows of the run (a resumed run's
+    earlier rows included). Each side gets its CUDA_VISIBLE_DEVICES from launch.*_gpus; logs
+    go to RUN/logs. If either side dies the other is stopped, and the job ends with one
+    `error:` line and exit 1."""
+    import json
+    import queue
+    import subprocess
+    import threading
+
+    secret_or_exit(who, cfg)  # one secret for both launchers, created before either starts
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    common = ["--config", config] if config else []
+    if overrides:
+        common += ["--set", *overrides]
+    log_dir = os.path.join(cfg.run.dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    metrics_path = os.path.join(cfg.run.dir, "metrics.jsonl")
+    rows: list[dict] = []
+    if resume:
+        rows = _metrics_before(metrics_path, resume_version(cfg.run.dir))
+    elif os.path.exists(metrics_path):
+        os.remove(metrics_path)
+    rollout_log, learner_err = (os.path.join(log_dir, n) for n in ("rollout.log", "learner.err"))
+    rollout = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "launch/rollout.py"), *common],
+        stdout=open(rollout_log, "w"), stderr=subprocess.STDOUT,
+        env=_gpu_env(env, cfg.launch.rollout_gpus), cwd=ROOT, start_new_session=True)
+    learner = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+         str(cfg.rollout.n_learners), "--master-addr", "127.0.0.1", "--master-port",
+         str(free_port()), os.path.join(ROOT, "launch/learner.py"), *common,
+         *(["--resume"] if resume else [])],
+        stdout=subprocess.PIPE, stderr=open(learner_err, "w"), text=True,
+        env=_gpu_env(env, cfg.launch.learner_gpus), cwd=ROOT, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:  # the learner's stdout, teed to its log
+        with open(os.path.join(log_dir, "learner.out"), "w") as out:
+            for line in learner.stdout:
+                out.write(line)
+                out.flush()
+                lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, name="learner-stdout", daemon=True).start()
+    total = cfg.run.updates
+    print(f"training {total} updates: {cfg.learner.objective}/{cfg.learner.schedule}, "
+          f"{cfg.rollout.n_learners} learner ranks, logs in {log_dir}", flush=True)
+    print(f"{bar(len(rows), total)}", flush=True)
+    failed = ""
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                break
+            if line.startswith("STEP "):
+                try:
+                    m = json.loads(line[5:])
+                except ValueError:
+                    continue  # not the trainer's line (it is in learner.out all the same)
+                rows.append(m)
+                r = "-" if m["reward_mean"] is None else f"{m['reward_mean']:.3f}"
+                print(f"{bar(len(rows), total)} step {m['step']:3d}  version "
+                      f"{m['policy_version']:3d}  reward {r}  step {m['step_wall_time_s']:.2f}s"
+                      f"  rollout {m['rollout_time_s']:.2f}s  tail {m['learner_tail_s']:.2f}s"
+                      f"  publish {m['publish_time_s']:.2f}s", flush=True)
+            if rollout.poll() not in (None, 0):  # the rollout died: the learner would wait
+                failed = "rollout"
+                break
+        if not failed:
+            rc_l = learner.wait()
+            if rc_l != 0:
+                failed = "learner"
+            else:
+                try:
+                    rollout.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    pass
+                failed = "rollout" if rollout.poll() != 0 else ""
+    except KeyboardInterrupt:
+        failed = "interrupted"
+    finally:
+        for proc in (learner, rollout):
+            _stop(proc)
+    if failed == "interrupted":
+        print(f"{who} interrupted: both sides stopped; the last checkpoint under "
+              f"{cfg.run.dir}/checkpoints is intact (continue with --resume)", file=sys.stderr,
+              flush=True)
+        raise SystemExit(130)
+    if failed:
+        rc = f"learner exit {learner.returncode}, rollout exit {rollout.returncode}"
+        first, other = ((rollout_log, learner_err) if failed == "rollout"
+                        else (learner_err, rollout_log))  # the side that died says why
+        why = _last_error(first) or _last_error(other) or f"the {failed} side stopped first"
+        print(f"error: {who} failed ({rc}): {why.removeprefix('error: ')}; logs in {log_dir}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    return rows

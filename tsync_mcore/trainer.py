@@ -104,7 +104,9 @@ class Trainer:
             if self.par.rank == 0:
                 self.link.send(Hello(self.version, self.data_pos))
             self._publish()  # replicas start from exactly θ_start
-            self._await_ack()
+            # the first acknowledgement also waits for the rollout's engine to start
+            ch = self.cfg.channel
+            self._await_ack(max(ch.ack_timeout_s, ch.timeout_s))
             while self.version < self.cfg.run.updates:
                 self._update()
             if self.par.rank == 0:
@@ -296,12 +298,12 @@ class Trainer:
         if self.par.rank == 0:
             self.link.send(publish.notice(self.version, path))
 
-    def _await_ack(self) -> float:
+    def _await_ack(self, timeout_s: float | None = None) -> float:
         """Rank 0: wait for the rollout's acknowledgement of θ_version and return when it
         arrived (reader thread); other ranks: now."""
         if self.par.rank != 0:
             return time.perf_counter()
-        ack = self._recv(Ack, timeout_s=self.cfg.channel.ack_timeout_s)
+        ack = self._recv(Ack, timeout_s=timeout_s or self.cfg.channel.ack_timeout_s)
         if ack.version != self.version or not ack.ok:
             raise LearnerStopped(f"rollout did not load policy version {self.version} "
                                  f"(ack for {ack.version}, ok={ack.ok}: {ack.error}); "

@@ -20,6 +20,7 @@ which torchrun and Megatron own on the learner side.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import math
 import os
@@ -36,7 +37,7 @@ import torch
 
 from tsync_mcore.channel.errors import ChannelError, ChannelTimeout, PeerGone
 from tsync_mcore.channel.handshake import (
-    TAG_BYTES, Keys, Mac, check_secret, learner_handshake, rollout_handshake,
+    TAG_BYTES, Keys, Mac, Refused, check_secret, learner_handshake, rollout_handshake,
 )
 from tsync_mcore.channel.messages import LEARNER_SENDS, ROLLOUT_SENDS, Message, Shutdown
 from tsync_mcore.channel.wire import (
@@ -406,7 +407,11 @@ def open_rollout_side(addr: str, port: int, n_learners: int, timeout_s: float = 
         srv.bind(sockaddr)
         srv.listen(max(16, 2 * n_learners))
     except OSError as e:
-        raise ChannelError(f"cannot host the channel at {where} ({e.strerror or e})") from None
+        taken = e.errno == errno.EADDRINUSE
+        raise ChannelError(f"cannot host the channel at {where} ({e.strerror or e})"
+                           + ("; another process holds the port: set channel.port (launch/run.py "
+                              "and make demo pick a free one)" if taken else
+                              "; check channel.addr / channel.port")) from None
     srv.settimeout(0.1)  # the accept loop checks for the end this often
     deadline = time.monotonic() + timeout_s
     done = threading.Condition()
@@ -480,12 +485,17 @@ def connect_learner(addr: str, port: int, learner_rank: int, n_learners: int, ti
     """Connect to the rollout (retrying while nobody listens, up to timeout_s) and run the
     learner's half of the handshake: the socket and the link's keys."""
     where, deadline = f"{addr}:{port}", time.monotonic() + timeout_s
+    said = False
     while True:
         try:
             sock = socket.create_connection((addr, port),
                                             timeout=max(0.1, deadline - time.monotonic()))
             break
         except OSError as e:
+            if not said and learner_rank == 0:  # once per learner, not per rank or retry
+                said = True
+                _say(f"learner: waiting for the rollout's channel at {where} (channel.addr, "
+                     f"channel.port; up to channel.timeout_s = {timeout_s:g} s)")
             if time.monotonic() + 0.05 >= deadline:
                 raise ChannelTimeout(f"learner rank {learner_rank}: the channel at {where} is not "
                                      f"reachable within {timeout_s:g} s ({e.strerror or e})"
@@ -494,6 +504,14 @@ def connect_learner(addr: str, port: int, learner_rank: int, n_learners: int, ti
     try:
         sock.settimeout(max(0.1, min(_HANDSHAKE_S, deadline - time.monotonic())))
         return sock, learner_handshake(_nodelay(sock), secret, learner_rank, n_learners, where)
+    except ChannelError as e:
+        sock.close()
+        # A listener that is not a tsync rollout (bad magic, silence, a hang-up) or another
+        # run's (authentication): say what answered at addr:port, not only why it failed.
+        if isinstance(e, Refused) and "authenticat" not in str(e):
+            raise  # a genuine rollout's refusal (rank taken, n_learners): its reason says it
+        raise type(e)(f"{e}; the listener at {where} is not this run's rollout (another "
+                      f"process or run on channel.port {port}?)") from None
     except BaseException:
         sock.close()
         raise

@@ -25,6 +25,7 @@ import random
 import time
 from dataclasses import dataclass
 
+import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, GroupRewards, Hello,
@@ -43,6 +44,7 @@ from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, TurnS
                                  assign_groups, validate_source, validate_turn)
 
 
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # rollout.dtype → vLLM's name
 FINISHED = "learner finished"  # reason prefix of the learner's Shutdown after its last update
 
 
@@ -95,9 +97,14 @@ class RolloutDriver:
                                  "directory)")
 
     async def _make_engine(self) -> RolloutEngine:
+        gpu = torch.cuda.is_available()
         engine = RolloutEngine(self.cfg.model.hf_dir, seed=self.cfg.seed,
                                kv_cache_gib=self.rc.kv_cache_gib,
-                               max_model_len=max(self.rc.max_total_tokens, 64))
+                               max_model_len=max(self.rc.max_total_tokens, 64),
+                               dtype=VLLM_DTYPES[self.rc.dtype],  # resolved: auto → model.dtype
+                               tensor_parallel_size=self.rc.tp,
+                               gpu_memory_utilization=self.rc.gpu_memory_utilization if gpu
+                               else None)
         await engine.warmup()
         return engine
 

@@ -84,6 +84,7 @@ class RolloutEngine:
         enforce_eager: bool = True,
         enable_prefix_caching: bool = True,
         gpu_memory_utilization: float | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         _set_cpu_env(kv_cache_gib)
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -105,6 +106,7 @@ class RolloutEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
+            tensor_parallel_size=tensor_parallel_size,
             **({} if gpu_memory_utilization is None
                else {"gpu_memory_utilization": gpu_memory_utilization}),
         )
