@@ -92,8 +92,8 @@ def test_resolve_makes_every_auto_concrete_and_says_why(monkeypatch):
     assert resolve(cfg) == []
     opd = load_config(None, {"learner.objective": "opd"})
     assert (opd.learner.token_norm, opd.rollout.routing, opd.rollout.dtype) == \
-        ("global", "static", "fp32")
-    explicit = load_config(None, {"learner.token_norm": "global", "rollout.routing": "static",
+        ("token_mean", "static", "fp32")
+    explicit = load_config(None, {"learner.token_norm": "token_mean", "rollout.routing": "static",
                                   "rollout.dtype": "fp32", "model.spec": "local",
                                   "model.attention": "sdpa"})
     assert explicit.choices == []
