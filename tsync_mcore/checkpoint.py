@@ -2,6 +2,7 @@
 
     RUN/checkpoints/step_{k}/rank{R}.safetensors  this rank's tensors: model shard, Adam
                                                   state per parameter, RNG; JSON metadata
+                                                  (also the LR scheduler's position)
     RUN/checkpoints/step_{k}/rank{R}.sha256       digest of that file
     RUN/checkpoints/step_{k}/meta.json            policy version (k), data position, layout
     RUN/checkpoints/latest                        name of the newest complete checkpoint

@@ -283,7 +283,12 @@ def _copy_side_files(hf_dir: str, tmp: str) -> list[str]:
             copied.append(name)
     if "generation_config.json" not in copied:
         from transformers import AutoConfig, GenerationConfig
-        gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(tmp))
+        try:
+            gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(tmp))
+        except Exception as e:  # transformers' errors vary; the export is refused either way
+            raise ExportError(f"{os.path.join(hf_dir, 'config.json')}: transformers cannot "
+                              f"read it to derive generation_config.json ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
         gen.save_pretrained(tmp)
     return copied
 
