@@ -120,6 +120,29 @@ def test_tp2_checkpoint_merges_to_the_learners_model(tiny_qwen3, tmp_path):
     print(f"\nTP=2 export: HF FP32 logits vs the learner's Megatron logits max |err| {err:.1e}")
 
 
+def test_bf16_run_exports_bf16(tiny_llama, parallel1, tmp_path):
+    """model.dtype bf16: the export keeps it (weights and config.json), bit for bit the
+    learner's bf16 parameters, and transformers runs it in bf16."""
+    batch = str(tmp_path / "b.jsonl")
+    write_batches(batch, 256, n_updates=2, seed=7)
+    run = str(tmp_path / "run")
+    train(tiny_llama, batch, run, tp=1, updates=2, par=parallel1, dtype="bf16")
+    out = str(tmp_path / "hf")
+    assert _export(run, out) == 0
+    ref = load_file(os.path.join(run, "learner_final.safetensors"))
+    got = _exported_tensors(out)
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, ref[f"param.{k}"])
+               for k, t in got.items())
+    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert next(model.parameters()).dtype == torch.bfloat16
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROBE)).logits.float()
+    scale = float(ref["logits"].abs().max())
+    assert float((logits - ref["logits"]).abs().max()) <= 0.05 * scale  # bf16 arithmetic
+
+
 VLLM_SCRIPT = r"""
 import json, os, sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

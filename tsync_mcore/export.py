@@ -123,7 +123,8 @@ def _checkpoint_dir(run_dir: str, step: int | None) -> str:
 
 def _hf_shapes(spec) -> dict[str, tuple[int, ...]]:
     """Full HF parameter shapes of `spec` (what transformers builds for its config.json)."""
-    h, hd, q, kv = spec.hidden, spec.head_dim, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    h, hd = spec.hidden, spec.head_dim
+    q, kv = spec.heads * hd, spec.kv_heads * hd
     per_layer = {
         "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
         "self_attn.v_proj.weight": (kv, h), "self_attn.q_proj.bias": (q,),

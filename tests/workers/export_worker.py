@@ -27,9 +27,10 @@ from tsync_mcore.sources import BatchPlan
 PROBE = [[3, 17, 42, 9, 120, 77, 5, 200, 31, 64, 2, 99]]  # token ids < every tiny vocab
 
 
-def train(hf_dir: str, batch: str, run_dir: str, tp: int, updates: int, par=None) -> dict:
+def train(hf_dir: str, batch: str, run_dir: str, tp: int, updates: int, par=None,
+          dtype: str = "fp32") -> dict:
     cfg = load_config(None, {
-        "model.hf_dir": hf_dir, "model.tp": tp, "run.dir": run_dir, "run.updates": updates,
+        "model.hf_dir": hf_dir, "model.tp": tp, "model.dtype": dtype, "run.dir": run_dir, "run.updates": updates,
         "learner.k_open": 2, "optim.lr": 1e-3, "optim.lr_schedule": "cosine",
         "optim.warmup_updates": 1, "optim.min_lr": 1e-4, "optim.weight_decay": 0.01})
     policy = Policy(cfg, par=par)
