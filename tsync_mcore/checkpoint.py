@@ -2,6 +2,7 @@
 
     RUN/checkpoints/step_{k}/rank{R}.safetensors  this rank's tensors: model shard, Adam
                                                   state per parameter, RNG; JSON metadata
+                                                  (also the LR scheduler's position)
     RUN/checkpoints/step_{k}/rank{R}.sha256       digest of that file
     RUN/checkpoints/step_{k}/meta.json            policy version (k), data position, layout
     RUN/checkpoints/latest                        name of the newest complete checkpoint
@@ -32,14 +33,23 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from tsync_mcore.model import train
 from tsync_mcore.platform import cpu
 from tsync_mcore.policy import Policy
-from tsync_mcore.safe_files import BadFile, read_json_object, read_safetensors, regular_file
+from tsync_mcore.safe_files import (BadFile, read_json_object, read_safetensors, regular_file,
+                                    safetensors_header)
 
 FORMAT = "tsync-checkpoint/1"
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")  # torch Adam's per-parameter state
 _STEP_DIR = re.compile(r"step_(0|[1-9][0-9]{0,17})")
 _META_KEYS = {"format": str, "version": int, "data_pos": int, "world_size": int, "tp": int}
+# Megatron's OptimizerParamScheduler.state_dict(); the config gives the schedule on resume,
+# the checkpoint its position (num_steps: applied updates)
+_SCHEDULER_KEYS = {"max_lr": float, "min_lr": float, "start_wd": float, "end_wd": float,
+                   "lr_warmup_steps": int, "num_steps": int, "lr_decay_steps": int,
+                   "wd_incr_steps": int, "lr_decay_style": str, "wd_incr_style": str}
+_SCHEDULER_STYLES = {"lr_decay_style": ("constant", "linear", "cosine"),
+                     "wd_incr_style": ("constant",)}
 
 
 class CheckpointError(BadFile):
@@ -102,7 +112,8 @@ def _collect(policy: Policy) -> tuple[dict[str, torch.Tensor], dict]:
         tensors[f"rng.tracker.{k}"] = v
     np_state = np.random.get_state()
     rest = {"stepped": stepped, "python_rng": _py_rng_to_json(random.getstate()),
-            "numpy_rng": [np_state[0], np_state[1].tolist(), *map(_plain, np_state[2:])]}
+            "numpy_rng": [np_state[0], np_state[1].tolist(), *map(_plain, np_state[2:])],
+            "lr_scheduler": policy.scheduler.state_dict()}
     # A private CPU copy per tensor: safetensors refuses shared storage (views, tied weights).
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}, rest
 
@@ -249,14 +260,42 @@ def load(ckpt_dir: str, policy: Policy) -> dict:
     return plan.meta
 
 
-def _validate(ckpt_dir: str, policy: Policy) -> _Plan:
+def step_meta(ckpt_dir: str) -> dict:
+    """The checked meta.json of a step_N checkpoint directory (name, directory and every
+    key checked); the rank files are checked by whoever reads them."""
     ckpt_dir = os.path.normpath(ckpt_dir)
     name = os.path.basename(ckpt_dir)
     if not _STEP_DIR.fullmatch(name):
         raise CheckpointError(f"checkpoint {ckpt_dir}: directory name is not step_N")
     _check_step_dir(ckpt_dir, os.path.dirname(ckpt_dir))
+    return _read_meta(os.path.join(ckpt_dir, "meta.json"), int(name[len("step_"):]))
+
+
+def rank_file(ckpt_dir: str, rank: int, meta: dict) -> str:
+    """Path of rank `rank`'s file, after checking it is a regular file that matches its
+    digest and that its header agrees with `meta` (tensors are checked by the reader)."""
+    path = os.path.join(os.path.normpath(ckpt_dir), f"rank{rank}.safetensors")
+    _checked(regular_file, path)
+    _check_digest(path)
+    _, header = _checked(safetensors_header, path)
+    _check_header(header, rank, meta, f"checkpoint {path}")
+    return path
+
+
+def _check_header(header: dict, rank: int, meta: dict, where: str) -> None:
+    want = {"format": FORMAT, "rank": str(rank), "world_size": str(meta["world_size"]),
+            "tp": str(meta["tp"]), "version": str(meta["version"]),
+            "data_pos": str(meta["data_pos"])}
+    for k, v in want.items():
+        if header.get(k) != v:
+            raise CheckpointError(f"{where}: header {k}={header.get(k)!r}, meta.json/this "
+                                  f"run says {v!r}")
+
+
+def _validate(ckpt_dir: str, policy: Policy) -> _Plan:
+    ckpt_dir = os.path.normpath(ckpt_dir)
     par = policy.par
-    meta = _read_meta(os.path.join(ckpt_dir, "meta.json"), int(name[len("step_"):]))
+    meta = step_meta(ckpt_dir)
     mpath = os.path.join(ckpt_dir, "meta.json")
     if (meta["world_size"], meta["tp"]) != (par.world_size, par.tp_size):
         raise CheckpointError(f"checkpoint {mpath}: written by {meta['world_size']} ranks with "
@@ -267,13 +306,7 @@ def _validate(ckpt_dir: str, policy: Policy) -> _Plan:
     _checked(regular_file, path)
     _check_digest(path)
     tensors, header = _checked(read_safetensors, path)
-    want = {"format": FORMAT, "rank": str(par.rank), "world_size": str(par.world_size),
-            "tp": str(par.tp_size), "version": str(meta["version"]),
-            "data_pos": str(meta["data_pos"])}
-    for k, v in want.items():
-        if header.get(k) != v:
-            raise CheckpointError(f"{where}: header {k}={header.get(k)!r}, meta.json/this "
-                                  f"run says {v!r}")
+    _check_header(header, par.rank, meta, where)
     try:
         rest = json.loads(header.get("state", ""))
     except (json.JSONDecodeError, RecursionError) as e:
@@ -319,14 +352,34 @@ def _check_digest(path: str) -> None:
 
 
 def _check_rest(rest, n_parts: int, where: str) -> dict:
-    if not isinstance(rest, dict) or set(rest) != {"stepped", "python_rng", "numpy_rng"}:
-        raise CheckpointError(f"{where}: header 'state' must hold stepped, python_rng, numpy_rng")
+    if not isinstance(rest, dict) or set(rest) != {"stepped", "python_rng", "numpy_rng",
+                                                   "lr_scheduler"}:
+        raise CheckpointError(f"{where}: header 'state' must hold stepped, python_rng, "
+                              f"numpy_rng, lr_scheduler")
     stepped = rest["stepped"]
     if not (isinstance(stepped, list) and len(stepped) == n_parts
             and all(type(s) is bool for s in stepped)):
         raise CheckpointError(f"{where}: 'stepped' must be {n_parts} booleans, got {stepped!r}")
     return {"stepped": stepped, "python_rng": _py_rng_state(rest["python_rng"], where),
-            "numpy_rng": _np_rng_state(rest["numpy_rng"], where)}
+            "numpy_rng": _np_rng_state(rest["numpy_rng"], where),
+            "lr_scheduler": _scheduler_state(rest["lr_scheduler"], where)}
+
+
+def _scheduler_state(s, where: str) -> dict:
+    """Megatron's scheduler state: exactly its keys, each of its type, finite, in range."""
+    if not isinstance(s, dict) or set(s) != set(_SCHEDULER_KEYS):
+        got = sorted(s) if isinstance(s, dict) else type(s).__name__
+        raise CheckpointError(f"{where}: lr_scheduler must hold {sorted(_SCHEDULER_KEYS)}, got "
+                              f"{got}")
+    for k, typ in _SCHEDULER_KEYS.items():
+        v = s[k]
+        ok = type(v) is typ and (
+            (typ is float and math.isfinite(v) and 0 <= v < 1e6)
+            or (typ is int and 0 <= v < 1 << 40)
+            or (typ is str and v in _SCHEDULER_STYLES[k]))
+        if not ok:
+            raise CheckpointError(f"{where}: lr_scheduler {k}={v!r:.40} is not a valid value")
+    return dict(s)
 
 
 def _u32s(xs, n: int) -> bool:
@@ -429,6 +482,8 @@ def _apply(plan: _Plan, policy: Policy) -> None:
                     state["exp_avg_sq"] = torch.zeros_like(m, memory_format=torch.preserve_format)
                 for k in ADAM_STATE:
                     state[k].copy_(t[f"optimizer.{i}.{n}.{k}"])
+    # The schedule is the config's; the checkpoint gives its position.
+    train.set_scheduler_position(policy.scheduler, plan.rest["lr_scheduler"]["num_steps"])
     torch.set_rng_state(t["rng.torch"])
     random.setstate(plan.rest["python_rng"])
     np.random.set_state(plan.rest["numpy_rng"])

@@ -64,6 +64,13 @@ class OptimConfig:
     weight_decay: float = 0.0  # decoupled (AdamW) weight decay
     clip_grad: float = 1.0  # global gradient-norm clip of the reduced gradient (0: off)
     distributed: bool = True  # shard optimizer state across data-parallel ranks
+    # LR schedule (Megatron's OptimizerParamScheduler, one step per applied update; see
+    # docs/export.md): linear warm-up from 0 over warmup_updates, then constant at lr, or
+    # linear / cosine decay to min_lr by update decay_updates (0: run.updates).
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_updates: int = 0  # updates of linear warm-up from 0 to lr (update 0 runs at 0)
+    min_lr: float = 0.0  # the LR a linear/cosine schedule decays to (constant keeps lr)
+    decay_updates: int = 0  # the update at which decay reaches min_lr; 0: run.updates
 
     def validate(self) -> None:
         _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
@@ -72,6 +79,13 @@ class OptimConfig:
         _check(self.eps > 0, "optim.eps", f"must be > 0, got {self.eps}")
         _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
         _check(self.clip_grad >= 0, "optim.clip_grad", "must be >= 0 (0 disables clipping)")
+        _check(self.warmup_updates >= 0, "optim.warmup_updates",
+               f"must be >= 0, got {self.warmup_updates}")
+        _check(self.decay_updates >= 0, "optim.decay_updates",
+               f"must be >= 0 (0: run.updates), got {self.decay_updates}")
+        _check(self.min_lr >= 0, "optim.min_lr", f"must be >= 0, got {self.min_lr}")
+        _check(self.lr_schedule == "constant" or self.min_lr <= self.lr, "optim.min_lr",
+               f"must be <= optim.lr ({self.lr}) for a decaying schedule, got {self.min_lr}")
 
 
 @dataclass
@@ -175,6 +189,9 @@ class RunConfig:
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     project: str = ""  # W&B project / MLflow experiment; "": tsync-mcore
     name: str = ""  # W&B / MLflow run name; "": the last part of run.dir
+    # At the end of training rank 0 exports the final checkpoint as a Hugging Face
+    # directory to <run.dir>/hf (as `python -m tsync_mcore.export`; docs/export.md)
+    export_hf: bool = True
 
     def validate(self) -> None:
         _check(self.updates >= 1, "run.updates", f"must be >= 1, got {self.updates}")
@@ -313,6 +330,10 @@ class Config:
         _check(self.rollout.n_learners % self.model.tp == 0, "rollout.n_learners",
                f"{self.rollout.n_learners} learner ranks do not split into tensor-parallel "
                f"groups of model.tp = {self.model.tp}")
+        decay = self.optim.decay_updates or self.run.updates
+        _check(self.optim.warmup_updates < decay, "optim.warmup_updates",
+               f"must be < optim.decay_updates (0: run.updates), here {decay}, got "
+               f"{self.optim.warmup_updates}")
         _check(not (self.learner.objective == "opd" and self.rollout.routing == "balanced"),
                "rollout.routing", "'balanced' is for the GRPO family; OPD routes by group "
                "(a trajectory's turns and its group's shared prompt stay on one rank)")

@@ -338,7 +338,7 @@ class Learner:
             accum_peak_bytes=self.acc.peak_bytes, accum_bound_bytes=self.acc.bound_bytes,
             open_peak_bytes=self.open_peak_bytes,
             kv_peak_bytes=self.kind.kv_peak_bytes, grad_norm=step.grad_norm,
-            ok=step.ok, nonfinite_sources=list(self.nonfinite))
+            lr=step.lr, ok=step.ok, nonfinite_sources=list(self.nonfinite))
         self.trace.append(summary)
         result = UpdateResult(summary=summary, grad=step.grad, trace=self.trace)
         if step.ok:  # a skipped step leaves θ_k, so the next batch is again for version k

@@ -26,6 +26,7 @@ class StepResult:
     ok: bool  # False when the optimizer skipped the step (non-finite gradient)
     grad_norm: float  # global norm before clipping
     grad: dict[str, torch.Tensor] | None  # g_k (ascent direction), HF names, when asked
+    lr: float = 0.0  # the learning rate of this step (applied or not)
 
 
 class Policy:
@@ -38,10 +39,17 @@ class Policy:
         self.attention_mode = bridge.attention_mode(self.model)  # what the FLOP ledger counts
         self.ddp = train.wrap_ddp(self.model, use_distributed_optimizer=cfg.optim.distributed)
         o = cfg.optim
+        # constant: Megatron's constant style keeps max_lr; min_lr = lr says so in its state
+        min_lr = o.lr if o.lr_schedule == "constant" else o.min_lr
         self.optimizer = train.build_optimizer(
-            self.ddp, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+            self.ddp, lr=o.lr, min_lr=min_lr, betas=(o.beta1, o.beta2), eps=o.eps,
             weight_decay=o.weight_decay, clip_grad=o.clip_grad,
             use_distributed_optimizer=o.distributed, bf16=cfg.model.dtype == "bf16")
+        # One scheduler step per applied update (a skipped update leaves it, as θ and Adam).
+        self.scheduler = train.build_scheduler(
+            self.optimizer, lr=o.lr, min_lr=min_lr, style=o.lr_schedule,
+            warmup_steps=o.warmup_updates, decay_steps=o.decay_updates or cfg.run.updates,
+            weight_decay=o.weight_decay)
         self.device = next(self.model.parameters()).device
         self.vocab_local = self.spec.vocab_size // self.par.tp_size
         self.vocab_start = self.par.tp_rank * self.vocab_local
@@ -56,6 +64,11 @@ class Policy:
     @property
     def vocab_size(self) -> int:
         return self.spec.vocab_size
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step applies."""
+        return train.current_lr(self.optimizer)
 
     @property
     def n_grad_elements(self) -> int:
@@ -107,6 +120,7 @@ class Policy:
     def apply_and_step(self, descent: list[torch.Tensor], scale: float,
                        export_grad: bool = False) -> StepResult:
         """Buffers ← scale·descent, reduce over data-parallel ranks, clip, one step."""
+        lr = self.lr
         for buf, acc in zip(self._buffers, descent):
             buf.copy_(acc.mul_(scale))  # scale in the accumulator's precision; it is reset next batch
         grad = None
@@ -123,10 +137,12 @@ class Policy:
             # Megatron's Adam steps on whatever it is given (it checks only under a loss
             # scaler): one NaN would reach every parameter and both moments for good.
             self.zero_grads()
-            return StepResult(ok=False, grad_norm=float("nan"), grad=grad)
+            return StepResult(ok=False, grad_norm=float("nan"), grad=grad, lr=lr)
         ok, grad_norm = train.optimizer_step(self.optimizer)
+        if ok:
+            self.scheduler.step(1)
         self.zero_grads()
-        return StepResult(ok=ok, grad_norm=grad_norm, grad=grad)
+        return StepResult(ok=ok, grad_norm=grad_norm, grad=grad, lr=lr)
 
     def reduced_grads_finite(self) -> bool:
         """Collective over every learner rank: is the reduced gradient finite everywhere?

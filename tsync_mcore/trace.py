@@ -102,6 +102,7 @@ class UpdateRecord:
     open_peak_bytes: int = 0  # bytes held by open groups at once (pairs, K/V, prompts)
     kv_peak_bytes: int = 0  # context K/V leaves + adjoints and shared prompts at once
     grad_norm: float = 0.0  # before clipping
+    lr: float = 0.0  # the learning rate of this update's step (optim.lr_schedule)
     ok: bool = True  # the step was applied (False: the reduced gradient was not finite)
     # learner.check_finite=source: the unit after whose service this rank's sums were first
     # non-finite (empty: finite here, or not checked per source)

@@ -19,7 +19,7 @@ import time
 import torch
 import yaml
 
-from tsync_mcore import checkpoint, publish
+from tsync_mcore import checkpoint, export, publish
 from tsync_mcore import trace
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, GroupRewards, Hello,
                                  RegisterBatch, Rejected, Shutdown, TrajectoryMsg, TurnMsg,
@@ -32,6 +32,7 @@ from tsync_mcore.ledger.mfu import detect_peak, mfu_active
 from tsync_mcore.ledger.nvml import NvmlSampler
 from tsync_mcore.metrics import local_stats, reduce_stats, throughput
 from tsync_mcore.policy import Policy
+from tsync_mcore.safe_files import BadFile
 from tsync_mcore.sources import BatchPlan, SourceError
 from tsync_mcore.tracking import Tracker, TrackingError
 
@@ -111,6 +112,8 @@ class Trainer:
                 self._update()
             if self.par.rank == 0:
                 self.link.send(Shutdown("learner finished all updates"))
+                if self.cfg.run.export_hf:
+                    self._export_hf()
         except (ChannelError, LearnerStopped) as e:
             waiting = self.learner.waiting_for() if isinstance(e, ChannelError) else []
             self._tell_rollout(e)
@@ -124,6 +127,22 @@ class Trainer:
             self.nvml.stop()
             self._write_nvml_timeline()
             self.link.close()
+
+    def _export_hf(self) -> None:
+        """Rank 0: the final checkpoint as a Hugging Face directory, <run.dir>/hf.
+
+        From the checkpoint's files, not the live model: RUN/hf is then exactly what
+        `python -m tsync_mcore.export RUN` writes (one path, checked like a resume), it
+        needs no collective after the last one (the other ranks may be gone), and it costs
+        one read of the TP group's rank files, once per run, after the rollout was told.
+        """
+        out = os.path.join(self.cfg.run.dir, "hf")
+        try:
+            done = export.export_checkpoint(self.cfg.run.dir, out, self.version, replace=True)
+        except (BadFile, OSError) as e:
+            raise LearnerStopped(f"final export to {out} failed: {e}") from None
+        print(f"[learner] exported policy version {self.version} to {out} "
+              f"({done['seconds']:.1f} s)", flush=True)
 
     def _state(self) -> str:
         try:
@@ -241,7 +260,7 @@ class Trainer:
             n_groups=done.n_groups, dropped_groups=done.dropped_groups,
             scored_tokens=done.scored_tokens, stale_sources=n_stale,
             rejected_sources=n_rejected,
-            grad_norm=done.grad_norm, accum_peak_bytes=done.accum_peak_bytes,
+            grad_norm=done.grad_norm, lr=done.lr, accum_peak_bytes=done.accum_peak_bytes,
             kv_peak_bytes=max(kv_peaks), kv_peak_bytes_per_rank=kv_peaks,
             open_peak_bytes_per_rank=open_peaks, open_bound=done.open_bound,
             accum_bound_bytes=done.accum_bound_bytes, flops=flops, recompute_flops=recompute,

@@ -14,6 +14,8 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import (OptimizerParamScheduler,
+                                                     get_canonical_lr_for_logging)
 
 from tsync_mcore.platform import cpu
 
@@ -24,7 +26,10 @@ __all__ = [
     "reduced_grad_ranges",
     "finish_grad_sync",
     "build_optimizer",
+    "build_scheduler",
+    "current_lr",
     "optimizer_step",
+    "set_scheduler_position",
 ]
 
 
@@ -92,6 +97,7 @@ def build_optimizer(
     ddp: DistributedDataParallel,
     *,
     lr: float = 1e-6,
+    min_lr: float | None = None,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
@@ -101,14 +107,16 @@ def build_optimizer(
 ) -> MegatronOptimizer:
     """Megatron Adam over `ddp` (FP32 main params for bf16 models; sharded state if distributed).
 
-    `use_distributed_optimizer` must match the value given to `wrap_ddp`.
+    `use_distributed_optimizer` must match the value given to `wrap_ddp`. `min_lr` (default:
+    `lr`) is where a decaying `build_scheduler` schedule ends; Megatron copies it into every
+    param group, where the scheduler reads it.
     """
     if use_distributed_optimizer != ddp.ddp_config.use_distributed_optimizer:
         raise ValueError("use_distributed_optimizer must match the DDP wrapper's setting")
     config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
-        min_lr=lr,
+        min_lr=lr if min_lr is None else min_lr,
         weight_decay=weight_decay,
         adam_beta1=betas[0],
         adam_beta2=betas[1],
@@ -123,9 +131,47 @@ def build_optimizer(
         return get_megatron_optimizer(config, [ddp])
 
 
+def build_scheduler(
+    optimizer: MegatronOptimizer,
+    *,
+    lr: float,
+    min_lr: float,
+    style: str,
+    warmup_steps: int,
+    decay_steps: int,
+    weight_decay: float,
+) -> OptimizerParamScheduler:
+    """Megatron's LR / weight-decay scheduler over `optimizer`, at step 0 (sets every group).
+
+    Step it once per applied optimizer step. The weight decay is constant; the scheduler
+    writes `weight_decay · wd_mult` into each group, and Megatron's param groups give biases
+    and 1-D parameters (norms) wd_mult 0, as Megatron-LM trains.
+    `override_opt_param_scheduler`: on `load_state_dict` the configured values win and the
+    checkpoint gives the position (num_steps), as this project's checkpoints do everywhere.
+    """
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
+        lr_decay_steps=decay_steps, lr_decay_style=style, start_wd=weight_decay,
+        end_wd=weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+
+
+def current_lr(optimizer: MegatronOptimizer) -> float:
+    """The learning rate the next step applies (Megatron's logged LR: the default groups')."""
+    lr = get_canonical_lr_for_logging(optimizer.param_groups)
+    return float(lr if lr is not None else optimizer.param_groups[0]["lr"])
+
+
 def optimizer_step(optimizer: MegatronOptimizer) -> tuple[bool, float]:
     """One step (global-norm clip + Adam, params re-gathered): (update ok, grad norm)."""
     # why: clip-grad and found-inf checks allocate device='cuda' tensors.
     with cpu.cuda_redirect():
         ok, grad_norm, _ = optimizer.step()
     return bool(ok), float(grad_norm) if grad_norm is not None else float("nan")
+
+
+def set_scheduler_position(scheduler: OptimizerParamScheduler, num_steps: int) -> None:
+    """Put `scheduler` at `num_steps` applied steps and set every group's LR and weight decay
+    (Megatron's `load_state_dict` adds to the current count instead)."""
+    scheduler.num_steps = num_steps
+    scheduler.step(0)
