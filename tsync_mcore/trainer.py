@@ -237,6 +237,8 @@ class Trainer:
             peak_mem_bytes=max(peaks), peak_mem_bytes_per_rank=peaks,
             host_accum_bytes=mem.get("host_accum_bytes"), memory=mem,
             nvml=self.nvml.summary())
+        # The rollout side's own metrics (reward/<extra>, reward/errors, eval/*).
+        metrics.update({k: v for k, v in close.metrics.items() if k not in metrics})
         if self.par.rank == 0:
             with open(os.path.join(cfg.run.dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(metrics) + "\n")
