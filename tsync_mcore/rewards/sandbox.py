@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 _LAUNCHER = """\
@@ -141,18 +142,26 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
+                _kill_group(proc.pid, wait_s=0.0)
+                proc.wait()  # the leader reaped: what is left of the group are its children
                 _kill_group(proc.pid)
-                proc.wait()
         return SandboxResult(None if timed_out else proc.returncode,
                              _read(out_path, max_output), _read(err_path, max_output),
                              timed_out)
 
 
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _kill_group(pgid: int, wait_s: float = 2.0) -> None:
+    """SIGKILL the group and wait (briefly) until it is gone: its processes count against
+    the sandbox user's RLIMIT_NPROC budget, which the next program shares."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
 
 
 def _read(path: str, limit: int) -> str:
