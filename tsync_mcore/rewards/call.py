@@ -158,7 +158,7 @@ def eval_metrics(rewards_by_prompt: Sequence[Sequence[float]], n: int,
     """eval/reward_mean over every sample, and eval/pass@k for k = 1, 2, 4, .. ≤ n (a sample
     is correct when its reward ≥ `threshold`), averaged over prompts."""
     flat = [r for rs in rewards_by_prompt for r in rs]
-    out: dict[str, float] = {"eval/reward_mean": sum(flat) / len(flat) if flat else float("nan"),
+    out: dict[str, float | None] = {"eval/reward_mean": sum(flat) / len(flat) if flat else None,
                              "eval/n_prompts": len(rewards_by_prompt), "eval/n_samples": n}
     k = 1
     while k <= n:
