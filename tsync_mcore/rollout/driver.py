@@ -248,7 +248,6 @@ class RolloutDriver:
         owners = self._owners(batch)
         router = BalancedRouter(batch.groups, self.rc.n_learners // self.tp)
         order = 0
-        n = len(batch.traj_ids)
         self.dropped = {}
 
         def send(gid: str, msg) -> None:
