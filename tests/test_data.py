@@ -216,3 +216,39 @@ def test_overlong_prompt_is_named_at_start(tmp_path, tiny_qwen2, tok):
     feed = DataFeed(cfg)
     with pytest.raises(DataError, match=r"row 0: prompt of \d+ tokens leaves no room"):
         feed.attach(tok)
+
+
+@pytest.mark.parametrize("sets, match", [
+    ({"rollout.env": "dataset"}, "'data.train': rollout.env='dataset' takes its prompts"),
+    ({"rollout.env": "dataset", "data.train": "x.jsonl"}, "'reward.function': rollout.env"),
+    ({"reward.function": "a.b:"}, "'reward.function': 'a.b:' is neither"),
+    ({"reward.function": "my file.txt:f"}, "neither a .py file nor a dotted module"),
+    ({"reward.on_error": "ignore"}, "'reward.on_error': must be one of"),
+    ({"run.eval_every": 2}, "'data.eval': run.eval_every=2"),
+    ({"data.eval_n": 0}, "'data.eval_n': must be >= 1"),
+    ({"rollout.env": "skyrl:gsm8k", "data.train": "x", "reward.function": "math"},
+     "'reward.function': skyrl:gsm8k scores episodes itself"),
+    ({"rollout.eval_temperature": -1}, "'rollout.eval_temperature'"),
+])
+def test_config_keys_are_checked_by_name(sets, match):
+    from tsync_mcore.config import ConfigError
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, sets)
+
+
+def test_rollout_launcher_names_a_bad_row_in_one_line(tmp_path, tiny_qwen2):
+    import subprocess
+    import sys
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "label": "1"},
+                                              {"prompt": [{"role": "user"}], "label": "2"}])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run(
+        [sys.executable, os.path.join(root, "launch/rollout.py"), "--config",
+         os.path.join(root, "configs/grpo_cpu_tiny.yaml"), "--set", f"model.hf_dir={tiny_qwen2}",
+         f"run.dir={tmp_path}/run", "rollout.env=dataset", f"data.train={data}",
+         "reward.function=exact_match"], cwd=root, capture_output=True, text=True, timeout=300)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and errors == [
+        f"error: rollout: {data} row 1: column 'prompt': message 0 has no 'content' string"], \
+        p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
