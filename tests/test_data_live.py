@@ -150,3 +150,28 @@ def test_dataset_run_with_user_reward_eval_and_mid_epoch_resume(tmp_path):
     assert all(torch.equal(whole["theta"][k], resumed["theta"][k]) for k in whole["theta"])
     theta0 = load_file(os.path.join(model, "model.safetensors"))
     assert any(not torch.equal(theta0[k], whole["theta"][k]) for k in theta0)
+
+
+@pytest.mark.timeout(600)
+def test_skyrl_gsm8k_multi_turn_runs_from_a_local_dataset(tmp_path):
+    """The README's example env, fed from a SkyRL-layout gsm8k dataset (it crashed at its
+    first episode with `reward_spec.ground_truth is required`), evaluated too."""
+    from test_data import gsm8k_rows
+    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    model = str(tmp_path / "model")
+    make_tiny_checkpoint(model, arch="qwen2", vocab_size=320, hidden=64, layers=2, heads=2,
+                         kv_heads=1, intermediate=128, seed=0)
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in gsm8k_rows()))
+    run = str(tmp_path / "run")
+    launch(os.path.join(ROOT, "configs/demo.yaml"), run, [
+        f"model.hf_dir={model}", "run.updates=2", "run.save_every=0", "run.eval_every=2",
+        "rollout.env=skyrl:gsm8k_multi_turn", f"data.train={data}", f"data.eval={data}",
+        "rollout.groups_per_batch=2", "rollout.group_size=2", "rollout.max_turns=2",
+        "rollout.max_total_tokens=160", "channel.timeout_s=300"])
+    rows = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
+    assert [r["policy_version"] for r in rows] == [0, 1]
+    assert all(r["trajectories"] == 4 and r["n_groups"] == 2 for r in rows)
+    evals = [json.loads(line) for line in open(f"{run}/eval.jsonl")]
+    assert [e["eval/policy_version"] for e in evals] == [2] and evals[0]["eval/n_prompts"] == 3
+    assert "reward_spec" not in open(f"{run}/rollout.log").read()  # no crash about it

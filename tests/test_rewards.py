@@ -250,3 +250,21 @@ def test_code_tests_builtin_from_config_and_deadline():
              label=["assert True"] * 5, meta={})
     # each test would take its 2 s; the whole call stops within reward.timeout_s
     assert out["reward"] == 0.0 and time.monotonic() - t0 < 4.5
+
+
+def test_a_hung_sync_call_does_not_hold_up_the_process_exit():
+    import subprocess
+    import sys
+    code = textwrap.dedent("""
+        import asyncio, time
+        from tsync_mcore.rewards import RewardRunner
+        r = RewardRunner(lambda **kw: time.sleep(1000), spec="hang", timeout_s=0.2,
+                         on_error="zero")
+        res = asyncio.run(r.score("t", prompt="p", response="r", label=None, meta={}))
+        print(res.reward, "timed out" in res.error)
+        """)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == 0 and p.stdout.split() == ["0.0", "True"], p.stderr[-2000:]
+    assert time.monotonic() - t0 < 30

@@ -10,8 +10,9 @@ ones in a worker thread, so a slow one never stalls generation.
 Every failure — an exception, `reward.timeout_s` passing, a result that is not a finite
 number — is one line naming the trajectory and row. `reward.on_error: fail` raises it
 (`RewardFailed`: the rollout stops with it), `zero` scores the trajectory 0 and counts it
-(`reward/errors`). A timed-out sync call's thread cannot be killed (Python has no way to);
-it runs on in the pool while the batch goes on without it.
+(`reward/errors`). A timed-out sync call's thread cannot be killed (Python has no way to):
+it runs on by itself (a daemon thread, so it never holds up the process's exit) while the
+batch goes on without it.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import functools
 import inspect
 import math
 import numbers
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,8 +77,8 @@ class RewardRunner:
         self.fn, self.spec, self.timeout_s, self.on_error = fn, spec, timeout_s, on_error
         self.is_async = is_async(fn)
         self.takes_messages = accepts(fn, "messages")
-        self.pool = None if self.is_async else ThreadPoolExecutor(
-            max_workers, thread_name_prefix="reward")
+        self.max_workers = max_workers
+        self._slots: asyncio.Semaphore | None = None  # sync calls awaited at once
 
     async def score(self, where: str, *, prompt: Any, response: str, label: Any,
                     meta: dict[str, Any], messages: list[dict] | None = None) -> RewardResult:
@@ -103,15 +104,37 @@ class RewardRunner:
     async def _call(self, kwargs: dict[str, Any]) -> Any:
         if self.is_async:
             return await self.fn(**kwargs)
-        loop = asyncio.get_running_loop()
-        out = await loop.run_in_executor(self.pool, functools.partial(self.fn, **kwargs))
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_workers)
+        async with self._slots:  # released on timeout too: a hung call keeps only its thread
+            out = await _in_daemon_thread(functools.partial(self.fn, **kwargs))
         if inspect.isawaitable(out):  # a sync callable that hands back a coroutine
             out = await out
         return out
 
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+
+async def _in_daemon_thread(call: Callable[[], Any]) -> Any:
+    """`call()` in a new daemon thread. Not a ThreadPoolExecutor: its workers are joined at
+    interpreter exit, so one reward call that never returns would hang the rollout's exit."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not fut.done():  # cancelled by a timeout meanwhile: nobody is waiting
+            (fut.set_result if ok else fut.set_exception)(value)
+
+    def target() -> None:
+        try:
+            result: tuple[bool, Any] = (True, call())
+        except BaseException as e:  # handed to the awaiting coroutine
+            result = (False, e)
+        try:
+            loop.call_soon_threadsafe(settle, *result)
+        except RuntimeError:  # the loop closed while this call was running
+            pass
+
+    threading.Thread(target=target, name="reward", daemon=True).start()
+    return await fut
 
 
 class RewardStats:

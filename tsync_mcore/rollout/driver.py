@@ -322,6 +322,9 @@ class RolloutDriver:
         self._take_rejections(batch.version)
         ok = [r for r in rewards if isinstance(r, (int, float)) and math.isfinite(r)]
         reward_mean = sum(ok) / len(ok) if ok else None
+        if stats is not None and stats.errors:  # reward.on_error: zero
+            print(f"[rollout] {stats.errors} reward errors in update {batch.version}, scored 0; "
+                  f"first: {stats.first_error}", flush=True)
         return order, reward_mean, (stats.metrics() if stats is not None else {})
 
     def _step_timeout_s(self) -> float:
