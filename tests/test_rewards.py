@@ -4,7 +4,6 @@ under both reward.on_error modes, pass@k, and the built-ins (math-verify, code s
 import asyncio
 import math
 import os
-import signal
 import textwrap
 import time
 
@@ -67,31 +66,21 @@ def test_bad_specs_are_one_line_errors(tmp_path, spec, body, match):
     assert "\n" not in str(e.value) and spec in str(e.value)
 
 
-def test_sync_function_gets_the_documented_arguments_off_the_event_loop(tmp_path):
+def test_sync_function_gets_the_documented_arguments_off_the_event_loop():
+    import threading
     calls = []
 
     def score(prompt, response, label, meta):
         calls.append((dict(prompt=prompt, response=response, label=label, meta=meta),
-                      asyncio.get_event_loop_policy() and _in_loop_thread()))
+                      threading.get_ident()))
         return 1
 
     async def go():
-        global _loop_thread
-        import threading
-        _loop_thread = threading.get_ident()
-        return await runner(score).score("trajectory t0 (row 3)", **KW)
+        return threading.get_ident(), await runner(score).score("trajectory t0 (row 3)", **KW)
 
-    res = run(go())
+    loop_thread, res = run(go())
     assert res.reward == 1.0 and res.error is None and res.extras == {}
-    assert calls[0][0] == KW and calls[0][1] is False  # ran in a worker thread
-
-
-_loop_thread = None
-
-
-def _in_loop_thread():
-    import threading
-    return threading.get_ident() == _loop_thread
+    assert calls[0][0] == KW and calls[0][1] != loop_thread  # ran in a worker thread
 
 
 def test_async_function_extras_and_messages():
