@@ -252,3 +252,34 @@ def test_rollout_launcher_names_a_bad_row_in_one_line(tmp_path, tiny_qwen2):
         f"error: rollout: {data} row 1: column 'prompt': message 0 has no 'content' string"], \
         p.stderr[-2000:]
     assert "Traceback" not in p.stderr
+
+
+def test_skyrl_reset_honours_its_seed(tok):
+    """SkyRL envs take no seed; the adapter seeds Python's `random` around building and
+    initialising the env, and leaves the caller's random stream as it was."""
+    import random
+
+    import skyrl_gym
+    import skyrl_gym.envs
+    from skyrl_gym.envs.base_text_env import BaseTextEnv
+
+    from tsync_mcore.data import Row
+    from tsync_mcore.rollout.envs import SkyRLGymAdapter
+
+    class Dice(BaseTextEnv):
+        def __init__(self, env_config=None, extras=None):
+            super().__init__()
+            self.face = random.randint(1, 10**9)
+
+        def init(self, prompt):
+            return [{"role": "user", "content": f"{prompt[0]['content']} {self.face}"}], {}
+
+    skyrl_gym.register(id="tsync_test_dice", entry_point=Dice)
+    try:
+        env = SkyRLGymAdapter.from_row("tsync_test_dice", tok, Row(0, "roll", None))
+        random.seed(7)
+        before = random.getstate()
+        a, b, c = env.reset(1), env.reset(1), env.reset(2)
+        assert a == b and a != c and random.getstate() == before
+    finally:
+        skyrl_gym.envs.deregister("tsync_test_dice")

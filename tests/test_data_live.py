@@ -168,7 +168,8 @@ def test_skyrl_gsm8k_multi_turn_runs_from_a_local_dataset(tmp_path):
         f"model.hf_dir={model}", "run.updates=2", "run.save_every=0", "run.eval_every=2",
         "rollout.env=skyrl:gsm8k_multi_turn", f"data.train={data}", f"data.eval={data}",
         "rollout.groups_per_batch=2", "rollout.group_size=2", "rollout.max_turns=2",
-        "rollout.max_total_tokens=160", "channel.timeout_s=300"])
+        "rollout.max_total_tokens=160", "channel.timeout_s=300",
+        "channel.ack_timeout_s=300"])
     rows = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
     assert [r["policy_version"] for r in rows] == [0, 1]
     assert all(r["trajectories"] == 4 and r["n_groups"] == 2 for r in rows)
