@@ -153,15 +153,20 @@ class PromptSet:
         self._check_rows()
 
     def _check_rows(self) -> None:
-        cols = [self.prompt_key] + ([self.label_parts[0]] if self.label_parts else [])
-        for i, ex in enumerate(self.ds.select_columns(cols)):
-            why = check_prompt(ex[self.prompt_key])
-            if why:
-                raise DataError(f"{self.path} row {i}: column {self.prompt_key!r}: {why}")
+        cols = list(dict.fromkeys([self.prompt_key] + self.label_parts[:1]))
+        i = 0
+        for batch in self.ds.select_columns(cols).iter(batch_size=1024):  # columns of lists
+            for j, prompt in enumerate(batch[self.prompt_key]):
+                why = check_prompt(prompt)
+                if why:
+                    raise DataError(f"{self.path} row {i + j}: column {self.prompt_key!r}: {why}")
             if self.label_parts:
-                found, value = _dig(ex, self.label_parts)
-                if not found or value is None:
-                    raise DataError(f"{self.path} row {i}: no label at {self.label_key!r}")
+                for j, top in enumerate(batch[self.label_parts[0]]):
+                    found, value = _dig({self.label_parts[0]: top}, self.label_parts)
+                    if not found or value is None:
+                        raise DataError(f"{self.path} row {i + j}: no label at "
+                                        f"{self.label_key!r}")
+            i += len(batch[self.prompt_key])
 
     def __len__(self) -> int:
         return len(self.ds)
