@@ -10,6 +10,7 @@ crosses into epoch 1.
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -42,8 +43,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(config: str, run: str, sets: list[str], resume: bool = False) -> None:
-    """Rollout launcher + 2 learner ranks under torchrun, to the end; asserts both exit 0."""
+def launch(config: str, run: str, sets: list[str], resume: bool = False,
+           check: bool = True) -> tuple[int, int]:
+    """Rollout launcher + 2 learner ranks under torchrun, to the end; asserts both exit 0
+    (check) and returns their exit codes."""
     sets = [f"run.dir={run}", f"run.publish_dir={run}/publish", f"channel.port={free_port()}",
             *sets]
     os.makedirs(run, exist_ok=True)
@@ -67,7 +70,8 @@ def launch(config: str, run: str, sets: list[str], resume: bool = False) -> None
                 p.kill()
                 p.wait()
     log = open(f"{run}/rollout.log").read()[-3000:] + open(f"{run}/learner.err").read()[-3000:]
-    assert rc_l == 0 and rc_r == 0, log
+    assert not check or rc_l == 0 and rc_r == 0, log
+    return rc_l, rc_r
 
 
 @pytest.mark.timeout(1200)
@@ -176,3 +180,34 @@ def test_skyrl_gsm8k_multi_turn_runs_from_a_local_dataset(tmp_path):
     evals = [json.loads(line) for line in open(f"{run}/eval.jsonl")]
     assert [e["eval/policy_version"] for e in evals] == [2] and evals[0]["eval/n_prompts"] == 3
     assert "reward_spec" not in open(f"{run}/rollout.log").read()  # no crash about it
+
+
+@pytest.mark.timeout(600)
+def test_a_failing_reward_stops_the_run_in_one_line(tmp_path):
+    """reward.on_error: fail — the rollout stops naming the trajectory, file and row, tells
+    the learners, and nothing waits for a batch that cannot close."""
+    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    model = str(tmp_path / "model")
+    make_tiny_checkpoint(model, arch="qwen2", vocab_size=320, hidden=64, layers=2, heads=2,
+                         kv_heads=1, intermediate=128, seed=0)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    rw = tmp_path / "rw.py"
+    rw.write_text("def score(prompt, response, label, meta):\n"
+                  "    if label == '271':\n"
+                  "        raise KeyError('no such answer')\n"
+                  "    return 0.0\n")
+    run = str(tmp_path / "run")
+    rc_l, rc_r = launch(os.path.join(ROOT, "configs/demo.yaml"), run, [
+        f"model.hf_dir={model}", "run.updates=3", "rollout.env=dataset", f"data.train={data}",
+        f"reward.function={rw}:score", "reward.on_error=fail", "rollout.groups_per_batch=5",
+        "rollout.group_size=2", "rollout.max_total_tokens=64", "channel.timeout_s=300",
+        "channel.ack_timeout_s=300"], check=False)
+    assert rc_r == 3 and rc_l != 0
+    errors = [line for line in open(f"{run}/rollout.log") if line.startswith("error:")]
+    assert len(errors) == 1, errors
+    assert re.match(rf"error: rollout stopped: reward function {re.escape(str(rw))}:score on "
+                    rf"trajectory v0-g\d-t\d \({re.escape(str(data))} row 1\): raised KeyError: "
+                    rf"'no such answer'$", errors[0].strip()), errors[0]
+    assert "rollout shut down" in open(f"{run}/learner.err").read()
+    assert not os.path.exists(f"{run}/metrics.jsonl")  # no update trained on a broken batch
