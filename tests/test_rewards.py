@@ -54,7 +54,8 @@ def test_file_and_module_specs_load(tmp_path, monkeypatch):
     ("{d}/missing.py:f", None, "no file"),
     ("{f}:nope", "def score(**kw): return 1\n", "defines no 'nope'"),
     ("{f}:X", "X = 3\n", "X is a int, not callable"),
-    ("{f}:score", "raise RuntimeError('boom at import')\n", "importing .* failed: RuntimeError: boom"),
+    ("{f}:score", "raise RuntimeError('boom at import')\n",
+     "importing .* failed: RuntimeError: boom"),
     ("{f}:score", "def score(response): return 1\n", "lacks prompt, label, meta"),
     ("no_such_pkg_xyz.mod:f", None, "no module 'no_such_pkg_xyz'"),
 ])

@@ -210,7 +210,7 @@ class DataConfig:
     # tokenize the text as it is, for base models or pre-formatted prompts)
     chat_template: bool = True
     shuffle: bool = True  # a new permutation of data.train every epoch, from the run's seed
-    eval_n: int = 1  # samples per evaluation prompt; pass@k is logged for k = 1, 2, 4, .. <= eval_n
+    eval_n: int = 1  # samples per eval prompt; pass@k is logged for k = 1, 2, 4, .. <= eval_n
     eval_max_prompts: int = 0  # evaluate the first N rows of data.eval (0: all)
 
     def validate(self) -> None:
@@ -230,9 +230,9 @@ class RewardConfig:
     # A call that raises, times out or returns a non-finite or non-number result:
     # "fail" stops the run naming the trajectory and row, "zero" scores it 0 and counts it
     on_error: Literal["fail", "zero"] = "fail"
-    # code_tests sandbox: wall time, CPU seconds and address space of one test program
+    # code_tests sandbox: wall time (and CPU seconds, rounded up) of one test program
     sandbox_timeout_s: float = 10.0
-    sandbox_memory_mb: int = 1024
+    sandbox_memory_mb: int = 1024  # code_tests sandbox: address space of one test program
     sandbox_nproc: int = 32  # processes the sandbox user may own (fork-bomb bound)
     # Run as root, the sandbox drops to this user (RLIMIT_NPROC does not bind root)
     sandbox_user: str = "nobody"

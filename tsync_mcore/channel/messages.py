@@ -35,7 +35,8 @@ def _int_map(v) -> bool:
 
 def _metric_map(v) -> bool:
     return isinstance(v, dict) and all(
-        isinstance(k, str) and (x is None or isinstance(x, (int, float)) and not isinstance(x, bool))
+        isinstance(k, str)
+        and (x is None or isinstance(x, (int, float)) and not isinstance(x, bool))
         for k, x in v.items())
 
 

@@ -36,8 +36,9 @@ def _format(path: str) -> str:
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "dataset_dict.json")):
             splits = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+            example = os.path.join(path, splits[0] if splits else "train")
             raise DataError(f"{path}: a DatasetDict with splits {splits}; point the key at one "
-                            f"split's directory, e.g. {os.path.join(path, splits[0] if splits else 'train')}")
+                            f"split's directory, e.g. {example}")
         if not os.path.exists(os.path.join(path, "dataset_info.json")):
             raise DataError(f"{path}: a directory, but not one written by datasets' "
                             f"save_to_disk (no dataset_info.json)")
