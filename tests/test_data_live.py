@@ -3,7 +3,8 @@
 One uninterrupted run (4 updates, evaluation every 2) and the same run stopped after 2
 updates and resumed: the reward function sees the documented arguments, evaluation
 metrics appear every eval_every updates, and the resumed run sees the same prompts, gets
-the same responses and rewards and ends at the same θ, bit for bit (FP64 accumulators).
+the same responses and rewards and ends at the same θ, bit for bit (FP64 accumulators,
+static routing).
 Mid-epoch: 5 rows, 2 groups per batch, so the stop falls inside epoch 0 and update 3
 crosses into epoch 1.
 """
@@ -92,7 +93,11 @@ def test_dataset_run_with_user_reward_eval_and_mid_epoch_resume(tmp_path):
         "learner": {"objective": "grpo", "schedule": "thundersync", "accum_dtype": "fp64"},
         "run": {"updates": 4, "save_every": 2, "eval_every": 2},
         "channel": {"timeout_s": 300, "ack_timeout_s": 120},
+        # static routing: each group is served on a fixed rank. Balanced routing assigns by
+        # arrival, so the ranks' FP32 partial gradients (and their all-reduce) would differ
+        # in the last bits between any two runs, resumed or not.
         "rollout": {"n_learners": 2, "env": "dataset", "groups_per_batch": 2, "group_size": 3,
+                    "routing": "static",
                     "max_tokens_per_turn": 8, "max_total_tokens": 64, "temperature": 1.0,
                     "eval_temperature": 1.0},
         "data": {"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "eval.jsonl"),
