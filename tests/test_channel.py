@@ -26,7 +26,7 @@ from tsync_mcore.channel import (
     open_learner_side, open_rollout_side, schema,
 )
 from tsync_mcore.channel.link import realtime_io_permitted
-from tsync_mcore.channel.messages import GROUPS, TURN_COUNTS
+from tsync_mcore.channel.messages import GROUPS, METRICS, TURN_COUNTS
 from tsync_mcore.channel.wire import SPECS, schema_table
 from tsync_mcore.sources import TurnSource
 
@@ -203,6 +203,7 @@ _EDGES = {
     schema.MASK: ((), (0, 255, 1)), schema.OPT_F64S: ((), (None, -0.0, -math.inf, 1e308)),
     schema.FLOAT_MAP: ({}, {"a ✓": -math.inf, "": 2.5e-300}),
     GROUPS: ({}, {"g ✓": ["a", ""], "": []}), TURN_COUNTS: ({}, {"t": _BIG, "": -1}),
+    METRICS: ({}, {"eval/pass@1 ✓": 0.5, "reward/errors": 3, "": None}),
 }
 
 

@@ -192,9 +192,13 @@ class RunConfig:
     # At the end of training rank 0 exports the final checkpoint as a Hugging Face
     # directory to <run.dir>/hf (as `python -m tsync_mcore.export`; docs/export.md)
     export_hf: bool = True
+    # Evaluate θ_k on data.eval every N updates (after its publication is acknowledged,
+    # before the next batch: outside the step time); 0: no evaluation.
+    eval_every: int = 0
 
     def validate(self) -> None:
         _check(self.updates >= 1, "run.updates", f"must be >= 1, got {self.updates}")
+        _check(self.eval_every >= 0, "run.eval_every", f"must be >= 0, got {self.eval_every}")
         _check(self.save_every >= 0, "run.save_every", "must be >= 0")
         _check(self.gc_every >= 0, "run.gc_every", f"must be >= 0, got {self.gc_every}")
         _check(bool(self.dir), "run.dir", "must not be empty")
@@ -234,13 +238,16 @@ class RolloutConfig:
     """The rollout process: vLLM engine, agent loop, environments."""
 
     n_learners: int = 2  # learner ranks (world size of the learner torchrun)
-    env: str = "toy"  # "toy" or "skyrl:<env name>"
+    # "toy" (built-in task), "dataset" (data.train's prompts, one answer scored by
+    # reward.function) or "skyrl:<env name>" (a SkyRL-Gym env fed data.train's rows)
+    env: str = "toy"
     groups_per_batch: int = 8  # prompts (groups) per batch, i.e. per optimizer step
     group_size: int = 4  # trajectories sampled per prompt (GRPO group size m)
     max_turns: int = 3  # agent turns per trajectory at most
     max_tokens_per_turn: int = 8  # tokens generated per turn at most
     max_total_tokens: int = 96  # a trajectory's length cap (prompt + turns + tool output)
     temperature: float = 1.0  # sampling temperature (0: greedy)
+    eval_temperature: float = 0.0  # sampling temperature of evaluation (0: greedy)
     tool_latency_s: float = 0.05  # median of the long-tailed (log-normal) tool latency
     tool_timeout_s: float = 1.0  # a tool call taking longer fails its turn
     teacher_dir: str = ""  # OPD: the frozen teacher's HF directory
@@ -260,11 +267,14 @@ class RolloutConfig:
         _check(self.group_size >= 1, "rollout.group_size", "must be >= 1")
         _check(self.max_turns >= 1, "rollout.max_turns", "must be >= 1")
         _check(self.max_tokens_per_turn >= 1, "rollout.max_tokens_per_turn", "must be >= 1")
-        _check(self.env == "toy" or self.env.startswith("skyrl:"), "rollout.env",
-               f"must be 'toy' or 'skyrl:<name>', got {self.env!r}")
+        _check(self.env in ("toy", "dataset") or
+               (self.env.startswith("skyrl:") and len(self.env) > len("skyrl:")),
+               "rollout.env", f"must be 'toy', 'dataset' or 'skyrl:<name>', got {self.env!r}")
         _check(self.max_total_tokens >= 1, "rollout.max_total_tokens", "must be >= 1")
         _check(self.temperature >= 0, "rollout.temperature",
                f"must be >= 0 (0: greedy), got {self.temperature}")
+        _check(self.eval_temperature >= 0, "rollout.eval_temperature",
+               f"must be >= 0 (0: greedy), got {self.eval_temperature}")
         _check(self.tool_latency_s >= 0, "rollout.tool_latency_s", "must be >= 0")
         _check(self.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0")
         _check(self.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0")
@@ -302,6 +312,65 @@ def _gpu_list(text: str) -> list[int] | None:
 
 
 @dataclass
+class DataConfig:
+    # Training prompts: a .jsonl/.json or .parquet file, or a directory written by
+    # datasets' save_to_disk (tsync_mcore.data; docs/data-and-rewards.md)
+    train: str = ""
+    eval: str = ""  # evaluation prompts, same formats ("": no evaluation set)
+    prompt_key: str = "prompt"  # column with the prompt: a string or a chat messages list
+    # column with the ground truth handed to the reward as `label` (a dotted path reads
+    # into a mapping column, e.g. reward_model.ground_truth); "": no label
+    label_key: str = "label"
+    system_prompt: str = ""  # prepended to every prompt as a system message ("": none)
+    # String prompts: render as one user message with the tokenizer's chat template (false:
+    # tokenize the text as it is, for base models or pre-formatted prompts)
+    chat_template: bool = True
+    shuffle: bool = True  # a new permutation of data.train every epoch, from the run's seed
+    eval_n: int = 1  # samples per eval prompt; pass@k is logged for k = 1, 2, 4, .. <= eval_n
+    eval_max_prompts: int = 0  # evaluate the first N rows of data.eval (0: all)
+
+    def validate(self) -> None:
+        _check(bool(self.prompt_key), "data.prompt_key", "must not be empty")
+        _check(self.eval_n >= 1, "data.eval_n", f"must be >= 1, got {self.eval_n}")
+        _check(self.eval_max_prompts >= 0, "data.eval_max_prompts",
+               f"must be >= 0 (0: all), got {self.eval_max_prompts}")
+
+
+@dataclass
+class RewardConfig:
+    # The reward: a built-in ("exact_match", "math", "code_tests"), "path/to/file.py:name"
+    # or "package.module:name"; called as fn(prompt=, response=, label=, meta=) -> float
+    # or {"reward": float, <extra>: float, ...} (tsync_mcore.rewards)
+    function: str = ""
+    timeout_s: float = 30.0  # one call's time limit; past it the call is an error
+    # A call that raises, times out or returns a non-finite or non-number result:
+    # "fail" stops the run naming the trajectory and row, "zero" scores it 0 and counts it
+    on_error: Literal["fail", "zero"] = "fail"
+    # code_tests sandbox: wall time (and CPU seconds, rounded up) of one test program
+    sandbox_timeout_s: float = 10.0
+    sandbox_memory_mb: int = 1024  # code_tests sandbox: address space of one test program
+    sandbox_nproc: int = 32  # processes the sandbox user may own (fork-bomb bound)
+    # Run as root, the sandbox drops to this user (RLIMIT_NPROC does not bind root)
+    sandbox_user: str = "nobody"
+    # Interpreter of the test programs ("": this one's, or when the sandbox user cannot run
+    # it, the system python3)
+    sandbox_python: str = ""
+
+    def validate(self) -> None:
+        _check(self.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {self.timeout_s}")
+        _check(self.sandbox_timeout_s > 0, "reward.sandbox_timeout_s", "must be > 0")
+        _check(self.sandbox_memory_mb >= 64, "reward.sandbox_memory_mb",
+               f"must be >= 64, got {self.sandbox_memory_mb}")
+        _check(self.sandbox_nproc >= 1, "reward.sandbox_nproc", "must be >= 1")
+        if self.function:
+            from tsync_mcore.rewards.load import check_spec  # the spec's syntax, not its file
+            try:
+                check_spec(self.function)
+            except ValueError as e:
+                raise ConfigError(f"config key 'reward.function': {e}") from None
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -310,6 +379,8 @@ class Config:
     channel: ChannelConfig = field(default_factory=ChannelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     seed: int = 1234  # seeds sampling, environments and the learner's RNGs
 
     def validate(self) -> None:
@@ -327,6 +398,9 @@ class Config:
         rollout_gpus = _gpu_list(self.launch.rollout_gpus)
         _check(not rollout_gpus or len(rollout_gpus) >= self.rollout.tp, "launch.rollout_gpus",
                f"names {len(rollout_gpus or [])} GPUs, fewer than rollout.tp = {self.rollout.tp}")
+        self.data.validate()
+        self.reward.validate()
+        self._check_data_and_reward()
         _check(self.rollout.n_learners % self.model.tp == 0, "rollout.n_learners",
                f"{self.rollout.n_learners} learner ranks do not split into tensor-parallel "
                f"groups of model.tp = {self.model.tp}")
@@ -337,6 +411,22 @@ class Config:
         _check(not (self.learner.objective == "opd" and self.rollout.routing == "balanced"),
                "rollout.routing", "'balanced' is for the GRPO family; OPD routes by group "
                "(a trajectory's turns and its group's shared prompt stay on one rank)")
+
+    def _check_data_and_reward(self) -> None:
+        env = self.rollout.env
+        _check(env == "toy" or bool(self.data.train), "data.train",
+               f"rollout.env={env!r} takes its prompts from a dataset: set data.train")
+        _check(env != "dataset" or bool(self.reward.function), "reward.function",
+               "rollout.env='dataset' scores each response with a reward function: set "
+               "reward.function (a built-in: exact_match, math, code_tests; or file.py:name)")
+        _check(not self.run.eval_every or bool(self.data.eval), "data.eval",
+               f"run.eval_every={self.run.eval_every} evaluates on a dataset: set data.eval")
+        _check(not self.run.eval_every or env != "toy", "run.eval_every",
+               "evaluation runs data.eval's prompts: use rollout.env 'dataset' or 'skyrl:<name>'")
+        _check(not (env.startswith("skyrl:") and self.reward.function), "reward.function",
+               f"{env} scores episodes itself (its reward_spec); leave reward.function empty")
+        _check(not (env == "dataset" and self.learner.objective == "opd"), "rollout.env",
+               "'dataset' is single-turn GRPO-family; OPD needs a multi-turn env")
 
     @property
     def routing(self) -> str:

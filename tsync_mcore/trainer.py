@@ -270,6 +270,8 @@ class Trainer:
             host_accum_bytes=mem.get("host_accum_bytes"), memory=mem,
             nvml=self.nvml.summary(), **stats,
             tokens_per_s_per_device=throughput(stats["tokens"], step_s, self.par.world_size))
+        # The rollout side's own metrics (reward/<extra>, reward/errors, eval/*).
+        metrics.update({k: v for k, v in close.metrics.items() if k not in metrics})
         if self.par.rank == 0:
             self.tracker.log(metrics, step=self.version)
             print("STEP " + json.dumps(metrics), flush=True)

@@ -33,8 +33,16 @@ def _int_map(v) -> bool:
         for k, n in v.items())
 
 
+def _metric_map(v) -> bool:
+    return isinstance(v, dict) and all(
+        isinstance(k, str)
+        and (x is None or isinstance(x, (int, float)) and not isinstance(x, bool))
+        for k, x in v.items())
+
+
 GROUPS = Json(_str_lists, "map str group ids to lists of str trajectory ids")
 TURN_COUNTS = Json(_int_map, "map str trajectory ids to int turn counts")
+METRICS = Json(_metric_map, "map str metric names to numbers or null")
 
 
 @message(code=1, sender=LEARNER)
@@ -107,6 +115,9 @@ class CloseBatch:
     rollout_time_s: float = on_wire(F64)
     n_sources: int = on_wire(I64)
     reward_mean: float | None = on_wire(OPT_F64, default=None)  # over the batch (None: none)
+    # Rollout-side metrics for the learner's metrics line: reward extras' means, reward
+    # errors, evaluation results (names like "reward/errors", "eval/pass@1")
+    metrics: dict[str, float | None] = on_wire(METRICS, default_factory=dict)
 
 
 @message(code=6, sender=LEARNER)

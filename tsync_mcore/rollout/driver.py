@@ -19,6 +19,7 @@ cleanly with that reason instead of hanging.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import random
@@ -38,6 +39,9 @@ from tsync_mcore.objectives import OBJECTIVES
 from tsync_mcore.rollout.agent import run_batch
 from tsync_mcore.rollout.engine import EngineThread, RolloutEngine, TeacherScorer
 from tsync_mcore.rollout.envs import SkyRLGymAdapter, ToyToolConfig, ToyToolEnv
+from tsync_mcore.rollout.feed import DataFeed
+from tsync_mcore.rewards import RewardFailed
+from tsync_mcore.data import DataError
 from tsync_mcore.routing import BalancedRouter
 from tsync_mcore.safe_files import check_hf_dir
 from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, TurnSource,
@@ -60,6 +64,7 @@ class _Batch:
     seeds: list[int]
     traj_ids: list[str]
     group_of: list[str]
+    rows: list[int] | None = None  # dataset envs: each trajectory's row (its group's)
 
 
 class RolloutDriver:
@@ -75,12 +80,18 @@ class RolloutDriver:
         check_hf_dir(cfg.model.hf_dir)
         if self.turns and self.rc.teacher_dir:
             check_hf_dir(self.rc.teacher_dir)
+        # Datasets and the reward function are checked before the channel opens: a bad row
+        # or spec stops here in one line, not after the learners joined.
+        self.feed = DataFeed(cfg) if self.rc.env != "toy" else None
+        self.pending_metrics: dict = {}  # evaluation results for the next CloseBatch
         ch = cfg.channel
         self.links: list[Link] = open_rollout_side(ch.addr, ch.port, self.rc.n_learners,
                                                    timeout_s=ch.timeout_s,
                                                    realtime_io=ch.realtime_io,
                                                    secret=channel_secret(cfg))
         self.tok = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
+        if self.feed is not None:
+            self.feed.attach(self.tok)
         # Sources are checked here as the learner checks them, so a bad one (a broken reward
         # function, an engine emitting ids outside the vocabulary) drops its group before
         # any of it is sent, instead of reaching a learner rank.
@@ -124,14 +135,21 @@ class RolloutDriver:
                         groups=batch.groups, n_turns=self._n_turns(batch), data_pos=data_pos,
                         routing=self.cfg.routing))
                 t0 = time.perf_counter()
-                n_sources, reward_mean = self.et.run(self._rollout(batch))
+                try:
+                    n_sources, reward_mean, metrics = self.et.run(self._rollout(batch))
+                except (RewardFailed, DataError) as e:  # reward.on_error: fail; a bad row
+                    raise RolloutStopped(str(e)) from None
+                metrics, self.pending_metrics = {**metrics, **self.pending_metrics}, {}
                 close = CloseBatch(version=version, rollout_time_s=time.perf_counter() - t0,
-                                   n_sources=n_sources, reward_mean=reward_mean)
+                                   n_sources=n_sources, reward_mean=reward_mean,
+                                   metrics=metrics)
                 for link in self.links:
                     link.send(close)
                 live = self._serve_publish(version + 1, kept=version)
                 if live is None:
                     return  # the learner finished
+                if live == version + 1 and self._eval_due(live):
+                    self._evaluate(live)
                 version = live  # == version when the learner dropped the batch
         except ChannelError as e:
             raise RolloutStopped(str(e)) from e
@@ -157,6 +175,7 @@ class RolloutDriver:
 
     def _plan(self, version: int, data_pos: int) -> _Batch:
         groups, env_seeds, seeds, traj_ids, group_of = {}, [], [], [], []
+        rows = [] if self.feed is not None else None
         for g in range(self.rc.groups_per_batch):
             gid = f"v{version}-g{g}"
             members = [f"{gid}-t{i}" for i in range(self.rc.group_size)]
@@ -166,7 +185,9 @@ class RolloutDriver:
                 seeds.append(hash((self.cfg.seed, version, g, i)) & 0x7FFFFFFF)
                 traj_ids.append(tid)
                 group_of.append(gid)
-        return _Batch(version, groups, env_seeds, seeds, traj_ids, group_of)
+                if rows is not None:  # data position data_pos + g: the group's row
+                    rows.append(self.feed.train_row(data_pos + g))
+        return _Batch(version, groups, env_seeds, seeds, traj_ids, group_of, rows)
 
     def _n_turns(self, batch: _Batch) -> dict[str, int]:
         # OPD registers turn counts up front; the toy task always runs max_turns turns.
@@ -180,7 +201,10 @@ class RolloutDriver:
     def _ranks_of(self, dp_rank: int) -> list[int]:
         return [dp_rank * self.tp + t for t in range(self.tp)]
 
-    def _envs(self, n: int) -> list:
+    def _envs(self, batch: _Batch) -> list:
+        n = len(batch.traj_ids)
+        if self.feed is not None:
+            return self.feed.train_envs(batch.rows, batch.traj_ids)
         if self.rc.env == "toy":
             conf = ToyToolConfig(max_turns=self.rc.max_turns,
                                  latency_median_s=self.rc.tool_latency_s,
@@ -231,7 +255,6 @@ class RolloutDriver:
         owners = self._owners(batch)
         router = BalancedRouter(batch.groups, self.rc.n_learners // self.tp)
         order = 0
-        n = len(batch.traj_ids)
         self.dropped = {}
 
         def send(gid: str, msg) -> None:
@@ -265,11 +288,15 @@ class RolloutDriver:
         rewards = []
         kwargs = dict(max_turns=self.rc.max_turns, max_tokens_per_turn=self.rc.max_tokens_per_turn,
                       max_total_tokens=self.rc.max_total_tokens, temperature=self.rc.temperature,
-                      step_timeout_s=self.rc.tool_timeout_s * 2)
-        async for i, res in run_batch(self.engine, self._envs(n), seeds=batch.seeds,
+                      step_timeout_s=self._step_timeout_s())
+        envs = self._envs(batch)
+        stats = self.feed.stats() if self.feed is not None else None
+        async for i, res in run_batch(self.engine, envs, seeds=batch.seeds,
                                       env_seeds=batch.env_seeds,
                                       on_turn=on_turn if self.turns else None, **kwargs):
             rewards.append(res.reward)
+            if stats is not None:
+                stats.add(envs[i])
             gid = batch.group_of[i]
             self._take_rejections(batch.version)
             if self.turns:
@@ -302,7 +329,40 @@ class RolloutDriver:
         self._take_rejections(batch.version)
         ok = [r for r in rewards if isinstance(r, (int, float)) and math.isfinite(r)]
         reward_mean = sum(ok) / len(ok) if ok else None
-        return order, reward_mean
+        if stats is not None and stats.errors:  # reward.on_error: zero
+            print(f"[rollout] {stats.errors} reward errors in update {batch.version}, scored 0; "
+                  f"first: {stats.first_error}", flush=True)
+        return order, reward_mean, (stats.metrics() if stats is not None else {})
+
+    def _step_timeout_s(self) -> float:
+        # The dataset env's step is the reward call, limited by reward.timeout_s itself.
+        if self.rc.env == "dataset":
+            return self.cfg.reward.timeout_s + 5.0
+        return self.rc.tool_timeout_s * 2
+
+    # --- evaluation -----------------------------------------------------------------------
+
+    def _eval_due(self, version: int) -> bool:
+        every = self.cfg.run.eval_every
+        return bool(every) and self.feed is not None and version % every == 0
+
+    def _evaluate(self, version: int) -> None:
+        """θ_version on data.eval, after its publication was acknowledged and before the
+        next RegisterBatch: the learner's step clock starts at that registration, so
+        evaluation is not in any step time. Results go into the next CloseBatch's metrics
+        and, at once, to RUN/eval.jsonl (the last evaluation has no next batch)."""
+        t0 = time.perf_counter()
+        try:
+            metrics = self.et.run(self.feed.evaluate(self.engine, version))
+        except (RewardFailed, DataError) as e:
+            raise RolloutStopped(f"evaluation of θ_{version}: {e}") from None
+        metrics["eval/time_s"] = time.perf_counter() - t0
+        metrics["eval/policy_version"] = version
+        self.pending_metrics = metrics
+        print(f"[rollout] eval θ_{version}: " + json.dumps(metrics), flush=True)
+        os.makedirs(self.cfg.run.dir, exist_ok=True)
+        with open(os.path.join(self.cfg.run.dir, "eval.jsonl"), "a") as f:
+            f.write(json.dumps(metrics) + "\n")
 
     # --- publication ----------------------------------------------------------------------
 

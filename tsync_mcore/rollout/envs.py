@@ -185,13 +185,38 @@ class SkyRLGymAdapter:
         return cls(lambda: skyrl_gym.make(env_id, **make_kwargs), tokenizer, prompt,
                    reward_mode=reward_mode)
 
+    @classmethod
+    def from_row(cls, env_id: str, tokenizer: Any, row: Any, *, system_prompt: str = "",
+                 max_turns: int = 1, reward_mode: str = "last") -> "SkyRLGymAdapter":
+        """An env for one dataset row laid out as SkyRL's datasets are: the prompt (chat
+        messages), and every other column (`reward_spec`, `extra_info`, ...) as the env's
+        `extras`, with `max_turns` as SkyRL's generator sets it. A row without
+        `reward_spec` but with a label gets `{"method": "rule", "ground_truth": label}`."""
+        import skyrl_gym
+
+        from tsync_mcore.data import row_messages
+
+        extras = dict(row.meta)
+        if "reward_spec" not in extras and row.label is not None:
+            extras["reward_spec"] = {"method": "rule", "ground_truth": row.label}
+        extras["max_turns"] = max_turns
+        return cls(lambda: skyrl_gym.make(env_id, extras=extras), tokenizer,
+                   row_messages(row, system_prompt), reward_mode=reward_mode)
+
     def reset(self, seed: int) -> list[int]:
-        # skyrl_gym envs take no seed; it is accepted for the protocol.
+        # skyrl_gym envs take no seed: Python's `random` is seeded with it while the env is
+        # built and initialised (synchronously, so no other episode interleaves), then
+        # restored. Steps run in worker threads and are not seeded.
         if self.env is not None:
             self.env.close()
-        self.env = self.make_env()
-        self.rewards, self.metadata = [], []
-        conversation, _info = self.env.init(self.prompt)
+        state = random.getstate()
+        random.seed(seed)
+        try:
+            self.env = self.make_env()
+            self.rewards, self.metadata = [], []
+            conversation, _info = self.env.init(self.prompt)
+        finally:
+            random.setstate(state)
         return prompt_ids(self.tok, conversation)
 
     async def step(self, action_ids: list[int]) -> tuple[list[int], bool]:
