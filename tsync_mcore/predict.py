@@ -11,6 +11,14 @@ Two independent predictors:
   OPD Eq. 24, the tail of Eq. 19 and the successive-wave speedup of Eq. 26 with the
   plotting approximation of Eq. 28 (defaults of appendix F.5).
 
+Names (one meaning each, in the output keys, the flags and docs/measurement.md):
+
+* ``ratio`` r = R / L: rollout time over learner time (the learner's work of the update, on
+  its busiest rank). ``predict trace`` reports it per update and for the steady state
+  (``ratio``: mean R over mean L); ``predict analytic --ratio`` takes it; perf/ sweeps it.
+* ``rho`` ρ = L / R = 1/r: the paper's learner load (Eq. 16); ``rho_w`` is the same per
+  rollout wave in the analytic model.
+
 CLI::
 
     python -m tsync_mcore.predict trace RUN_DIR [--warmup N] [--suffix full|publish] [--json]
@@ -105,7 +113,7 @@ def predict_update(records: Iterable[Record], R: float, P: float) -> dict[str, A
     close, ``T_sync = R + max_r L_r + P`` (Eq. 16). A job stamped ready after R (the learner
     stamps readiness on receipt, which waits while it serves an earlier job) delays the
     ThunderSyncRL lane only through Eq. 14 and is available to Sync at close, as R is by
-    definition the last rollout event (F.1). Returns the times, ``ρ = L/R``, ``κ = P/R``,
+    definition the last rollout event (F.1). Returns the times, ``ratio = R/L``, ``ρ = L/R``, ``κ = P/R``,
     ``λ = [c_n - R]_+/R`` and ``S = T_sync/T = (1+ρ+κ)/(1+λ+κ) ≤ 2`` (Eq. 16-17)."""
     lanes = jobs_by_rank(records)
     ends = {r: lane_completion(js) for r, js in lanes.items()}
@@ -118,7 +126,7 @@ def predict_update(records: Iterable[Record], R: float, P: float) -> dict[str, A
     return dict(
         T_thundersync=t_ts, T_sync=t_sync, speedup=t_sync / t_ts if t_ts > 0 else None,
         R=R, P=P, L=L, L_total=sum(loads.values()), c_n=c_n, tail_s=max(0.0, c_n - R),
-        rho=_ratio(L, R), kappa=_ratio(P, R), lam=_ratio(max(0.0, c_n - R), R),
+        ratio=R / L if L > 0 else None, rho=_ratio(L, R), kappa=_ratio(P, R), lam=_ratio(max(0.0, c_n - R), R),
         n_jobs=sum(len(js) for js in lanes.values()), ranks=sorted(lanes), slow_rank=slow,
         lane_end={str(r): c for r, c in ends.items()},
         lane_load={str(r): x for r, x in loads.items()})
@@ -205,6 +213,7 @@ def analyze_run(run_dir: str, warmup: int = 1, suffix: str = "full") -> dict[str
         return sum(vals) / len(vals) if vals else None
 
     t_ts, t_sync = mean("T_thundersync"), mean("T_sync")
+    mean_L = mean("L")
     errs = [u["prediction_error_pct"] for u in steady if u["prediction_error_pct"] is not None]
     return dict(
         run_dir=run_dir, warmup=warmup, suffix=suffix, n_updates=len(updates),
@@ -213,6 +222,7 @@ def analyze_run(run_dir: str, warmup: int = 1, suffix: str = "full") -> dict[str
         T_thundersync_mean=t_ts, T_sync_mean=t_sync,
         speedup_predicted=t_sync / t_ts if t_ts else None,
         speedup_per_update_mean=mean("speedup"),
+        ratio=mean("R") / mean_L if mean_L else None,  # r = R/L: `analytic --ratio`
         rho_mean=mean("rho"), kappa_mean=mean("kappa"), lam_mean=mean("lam"),
         prediction_error_pct_mean=sum(errs) / len(errs) if errs else None)
 
@@ -240,8 +250,9 @@ def format_run(res: dict[str, Any]) -> str:
         f"measured {_fmt(res['step_time_measured_mean'])} s, "
         f"predicted thundersync {_fmt(res['T_thundersync_mean'])} s, "
         f"sync {_fmt(res['T_sync_mean'])} s, speedup {_fmt(res['speedup_predicted'])}x "
-        f"(rho {_fmt(res['rho_mean'])}, kappa {_fmt(res['kappa_mean'])}, "
-        f"lambda {_fmt(res['lam_mean'])})")
+        f"(ratio r = R/L {_fmt(res['ratio'])}, as `predict analytic --ratio` takes it; "
+        f"rho = L/R {_fmt(res['rho_mean'])}, kappa = P/R {_fmt(res['kappa_mean'])}, "
+        f"lambda = tail/R {_fmt(res['lam_mean'])})")
     return "\n".join(lines)
 
 
@@ -421,27 +432,35 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("trace", help="replay a run's release traces through Eq. 14")
-    t.add_argument("run_dir")
+    t.add_argument("run_dir", help="a run directory (metrics.jsonl and traces/rank*.jsonl)")
     t.add_argument("--warmup", type=int, default=1, help="updates to discard (default 1)")
     t.add_argument("--suffix", choices=("full", "publish"), default="full",
                    help="P = publish + inferred reduction/optimizer time (full) or publish only")
-    t.add_argument("--json", action="store_true")
+    t.add_argument("--json", action="store_true", help="print every update as JSON")
     d = ReleaseParams()
     a = sub.add_parser("analytic", help="analytical release laws (Eq. 19-28)")
-    a.add_argument("--objective", choices=("grpo", "opd"), required=True)
+    a.add_argument("--objective", choices=("grpo", "opd"), required=True,
+                   help="release law: GRPO (Eq. 22) or OPD turns (Eq. 24)")
     a.add_argument("--batch", type=float, required=True, help="trajectories per step B")
     a.add_argument("--ratio", type=float, default=1.0,
-                   help="rollout time / learner time at full capacity r (default 1)")
+                   help="r = rollout time / learner time (R/L) at full capacity, the `ratio` "
+                        "that `predict trace` prints; rho = 1/r (default 1)")
     a.add_argument("--turns", type=int, required=True, help="agentic turns per trajectory a")
-    a.add_argument("--group-size", type=int, default=d.group_size, help="m")
-    a.add_argument("--beta", type=float, default=d.beta)
-    a.add_argument("--delta", type=float, default=d.delta)
-    a.add_argument("--gamma", type=float, default=d.gamma)
-    a.add_argument("--capacity", type=float, default=d.capacity, help="Q")
-    a.add_argument("--suffix", type=float, default=d.kappa_w, help="κ_w = P/W")
+    a.add_argument("--group-size", type=int, default=d.group_size,
+                   help=f"m, trajectories per GRPO group (default {d.group_size})")
+    a.add_argument("--beta", type=float, default=d.beta,
+                   help=f"β, GRPO closure fraction (default {d.beta})")
+    a.add_argument("--delta", type=float, default=d.delta,
+                   help=f"δ, OPD deferred (replay) fraction (default {d.delta})")
+    a.add_argument("--gamma", type=float, default=d.gamma,
+                   help=f"γ, service exponent of the release law (default {d.gamma})")
+    a.add_argument("--capacity", type=float, default=d.capacity,
+                   help=f"Q, trajectories per rollout wave (default {d.capacity:g})")
+    a.add_argument("--suffix", type=float, default=d.kappa_w,
+                   help=f"κ_w = P/W, the step's suffix over a wave's time (default {d.kappa_w})")
     a.add_argument("--peak", action="store_true",
                    help="also report the ratio in [0.3, 4] with the largest speedup")
-    a.add_argument("--json", action="store_true")
+    a.add_argument("--json", action="store_true", help="print the result as JSON")
     return ap
 
 
