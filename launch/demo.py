@@ -17,8 +17,11 @@ import subprocess
 import sys
 import time
 
+from tsync_mcore import quiet
+
+quiet.install()  # first: known-harmless warnings off, here and in vLLM's spawned engine core
 from tsync_mcore import publish
-from tsync_mcore.launch import config_or_exit, secret_or_exit
+from tsync_mcore.launch import config_or_exit, resume_or_exit, secret_or_exit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,9 +41,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--config", default=os.path.join(ROOT, "configs/demo.yaml"))
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in run.dir from its latest checkpoint")
     args = p.parse_args()
     overrides = [f"channel.port={free_port()}", *args.set]
     cfg = config_or_exit("demo", args.config, overrides)
+    if args.resume:
+        resume_or_exit("demo", cfg)
+    elif os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")):
+        print(f"starting afresh in {cfg.run.dir}: the earlier run's metrics and traces are "
+              f"replaced (--resume continues it)", flush=True)
     os.makedirs(cfg.run.dir, exist_ok=True)
     if not os.path.exists(os.path.join(cfg.model.hf_dir, "config.json")):
         from tsync_mcore.testing.tiny import make_tiny_checkpoint
@@ -50,6 +60,11 @@ def main() -> None:
         # heads=2: vLLM's CPU attention needs head_dim >= 32
 
     t0 = time.time()
+    teacher = os.path.join(cfg.run.dir, "teacher")
+    if (cfg.learner.objective == "opd" and not cfg.rollout.teacher_dir and args.resume
+            and os.path.exists(os.path.join(teacher, "config.json"))):
+        overrides.append(f"rollout.teacher_dir={teacher}")  # the teacher the run started with
+        cfg = config_or_exit("demo", args.config, overrides)
     if cfg.learner.objective == "opd" and not cfg.rollout.teacher_dir:
         # The teacher: the same architecture, trained briefly with GRPO by the demo itself.
         teacher_run = os.path.join(cfg.run.dir, "teacher_run")
@@ -58,11 +73,13 @@ def main() -> None:
                 f"channel.port={free_port()}"]
         teacher_cfg = config_or_exit("demo", args.config, overrides + tcfg)
         run_job(args.config, overrides + tcfg, teacher_cfg)
-        teacher = os.path.join(cfg.run.dir, "teacher")
         make_hf_dir(cfg.model.hf_dir, publish.resolve_dir(teacher_cfg.run), teacher)
         overrides.append(f"rollout.teacher_dir={teacher}")
         cfg = config_or_exit("demo", args.config, overrides)
-    rows = run_job(args.config, overrides, cfg)
+    rows = run_job(args.config, overrides, cfg, resume=args.resume)
+    if args.resume:  # the whole run: what the resumed updates kept, and the new ones
+        with open(os.path.join(cfg.run.dir, "metrics.jsonl")) as f:
+            rows = [r for r in map(json.loads, f) if r.get("ok", True)]
     rewards = [m["reward_mean"] for m in rows if m["reward_mean"] is not None]
     k = max(1, len(rewards) // 4)
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
@@ -83,23 +100,20 @@ def make_hf_dir(base_dir: str, publish_dir: str, out_dir: str) -> None:
     shutil.copy(newest, os.path.join(out_dir, "model.safetensors"))
 
 
-def run_job(config: str, overrides: list[str], cfg) -> list[dict]:
+def run_job(config: str, overrides: list[str], cfg, resume: bool = False) -> list[dict]:
     """Start the rollout launcher and the learner ranks; stream per-update lines."""
     secret_or_exit("demo", cfg)  # one secret for both launchers, created before either starts
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     common = ["--config", config, "--set", *overrides]
     log_dir = os.path.join(cfg.run.dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
-    metrics_path = os.path.join(cfg.run.dir, "metrics.jsonl")
-    if os.path.exists(metrics_path):
-        os.remove(metrics_path)
     rollout = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch/rollout.py"), *common],
                                stdout=open(os.path.join(log_dir, "rollout.log"), "w"),
                                stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     learner = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
          str(cfg.rollout.n_learners), "--master-port", str(free_port()),
-         os.path.join(ROOT, "launch/learner.py"), *common],
+         os.path.join(ROOT, "launch/learner.py"), *(["--resume"] if resume else []), *common],
         stdout=subprocess.PIPE, stderr=open(os.path.join(log_dir, "learner.err"), "w"),
         text=True, env=env, cwd=ROOT)
     rows = []

@@ -7,7 +7,10 @@ import argparse
 import os
 import sys
 
-from tsync_mcore.launch import config_or_exit, secret_or_exit, stopped
+from tsync_mcore import quiet
+
+quiet.install()  # first: known-harmless warnings off, here and in vLLM's spawned engine core
+from tsync_mcore.launch import config_or_exit, resume_or_exit, secret_or_exit, stopped
 
 
 def main() -> None:
@@ -18,6 +21,8 @@ def main() -> None:
                    help="override config keys, e.g. learner.schedule=sync run.updates=4")
     args = p.parse_args()
     cfg = config_or_exit("learner", args.config, args.set)  # before megatron's import noise
+    if args.resume:
+        resume_or_exit("learner", cfg)
     secret_or_exit("learner", cfg)  # the run's channel secret: created here if no launcher did
     from tsync_mcore.model.parallel import destroy_parallel
     from tsync_mcore.trainer import LearnerStopped, Trainer

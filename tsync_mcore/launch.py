@@ -29,6 +29,20 @@ def secret_or_exit(who: str, cfg) -> None:
         raise SystemExit(2) from None
 
 
+def resume_or_exit(who: str, cfg) -> None:
+    """--resume needs a run directory with a checkpoint: one `error:` line and exit 2 if not,
+    before any process starts."""
+    run_dir = cfg.run.dir
+    if not os.path.isdir(run_dir):
+        print(f"error: {who}: --resume: run directory {run_dir} does not exist (run.dir; "
+              f"start a fresh run without --resume)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    if not os.path.lexists(os.path.join(run_dir, "checkpoints", "latest")):
+        print(f"error: {who}: --resume: no checkpoint under {run_dir}/checkpoints (start a "
+              f"fresh run without --resume)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 def stopped(who: str, e: BaseException, run_dir: str) -> int:
     """Print one line naming what stopped, why and where the state and traceback are;
     returns the exit code (130 for an interrupt, 4 otherwise)."""

@@ -182,8 +182,10 @@ def analyze_run(run_dir: str, warmup: int = 1, suffix: str = "full") -> dict[str
     if suffix not in ("full", "publish"):
         raise ValueError(f"suffix must be 'full' or 'publish', not {suffix!r}")
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isdir(run_dir):
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
     if not os.path.exists(metrics_path):
-        raise FileNotFoundError(f"{metrics_path} not found")
+        raise FileNotFoundError(f"{metrics_path} not found (not a run directory?)")
     rows = sorted(_read_jsonl(metrics_path), key=lambda r: int(r["step"]))
     traces = load_traces(run_dir)
     updates: list[dict[str, Any]] = []
@@ -492,4 +494,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from tsync_mcore import quiet
+    quiet.install()
     sys.exit(main())
