@@ -44,7 +44,7 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    # SPEC §4: AdamW β 0.9/0.999, ε 1e-8, wd 0, lr 1e-6 constant, global-norm clip 1.0.
+    # AdamW β 0.9/0.999, ε 1e-8, wd 0, lr 1e-6 constant, global-norm clip 1.0 (the paper's).
     lr: float = 1e-6
     beta1: float = 0.9
     beta2: float = 0.999
@@ -79,7 +79,7 @@ class LearnerConfig:
     # or retain each turn's graph until its trajectory completes (no recompute, more memory).
     opd_replay: Literal["recompute", "retain"] = "recompute"
     # GRPO groups share their prompt: run it once per group and backpropagate it once at
-    # group close with the combined boundary adjoint (appendix I). Same update either way.
+    # group close with the combined boundary adjoint (docs/design.md). Same update either way.
     shared_prefix: bool = True
     # Memory-aware admission: a new group opens only while what open groups hold (G1'/G2 or
     # gradient sums, K/V leaves + adjoints, shared prompts) plus its estimate fits; 0: off.

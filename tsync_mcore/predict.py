@@ -1,4 +1,4 @@
-"""Speedup predictor of ThunderSyncRL (paper §4.4 and appendix F; SPEC §5).
+"""Speedup predictor (ThunderSyncRL paper §4.4, appendix F; docs/measurement.md).
 
 Two independent predictors:
 
@@ -9,7 +9,7 @@ Two independent predictors:
   ``S = (1+ρ+κ)/(1+λ+κ) ≤ 2`` (Eq. 16-17).
 * **Analytic release laws** (Eq. 19-28). GRPO ``F(u) = (1-β)u^{γ+1} + βu^{γ+m}`` (Eq. 22),
   OPD Eq. 24, the tail of Eq. 19 and the successive-wave speedup of Eq. 26 with the
-  plotting approximation of Eq. 28 (defaults of appendix F.5).
+  plotting approximation of Eq. 28 (defaults of the paper's appendix F.5).
 
 Names (one meaning each, in the output keys, the flags and docs/measurement.md):
 
@@ -76,9 +76,9 @@ def replay_lane(jobs: Iterable[Job], R: float, P: float) -> float:
 
 
 def jobs_by_rank(records: Iterable[Record]) -> dict[int, list[Job]]:
-    """Learner jobs per rank from the trace records of one update (SPEC §5).
+    """Learner jobs per rank from the trace records of one update (docs/trace.md).
 
-    ``p_j = end - start`` and ``τ_j = ready``. An OPD replay (deferred work, appendix F.2's
+    ``p_j = end - start`` and ``τ_j = ready``. An OPD replay (deferred work, paper appendix F.2
     δ) becomes ready when its trajectory completes, i.e. at the latest ready time of that
     trajectory's turns on the rank; it is ordered after those turns. Sources that were
     never served carry no learner work and are skipped."""
@@ -152,8 +152,8 @@ def load_traces(run_dir: str) -> dict[int, list[Record]]:
 
 def infer_step_time(row: dict[str, Any], last_end: float) -> float:
     """Reduction + optimizer time, inferred as ``learner_tail_s`` minus the learner work that
-    remained after the batch closed (SPEC §5). With ``step_wall_time_s`` the learner clock of
-    rank 0 gives ``t_stepped = wall - publish`` and ``t_closed = t_stepped - tail`` (the
+    remained after the batch closed (docs/measurement.md). With ``step_wall_time_s`` the
+    learner clock of rank 0 gives ``t_stepped = wall - publish`` and ``t_closed = t_stepped - tail`` (the
     close's arrival), so the
     step is ``t_stepped - max(t_closed, last_end)``; without it the close is taken at R."""
     tail = float(row.get("learner_tail_s") or 0.0)
@@ -265,7 +265,7 @@ def format_run(res: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class ReleaseParams:
-    """Parameters of the analytical sweeps (appendix F.5)."""
+    """Parameters of the analytical sweeps (the paper's appendix F.5)."""
 
     capacity: float = 128.0  # Q, trajectories per rollout wave
     group_size: int = 8  # m
@@ -373,7 +373,7 @@ def speedup_waves(rho_w: float, lam_w: float, kappa_w: float, waves: float) -> f
 
 def analytic(objective: str, batch: float, ratio: float, turns: int = 1,
              params: ReleaseParams = ReleaseParams()) -> dict[str, Any]:
-    """Analytical speedup over Sync (appendix F.5/F.6): Eq. 28 maps trajectories per step B
+    """Analytical speedup over Sync (paper appendix F.5/F.6): Eq. 28 maps trajectories per step B
     and the rollout-to-learner ratio r (at full capacity) to ``w = max(1, B/Q)`` waves with
     learner load ``ρ_w = min(1, B/Q)/r``; the tail λ_w comes from Eq. 19 with Eq. 22 (GRPO)
     or Eq. 24 (OPD), and the speedup from Eq. 26."""

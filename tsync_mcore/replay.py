@@ -1,4 +1,5 @@
-"""Replay recorded batches through the learner: the equivalence harness (paper appendix G).
+"""Replay recorded batches through the learner: the equivalence harness
+(docs/replay.md; the ThunderSyncRL paper's appendix G).
 
     python -m tsync_mcore.replay --model HF_DIR --batch FILE.jsonl --objective grpo \
         --schedule thundersync --dtype fp32 --out DIR
