@@ -69,7 +69,7 @@ class LearnerConfig:
     k_open: int = 4  # admission cap: groups per rank holding G1/G2 at once
     accum: AccumPlacement = "device"  # "host": pinned host memory for large models
     # fp64 doubles accumulator memory (8(2k+1)P bytes) but makes the update independent of
-    # arrival order to within FP32 rounding of the final sum (see README, numerics).
+    # arrival order to within FP32 rounding of the final sum (docs/numerics.md).
     accum_dtype: AccumDType = "fp32"
     # w = 1/(n_groups·L_i), or 1/N_k global token mean; auto: GRPO family "trajectory",
     # OPD "global" (a turn streams before its trajectory's length L_i is known)

@@ -5,7 +5,7 @@
         --schedule thundersync --dtype fp32 --out DIR
     torchrun --nproc-per-node 2 -m tsync_mcore.replay ...   (same flags)
 
-FILE.jsonl holds one trajectory per line (see README). Lines are grouped into batches by
+FILE.jsonl holds one trajectory per line (docs/replay.md). Lines are grouped into batches by
 `policy_version`; versions must run 0, 1, 2, … and each batch is one update. Sources are
 ingested in `ready_order`. Writes DIR/grad.safetensors (g_k of the last update before
 clipping, FP32, HF names), DIR/params.safetensors (θ after the last step, HF names) and
