@@ -126,7 +126,7 @@ def run_job(config: str, overrides: list[str], cfg, resume: bool = False) -> lis
         m = json.loads(line[5:])
         rows.append(m)
         r = "-" if m["reward_mean"] is None else f"{m['reward_mean']:.3f}"
-        print(f"{bar(len(rows), cfg.run.updates)} step {m['step']:3d}  version {m['policy_version']:3d}"
+        print(f"{bar(m['step'], cfg.run.updates)} step {m['step']:3d}  version {m['policy_version']:3d}"
               f"  reward {r}  step {m['step_wall_time_s']:.2f}s  rollout {m['rollout_time_s']:.2f}s"
               f"  tail {m['learner_tail_s']:.2f}s  publish {m['publish_time_s']:.2f}s", flush=True)
     rc_l = learner.wait()
