@@ -14,6 +14,9 @@ import argparse
 import os
 import time
 
+from tsync_mcore import quiet
+
+quiet.install()  # first: known-harmless warnings off, here and in vLLM's spawned engine core
 from tsync_mcore import publish
 from tsync_mcore.launch import (add_config_args, config_from_args, config_or_exit, free_port,
                                 resume_version, run_job)
@@ -33,6 +36,9 @@ def main() -> None:
     cfg = config_from_args("demo", args, extra=overrides[:1])
     if args.resume:
         resume_version(cfg.run.dir)  # one line and exit 2 when there is nothing to resume
+    elif os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")):
+        print(f"starting afresh in {cfg.run.dir}: the earlier run's metrics and traces are "
+              f"replaced (--resume continues it)", flush=True)
     os.makedirs(cfg.run.dir, exist_ok=True)
     if not os.path.exists(os.path.join(cfg.model.hf_dir, "config.json")):
         from tsync_mcore.testing.tiny import make_tiny_checkpoint
@@ -42,6 +48,11 @@ def main() -> None:
         # heads=2: vLLM's CPU attention needs head_dim >= 32
 
     t0 = time.time()
+    teacher = os.path.join(cfg.run.dir, "teacher")
+    if (cfg.learner.objective == "opd" and not cfg.rollout.teacher_dir and args.resume
+            and os.path.exists(os.path.join(teacher, "config.json"))):
+        overrides.append(f"rollout.teacher_dir={teacher}")  # the teacher the run started with
+        cfg = config_or_exit("demo", args.config, overrides)
     if cfg.learner.objective == "opd" and not cfg.rollout.teacher_dir:
         teacher = os.path.join(cfg.run.dir, "teacher")
         if not (args.resume and os.path.exists(os.path.join(teacher, "model.safetensors"))):

@@ -7,7 +7,11 @@ import argparse
 import os
 import sys
 
-from tsync_mcore.launch import add_config_args, config_from_args, secret_or_exit, stopped
+from tsync_mcore import quiet
+
+quiet.install()  # first: known-harmless warnings off, here and in vLLM's spawned engine core
+from tsync_mcore.launch import (add_config_args, config_from_args, resume_or_exit,  # noqa: E402
+                                secret_or_exit, stopped)
 
 
 def main() -> None:
@@ -21,6 +25,8 @@ def main() -> None:
     rank = os.environ.get("RANK", "0")
     # before megatron's import noise; the choices logged once, by rank 0
     cfg = config_from_args("learner", args, log=rank == "0")
+    if args.resume:
+        resume_or_exit("learner", cfg)
     secret_or_exit("learner", cfg)  # the run's channel secret: created here if no launcher did
     from tsync_mcore.channel import ChannelError
     from tsync_mcore.model.parallel import destroy_parallel

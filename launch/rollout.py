@@ -8,6 +8,9 @@ and the agent loop, and streams ready sources to the learner ranks.
 import argparse
 import sys
 
+from tsync_mcore import quiet
+
+quiet.install()  # first: known-harmless warnings off, here and in vLLM's spawned engine core
 
 
 def main() -> None:

@@ -339,7 +339,6 @@ def test_resume_keeps_the_metrics_rows_up_to_the_checkpoint(tmp_path):
     v = launch.resume_version(str(tmp_path))
     assert v == 2
     assert launch._metrics_before(str(tmp_path / "metrics.jsonl"), v) == rows[:2]
-    assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == rows[:2]
 
 
 @pytest.mark.timeout(400)

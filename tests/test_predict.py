@@ -333,3 +333,21 @@ def test_module_entry_point(tmp_path) -> None:
                            _write_run(tmp_path), "--json"],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=60, check=True)
     assert "speedup_predicted" in json.loads(proc.stdout)
+
+
+def test_ratio_means_rollout_over_learner_in_trace_and_analytic(tmp_path, capsys) -> None:
+    """One name, one meaning: the `ratio` predict trace reports is R/L, the number
+    `predict analytic --ratio` takes; `rho` is L/R in both."""
+    res = analyze_run(_write_run(tmp_path), warmup=0)
+    for u in res["updates"]:  # busiest rank 0 serves 1 + 1 s per update, R = 4
+        assert u["L"] == pytest.approx(2.0) and u["ratio"] == pytest.approx(4.0 / 2.0)
+        assert u["rho"] == pytest.approx(1.0 / u["ratio"])
+    assert res["ratio"] == pytest.approx(2.0)
+    assert main(["trace", str(tmp_path / "run")]) == 0
+    assert "ratio r = R/L 2.000, as `predict analytic --ratio` takes it" in capsys.readouterr().out
+    # full waves (B >= Q): the analytic model's learner load is rho = 1/ratio, as in the trace
+    out = analytic("grpo", 256, res["ratio"], 1)
+    assert out["ratio"] == res["ratio"] and out["rho_w"] == pytest.approx(res["updates"][0]["rho"])
+    # the perf/ sweeps use the same name for the same R/L
+    perf = open(os.path.join(REPO, "perf", "overlap.py")).read()
+    assert "R = ratio * L[step.draw]" in perf

@@ -55,7 +55,7 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW (SPEC §4 defaults: β 0.9/0.999, ε 1e-8, wd 0, lr 1e-6 constant, clip 1.0)."""
+    """AdamW (defaults as in the paper's setup: β 0.9/0.999, ε 1e-8, wd 0, lr 1e-6 constant, clip 1.0)."""
 
     lr: float = 1e-6  # learning rate
     beta1: float = 0.9  # Adam β1 (first-moment decay)
@@ -99,7 +99,7 @@ class LearnerConfig:
     k_open: int = 4  # admission cap: groups per rank holding G1/G2 at once
     accum: AccumPlacement = "device"  # "host": pinned host memory for large models
     # fp64 doubles accumulator memory (8(2k+1)P bytes) but makes the update independent of
-    # arrival order to within FP32 rounding of the final sum (see README, numerics).
+    # arrival order to within FP32 rounding of the final sum (docs/numerics.md).
     accum_dtype: AccumDType = "fp32"
     # Per-token weight (docs/objectives.md): trajectory 1/(n_groups·m_G·L_i), token_mean
     # 1/N_k, seq_mean_token_mean 1/(B·L_i), seq_mean_token_sum_norm 1/(B·H),
@@ -116,7 +116,7 @@ class LearnerConfig:
     # or retain each turn's graph until its trajectory completes (no recompute, more memory).
     opd_replay: Literal["recompute", "retain"] = "recompute"
     # GRPO groups share their prompt: run it once per group and backpropagate it once at
-    # group close with the combined boundary adjoint (appendix I). Same update either way.
+    # group close with the combined boundary adjoint (docs/design.md). Same update either way.
     shared_prefix: bool = True
     # Memory-aware admission: a new group opens only while what open groups hold (G1'/G2 or
     # gradient sums, K/V leaves + adjoints, shared prompts) plus its estimate fits; 0: off.

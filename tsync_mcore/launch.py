@@ -29,6 +29,20 @@ def secret_or_exit(who: str, cfg) -> None:
         raise SystemExit(2) from None
 
 
+def resume_or_exit(who: str, cfg) -> None:
+    """--resume needs a run directory with a checkpoint: one `error:` line and exit 2 if not,
+    before any process starts."""
+    run_dir = cfg.run.dir
+    if not os.path.isdir(run_dir):
+        print(f"error: {who}: --resume: run directory {run_dir} does not exist (run.dir; "
+              f"start a fresh run without --resume)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    if not os.path.lexists(os.path.join(run_dir, "checkpoints", "latest")):
+        print(f"error: {who}: --resume: no checkpoint under {run_dir}/checkpoints (start a "
+              f"fresh run without --resume)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 def stopped(who: str, e: BaseException, run_dir: str) -> int:
     """Print one line naming what stopped, why and where the state and traceback are;
     returns the exit code (130 for an interrupt, 4 otherwise)."""
@@ -135,10 +149,10 @@ def resume_version(run_dir: str) -> int:
 
 
 def _metrics_before(path: str, version: int) -> list[dict]:
-    """Rows of metrics.jsonl for updates up to `version` (what a resumed run keeps); the
-    file is rewritten with only those, so it reads as one run."""
+    """Rows of metrics.jsonl for updates up to `version`: what a resumed run keeps (the
+    learner itself drops the later rows from the file, run_files.py)."""
     import json
-    rows, kept = [], []
+    rows = []
     if not os.path.exists(path):
         return rows
     with open(path, encoding="utf-8") as f:
@@ -150,9 +164,6 @@ def _metrics_before(path: str, version: int) -> list[dict]:
             if isinstance(row, dict) and isinstance(row.get("step"), int) \
                     and row["step"] <= version:
                 rows.append(row)
-                kept.append(line if line.endswith("\n") else line + "\n")
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(kept)
     return rows
 
 
@@ -214,10 +225,8 @@ def run_job(config: str | None, overrides: list[str], cfg, *, who: str = "run",
     os.makedirs(log_dir, exist_ok=True)
     metrics_path = os.path.join(cfg.run.dir, "metrics.jsonl")
     rows: list[dict] = []
-    if resume:
+    if resume:  # a fresh run's learner replaces the earlier files itself (run_files.py)
         rows = _metrics_before(metrics_path, resume_version(cfg.run.dir))
-    elif os.path.exists(metrics_path):
-        os.remove(metrics_path)
     rollout_log, learner_err = (os.path.join(log_dir, n) for n in ("rollout.log", "learner.err"))
     rollout = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "launch/rollout.py"), *common],

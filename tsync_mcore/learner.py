@@ -1,4 +1,4 @@
-"""One update of the streaming learner, top to bottom, for every objective (SPEC §1–3).
+"""One update of the streaming learner, top to bottom, for every objective (docs/learner.md).
 
     begin(plan)       register the batch's groups (and turn counts), how sources reach the
                       DP ranks, and the release schedule

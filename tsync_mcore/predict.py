@@ -1,4 +1,4 @@
-"""Speedup predictor of ThunderSyncRL (paper §4.4 and appendix F; SPEC §5).
+"""Speedup predictor (ThunderSyncRL paper §4.4, appendix F; docs/measurement.md).
 
 Two independent predictors:
 
@@ -9,7 +9,15 @@ Two independent predictors:
   ``S = (1+ρ+κ)/(1+λ+κ) ≤ 2`` (Eq. 16-17).
 * **Analytic release laws** (Eq. 19-28). GRPO ``F(u) = (1-β)u^{γ+1} + βu^{γ+m}`` (Eq. 22),
   OPD Eq. 24, the tail of Eq. 19 and the successive-wave speedup of Eq. 26 with the
-  plotting approximation of Eq. 28 (defaults of appendix F.5).
+  plotting approximation of Eq. 28 (defaults of the paper's appendix F.5).
+
+Names (one meaning each, in the output keys, the flags and docs/measurement.md):
+
+* ``ratio`` r = R / L: rollout time over learner time (the learner's work of the update, on
+  its busiest rank). ``predict trace`` reports it per update and for the steady state
+  (``ratio``: mean R over mean L); ``predict analytic --ratio`` takes it; perf/ sweeps it.
+* ``rho`` ρ = L / R = 1/r: the paper's learner load (Eq. 16); ``rho_w`` is the same per
+  rollout wave in the analytic model.
 
 CLI::
 
@@ -68,9 +76,9 @@ def replay_lane(jobs: Iterable[Job], R: float, P: float) -> float:
 
 
 def jobs_by_rank(records: Iterable[Record]) -> dict[int, list[Job]]:
-    """Learner jobs per rank from the trace records of one update (SPEC §5).
+    """Learner jobs per rank from the trace records of one update (docs/trace.md).
 
-    ``p_j = end - start`` and ``τ_j = ready``. An OPD replay (deferred work, appendix F.2's
+    ``p_j = end - start`` and ``τ_j = ready``. An OPD replay (deferred work, paper appendix F.2
     δ) becomes ready when its trajectory completes, i.e. at the latest ready time of that
     trajectory's turns on the rank; it is ordered after those turns. Sources that were
     never served carry no learner work and are skipped."""
@@ -105,7 +113,7 @@ def predict_update(records: Iterable[Record], R: float, P: float) -> dict[str, A
     close, ``T_sync = R + max_r L_r + P`` (Eq. 16). A job stamped ready after R (the learner
     stamps readiness on receipt, which waits while it serves an earlier job) delays the
     ThunderSyncRL lane only through Eq. 14 and is available to Sync at close, as R is by
-    definition the last rollout event (F.1). Returns the times, ``ρ = L/R``, ``κ = P/R``,
+    definition the last rollout event (F.1). Returns the times, ``ratio = R/L``, ``ρ = L/R``, ``κ = P/R``,
     ``λ = [c_n - R]_+/R`` and ``S = T_sync/T = (1+ρ+κ)/(1+λ+κ) ≤ 2`` (Eq. 16-17)."""
     lanes = jobs_by_rank(records)
     ends = {r: lane_completion(js) for r, js in lanes.items()}
@@ -118,7 +126,7 @@ def predict_update(records: Iterable[Record], R: float, P: float) -> dict[str, A
     return dict(
         T_thundersync=t_ts, T_sync=t_sync, speedup=t_sync / t_ts if t_ts > 0 else None,
         R=R, P=P, L=L, L_total=sum(loads.values()), c_n=c_n, tail_s=max(0.0, c_n - R),
-        rho=_ratio(L, R), kappa=_ratio(P, R), lam=_ratio(max(0.0, c_n - R), R),
+        ratio=R / L if L > 0 else None, rho=_ratio(L, R), kappa=_ratio(P, R), lam=_ratio(max(0.0, c_n - R), R),
         n_jobs=sum(len(js) for js in lanes.values()), ranks=sorted(lanes), slow_rank=slow,
         lane_end={str(r): c for r, c in ends.items()},
         lane_load={str(r): x for r, x in loads.items()})
@@ -144,8 +152,8 @@ def load_traces(run_dir: str) -> dict[int, list[Record]]:
 
 def infer_step_time(row: dict[str, Any], last_end: float) -> float:
     """Reduction + optimizer time, inferred as ``learner_tail_s`` minus the learner work that
-    remained after the batch closed (SPEC §5). With ``step_wall_time_s`` the learner clock of
-    rank 0 gives ``t_stepped = wall - publish`` and ``t_closed = t_stepped - tail`` (the
+    remained after the batch closed (docs/measurement.md). With ``step_wall_time_s`` the
+    learner clock of rank 0 gives ``t_stepped = wall - publish`` and ``t_closed = t_stepped - tail`` (the
     close's arrival), so the
     step is ``t_stepped - max(t_closed, last_end)``; without it the close is taken at R."""
     tail = float(row.get("learner_tail_s") or 0.0)
@@ -174,8 +182,10 @@ def analyze_run(run_dir: str, warmup: int = 1, suffix: str = "full") -> dict[str
     if suffix not in ("full", "publish"):
         raise ValueError(f"suffix must be 'full' or 'publish', not {suffix!r}")
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isdir(run_dir):
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
     if not os.path.exists(metrics_path):
-        raise FileNotFoundError(f"{metrics_path} not found")
+        raise FileNotFoundError(f"{metrics_path} not found (not a run directory?)")
     rows = sorted(_read_jsonl(metrics_path), key=lambda r: int(r["step"]))
     traces = load_traces(run_dir)
     updates: list[dict[str, Any]] = []
@@ -205,6 +215,7 @@ def analyze_run(run_dir: str, warmup: int = 1, suffix: str = "full") -> dict[str
         return sum(vals) / len(vals) if vals else None
 
     t_ts, t_sync = mean("T_thundersync"), mean("T_sync")
+    mean_L = mean("L")
     errs = [u["prediction_error_pct"] for u in steady if u["prediction_error_pct"] is not None]
     return dict(
         run_dir=run_dir, warmup=warmup, suffix=suffix, n_updates=len(updates),
@@ -213,6 +224,7 @@ def analyze_run(run_dir: str, warmup: int = 1, suffix: str = "full") -> dict[str
         T_thundersync_mean=t_ts, T_sync_mean=t_sync,
         speedup_predicted=t_sync / t_ts if t_ts else None,
         speedup_per_update_mean=mean("speedup"),
+        ratio=mean("R") / mean_L if mean_L else None,  # r = R/L: `analytic --ratio`
         rho_mean=mean("rho"), kappa_mean=mean("kappa"), lam_mean=mean("lam"),
         prediction_error_pct_mean=sum(errs) / len(errs) if errs else None)
 
@@ -240,8 +252,9 @@ def format_run(res: dict[str, Any]) -> str:
         f"measured {_fmt(res['step_time_measured_mean'])} s, "
         f"predicted thundersync {_fmt(res['T_thundersync_mean'])} s, "
         f"sync {_fmt(res['T_sync_mean'])} s, speedup {_fmt(res['speedup_predicted'])}x "
-        f"(rho {_fmt(res['rho_mean'])}, kappa {_fmt(res['kappa_mean'])}, "
-        f"lambda {_fmt(res['lam_mean'])})")
+        f"(ratio r = R/L {_fmt(res['ratio'])}, as `predict analytic --ratio` takes it; "
+        f"rho = L/R {_fmt(res['rho_mean'])}, kappa = P/R {_fmt(res['kappa_mean'])}, "
+        f"lambda = tail/R {_fmt(res['lam_mean'])})")
     return "\n".join(lines)
 
 
@@ -252,7 +265,7 @@ def format_run(res: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class ReleaseParams:
-    """Parameters of the analytical sweeps (appendix F.5)."""
+    """Parameters of the analytical sweeps (the paper's appendix F.5)."""
 
     capacity: float = 128.0  # Q, trajectories per rollout wave
     group_size: int = 8  # m
@@ -360,7 +373,7 @@ def speedup_waves(rho_w: float, lam_w: float, kappa_w: float, waves: float) -> f
 
 def analytic(objective: str, batch: float, ratio: float, turns: int = 1,
              params: ReleaseParams = ReleaseParams()) -> dict[str, Any]:
-    """Analytical speedup over Sync (appendix F.5/F.6): Eq. 28 maps trajectories per step B
+    """Analytical speedup over Sync (paper appendix F.5/F.6): Eq. 28 maps trajectories per step B
     and the rollout-to-learner ratio r (at full capacity) to ``w = max(1, B/Q)`` waves with
     learner load ``ρ_w = min(1, B/Q)/r``; the tail λ_w comes from Eq. 19 with Eq. 22 (GRPO)
     or Eq. 24 (OPD), and the speedup from Eq. 26."""
@@ -421,27 +434,35 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("trace", help="replay a run's release traces through Eq. 14")
-    t.add_argument("run_dir")
+    t.add_argument("run_dir", help="a run directory (metrics.jsonl and traces/rank*.jsonl)")
     t.add_argument("--warmup", type=int, default=1, help="updates to discard (default 1)")
     t.add_argument("--suffix", choices=("full", "publish"), default="full",
                    help="P = publish + inferred reduction/optimizer time (full) or publish only")
-    t.add_argument("--json", action="store_true")
+    t.add_argument("--json", action="store_true", help="print every update as JSON")
     d = ReleaseParams()
     a = sub.add_parser("analytic", help="analytical release laws (Eq. 19-28)")
-    a.add_argument("--objective", choices=("grpo", "opd"), required=True)
+    a.add_argument("--objective", choices=("grpo", "opd"), required=True,
+                   help="release law: GRPO (Eq. 22) or OPD turns (Eq. 24)")
     a.add_argument("--batch", type=float, required=True, help="trajectories per step B")
     a.add_argument("--ratio", type=float, default=1.0,
-                   help="rollout time / learner time at full capacity r (default 1)")
+                   help="r = rollout time / learner time (R/L) at full capacity, the `ratio` "
+                        "that `predict trace` prints; rho = 1/r (default 1)")
     a.add_argument("--turns", type=int, required=True, help="agentic turns per trajectory a")
-    a.add_argument("--group-size", type=int, default=d.group_size, help="m")
-    a.add_argument("--beta", type=float, default=d.beta)
-    a.add_argument("--delta", type=float, default=d.delta)
-    a.add_argument("--gamma", type=float, default=d.gamma)
-    a.add_argument("--capacity", type=float, default=d.capacity, help="Q")
-    a.add_argument("--suffix", type=float, default=d.kappa_w, help="κ_w = P/W")
+    a.add_argument("--group-size", type=int, default=d.group_size,
+                   help=f"m, trajectories per GRPO group (default {d.group_size})")
+    a.add_argument("--beta", type=float, default=d.beta,
+                   help=f"β, GRPO closure fraction (default {d.beta})")
+    a.add_argument("--delta", type=float, default=d.delta,
+                   help=f"δ, OPD deferred (replay) fraction (default {d.delta})")
+    a.add_argument("--gamma", type=float, default=d.gamma,
+                   help=f"γ, service exponent of the release law (default {d.gamma})")
+    a.add_argument("--capacity", type=float, default=d.capacity,
+                   help=f"Q, trajectories per rollout wave (default {d.capacity:g})")
+    a.add_argument("--suffix", type=float, default=d.kappa_w,
+                   help=f"κ_w = P/W, the step's suffix over a wave's time (default {d.kappa_w})")
     a.add_argument("--peak", action="store_true",
                    help="also report the ratio in [0.3, 4] with the largest speedup")
-    a.add_argument("--json", action="store_true")
+    a.add_argument("--json", action="store_true", help="print the result as JSON")
     return ap
 
 
@@ -473,4 +494,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from tsync_mcore import quiet
+    quiet.install()
     sys.exit(main())

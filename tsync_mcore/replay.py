@@ -1,10 +1,11 @@
-"""Replay recorded batches through the learner: the equivalence harness (paper appendix G).
+"""Replay recorded batches through the learner: the equivalence harness
+(docs/replay.md; the ThunderSyncRL paper's appendix G).
 
     python -m tsync_mcore.replay --model HF_DIR --batch FILE.jsonl --objective grpo \
         --schedule thundersync --dtype fp32 --out DIR
     torchrun --nproc-per-node 2 -m tsync_mcore.replay ...   (same flags)
 
-FILE.jsonl holds one trajectory per line (see README). Lines are grouped into batches by
+FILE.jsonl holds one trajectory per line (docs/replay.md). Lines are grouped into batches by
 `policy_version`; versions must run 0, 1, 2, … and each batch is one update. Sources are
 ingested in `ready_order`. Writes DIR/grad.safetensors (g_k of the last update before
 clipping, FP32, HF names), DIR/params.safetensors (θ after the last step, HF names) and
@@ -22,6 +23,10 @@ import tempfile
 import time
 from typing import Iterable
 
+if __name__ == "__main__":  # a CLI process: known-harmless warnings off before the imports
+    from tsync_mcore import quiet
+    quiet.install()
+
 import torch.distributed as dist
 from safetensors.torch import save_file
 
@@ -34,6 +39,7 @@ from tsync_mcore.objectives.grpo import STD_DDOF
 from tsync_mcore.objectives.token_norm import DEPRECATED, TOKEN_NORMS
 from tsync_mcore.policy import Policy
 from tsync_mcore.routing import BalancedRouter
+from tsync_mcore.safe_files import BadFile
 from tsync_mcore.sources import (GRPO_FIELDS, OPD_FIELDS, BatchPlan, SourceError,
                                  TrajectorySource, opd_turns_from_json)
 
@@ -215,13 +221,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--batch", required=True, help="JSON Lines batch file")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--objective", default="grpo", choices=sorted(OBJECTIVES))
-    p.add_argument("--opd-replay", default=None, choices=["recompute", "retain"])
-    p.add_argument("--schedule", default="thundersync", choices=["sync", "group_ready", "thundersync"])
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--objective", default="grpo", choices=sorted(OBJECTIVES),
+                   help="learner.objective (default grpo; opd reads one turn per line)")
+    p.add_argument("--opd-replay", default=None, choices=["recompute", "retain"],
+                   help="learner.opd_replay: how an OPD trajectory's context is replayed")
+    p.add_argument("--schedule", default="thundersync", choices=["sync", "group_ready", "thundersync"],
+                   help="learner.schedule: when a source is served (default thundersync)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="model.dtype (default fp32)")
     p.add_argument("--config", default=None, help="optional YAML config; flags override it")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
-    p.add_argument("--k-open", type=int, default=None)
+    p.add_argument("--k-open", type=int, default=None,
+                   help="learner.k_open: groups per rank holding open state at once")
     p.add_argument("--routing", default="static", choices=["static", "balanced"],
                    help="GRPO: every source to every rank, each serving its groups (static), "
                         "or each trajectory to one DP rank as the rollout routes it, with "
@@ -234,10 +245,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="H of --token-norm seq_mean_token_sum_norm")
     p.add_argument("--adv-std", default=None, choices=sorted(STD_DDOF),
                    help="grpo's group std: population (÷ m) or unbiased (÷ m − 1, verl/TRL)")
-    p.add_argument("--accum", default=None, choices=["device", "host"])
-    p.add_argument("--accum-dtype", default=None, choices=["fp32", "fp64"])
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--accum", default=None, choices=["device", "host"],
+                   help="learner.accum: where the accumulators live")
+    p.add_argument("--accum-dtype", default=None, choices=["fp32", "fp64"],
+                   help="learner.accum_dtype (fp64: independent of arrival order)")
+    p.add_argument("--lr", type=float, default=None, help="optim.lr")
+    p.add_argument("--seed", type=int, default=None, help="seed (config key `seed`)")
     p.add_argument("--save-grads", default="last", choices=["last", "all"],
                    help="'all' also writes grad_{k}.safetensors for every update k")
     args = p.parse_args(argv)
@@ -332,7 +345,7 @@ class NonFiniteUpdate(RuntimeError):
 if __name__ == "__main__":
     try:
         main()
-    except (SourceError, ConfigError, OutError, OSError) as e:
+    except (SourceError, ConfigError, OutError, OSError, BadFile) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteUpdate as e:

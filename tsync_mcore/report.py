@@ -5,9 +5,12 @@
 Reads only what the learner writes (RUN_DIR/metrics.jsonl, RUN_DIR/traces/rank*.jsonl) and
 writes into --out (default RUN_DIR/report): step_breakdown.png (step wall time split into
 rollout, residual learner tail and publication, per run — the paper's Figure 4),
-release_trace.png (ready vs service of every source of one update), utilization.png
-(learner busy fraction over time against the rollout window — Figure 3), mfu.png, memory.png
-and summary.md (the table to paste into a discussion).
+release_trace.png (ready vs service of every source of each run's last update),
+utilization.png (learner busy fraction over time against the rollout window, per run —
+Figure 3), mfu.png, memory.png, reward.png and summary.md (the table to paste into a
+discussion). Runs whose mean rollout times differ by more than 10 % are not compared by step
+time: the summary says so, with both rollout times, and compares step − R and the learner
+tail instead.
 """
 
 from __future__ import annotations
@@ -26,12 +29,40 @@ from tsync_mcore import trace  # noqa: E402
 from tsync_mcore.trace import DeferredRecord, TraceError  # noqa: E402
 
 
+# Runs whose mean rollout time R is within this fraction of the reference run's compare by
+# step time; beyond it a step-time "speedup" mostly measures the rollout, so the report
+# compares what the learner side adds instead (step − R, learner tail) and says so.
+COMPARABLE_ROLLOUT = 0.10
+
+
+class ReportError(ValueError):
+    """A run directory the report cannot read; the message names it."""
+
+
 def load_run(run_dir: str) -> dict:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        metrics = [json.loads(line) for line in f if line.strip()]
+    if not os.path.isdir(run_dir):
+        raise ReportError(f"run directory {run_dir} does not exist")
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ReportError(f"{path} not found (not a run directory?)")
+    metrics = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ReportError(f"{path}:{lineno}: not JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise ReportError(f"{path}:{lineno}: a metrics row must be a JSON object")
+            if row.get("ok", True):  # a skipped batch (non-finite gradient) has no times
+                metrics.append(row)
+    if not metrics:
+        raise ReportError(f"{path}: no completed updates")
     traces = trace.read_run(run_dir)
     name = os.path.basename(os.path.normpath(run_dir))
-    label = f"{name} ({metrics[0]['schedule']})" if metrics else name
+    label = f"{name} ({metrics[0].get('schedule')})"
     return {"dir": run_dir, "label": label, "metrics": metrics, "traces": traces}
 
 
@@ -44,10 +75,13 @@ def summarize(run: dict, warmup: int) -> dict:
     pick = lambda k: [r[k] for r in rows if r.get(k) is not None]  # noqa: E731
     mfu = pick("mfu_active")
     rewards = pick("reward_mean")
+    exposed = [r["step_wall_time_s"] - r["rollout_time_s"] for r in rows
+               if r.get("step_wall_time_s") is not None and r.get("rollout_time_s") is not None]
     return {
         "run": run["label"], "updates": len(run["metrics"]),
         "step_s": mean(pick("step_wall_time_s")), "rollout_s": mean(pick("rollout_time_s")),
         "tail_s": mean(pick("learner_tail_s")), "publish_s": mean(pick("publish_time_s")),
+        "exposed_s": mean(exposed),  # step − R: what the learner side adds to the rollout
         "mfu": mean(mfu) if mfu else None,
         "peak_mem": max(pick("peak_mem_bytes")) if pick("peak_mem_bytes") else None,
         "reward_first": run["metrics"][0].get("reward_mean") if run["metrics"] else None,
@@ -56,12 +90,32 @@ def summarize(run: dict, warmup: int) -> dict:
     }
 
 
+def reference(runs: list[dict]) -> int:
+    """The run others are compared with: the first sync run, else the first run."""
+    return next((i for i, r in enumerate(runs) if r["metrics"][0].get("schedule") == "sync"), 0)
+
+
+def comparable(ref: dict, s: dict) -> bool:
+    """Whether two runs' mean rollout times agree well enough to compare step times."""
+    return abs(s["rollout_s"] - ref["rollout_s"]) <= COMPARABLE_ROLLOUT * ref["rollout_s"]
+
+
+def _legend_outside(ax) -> None:
+    """Legend to the right of the axes, never over the data."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8)
+
+
+def _save(fig, path: str) -> None:
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # keeps an outside legend in the image
+    plt.close(fig)
+
+
 def plot_breakdown(runs: list[dict], warmup: int, path: str) -> None:
     fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(runs) + 2), 4))
     for i, run in enumerate(runs):
         s = summarize(run, warmup)
         bottom = 0.0
-        for key, color, label in (("rollout_s", "#4c72b0", "rollout"),
+        for key, color, label in (("rollout_s", "#4c72b0", "rollout R"),
                                   ("tail_s", "#dd8452", "residual learner tail"),
                                   ("publish_s", "#55a868", "publication")):
             ax.bar(i, s[key], bottom=bottom, color=color, label=label if i == 0 else None)
@@ -70,62 +124,83 @@ def plot_breakdown(runs: list[dict], warmup: int, path: str) -> None:
     ax.set_xticks(range(len(runs)), [r["label"] for r in runs], rotation=15, ha="right")
     ax.set_ylabel("mean step wall time (s)")
     ax.set_title(f"Step time breakdown (updates after {warmup} warm-up)")
-    ax.legend(loc="upper right", fontsize=8)
+    ax.margins(y=0.12)  # room for the totals above the bars
+    _legend_outside(ax)
+    _save(fig, path)
+
+
+def _last_update(run: dict) -> int:
+    return run["metrics"][-1]["policy_version"]
+
+
+def _rollout_of(run: dict, update: int) -> float | None:
+    return next((m["rollout_time_s"] for m in run["metrics"]
+                 if m.get("policy_version") == update), None)
+
+
+def plot_release_traces(runs: list[dict], path: str) -> None:
+    """Ready vs service of every source of each run's last update, one panel per run."""
+    heights = [max(2.5, 0.12 * len(trace.work(r["traces"])) / max(1, len(r["metrics"])) + 1.5)
+               for r in runs]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(9, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for ax, run in zip(axes[:, 0], runs):
+        update = _last_update(run)
+        entries = sorted((r for r in trace.work(run["traces"]) if r.update == update),
+                         key=lambda r: r.ready)
+        for i, e in enumerate(entries):
+            replay = isinstance(e, DeferredRecord) and e.work == "replay"
+            ax.plot([e.ready, e.start], [i, i], color="#bbbbbb", lw=1,
+                    label="wait" if i == 0 else None)
+            ax.plot([e.start, e.end], [i, i], color="#c44e52" if replay else "#4c72b0", lw=4,
+                    solid_capstyle="butt", label="service" if i == 0 else None)
+            ax.plot(e.ready, i, marker="|", color="black", ms=6,
+                    label="ready" if i == 0 else None)
+        rollout = _rollout_of(run, update)
+        if rollout is not None:
+            ax.axvline(rollout, color="black", ls="--", lw=1, label=f"rollout closes (R = "
+                       f"{rollout:.2f} s)")
+        if not entries:
+            ax.text(0.5, 0.5, "no trace records for this update", transform=ax.transAxes,
+                    ha="center")
+        ax.set_xlabel("seconds since the update started")
+        ax.set_ylabel("source (readiness order)")
+        ax.set_title(f"{run['label']}: update {update}", fontsize=10)
+        _legend_outside(ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
-def plot_release_trace(run: dict, update: int, path: str) -> None:
-    entries = [r for r in trace.work(run["traces"]) if r.update == update]
-    entries.sort(key=lambda r: r.ready)
-    rollout = next((m["rollout_time_s"] for m in run["metrics"]
-                    if m["policy_version"] == update), None)
-    fig, ax = plt.subplots(figsize=(8, max(3, 0.12 * len(entries) + 1.5)))
-    for i, e in enumerate(entries):
-        replay = isinstance(e, DeferredRecord) and e.work == "replay"
-        color = "#c44e52" if replay else "#4c72b0"
-        ax.plot([e.ready, e.start], [i, i], color="#bbbbbb", lw=1)
-        ax.plot([e.start, e.end], [i, i], color=color, lw=4, solid_capstyle="butt")
-        ax.plot(e.ready, i, marker="|", color="black", ms=6)
-    if rollout is not None:
-        ax.axvline(rollout, color="black", ls="--", lw=1, label="rollout closes (R)")
-        ax.legend(loc="lower right", fontsize=8)
-    ax.set_xlabel("seconds since the update started")
-    ax.set_ylabel("source (readiness order)")
-    ax.set_title(f"{run['label']}: update {update} — ready (|), wait (grey), service (bar)")
+def plot_utilizations(runs: list[dict], path: str) -> None:
+    """Learner busy fraction per rank over each run's last update, one panel per run."""
+    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 3 * len(runs)), squeeze=False)
+    for ax, run in zip(axes[:, 0], runs):
+        update = _last_update(run)
+        entries = [r for r in trace.work(run["traces"]) if r.update == update]
+        end = max((e.end for e in entries), default=0.0)
+        rollout = _rollout_of(run, update)
+        rollout = end if rollout is None else rollout
+        horizon = max(end, rollout)
+        bins = [horizon * i / 100 for i in range(101)]
+        for r in sorted({e.rank for e in entries}):
+            busy = []
+            for a, b in zip(bins[:-1], bins[1:]):
+                t = sum(max(0.0, min(b, e.end) - max(a, e.start))
+                        for e in entries if e.rank == r)
+                busy.append(t / (b - a) if b > a else 0.0)
+            ax.step(bins[:-1], busy, where="post", label=f"learner rank {r}")
+        ax.axvspan(0, rollout, color="#4c72b0", alpha=0.08,
+                   label=f"rollout running (R = {rollout:.2f} s)")
+        if not entries:
+            ax.text(0.5, 0.5, "no trace records for this update", transform=ax.transAxes,
+                    ha="center")
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("seconds since the update started")
+        ax.set_ylabel("learner busy fraction")
+        ax.set_title(f"{run['label']}: learner utilization during update {update}", fontsize=10)
+        _legend_outside(ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_utilization(run: dict, update: int, path: str) -> None:
-    entries = [r for r in trace.work(run["traces"]) if r.update == update]
-    if not entries:
-        return
-    end = max(e.end for e in entries)
-    rollout = next((m["rollout_time_s"] for m in run["metrics"]
-                    if m["policy_version"] == update), end)
-    ranks = sorted({e.rank for e in entries})
-    horizon = max(end, rollout)
-    bins = [horizon * i / 100 for i in range(101)]
-    fig, ax = plt.subplots(figsize=(8, 3))
-    for r in ranks:
-        busy = []
-        for a, b in zip(bins[:-1], bins[1:]):
-            t = sum(max(0.0, min(b, e.end) - max(a, e.start))
-                    for e in entries if e.rank == r)
-            busy.append(t / (b - a) if b > a else 0.0)
-        ax.step(bins[:-1], busy, where="post", label=f"learner rank {r}")
-    ax.axvspan(0, rollout, color="#4c72b0", alpha=0.08, label="rollout running")
-    ax.set_ylim(0, 1.05)
-    ax.set_xlabel("seconds since the update started")
-    ax.set_ylabel("learner busy fraction")
-    ax.set_title(f"{run['label']}: learner utilization during update {update}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_series(runs: list[dict], key: str, ylabel: str, path: str, scale: float = 1.0) -> bool:
@@ -138,33 +213,49 @@ def plot_series(runs: list[dict], key: str, ylabel: str, path: str, scale: float
             drew = True
     ax.set_xlabel("update")
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
     if drew:
-        fig.savefig(path, dpi=110)
-    plt.close(fig)
+        _legend_outside(ax)
+        _save(fig, path)
+    else:
+        plt.close(fig)
     return drew
 
 
 def markdown(runs: list[dict], warmup: int) -> str:
     rows = [summarize(r, warmup) for r in runs]
-    base = rows[0]["step_s"]
-    sync = next((s for s, r in zip(rows, runs) if r["metrics"]
-                 and r["metrics"][0]["schedule"] == "sync"), None)
-    ref = sync["step_s"] if sync else base
+    i_ref = reference(runs)
+    ref = rows[i_ref]
     fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
-    lines = ["| run | updates | step (s) | rollout (s) | learner tail (s) | publish (s) | "
-             "speedup vs " + ("sync" if sync else "first run") + " | MFU active | "
-             "peak mem (MiB) | reward first → last | stale |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for s in rows:
+    lines = ["| run | updates | step (s) | rollout R (s) | step − R (s) | learner tail (s) | "
+             "publish (s) | step speedup vs reference | step − R: reference / run | "
+             "MFU active | peak mem (MiB) | reward first → last | stale |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, s in enumerate(rows):
+        same_r = comparable(ref, s)
+        speedup = f"{ref['step_s'] / s['step_s']:.2f}×" if same_r else \
+            f"– (R {s['rollout_s'] / ref['rollout_s']:.2f}× the reference's)"
+        exposed = "–" if s["exposed_s"] <= 0 or ref["exposed_s"] <= 0 else \
+            f"{ref['exposed_s'] / s['exposed_s']:.2f}×"
         lines.append(
-            f"| {s['run']} | {s['updates']} | {s['step_s']:.3f} | {s['rollout_s']:.3f} | "
-            f"{s['tail_s']:.3f} | {s['publish_s']:.3f} | {ref / s['step_s']:.2f}× | "
+            f"| {s['run']}{' (reference)' if i == i_ref else ''} | {s['updates']} | "
+            f"{s['step_s']:.3f} | {s['rollout_s']:.3f} | {s['exposed_s']:.3f} | "
+            f"{s['tail_s']:.3f} | {s['publish_s']:.3f} | {speedup} | {exposed} | "
             f"{fmt(s['mfu'] and 100 * s['mfu'], '.2f')}{'' if s['mfu'] is None else ' %'} | "
             f"{fmt(s['peak_mem'] and s['peak_mem'] / 2**20, '.0f')} | "
             f"{fmt(s['reward_first'], '.3f')} → {fmt(s['reward_last'], '.3f')} | {s['stale']} |")
-    return "\n".join(lines) + f"\n\nMeans over updates after {warmup} warm-up update(s).\n"
+    out = "\n".join(lines) + f"\n\nMeans over updates after {warmup} warm-up update(s). " \
+        f"Reference: {ref['run']} (the first sync run, else the first run). step − R is what " \
+        f"the learner side adds to the rollout (residual tail, optimizer step, publication).\n"
+    differ = [s for s in rows if not comparable(ref, s)]
+    if differ:
+        out += ("\n**Rollout times differ**, so step times do not compare directly: "
+                + "; ".join(f"{s['run']} R = {s['rollout_s']:.3f} s vs the reference's "
+                            f"{ref['rollout_s']:.3f} s (ratio {s['rollout_s'] / ref['rollout_s']:.2f})"
+                            for s in differ)
+                + f". Step speedups are shown only for runs whose mean R is within "
+                  f"{100 * COMPARABLE_ROLLOUT:.0f} % of the reference's; compare the others by "
+                  f"step − R and the learner tail, which leave the rollout out.\n")
+    return out
 
 
 def predicted(runs: list[dict], warmup: int) -> str:
@@ -187,21 +278,23 @@ def predicted(runs: list[dict], warmup: int) -> str:
 def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(prog="python -m tsync_mcore.report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir")
-    p.add_argument("--compare", nargs="*", default=[])
-    p.add_argument("--out", default=None)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("run_dir", help="a run directory (metrics.jsonl, traces/rank*.jsonl)")
+    p.add_argument("--compare", nargs="*", default=[], metavar="RUN_DIR",
+                   help="more run directories, shown beside the first")
+    p.add_argument("--out", default=None,
+                   help="where the PNGs and summary.md go (default RUN_DIR/report)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="leading updates left out of the means (default 1)")
     args = p.parse_args(argv)
     try:
         runs = [load_run(d) for d in [args.run_dir, *args.compare]]
-    except TraceError as e:  # a damaged trace: one line, no traceback
+    except (ReportError, TraceError) as e:  # a missing or damaged run: one line, no traceback
         p.exit(2, f"error: {e}\n")
     out = args.out or os.path.join(args.run_dir, "report")
     os.makedirs(out, exist_ok=True)
     plot_breakdown(runs, args.warmup, os.path.join(out, "step_breakdown.png"))
-    last = runs[0]["metrics"][-1]["policy_version"]
-    plot_release_trace(runs[0], last, os.path.join(out, "release_trace.png"))
-    plot_utilization(runs[0], last, os.path.join(out, "utilization.png"))
+    plot_release_traces(runs, os.path.join(out, "release_trace.png"))
+    plot_utilizations(runs, os.path.join(out, "utilization.png"))
     plot_series(runs, "mfu_active", "trainer active MFU (%)", os.path.join(out, "mfu.png"), 100)
     plot_series(runs, "peak_mem_bytes", "peak memory (MiB)", os.path.join(out, "memory.png"),
                 1 / 2**20)
@@ -217,4 +310,6 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
+    from tsync_mcore import quiet
+    quiet.install()
     main()

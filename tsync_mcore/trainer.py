@@ -19,7 +19,7 @@ import time
 import torch
 import yaml
 
-from tsync_mcore import checkpoint, export, publish
+from tsync_mcore import checkpoint, export, publish, run_files
 from tsync_mcore import trace
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, GroupRewards, Hello,
                                  RegisterBatch, Rejected, Shutdown, TrajectoryMsg, TurnMsg,
@@ -61,6 +61,7 @@ class Trainer:
             except checkpoint.CheckpointError as e:
                 raise LearnerStopped(f"--resume refused: {e}") from None
             self.version, self.data_pos = meta["version"], meta["data_pos"]
+        self._restart_records(ckpt if resume else None)
         self.learner = Learner(cfg.learner, self.policy, self.version)
         self.dropped_in_a_row = 0  # batches skipped for a non-finite gradient, in a row
         self.publish_dir = publish.resolve_dir(cfg.run)
@@ -388,11 +389,31 @@ class Trainer:
         torch.distributed.all_reduce(t)
         return [int(v) for v in t.tolist()]
 
+    def _restart_records(self, ckpt: str | None) -> None:
+        """metrics, traces and NVML timelines describe this run only (run_files.py): a
+        fresh run replaces an earlier run's, a resume drops records of updates after its
+        checkpoint."""
+        run_dir, rank = self.cfg.run.dir, self.par.rank
+        if ckpt is None:
+            removed = run_files.start_fresh(run_dir, rank)
+            if removed:
+                print(f"[learner rank {rank}] fresh run: replaced {', '.join(removed)} of an "
+                      f"earlier run in {run_dir} (--resume keeps them)", file=sys.stderr,
+                      flush=True)
+        else:
+            written = os.path.getmtime(os.path.join(ckpt, "meta.json"))
+            dropped = run_files.keep_until(run_dir, rank, self.version, written)
+            if dropped:
+                print(f"[learner rank {rank}] resume at policy version {self.version}: dropped "
+                      f"{dropped} records of updates after the checkpoint from {run_dir}",
+                      file=sys.stderr, flush=True)
+
     def _write_nvml_timeline(self) -> None:
         """Per-GPU samples (perf_counter and wall clock), to align with the release traces."""
         samples = self.nvml.timeline()
         if samples:
-            with open(os.path.join(self.cfg.run.dir, f"nvml_rank{self.par.rank}.jsonl"), "w") as f:
+            # appended: a resumed run continues the timeline its checkpoint left
+            with open(os.path.join(self.cfg.run.dir, f"nvml_rank{self.par.rank}.jsonl"), "a") as f:
                 for x in samples:
                     f.write(json.dumps(x) + "\n")
 

@@ -40,9 +40,15 @@ def main() -> None:
     if args.table:
         print(schema_table(), end="")
     else:
+        try:
+            changed = update_docs(args.update_docs)
+        except (OSError, ValueError) as e:  # no such file, or no wire-table markers in it
+            ap.exit(2, f"error: {args.update_docs}: cannot update the wire table: {e}\n")
         print(f"{os.path.normpath(args.update_docs)}: "
-              f"{'updated' if update_docs(args.update_docs) else 'already current'}")
+              f"{'updated' if changed else 'already current'}")
 
 
 if __name__ == "__main__":
+    from tsync_mcore import quiet
+    quiet.install()
     main()

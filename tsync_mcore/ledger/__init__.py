@@ -1,4 +1,4 @@
-"""Measurement layer (SPEC §4–5): learner FLOPs, MFU, NVML timeline, peak memory.
+"""Measurement layer (docs/measurement.md): learner FLOPs, MFU, NVML timeline, peak memory.
 
 Importing this package pulls in neither megatron nor pynvml; `flops.load_spec` and the NVML
 sampler import them when used.

@@ -11,6 +11,7 @@ import json
 import sys
 
 from tsync_mcore.ledger.flops import ATTENTION_MODES, load_spec, train_flops
+from tsync_mcore.safe_files import BadFile
 
 
 def _ints(text: str) -> list[int]:
@@ -26,13 +27,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-lens", required=True, type=_ints, help="e.g. 128,512")
     ap.add_argument("--scored", type=_ints, default=None,
                     help="positions per sequence that go through the vocab projection")
-    ap.add_argument("--attention", choices=ATTENTION_MODES, default="full")
+    ap.add_argument("--attention", choices=ATTENTION_MODES, default="full",
+                    help="attention FLOPs counted over the full S×S scores or the causal half "
+                         "(default full)")
     ap.add_argument("--tp", type=int, default=1, help="also report per-rank FLOPs at this TP")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args(argv)
     if args.scored is not None and len(args.scored) != len(args.seq_lens):
         ap.error(f"--scored needs one count per sequence ({len(args.seq_lens)})")
-    spec = load_spec(args.model)
+    try:
+        spec = load_spec(args.model)
+    except BadFile as e:  # a missing or damaged model directory: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     b = train_flops(spec, args.seq_lens, attention=args.attention, logits_positions=args.scored)
     out = {
         "model": args.model, "arch": spec.arch, "seq_lens": args.seq_lens,
@@ -53,4 +60,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from tsync_mcore import quiet
+    quiet.install()
     sys.exit(main())

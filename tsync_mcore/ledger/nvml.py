@@ -1,4 +1,4 @@
-"""NVML sampler per learner GPU (SPEC §5): utilization, memory used, power, SM clock, energy.
+"""NVML sampler per learner GPU (docs/measurement.md): utilization, memory, power, SM clock.
 
 A daemon thread samples every `interval_s` onto a timeline; each sample carries both
 `time.perf_counter()` and `time.time()` so it lines up with the release trace. Devices are

@@ -1,8 +1,8 @@
 """Megatron-Core 0.16.1 on a CPU-only torch: the few patches that make it run (gloo ranks).
 
 Only ever active without CUDA: `activate()` is a no-op when `torch.cuda.is_available()`.
-Measured obstacles and fixes are recorded in /work/shared/CPU-NOTES.md; each patch below
-names the megatron call sites it covers.
+The obstacles and their fixes are listed, numbered, in docs/cpu-platform.md; each patch
+below names the megatron call sites it covers.
 
 - `torch.cuda.current_device` -> CPU device, `torch.cuda.synchronize` -> no-op (obstacles
   3, 5, 7): megatron allocates on `torch.cuda.current_device()` in GlobalMemoryBuffer (attention

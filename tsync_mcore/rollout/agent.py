@@ -58,7 +58,7 @@ class TrajectoryResult:
 
     def to_json(self, traj_id: str, group_id: str, policy_version: int,
                 ready_order: int = 0) -> dict[str, Any]:
-        """One line of the learner's GRPO JSON Lines format (see README, Replay)."""
+        """One line of the learner's GRPO JSON Lines format (docs/replay.md)."""
         return {"traj_id": traj_id, "group_id": group_id, "tokens": list(self.tokens),
                 "scored_mask": list(self.scored_mask), "reward": float(self.reward),
                 "ready_order": ready_order, "policy_version": policy_version,
