@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 
-from tsync_mcore.launch import (add_config_args, config_from_args, free_port, resume_version,
-                                run_job)
+from tsync_mcore import quiet
+
+quiet.install()  # first: known-harmless warnings off
+from tsync_mcore.launch import (add_config_args, config_from_args, free_port,  # noqa: E402
+                                resume_version, run_job)
 
 
 def main() -> None:

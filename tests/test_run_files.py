@@ -34,6 +34,9 @@ def test_keep_until_drops_updates_after_the_checkpoint(tmp_path):
     with open(tmp_path / "nvml_rank0.jsonl", "w") as f:
         for t in (10.0, 20.0, 30.0):
             f.write(json.dumps(dict(t_wall=t, t_perf=t, util_gpu=50)) + "\n")
+    with open(tmp_path / "eval.jsonl", "w") as f:  # the rollout's evaluations of θ_2, θ_4
+        for v in (2, 4):
+            f.write(json.dumps({"eval/policy_version": v, "eval/reward_mean": 0.5}) + "\n")
 
     # checkpoint of θ_2, written at t=25: updates 0 and 1 made it, 2 and 3 are redone
     dropped = run_files.keep_until(run, 0, version=2, checkpoint_time=25.0)
@@ -42,17 +45,22 @@ def test_keep_until_drops_updates_after_the_checkpoint(tmp_path):
     assert [(m["step"], m["ok"]) for m in lines(tmp_path / "metrics.jsonl")] == \
         [(1, True), (2, True)]
     assert [s["t_wall"] for s in lines(tmp_path / "nvml_rank0.jsonl")] == [10.0, 20.0]
-    assert dropped == 4 + 3 + 1
+    assert [e["eval/policy_version"] for e in lines(tmp_path / "eval.jsonl")] == [2]
+    assert dropped == 4 + 3 + 1 + 1
     assert run_files.keep_until(run, 0, version=2, checkpoint_time=25.0) == 0  # idempotent
 
     # a fresh run: rank 1 removes only its own files, rank 0 the rest (ranks 2, 3 of an
     # earlier, larger run included)
     trace.write(str(tmp_path / "traces" / "rank3.jsonl"), recs[:2])
+    os.makedirs(tmp_path / "tensorboard")
+    events = os.path.join("tensorboard", "events.out.tfevents.1.host.1.0")
+    open(tmp_path / events, "wb").close()
     assert run_files.start_fresh(run, 1) == []
     removed = run_files.start_fresh(run, 0)
-    assert removed == ["metrics.jsonl", "nvml_rank0.jsonl", os.path.join("traces", "rank0.jsonl"),
+    assert removed == ["eval.jsonl", "metrics.jsonl", "nvml_rank0.jsonl", events,
+                       os.path.join("traces", "rank0.jsonl"),
                        os.path.join("traces", "rank3.jsonl")]
-    assert os.listdir(tmp_path / "traces") == []
+    assert os.listdir(tmp_path / "traces") == [] == os.listdir(tmp_path / "tensorboard")
 
 
 def per_rank_updates(run):

@@ -139,6 +139,24 @@ def test_tensorboard(tmp_path):
         assert got == [(s, pytest.approx(v, rel=1e-7)) for s, v in want], name
 
 
+def test_tensorboard_resume_drops_the_interrupted_runs_later_points(tmp_path):
+    """A run logged updates 1..3 and was checkpointed at θ_1; the resumed run logs 2..3
+    again: TensorBoard shows each step once, with the resumed run's values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    first = Tracker(str(tmp_path), ["tensorboard"])
+    for step in (1, 2, 3):
+        first.log(dict(step=step, reward_mean=0.1 * step), step=step)
+    first.finish()
+    again = Tracker(str(tmp_path), ["tensorboard"], resumed_at=1)
+    for step in (2, 3):
+        again.log(dict(step=step, reward_mean=0.5 * step), step=step)
+    again.finish()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    got = [(e.step, e.value) for e in acc.Scalars("reward/mean")]
+    assert got == [(1, pytest.approx(0.1)), (2, pytest.approx(1.0)), (3, pytest.approx(1.5))]
+
+
 def wandb_records(path: str):
     """Every protobuf Record of a W&B run file: a LevelDB-style log (7-byte file header
     ':W&B' + magic + version; 32 KiB blocks of chunks: crc32c, length, type, data)."""

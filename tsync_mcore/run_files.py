@@ -3,6 +3,8 @@
     RUN/metrics.jsonl          one row per update (rank 0)
     RUN/traces/rank{R}.jsonl   the learner's trace, per rank (docs/trace.md)
     RUN/nvml_rank{R}.jsonl     the NVML timeline, per rank (GPU only)
+    RUN/eval.jsonl             evaluations (the rollout writes them; rank 0 owns the file)
+    RUN/tensorboard/           TensorBoard event files (rank 0; a resume purges by step)
 
 Every reader (predict, report, the benchmarks) takes a file's records as one run's, so a
 second run appending to the first's files would mix two runs per update (the predictor then
@@ -30,7 +32,10 @@ def own_files(run_dir: str, rank: int) -> list[str]:
     """This rank's record files (rank 0 also owns metrics.jsonl)."""
     out = [os.path.join(run_dir, "traces", f"rank{rank}.jsonl"),
            os.path.join(run_dir, f"nvml_rank{rank}.jsonl")]
-    return out + ([os.path.join(run_dir, "metrics.jsonl")] if rank == 0 else [])
+    if rank == 0:
+        out += [os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "eval.jsonl"),
+                *glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*"))]
+    return out
 
 
 def start_fresh(run_dir: str, rank: int) -> list[str]:
@@ -60,6 +65,10 @@ def keep_until(run_dir: str, rank: int, version: int, checkpoint_time: float) ->
         return isinstance(step, int) and (step <= version if obj.get("ok", True)
                                           else step < version)
 
+    def keep_eval(obj: dict) -> bool:
+        v = obj.get("eval/policy_version")
+        return isinstance(v, int) and v <= version
+
     def keep_nvml(obj: dict) -> bool:
         t = obj.get("t_wall")
         return isinstance(t, (int, float)) and t <= checkpoint_time
@@ -68,6 +77,7 @@ def keep_until(run_dir: str, rank: int, version: int, checkpoint_time: float) ->
              (os.path.join(run_dir, f"nvml_rank{rank}.jsonl"), keep_nvml)]
     if rank == 0:
         files.append((os.path.join(run_dir, "metrics.jsonl"), keep_metrics))
+        files.append((os.path.join(run_dir, "eval.jsonl"), keep_eval))
     return sum(_filter_lines(path, keep) for path, keep in files)
 
 

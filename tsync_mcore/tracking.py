@@ -63,7 +63,9 @@ def check_loggers(names: list[str]) -> str | None:
 
 class Tracker:
     def __init__(self, run_dir: str, loggers: list[str], project: str = "tsync-mcore",
-                 name: str = "", config: dict | None = None):
+                 name: str = "", config: dict | None = None, resumed_at: int | None = None):
+        """`resumed_at`: the checkpoint's policy version of a resumed run; backends that can
+        drop what an earlier run logged after it (TensorBoard) do."""
         why = check_loggers(list(loggers))
         if why is not None:
             raise TrackingError(f"config key 'run.loggers': {why}")
@@ -72,7 +74,8 @@ class Tracker:
         self.backends: dict[str, Any] = {}
         try:
             for logger in loggers:
-                self.backends[logger] = _BUILD[logger](run_dir, project, name, config or {})
+                self.backends[logger] = _BUILD[logger](run_dir, project, name, config or {},
+                                                       resumed_at)
         except Exception as e:
             self.finish()  # what started already
             raise TrackingError(f"config key 'run.loggers': {logger} could not start: "
@@ -80,10 +83,11 @@ class Tracker:
                                 ) from None
 
     @classmethod
-    def from_config(cls, cfg) -> Tracker:
+    def from_config(cls, cfg, resumed_at: int | None = None) -> Tracker:
         from tsync_mcore.config import to_dict
         r = cfg.run
-        return cls(r.dir, r.loggers, project=r.project, name=r.name, config=to_dict(cfg))
+        return cls(r.dir, r.loggers, project=r.project, name=r.name, config=to_dict(cfg),
+                   resumed_at=resumed_at)
 
     def log(self, record: dict, step: int) -> None:
         """`record`: one metrics.jsonl row; `step`: the policy version it produced."""
@@ -118,7 +122,7 @@ class _Console:
     """verl's console line: `step:3 - timing_s/step:1.23 - reward/mean:0.5 - ...`."""
     whole_record = False
 
-    def __init__(self, run_dir, project, name, config):
+    def __init__(self, run_dir, project, name, config, resumed_at=None):
         pass
 
     def log(self, data: dict, step: int) -> None:
@@ -134,7 +138,7 @@ class _Jsonl:
     leaves whole lines)."""
     whole_record = True
 
-    def __init__(self, run_dir, project, name, config):
+    def __init__(self, run_dir, project, name, config, resumed_at=None):
         self.path = os.path.join(run_dir, "metrics.jsonl")
 
     def log(self, data: dict, step: int) -> None:
@@ -148,9 +152,13 @@ class _Jsonl:
 class _TensorBoard:
     whole_record = False
 
-    def __init__(self, run_dir, project, name, config):
+    def __init__(self, run_dir, project, name, config, resumed_at=None):
         from torch.utils.tensorboard import SummaryWriter
-        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        # A resumed run's first step is resumed_at + 1: purge_step makes TensorBoard drop the
+        # points an interrupted run logged from there on (they are trained again). A fresh
+        # run's learner removed the earlier run's event files (run_files.py).
+        purge = None if resumed_at is None else resumed_at + 1
+        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=purge)
 
     def log(self, data: dict, step: int) -> None:
         for k, v in data.items():
@@ -164,7 +172,7 @@ class _TensorBoard:
 class _Wandb:
     whole_record = False
 
-    def __init__(self, run_dir, project, name, config):
+    def __init__(self, run_dir, project, name, config, resumed_at=None):
         import wandb
         # Offline unless the user set a key or a mode: a run never waits on a network.
         mode = os.environ.get("WANDB_MODE") or (
@@ -192,7 +200,7 @@ def mlflow_key(name: str) -> str:
 class _Mlflow:
     whole_record = False
 
-    def __init__(self, run_dir, project, name, config):
+    def __init__(self, run_dir, project, name, config, resumed_at=None):
         uri = os.environ.get("MLFLOW_TRACKING_URI") or Path(run_dir, "mlruns").resolve().as_uri()
         if uri.startswith("file:"):
             # MLflow 3 keeps the file store in maintenance mode behind this opt-in; it is the

@@ -76,7 +76,8 @@ class Trainer:
         self.tracker = None  # rank 0: metrics.jsonl and the run.loggers backends
         if self.par.rank == 0:
             try:
-                self.tracker = Tracker.from_config(cfg)
+                self.tracker = Tracker.from_config(cfg, resumed_at=self.version if resume
+                                                   else None)
             except TrackingError as e:
                 raise LearnerStopped(str(e)) from None
         # Measurement: the peak is measured once on CPU; memory peaks start after set-up.
