@@ -189,15 +189,28 @@ def test_wandb_offline(tmp_path, monkeypatch):
                     config={"optim": {"lr": 1e-5}}))
     runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(runs) == 1, os.listdir(tmp_path)
-    history, run = {}, None
-    for rec in wandb_records(runs[0]):
-        kind = rec.WhichOneof("record_type")
-        if kind == "run":
-            run = rec.run
-        elif kind == "history":
-            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                     for i in rec.history.item}
-            history[items.pop("_step")] = items
+    # W&B's own service process writes the file; on a loaded machine it may still be
+    # flushing when finish() returns, so read until the run record is there (bounded).
+    import time
+    deadline = time.monotonic() + 60
+    while True:
+        history, run = {}, None
+        try:
+            for rec in wandb_records(runs[0]):
+                kind = rec.WhichOneof("record_type")
+                if kind == "run":
+                    run = rec.run
+                elif kind == "history":
+                    items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                             for i in rec.history.item}
+                    history[items.pop("_step")] = items
+        except Exception:  # a record still being written
+            if time.monotonic() > deadline:
+                raise
+        if run is not None and len(history) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert run is not None, f"no run record in {runs[0]} ({os.path.getsize(runs[0])} bytes)"
     assert (run.project, run.display_name) == ("proj", "run-a")
     assert sorted(history) == [1, 2]
     for r in RECORDS:
