@@ -359,8 +359,8 @@ def test_run_launcher_trains_two_updates(tmp_path):
     saved = yaml.safe_load(open(run / "config.yaml"))
     assert "auto" not in json.dumps(saved)  # config.yaml holds only concrete values
     assert saved["channel"]["port"] != 29610  # a free port, not the default
-    assert "[config] model.spec: auto -> local" in p.stderr  # each choice logged once
-    assert p.stderr.count("[config] model.spec") == 1
+    assert "[config] model.spec: auto -> local" in p.stdout  # each choice logged once
+    assert p.stdout.count("[config] model.spec") == 1
     for log in ("rollout.log", "learner.err", "learner.out"):
         assert (run / "logs" / log).exists()
     assert (run / "checkpoints" / "step_2").is_dir()

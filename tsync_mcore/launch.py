@@ -105,7 +105,7 @@ def config_from_args(who: str, args, extra: list[str] = (), log: bool = True):
         raise SystemExit(0)
     if log:
         for line in getattr(cfg, "choices", []):
-            print(f"[config] {line}", file=sys.stderr, flush=True)
+            print(f"[config] {line}", flush=True)  # stdout: stderr is for errors
     return cfg
 
 
