@@ -35,7 +35,7 @@ def main() -> None:
     overrides = [f"channel.port={free_port()}", *[i for g in args.set for i in g]]
     cfg = config_from_args("demo", args, extra=overrides[:1])
     if args.resume:
-        resume_version(cfg.run.dir)  # one line and exit 2 when there is nothing to resume
+        resume_version(cfg.run.dir, "demo")  # one line and exit 2 if nothing to resume
     elif os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")):
         print(f"starting afresh in {cfg.run.dir}: the earlier run's metrics and traces are "
               f"replaced (--resume continues it)", flush=True)

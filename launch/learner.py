@@ -10,7 +10,7 @@ import sys
 from tsync_mcore import quiet
 
 quiet.install()  # first: known-harmless warnings off, here and in vLLM's spawned engine core
-from tsync_mcore.launch import (add_config_args, config_from_args, resume_or_exit,  # noqa: E402
+from tsync_mcore.launch import (add_config_args, config_from_args, resume_version,  # noqa: E402
                                 secret_or_exit, stopped)
 
 
@@ -26,7 +26,7 @@ def main() -> None:
     # before megatron's import noise; the choices logged once, by rank 0
     cfg = config_from_args("learner", args, log=rank == "0")
     if args.resume:
-        resume_or_exit("learner", cfg)
+        resume_version(cfg.run.dir, "learner")  # one line and exit 2 if nothing to resume
     secret_or_exit("learner", cfg)  # the run's channel secret: created here if no launcher did
     from tsync_mcore.channel import ChannelError
     from tsync_mcore.model.parallel import destroy_parallel

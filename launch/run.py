@@ -31,7 +31,7 @@ def main() -> None:
     port = [] if args.keep_port else [f"channel.port={free_port()}"]
     cfg = config_from_args("run", args, extra=port)
     if args.resume:
-        resume_version(cfg.run.dir)  # one line and exit 2 when there is nothing to resume
+        resume_version(cfg.run.dir, "run")  # one line and exit 2 if nothing to resume
     overrides = [*port, *[item for group in args.set for item in group]]
     rows = run_job(args.config, overrides, cfg, who="run", resume=args.resume)
     print(f"done: {len(rows)} updates in {cfg.run.dir}", flush=True)

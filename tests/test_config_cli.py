@@ -326,8 +326,15 @@ def test_resume_without_a_checkpoint_is_one_line(tmp_path, monkeypatch, capsys):
         rc = launcher(name, "--config", os.path.join(ROOT, "configs/demo.yaml"), "--resume",
                       "--set", f"run.dir={tmp_path}/{name}", monkeypatch=monkeypatch)
         err = capsys.readouterr().err.strip().splitlines()
-        assert rc == 2 and err[-1].startswith("error: --resume: no checkpoint under"), err
+        assert rc == 2 and err[-1].startswith(f"error: {name}: --resume: run directory "
+                                              f"{tmp_path}/{name} does not exist"), err
         assert not any(line.startswith("error:") for line in err[:-1])
+    os.makedirs(tmp_path / "empty")  # a run directory without a checkpoint
+    rc = launcher("run", "--config", os.path.join(ROOT, "configs/demo.yaml"), "--resume",
+                  "--set", f"run.dir={tmp_path}/empty", monkeypatch=monkeypatch)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: run: --resume: no checkpoint under"), err
+    assert not any(line.startswith("error:") for line in err[:-1])
 
 
 def test_resume_keeps_the_metrics_rows_up_to_the_checkpoint(tmp_path):

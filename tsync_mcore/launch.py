@@ -29,20 +29,6 @@ def secret_or_exit(who: str, cfg) -> None:
         raise SystemExit(2) from None
 
 
-def resume_or_exit(who: str, cfg) -> None:
-    """--resume needs a run directory with a checkpoint: one `error:` line and exit 2 if not,
-    before any process starts."""
-    run_dir = cfg.run.dir
-    if not os.path.isdir(run_dir):
-        print(f"error: {who}: --resume: run directory {run_dir} does not exist (run.dir; "
-              f"start a fresh run without --resume)", file=sys.stderr, flush=True)
-        raise SystemExit(2)
-    if not os.path.lexists(os.path.join(run_dir, "checkpoints", "latest")):
-        print(f"error: {who}: --resume: no checkpoint under {run_dir}/checkpoints (start a "
-              f"fresh run without --resume)", file=sys.stderr, flush=True)
-        raise SystemExit(2)
-
-
 def stopped(who: str, e: BaseException, run_dir: str) -> int:
     """Print one line naming what stopped, why and where the state and traceback are;
     returns the exit code (130 for an interrupt, 4 otherwise)."""
@@ -127,24 +113,28 @@ def bar(done: int, total: int, width: int = 30) -> str:
     return f"[{'#' * n}{'.' * (width - n)}] {done}/{total}"
 
 
-def resume_version(run_dir: str) -> int:
-    """The policy version of the run's latest checkpoint (its `latest` pointer names
-    step_N); one `error:` line and exit 2 when there is none. The learner checks the
-    checkpoint itself fully before it changes anything."""
+def resume_version(run_dir: str, who: str = "") -> int:
+    """--resume's checkpoint: the policy version its `latest` pointer names (step_N). One
+    `error:` line and exit 2 when the run directory or a checkpoint is missing, before any
+    process starts; the learner checks the checkpoint itself fully before it changes
+    anything."""
     import re
+    def refuse(why: str) -> None:
+        print(f"error: {who + ': ' if who else ''}--resume: {why} (start a fresh run without "
+              f"--resume)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+    if not os.path.isdir(run_dir):
+        refuse(f"run directory {run_dir} does not exist (run.dir)")
     path = os.path.join(run_dir, "checkpoints", "latest")
     try:
         with open(path, encoding="ascii") as f:
             name = f.read(65).strip()
     except (OSError, UnicodeDecodeError):
-        print(f"error: --resume: no checkpoint under {run_dir}/checkpoints (nothing to resume)",
-              file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        refuse(f"no checkpoint under {run_dir}/checkpoints")
     m = re.fullmatch(r"step_(0|[1-9][0-9]{0,17})", name)
     if m is None:
-        print(f"error: --resume: checkpoint pointer {path}: {name[:40]!r} is not a step_N name",
-              file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        refuse(f"checkpoint pointer {path}: {name[:40]!r} is not a step_N name")
     return int(m.group(1))
 
 
