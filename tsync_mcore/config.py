@@ -205,8 +205,6 @@ class RunConfig:
         from tsync_mcore.tracking import check_loggers  # the tracking module names the backends
         why = check_loggers(self.loggers)
         _check(why is None, "run.loggers", why or "")
-        self.project = self.project or "tsync-mcore"  # resolved once: config.yaml says it
-        self.name = self.name or os.path.basename(os.path.normpath(os.path.abspath(self.dir)))
 
 
 @dataclass
@@ -495,6 +493,9 @@ def resolve(cfg: Config) -> list[str]:
             mc.attention = choose("model.attention", "sdpa" if gpu else "megatron",
                                   "GPU: torch SDPA kernels" if gpu else
                                   "CPU: megatron DotProductAttention")
+    # tracker names, resolved once so config.yaml says them (not logged: not an `auto`)
+    cfg.run.project = cfg.run.project or "tsync-mcore"
+    cfg.run.name = cfg.run.name or os.path.basename(os.path.normpath(os.path.abspath(cfg.run.dir)))
     _check_splits(cfg)
     return lines
 
@@ -502,8 +503,6 @@ def resolve(cfg: Config) -> list[str]:
 def _check_splits(cfg: Config) -> None:
     """model.tp and rollout.tp against the checkpoint's shapes, when its config.json reads
     (otherwise the launchers' model-directory check names what is wrong with it)."""
-    import os
-
     from tsync_mcore.safe_files import BadFile, read_json_object
     path = os.path.join(cfg.model.hf_dir, "config.json")
     if not cfg.model.hf_dir or not os.path.isfile(path):
