@@ -99,7 +99,7 @@ MALFORMED = {
     "wire version": (lambda t: _tweak_header(t, 1, 99), "wire version 99"),
     "unknown type": (lambda t: _tweak_header(t, 2, 42), "unknown message type 42"),
     "payload count": (lambda t: _tweak_header(t, 4, 3), "announces 3 payload tensors"),
-    "truncated message": (lambda t: t[:3], "truncated: header announces 5 payload tensors, got 2"),
+    "truncated message": (lambda t: t[:3], "truncated: header announces 7 payload tensors, got 2"),
     "truncated payload": (lambda t: [t[0], t[1][:-10], *t[2:]], r"tokens\): truncated payload"),
     "wrong dtype": (lambda t: [t[0], t[1].to(torch.int32), *t[2:]], r"tokens\): dtype torch.int32"),
     "header dtype": (lambda t: [t[0].double(), *t[1:]], r"header must be int64\[16\]"),
@@ -133,10 +133,12 @@ def test_limits_and_bad_payload_content():
     # Payload bytes that pass the checksum but are not what the type promises.
     with pytest.raises(ChannelError, match="Publish path: invalid utf-8"):
         decode(_with_text(encode(Publish(1, "ab")), "path", b"\xff\xfe"))
-    ints = tensors[3].clone()  # TrajectoryMsg ints: ready_order, has_prompt_len, prompt_len, ...
+    # TrajectoryMsg payloads: tokens, scored_mask, behaviour_logprobs, token_versions, then
+    # the ints: ready_order, has_prompt_len, prompt_len, ...
+    ints = tensors[5].clone()
     ints[1] = 2  # has_prompt_len flag
     with pytest.raises(ChannelError, match="has_prompt_len flag 2"):
-        decode(_seal(tensors[0], [*tensors[1:3], ints, *tensors[4:]]))
+        decode(_seal(tensors[0], [*tensors[1:5], ints, *tensors[6:]]))
     reg = encode(RegisterBatch(0, "grpo", {}, {}, 0))
     with pytest.raises(ChannelError, match="RegisterBatch.groups: invalid JSON"):
         decode(_with_text(reg, "groups", b'{"g": '))

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import yaml
 
-Schedule = Literal["sync", "group_ready", "thundersync"]
+Schedule = Literal["sync", "group_ready", "thundersync", "one_step_off", "fully_async"]
 DType = Literal["fp32", "bf16"]
 TokenNorm = Literal["auto", "trajectory", "token_mean", "seq_mean_token_mean",
                     "seq_mean_token_sum_norm", "group_scaled_token_mean", "global"]
@@ -94,8 +94,18 @@ class LearnerConfig:
 
     objective: str = "grpo"  # a name in tsync_mcore.objectives.OBJECTIVES
     # when a ready source may train: at batch close (sync), once its group is complete
-    # (group_ready), or on arrival (thundersync)
+    # (group_ready), or on arrival (thundersync) — all three train batch k on θ_k only; the
+    # asynchronous baselines train batch k on sources sampled by θ_{k-1} (one_step_off) or
+    # by any of the last max_staleness policies (fully_async) (docs/async.md)
     schedule: Schedule = "thundersync"
+    # fully_async: a source whose oldest scored token is more than this many updates behind
+    # is dropped (and counted), never trained on; one_step_off's lag is 1 by construction
+    max_staleness: int = 1
+    # off-policy correction: "tis" weights each scored token by min(π_θ/π_behaviour, is_cap)
+    # with the rollout's sampling log-probs (truncated importance sampling); "none" trains
+    # the same surrogate on every schedule (the paper's comparison)
+    is_correction: Literal["none", "tis"] = "none"
+    is_cap: float = 2.0  # C in min(π_θ/π_behaviour, C)
     k_open: int = 4  # admission cap: groups per rank holding G1/G2 at once
     accum: AccumPlacement = "device"  # "host": pinned host memory for large models
     # fp64 doubles accumulator memory (8(2k+1)P bytes) but makes the update independent of
@@ -141,6 +151,13 @@ class LearnerConfig:
                f"must be >= 0 (0: no byte budget), got {self.max_open_bytes}")
         _check(self.max_tokens >= 0, "learner.max_tokens",
                f"must be >= 0 (0: the model's positions), got {self.max_tokens}")
+        _check(self.max_staleness >= 1, "learner.max_staleness",
+               f"must be >= 1, got {self.max_staleness}")
+        _check(self.is_cap >= 1, "learner.is_cap", f"must be >= 1, got {self.is_cap}")
+        _check(self.schedule in ("sync", "group_ready", "thundersync")
+               or self.on_nonfinite == "stop", "learner.on_nonfinite",
+               f"'drop_batch' needs a synchronous schedule: under '{self.schedule}' the rollout "
+               f"has already sampled later batches from the weights a dropped batch keeps")
         self._validate_token_norm(OBJECTIVES[self.objective])
 
     def _validate_token_norm(self, objective) -> None:

@@ -9,6 +9,9 @@ schedules run the same learner work for every objective and differ only in relea
                it that can still be rejected has arrived and every outcome it needs is
                known (GRPO: every member's reward; OPD: every member's every turn);
   thundersync  each unit is released the moment it arrives.
+The asynchronous baselines (one_step_off, fully_async) release like thundersync within their
+batch; what differs is which policy sampled the batch (a lag of 1, or up to
+learner.max_staleness), decided by the rollout and checked at submit.
 
 The queue is work-conserving. Among released units whose dependency is served it prefers,
 in order: the next unit of the trajectory served last (its context is warm), units
@@ -33,7 +36,9 @@ from typing import Callable, Literal, Protocol
 from tsync_mcore.sources import BatchPlan
 
 Fold = Literal["direct", "pair"]
-SCHEDULES = ("sync", "group_ready", "thundersync")
+SYNC_SCHEDULES = ("sync", "group_ready", "thundersync")  # every source sampled by θ_k
+ASYNC_SCHEDULES = ("one_step_off", "fully_async")  # sources may lag: off-policy baselines
+SCHEDULES = SYNC_SCHEDULES + ASYNC_SCHEDULES
 
 
 class Unit(Protocol):
@@ -100,7 +105,7 @@ class ReadinessQueue:
     def arrive(self, u: Unit) -> None:
         g = u.group_id
         self._pending[g] = self._pending.get(g, 0) + 1
-        if self.schedule == "thundersync" or (self.schedule == "group_ready"
+        if self.schedule in ("thundersync",) + ASYNC_SCHEDULES or (self.schedule == "group_ready"
                                               and g in self._complete):
             self._release(u)
         else:

@@ -109,12 +109,13 @@ _logprobs = _list_of(lambda x: x is None or _is_num(x), "numbers or nulls")
 GRPO_FIELDS: tuple[dict[str, Check], dict[str, Check]] = (
     {"traj_id": _id, "group_id": _id, "tokens": _ints, "scored_mask": _ints,
      "reward": _finite, "policy_version": _int},
-    {"ready_order": _int, "prompt_len": _int_or_null})
+    {"ready_order": _int, "prompt_len": _int_or_null, "behaviour_logprobs": _logprobs,
+     "token_versions": _ints})
 OPD_FIELDS: tuple[dict[str, Check], dict[str, Check]] = (
     {"traj_id": _id, "group_id": _id, "tokens": _ints, "scored_mask": _ints,
      "teacher_logprobs": _logprobs, "turn_ends": _ints, "turn_ready_order": _ints,
      "policy_version": _int},
-    {"prompt_len": _int_or_null})
+    {"prompt_len": _int_or_null, "behaviour_logprobs": _logprobs, "token_versions": _ints})
 
 
 def check_record(obj: Any, fields: tuple[dict[str, Check], dict[str, Check]]) -> str:
@@ -152,9 +153,14 @@ class TrajectorySource:
     tokens: tuple[int, ...]
     scored_mask: tuple[int, ...]
     reward: float
-    policy_version: int
+    policy_version: int  # the policy that sampled its scored tokens (the oldest, if several)
     ready_order: int = 0
     prompt_len: int | None = None  # the group's shared prompt length, when the rollout knows it
+    # Off-policy data (docs/async.md). The rollout's sampling log-prob of each token (None
+    # where unscored); () when it sent none. The version that sampled each token, where a
+    # weight swap happened mid-trajectory (fully_async); (): every token was policy_version's.
+    behaviour_logprobs: tuple[float | None, ...] = ()
+    token_versions: tuple[int, ...] = ()
 
     @property
     def n_scored(self) -> int:
@@ -184,14 +190,48 @@ class TrajectorySource:
             policy_version=obj["policy_version"],
             ready_order=obj.get("ready_order", 0),
             prompt_len=obj.get("prompt_len"),
+            behaviour_logprobs=tuple(obj.get("behaviour_logprobs", ())),
+            token_versions=tuple(obj.get("token_versions", ())),
         )
 
 
-def check_version(name: str, version: int, current: int) -> None:
-    """Every source is trained on only by the update of the policy that sampled it."""
-    if version != current:
+def check_version(name: str, version: int, current: int, max_lag: int = 0) -> None:
+    """A source trains only in an update of the policy that sampled it (max_lag 0: the
+    synchronous schedules), or of one at most `max_lag` updates later (the asynchronous
+    baselines); never on a future policy."""
+    if max_lag == 0 and version != current:
         raise SourceError(f"{name}: policy version {version} is not the current version "
                           f"{current}; stale or future sources are never trained on")
+    if not current - max_lag <= version <= current:
+        raise SourceError(f"{name}: policy version {version} is {current - version} updates "
+                          f"behind the current version {current}; this schedule trains on "
+                          f"versions {max(0, current - max_lag)}..{current} only")
+
+
+def check_off_policy(name: str, src, start: int = 0) -> None:
+    """behaviour_logprobs and token_versions: absent, or one per token, finite log-probs
+    at every scored token, versions within [policy_version, ...] (the oldest is the
+    source's own)."""
+    n, mask = len(src.tokens), src.scored_mask
+    lps, vs = src.behaviour_logprobs, src.token_versions
+    if lps:
+        if len(lps) != n:
+            raise SourceError(f"{name}: behaviour_logprobs has {len(lps)} entries for {n} tokens")
+        for i, (m, lp) in enumerate(zip(mask, lps)):
+            if m and (lp is None or isinstance(lp, bool) or not isinstance(lp, (int, float))
+                      or not math.isfinite(lp) or not TEACHER_LOGPROB_FLOOR <= lp <= 0):
+                raise SourceError(f"{name}: behaviour log-prob {lp!r} at token {start + i} is "
+                                  f"not a log-probability in [{TEACHER_LOGPROB_FLOOR:g}, 0]")
+    if vs:
+        if len(vs) != n:
+            raise SourceError(f"{name}: token_versions has {len(vs)} entries for {n} tokens")
+        bad = [v for v in vs if isinstance(v, bool) or not isinstance(v, int)]
+        if bad:
+            raise SourceError(f"{name}: token_versions must hold integers, got {bad[0]!r}")
+        scored = [v for m, v in zip(mask, vs) if m]
+        if scored and min(scored) != src.policy_version:
+            raise SourceError(f"{name}: policy_version {src.policy_version} is not the oldest "
+                              f"version of its scored tokens ({min(scored)})")
 
 
 def _check_ids_and_mask(name: str, tokens, mask, vocab_size: int) -> None:
@@ -230,6 +270,7 @@ def validate_source(src: TrajectorySource, vocab_size: int, max_tokens: int | No
     check_reward(name, src.reward)
     if not isinstance(src.policy_version, int) or isinstance(src.policy_version, bool):
         raise SourceError(f"{name}: policy_version must be an integer")
+    check_off_policy(name, src)
 
 
 @dataclass
@@ -303,6 +344,8 @@ class TurnSource:
     policy_version: int
     ready_order: int = 0
     prompt_len: int | None = None  # shared prompt length of the group (turn 0 starts with it)
+    behaviour_logprobs: tuple[float | None, ...] = ()  # as TrajectorySource's, for this span
+    token_versions: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -335,6 +378,10 @@ def opd_turns_from_json(obj: dict) -> list[TurnSource]:
                           f"len(tokens) = {len(toks)}")
     if len(order) != len(ends):
         raise SourceError(f"{name}: turn_ready_order has {len(order)} entries for {len(ends)} turns")
+    lps, vs = obj.get("behaviour_logprobs", []), obj.get("token_versions", [])
+    for what, xs in (("behaviour_logprobs", lps), ("token_versions", vs)):
+        if xs and len(xs) != len(toks):
+            raise SourceError(f"{name}: {what} has {len(xs)} entries for {len(toks)} tokens")
     turns, start = [], 0
     for j, end in enumerate(ends):
         turns.append(TurnSource(
@@ -342,7 +389,8 @@ def opd_turns_from_json(obj: dict) -> list[TurnSource]:
             n_turns=len(ends), start=start, tokens=tuple(toks[start:end]),
             scored_mask=tuple(mask[start:end]), teacher_logprobs=tuple(teacher[start:end]),
             policy_version=obj["policy_version"], ready_order=order[j],
-            prompt_len=obj.get("prompt_len")))
+            prompt_len=obj.get("prompt_len"),
+            behaviour_logprobs=tuple(lps[start:end]), token_versions=tuple(vs[start:end])))
         start = end
     return turns
 
@@ -377,3 +425,4 @@ def validate_turn(src: TurnSource, vocab_size: int, max_tokens: int | None = Non
                               f"logit gives −inf/−3.4e38: the teacher cannot have sampled it)")
     if not isinstance(src.policy_version, int) or isinstance(src.policy_version, bool):
         raise SourceError(f"{name}: policy_version must be an integer")
+    check_off_policy(name, src, src.start)

@@ -84,6 +84,8 @@ class TrajectoryMsg:
         policy_version=VERSION,
         ready_order=I64,
         prompt_len=OPT_I64,
+        behaviour_logprobs=OPT_F64S,  # () when the rollout sent none
+        token_versions=TOKENS,  # (): every token sampled by policy_version
     ))
 
 
@@ -104,6 +106,8 @@ class TurnMsg:
         policy_version=VERSION,
         ready_order=I64,
         prompt_len=OPT_I64,
+        behaviour_logprobs=OPT_F64S,
+        token_versions=TOKENS,
     ))
 
 
