@@ -212,9 +212,15 @@ class RunConfig:
     # Evaluate θ_k on data.eval every N updates (after its publication is acknowledged,
     # before the next batch: outside the step time); 0: no evaluation.
     eval_every: int = 0
+    # Wall-clock budget: the learner stops after the first update that ends past this many
+    # seconds of training (counted from the rollout's first acknowledgement of this
+    # process; a resume starts a new budget), then checkpoints, exports and ends the run as
+    # after run.updates; 0: off (run.updates only)
+    budget_s: float = 0.0
 
     def validate(self) -> None:
         _check(self.updates >= 1, "run.updates", f"must be >= 1, got {self.updates}")
+        _check(self.budget_s >= 0, "run.budget_s", f"must be >= 0 (0: off), got {self.budget_s}")
         _check(self.eval_every >= 0, "run.eval_every", f"must be >= 0, got {self.eval_every}")
         _check(self.save_every >= 0, "run.save_every", "must be >= 0")
         _check(self.gc_every >= 0, "run.gc_every", f"must be >= 0, got {self.gc_every}")
@@ -275,9 +281,14 @@ class RolloutConfig:
     # Which learner rank serves a finished trajectory (tsync_mcore.routing). auto: GRPO
     # family "balanced" (per trajectory, least-loaded rank), OPD "static" (by group).
     routing: Literal["auto", "static", "balanced"] = "auto"
+    # fully_async: groups generated at once at most (0: groups_per_batch); AReaL's staleness
+    # bound (learner.max_staleness) may hold fewer back (docs/async.md)
+    max_groups_in_flight: int = 0
 
     def validate(self) -> None:
         _check(self.n_learners >= 1, "rollout.n_learners", "must be >= 1")
+        _check(self.max_groups_in_flight >= 0, "rollout.max_groups_in_flight",
+               f"must be >= 0 (0: groups_per_batch), got {self.max_groups_in_flight}")
         _check(self.groups_per_batch >= 1, "rollout.groups_per_batch", "must be >= 1")
         _check(self.group_size >= 1, "rollout.group_size", "must be >= 1")
         _check(self.max_turns >= 1, "rollout.max_turns", "must be >= 1")
@@ -423,6 +434,13 @@ class Config:
         _check(self.optim.warmup_updates < decay, "optim.warmup_updates",
                f"must be < optim.decay_updates (0: run.updates), here {decay}, got "
                f"{self.optim.warmup_updates}")
+        _check(not (self.learner.objective == "opd" and self.learner.schedule == "fully_async"),
+               "learner.schedule", "'fully_async' is for the GRPO family: OPD registers a "
+               "batch's turn counts before its turns stream, and fully_async forms a batch only "
+               "from completed groups (one_step_off supports OPD)")
+        _check(not (self.run.eval_every and self.learner.schedule == "fully_async"),
+               "run.eval_every", "evaluation runs between batches, and fully_async has no "
+               "'between': use one_step_off or a synchronous schedule to evaluate")
         _check(not (self.learner.objective == "opd" and self.rollout.routing == "balanced"),
                "rollout.routing", "'balanced' is for the GRPO family; OPD routes by group "
                "(a trajectory's turns and its group's shared prompt stay on one rank)")
