@@ -460,3 +460,38 @@ def test_recorded_opd_release_trace_replays_turns_and_shared_prompts(tmp_path):
     assert turns[("v3-g0-t0", 1)][1].start == 17
     with pytest.raises(ValueError, match="token_scale"):
         RecordedWorkload("opd", w.recorded, token_scale=0)
+
+
+def test_compare_report_from_metrics_rows(tmp_path):
+    # perf/compare.py's figures and table from hand-written metrics rows: the training clock
+    # sums step times, the lag and dropped groups come from the rows, a skipped batch counts
+    # nowhere.
+    import compare
+
+    def row(step, wall, reward, lag=None, **kw):
+        return dict(step=step, ok=True, step_wall_time_s=wall, reward_mean=reward,
+                    policy_lag_mean=lag, policy_lag_max=None if lag is None else int(lag + 0.5),
+                    stale_sources=0, **kw)
+
+    runs = {"sync": [row(i + 1, 2.0, 0.1 * i) for i in range(8)],
+            "one_step_off": [row(1, 1.0, 0.0, 0.0)] + [row(i + 1, 1.0, 0.05 * i, 1.0)
+                                                       for i in range(1, 16)],
+            "fully_async": [row(1, 1.0, 0.2, 0.5, **{"async/dropped_stale_groups": 2.0}),
+                            dict(step=1, ok=False, skipped="non-finite"),
+                            row(2, 1.0, 0.3, 1.0, **{"async/dropped_stale_groups": 1.0})]}
+    compare.report(runs, str(tmp_path), budget_s=16.0)
+    for name in ("reward_vs_time", "reward_vs_updates", "policy_lag"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 1000
+    table = {r["schedule"]: r for r in compare.summary_rows(runs)}
+    assert table["sync"]["train_s"] == 16.0 and table["sync"]["updates"] == 8
+    assert table["sync"]["reward_first"] == pytest.approx(0.05)  # first quarter: 2 updates
+    assert table["sync"]["policy_lag_mean"] is None
+    assert table["one_step_off"]["policy_lag_max"] == 1
+    assert table["one_step_off"]["policy_lag_mean"] == pytest.approx(15 / 16)
+    assert table["fully_async"]["updates"] == 2
+    assert table["fully_async"]["dropped_stale_groups"] == 3
+    md = (tmp_path / "summary.md").read_text()
+    assert "| one_step_off | 16 | 16.0 |" in md and "16 s of training each" in md
+    bad = subprocess.run([sys.executable, os.path.join(PERF, "compare.py"), "--schedules",
+                          "sync,async"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown async" in bad.stderr
