@@ -480,3 +480,62 @@ def test_vllm_rollout_two_learner_ranks_few_updates(tmp_path):
         for e in trace.sources(trace.read(str(run / "traces" / f"rank{r}.jsonl"))):
             assert e.policy_version == e.update  # every trained source: θ_k for update k
     assert "improved" in p.stdout or "did NOT improve" in p.stdout
+
+
+def test_async_learner_publishes_without_waiting_and_takes_late_acks(tiny_qwen2, golden,
+                                                                     tmp_path):
+    """one_step_off's learner loop against a scripted rollout that acknowledges late: update
+    1 runs while θ_1 is unacknowledged (both files stay), acks arrive inside and between
+    batches, and with lag-0 sources the updates equal the sync run's bit for bit."""
+    run = str(tmp_path)
+    port = free_port()
+    proc = start_learner(tiny_qwen2, run, port, updates=3,
+                         extra=["learner.schedule=one_step_off"])
+    links = rollout_links(port, run)
+    published = {}
+
+    def publish_of(v):
+        msg = links[0].recv()
+        assert isinstance(msg, Publish) and msg.version == v, msg
+        published[v] = load_file(msg.path)
+        return msg
+
+    def batch(v, acks_after_first=()):
+        srcs = sources(v)
+        plan = BatchPlan.from_sources(srcs)
+        owner = assign_groups(plan, {}, 2)
+        for link in links:
+            link.send(RegisterBatch(version=v, objective="grpo", groups=plan.groups,
+                                    data_pos=v + 1))
+        for n, s in enumerate(srcs):
+            links[owner[s.group_id]].send(TrajectoryMsg(s))
+            if n == 0:
+                for a in acks_after_first:  # inside the batch, on the learner's side
+                    links[0].send(Ack(version=a, ok=True))
+        for link in links:
+            link.send(CloseBatch(version=v, rollout_time_s=0.1, n_sources=len(srcs)))
+
+    try:
+        assert isinstance(links[0].recv(), Hello)
+        publish_of(0)
+        links[0].send(Ack(version=0, ok=True))
+        batch(0)
+        batch(1)
+        p1, p2 = publish_of(1), publish_of(2)  # update 1 ran with θ_1 unacknowledged
+        assert os.path.exists(p1.path) and os.path.exists(p2.path)
+        links[0].send(Ack(version=1, ok=True))  # between batches
+        batch(2, acks_after_first=(2,))  # inside batch 2
+        publish_of(3)
+        assert not os.path.exists(p1.path)  # acknowledged, so cleaned up
+        links[0].send(Ack(version=3, ok=True))  # the learner waits for it before finishing
+        rc, out, err = finish(proc)
+    finally:
+        for link in links:
+            link.close()
+    assert rc == 0, err[-4000:]
+    for v in (1, 2):
+        assert all(torch.equal(published[v][k], golden["published"][v][k])
+                   for k in published[v]), v
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["schedule"] for r in rows] == ["one_step_off"] * 3
+    assert all(r["step_wall_time_s"] > 0 for r in rows)

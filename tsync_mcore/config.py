@@ -212,9 +212,15 @@ class RunConfig:
     # Evaluate θ_k on data.eval every N updates (after its publication is acknowledged,
     # before the next batch: outside the step time); 0: no evaluation.
     eval_every: int = 0
+    # Wall-clock budget: the learner stops after the first update that ends past this many
+    # seconds of training (counted from the rollout's first acknowledgement of this
+    # process; a resume starts a new budget), then checkpoints, exports and ends the run as
+    # after run.updates; 0: off (run.updates only)
+    budget_s: float = 0.0
 
     def validate(self) -> None:
         _check(self.updates >= 1, "run.updates", f"must be >= 1, got {self.updates}")
+        _check(self.budget_s >= 0, "run.budget_s", f"must be >= 0 (0: off), got {self.budget_s}")
         _check(self.eval_every >= 0, "run.eval_every", f"must be >= 0, got {self.eval_every}")
         _check(self.save_every >= 0, "run.save_every", "must be >= 0")
         _check(self.gc_every >= 0, "run.gc_every", f"must be >= 0, got {self.gc_every}")

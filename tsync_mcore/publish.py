@@ -18,6 +18,7 @@ import hashlib
 import os
 import stat
 import tempfile
+from collections.abc import Iterable
 
 from safetensors.torch import save_file
 
@@ -94,8 +95,12 @@ def notice(version: int, path: str) -> Publish:
     return Publish(version=version, path=path)
 
 
-def cleanup(publish_dir: str, keep: int) -> None:
-    """Drop files of older versions once every replica acknowledged `keep`."""
+def cleanup(publish_dir: str, keep: int | Iterable[int]) -> None:
+    """Drop every file but those of `keep`: the version every replica acknowledged last
+    and, under the asynchronous schedules, every version published but not yet
+    acknowledged (a replica may still be loading it)."""
+    keep = {keep} if isinstance(keep, int) else set(keep)
+    kept = {path_for(publish_dir, v) for v in keep}
     for p in glob.glob(os.path.join(publish_dir, "policy_v*.safetensors")):
-        if p != path_for(publish_dir, keep):
+        if p not in kept:
             os.remove(p)

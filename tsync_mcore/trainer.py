@@ -6,6 +6,12 @@
       rollout's acknowledgement (rank 0) → metrics, checkpoint
 The other ranks need not wait for the acknowledgement: the rollout registers batch k+1
 only after it has reloaded θ_{k+1}, so their next receive is the barrier.
+
+The asynchronous schedules (one_step_off, fully_async; docs/async.md) publish θ_{k+1}
+without waiting: batch k+1 is usually queued already, sampled by an older θ. Rank 0 takes
+the acknowledgements whenever they arrive, in or between batches, each checked against the
+oldest version still unacknowledged; the files of those versions stay until then, and the
+run ends only once every published version is acknowledged.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from tsync_mcore.ledger.nvml import NvmlSampler
 from tsync_mcore.metrics import local_stats, reduce_stats, throughput
 from tsync_mcore.policy import Policy
 from tsync_mcore.safe_files import BadFile
+from tsync_mcore.schedule import ASYNC_SCHEDULES
 from tsync_mcore.sources import BatchPlan, SourceError
 from tsync_mcore.tracking import Tracker, TrackingError
 
@@ -64,6 +71,13 @@ class Trainer:
         self._restart_records(ckpt if resume else None)
         self.learner = Learner(cfg.learner, self.policy, self.version)
         self.dropped_in_a_row = 0  # batches skipped for a non-finite gradient, in a row
+        # Rank 0's publication ledger: versions published and not yet acknowledged (oldest
+        # first), and the version acknowledged last (its file is what a replica reloads).
+        self.unacked: list[int] = []
+        self.acked: int | None = None
+        self.t_ready = 0.0  # the rollout's first acknowledgement: training starts
+        self.t_published = 0.0  # the last publication (an async step's period ends there)
+        self.finishing = ""  # why the run ends after this update ("": it goes on)
         self.publish_dir = publish.resolve_dir(cfg.run)
         if self.par.rank == 0:
             try:
@@ -109,11 +123,15 @@ class Trainer:
             self._publish()  # replicas start from exactly θ_start
             # the first acknowledgement also waits for the rollout's engine to start
             ch = self.cfg.channel
-            self._await_ack(max(ch.ack_timeout_s, ch.timeout_s))
-            while self.version < self.cfg.run.updates:
+            self.t_ready = self.t_published = self._await_acks(max(ch.ack_timeout_s,
+                                                                   ch.timeout_s))
+            self.finishing = "" if self.version < self.cfg.run.updates else "all updates"
+            while not self.finishing:
                 self._update()
             if self.par.rank == 0:
-                self.link.send(Shutdown("learner finished all updates"))
+                # async: publications of the last updates may still be loading
+                self._await_acks(final=True)
+                self.link.send(Shutdown(f"learner finished {self.finishing}"))
                 if self.cfg.run.export_hf:
                     self._export_hf()
         except (ChannelError, LearnerStopped) as e:
@@ -162,7 +180,7 @@ class Trainer:
 
     def _update(self) -> None:
         cfg = self.cfg
-        reg = self._recv(RegisterBatch)
+        reg = self._recv(RegisterBatch)  # rank 0 takes acknowledgements queued before it
         # The step (and the trace's clock) starts when the registration arrived, not when
         # this loop got to it.
         t_start = self.link.last_arrival
@@ -181,10 +199,14 @@ class Trainer:
             raise LearnerStopped(f"rollout registered batch {reg.version} the learner cannot "
                                  f"train: {e}") from None
         serve = self.learner.serves_on_arrival
+        waits = self.learner.schedule not in ASYNC_SCHEDULES  # for θ_{k+1}'s acknowledgement
         while True:
             msg = self._next_message()
             if msg is None:
                 continue  # served one unit
+            if isinstance(msg, Ack):  # async: a replica loaded an earlier publication
+                self._take_ack(msg)
+                continue
             if isinstance(msg, (TrajectoryMsg, TurnMsg)):
                 try:
                     self.learner.submit(msg.source, arrived=self.link.last_arrival, serve=serve)
@@ -227,6 +249,7 @@ class Trainer:
         self.data_pos = reg.data_pos
         t_publish = time.perf_counter()
         self._publish()
+        t_published = time.perf_counter()
         # Recorded while the replicas load θ (seconds on a real rollout), so the learner is
         # ready for the next batch once they acknowledge it: recording after the ack took
         # 10-70 ms here, and the next batch's first sources waited for it.
@@ -247,11 +270,18 @@ class Trainer:
         stats = self._learner_stats(result.trace, done.dropped_groups)
         self._write_trace(result.trace)
         self._collect_garbage()
-        t_end = self._await_ack()
-        if cfg.run.save_every and self.version % cfg.run.save_every == 0 \
-                or self.version == cfg.run.updates:
+        if waits:
+            t_end = self._await_acks()
+            step_s = t_end - t_start
+        else:
+            # The steady-state period: publication to publication (the first update: from
+            # the learner becoming ready). The rollout's time is hidden in it, not added.
+            t_end = t_published
+            step_s = t_published - self.t_published
+        self.t_published = t_published
+        self.finishing = self._finishing()
+        if cfg.run.save_every and self.version % cfg.run.save_every == 0 or self.finishing:
             checkpoint.save(cfg.run.dir, self.policy, self.version, self.data_pos)
-        step_s = t_end - t_start
         metrics = dict(
             step=self.version, policy_version=result.policy_version, ok=True,
             schedule=self.learner.schedule, objective=cfg.learner.objective,
@@ -311,7 +341,8 @@ class Trainer:
                                           publish.path_for(self.publish_dir, self.version)))
             self.tracker.log(dict(step=self.version, policy_version=self.version, ok=False,
                                   skipped=why), step=self.version)
-        self._await_ack()
+            self.unacked.append(self.version)
+        self._await_acks()
 
     # --- publication ----------------------------------------------------------------------
 
@@ -320,19 +351,56 @@ class Trainer:
         path = publish.write(self.policy, self.publish_dir, self.version)
         if self.par.rank == 0:
             self.link.send(publish.notice(self.version, path))
+            self.unacked.append(self.version)
 
-    def _await_ack(self, timeout_s: float | None = None) -> float:
-        """Rank 0: wait for the rollout's acknowledgement of θ_version and return when it
-        arrived (reader thread); other ranks: now."""
+    def _await_acks(self, timeout_s: float | None = None, final: bool = False) -> float:
+        """Rank 0: wait until every published version is acknowledged and return when the
+        last acknowledgement arrived (reader thread); other ranks: now. `final`: the run
+        has ended, so batch messages the rollout sent meanwhile (it generates ahead under
+        the asynchronous schedules, and a budget stop is not announced) are passed over."""
         if self.par.rank != 0:
             return time.perf_counter()
-        ack = self._recv(Ack, timeout_s=timeout_s or self.cfg.channel.ack_timeout_s)
-        if ack.version != self.version or not ack.ok:
-            raise LearnerStopped(f"rollout did not load policy version {self.version} "
+        t = time.perf_counter()
+        while self.unacked:
+            msg = self.link.recv(timeout_s=timeout_s or self.cfg.channel.ack_timeout_s)
+            if isinstance(msg, Ack):
+                t = self._take_ack(msg)
+            elif isinstance(msg, Shutdown):
+                raise LearnerStopped(f"rollout shut down: {msg.reason}")
+            elif not (final and isinstance(msg, (RegisterBatch, TrajectoryMsg, TurnMsg,
+                                                 GroupRewards, DropGroup, CloseBatch))):
+                raise LearnerStopped(f"expected Ack of policy version {self.unacked[0]}, got "
+                                     f"{type(msg).__name__}")
+        return t
+
+    def _take_ack(self, ack: Ack) -> float:
+        """Rank 0: check an acknowledgement against the oldest unacknowledged version; the
+        files of older versions go. Returns its arrival time."""
+        if self.par.rank != 0 or not self.unacked:
+            raise LearnerStopped(f"rollout acknowledged policy version {ack.version}, which "
+                                 f"was not published or is acknowledged already")
+        want = self.unacked[0]
+        if ack.version != want or not ack.ok:
+            raise LearnerStopped(f"rollout did not load policy version {want} "
                                  f"(ack for {ack.version}, ok={ack.ok}: {ack.error}); "
                                  f"refusing to train on the old policy")
-        publish.cleanup(self.publish_dir, keep=self.version)
+        self.acked = self.unacked.pop(0)
+        publish.cleanup(self.publish_dir, keep=[self.acked, *self.unacked])
         return self.link.last_arrival
+
+    def _finishing(self) -> str:
+        """Why the run ends after the update just taken ("" if it goes on): run.updates, or
+        run.budget_s of training spent (rank 0's clock decides for every rank)."""
+        if self.version >= self.cfg.run.updates:
+            return "all updates"
+        budget = self.cfg.run.budget_s
+        if not budget:
+            return ""
+        over = torch.zeros(1, dtype=torch.float64, device=self.policy.device)
+        if self.par.rank == 0:
+            over[0] = float(time.perf_counter() - self.t_ready >= budget)
+        torch.distributed.broadcast(over, src=0)
+        return f"its budget of {budget:g} s after {self.version} updates" if over.item() else ""
 
     def _collect_garbage(self) -> None:
         """The update's cycles, after publication (the rollout is busy reloading)."""
@@ -365,6 +433,9 @@ class Trainer:
 
     def _recv(self, kind: type, timeout_s: float | None = None):
         msg = self.link.recv(timeout_s=timeout_s or self.cfg.channel.timeout_s)
+        while isinstance(msg, Ack) and kind is not Ack:  # async: between batches
+            self._take_ack(msg)
+            msg = self.link.recv(timeout_s=timeout_s or self.cfg.channel.timeout_s)
         if isinstance(msg, Shutdown):
             raise LearnerStopped(f"rollout shut down: {msg.reason}")
         if not isinstance(msg, kind):
