@@ -31,9 +31,10 @@ from tsync_mcore.config import LearnerConfig
 from tsync_mcore.model.span import KV, kv_bytes
 from tsync_mcore.objectives import OBJECTIVES
 from tsync_mcore.objectives.grpo import STD_DDOF
+from tsync_mcore.objectives.off_policy import OffPolicy, mismatch
 from tsync_mcore.objectives.token_norm import TOKEN_NORMS
 from tsync_mcore.policy import Policy
-from tsync_mcore.schedule import ReadinessQueue, Service
+from tsync_mcore.schedule import ASYNC_SCHEDULES, ReadinessQueue, Service
 from tsync_mcore.serving import SOURCE_KINDS
 from tsync_mcore.sources import BatchPlan, SourceError, assign_groups, check_version
 from tsync_mcore.trace import DeferredRecord, Record, SourceRecord, UpdateRecord
@@ -50,6 +51,16 @@ class UpdateResult:
     @property
     def policy_version(self) -> int:  # the version the batch was sampled from (θ_k)
         return self.summary.update
+
+
+def max_lag(cfg: LearnerConfig, schedule: str | None = None) -> int:
+    """How many updates behind θ_k a source of `schedule` (default cfg's) may have been
+    sampled: 0 for the synchronous schedules (zero staleness), 1 for one_step_off,
+    learner.max_staleness for fully_async."""
+    schedule = schedule or cfg.schedule
+    if schedule not in ASYNC_SCHEDULES:
+        return 0
+    return 1 if schedule == "one_step_off" else cfg.max_staleness
 
 
 class Learner:
@@ -72,6 +83,8 @@ class Learner:
         self.kv_per_token = 0  # K/V bytes of one token on this rank, once a forward showed it
         # Longest source accepted: the model's positions, or less (learner.max_tokens).
         self.max_tokens = min(policy.spec.max_position, cfg.max_tokens or policy.spec.max_position)
+        # learner.is_correction/is_cap, and the mismatch sums of the sources served since close
+        self.off_policy = OffPolicy(cfg.is_correction, cfg.is_cap, policy.device)
         self.plan: BatchPlan | None = None
 
     # --- register -------------------------------------------------------------------------
@@ -93,6 +106,7 @@ class Learner:
             raise ValueError(f"routing {routing!r}: the {self.cfg.objective} objective routes "
                              f"{' or '.join(self.objective.routings)}")
         self.schedule = schedule or self.cfg.schedule
+        self.max_lag = max_lag(self.cfg, self.schedule)
         self.routing = routing
         self.owner = assign_groups(plan, group_tokens or {}, self.policy.par.dp_size)
         self.plan = plan
@@ -104,12 +118,14 @@ class Learner:
         self.trace: list[Record] = []
         self.t0 = time.perf_counter() if t0 is None else t0
         self.scored: dict[str, int] = {}  # scored tokens served here, per group
+        self.lag_sums: dict[str, int] = {}  # Σ over those tokens of their lag k − v, per unit
         self.committed: set[str] = set()  # groups with something in the batch accumulator
         self.dropped: dict[str, str] = {}
         self.rejected: list[tuple[str, str]] = []  # (source, why), refused here
         self.nonfinite: list[str] = []  # check_finite=source: the unit that broke the sums
         self.open_peak_bytes = 0
         self.acc.reset()
+        self.off_policy.reset()  # an aborted batch's mismatch is not this one's
         try:
             self.kind.begin()
         except SourceError:
@@ -135,7 +151,8 @@ class Learner:
                 update=self.version, rank=self.policy.par.rank,
                 source=self.kind.name, traj_id=src.traj_id,
                 group_id=g, turn=getattr(src, "turn", None), policy_version=src.policy_version,
-                scored_tokens=src.n_scored,
+                scored_tokens=src.n_scored, policy_lag=self.version - src.policy_version,
+                lagged_tokens=self._lag(src)[1],
                 ready=self.now() if arrived is None else arrived - self.t0)
         self._maybe_complete(g)
         if serve:
@@ -168,7 +185,11 @@ class Learner:
                               f"trains on {self.kind.source_type.__name__}s")
         self.kind.validate(src)
         name = f"{type(src).__name__} {src.key!r}"
-        check_version(name, src.policy_version, self.version)
+        check_version(name, src.policy_version, self.version, self.max_lag)
+        if src.token_versions and max(src.token_versions) > self.version:
+            raise SourceError(f"{name}: a token sampled by policy version "
+                              f"{max(src.token_versions)}, after the current version "
+                              f"{self.version}; future tokens are never trained on")
         members = self.plan.groups.get(src.group_id)
         if members is None:
             raise SourceError(f"{name}: group {src.group_id!r} is not registered in this batch")
@@ -178,6 +199,14 @@ class Learner:
         if src.key in self.arrived:
             raise SourceError(f"{name}: duplicate, already received in this batch")
         self.kind.check(src)
+
+    def _lag(self, src) -> tuple[int, int]:
+        """(Σ of k − v over its scored tokens, scored tokens sampled by a version < k)."""
+        if src.token_versions:
+            lags = [self.version - v for m, v in zip(src.scored_mask, src.token_versions) if m]
+            return sum(lags), sum(1 for x in lags if x > 0)
+        lag = self.version - src.policy_version
+        return lag * src.n_scored, src.n_scored if lag > 0 else 0
 
     def _maybe_complete(self, g: str) -> None:
         if g not in self.dropped and not self.queue.is_complete(g) and self.kind.complete(g):
@@ -201,6 +230,7 @@ class Learner:
                                                         span["logits"])
             self.trace.append(rec)
             self.scored[g] = self.scored.get(g, 0) + src.n_scored
+            self.lag_sums[src.key] = self._lag(src)[0]
             self.open_peak_bytes = max(self.open_peak_bytes, self.open_bytes())
             self.kind.after(svc)  # deferred work (its own trace records, after this one)
             self._check_finite(g, f"{type(src).__name__} {src.key!r} (group {g!r})")
@@ -329,6 +359,7 @@ class Learner:
                                       self.cfg.token_norm_constant)
         # The accumulator holds the descent direction −Σ_G g_G; one step per batch.
         step = self.policy.apply_and_step(self.acc.batch, scale, export_grad=export_grad)
+        lag = self._lag_figures(dropped_anywhere, scored)
         summary = UpdateRecord(
             update=self.version, rank=self.policy.par.rank, objective=self.cfg.objective,
             schedule=self.schedule, n_groups=n_groups,
@@ -338,13 +369,31 @@ class Learner:
             accum_peak_bytes=self.acc.peak_bytes, accum_bound_bytes=self.acc.bound_bytes,
             open_peak_bytes=self.open_peak_bytes,
             kv_peak_bytes=self.kind.kv_peak_bytes, grad_norm=step.grad_norm,
-            lr=step.lr, ok=step.ok, nonfinite_sources=list(self.nonfinite))
+            lr=step.lr, ok=step.ok, nonfinite_sources=list(self.nonfinite), **lag)
         self.trace.append(summary)
         result = UpdateResult(summary=summary, grad=step.grad, trace=self.trace)
         if step.ok:  # a skipped step leaves θ_k, so the next batch is again for version k
             self.version += 1
         self.plan = None
         return result
+
+    def _lag_figures(self, dropped: list[str], scored: int) -> dict:
+        """The policy-lag distribution of the scored tokens that trained, and the mismatch
+        of every scored token served with a behaviour log-prob, over all DP ranks (TP ranks
+        of a DP rank hold the same): one sum and one max all-reduce, one host read of the
+        device sums (objectives/off_policy.py)."""
+        trained = {k: r for k, r in self.records.items()
+                   if r.served and r.group_id not in dropped}
+        sums, maxima, tokens = self.off_policy.take()
+        lag_sum = sum(self.lag_sums[k] for k in trained)
+        trained = trained.values()
+        lagged = sum(r.lagged_tokens for r in trained)
+        lag_max = max((r.policy_lag for r in trained if r.scored_tokens), default=0)
+        s = self.policy.dp_sum_vector([lag_sum, lagged, tokens, *sums])
+        mx = self.policy.dp_max_vector([lag_max, *maxima])
+        return dict(policy_lag_mean=s[0] / scored if scored else 0.0, policy_lag_max=int(mx[0]),
+                    lagged_token_share=s[1] / scored if scored else 0.0,
+                    **mismatch(s[3:], mx[1:], int(s[2])).means())
 
     def _incomplete(self) -> list[str]:
         """What keeps this batch from closing, as seen from this rank (a collective)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from tsync_mcore.trace import Record, SourceRecord
+from tsync_mcore.trace import Record, SourceRecord, UpdateRecord
 
 # metrics.jsonl key → (tracker name, factor applied to the value).
 TRACKER_NAMES: dict[str, tuple[str, float]] = {
@@ -33,6 +33,10 @@ TRACKER_NAMES: dict[str, tuple[str, float]] = {
     "entropy": ("actor/entropy", 1.0),
     "lr": ("actor/lr", 1.0),
     "grad_norm": ("actor/grad_norm", 1.0),
+    # off-policy figures (docs/async-learner.md): the same keys under one prefix
+    **{k: (f"off_policy/{k}", 1.0) for k in (
+        "policy_lag_mean", "policy_lag_max", "lagged_token_share", "logprob_diff_mean",
+        "is_weight_mean", "is_weight_max", "is_weight_min", "is_truncated_share")},
 }
 
 
@@ -98,6 +102,19 @@ def reduce_stats(rows: Iterable[list[float]]) -> dict:
         tokens=int(sum(r["tokens"] for r in rows)),
         entropy=sum(r["entropy_sum"] for r in rows) / ent_n if ent_n else None,
     )
+
+
+# The policy-lag distribution and the rollout/learner mismatch of an update, as its
+# UpdateRecord carries them (reduced over DP ranks by the learner's close).
+OFF_POLICY_FIELDS = ("policy_lag_mean", "policy_lag_max", "lagged_token_share",
+                     "mismatch_tokens", "logprob_diff_mean", "is_weight_mean", "is_weight_max",
+                     "is_weight_min", "is_truncated_share")
+
+
+def off_policy_metrics(update: UpdateRecord) -> dict:
+    """metrics.jsonl keys of the update's lag and mismatch figures (None: no token had a
+    behaviour log-prob)."""
+    return {k: getattr(update, k) for k in OFF_POLICY_FIELDS}
 
 
 def throughput(tokens: int, step_s: float, n_devices: int) -> float | None:

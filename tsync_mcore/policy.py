@@ -17,6 +17,7 @@ import tsync_mcore.kernels as K
 from tsync_mcore.config import Config
 from tsync_mcore.model import bridge, span, train
 from tsync_mcore.model.parallel import ParallelInfo, init_parallel
+from tsync_mcore.objectives.off_policy import OffPolicy, behaviour_at, weighted_logp_sum
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -76,13 +77,19 @@ class Policy:
 
     # --- one source ---------------------------------------------------------------------
 
-    def backward_source(self, tokens: list[int], scored_mask: list[int], weight: float) -> float:
-        """grad buffers += ∇_θ [−weight · Σ_{t∈M} log π_θ(a_t | h_t)]; returns Σ log π."""
+    def backward_source(self, tokens: list[int], scored_mask: list[int], weight: float,
+                        off_policy: OffPolicy | None = None, behaviour=()) -> float:
+        """grad buffers += ∇_θ [−weight · Σ_{t∈M} ρ_t log π_θ(a_t | h_t)]; returns Σ log π.
+
+        ρ_t = 1, or the truncated IS weight from the source's `behaviour` log-probs (one per
+        token) when `off_policy` corrects (objectives/off_policy.py)."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.nonzero(torch.tensor(scored_mask, device=self.device)).squeeze(1)
         logits = bridge.logits(self.ddp, ids[None])[0]  # [S, V_local]
         logp = self.scored_logprob(logits, ids, pos)
-        (-weight * logp.sum()).backward()
+        rho = off_policy.weights(logp, behaviour_at(behaviour, scored_mask)) if off_policy \
+            else None
+        (-weight * weighted_logp_sum(logp, rho)).backward()
         return float(logp.detach().sum())
 
     def scored_logprob(self, logits: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor):
@@ -165,6 +172,14 @@ class Policy:
     def dp_sum(self, x: float) -> float:
         """Sum a host scalar over data-parallel ranks (e.g. the global scored-token count)."""
         return self.dp_sum_vector([x])[0]
+
+    def dp_max_vector(self, xs: list[float]) -> list[float]:
+        """Elementwise max of a host vector over data-parallel ranks (one all-reduce)."""
+        if self.par.dp_size == 1 or not xs:
+            return list(xs)
+        t = torch.tensor(xs, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.par.dp_group)
+        return t.tolist()
 
     def dp_sum_vector(self, xs: list[float]) -> list[float]:
         """Elementwise sum of a host vector over data-parallel ranks (one all-reduce)."""

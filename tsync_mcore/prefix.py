@@ -21,6 +21,7 @@ import torch
 
 from tsync_mcore.accumulators import f32
 from tsync_mcore.model.span import KV, backward_kv, detached_leaves, kv_bytes
+from tsync_mcore.objectives.off_policy import OffPolicy, behaviour_at, weighted_logp_sum
 from tsync_mcore.sources import TrajectorySource
 
 
@@ -68,14 +69,19 @@ class SharedPrefix:
         return (len(src.tokens) > q and tuple(src.tokens[:q]) == self.tokens
                 and not any(src.scored_mask[:q + 1]))
 
-    def backward_continuation(self, policy, src: TrajectorySource, weight: float) -> None:
-        """grads += ∇[−w Σ log π] of the continuation; leaves.grad = its boundary adjoint."""
+    def backward_continuation(self, policy, src: TrajectorySource, weight: float,
+                              off_policy: OffPolicy | None = None) -> None:
+        """grads += ∇[−w Σ ρ_t log π] of the continuation; leaves.grad = its boundary
+        adjoint. The prompt has no scored token (`covers`), so every ρ_t is the
+        continuation's, and the adjoint carries them into the prompt's backward."""
         q = len(self.tokens)
         ids = torch.tensor(src.tokens[q:], dtype=torch.long, device=policy.device)
         pos = torch.nonzero(torch.tensor(src.scored_mask[q:], device=policy.device)).squeeze(1)
         logits, _ = policy.span_forward(ids, q, self.leaves)
         logp = policy.scored_logprob(logits, ids, pos)
-        (-weight * logp.sum()).backward()
+        rho = off_policy.weights(logp, behaviour_at(src.behaviour_logprobs,
+                                                    src.scored_mask[q:], q)) if off_policy else None
+        (-weight * weighted_logp_sum(logp, rho)).backward()
 
     def _take_adjoint(self, leaves: list[KV] | None = None) -> list[torch.Tensor]:
         adj = []

@@ -6,8 +6,12 @@
     torchrun --nproc-per-node 2 -m tsync_mcore.replay ...   (same flags)
 
 FILE.jsonl holds one trajectory per line (docs/replay.md). Lines are grouped into batches by
-`policy_version`; versions must run 0, 1, 2, … and each batch is one update. Sources are
-ingested in `ready_order`. Writes DIR/grad.safetensors (g_k of the last update before
+`update` (optional; default: `policy_version`, the on-policy case); updates must run
+K, K+1, … from `--start-version K` (default 0: the model is θ_K), and each batch is one
+update. A source with policy_version < update is off-policy: the schedule's lag bound
+applies (0 for sync/group_ready/thundersync, 1 for one_step_off, --max-staleness for
+fully_async) and `--is-correction tis` weights its tokens by its `behaviour_logprobs`
+(docs/async-learner.md). Sources are ingested in `ready_order`. Writes DIR/grad.safetensors (g_k of the last update before
 clipping, FP32, HF names), DIR/params.safetensors (θ after the last step, HF names) and
 DIR/trace_rank{R}.jsonl, and prints a one-line JSON summary on rank 0.
 """
@@ -32,16 +36,19 @@ from safetensors.torch import save_file
 
 from tsync_mcore import trace
 from tsync_mcore.config import ConfigError, load_config
-from tsync_mcore.learner import Learner
+from tsync_mcore.learner import Learner, max_lag
+from tsync_mcore.metrics import OFF_POLICY_FIELDS
 from tsync_mcore.model.parallel import destroy_parallel
 from tsync_mcore.objectives import OBJECTIVES
 from tsync_mcore.objectives.grpo import STD_DDOF
+from tsync_mcore.objectives.off_policy import CORRECTIONS
 from tsync_mcore.objectives.token_norm import DEPRECATED, TOKEN_NORMS
 from tsync_mcore.policy import Policy
 from tsync_mcore.routing import BalancedRouter
 from tsync_mcore.safe_files import BadFile
+from tsync_mcore.schedule import SCHEDULES
 from tsync_mcore.sources import (GRPO_FIELDS, OPD_FIELDS, BatchPlan, SourceError,
-                                 TrajectorySource, opd_turns_from_json)
+                                 TrajectorySource, check_off_policy, opd_turns_from_json)
 
 
 # One JSON Lines record → its sources, per source kind (tsync_mcore.serving).
@@ -80,19 +87,32 @@ def parse_line(raw: bytes, source: str = "trajectory", first: bool = False) -> t
         raise SourceError("invalid JSON: nested too deeply") from None
     except ValueError as e:  # e.g. an integer past the interpreter's digit limit
         raise SourceError(f"invalid JSON: {str(e).split(':')[0][:120]}") from None
+    if isinstance(obj, dict) and "update" in obj:  # the replay's own key, not the source's
+        u = obj["update"]
+        if isinstance(u, bool) or not isinstance(u, int):
+            raise SourceError(f"update must be an integer, got {str(u)[:40]!r}")
+        obj = {k: v for k, v in obj.items() if k != "update"}
+    else:
+        u = None
     try:
-        return obj, PARSERS[source](obj)
+        srcs = PARSERS[source](obj)
     except SourceError as e:
         fields, hint = OTHER[source]
         if isinstance(obj, dict) and set(obj) >= set(fields[0]):
             raise SourceError(f"{e} ({hint})") from None
         raise
+    for s in srcs:  # needs no model: a bad off-policy field stops the run before it starts
+        name = f"trajectory {s.traj_id[:40]!r}" + (f" turn {s.turn}" if source == "turn" else "")
+        check_off_policy(name, s, getattr(s, "start", 0))
+    return (obj if u is None else {**obj, "update": u}), srcs
 
 
-def batches_from_lines(path: str, lines: Iterable[bytes], source: str = "trajectory") -> list[list]:
-    """The batches of a replay file's lines, each in arrival order. Every line's syntax,
-    key set and field types, and the file's policy versions and arrival order are checked
-    here, before any model exists; a problem is a SourceError `FILE:LINE: what`.
+def batches_from_lines(path: str, lines: Iterable[bytes], source: str = "trajectory",
+                       start: int = 0, max_lag: int = 0) -> list[list]:
+    """The batches of a replay file's lines, each in arrival order: updates start,
+    start + 1, ... Every line's syntax, key set and field types, off-policy fields, policy
+    versions (within `max_lag` updates behind the update that trains it) and arrival order
+    are checked here, before any model exists; a problem is a SourceError `FILE:LINE: what`.
 
     Arrival: GRPO lines carry `ready_order` on every line, or on none (then file order);
     OPD lines carry `turn_ready_order`. Within an update no two sources share a place, and
@@ -102,6 +122,7 @@ def batches_from_lines(path: str, lines: Iterable[bytes], source: str = "traject
     place: dict[tuple[int, int], int] = {}   # (version, ready_order) → line
     trajs: dict[tuple[int, str], int] = {}   # (version, traj_id) → line
     ordered: dict[bool, int] = {}            # GRPO: has ready_order → first such line
+    keyed = False                            # some line says its update
 
     def fail(lineno: int, msg: str) -> SourceError:
         return SourceError(f"{path}:{lineno}: {msg}")
@@ -113,9 +134,19 @@ def batches_from_lines(path: str, lines: Iterable[bytes], source: str = "traject
             obj, srcs = parse_line(raw, source, first=lineno == 1)
         except SourceError as e:
             raise fail(lineno, str(e)) from None
-        v, tid = srcs[0].policy_version, srcs[0].traj_id
+        pv, tid = srcs[0].policy_version, srcs[0].traj_id
+        v = obj.get("update", pv)  # the update that trains it: batches are keyed by it
+        keyed = keyed or "update" in obj
+        if pv > v:
+            raise fail(lineno, f"policy_version {pv} is after update {v}; a source is never "
+                               f"trained by a policy older than the one that sampled it")
+        if pv < v - max_lag:
+            raise fail(lineno, f"policy_version {pv} is {v - pv} updates behind update {v}; "
+                               f"this schedule trains on lag 0..{max_lag} only (--schedule, "
+                               f"--max-staleness)")
         if (v, tid) in trajs:
-            raise fail(lineno, f"trajectory {tid[:40]!r} appears twice in policy_version {v} "
+            what = "update" if keyed else "policy_version"
+            raise fail(lineno, f"trajectory {tid[:40]!r} appears twice in {what} {v} "
                                f"(first at line {trajs[v, tid]})")
         trajs[v, tid] = lineno
         has = source != "trajectory" or "ready_order" in obj  # OPD: required by the parser
@@ -141,20 +172,25 @@ def batches_from_lines(path: str, lines: Iterable[bytes], source: str = "traject
         by_version.setdefault(v, []).extend(srcs)
     if not by_version:
         raise SourceError(f"{path}: no sources (the file is empty)")
-    for i, v in enumerate(sorted(by_version)):
+    what = "update" if keyed else "policy_version"
+    for i, v in enumerate(sorted(by_version), start):
         if v != i:
-            why = "is negative" if v < 0 else f"but no line has policy_version {i}"
-            raise fail(first_line[v], f"policy_version {v} {why}; versions must run "
-                                      f"0, 1, 2, ... without gaps (one update each)")
+            why = (f"is before --start-version {start}" if v < start
+                   else f"but no line has {what} {i}")
+            if v < 0:
+                why = "is negative"
+            raise fail(first_line[v], f"{what} {v} {why}; {what}s must run "
+                                      f"{start}, {start + 1}, ... without gaps (one update each)")
     return [sorted(by_version[v], key=lambda s: s.ready_order) for v in sorted(by_version)]
 
 
-def read_batches(path: str, source: str = "trajectory") -> list[list]:
+def read_batches(path: str, source: str = "trajectory", start: int = 0,
+                 max_lag: int = 0) -> list[list]:
     """The batches of a replay file, each in readiness order; `source`: the objective's
     source kind. See batches_from_lines."""
     try:
         with open(path, "rb") as f:
-            return batches_from_lines(path, f, source)
+            return batches_from_lines(path, f, source, start, max_lag)
     except OSError as e:
         raise SourceError(f"{path}: cannot read the batch file: {e.strerror or e}") from None
 
@@ -225,8 +261,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="learner.objective (default grpo; opd reads one turn per line)")
     p.add_argument("--opd-replay", default=None, choices=["recompute", "retain"],
                    help="learner.opd_replay: how an OPD trajectory's context is replayed")
-    p.add_argument("--schedule", default="thundersync", choices=["sync", "group_ready", "thundersync"],
-                   help="learner.schedule: when a source is served (default thundersync)")
+    p.add_argument("--schedule", default="thundersync", choices=list(SCHEDULES),
+                   help="learner.schedule: when a source is served, and how far behind the "
+                        "update its policy_version may be (default thundersync: 0)")
+    p.add_argument("--max-staleness", type=int, default=None,
+                   help="learner.max_staleness: fully_async's lag bound")
+    p.add_argument("--is-correction", default=None, choices=list(CORRECTIONS),
+                   help="learner.is_correction: tis weights each scored token by "
+                        "min(π_θ/π_behaviour, --is-cap) from its behaviour_logprobs")
+    p.add_argument("--is-cap", type=float, default=None, help="learner.is_cap")
+    p.add_argument("--start-version", type=int, default=0,
+                   help="the policy version of --model: the first update is this one "
+                        "(default 0); e.g. 1 to replay update 1 of a one_step_off run")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                    help="model.dtype (default fp32)")
     p.add_argument("--config", default=None, help="optional YAML config; flags override it")
@@ -272,24 +318,30 @@ def main(argv: list[str] | None = None) -> dict:
                      ("learner.adv_std", args.adv_std),
                      ("learner.accum_dtype", args.accum_dtype),
                      ("learner.opd_replay", args.opd_replay),
+                     ("learner.max_staleness", args.max_staleness),
+                     ("learner.is_correction", args.is_correction),
+                     ("learner.is_cap", args.is_cap),
                      ("optim.lr", args.lr), ("seed", args.seed)]:
         if val is not None:
             overrides[key] = val
     cfg = load_config(args.config, overrides)
-    batches = read_batches(args.batch, OBJECTIVES[cfg.learner.objective].source)
+    if args.start_version < 0:
+        raise SourceError(f"--start-version {args.start_version}: must be >= 0")
+    batches = read_batches(args.batch, OBJECTIVES[cfg.learner.objective].source,
+                           args.start_version, max_lag(cfg.learner))
 
     t0 = time.perf_counter()
     policy = Policy(cfg)
-    learner = Learner(cfg.learner, policy)
+    learner = Learner(cfg.learner, policy, policy_version=args.start_version)
     results = []
-    for k, sources in enumerate(batches):
+    for k, sources in enumerate(batches, args.start_version):
         tokens: dict[str, int] = {}
         for s in sources:
             tokens[s.group_id] = tokens.get(s.group_id, 0) + len(s.tokens)
         plan = BatchPlan.from_sources(sources)
         learner.begin(plan, group_tokens=tokens, routing=args.routing)
         _feed(learner, sources, plan, args.routing, policy.par)
-        last = k == len(batches) - 1
+        last = k == args.start_version + len(batches) - 1
         results.append(learner.close(export_grad=last or args.save_grads == "all"))
         done = results[-1].summary
         if not done.ok:  # collective: every rank skipped the step and stops here
@@ -312,6 +364,9 @@ def main(argv: list[str] | None = None) -> dict:
         "world_size": par.world_size, "tp": par.tp_size, "dp": par.dp_size,
         "grad_norm": [r.grad_norm for r in done], "ok": all(r.ok for r in done),
         "scored_tokens": [r.scored_tokens for r in done],
+        "first_update": args.start_version,
+        **{k: [getattr(r, k) for r in done] for k in OFF_POLICY_FIELDS},
+        "rejected_sources": [len(r.rejected_sources) for r in done],
         "sources": sum(len(b) for b in batches),
         "accum_peak_bytes": max(r.accum_peak_bytes for r in done),
         "accum_bound_bytes": done[0].accum_bound_bytes,
@@ -324,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
         "time_s": round(elapsed, 3), "out": args.out,
     }
     if par.rank == 0:
-        for k, r in enumerate(results):
+        for k, r in enumerate(results, args.start_version):
             if r.grad is not None:
                 grad = {n: v.float().contiguous() for n, v in r.grad.items()}
                 if args.save_grads == "all":

@@ -47,6 +47,8 @@ class SourceRecord:
     policy_version: int  # the version that sampled the source (== update when on-policy)
     scored_tokens: int  # tokens the loss scores
     ready: float  # when it reached this rank
+    policy_lag: int = 0  # update − policy_version: how many updates behind θ_k it was sampled
+    lagged_tokens: int = 0  # its scored tokens sampled by a version older than θ_k
     start: float | None = None  # service start; None: not served on this rank
     end: float | None = None  # service end (its tensors freed)
     cpu: float | None = None  # this thread's CPU seconds over [start, end]
@@ -107,6 +109,19 @@ class UpdateRecord:
     # learner.check_finite=source: the unit after whose service this rank's sums were first
     # non-finite (empty: finite here, or not checked per source)
     nonfinite_sources: list[str] = field(default_factory=list)
+    # Policy lag of the scored tokens that trained (over all ranks; docs/async-learner.md):
+    # mean of update − (the version that sampled the token), its max, share with lag > 0
+    policy_lag_mean: float = 0.0
+    policy_lag_max: int = 0
+    lagged_token_share: float = 0.0
+    # Rollout/learner mismatch over the scored tokens served with a behaviour log-prob (over
+    # all ranks; null when none had one), whether the correction is on or off
+    mismatch_tokens: int = 0  # scored tokens with a behaviour log-prob
+    logprob_diff_mean: float | None = None  # mean |log π_θ − log π_behaviour|
+    is_weight_mean: float | None = None  # mean of π_θ/π_behaviour (before truncation)
+    is_weight_max: float | None = None
+    is_weight_min: float | None = None
+    is_truncated_share: float | None = None  # share with π_θ/π_behaviour > learner.is_cap
     kind: Literal["update"] = "update"  # fixed per class
 
     @property

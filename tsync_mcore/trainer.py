@@ -36,7 +36,7 @@ from tsync_mcore.ledger.account import update_flops
 from tsync_mcore.ledger.memory import MemoryMeter
 from tsync_mcore.ledger.mfu import detect_peak, mfu_active
 from tsync_mcore.ledger.nvml import NvmlSampler
-from tsync_mcore.metrics import local_stats, reduce_stats, throughput
+from tsync_mcore.metrics import local_stats, off_policy_metrics, reduce_stats, throughput
 from tsync_mcore.policy import Policy
 from tsync_mcore.safe_files import BadFile
 from tsync_mcore.schedule import ASYNC_SCHEDULES
@@ -291,6 +291,7 @@ class Trainer:
             trajectories=sum(len(ts) for ts in plan.groups.values()),
             n_groups=done.n_groups, dropped_groups=done.dropped_groups,
             scored_tokens=done.scored_tokens, stale_sources=n_stale,
+            **off_policy_metrics(done),  # lag and mismatch, already over all DP ranks
             rejected_sources=n_rejected,
             grad_norm=done.grad_norm, lr=done.lr, accum_peak_bytes=done.accum_peak_bytes,
             kv_peak_bytes=max(kv_peaks), kv_peak_bytes_per_rank=kv_peaks,

@@ -21,11 +21,16 @@ class Distillation:
     routings = ("static",)  # a trajectory's turns and its group's prompt stay on one rank
 
     @staticmethod
-    def turn_loss(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
-        return turn_loss(student_logp, teacher_logp)
+    def turn_loss(student_logp: torch.Tensor, teacher_logp: torch.Tensor,
+                  rho: torch.Tensor | None = None) -> torch.Tensor:
+        return turn_loss(student_logp, teacher_logp, rho)
 
 
-def turn_loss(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
-    """−Σ_t A_t · log π_θ(a_t): its gradient is −g_j (descent on the turn's objective)."""
+def turn_loss(student_logp: torch.Tensor, teacher_logp: torch.Tensor,
+              rho: torch.Tensor | None = None) -> torch.Tensor:
+    """−Σ_t ρ_t·A_t · log π_θ(a_t): its gradient is −g_j (descent on the turn's objective).
+    ρ_t: the truncated IS weight (objectives/off_policy.py); None is 1."""
     advantage = (teacher_logp.to(student_logp.dtype) - student_logp).detach()
+    if rho is not None:
+        advantage = advantage * rho
     return -(advantage * student_logp).sum()

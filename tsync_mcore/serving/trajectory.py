@@ -108,10 +108,12 @@ class TrajectoryKind:
             # close (objectives/token_norm.py).
             w = l.norm.source_weight(src.n_scored)
             prefix = self._prefix_for(src) if l.cfg.shared_prefix else None
+            # ρ_t (off-policy correction) per scored token: inside the backward's weights.
             if prefix is None:
-                l.policy.backward_source(list(src.tokens), list(src.scored_mask), w)
+                l.policy.backward_source(list(src.tokens), list(src.scored_mask), w,
+                                         l.off_policy, src.behaviour_logprobs)
             else:
-                prefix.backward_continuation(l.policy, src, w)
+                prefix.backward_continuation(l.policy, src, w, l.off_policy)
             q = len(prefix) if prefix is not None else 0
             span = dict(span_tokens=src.n_tokens - q, context=q, logits=True)
             grads = l.policy.grad_buffers()

@@ -27,6 +27,7 @@ import torch
 
 from tsync_mcore.model.span import (KV, backward_kv, concat_kv, detached_leaves, kv_bytes,
                                     leaf_adjoints)
+from tsync_mcore.objectives.off_policy import behaviour_at
 from tsync_mcore.prefix import SharedPrefix
 from tsync_mcore.schedule import Service
 from tsync_mcore.sources import SourceError, TurnSource, validate_turn
@@ -218,7 +219,10 @@ class TurnKind:
             teacher = torch.tensor([turn.teacher_logprobs[q + p] for p in pos.tolist()],
                                    dtype=torch.float64, device=dev)
             student = l.policy.scored_logprob(logits, ids, pos)
-            loss = l.objective.turn_loss(student, teacher)  # N_k is the deferred scalar
+            # ρ_t from this forward's own log π_θ. Replay never re-scores a token (it pushes
+            # K/V adjoints back only), so the weight is fixed here, once.
+            rho = l.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs, mask, q))
+            loss = l.objective.turn_loss(student, teacher, rho)  # N_k is the deferred scalar
             loss.backward(retain_graph=l.cfg.opd_replay == "retain" and not last)
             self._fold(turn.group_id, svc.fold)
         ctx.turns.append(turn)
