@@ -580,7 +580,9 @@ def _play_fully_async(links, work, v0: int, seg: list[Step], R: float, routing: 
                               metrics=metrics)
             out.append(dict(R_s=t_reg - last, sim_cpu_s=0.0, release_lag_s=lag,
                             sent_lag=_sent_lag(k, bitems),
-                            dropped_stale_groups=stream.dropped_stale - dropped))
+                            dropped_stale_groups=stream.dropped_stale - dropped,
+                            # G slots, each a group at a time: a batch per mean duration
+                            R_stream_s=mean(dur)))
             last = t_reg
             continue
         stream.start_groups(now)
@@ -871,7 +873,8 @@ def _async_predicted(schedule: str, played: list[dict], by_update: dict, pred: d
                      P: float) -> list[float]:
     """Predicted step times of an asynchronous schedule's measured (steady) updates.
     one_step_off: each segment's traces through predict.one_step_off_segment; fully_async:
-    predict.one_step_off_period with R its rollout time per batch. P: the suffix (reduction,
+    predict.one_step_off_period with R the stream's time per batch when nothing holds it
+    back (the mean group duration: G slots). P: the suffix (reduction,
     optimizer step, publication) of the cell's sync updates, the same work."""
     segments: list[list[dict]] = []
     for r in played:
@@ -885,8 +888,9 @@ def _async_predicted(schedule: str, played: list[dict], by_update: dict, pred: d
         if schedule == "one_step_off":
             steps = predict.one_step_off_segment(
                 [(pred[u]["R"], predict.jobs_by_rank(by_update.get(u, [])), P) for u in ups])
-        else:
-            steps = [predict.one_step_off_period(pred[u]["R"], pred[u]["L"], P) for u in ups]
+        else:  # the stream's own pace, not the interval it showed (the bound held it back)
+            steps = [predict.one_step_off_period(r["R_stream_s"], pred[r["policy_version"]]["L"], P)
+                     for r in seg]
         out += [t for t, r in zip(steps, seg) if r["steady"]]
     return out
 
