@@ -281,9 +281,14 @@ class RolloutConfig:
     # Which learner rank serves a finished trajectory (tsync_mcore.routing). auto: GRPO
     # family "balanced" (per trajectory, least-loaded rank), OPD "static" (by group).
     routing: Literal["auto", "static", "balanced"] = "auto"
+    # fully_async: groups generated at once at most (0: groups_per_batch); AReaL's staleness
+    # bound (learner.max_staleness) may hold fewer back (docs/async.md)
+    max_groups_in_flight: int = 0
 
     def validate(self) -> None:
         _check(self.n_learners >= 1, "rollout.n_learners", "must be >= 1")
+        _check(self.max_groups_in_flight >= 0, "rollout.max_groups_in_flight",
+               f"must be >= 0 (0: groups_per_batch), got {self.max_groups_in_flight}")
         _check(self.groups_per_batch >= 1, "rollout.groups_per_batch", "must be >= 1")
         _check(self.group_size >= 1, "rollout.group_size", "must be >= 1")
         _check(self.max_turns >= 1, "rollout.max_turns", "must be >= 1")
@@ -429,6 +434,13 @@ class Config:
         _check(self.optim.warmup_updates < decay, "optim.warmup_updates",
                f"must be < optim.decay_updates (0: run.updates), here {decay}, got "
                f"{self.optim.warmup_updates}")
+        _check(not (self.learner.objective == "opd" and self.learner.schedule == "fully_async"),
+               "learner.schedule", "'fully_async' is for the GRPO family: OPD registers a "
+               "batch's turn counts before its turns stream, and fully_async forms a batch only "
+               "from completed groups (one_step_off supports OPD)")
+        _check(not (self.run.eval_every and self.learner.schedule == "fully_async"),
+               "run.eval_every", "evaluation runs between batches, and fully_async has no "
+               "'between': use one_step_off or a synchronous schedule to evaluate")
         _check(not (self.learner.objective == "opd" and self.rollout.routing == "balanced"),
                "rollout.routing", "'balanced' is for the GRPO family; OPD routes by group "
                "(a trajectory's turns and its group's shared prompt stay on one rank)")

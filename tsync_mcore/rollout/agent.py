@@ -25,8 +25,9 @@ from typing import Any, Protocol
 from tsync_mcore.rollout.engine import GenOut
 from tsync_mcore.rollout.envs import AgentEnv
 
-# on_turn(turn_index, tokens_so_far, turn_start, turn_end, scored_mask_so_far); may be async.
-TurnCallback = Callable[[int, list[int], int, int], Awaitable[None] | None]
+# on_turn(turn_index, tokens_so_far, turn_start, turn_end, scored_mask_so_far,
+# logprobs_so_far, token_versions_so_far); may be async.
+TurnCallback = Callable[..., Awaitable[None] | None]
 
 
 @dataclass
@@ -40,6 +41,9 @@ class TrajectoryResult:
     logprobs: list[float | None]  # sampling log-prob of each scored token, None elsewhere
     finish_reasons: list[str]  # per turn: "stop", "length"
     policy_versions: list[int]  # engine weight version that finished each turn
+    # the weight version that sampled each scored token, None elsewhere (a turn cut by an
+    # in-flight swap has two: docs/async.md)
+    token_versions: list[int | None]
     stop_reason: str  # "done" (env), "max_turns", "max_total_tokens"
     n_timeouts: int = 0  # tool calls cut by the agent's own step timeout
     gen_s: float = 0.0  # time awaiting the engine
@@ -131,6 +135,7 @@ async def run_trajectory(
     turn_ends: list[int] = []
     finish: list[str] = []
     versions: list[int] = []
+    token_versions: list[int | None] = [None] * len(prompt)
     gen_s = tool_s = 0.0
     n_timeouts = 0
     stop_reason = "max_turns"
@@ -145,11 +150,13 @@ async def run_trajectory(
         tokens += action
         mask += [1] * len(action)
         logprobs += list(out.logprobs)
+        token_versions += list(out.token_versions) or [out.policy_version] * len(action)
         turn_ends.append(len(tokens))
         finish.append(out.finish_reason)
         versions.append(out.policy_version)
         if on_turn is not None:  # the turn is final now: OPD can score and release it
-            await _maybe_await(on_turn(turn, list(tokens), turn_start, len(tokens), list(mask)))
+            await _maybe_await(on_turn(turn, list(tokens), turn_start, len(tokens), list(mask),
+                                       list(logprobs), list(token_versions)))
         # The env sees every action, the last one included: the reward may depend on it.
         obs, done, dt, timed_out = await _step(env, action, step_timeout_s)
         tool_s += dt
@@ -170,11 +177,13 @@ async def run_trajectory(
         tokens += obs
         mask += [0] * len(obs)
         logprobs += [None] * len(obs)
+        token_versions += [None] * len(obs)
     t_end = time.monotonic()
     return TrajectoryResult(
         tokens=tokens, scored_mask=mask, turn_ends=turn_ends, reward=float(env.reward()),
         prompt_len=len(prompt), n_turns=len(turn_ends), logprobs=logprobs,
-        finish_reasons=finish, policy_versions=versions, stop_reason=stop_reason,
+        finish_reasons=finish, policy_versions=versions, token_versions=token_versions,
+        stop_reason=stop_reason,
         n_timeouts=n_timeouts, gen_s=gen_s, tool_s=tool_s, wall_s=t_end - t_start,
         t_start=t_start, t_end=t_end)
 

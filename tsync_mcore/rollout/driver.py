@@ -14,11 +14,23 @@
       cache, Ack. Only then does batch k+1 start.
 A learner that dies or stops surfaces here as PeerGone/ChannelTimeout: the rollout stops
 cleanly with that reason instead of hanging.
+
+The asynchronous schedules (docs/async.md) keep the messages and change when they go:
+  one_step_off: batch b is sampled with θ_{max(b−1, v0)}. Between batches every Publish
+      that has arrived is reloaded and acknowledged; the loop blocks only while the loaded
+      version is below b − 1.
+  fully_async: groups are generated continuously (rollout.max_groups_in_flight at once,
+      AReaL's staleness bound); a Publish is loaded as soon as it arrives, mid-request
+      (abort and continue: every token keeps the version that sampled it). Batch k is
+      registered once a batch worth of groups has completed, in completion order; a group
+      older than learner.max_staleness at that point is dropped and counted, never sent.
+Every source carries its sampling log-probs (behaviour_logprobs) on every schedule.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -40,6 +52,7 @@ from tsync_mcore.rollout.agent import run_batch
 from tsync_mcore.rollout.engine import EngineThread, RolloutEngine, TeacherScorer
 from tsync_mcore.rollout.envs import SkyRLGymAdapter, ToyToolConfig, ToyToolEnv
 from tsync_mcore.rollout.feed import DataFeed
+from tsync_mcore.rollout.pacing import BatchFormer, Group, may_start, span_off_policy
 from tsync_mcore.rewards import RewardFailed
 from tsync_mcore.data import DataError
 from tsync_mcore.routing import BalancedRouter
@@ -54,6 +67,10 @@ FINISHED = "learner finished"  # reason prefix of the learner's Shutdown after i
 
 class RolloutStopped(RuntimeError):
     """The rollout stopped before the learner finished; the message says why."""
+
+
+class _LearnerFinished(Exception):
+    """The learner said it finished (run.updates or run.budget_s): stop wherever we are."""
 
 
 @dataclass
@@ -100,6 +117,10 @@ class RolloutDriver:
         positions = getattr(hf, "max_position_embeddings", None) or 4096  # as the learner's bridge
         self.max_tokens = min(positions, cfg.learner.max_tokens or positions)
         self.dropped: dict[str, str] = {}  # this batch's dropped groups: why
+        self.schedule = cfg.learner.schedule
+        self.notices: list[Publish] = []  # Publish messages taken mid-batch, not yet loaded
+        self.loaded = 0  # the policy version the engine serves
+        self.swaps = 0  # weight reloads since the last CloseBatch (async/weight_swaps)
         self.et = EngineThread()
         self.engine: RolloutEngine = self.et.run(self._make_engine())
         self.teacher = TeacherScorer(self.rc.teacher_dir) if self.turns else None
@@ -126,6 +147,11 @@ class RolloutDriver:
             hello = self._recv(0, Hello)
             version, data_pos = hello.version, hello.data_pos
             self._serve_publish(version)
+            self.swaps = 0  # θ_start is no swap
+            if self.schedule == "one_step_off":
+                return self._one_step_off(version, data_pos)
+            if self.schedule == "fully_async":
+                return self.et.run(self._fully_async(version, data_pos))
             while version < self.cfg.run.updates:
                 batch = self._plan(version, data_pos)
                 data_pos += self.rc.groups_per_batch
@@ -151,7 +177,14 @@ class RolloutDriver:
                 if live == version + 1 and self._eval_due(live):
                     self._evaluate(live)
                 version = live  # == version when the learner dropped the batch
+        except _LearnerFinished:
+            print(f"[rollout] learner finished ({self.links[0].peer_shutdown or ''}); "
+                  f"stopping", flush=True)
         except ChannelError as e:
+            if (self.links[0].peer_shutdown or "").startswith(FINISHED):
+                print(f"[rollout] learner finished ({self.links[0].peer_shutdown}); stopping",
+                      flush=True)
+                return
             raise RolloutStopped(str(e)) from e
         except RolloutStopped as e:
             for link in self.links:  # tell every learner rank why, instead of a bare close
@@ -201,7 +234,9 @@ class RolloutDriver:
     def _ranks_of(self, dp_rank: int) -> list[int]:
         return [dp_rank * self.tp + t for t in range(self.tp)]
 
-    def _envs(self, batch: _Batch) -> list:
+    def _envs(self, batch: _Batch, salt: int | None = None) -> list:
+        """The batch's environments; `salt` (fully_async: the group's data position) varies
+        the toy tool's latencies from group to group."""
         n = len(batch.traj_ids)
         if self.feed is not None:
             return self.feed.train_envs(batch.rows, batch.traj_ids)
@@ -209,7 +244,9 @@ class RolloutDriver:
             conf = ToyToolConfig(max_turns=self.rc.max_turns,
                                  latency_median_s=self.rc.tool_latency_s,
                                  tool_timeout_s=self.rc.tool_timeout_s)
-            return [ToyToolEnv(self.tok, conf, latency_rng=random.Random(i)) for i in range(n)]
+            rng = (lambda i: random.Random(i)) if salt is None else \
+                (lambda i: random.Random(salt * 1_000_003 + i))
+            return [ToyToolEnv(self.tok, conf, latency_rng=rng(i)) for i in range(n)]
         name = self.rc.env.split(":", 1)[1]
         prompt = [{"role": "user", "content": "Solve the task step by step."}]
         return [SkyRLGymAdapter.from_registry(name, self.tok, prompt) for _ in range(n)]
@@ -234,9 +271,17 @@ class RolloutDriver:
         if isinstance(msg, Rejected):
             if msg.version == version:
                 self._drop(version, msg.group_id, f"a learner rejected {msg.source}: {msg.reason}")
+            else:  # a closed batch's: the learners agree on it at its close
+                print(f"[rollout] learner rejected {msg.source} of update {msg.version}: "
+                      f"{msg.reason}", flush=True)
             return
         if isinstance(msg, Shutdown):
+            if msg.reason.startswith(FINISHED):
+                raise _LearnerFinished()
             raise RolloutStopped(f"learner shut down: {msg.reason}")
+        if isinstance(msg, Publish) and self.schedule in ("one_step_off", "fully_async"):
+            self.notices.append(msg)  # loaded between batches (one_step_off) or at once
+            return
         raise RolloutStopped(f"unexpected {type(msg).__name__} from a learner mid-batch")
 
     def _checked(self, version: int, src) -> bool:
@@ -265,7 +310,7 @@ class RolloutDriver:
             tid, gid = batch.traj_ids[i], batch.group_of[i]
 
             async def release(turn: int, tokens: list[int], start: int, end: int,
-                              mask: list[int]) -> None:
+                              mask: list[int], logprobs: list, versions: list) -> None:
                 nonlocal order
                 span = tokens[start:end]
                 scored = [p for p in range(start, end) if mask[p]]
@@ -273,12 +318,15 @@ class RolloutDriver:
                 lp = [None] * (end - start)
                 for p, v in zip(scored, teacher):
                     lp[p - start] = v
+                behaviour, token_versions, sampled_by = span_off_policy(
+                    logprobs, versions, mask, start, end, self.loaded)
                 src = TurnSource(
                     traj_id=tid, group_id=gid, turn=turn, n_turns=self.rc.max_turns,
                     start=start, tokens=tuple(span),
                     scored_mask=tuple(mask[start:end]), teacher_logprobs=tuple(lp),
-                    policy_version=batch.version, ready_order=order,
-                    prompt_len=None)
+                    policy_version=sampled_by, ready_order=order,
+                    prompt_len=None, behaviour_logprobs=behaviour,
+                    token_versions=token_versions)
                 self._take_rejections(batch.version)
                 if self._checked(batch.version, src):
                     send(gid, TurnMsg(src))
@@ -307,10 +355,7 @@ class RolloutDriver:
                                f"raise rollout.max_total_tokens so every trajectory runs all "
                                f"its turns")
                 continue
-            src = TrajectorySource(
-                traj_id=batch.traj_ids[i], group_id=gid, tokens=tuple(res.tokens),
-                scored_mask=tuple(res.scored_mask), reward=res.reward,
-                policy_version=batch.version, ready_order=order, prompt_len=res.prompt_len)
+            src = self._trajectory(batch.traj_ids[i], gid, res, order)
             if not self._checked(batch.version, src):
                 continue
             msg = TrajectoryMsg(src)
@@ -334,11 +379,206 @@ class RolloutDriver:
                   f"first: {stats.first_error}", flush=True)
         return order, reward_mean, (stats.metrics() if stats is not None else {})
 
+    def _trajectory(self, traj_id: str, gid: str, res, order: int) -> TrajectorySource:
+        """A finished trajectory as a source: its sampling log-probs, and the versions
+        that sampled it (its oldest as policy_version; per token when several)."""
+        behaviour, versions, sampled_by = span_off_policy(
+            res.logprobs, res.token_versions, res.scored_mask, 0, len(res.tokens), self.loaded)
+        return TrajectorySource(
+            traj_id=traj_id, group_id=gid, tokens=tuple(res.tokens),
+            scored_mask=tuple(res.scored_mask), reward=res.reward,
+            policy_version=sampled_by, ready_order=order, prompt_len=res.prompt_len,
+            behaviour_logprobs=behaviour, token_versions=versions)
+
     def _step_timeout_s(self) -> float:
         # The dataset env's step is the reward call, limited by reward.timeout_s itself.
         if self.rc.env == "dataset":
             return self.cfg.reward.timeout_s + 5.0
         return self.rc.tool_timeout_s * 2
+
+    # --- one_step_off ---------------------------------------------------------------------
+
+    def _one_step_off(self, v0: int, data_pos: int) -> None:
+        """Batch b sampled with θ_{max(b−1, v0)}: the rollout of batch b+1 runs while the
+        learner trains batch b (verl's one-step-off-policy trainer; slime's async mode)."""
+        for b in range(v0, self.cfg.run.updates):
+            self._catch_up(need=b - 1)
+            if self.swaps and self._eval_due(self.loaded):
+                self._evaluate(self.loaded)
+            batch = self._plan(b, data_pos)
+            data_pos += self.rc.groups_per_batch
+            for link in self.links:
+                link.send(RegisterBatch(
+                    version=b, objective=self.cfg.learner.objective, groups=batch.groups,
+                    n_turns=self._n_turns(batch), data_pos=data_pos, routing=self.cfg.routing))
+            t0 = time.perf_counter()
+            try:
+                n_sources, reward_mean, metrics = self.et.run(self._rollout(batch))
+            except (RewardFailed, DataError) as e:
+                raise RolloutStopped(str(e)) from None
+            metrics = {**metrics, **self.pending_metrics, **self._async_counters(0, 0)}
+            self.pending_metrics = {}
+            close = CloseBatch(version=b, rollout_time_s=time.perf_counter() - t0,
+                               n_sources=n_sources, reward_mean=reward_mean, metrics=metrics)
+            for link in self.links:
+                link.send(close)
+        self._catch_up(need=None)  # the learner's last publications, until it finishes
+
+    def _catch_up(self, need: int | None) -> None:
+        """Load every Publish that has arrived (acknowledging each), and wait for more while
+        the loaded version is below `need` (None: until the learner says it finished,
+        which raises _LearnerFinished)."""
+        link, publish_dir = self.links[0], publish.resolve_dir(self.cfg.run)
+        while True:
+            if self.notices:
+                msg = self.notices.pop(0)
+            elif need is not None and self.loaded >= need:
+                msg = link.poll()
+                if msg is None:
+                    return
+            else:
+                msg = link.recv(timeout_s=self.cfg.channel.timeout_s)
+            if not isinstance(msg, Publish):
+                self._on_learner_message(msg, -1)
+                continue
+            check_publish(link, msg, self.loaded + 1, publish_dir)
+            self.et.run(self._reload(msg))
+
+    def _async_counters(self, dropped: int, partial: int) -> dict[str, float]:
+        counters = {"async/dropped_stale_groups": dropped, "async/partial_sources": partial,
+                    "async/weight_swaps": self.swaps}
+        self.swaps = 0
+        return counters
+
+    # --- fully_async ----------------------------------------------------------------------
+
+    async def _fully_async(self, v0: int, data_pos: int) -> None:
+        """Generate continuously; register batch k once a batch worth of groups completed."""
+        cap = self.rc.max_groups_in_flight or self.rc.groups_per_batch
+        s, per_batch = self.cfg.learner.max_staleness, self.rc.groups_per_batch
+        former = BatchFormer(per_batch, s)
+        running: dict[asyncio.Task, int] = {}  # group task → its data position
+        pos, live, k = data_pos, 0, v0  # next data position; groups started, not dropped
+        next_data_pos = data_pos  # RegisterBatch.data_pos: past every group used or dropped
+        dropped, t0 = 0, time.perf_counter()
+        try:
+            while k < self.cfg.run.updates:
+                await self._take_notices()
+                while len(running) < cap and may_start(live, self.loaded, v0, s, per_batch):
+                    running[asyncio.ensure_future(self._group(pos))] = pos
+                    pos, live = pos + 1, live + 1
+                groups, stale = former.take(k)
+                for g in stale:
+                    print(f"[rollout] dropped group {g.group_id} (data position {g.pos}): "
+                          f"sampled by θ_{g.oldest}, more than learner.max_staleness={s} "
+                          f"behind update {k}", flush=True)
+                    next_data_pos = max(next_data_pos, g.pos + 1)
+                dropped, live = dropped + len(stale), live - len(stale)
+                if groups:
+                    next_data_pos = max(next_data_pos, *(g.pos + 1 for g in groups))
+                    self._send_batch(k, groups, next_data_pos, dropped, time.perf_counter() - t0)
+                    k, dropped, t0 = k + 1, 0, time.perf_counter()
+                    continue
+                if not running:
+                    await asyncio.sleep(0.005)  # held back by the staleness bound
+                    continue
+                done, _ = await asyncio.wait(running, timeout=0.005,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    running.pop(task)
+                    group = task.result()  # a failure stops the run (as in run_batch)
+                    if group is None:
+                        live -= 1  # invalid: dropped (said why), not stale
+                    else:
+                        former.add(group)
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+        while True:  # the learner's last publications, until it finishes
+            await self._take_notices()
+            await asyncio.sleep(0.005)
+
+    async def _take_notices(self) -> None:
+        """Every message the learners sent: a Publish is loaded at once, mid-request (abort
+        and continue, so versions stay exact per token), and acknowledged."""
+        for link in self.links:
+            while (msg := link.poll()) is not None:
+                self._on_learner_message(msg, -1)  # Publish → self.notices
+        publish_dir = publish.resolve_dir(self.cfg.run)
+        while self.notices:
+            msg = check_publish(self.links[0], self.notices.pop(0), self.loaded + 1, publish_dir)
+            await self._reload(msg, mode="abort")
+
+    async def _group(self, pos: int) -> Group | None:
+        """One GRPO group at data position `pos`, its members' sources built as they end;
+        None if a member fails the source checks (said why)."""
+        gid, m = f"d{pos}", self.rc.group_size
+        tids = [f"{gid}-t{i}" for i in range(m)]
+        seeds = [hash((self.cfg.seed, pos, i)) & 0x7FFFFFFF for i in range(m)]
+        rows = [self.feed.train_row(pos)] * m if self.feed is not None else None
+        envs = self._envs(_Batch(0, {}, [], [], tids, [gid] * m, rows), salt=pos)
+        kwargs = dict(max_turns=self.rc.max_turns, max_tokens_per_turn=self.rc.max_tokens_per_turn,
+                      max_total_tokens=self.rc.max_total_tokens, temperature=self.rc.temperature,
+                      step_timeout_s=self._step_timeout_s())
+        members, stats = [], self.feed.stats() if self.feed is not None else None
+        async for i, res in run_batch(self.engine, envs, seeds=seeds, env_seeds=[pos] * m,
+                                      **kwargs):
+            if stats is not None:
+                stats.add(envs[i])
+            src = self._trajectory(tids[i], gid, res, 0)
+            try:
+                validate_source(src, self.vocab_size, self.max_tokens)
+            except SourceError as e:
+                print(f"[rollout] dropped group {gid}: {e}", flush=True)
+                return None
+            members.append(src)
+        return Group(gid, pos, members, min(x.policy_version for x in members))
+
+    def _send_batch(self, k: int, groups: list[Group], data_pos: int, dropped: int,
+                    rollout_s: float) -> None:
+        """Register batch k with these completed groups, send their sources, close it."""
+        self.dropped = {}
+        self._take_rejections(k)
+        plan = {g.group_id: [x.traj_id for x in g.members] for g in groups}
+        for link in self.links:
+            link.send(RegisterBatch(version=k, objective=self.cfg.learner.objective,
+                                    groups=plan, n_turns={}, data_pos=data_pos,
+                                    routing=self.cfg.routing))
+        batch = _Batch(k, plan, [], [], [], [])
+        owners = self._owners(batch)
+        router = BalancedRouter(plan, self.rc.n_learners // self.tp)
+        order, partial, rewards = 0, 0, []
+        for g in groups:
+            for src in g.members:
+                self._take_rejections(k)
+                if g.group_id in self.dropped:
+                    break
+                src = dataclasses.replace(src, ready_order=order)
+                order += 1
+                partial += bool(src.token_versions)
+                rewards.append(src.reward)
+                msg = TrajectoryMsg(src)
+                if self.cfg.routing == "static":
+                    for r in owners[g.group_id]:
+                        self.links[r].send(msg)
+                    continue
+                to = router.route(src.traj_id, g.group_id, src.reward, len(src.tokens))
+                for r in self._ranks_of(to.rank):
+                    self.links[r].send(msg)
+                if to.rewards is not None:
+                    announce = GroupRewards(version=k, group_id=g.group_id, rewards=to.rewards)
+                    for d in to.announce_to:
+                        for r in self._ranks_of(d):
+                            self.links[r].send(announce)
+        self._take_rejections(k)
+        ok = [r for r in rewards if math.isfinite(r)]
+        metrics = {**self._async_counters(dropped, partial), **self.pending_metrics}
+        self.pending_metrics = {}
+        close = CloseBatch(version=k, rollout_time_s=rollout_s, n_sources=order,
+                           reward_mean=sum(ok) / len(ok) if ok else None, metrics=metrics)
+        for link in self.links:
+            link.send(close)
 
     # --- evaluation -----------------------------------------------------------------------
 
@@ -380,13 +620,20 @@ class RolloutDriver:
                   f"gradient); θ_{kept} stays loaded", flush=True)
             self.links[0].send(Ack(version=kept, ok=True, reload_time_s=0.0))
             return kept
-        try:
-            seconds = self.et.run(self.engine.reload_weights(msg.path))
-        except Exception as e:  # tell the learner; it must not train on the old policy
-            self.links[0].send(Ack(version=version, ok=False, error=f"reload failed: {e}"))
-            raise RolloutStopped(f"reload of {msg.path} failed: {e}") from e
-        self.links[0].send(Ack(version=version, ok=True, reload_time_s=seconds))
+        self.et.run(self._reload(msg))
         return version
+
+    async def _reload(self, msg: Publish, mode: str = "keep") -> None:
+        """Load θ_msg.version (checked by `await_publish`/`check_publish`) and acknowledge
+        it; a failed reload is told to the learner, which must not go on."""
+        try:
+            seconds = await self.engine.reload_weights(msg.path, mode=mode, version=msg.version)
+        except Exception as e:  # tell the learner; it must not train on the old policy
+            self.links[0].send(Ack(version=msg.version, ok=False, error=f"reload failed: {e}"))
+            raise RolloutStopped(f"reload of {msg.path} failed: {e}") from e
+        self.loaded = msg.version
+        self.swaps += 1
+        self.links[0].send(Ack(version=msg.version, ok=True, reload_time_s=seconds))
 
     def _recv(self, rank: int, kind: type):
         msg = self.links[rank].recv(timeout_s=self.cfg.channel.timeout_s)
@@ -417,6 +664,13 @@ def await_publish(link: Link, version: int, timeout_s: float, publish_dir: str,
         if msg.reason.startswith(FINISHED):
             return None
         raise RolloutStopped(f"learner shut down: {msg.reason}")
+    return check_publish(link, msg, version, publish_dir, kept)
+
+
+def check_publish(link: Link, msg, version: int, publish_dir: str,
+                  kept: int | None = None) -> Publish:
+    """`msg` is the Publish of θ_version (or of `kept`) with exactly that version's file in
+    the private `publish_dir`; else the learner is told (a failed Ack) and RolloutStopped."""
     if not isinstance(msg, Publish):
         raise RolloutStopped(f"expected Publish, got {type(msg).__name__}")
     if msg.version != version and msg.version != kept:

@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -53,12 +53,16 @@ class GenOut:
 
     `logprobs` are raw (temperature-free) log-softmax values of the model's logits, vLLM's
     default `logprobs_mode`; at temperature 1 they are the behaviour policy's log-probs.
+    `token_versions[i]` is the weight version that sampled token i: a completion that
+    straddles an in-flight swap (`reload_weights(mode="abort")`) has two or more.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (EOS or a stop id) or "length"
     policy_version: int  # engine weight version when the request finished
+    # per token; [] (a test double): every token is policy_version's
+    token_versions: list[int] = field(default_factory=list)
 
 
 class RolloutEngine:
@@ -122,6 +126,13 @@ class RolloutEngine:
         self.vocab_size: int = self._llm.model_config.get_vocab_size()
         self.version = 0  # bumped by every reload_weights
         self._reload_lock: asyncio.Lock | None = None
+        # In-flight swaps (see `generate`): a request is admitted only through the gate,
+        # and a reload waits until no admission is half-way, so every request the engine
+        # holds was admitted under the version it read at the gate.
+        self._gate: asyncio.Event | None = None  # set: no reload in progress
+        self._admitting = 0  # requests between the gate and the engine's queue
+        self._admitted: asyncio.Event | None = None  # set while _admitting == 0
+        self.swaps = 0  # reloads that aborted requests in flight (mode="abort")
         self._closed = False
 
     def _live(self) -> Any:
@@ -139,11 +150,14 @@ class RolloutEngine:
         stop_token_ids: Sequence[int] | None = None,
         top_p: float = 1.0,
     ) -> GenOut:
-        """Sample one completion of `prompt_ids`; EOS of the checkpoint always stops it."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        """Sample one completion of `prompt_ids`; EOS of the checkpoint always stops it.
 
+        A weight swap with mode="abort" ends the request with the tokens sampled so far
+        (vLLM 0.32 returns them, with their log-probs, as finish_reason "abort"); it then
+        continues under the new weights from the prompt plus those tokens, for the tokens
+        left of `max_tokens` (AReaL's interruptible generation). Each token keeps the
+        version and log-prob it was sampled with, so both are exact per token.
+        """
         if not prompt_ids:
             raise ValueError("generate: empty prompt")
         if len(prompt_ids) >= self.max_model_len:
@@ -151,6 +165,37 @@ class RolloutEngine:
                              f"max_model_len={self.max_model_len}")
         if max_tokens < 1:
             raise ValueError(f"generate: max_tokens must be >= 1, got {max_tokens}")
+        ids: list[int] = []
+        lps: list[float] = []
+        versions: list[int] = []
+        while True:
+            swaps = self.swaps
+            # A continuation gets its own seed: the same one would replay the first draws.
+            part_seed = seed if seed is None or not ids else (seed * 7919 + len(ids)) % 2**31
+            (part_ids, part_lps), version, reason = await self._request(
+                [*prompt_ids, *ids], max_tokens - len(ids), temperature, top_p, part_seed,
+                stop_token_ids)
+            ids += part_ids
+            lps += part_lps
+            versions += [version] * len(part_ids)
+            if reason != "abort":
+                break
+            if self.swaps == swaps and self._gate.is_set():
+                raise RuntimeError("generate: request aborted outside a weight swap")
+            if len(ids) >= max_tokens:
+                reason = "length"
+                break
+        return GenOut(ids, lps, reason, versions[-1] if versions else self.version, versions)
+
+    async def _request(self, prompt_ids: list[int], max_tokens: int, temperature: float,
+                       top_p: float, seed: int | None, stop_token_ids
+                       ) -> tuple[tuple[list[int], list[float]], int, str]:
+        """One vLLM request: ((ids, log-probs), the version that sampled them, finish
+        reason). Admitted through the swap gate, so the version read is the one that runs."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -163,47 +208,85 @@ class RolloutEngine:
         )
         # Unique per call: a multi-turn trajectory issues one request per turn.
         request_id = f"tsync-{uuid.uuid4().hex}"
+        llm = self._live()
+        self._swap_events()
+        await self._gate.wait()
+        version = self.version  # no await until the engine has the request (see reload)
+        self._admitting += 1
+        self._admitted.clear()
+        try:
+            q = await llm.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids),
+                                      params)
+        finally:
+            self._admitting -= 1
+            if not self._admitting:
+                self._admitted.set()
+        # As AsyncLLM.generate: drain the request's queue until its final output.
         final = None
-        async for out in self._live().generate(TokensPrompt(prompt_token_ids=list(prompt_ids)),
-                                            params, request_id=request_id):
-            final = out
-        if final is None or not final.outputs:
+        try:
+            while final is None or not final.finished:
+                final = q.get_nowait() or await q.get()
+        except asyncio.CancelledError:
+            await llm.abort(request_id, internal=True)
+            raise
+        if not final.outputs:
             raise RuntimeError(f"generate: request {request_id} returned no output")
         comp = final.outputs[0]
         ids = list(comp.token_ids)
-        lps = [float(comp.logprobs[i][t].logprob) for i, t in enumerate(ids)]
-        return GenOut(ids, lps, str(comp.finish_reason), self.version)
+        lps = [float(comp.logprobs[i][t].logprob) for i, t in enumerate(ids)] if ids else []
+        return (ids, lps), version, str(comp.finish_reason)
+
+    def _swap_events(self) -> None:
+        if self._gate is None:  # created on the engine's loop
+            self._gate, self._admitted = asyncio.Event(), asyncio.Event()
+            self._gate.set()
+            self._admitted.set()
 
     async def reload_weights(
-        self, path: str, *, mode: Literal["keep", "wait", "abort"] = "keep"
+        self, path: str, *, mode: Literal["keep", "wait", "abort"] = "keep",
+        version: int | None = None,
     ) -> float:
         """Load an HF-named safetensors file into the running engine; return seconds taken.
+        `version` labels the new weights (what `GenOut` reports); default: the old + 1.
 
         `mode` says what happens to requests in flight: "keep" freezes them and, after the
         update, preempts them so that their K/V is recomputed with the new weights (their
         earlier tokens stay; later ones sample from the new policy); "wait" drains them
-        first; "abort" ends them. The prefix cache is always cleared: its blocks hold K/V
-        of the old weights. A file may hold a subset of parameters, but whole layers only.
+        first; "abort" ends them, and `generate` continues each under the new weights (its
+        versions per token stay exact; with "keep" a request in flight cannot tell which of
+        its tokens each version sampled). The prefix cache is always cleared: its blocks
+        hold K/V of the old weights. A file may hold a subset of parameters, but whole
+        layers only.
         """
         if self._reload_lock is None:
             self._reload_lock = asyncio.Lock()
         path = os.path.abspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(path)
+        self._swap_events()
         async with self._reload_lock:
             t0 = time.perf_counter()
             llm = self._live()
-            await llm.pause_generation(mode=mode, clear_cache=False)
+            self._gate.clear()
             try:
-                await llm.collective_rpc("tsync_reload_from_file", args=(path,))
-                # Frozen requests hold K/V blocks; without preempting them the reset fails
-                # and later prompts could hit stale prefix blocks.
-                ok = await llm.reset_prefix_cache(reset_running_requests=True)
-                if not ok:
-                    raise RuntimeError("reload_weights: prefix cache could not be reset")
-                self.version += 1
+                # A request that passed the gate reaches the engine before the pause does
+                # (one ordered input queue), so the pause finds it under the old version.
+                await self._admitted.wait()
+                if mode == "abort":
+                    self.swaps += 1
+                await llm.pause_generation(mode=mode, clear_cache=False)
+                try:
+                    await llm.collective_rpc("tsync_reload_from_file", args=(path,))
+                    # Frozen requests hold K/V blocks; without preempting them the reset
+                    # fails and later prompts could hit stale prefix blocks.
+                    ok = await llm.reset_prefix_cache(reset_running_requests=True)
+                    if not ok:
+                        raise RuntimeError("reload_weights: prefix cache could not be reset")
+                    self.version = self.version + 1 if version is None else version
+                finally:
+                    await llm.resume_generation()
             finally:
-                await llm.resume_generation()
+                self._gate.set()
             return time.perf_counter() - t0
 
     async def warmup(self, prompt_len: int = 8, batch: int = 8, max_tokens: int = 4) -> float:
