@@ -398,3 +398,21 @@ def test_analytic_reports_one_step_off_speedup():
                           "grpo", "--batch", "64", "--turns", "1"], capture_output=True,
                          text=True, cwd=REPO)
     assert out.returncode == 0 and "one_step_off 1.5500x at policy lag 1" in out.stdout
+
+
+def test_analyze_run_one_step_off_rows(tmp_path) -> None:
+    # The same traces as one_step_off updates: the wall time runs publication to
+    # publication (here 3.0), so the step is inferred from the tail after the last source's
+    # arrival (3.6): t_stepped − last_end = (3.6 + 1.0) − 4.6 = 0; P = publish 0.5. The
+    # prediction is the steady-state period max(R, L + P) = max(4, 2 + 0.5).
+    run = _write_run(tmp_path)
+    path = os.path.join(run, "metrics.jsonl")
+    rows = [json.loads(x) for x in open(path)]
+    for r in rows:
+        r.update(schedule="one_step_off", step_wall_time_s=3.0)
+    open(path, "w").write("".join(json.dumps(r) + "\n" for r in rows))
+    res = analyze_run(run, warmup=0)
+    u = res["updates"][0]
+    assert u["step_s"] == pytest.approx(0.0) and u["P"] == pytest.approx(0.5)
+    assert u["T_async"] == pytest.approx(4.0)
+    assert u["prediction_error_pct"] == pytest.approx(100.0 * (4.0 - 3.0) / 3.0)

@@ -251,8 +251,11 @@ def analyze_run(run_dir: str, warmup: int = 1, suffix: str = "full") -> dict[str
         publish = float(row.get("publish_time_s") or 0.0)
         schedule = row.get("schedule")
         # An asynchronous update's wall time runs from the previous publication, not from
-        # its registration: its step is inferred from the tail after the close alone.
-        timed = {**row, "step_wall_time_s": None} if schedule in ASYNC else row
+        # its registration, and its close may come right after the registration
+        # (fully_async): its step is inferred from the tail after its last source arrived.
+        last_ready = max((r.ready for r in trace.sources(records)), default=0.0)
+        timed = {**row, "step_wall_time_s": None, "rollout_time_s": last_ready} \
+            if schedule in ASYNC else row
         step_s = infer_step_time(timed, last_end) if suffix == "full" else 0.0
         pred = predict_update(records, R, publish + step_s)
         pred["T_async"] = one_step_off_period(R, pred["L"], pred["P"])
