@@ -425,19 +425,15 @@ class RolloutDriver:
         self._catch_up(need=None)  # the learner's last publications, until it finishes
 
     def _catch_up(self, need: int | None) -> None:
-        """Load every Publish that has arrived (acknowledging each), and wait for more while
-        the loaded version is below `need` (None: until the learner says it finished,
-        which raises _LearnerFinished)."""
+        """Load (and acknowledge) publications up to θ_need, waiting for them as needed;
+        None: every one until the learner says it finished (raises _LearnerFinished). A
+        later one that has arrived already waits in self.notices for the next batch: a
+        streaming learner often publishes θ_b before batch b starts, and loading it would
+        make batch b on-policy, not one step off."""
         link, publish_dir = self.links[0], publish.resolve_dir(self.cfg.run)
-        while True:
-            if self.notices:
-                msg = self.notices.pop(0)
-            elif need is not None and self.loaded >= need:
-                msg = link.poll()
-                if msg is None:
-                    return
-            else:
-                msg = link.recv(timeout_s=self.cfg.channel.timeout_s)
+        while need is None or self.loaded < need:
+            msg = (self.notices.pop(0) if self.notices
+                   else link.recv(timeout_s=self.cfg.channel.timeout_s))
             if not isinstance(msg, Publish):
                 self._on_learner_message(msg, -1)
                 continue
