@@ -40,9 +40,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tsync_mcore import predict, trace  # noqa: E402
-from tsync_mcore.channel import (Ack, ChannelTimeout, CloseBatch, GroupRewards, Hello, Publish,  # noqa: E402
-                                 RegisterBatch, TrajectoryMsg, TurnMsg, load_or_create_secret,
-                                 open_rollout_side)
+from tsync_mcore.channel import (Ack, ChannelTimeout, CloseBatch, GroupRewards,  # noqa: E402
+                                 Hello, Publish, RegisterBatch, TrajectoryMsg, TurnMsg,
+                                 load_or_create_secret, open_rollout_side)
 from tsync_mcore.routing import BalancedRouter  # noqa: E402
 from tsync_mcore.schedule import ASYNC_SCHEDULES, SYNC_SCHEDULES  # noqa: E402
 from tsync_mcore.sources import BatchPlan, TrajectorySource, TurnSource, assign_groups  # noqa: E402
@@ -889,7 +889,8 @@ def _async_predicted(schedule: str, played: list[dict], by_update: dict, pred: d
             steps = predict.one_step_off_segment(
                 [(pred[u]["R"], predict.jobs_by_rank(by_update.get(u, [])), P) for u in ups])
         else:  # the stream's own pace, not the interval it showed (the bound held it back)
-            steps = [predict.one_step_off_period(r["R_stream_s"], pred[r["policy_version"]]["L"], P)
+            steps = [predict.one_step_off_period(r["R_stream_s"],
+                                                 pred[r["policy_version"]]["L"], P)
                      for r in seg]
         out += [t for t, r in zip(steps, seg) if r["steady"]]
     return out

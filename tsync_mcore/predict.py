@@ -554,7 +554,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(f"{args.objective} B={args.batch:g} r={args.ratio:g} a={args.turns}: "
               f"w={res['waves']:.3f} rho_w={res['rho_w']:.4f} tail={res['tail']:.4f} "
-              f"speedup={res['speedup']:.4f}x (full-overlap limit {res['full_overlap_limit']:.4f}x; "
+              f"speedup={res['speedup']:.4f}x "
+              f"(full-overlap limit {res['full_overlap_limit']:.4f}x; "
               f"one_step_off {res['speedup_one_step_off']:.4f}x at policy lag 1)"
               + (f"; peak {res['peak_speedup']:.4f}x at r={res['peak_ratio']:.3f}"
                  if args.peak else ""))
