@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test demo setup clean-venv
+.PHONY: test demo compare setup clean-venv
 
 $(VENV)/.ready: requirements.txt pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -25,6 +25,12 @@ test: setup
 # The main job: a real GRPO training run on the embedded CPU default (see configs/demo.yaml).
 demo: setup
 	$(VPY) launch/demo.py $(ARGS)
+
+# The demo's task under sync, thundersync, one_step_off and fully_async for the same
+# training budget and seed: reward against time and updates, policy lag, summary.md
+# (perf/compare.py; ARGS="--budget-s 60 --schedules sync,thundersync" to narrow it).
+compare: setup
+	$(VPY) perf/compare.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -32,19 +32,23 @@ import subprocess
 import sys
 import time
 from bisect import bisect_left
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from functools import partial
 from statistics import mean, median, stdev
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tsync_mcore import predict, trace  # noqa: E402
-from tsync_mcore.channel import (Ack, CloseBatch, GroupRewards, Hello, Publish,  # noqa: E402
-                                 RegisterBatch, TrajectoryMsg, TurnMsg, load_or_create_secret,
-                                 open_rollout_side)
+from tsync_mcore.channel import (Ack, ChannelTimeout, CloseBatch, GroupRewards,  # noqa: E402
+                                 Hello, Publish, RegisterBatch, TrajectoryMsg, TurnMsg,
+                                 load_or_create_secret, open_rollout_side)
 from tsync_mcore.routing import BalancedRouter  # noqa: E402
+from tsync_mcore.schedule import ASYNC_SCHEDULES, SYNC_SCHEDULES  # noqa: E402
 from tsync_mcore.sources import BatchPlan, TrajectorySource, TurnSource, assign_groups  # noqa: E402
 from tsync_mcore.trace import Record, SourceRecord, UpdateRecord  # noqa: E402
+
+from async_rollout import FullyAsyncStream, one_step_off_sampler  # noqa: E402
 
 GAMMA = 0.49  # the paper's service exponent
 
@@ -231,7 +235,9 @@ class RecordedWorkload:
         return plan, n_turns, items
 
 
-SCHEDULES = ("sync", "group_ready", "thundersync")
+SCHEDULES = SYNC_SCHEDULES + ASYNC_SCHEDULES
+SEGMENT = 4  # updates an asynchronous schedule plays per round (a pipeline needs several)
+STEADY_FROM = 2  # of those, the first ones fill the pipeline and are not measured
 
 
 def free_port() -> int:
@@ -248,23 +254,42 @@ class Step:
     schedule: str
     calibration: bool = False  # every source ready at once (R = 0), to measure L(draw)
     warmup: bool = False  # played, not measured
+    seg: int = 0  # asynchronous schedules: the update's place in its round's segment
+    steady: bool = True  # measured (asynchronous: past the segment's pipeline fill)
 
 
-def plan_steps(rounds: int, warmup: int = 1) -> list[Step]:
+def plan_steps(rounds: int, warmup: int = 1, schedules: tuple[str, ...] = SCHEDULES,
+               segment: int = SEGMENT, steady_from: int = STEADY_FROM) -> list[Step]:
     """`warmup` rounds (draws -1, -2, …; not measured), then `rounds` rounds (draws 0, 1, …).
-    A round is a calibration update of its draw (every source ready at once), then the three
-    schedules on that draw in an order rotated per round. Calibration sits next to the
-    updates it sets R for: the machine drifts over a run. A warm-up round runs every
-    schedule once, so each one's first update in the process (cold code paths, the first
-    G1'/G2 pairs allocated) is not measured."""
+    A round is a calibration update of its draw (every source ready at once), then every
+    schedule on that draw in an order rotated per round. A synchronous schedule plays one
+    update; an asynchronous one a segment of `segment` consecutive updates of the same
+    draw, of which those from `steady_from` on are its steady state (the first ones fill
+    the pipeline). Calibration sits next to the updates it sets R for: the machine drifts
+    over a run. A warm-up round runs every schedule once, so each one's first update in the
+    process (cold code paths, the first G1'/G2 pairs allocated) is not measured."""
+    if "sync" not in schedules:
+        raise ValueError("the schedules compared must include sync (speedups are over it)")
+    if not 0 <= steady_from < segment:
+        raise ValueError(f"steady_from must be in [0, segment), got {steady_from}/{segment}")
+
+    def play(draw: int, schedule: str, warm: bool) -> list[Step]:
+        if schedule not in ASYNC_SCHEDULES:
+            return [Step(draw=draw, schedule=schedule, warmup=warm)]
+        return [Step(draw=draw, schedule=schedule, warmup=warm, seg=i, steady=i >= steady_from)
+                for i in range(segment)]
+
     steps = []
+    n = len(schedules)
     for i in range(warmup):
         steps += [Step(draw=-1 - i, schedule="sync", calibration=True)]
-        steps += [Step(draw=-1 - i, schedule=s, warmup=True) for s in SCHEDULES]
+        for s in schedules:
+            steps += play(-1 - i, s, True)
     for d in range(rounds):
-        order = SCHEDULES[d % 3:] + SCHEDULES[:d % 3]
+        order = schedules[d % n:] + schedules[:d % n]
         steps += [Step(draw=d, schedule="sync", calibration=True)]
-        steps += [Step(draw=d, schedule=s) for s in order]
+        for s in order:
+            steps += play(d, s, False)
     return steps
 
 
@@ -288,14 +313,15 @@ class HostSetup:
 
 def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio: float, rounds: int,
              warmup: int = 1, k_open: int | None = None, host: HostSetup = HostSetup(),
-             routing: str = "balanced") -> list[dict]:
+             routing: str = "balanced", schedules: tuple[str, ...] = SCHEDULES,
+             max_staleness: int = 1) -> list[dict]:
     """Launch 2 learner ranks, play the cell's updates, return the metrics rows (each with
     the Step that produced it, its R and the simulator's release lag).
 
     k_open defaults to every group a rank can hold (under balanced routing, any group of
     the batch): a tighter cap holds back sources of new groups until open ones close,
     which on small batches turns into learner tail."""
-    steps = plan_steps(rounds, warmup)
+    steps = plan_steps(rounds, warmup, schedules)
     if k_open is None:
         n_groups = max(len(work.update(0, 1.0, draw=s.draw)[0].groups) for s in steps)
         k_open = n_groups if routing == "balanced" else -(-n_groups // 2)
@@ -310,7 +336,8 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
     sets = [f"model.hf_dir={hf_dir}", f"run.dir={run_dir}", f"run.updates={len(steps)}",
             "run.save_every=0", f"run.publish_dir={run_dir}/publish", f"channel.port={port}",
             f"learner.objective={work.objective}", f"learner.k_open={k_open}",
-            "channel.timeout_s=300", f"channel.realtime_io={str(host.realtime_io).lower()}"]
+            "channel.timeout_s=300", f"channel.realtime_io={str(host.realtime_io).lower()}",
+            f"learner.max_staleness={max_staleness}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")  # one core per learner rank
     learner = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -331,13 +358,15 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
                               secret=secret)
     L: dict[int, float] = {}  # draw → busiest rank's learner time, from its calibration update
     v_of_calibration: dict[int, int] = {}
-    Rs, sim_cpu, lags = [], [], []
+    played: list[dict] = []  # per update: R_s, sim_cpu_s, release_lag_s, sent_lag, …
     try:
         assert isinstance(links[0].recv(), Hello)
         if host.pin:  # every learner thread exists by now (later ones inherit the mask)
             _pin_workers(learner.pid)
         _ack(links[0], 0)
-        for v, step in enumerate(steps):
+        v = 0
+        while v < len(steps):
+            step = steps[v]
             if not step.calibration:
                 if step.draw not in L:
                     v_cal = v_of_calibration[step.draw]
@@ -346,12 +375,21 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
             else:
                 R = 0.0
                 v_of_calibration[step.draw] = v
-            Rs.append(R)
+            if step.schedule in ASYNC_SCHEDULES:
+                seg = _segment(steps, v)
+                play = _play_one_step_off if step.schedule == "one_step_off" else \
+                    partial(_play_fully_async, max_staleness=max_staleness)
+                played += play(links, work, v, seg, R, routing)
+                v += len(seg)
+                gc.collect()  # the learners are in the segment's last optimizer step
+                continue
             cpu0 = time.process_time()
-            lags.append(_play(links, work, v, step, R, routing))
-            sim_cpu.append(time.process_time() - cpu0)
+            lag, sent = _play(links, work, v, step, R, routing)
+            played.append(dict(R_s=R, sim_cpu_s=time.process_time() - cpu0, release_lag_s=lag,
+                               sent_lag=sent, dropped_stale_groups=0))
             gc.collect()  # the learners are in their optimizer step
             _ack(links[0], v + 1)
+            v += 1
         learner.wait(timeout=300)
     finally:
         for link in links:
@@ -365,14 +403,24 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
         raise RuntimeError(f"learner failed ({learner.returncode}); see {run_dir}/learner.err")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    for row, step, R, cpu, lag in zip(rows, steps, Rs, sim_cpu, lags):
+    for row, step, sim in zip(rows, steps, played):
         assert row["schedule"] == step.schedule, (row["schedule"], step)
         # sim_cpu_s: CPU the simulator spent sending this batch, taken from the learners'
         # two cores (a real rollout runs elsewhere). release_lag_s: per source, how long after
         # its model time its send completed (the learner had taken it off the wire).
-        row.update(draw=step.draw, calibration=step.calibration, warmup=step.warmup, R_s=R,
-                   sim_cpu_s=cpu, release_lag_s=lag)
+        # sent_lag: (policy lag, scored tokens) per source as the simulator sent it.
+        row.update(draw=step.draw, calibration=step.calibration, warmup=step.warmup,
+                   seg=step.seg, steady=step.steady, **sim)
     return rows
+
+
+def _segment(steps: list[Step], v: int) -> list[Step]:
+    """The asynchronous segment starting at steps[v]."""
+    seg = [steps[v]]
+    while v + len(seg) < len(steps) and steps[v + len(seg)].seg == len(seg) \
+            and steps[v + len(seg)].schedule == steps[v].schedule:
+        seg.append(steps[v + len(seg)])
+    return seg
 
 
 def _pin_workers(agent_pid: int) -> None:
@@ -394,15 +442,35 @@ def _pin_workers(agent_pid: int) -> None:
 
 
 def _play(links, work: Workload | RecordedWorkload, v: int, step: Step, R: float,
-          routing: str = "balanced") -> list[float]:
+          routing: str = "balanced", sampled: int | None = None) -> tuple[list[float], list]:
     """One batch: register, release sources at their completion times, close at R.
+
+    `sampled`: the policy version the sources carry (default v: on-policy).
+    Returns each release's lag (its send's completion after its model time) and each
+    source's (policy lag, scored tokens) as sent."""
+    plan, n_turns, items = work.update(v, R, draw=step.draw)
+    if sampled is not None:
+        items = [(ready, replace(src, policy_version=sampled)) for ready, src in items]
+    lag = _send_batch(links, work.objective, v, plan, n_turns, items, step.schedule, R, routing)
+    return lag, _sent_lag(v, items)
+
+
+def _sent_lag(v: int, items: list) -> list[tuple[int, int]]:
+    return [(v - src.policy_version, src.n_scored) for _, src in items]
+
+
+def _send_batch(links, objective: str, v: int, plan: BatchPlan, n_turns: dict, items: list,
+                schedule: str, R: float, routing: str, rollout_s: float | None = None,
+                metrics: dict | None = None) -> list[float]:
+    """Register batch v, send its sources at their ready times (seconds after the
+    registration) and close it at R (rollout_time_s: `rollout_s`, default the time taken).
 
     Routing as the real rollout does it (tsync_mcore.routing): "balanced" sends each GRPO
     trajectory to the rank with the least tokens assigned so far and announces a split
-    group's rewards to the ranks holding its members after its last one; "static" (and OPD) sends by group owner.
-    Returns each release's lag: its send's completion after its model time."""
-    plan, n_turns, items = work.update(v, R, draw=step.draw)
-    grpo = work.objective == "grpo"
+    group's rewards to the ranks holding its members after its last one; "static" (and OPD)
+    sends by group owner. Returns each release's lag: its send's completion after its
+    model time."""
+    grpo = objective == "grpo"
     routing = routing if grpo else "static"
     owner = assign_groups(plan, {}, 2)
     router = BalancedRouter(plan.groups, 2)
@@ -425,8 +493,8 @@ def _play(links, work: Workload | RecordedWorkload, v: int, step: Step, R: float
     msgs = [(ready, [(rank, links[rank].prepare(msg)) for rank, msg in out])
             for ready, out in msgs]
     for link in links:
-        link.send(RegisterBatch(version=v, objective=work.objective, groups=plan.groups,
-                                n_turns=n_turns, data_pos=v + 1, schedule=step.schedule,
+        link.send(RegisterBatch(version=v, objective=objective, groups=plan.groups,
+                                n_turns=n_turns, data_pos=v + 1, schedule=schedule,
                                 routing=routing))
     t0 = time.perf_counter()
     lag = []
@@ -437,11 +505,122 @@ def _play(links, work: Workload | RecordedWorkload, v: int, step: Step, R: float
         for rank, msg in out:
             links[rank].send(msg)
         lag.append(time.perf_counter() - t0 - ready)
-    rollout_s = max(R, time.perf_counter() - t0)
+    if rollout_s is None:
+        rollout_s = max(R, time.perf_counter() - t0)
     time.sleep(max(0.0, t0 + R - time.perf_counter()))
     for link in links:
-        link.send(CloseBatch(version=v, rollout_time_s=rollout_s, n_sources=len(items)))
+        link.send(CloseBatch(version=v, rollout_time_s=rollout_s, n_sources=len(items),
+                             metrics=metrics or {}))
     return lag
+
+
+def _reload(link, loaded: int, need: int) -> int:
+    """Acknowledge every publication that has arrived (the simulated rollout reloads in no
+    time), waiting while the loaded version is below `need`; return the loaded version."""
+    while True:
+        msg = link.poll() if loaded >= need else link.recv(timeout_s=300)
+        if msg is None:
+            return loaded
+        assert isinstance(msg, Publish) and msg.version == loaded + 1, (msg, loaded)
+        link.send(Ack(version=msg.version, ok=True))
+        loaded = msg.version
+
+
+def _play_one_step_off(links, work, v0: int, seg: list[Step], R: float,
+                       routing: str) -> list[dict]:
+    """A one_step_off segment of updates v0 … v0+n−1 (docs/async.md): batch b is sampled
+    with θ_{max(b−1, v0)}; its rollout starts when batch b−1 closes, waiting only until
+    that version is published. The learner gets batch b's registration and sources while
+    it still trains batch b−1. Afterwards every publication is acknowledged, so the next
+    (synchronous) batch starts from the learner's latest θ."""
+    loaded, out = v0, []
+    for i, step in enumerate(seg):
+        b = v0 + i
+        need = one_step_off_sampler(b, v0)
+        loaded = _reload(links[0], loaded, need)
+        cpu0 = time.process_time()
+        lag, sent = _play(links, work, b, step, R, routing, sampled=need)
+        out.append(dict(R_s=R, sim_cpu_s=time.process_time() - cpu0, release_lag_s=lag,
+                        sent_lag=sent, dropped_stale_groups=0))
+    _reload(links[0], loaded, v0 + len(seg))
+    return out
+
+
+def _play_fully_async(links, work, v0: int, seg: list[Step], R: float, routing: str,
+                      max_staleness: int) -> list[dict]:
+    """A fully_async segment of updates v0 … v0+n−1 (docs/async.md): the draw's groups are
+    generated as a continuous stream (group i of the stream is the draw's group i mod G,
+    taking as long as its slowest member, u·R), a batch worth in flight, AReaL's staleness
+    bound on starts (async_rollout.FullyAsyncStream); publications are loaded (and
+    acknowledged) as they arrive. Each batch is the next G completed groups, registered,
+    sent at once and closed; rollout_time_s is the time since the previous registration."""
+    plan, n_turns, items = work.update(v0, R, draw=seg[0].draw)
+    gids = list(plan.groups)
+    members: dict[str, list] = {g: [] for g in gids}
+    for ready, src in items:
+        members[src.group_id].append((ready, src))
+    G = len(gids)
+    dur = [max(r for r, _ in members[g]) for g in gids]
+    stream = FullyAsyncStream(G, max_staleness, v0, duration=lambda i: dur[i % G])
+    link, out = links[0], []
+    t0 = last = time.perf_counter()
+    cpu0 = time.process_time()
+    while len(out) < len(seg):
+        now = time.perf_counter() - t0
+        stream.complete_until(now)
+        dropped = stream.dropped_stale
+        batch = stream.take_batch()
+        if batch is not None:
+            k = v0 + len(out)
+            bplan, bturns, bitems = _stream_batch(k, batch, gids, members, n_turns)
+            t_reg = time.perf_counter()
+            metrics = {"async/dropped_stale_groups": float(stream.dropped_stale - dropped)}
+            lag = _send_batch(links, work.objective, k, bplan, bturns, bitems,
+                              "fully_async", 0.0, routing, rollout_s=t_reg - last,
+                              metrics=metrics)
+            out.append(dict(R_s=t_reg - last, sim_cpu_s=0.0, release_lag_s=lag,
+                            sent_lag=_sent_lag(k, bitems),
+                            dropped_stale_groups=stream.dropped_stale - dropped,
+                            # G slots, each a group at a time: a batch per mean duration
+                            R_stream_s=mean(dur)))
+            last = t_reg
+            continue
+        stream.start_groups(now)
+        nxt = stream.next_completion()
+        try:
+            msg = link.recv(timeout_s=300 if nxt is None else max(0.0, nxt - now))
+        except ChannelTimeout:
+            continue  # a group completed
+        assert isinstance(msg, Publish) and msg.version == stream.loaded + 1, (msg, stream.loaded)
+        link.send(Ack(version=msg.version, ok=True))
+        stream.load(msg.version)
+    cpu = (time.process_time() - cpu0) / len(out)
+    for o in out:
+        o["sim_cpu_s"] = cpu
+    _reload(link, stream.loaded, v0 + len(seg))
+    return out
+
+
+def _stream_batch(k: int, batch: list, gids: list[str], members: dict, n_turns: dict):
+    """Batch k from the stream's groups: each one the draw's group (index mod G) under an id
+    of this batch and stream place, its sources carrying the version that sampled them,
+    ready at once (the group completed before the registration)."""
+    plan, turns, items = BatchPlan(), {}, []
+    for sg in batch:
+        old = gids[sg.index % len(gids)]
+        # "v<k>s<i>-g<j>": the part after the first "-" names the draw's group, as in sync
+        new = f"v{k}s{sg.index}-{old.split('-', 1)[1]}"
+        trajs = []
+        for _, src in members[old]:
+            tid = new + src.traj_id[len(old):]
+            if tid not in trajs:
+                trajs.append(tid)
+            if src.traj_id in n_turns:
+                turns[tid] = n_turns[src.traj_id]
+            items.append((0.0, replace(src, traj_id=tid, group_id=new,
+                                       policy_version=sg.version)))
+        plan.add_group(new, trajs)
+    return plan, turns, items
 
 
 def _ack(link, version: int) -> None:
@@ -597,19 +776,21 @@ def _group_ready_step(records: list[Record], R: float, P: float) -> float:
 
 def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
          rounds: int, warmup: int = 1, host: HostSetup = HostSetup(), routing: str = "balanced",
-         recorded: RecordedWorkload | None = None, **workload) -> list[dict]:
-    """All three schedules at one (objective, ratio, batch), paired round by round.
+         recorded: RecordedWorkload | None = None, schedules: tuple[str, ...] = SCHEDULES,
+         max_staleness: int = 1, **workload) -> list[dict]:
+    """The schedules at one (objective, ratio, batch), paired round by round.
     `workload`: other Workload fields (lengths, group size, turns); `recorded`: replay a
     real run's release trace instead (its objective and batch override the arguments)."""
     if recorded is not None:
         work, objective, batch = recorded, recorded.objective, recorded.batch
     else:
         work = Workload(objective=objective, batch=batch, **workload)
+    schedules = tuple(s for s in SCHEDULES if s in schedules)  # sync first: speedups over it
     tag = "-recorded" if recorded is not None else ""
     d = os.path.join(out_dir, f"{objective}-r{ratio}-b{batch}{tag}")
-    rows = [r for r in run_cell(hf_dir, d, work, ratio, rounds, warmup, host=host,
-                                routing=routing)
-            if not r["calibration"] and not r["warmup"]]
+    played = run_cell(hf_dir, d, work, ratio, rounds, warmup, host=host, routing=routing,
+                      schedules=schedules, max_staleness=max_staleness)
+    rows = [r for r in played if not r["calibration"] and not r["warmup"] and r["steady"]]
     pred = {u["update"]: u for u in predict.analyze_run(d, warmup=0)["updates"]}
     entries = trace.read_run(d)
     by_update: dict[int, list[Record]] = {}
@@ -619,26 +800,38 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
     L_sync = mean(_busiest_lane(by_update[r["policy_version"]], r["policy_version"])
                   for r in rows if r["schedule"] == "sync")
     sync_rows = [r for r in rows if r["schedule"] == "sync"]
+    P_sync = mean(pred[r["policy_version"]]["P"] for r in sync_rows)
     out = []
-    for schedule in SCHEDULES:
+    for schedule in schedules:
         mine = [r for r in rows if r["schedule"] == schedule]
         ups = [r["policy_version"] for r in mine]
-        t_sync_pred = mean(pred[u]["T_sync"] for u in ups)
+        asynchronous = schedule in ASYNC_SCHEDULES
+        # an asynchronous update's counterfactual: the paired sync updates of the same draws
+        t_sync_pred = mean(pred[r["policy_version"]]["T_sync"] for r in
+                           (sync_rows if asynchronous else mine))
         if schedule == "sync":
             t_pred = t_sync_pred
         elif schedule == "thundersync":
             t_pred = mean(pred[u]["T_thundersync"] for u in ups)
-        else:
+        elif schedule == "group_ready":
             t_pred = mean(_group_ready_step(by_update[u], pred[u]["R"], pred[u]["P"]) for u in ups)
+        else:
+            t_pred = mean(_async_predicted(schedule, played, by_update, pred, P_sync))
+        # per round (draw): the schedule's mean step (an asynchronous one plays several)
+        per_draw = {}
+        for r in mine:
+            per_draw.setdefault(r["draw"], []).append(r["step_wall_time_s"])
         out.append(dict(
             objective=objective, schedule=schedule, ratio=ratio, batch=batch, rounds=rounds,
             routing=routing if objective == "grpo" else "static",
             workload="recorded" if recorded is not None else "model",
             R_s=mean(r["R_s"] for r in mine), L_s=L_sync,
-            # R over the learner time the sync updates actually took (noise shows here)
+            # R over the learner time the sync updates actually took (noise shows here);
+            # fully_async: its rollout time per batch of completed groups
             ratio_effective=mean(r["R_s"] for r in mine) / L_sync,
             step_time_s=mean(r["step_wall_time_s"] for r in mine),
-            step_times_s=[r["step_wall_time_s"] for r in mine],
+            step_times_s=[mean(x) for x in per_draw.values()],
+            steady_updates=len(mine),
             learner_tail_s=mean(r["learner_tail_s"] for r in mine),
             mfu_active=mean(r["mfu_active"] for r in mine),
             sim_cpu_s=mean(r["sim_cpu_s"] for r in mine),
@@ -650,8 +843,11 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
             peak_mem_bytes=max(r["peak_mem_bytes"] for r in mine),
             accum_peak_bytes=max(r["accum_peak_bytes"] for r in mine),
             speedup_predicted=t_sync_pred / t_pred,
-            prediction_error_pct=mean(pred[u]["prediction_error_pct"] for u in ups)
-            if schedule != "group_ready" else None,
+            step_time_predicted_s=t_pred,
+            prediction_error_pct=100.0 * (t_pred - mean(r["step_wall_time_s"] for r in mine))
+            / mean(r["step_wall_time_s"] for r in mine) if schedule != "group_ready" else None,
+            **_policy_lag(mine),
+            dropped_stale_groups=sum(r["dropped_stale_groups"] for r in mine),
             # only a streaming lane goes idle between arrivals, where the cost shows alone
             **_dispatch(entries, set(ups), schedule == "thundersync"),
             # serving wall time over the serving thread's CPU time: > 1 where the core or
@@ -671,3 +867,45 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
         c["speedup_per_round"] = per_round
         c["speedup_stderr"] = stdev(per_round) / len(per_round) ** 0.5 if len(per_round) > 1 else None
     return out
+
+
+def _async_predicted(schedule: str, played: list[dict], by_update: dict, pred: dict,
+                     P: float) -> list[float]:
+    """Predicted step times of an asynchronous schedule's measured (steady) updates.
+    one_step_off: each segment's traces through predict.one_step_off_segment; fully_async:
+    predict.one_step_off_period with R the stream's time per batch when nothing holds it
+    back (the mean group duration: G slots). P: the suffix (reduction,
+    optimizer step, publication) of the cell's sync updates, the same work."""
+    segments: list[list[dict]] = []
+    for r in played:
+        if r["schedule"] == schedule and not r["calibration"] and not r["warmup"]:
+            if r["seg"] == 0:
+                segments.append([])
+            segments[-1].append(r)
+    out = []
+    for seg in segments:
+        ups = [r["policy_version"] for r in seg]
+        if schedule == "one_step_off":
+            steps = predict.one_step_off_segment(
+                [(pred[u]["R"], predict.jobs_by_rank(by_update.get(u, [])), P) for u in ups])
+        else:  # the stream's own pace, not the interval it showed (the bound held it back)
+            steps = [predict.one_step_off_period(r["R_stream_s"],
+                                                 pred[r["policy_version"]]["L"], P)
+                     for r in seg]
+        out += [t for t, r in zip(steps, seg) if r["steady"]]
+    return out
+
+
+def _policy_lag(rows: list[dict]) -> dict:
+    """policy_lag_mean (over scored tokens) and policy_lag_max of the measured updates: the
+    learner's figures where its metrics carry them, else what the simulator sent."""
+    if rows and all("policy_lag_mean" in r for r in rows):
+        tokens = [max(1, r.get("scored_tokens") or 1) for r in rows]
+        lag = sum(r["policy_lag_mean"] * n for r, n in zip(rows, tokens)) / sum(tokens)
+        return dict(policy_lag_mean=lag, policy_lag_max=max(r["policy_lag_max"] for r in rows),
+                    policy_lag_from="learner")
+    sent = [x for r in rows for x in r["sent_lag"]]
+    tokens = sum(n for _, n in sent)
+    return dict(policy_lag_mean=sum(lag * n for lag, n in sent) / tokens if tokens else 0.0,
+                policy_lag_max=max((lag for lag, _ in sent), default=0),
+                policy_lag_from="simulator")

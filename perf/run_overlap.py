@@ -7,7 +7,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overlap import HostSetup, RecordedWorkload, cell, mark_busy_host  # noqa: E402
+from overlap import SCHEDULES, HostSetup, RecordedWorkload, cell, mark_busy_host  # noqa: E402
 
 from tsync_mcore.channel.link import realtime_io_permitted  # noqa: E402
 
@@ -21,7 +21,12 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--work", default=None, help="directory for the runs (default: a temp dir)")
     p.add_argument("--rounds", type=int, default=4,
-                   help="rounds per cell; each plays one batch under all three schedules")
+                   help="rounds per cell; each plays one batch under every schedule")
+    p.add_argument("--schedules", default=",".join(SCHEDULES),
+                   help="comma list, sync included (default: all five); an asynchronous one "
+                        "plays a segment of 4 updates per round, the last 2 measured")
+    p.add_argument("--max-staleness", type=int, default=1,
+                   help="fully_async: learner.max_staleness, the policy lag bound (default 1)")
     p.add_argument("--objectives", default="grpo,opd")
     p.add_argument("--normal-sched", action="store_true",
                    help="learners under SCHED_OTHER (default: SCHED_BATCH, see overlap.HostSetup)")
@@ -39,6 +44,13 @@ def main() -> None:
     p.add_argument("--trace-token-scale", type=float, default=1.0,
                    help="multiply recorded token counts (fit a GPU run's lengths to the CPU model)")
     args = p.parse_args()
+    schedules = tuple(x for x in args.schedules.split(",") if x)
+    unknown = [x for x in schedules if x not in SCHEDULES]
+    if unknown or "sync" not in schedules:
+        p.error(f"--schedules: {', '.join(unknown) or 'sync missing'} (choose from "
+                f"{', '.join(SCHEDULES)}; sync is the baseline every speedup is over)")
+    if args.max_staleness < 1:
+        p.error("--max-staleness must be >= 1")
     recorded = None
     if args.release_trace:  # read first: a damaged trace fails before any set-up
         try:
@@ -75,8 +87,10 @@ def main() -> None:
     host = HostSetup(batch_sched=not args.normal_sched, realtime_io=realtime, pin=not args.no_pin)
     rows = []
     for job in jobs:
-        rows += cell(hf_dir, work, rounds=args.rounds, host=host, routing=args.routing, **job)
-        _print(rows[-3:])
+        new = cell(hf_dir, work, rounds=args.rounds, host=host, routing=args.routing,
+                   schedules=schedules, max_staleness=args.max_staleness, **job)
+        _print(new)
+        rows += new
     for c in mark_busy_host(rows):
         print(f"note: host busy during {c['objective']} r={c['ratio']} B={c['batch']} "
               f"{c['schedule']} (serving wall/CPU {c['wall_over_cpu']:.3f}, above the run's "
@@ -96,7 +110,8 @@ def _print(rows: list[dict]) -> None:
               + (f"  service/sync {r['service_vs_sync']:.3f} (arriving "
                  f"{r['service_vs_sync_arriving']:.3f})"
                  if r.get("service_vs_sync_arriving") is not None else "")
-              + f"  lag {r['release_lag_ms']:.1f}/{r['release_lag_max_ms']:.0f}ms"
+              + f"  policy lag {r['policy_lag_mean']:.2f}/{r['policy_lag_max']}"
+              + f"  release lag {r['release_lag_ms']:.1f}/{r['release_lag_max_ms']:.0f}ms"
               + (f"  dispatch {100 * r['dispatch_overhead']:.2f}% (idle lane "
                  f"{100 * r['dispatch_idle']:.2f}%, n={r['dispatch_idle_n']})"
                  if r["dispatch_overhead"] is not None else ""), flush=True)

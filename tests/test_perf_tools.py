@@ -289,17 +289,19 @@ def test_overlap_workload_is_valid_and_follows_the_release_model():
 
 
 def test_overlap_plan_pairs_schedules_per_draw():
-    # Each round: a calibration update of its draw (R = 0), then all three schedules on the
-    # same draw, the order rotated so no schedule always runs first after calibration.
+    # Each round: a calibration update of its draw (R = 0), then the three synchronous
+    # schedules on the same draw, the order rotated so no schedule always runs first after
+    # calibration.
     import sys
     sys.path.insert(0, os.path.join(ROOT, "perf"))
-    from overlap import SCHEDULES, plan_steps
+    from overlap import plan_steps
 
-    steps = plan_steps(rounds=3, warmup=2)
+    schedules = ("sync", "group_ready", "thundersync")
+    steps = plan_steps(rounds=3, warmup=2, schedules=schedules)
     warm, steps = steps[:8], steps[8:]  # a warm-up round plays every schedule once, unmeasured
     for d, (calib, *played) in zip((-1, -2), (warm[:4], warm[4:])):
         assert calib.calibration and calib.draw == d
-        assert [s.schedule for s in played] == list(SCHEDULES)
+        assert [s.schedule for s in played] == list(schedules)
         assert all(s.warmup and s.draw == d and not s.calibration for s in played)
     assert not any(s.warmup for s in steps)
     rounds = [steps[4 * i: 4 + 4 * i] for i in range(3)]
@@ -307,10 +309,112 @@ def test_overlap_plan_pairs_schedules_per_draw():
     firsts = set()
     for d, (calib, *timed) in enumerate(rounds):
         assert calib.calibration and calib.schedule == "sync" and calib.draw == d
-        assert sorted(s.schedule for s in timed) == sorted(SCHEDULES)
+        assert sorted(s.schedule for s in timed) == sorted(schedules)
         assert all(s.draw == d and not s.calibration for s in timed)
         firsts.add(timed[0].schedule)
+    assert firsts == set(schedules)
+
+
+def test_overlap_plan_plays_asynchronous_segments_of_the_round_draw():
+    # An asynchronous schedule plays a segment of consecutive updates on the round's draw,
+    # the first ones (pipeline fill) unmeasured; every schedule leads one round in five.
+    from overlap import SCHEDULES, _segment, plan_steps
+
+    steps = plan_steps(rounds=5, warmup=1, segment=4, steady_from=2)
+    per_round = 1 + 3 + 2 * 4
+    assert len(steps) == 6 * per_round
+    firsts = set()
+    for r in range(1, 6):
+        calib, *timed = steps[r * per_round:(r + 1) * per_round]
+        assert calib.calibration and all(s.draw == r - 1 for s in timed)
+        firsts.add(timed[0].schedule)
+        for name in ("one_step_off", "fully_async"):
+            seg = [s for s in timed if s.schedule == name]
+            assert [s.seg for s in seg] == [0, 1, 2, 3]
+            assert [s.steady for s in seg] == [False, False, True, True]
+            start = steps.index(seg[0])
+            assert _segment(steps, start) == seg  # consecutive
     assert firsts == set(SCHEDULES)
+    with pytest.raises(ValueError, match="sync"):
+        plan_steps(1, schedules=("thundersync", "one_step_off"))
+
+
+def test_one_step_off_samples_each_batch_with_the_previous_version():
+    from async_rollout import one_step_off_sampler
+
+    assert [one_step_off_sampler(b, 5) for b in range(5, 9)] == [5, 5, 6, 7]
+
+
+def _drive_fully_async(G: int, staleness: int, L: float, durations: list[float], batches: int):
+    """The stream against a learner taking L per batch (fake clock): it trains batch k once
+    registered and θ_k published, and publishes θ_{k+1} L later. Returns (stream, log of
+    registrations (time, k, group versions), max groups started before each load)."""
+    from async_rollout import FullyAsyncStream
+
+    s = FullyAsyncStream(G, staleness, v0=3, duration=lambda i: durations[i % len(durations)])
+    now, publish_at, log, free = 0.0, [], [], 0.0
+    starts_ok = []
+    while len(log) < batches:
+        s.complete_until(now)
+        while (b := s.take_batch()) is not None:
+            k = s.next_batch - 1
+            log.append((now, k, [g.version for g in b]))
+            free = max(free, now) + L  # the learner trains batches in order
+            publish_at.append((free, k + 1))
+        s.start_groups(now)
+        starts_ok.append(s.started <= (s.loaded - 3 + staleness + 1) * G)
+        events = [t for t, _ in publish_at] + ([s.next_completion()]
+                                               if s.next_completion() is not None else [])
+        now = min(events)
+        for t, v in sorted(publish_at):
+            if t <= now:
+                s.load(v)
+        publish_at = [(t, v) for t, v in publish_at if t > now]
+    return s, log, starts_ok
+
+
+def test_fully_async_stream_bounds_policy_lag_and_counts_drops():
+    import random
+
+    rng = random.Random(0)
+    durations = [rng.uniform(0.1, 1.0) for _ in range(8)]
+    for staleness, L in ((1, 0.3), (1, 2.0), (2, 2.0)):
+        s, log, starts_ok = _drive_fully_async(8, staleness, L, durations, batches=12)
+        assert all(starts_ok)
+        assert [k for _, k, _ in log] == list(range(3, 15))
+        for _, k, versions in log:
+            assert len(versions) == 8 and all(0 <= k - v <= staleness for v in versions)
+        if L > 1.0:  # learner-bound: the bound holds the rollout back, lag reaches it
+            assert max(k - v for _, k, vs in log for v in vs) == staleness
+    # A slow straggler (group 0 takes 10× the others) falls behind the bound: dropped.
+    s, log, _ = _drive_fully_async(4, 1, 0.2, [5.0, 0.5, 0.5, 0.5], batches=6)
+    assert s.dropped_stale >= 1
+    assert all(k - v <= 1 for _, k, vs in log for v in vs)
+
+
+def test_fully_async_batches_reuse_the_draw_groups_under_fresh_ids():
+    from async_rollout import StreamGroup
+    from overlap import Workload, _stream_batch
+    from tsync_mcore.sources import validate_source
+
+    w = Workload(objective="grpo", batch=16)
+    plan, n_turns, items = w.update(7, R=1.0, draw=0)
+    gids = list(plan.groups)
+    members = {g: [(t, src) for t, src in items if src.group_id == g] for g in gids}
+    batch = [StreamGroup(5, 6, 0.0, 1.0), StreamGroup(1, 7, 0.0, 1.0),
+             StreamGroup(9, 7, 0.0, 1.0), StreamGroup(4, 6, 0.0, 1.0)]
+    bplan, _, bitems = _stream_batch(7, batch, gids, members, n_turns)
+    assert len(bplan.groups) == 4 and len(bitems) == 16
+    # stream groups 1 and 9 are both the draw's group 1: same tokens, distinct ids
+    assert list(bplan.groups) == ["v7s5-g1", "v7s1-g1", "v7s9-g1", "v7s4-g0"]
+    for _, src in bitems:
+        validate_source(src, w.vocab)
+        assert src.traj_id in bplan.groups[src.group_id]
+        assert src.policy_version == {"v7s5": 6, "v7s1": 7, "v7s9": 7, "v7s4": 6}[
+            src.group_id.split("-")[0]]
+        # the pairing key (id without the batch part) names the draw's same trajectory
+        twin = {s.traj_id.split("-", 1)[1]: s for _, s in items}[src.traj_id.split("-", 1)[1]]
+        assert twin.tokens == src.tokens
 
 
 def test_recorded_opd_release_trace_replays_turns_and_shared_prompts(tmp_path):
@@ -356,3 +460,38 @@ def test_recorded_opd_release_trace_replays_turns_and_shared_prompts(tmp_path):
     assert turns[("v3-g0-t0", 1)][1].start == 17
     with pytest.raises(ValueError, match="token_scale"):
         RecordedWorkload("opd", w.recorded, token_scale=0)
+
+
+def test_compare_report_from_metrics_rows(tmp_path):
+    # perf/compare.py's figures and table from hand-written metrics rows: the training clock
+    # sums step times, the lag and dropped groups come from the rows, a skipped batch counts
+    # nowhere.
+    import compare
+
+    def row(step, wall, reward, lag=None, **kw):
+        return dict(step=step, ok=True, step_wall_time_s=wall, reward_mean=reward,
+                    policy_lag_mean=lag, policy_lag_max=None if lag is None else int(lag + 0.5),
+                    stale_sources=0, **kw)
+
+    runs = {"sync": [row(i + 1, 2.0, 0.1 * i) for i in range(8)],
+            "one_step_off": [row(1, 1.0, 0.0, 0.0)] + [row(i + 1, 1.0, 0.05 * i, 1.0)
+                                                       for i in range(1, 16)],
+            "fully_async": [row(1, 1.0, 0.2, 0.5, **{"async/dropped_stale_groups": 2.0}),
+                            dict(step=1, ok=False, skipped="non-finite"),
+                            row(2, 1.0, 0.3, 1.0, **{"async/dropped_stale_groups": 1.0})]}
+    compare.report(runs, str(tmp_path), budget_s=16.0)
+    for name in ("reward_vs_time", "reward_vs_updates", "policy_lag"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 1000
+    table = {r["schedule"]: r for r in compare.summary_rows(runs)}
+    assert table["sync"]["train_s"] == 16.0 and table["sync"]["updates"] == 8
+    assert table["sync"]["reward_first"] == pytest.approx(0.05)  # first quarter: 2 updates
+    assert table["sync"]["policy_lag_mean"] is None
+    assert table["one_step_off"]["policy_lag_max"] == 1
+    assert table["one_step_off"]["policy_lag_mean"] == pytest.approx(15 / 16)
+    assert table["fully_async"]["updates"] == 2
+    assert table["fully_async"]["dropped_stale_groups"] == 3
+    md = (tmp_path / "summary.md").read_text()
+    assert "| one_step_off | 16 | 16.0 |" in md and "16 s of training each" in md
+    bad = subprocess.run([sys.executable, os.path.join(PERF, "compare.py"), "--schedules",
+                          "sync,async"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown async" in bad.stderr

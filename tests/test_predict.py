@@ -351,3 +351,68 @@ def test_ratio_means_rollout_over_learner_in_trace_and_analytic(tmp_path, capsys
     # the perf/ sweeps use the same name for the same R/L
     perf = open(os.path.join(REPO, "perf", "overlap.py")).read()
     assert "R = ratio * L[step.draw]" in perf
+
+
+# --------------------------------------------------------------------------------------------
+# Asynchronous schedules
+# --------------------------------------------------------------------------------------------
+
+
+def test_one_step_off_segment_settles_at_the_slower_pipeline():
+    # Two lanes, 20 unit-service jobs each arriving uniformly over R: L = 20·p. In steady
+    # state the period is max(R, L + P) whether the rollout (r = 2) or the learner (r = 0.5,
+    # 1) is the slower one; the first update (nothing to overlap with) takes R + tail + P.
+    from tsync_mcore.predict import one_step_off_period, one_step_off_segment
+
+    p, P, n = 0.05, 0.1, 20
+    L = n * p
+    for r in (0.5, 1.0, 2.0):
+        R = r * L
+        lanes = {k: [(R * (i + 1) / n, p) for i in range(n)] for k in (0, 1)}
+        steps = one_step_off_segment([(R, lanes, P)] * 8)
+        expect = one_step_off_period(R, L, P)
+        assert steps[-1] == pytest.approx(expect, rel=1e-9), (r, steps)
+        assert steps[0] == pytest.approx(max(R, lane_completion(lanes[0])) + P)
+    # a reload longer than the learner's slack makes the rollout the bound
+    R = L
+    lanes = {0: [(R * (i + 1) / n, p) for i in range(n)]}
+    assert one_step_off_segment([(R, lanes, P)] * 8, reload=0.4)[-1] == pytest.approx(R + 0.4)
+
+
+def test_one_step_off_segment_shows_an_imbalanced_rank():
+    # Rank 1 holds twice rank 0's work: the learner period follows the busier lane.
+    from tsync_mcore.predict import one_step_off_segment
+
+    lanes = {0: [(0.1, 0.2)] * 5, 1: [(0.1, 0.4)] * 5}
+    assert one_step_off_segment([(1.0, lanes, 0.1)] * 6)[-1] == pytest.approx(2.0 + 0.1)
+
+
+def test_analytic_reports_one_step_off_speedup():
+    from tsync_mcore.predict import async_speedup
+
+    res = analytic("grpo", 64, 1.0, 1)
+    # B = 64 < Q: one wave, rho_w = 0.5, kappa 0.05: (1 + 0.5 + 0.05) / max(1, 0.55)
+    assert res["speedup_one_step_off"] == pytest.approx(1.55)
+    assert async_speedup(0.5, 0.0) == pytest.approx(1.5)  # learner-bound: (1 + 2) / 2
+    out = subprocess.run([sys.executable, "-m", "tsync_mcore.predict", "analytic", "--objective",
+                          "grpo", "--batch", "64", "--turns", "1"], capture_output=True,
+                         text=True, cwd=REPO)
+    assert out.returncode == 0 and "one_step_off 1.5500x at policy lag 1" in out.stdout
+
+
+def test_analyze_run_one_step_off_rows(tmp_path) -> None:
+    # The same traces as one_step_off updates: the wall time runs publication to
+    # publication (here 3.0), so the step is inferred from the tail after the last source's
+    # arrival (3.6): t_stepped − last_end = (3.6 + 1.0) − 4.6 = 0; P = publish 0.5. The
+    # prediction is the steady-state period max(R, L + P) = max(4, 2 + 0.5).
+    run = _write_run(tmp_path)
+    path = os.path.join(run, "metrics.jsonl")
+    rows = [json.loads(x) for x in open(path)]
+    for r in rows:
+        r.update(schedule="one_step_off", step_wall_time_s=3.0)
+    open(path, "w").write("".join(json.dumps(r) + "\n" for r in rows))
+    res = analyze_run(run, warmup=0)
+    u = res["updates"][0]
+    assert u["step_s"] == pytest.approx(0.0) and u["P"] == pytest.approx(0.5)
+    assert u["T_async"] == pytest.approx(4.0)
+    assert u["prediction_error_pct"] == pytest.approx(100.0 * (4.0 - 3.0) / 3.0)

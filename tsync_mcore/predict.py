@@ -7,6 +7,13 @@ Two independent predictors:
   Statically assigned ranks are replayed separately and the latest completion wins. Sync
   releases everything at batch close: ``T_sync = R + L + P`` (Eq. 16), and
   ``S = (1+ρ+κ)/(1+λ+κ) ≤ 2`` (Eq. 16-17).
+* **Asynchronous schedules** (docs/async.md). one_step_off overlaps the learner of batch k
+  with the rollout of batch k+1, so in steady state the step time is the slower pipeline,
+  ``T = max(R + reload, L + P)`` (``one_step_off_period``); ``one_step_off_segment`` plays
+  a segment's traces through the same lanes as Eq. 14, with each batch's rollout starting
+  when the previous one closed and its sampling policy was published, and each update
+  starting when the learner published the previous one. fully_async (a batch worth of
+  completed groups per step) is modelled by the same bound with R its rollout time per batch.
 * **Analytic release laws** (Eq. 19-28). GRPO ``F(u) = (1-β)u^{γ+1} + βu^{γ+m}`` (Eq. 22),
   OPD Eq. 24, the tail of Eq. 19 and the successive-wave speedup of Eq. 26 with the
   plotting approximation of Eq. 28 (defaults of the paper's appendix F.5).
@@ -133,6 +140,54 @@ def predict_update(records: Iterable[Record], R: float, P: float) -> dict[str, A
 
 
 # --------------------------------------------------------------------------------------------
+# Asynchronous schedules (one_step_off, fully_async)
+# --------------------------------------------------------------------------------------------
+
+ASYNC = ("one_step_off", "fully_async")
+
+
+def one_step_off_period(R: float, L: float, P: float, reload: float = 0.0) -> float:
+    """Steady-state step time of one_step_off: the rollout of batch k+1 (R, then the reload
+    of θ_{k+1}) runs while the learner trains batch k (L, then P: reduction, optimizer step,
+    publication), so the period is the slower of the two, ``max(R + reload, L + P)``."""
+    return max(R + reload, L + P)
+
+
+def one_step_off_segment(batches: Sequence[tuple[float, dict[int, list[Job]], float]],
+                         reload: float = 0.0) -> list[float]:
+    """Step times (publication to publication) of a one_step_off segment from its traces.
+
+    ``batches[i] = (R_i, lanes_i, P_i)``: batch i's rollout time, its learner jobs per rank
+    (τ from the batch's registration, as the trace records them) and its suffix. Batch 0 is
+    sampled with θ_{v0} (loaded at time 0), batch i ≥ 1 with θ_{v0+i−1}: its rollout starts
+    when batch i−1 closed and, for i ≥ 2, θ_{v0+i−1} was published, plus its reload. Update i
+    starts when the learner published θ_{v0+i} (update 0: at 0); each lane runs Eq. 14 from
+    then on, and the step waits for the batch's close: ``pub_{i+1} = max(close_i, c_n) + P_i``.
+    In steady state this is ``one_step_off_period``; the traces add what the lanes show
+    (a rank's imbalance, sources that arrive after the learner caught up)."""
+    pub, close = [0.0], 0.0
+    for i, (R, lanes, P) in enumerate(batches):
+        # between two batches the rollout reloads θ_{v0+i−1} (waiting for it if need be)
+        start = close if i < 2 else max(close, pub[i - 1]) + reload
+        close = start + R
+        end = close
+        for jobs in lanes.values():
+            c = pub[i]
+            for tau, p in sorted(jobs, key=lambda j: j[0]):
+                c = max(start + tau, c) + p
+            end = max(end, c)
+        pub.append(end + P)
+    return [pub[i + 1] - pub[i] for i in range(len(batches))]
+
+
+def async_speedup(ratio: float, kappa: float = 0.0, waves: float = 1.0) -> float:
+    """one_step_off over Sync in the analytic model's units (R = w, L = w/r, P = κ):
+    ``[w(1 + 1/r) + κ] / max(w, w/r + κ)``."""
+    rho = 1.0 / ratio
+    return (waves * (1.0 + rho) + kappa) / max(waves, waves * rho + kappa)
+
+
+# --------------------------------------------------------------------------------------------
 # Run directories (metrics.jsonl + traces/rank{R}.jsonl)
 # --------------------------------------------------------------------------------------------
 
@@ -194,11 +249,19 @@ def analyze_run(run_dir: str, warmup: int = 1, suffix: str = "full") -> dict[str
         R = float(row.get("rollout_time_s") or 0.0)
         last_end = max((r.end for r in trace.work(records)), default=0.0)
         publish = float(row.get("publish_time_s") or 0.0)
-        step_s = infer_step_time(row, last_end) if suffix == "full" else 0.0
-        pred = predict_update(records, R, publish + step_s)
-        measured = row.get("step_wall_time_s")
         schedule = row.get("schedule")
-        own = {"thundersync": pred["T_thundersync"], "sync": pred["T_sync"]}.get(schedule)
+        # An asynchronous update's wall time runs from the previous publication, not from
+        # its registration, and its close may come right after the registration
+        # (fully_async): its step is inferred from the tail after its last source arrived.
+        last_ready = max((r.ready for r in trace.sources(records)), default=0.0)
+        timed = {**row, "step_wall_time_s": None, "rollout_time_s": last_ready} \
+            if schedule in ASYNC else row
+        step_s = infer_step_time(timed, last_end) if suffix == "full" else 0.0
+        pred = predict_update(records, R, publish + step_s)
+        pred["T_async"] = one_step_off_period(R, pred["L"], pred["P"])
+        measured = row.get("step_wall_time_s")
+        own = {"thundersync": pred["T_thundersync"], "sync": pred["T_sync"],
+               "one_step_off": pred["T_async"], "fully_async": pred["T_async"]}.get(schedule)
         err = 100.0 * (own - measured) / measured if own is not None and measured else None
         updates.append(dict(step=int(row["step"]), update=_update_of(row), schedule=schedule,
                             step_time_measured=measured, publish_s=publish, step_s=step_s,
@@ -243,10 +306,12 @@ def format_run(res: dict[str, Any]) -> str:
         lines.append(
             f"{u['step']:>4}{mark} {str(u['schedule']):>11} {_fmt(u['step_time_measured']):>9} "
             f"{u['R']:>8.3f} {u['L']:>8.3f} {u['P']:>7.3f} {u['tail_s']:>7.3f} "
-            f"{u['T_thundersync']:>9.3f} {u['T_sync']:>9.3f} {_fmt(u['speedup']):>6} "
+            f"{u['T_async' if u['schedule'] in ASYNC else 'T_thundersync']:>9.3f} "
+            f"{u['T_sync']:>9.3f} {_fmt(u['speedup']):>6} "
             f"{str(u['slow_rank']):>4} {_fmt(u['prediction_error_pct'], '.1f'):>6}")
     extra = " + reduction/optimizer" if res["suffix"] == "full" else ""
-    lines.append(f"(* = warm-up, discarded; P = publish{extra})")
+    lines.append(f"(* = warm-up, discarded; P = publish{extra}; T_tsync of an asynchronous "
+                 f"update: max(R, L + P), its steady-state period)")
     lines.append(
         f"steady state over {res['n_steady']} updates: "
         f"measured {_fmt(res['step_time_measured_mean'])} s, "
@@ -391,6 +456,8 @@ def analytic(objective: str, batch: float, ratio: float, turns: int = 1,
     return dict(objective=objective, batch=batch, ratio=ratio, turns=turns,
                 params=asdict(params), waves=w, rho_w=rho_w, kappa_w=params.kappa_w, tail=lam,
                 speedup=speedup_waves(rho_w, lam, params.kappa_w, w),
+                # one_step_off's steady state (lag 1): the same units, no tail
+                speedup_one_step_off=async_speedup(ratio / min(1.0, occ), params.kappa_w, w),
                 full_overlap_limit=(1.0 + rho_w) / max(1.0, rho_w))
 
 
@@ -487,7 +554,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(f"{args.objective} B={args.batch:g} r={args.ratio:g} a={args.turns}: "
               f"w={res['waves']:.3f} rho_w={res['rho_w']:.4f} tail={res['tail']:.4f} "
-              f"speedup={res['speedup']:.4f}x (full-overlap limit {res['full_overlap_limit']:.4f}x)"
+              f"speedup={res['speedup']:.4f}x "
+              f"(full-overlap limit {res['full_overlap_limit']:.4f}x; "
+              f"one_step_off {res['speedup_one_step_off']:.4f}x at policy lag 1)"
               + (f"; peak {res['peak_speedup']:.4f}x at r={res['peak_ratio']:.3f}"
                  if args.peak else ""))
     return 0
