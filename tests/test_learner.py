@@ -33,6 +33,28 @@ def replay(hf_dir, batch, out, nproc=2, *flags):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def replay_many(jobs, d, nproc=2):
+    """Several replays in one launch of nproc ranks; jobs: name → the replay command's
+    arguments but --out (DIR/name). Each job is the command's main() with its own Policy and
+    Learner (tests/workers/replay_many_worker.py): only the start-up (interpreter, torch,
+    megatron: most of a small replay's time) is shared. Returns name → {summary, dir}."""
+    argvs = [[*args, "--out", os.path.join(d, name)] for name, args in jobs.items()]
+    path = os.path.join(d, f"jobs_{next(iter(jobs))}.json")
+    with open(path, "w") as f:
+        json.dump(argvs, f)
+    worker = os.path.join(ROOT, "tests/workers/replay_many_worker.py")
+    cmd = [sys.executable, worker, path]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_free_port()), worker, path]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, f"replays failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    res = json.loads(next(line for line in p.stdout.splitlines()
+                          if line.startswith("RESULT "))[len("RESULT "):])
+    return {name: dict(summary=s, dir=os.path.join(d, name))
+            for name, s in zip(jobs, res["summaries"], strict=True)}
+
+
 def _free_port():
     import socket
     with socket.socket() as s:
@@ -49,24 +71,27 @@ def runs(tiny_qwen2, tmp_path_factory):
     rows = write_batches(batch, vocab, n_updates=N_UPDATES, seed=3)
     write_batches(perm, vocab, n_updates=N_UPDATES, seed=3, permute_seed=11)
     common = ["--lr", "1e-5", "--save-grads", "all"]
-    out = {}
-    for name, b, flags in [
-        ("sync", batch, ["--schedule", "sync"]),
-        ("group_ready", batch, ["--schedule", "group_ready"]),
-        ("thundersync", batch, ["--schedule", "thundersync", "--k-open", "2"]),
-        ("thundersync_again", batch, ["--schedule", "thundersync", "--k-open", "2",
-                                       "--accum", "host"]),
-        ("thundersync_perm", perm, ["--schedule", "thundersync", "--k-open", "1"]),
+    # Two torchrun launches for the nine replays (each its own Policy/Learner, see
+    # replay_many): thundersync_again runs in a process of its own, so "bitwise identical
+    # twice" also holds across processes (hash seeds, allocator state), as for a user.
+    jobs = {
+        "sync": (batch, ["--schedule", "sync"]),
+        "group_ready": (batch, ["--schedule", "group_ready"]),
+        "thundersync": (batch, ["--schedule", "thundersync", "--k-open", "2"]),
+        "thundersync_again": (batch, ["--schedule", "thundersync", "--k-open", "2",
+                                      "--accum", "host"]),
+        "thundersync_perm": (perm, ["--schedule", "thundersync", "--k-open", "1"]),
         # Balanced routing: a group's members served on different ranks, rewards announced.
-        ("thundersync_balanced", batch, ["--schedule", "thundersync", "--k-open", "2",
+        "thundersync_balanced": (batch, ["--schedule", "thundersync", "--k-open", "2",
                                          "--routing", "balanced"]),
-        ("group_ready_balanced", perm, ["--schedule", "group_ready", "--routing", "balanced"]),
-        ("sync_fp64acc", batch, ["--schedule", "sync", "--accum-dtype", "fp64"]),
-        ("thundersync_perm_fp64acc", perm, ["--schedule", "thundersync", "--k-open", "1",
+        "group_ready_balanced": (perm, ["--schedule", "group_ready", "--routing", "balanced"]),
+        "sync_fp64acc": (batch, ["--schedule", "sync", "--accum-dtype", "fp64"]),
+        "thundersync_perm_fp64acc": (perm, ["--schedule", "thundersync", "--k-open", "1",
                                             "--accum-dtype", "fp64"]),
-    ]:
-        o = str(d / name)
-        out[name] = dict(summary=replay(tiny_qwen2, b, o, 2, *flags, *common), dir=o)
+    }
+    jobs = {n: ["--model", tiny_qwen2, "--batch", b, *f, *common] for n, (b, f) in jobs.items()}
+    again = {"thundersync_again": jobs.pop("thundersync_again")}
+    out = {**replay_many(jobs, str(d)), **replay_many(again, str(d))}
     out["rows"] = rows
     out["hf_dir"] = tiny_qwen2
     return out
@@ -171,25 +196,38 @@ def test_balanced_routing_splits_groups_and_serves_each_source_once(runs):
     assert sum(len(rs) == 2 for rs in ranks_of.values()) >= 5, ranks_of  # split groups ran
 
 
-@pytest.mark.parametrize("objective,norm", [("dr_grpo", "trajectory"), ("rloo", "global"),
-                                            ("grpo", "global")])
-def test_affine_family_single_rank_vs_reference(tiny_qwen2, tmp_path, objective, norm):
-    batch = str(tmp_path / "b.jsonl")
-    rows = write_batches(batch, 256, n_updates=1, seed=5)
-    replay(tiny_qwen2, batch, str(tmp_path / "o"), 1, "--objective", objective,
-           "--token-norm", norm, "--schedule", "thundersync", "--k-open", "1")
-    got = load_file(str(tmp_path / "o" / "grad.safetensors"))
-    err = rel_l2(got, reference_grad(tiny_qwen2, rows, objective, norm))
+AFFINE = [("dr_grpo", "trajectory"), ("rloo", "global"), ("grpo", "global")]
+
+
+@pytest.fixture(scope="module")
+def single_rank(tiny_qwen2, tmp_path_factory):
+    """The single-rank replays, in one process: the affine family and bf16."""
+    d = tmp_path_factory.mktemp("single_rank")
+    jobs, rows = {}, {}
+    for objective, norm in AFFINE:
+        name, batch = f"{objective}-{norm}", str(d / f"{objective}-{norm}.jsonl")
+        rows[name] = write_batches(batch, 256, n_updates=1, seed=5)
+        jobs[name] = ["--model", tiny_qwen2, "--batch", batch, "--objective", objective,
+                      "--token-norm", norm, "--schedule", "thundersync", "--k-open", "1"]
+    rows["bf16"] = write_batches(str(d / "bf16.jsonl"), 256, n_updates=1, seed=9)
+    jobs["bf16"] = ["--model", tiny_qwen2, "--batch", str(d / "bf16.jsonl"), "--dtype", "bf16"]
+    out = replay_many(jobs, str(d), nproc=1)
+    return {name: dict(rows=rows[name], **run) for name, run in out.items()}
+
+
+@pytest.mark.parametrize("objective,norm", AFFINE)
+def test_affine_family_single_rank_vs_reference(tiny_qwen2, single_rank, objective, norm):
+    run = single_rank[f"{objective}-{norm}"]
+    got = load_file(os.path.join(run["dir"], "grad.safetensors"))
+    err = rel_l2(got, reference_grad(tiny_qwen2, run["rows"], objective, norm))
     print(f"{objective}/{norm} vs FP64 reference: {err:.2e}")
     assert err <= 1e-5
 
 
-def test_bf16_runs_close_to_fp32(tiny_qwen2, tmp_path):
-    batch = str(tmp_path / "b.jsonl")
-    rows = write_batches(batch, 256, n_updates=1, seed=9)
-    replay(tiny_qwen2, batch, str(tmp_path / "bf16"), 1, "--dtype", "bf16")
-    got = load_file(str(tmp_path / "bf16" / "grad.safetensors"))
-    err = rel_l2(got, reference_grad(tiny_qwen2, rows, "grpo"))
+def test_bf16_runs_close_to_fp32(tiny_qwen2, single_rank):
+    run = single_rank["bf16"]
+    got = load_file(os.path.join(run["dir"], "grad.safetensors"))
+    err = rel_l2(got, reference_grad(tiny_qwen2, run["rows"], "grpo"))
     print(f"bf16 vs FP64 reference: {err:.2e}")
     assert err < 5e-2
 
@@ -226,16 +264,25 @@ def test_bad_input_rejected_and_theta_untouched(tiny_qwen2):
     assert res["theta_untouched_by_bal_errors"] and res["bal_grad_matches_static"]
 
 
-@pytest.mark.parametrize("ckpt", ["qwen2", "qwen3"])
-def test_tensor_parallel_two_ranks_vs_reference(tiny_ckpts, tmp_path, ckpt):
-    # TP=2: vocab-parallel scored log-prob, TP-sharded grads gathered to HF names.
-    hf_dir = tiny_ckpts[ckpt]
-    batch = str(tmp_path / "b.jsonl")
+@pytest.fixture(scope="module")
+def tp2(tiny_ckpts, tmp_path_factory):
+    """TP=2 replays of qwen2 and qwen3, in one torchrun launch."""
+    d = tmp_path_factory.mktemp("tp2")
+    batch = str(d / "b.jsonl")
     rows = write_batches(batch, 256, n_updates=1, seed=4)
-    s = replay(hf_dir, batch, str(tmp_path / "tp2"), 2, "--tp", "2", "--k-open", "2")
+    jobs = {ckpt: ["--model", tiny_ckpts[ckpt], "--batch", batch, "--tp", "2", "--k-open", "2"]
+            for ckpt in ("qwen2", "qwen3")}
+    return rows, replay_many(jobs, str(d))
+
+
+@pytest.mark.parametrize("ckpt", ["qwen2", "qwen3"])
+def test_tensor_parallel_two_ranks_vs_reference(tiny_ckpts, tp2, ckpt):
+    # TP=2: vocab-parallel scored log-prob, TP-sharded grads gathered to HF names.
+    rows, runs = tp2
+    s = runs[ckpt]["summary"]
     assert s["tp"] == 2 and s["dp"] == 1
-    got = load_file(str(tmp_path / "tp2" / "grad.safetensors"))
-    ref = reference_grad(hf_dir, rows, "grpo")
+    got = load_file(os.path.join(runs[ckpt]["dir"], "grad.safetensors"))
+    ref = reference_grad(tiny_ckpts[ckpt], rows, "grpo")
     assert got.keys() == ref.keys()
     err = rel_l2(got, ref)
     print(f"{ckpt} TP=2 vs FP64 HF reference: {err:.2e}")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from batchgen import write_opd_batches
 from reference import reference_opd_grad, rel_l2
-from test_learner import ROOT, replay
+from test_learner import ROOT, replay, replay_many
 from tsync_mcore import trace
 from tsync_mcore.trace import DeferredRecord
 
@@ -23,17 +23,17 @@ def opd_runs(tiny_qwen2, tmp_path_factory):
     d = tmp_path_factory.mktemp("opd")
     batch = str(d / "batch.jsonl")
     rows = write_opd_batches(batch, 256, n_updates=N_UPDATES, seed=2, turns=4)
-    common = ["--objective", "opd", "--lr", "1e-5", "--save-grads", "all"]
-    out = {"rows": rows, "hf_dir": tiny_qwen2}
-    for name, flags in [
-        ("sync", ["--schedule", "sync", "--accum-dtype", "fp64"]),
-        ("thundersync", ["--schedule", "thundersync", "--accum-dtype", "fp64"]),
-        ("thundersync_fp32", ["--schedule", "thundersync"]),
-        ("sync_fp32", ["--schedule", "sync"]),
-        ("retain", ["--schedule", "thundersync", "--opd-replay", "retain"]),
-    ]:
-        o = str(d / name)
-        out[name] = dict(summary=replay(tiny_qwen2, batch, o, 2, *common, *flags), dir=o)
+    common = ["--model", tiny_qwen2, "--batch", batch, "--objective", "opd", "--lr", "1e-5",
+              "--save-grads", "all"]
+    jobs = {  # one torchrun launch (each job its own Policy/Learner, see replay_many)
+        "sync": ["--schedule", "sync", "--accum-dtype", "fp64"],
+        "thundersync": ["--schedule", "thundersync", "--accum-dtype", "fp64"],
+        "thundersync_fp32": ["--schedule", "thundersync"],
+        "sync_fp32": ["--schedule", "sync"],
+        "retain": ["--schedule", "thundersync", "--opd-replay", "retain"],
+    }
+    out = replay_many({name: [*common, *flags] for name, flags in jobs.items()}, str(d))
+    out.update(rows=rows, hf_dir=tiny_qwen2)
     return out
 
 
@@ -178,8 +178,8 @@ def test_opd_shared_prompt_same_update(tiny_qwen2, tmp_path):
     write_opd_batches(batch, 256, n_updates=1, seed=6, n_traj=4, group_size=4, prompt_len=10)
     off = tmp_path / "off.yaml"
     off.write_text("learner:\n  shared_prefix: false\n")
-    replay(tiny_qwen2, batch, str(tmp_path / "on"), 1, "--objective", "opd")
-    replay(tiny_qwen2, batch, str(tmp_path / "off"), 1, "--objective", "opd", "--config", str(off))
+    common = ["--model", tiny_qwen2, "--batch", batch, "--objective", "opd"]
+    replay_many({"on": common, "off": [*common, "--config", str(off)]}, str(tmp_path), nproc=1)
     err = rel_l2(load_file(str(tmp_path / "on" / "grad.safetensors")),
                  load_file(str(tmp_path / "off" / "grad.safetensors")))
     print(f"OPD shared prompt on vs off: {err:.2e}")
@@ -200,11 +200,11 @@ def test_turns_that_begin_with_a_scored_token(tiny_qwen2, tmp_path):
     assert sum(r["scored_mask"][e] for r in rows for e in r["turn_ends"][:-1]) == 8
     batch = str(tmp_path / "b.jsonl")
     _write(batch, rows)
-    common = ["--objective", "opd", "--save-grads", "all"]
-    runs = {name: replay(tiny_qwen2, batch, str(tmp_path / name), n, *common, *flags)
-            for name, n, flags in [("sync", 2, ["--schedule", "sync"]),
-                                   ("thundersync", 2, ["--schedule", "thundersync"]),
-                                   ("retain", 1, ["--opd-replay", "retain"])]}
+    common = ["--model", tiny_qwen2, "--batch", batch, "--objective", "opd", "--save-grads", "all"]
+    runs = replay_many({"sync": [*common, "--schedule", "sync"],
+                        "thundersync": [*common, "--schedule", "thundersync"]}, str(tmp_path))
+    runs.update(replay_many({"retain": [*common, "--opd-replay", "retain"]}, str(tmp_path),
+                            nproc=1))
     grads = {n: load_file(str(tmp_path / n / "grad.safetensors")) for n in runs}
     ref = reference_opd_grad(tiny_qwen2, rows)
     for name in ("thundersync", "retain"):
@@ -222,21 +222,23 @@ def test_opd_admission_k_open_and_byte_budget(tiny_qwen2, tmp_path):
     # byte budget of what one group needs does the same; the update does not change.
     batch = str(tmp_path / "b.jsonl")
     write_opd_batches(batch, 256, n_updates=1, seed=3, n_traj=8, turns=3)
-    common = ["--objective", "opd", "--accum-dtype", "fp64"]
-    free = replay(tiny_qwen2, batch, str(tmp_path / "free"), 1, *common)
-    one = replay(tiny_qwen2, batch, str(tmp_path / "one"), 1, *common, "--k-open", "1")
+    common = ["--model", tiny_qwen2, "--batch", batch, "--objective", "opd", "--accum-dtype",
+              "fp64"]
+    first = replay_many({  # one process for these three, one for the two budget runs
+        "free": common, "one": [*common, "--k-open", "1"],
+        "solo": [*common, "--k-open", "1", "--schedule", "group_ready"]}, str(tmp_path), nproc=1)
+    free, one, solo = (first[n]["summary"] for n in ("free", "one", "solo"))
     assert free["open_groups_peak_per_rank"][0] > 1
     assert one["open_groups_peak_per_rank"] == [1] and one["open_bound"].startswith("k_open=1")
     assert one["open_peak_bytes_per_rank"][0] < free["open_peak_bytes_per_rank"][0]
     # a budget of one group's need (measured with k_open = 1, under group_ready, where a
     # group's estimate covers all of it)
-    solo = replay(tiny_qwen2, batch, str(tmp_path / "solo"), 1, *common, "--k-open", "1",
-                  "--schedule", "group_ready")
     budget = solo["open_peak_bytes_per_rank"][0]
     cfg = tmp_path / "budget.yaml"
     cfg.write_text(f"learner:\n  max_open_bytes: {budget}\n")
-    runs = {s: replay(tiny_qwen2, batch, str(tmp_path / f"b_{s}"), 1, *common, "--schedule", s,
-                      "--config", str(cfg)) for s in ("group_ready", "thundersync")}
+    runs = replay_many({f"b_{s}": [*common, "--schedule", s, "--config", str(cfg)]
+                        for s in ("group_ready", "thundersync")}, str(tmp_path), nproc=1)
+    runs = {s: runs[f"b_{s}"]["summary"] for s in ("group_ready", "thundersync")}
     assert runs["group_ready"]["open_peak_bytes_per_rank"][0] <= budget
     assert f"max_open_bytes={budget}" in runs["group_ready"]["open_bound"]
     for s, r in runs.items():
