@@ -105,6 +105,9 @@ def test_live_run_metrics(tiny_qwen2, tmp_path):
                           ("perf/throughput", "tokens_per_s_per_device")]:
             events = {e.step: e.value for e in acc.Scalars(name)}
             assert events[k + 1] == pytest.approx(m[key], rel=1e-6), name
+        # on-policy and no behaviour log-probs sent: no lag, no mismatch figures
+        assert (m["policy_lag_mean"], m["policy_lag_max"], m["lagged_token_share"]) == (0, 0, 0)
+        assert m["mismatch_tokens"] == 0 and m["is_weight_mean"] is None
         fields = dict(f.split(":", 1) for f in console[k].split(" - "))
         assert int(fields["step"]) == k + 1
         assert float(fields["response_length/max"]) == max(lengths)

@@ -182,7 +182,8 @@ def test_one_step_off_matches_fp64_off_policy_reference(off_policy_runs, name):
 
 def test_trace_carries_lag_per_source_and_update(off_policy_runs):
     run = off_policy_runs["grpo"]
-    recs = [x for r in range(2) for x in trace.read(os.path.join(run["dir"], f"trace_rank{r}.jsonl"))]
+    recs = [x for r in range(2)
+            for x in trace.read(os.path.join(run["dir"], f"trace_rank{r}.jsonl"))]
     srcs = [r for r in recs if isinstance(r, SourceRecord)]
     assert srcs and all(r.update == 1 and r.policy_version == 0 and r.policy_lag == 1
                         and r.lagged_tokens == r.scored_tokens for r in srcs)
@@ -327,7 +328,8 @@ def test_token_versions_give_the_lag_per_token(tiny_qwen2, parallel1, off_policy
     assert u.policy_lag_mean == pytest.approx(sum(old) / n)
     # A token of a version after the current one is refused.
     from tsync_mcore.sources import BatchPlan
-    future = _sources([dict(rows[0], policy_version=2, token_versions=[2] * (len(tv[0]) - 1) + [4])])
+    n_tok = len(rows[0]["tokens"])
+    future = _sources([dict(rows[0], policy_version=2, token_versions=[2] * (n_tok - 1) + [4])])
     learner.begin(BatchPlan.from_sources(future))
     with pytest.raises(SourceError, match="after the current version 3"):
         learner.submit(future[0])

@@ -7,13 +7,14 @@
 
 FILE.jsonl holds one trajectory per line (docs/replay.md). Lines are grouped into batches by
 `update` (optional; default: `policy_version`, the on-policy case); updates must run
-K, K+1, … from `--start-version K` (default 0: the model is θ_K), and each batch is one
+K, K+1, … from `--start-version K` (default 0; the model is θ_K), and each batch is one
 update. A source with policy_version < update is off-policy: the schedule's lag bound
 applies (0 for sync/group_ready/thundersync, 1 for one_step_off, --max-staleness for
 fully_async) and `--is-correction tis` weights its tokens by its `behaviour_logprobs`
-(docs/async-learner.md). Sources are ingested in `ready_order`. Writes DIR/grad.safetensors (g_k of the last update before
-clipping, FP32, HF names), DIR/params.safetensors (θ after the last step, HF names) and
-DIR/trace_rank{R}.jsonl, and prints a one-line JSON summary on rank 0.
+(docs/async-learner.md). Sources are ingested in `ready_order`. Writes
+DIR/grad.safetensors (g_k of the last update before clipping, FP32, HF names),
+DIR/params.safetensors (θ after the last step, HF names) and DIR/trace_rank{R}.jsonl, and
+prints a one-line JSON summary on rank 0.
 """
 
 from __future__ import annotations

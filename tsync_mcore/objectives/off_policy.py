@@ -91,7 +91,8 @@ class OffPolicy:
         rho, ratio = truncated_ratio(logp, b, self.cap)
         if ratio.numel():
             diff = (logp.detach().to(torch.float64) - b).abs().sum()
-            self._sums += torch.stack([diff, ratio.sum(), (ratio > self.cap).sum(dtype=torch.float64)])
+            cut = (ratio > self.cap).sum(dtype=torch.float64)
+            self._sums += torch.stack([diff, ratio.sum(), cut])
             self._max = torch.maximum(self._max, torch.stack([ratio.max(), -ratio.min()]))
             self._tokens += ratio.numel()
         return rho.to(logp.dtype) if self.correction == "tis" else None
