@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234, help="the same seed for every run")
     p.add_argument("--set", action="append", nargs="+", default=[], metavar="KEY=VALUE",
                    help="more config overrides for every run (as in launch/run.py)")
+    p.add_argument("--target", type=float, default=0.9,
+                   help="summary.md also says when each run's reward (mean of 3 updates) first "
+                        "reached this (default 0.9: the toy task saturates near 1)")
     p.add_argument("--report-only", action="store_true",
                    help="redraw the figures and summary.md from the run directories under --out")
     args = p.parse_args(argv)
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[s] = read_rows(os.path.join(out, s))
         else:
             runs[s] = train(args, out, s)
-    report(runs, out, args.budget_s)
+    report(runs, out, args.budget_s, args.target)
     print(open(os.path.join(out, "summary.md")).read(), flush=True)
     return 0
 
@@ -123,15 +126,28 @@ def _fmt(x, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def summary_rows(runs: dict[str, list[dict]]) -> list[dict]:
+def reached(c: dict, target: float, window: int = 3) -> tuple[float, int] | None:
+    """(training time, update) when the mean reward of `window` consecutive updates first
+    reached `target`, or None."""
+    r = c["reward"]
+    for i in range(window - 1, len(r)):
+        xs = r[i - window + 1:i + 1]
+        if None not in xs and sum(xs) / window >= target:
+            return c["time_s"][i], c["updates"][i]
+    return None
+
+
+def summary_rows(runs: dict[str, list[dict]], target: float = 0.9) -> list[dict]:
     out = []
     for s, rows in runs.items():
         c = curves(rows)
+        hit = reached(c, target)
         n = len(c["updates"])
         k = max(1, n // 4)
         lags = [r.get("policy_lag_max") for r in rows if r.get("policy_lag_max") is not None]
         out.append(dict(
             schedule=s, updates=n, train_s=c["time_s"][-1] if n else 0.0,
+            target_s=hit[0] if hit else None, target_update=hit[1] if hit else None,
             step_s=_mean([r.get("step_wall_time_s") for r in rows]),
             reward_first=_mean(c["reward"][:k]), reward_last=_mean(c["reward"][-k:]),
             reward_best=max((x for x in c["reward"] if x is not None), default=None),
@@ -143,7 +159,8 @@ def summary_rows(runs: dict[str, list[dict]]) -> list[dict]:
     return out
 
 
-def report(runs: dict[str, list[dict]], out: str, budget_s: float) -> None:
+def report(runs: dict[str, list[dict]], out: str, budget_s: float,
+           target: float = 0.9) -> None:
     """The three figures and summary.md under `out`."""
     import matplotlib
     matplotlib.use("Agg")
@@ -169,14 +186,17 @@ def report(runs: dict[str, list[dict]], out: str, budget_s: float) -> None:
         fig.savefig(os.path.join(out, f"{name}.png"), dpi=110)
         plt.close(fig)
     head = ("| schedule | updates | training s | step s | reward first ¼ | reward last ¼ | "
-            "best | policy lag mean / max | lagged tokens | mean abs logprob diff | "
-            "dropped stale groups |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+            f"best | reward ≥ {target:g} at s (update) | policy lag mean / max | lagged tokens "
+            "| mean abs logprob diff | dropped stale groups |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
-    for r in summary_rows(runs):
+    for r in summary_rows(runs, target):
+        hit = (f"{r['target_s']:.1f} ({r['target_update']})" if r["target_s"] is not None
+               else "not reached")
         lines.append(
             f"| {r['schedule']} | {r['updates']} | {r['train_s']:.1f} | {_fmt(r['step_s'])} | "
             f"{_fmt(r['reward_first'])} | {_fmt(r['reward_last'])} | {_fmt(r['reward_best'])} "
-            f"| {_fmt(r['policy_lag_mean'], '.2f')} / {_fmt(r['policy_lag_max'], '')} | "
+            f"| {hit} | {_fmt(r['policy_lag_mean'], '.2f')} / {_fmt(r['policy_lag_max'], '')} | "
             f"{_fmt(r['lagged_token_share'], '.2f')} | {_fmt(r['logprob_diff_mean'], '.4f')} | "
             f"{r['dropped_stale_groups']:g} |")
     budget = f"{budget_s:g} s of training each" if budget_s else "a fixed number of updates"
@@ -184,7 +204,8 @@ def report(runs: dict[str, list[dict]], out: str, budget_s: float) -> None:
         f.write(f"# Schedules compared on the same task, {budget}, same seed\n\n"
                 + head + "\n".join(lines) + "\n\n"
                 "reward: the batch's mean reward (sampled by the policy the batch was "
-                "generated with); training s: the sum of step_wall_time_s; figures: "
+                f"generated with); training s: the sum of step_wall_time_s; reward ≥ {target:g}: "
+                "the first update where the mean of 3 consecutive rewards reached it; figures: "
                 "reward_vs_time.png, reward_vs_updates.png, policy_lag.png.\n")
 
 

@@ -492,6 +492,9 @@ def test_compare_report_from_metrics_rows(tmp_path):
     assert table["fully_async"]["dropped_stale_groups"] == 3
     md = (tmp_path / "summary.md").read_text()
     assert "| one_step_off | 16 | 16.0 |" in md and "16 s of training each" in md
+    # sync's rewards 0.0, 0.1, …: the mean of 3 first reaches 0.5 at update 7 (0.4, 0.5, 0.6)
+    assert compare.reached(compare.curves(runs["sync"]), 0.5) == (14.0, 7)
+    assert compare.reached(compare.curves(runs["sync"]), 0.9) is None
     bad = subprocess.run([sys.executable, os.path.join(PERF, "compare.py"), "--schedules",
                           "sync,async"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown async" in bad.stderr
