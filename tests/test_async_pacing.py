@@ -61,3 +61,19 @@ def test_a_group_older_than_max_staleness_never_joins_a_batch():
     f.add(Group("newer", 2, [], 2))
     batch, stale = f.take(2)
     assert [g.group_id for g in batch] == ["new", "newer"] and stale == [] and f.ready == []
+
+
+def test_config_refuses_what_fully_async_cannot_do():
+    from tsync_mcore.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"'learner.schedule'.*GRPO family.*one_step_off"):
+        load_config(None, {"learner.schedule": "fully_async", "learner.objective": "opd"})
+    with pytest.raises(ConfigError, match=r"'run.eval_every'.*fully_async"):
+        load_config(None, {"learner.schedule": "fully_async", "run.eval_every": 1,
+                           "rollout.env": "dataset", "data.train": "t.jsonl",
+                           "data.eval": "e.jsonl", "reward.function": "exact_match"})
+    with pytest.raises(ConfigError, match=r"'run.budget_s'"):
+        load_config(None, {"run.budget_s": -1})
+    with pytest.raises(ConfigError, match=r"'rollout.max_groups_in_flight'"):
+        load_config(None, {"rollout.max_groups_in_flight": -1})
+    load_config(None, {"learner.schedule": "one_step_off", "learner.objective": "opd"})

@@ -539,3 +539,40 @@ def test_async_learner_publishes_without_waiting_and_takes_late_acks(tiny_qwen2,
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["schedule"] for r in rows] == ["one_step_off"] * 3
     assert all(r["step_wall_time_s"] > 0 for r in rows)
+
+
+def test_budget_stops_the_learner_after_the_update_that_spent_it(tiny_qwen2, tmp_path):
+    """run.budget_s under sync: the update that ends past the budget is the last one; it is
+    checkpointed and the rollout, already on the next batch, is told the learner finished."""
+    run = str(tmp_path)
+    port = free_port()
+    proc = start_learner(tiny_qwen2, run, port, updates=5,
+                         extra=["run.budget_s=0.001", "learner.schedule=sync"])
+    links = rollout_links(port, run)
+    try:
+        assert isinstance(links[0].recv(), Hello)
+        for v in (0, 1):
+            msg = links[0].recv()
+            assert isinstance(msg, Publish) and msg.version == v
+            links[0].send(Ack(version=v, ok=True))
+            srcs = sources(v)
+            plan = BatchPlan.from_sources(srcs)
+            owner = assign_groups(plan, {}, 2)
+            for link in links:
+                link.send(RegisterBatch(version=v, objective="grpo", groups=plan.groups,
+                                        data_pos=v + 1))
+            for s in srcs:
+                links[owner[s.group_id]].send(TrajectoryMsg(s))
+            if v == 0:
+                for link in links:
+                    link.send(CloseBatch(version=v, rollout_time_s=0.1, n_sources=len(srcs)))
+        end = links[0].recv()  # mid-batch 1
+        assert type(end).__name__ == "Shutdown" and end.reason.startswith("learner finished")
+        assert "budget of 0.001 s after 1 updates" in end.reason
+        rc, out, err = finish(proc)
+    finally:
+        for link in links:
+            link.close()
+    assert rc == 0, err[-4000:]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1]
+    assert json.load(open(tmp_path / "checkpoints" / "step_1" / "meta.json"))["version"] == 1

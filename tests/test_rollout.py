@@ -196,6 +196,38 @@ def test_reload_with_requests_in_flight(et, engine, hf, shm_weights):
           f"weights mid-sequence")
 
 
+def test_abort_swap_continues_each_request_with_exact_versions(et, engine, hf, shm_weights):
+    """mode="abort" (fully_async's in-flight swap): vLLM ends each request with the tokens
+    sampled so far, `generate` continues it under the new weights, and every token keeps
+    the version and the log-prob that sampled it."""
+    prompts = [[1, 87, 85, 260, 201], [5, 6, 7, 8, 9, 10, 11], [1, 67], [40, 41, 42]]
+
+    async def go():
+        tasks = [asyncio.ensure_future(engine.generate(p, max_tokens=300, seed=200 + i))
+                 for i, p in enumerate(prompts)]
+        await asyncio.sleep(0.15)  # let them run past their prefill
+        await engine.reload_weights(shm_weights[1], mode="abort", version=8)
+        return await asyncio.gather(*tasks)
+
+    v0 = engine.version
+    try:
+        outs = et.run(go())
+    finally:
+        et.run(engine.reload_weights(shm_weights[0], version=v0))
+    spans = 0
+    for p, o in zip(prompts, outs):
+        assert len(o.token_versions) == len(o.token_ids) == len(o.logprobs)
+        assert o.finish_reason in ("stop", "length") and len(o.token_ids) <= 300
+        vs = torch.tensor(o.token_versions)
+        assert set(vs.tolist()) <= {v0, 8} and bool((vs[1:] >= vs[:-1]).all())
+        got = torch.tensor(o.logprobs, dtype=torch.float64)
+        for v, model in ((v0, hf[0]), (8, hf[1])):
+            own = (hf_logprobs(model, p + o.token_ids)[len(p):] - got).abs()[vs == v]
+            assert own.numel() == 0 or float(own.max()) < 1e-4, v
+        spans += int(len(set(vs.tolist())) == 2)
+    assert spans > 0  # some request straddled the swap
+
+
 def test_teacher_scorer_matches_hf(ckpts, hf):
     teacher = TeacherScorer(ckpts[1])
     g = torch.Generator().manual_seed(0)

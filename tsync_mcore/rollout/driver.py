@@ -151,7 +151,10 @@ class RolloutDriver:
             if self.schedule == "one_step_off":
                 return self._one_step_off(version, data_pos)
             if self.schedule == "fully_async":
-                return self.et.run(self._fully_async(version, data_pos))
+                try:
+                    return self.et.run(self._fully_async(version, data_pos))
+                except (RewardFailed, DataError) as e:  # reward.on_error: fail; a bad row
+                    raise RolloutStopped(str(e)) from None
             while version < self.cfg.run.updates:
                 batch = self._plan(version, data_pos)
                 data_pos += self.rc.groups_per_batch
