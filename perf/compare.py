@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in schedules:
         if args.report_only:
             runs[s] = read_rows(os.path.join(out, s))
+            if os.path.exists(os.path.join(out, s, "FAILED")):
+                FAILED.add(s)
         else:
             runs[s] = train(args, out, s)
     report(runs, out, args.budget_s, args.target)
@@ -100,6 +102,8 @@ def train(args, out: str, schedule: str) -> list[dict]:
         if e.code == 130:
             raise
         rows = read_rows(cfg.run.dir)
+        with open(os.path.join(cfg.run.dir, "FAILED"), "w") as f:  # for --report-only
+            f.write(f"run_job exit {e.code}; see logs/\n")
         print(f"compare: the {schedule} run failed after {len(rows)} updates (logs in "
               f"{cfg.run.dir}/logs); its updates so far are reported", flush=True)
         FAILED.add(schedule)
