@@ -29,18 +29,20 @@ def main() -> None:
         json.dump(doc, f, indent=1)
     print(f"\n{'objective':9s} {'r':>4s} {'B':>4s} {'schedule':12s} {'step s':>7s} "
           f"{'speedup':>8s} {'predicted':>9s} {'meas/pred':>9s} {'tail s':>7s} {'MFU':>6s} "
-          f"{'r_eff':>5s} {'wall/cpu':>8s} {'lag ms':>9s}")
+          f"{'r_eff':>5s} {'wall/cpu':>8s} {'lag ms':>9s} {'policy lag':>10s}")
     for c in overlap:
         print(f"{c['objective']:9s} {c['ratio']:4.1f} {c['batch']:4d} {c['schedule']:12s} "
               f"{c['step_time_s']:7.3f} {c['speedup_measured']:7.2f}x {c['speedup_predicted']:8.2f}x "
               f"{100 * c['measured_over_predicted']:8.0f}% {c['learner_tail_s']:7.3f} "
               f"{100 * c['mfu_active']:5.2f}% {c.get('ratio_effective', float('nan')):5.2f} "
               f"{c.get('wall_over_cpu', float('nan')):8.3f} "
-              f"{c.get('release_lag_ms', float('nan')):4.1f}/{c.get('release_lag_max_ms', float('nan')):<4.0f}")
+              f"{c.get('release_lag_ms', float('nan')):4.1f}/{c.get('release_lag_max_ms', float('nan')):<4.0f}"
+              f" {c.get('policy_lag_mean', float('nan')):6.2f}/{c.get('policy_lag_max', '-')}")
     cells = sorted({(c["objective"], c["batch"]) for c in overlap})
     fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 3.5), squeeze=False)
     for ax, (obj, b) in zip(axes[0], cells):
-        for sched, color in (("group_ready", "#dd8452"), ("thundersync", "#4c72b0")):
+        for sched, color in (("group_ready", "#dd8452"), ("thundersync", "#4c72b0"),
+                             ("one_step_off", "#55a868"), ("fully_async", "#c44e52")):
             pts = sorted((c["ratio"], c["speedup_measured"], c["speedup_predicted"])
                          for c in overlap if (c["objective"], c["batch"], c["schedule"]) ==
                          (obj, b, sched))

@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 SCHEDULES = ("sync", "thundersync", "one_step_off", "fully_async")
+FAILED: set[str] = set()  # schedules whose run stopped with an error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,11 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     for s in schedules:
         if args.report_only:
             runs[s] = read_rows(os.path.join(out, s))
+            if os.path.exists(os.path.join(out, s, "FAILED")):
+                FAILED.add(s)
         else:
             runs[s] = train(args, out, s)
     report(runs, out, args.budget_s, args.target)
     print(open(os.path.join(out, "summary.md")).read(), flush=True)
-    return 0
+    return 1 if FAILED else 0
 
 
 def train(args, out: str, schedule: str) -> list[dict]:
@@ -93,11 +96,24 @@ def train(args, out: str, schedule: str) -> list[dict]:
     cfg = config_or_exit("compare", args.config, overrides)
     what = f"{args.budget_s:g} s of training" if args.budget_s else f"{args.updates} updates"
     print(f"== {schedule}: {what}, seed {args.seed}", flush=True)
-    return run_job(args.config, overrides, cfg, who="compare")
+    try:
+        return run_job(args.config, overrides, cfg, who="compare")
+    except SystemExit as e:  # run_job said why in one line; the other schedules still run
+        if e.code == 130:
+            raise
+        rows = read_rows(cfg.run.dir)
+        with open(os.path.join(cfg.run.dir, "FAILED"), "w") as f:  # for --report-only
+            f.write(f"run_job exit {e.code}; see logs/\n")
+        print(f"compare: the {schedule} run failed after {len(rows)} updates (logs in "
+              f"{cfg.run.dir}/logs); its updates so far are reported", flush=True)
+        FAILED.add(schedule)
+        return rows
 
 
 def read_rows(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
     try:
         with open(path) as f:
             return [json.loads(line) for line in f if line.strip()]
@@ -193,8 +209,9 @@ def report(runs: dict[str, list[dict]], out: str, budget_s: float,
     for r in summary_rows(runs, target):
         hit = (f"{r['target_s']:.1f} ({r['target_update']})" if r["target_s"] is not None
                else "not reached")
+        name = r["schedule"] + (" (run failed)" if r["schedule"] in FAILED else "")
         lines.append(
-            f"| {r['schedule']} | {r['updates']} | {r['train_s']:.1f} | {_fmt(r['step_s'])} | "
+            f"| {name} | {r['updates']} | {r['train_s']:.1f} | {_fmt(r['step_s'])} | "
             f"{_fmt(r['reward_first'])} | {_fmt(r['reward_last'])} | {_fmt(r['reward_best'])} "
             f"| {hit} | {_fmt(r['policy_lag_mean'], '.2f')} / {_fmt(r['policy_lag_max'], '')} | "
             f"{_fmt(r['lagged_token_share'], '.2f')} | {_fmt(r['logprob_diff_mean'], '.4f')} | "

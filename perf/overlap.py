@@ -12,12 +12,14 @@ One learner launch per cell (objective, r, B). It serves every draw (random batc
 with all sources ready at once (sync, R = 0) to measure L, the busiest rank's learner time
 for that batch, and sets R = r·L per draw. It plays a warm-up round (not measured: the
 first update of a schedule in a process ran up to 1.6× a later one), then `rounds` rounds; in
-each, the three schedules run the same draw back to back, in an order rotated every round,
-switched per batch through RegisterBatch. Pairing them in time matters
-on a shared machine: runs of identical code launched minutes apart differed by up to 15 %
-here, updates one second apart by a few %. Speedup = mean step time of `sync` / mean step
+each, the schedules run the same draw back to back, in an order rotated every round,
+switched per batch through RegisterBatch. The asynchronous ones (one_step_off, fully_async)
+play a segment of consecutive updates under their live protocol (docs/async.md), the
+rollout's decisions in async_rollout.py; only the segment's steady-state updates count.
+Pairing them in time matters on a shared machine: runs of identical code launched minutes
+apart differed by up to 15 % here, updates one second apart by a few %. Speedup = mean step time of `sync` / mean step
 time of the schedule; the predicted speedup replays the schedule's own traces through
-Eq. 14 (tsync_mcore.predict).
+Eq. 14 (tsync_mcore.predict; the asynchronous schedules through its one_step_off model).
 """
 
 from __future__ import annotations

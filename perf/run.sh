@@ -15,7 +15,9 @@ out="perf/results/${stamp}.json"
 work="$(mktemp -d /tmp/tsync-perf-XXXX)"
 mkdir -p perf/results
 echo "== overlap (rollout simulator → channel → 2 learner ranks) =="
-$PY perf/run_overlap.py $QUICK --out "$work/overlap.json" --work "$work"
+# SCHEDULES=sync,group_ready,thundersync perf/run.sh: the synchronous three only (faster)
+$PY perf/run_overlap.py $QUICK ${SCHEDULES:+--schedules "$SCHEDULES"} --out "$work/overlap.json" \
+    --work "$work"
 echo "== kernels =="
 $PY perf/kernels.py $QUICK --json "$work/kernels.json"
 $PY perf/collect.py --overlap "$work/overlap.json" --kernels "$work/kernels.json" --out "$out" \
