@@ -78,3 +78,17 @@ def parallel1():
     from tsync_mcore.model.parallel import init_parallel
 
     return init_parallel(tp_size=1)
+
+
+@pytest.fixture(scope="session")
+def golden(tiny_qwen2, tmp_path_factory) -> dict:
+    """One clean live run, shared by every file that reads one (test_e2e, test_run_files,
+    test_learner_metrics): the learner launcher under torchrun (2 ranks, 2 updates, loggers
+    console + jsonl + tensorboard) fed by test_e2e's scripted rollout. Returns the weights
+    published per version, the run directory and the learner's stdout."""
+    from test_e2e import run_scripted
+    run = str(tmp_path_factory.mktemp("golden"))
+    rc, out, err, published = run_scripted(
+        tiny_qwen2, run, extra=["run.loggers=[console,jsonl,tensorboard]"])
+    assert rc == 0, err[-4000:]
+    return dict(published=published, run=run, out=out)

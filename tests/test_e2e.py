@@ -114,10 +114,10 @@ def scripted_rollout(port, updates, run_dir, bad=None, ack_ok=True, stop_after=N
         raise
 
 
-def run_scripted(hf_dir, run_dir, updates=2, flags=(), **rollout):
+def run_scripted(hf_dir, run_dir, updates=2, flags=(), extra=(), **rollout):
     """Learner ranks + the scripted rollout to the end: (rc, stdout, stderr, published)."""
     port = free_port()
-    proc = start_learner(hf_dir, run_dir, port, updates=updates, flags=flags)
+    proc = start_learner(hf_dir, run_dir, port, updates=updates, extra=extra, flags=flags)
     published, links = scripted_rollout(port, updates, run_dir, **rollout)
     rc, out, err = finish(proc)
     for link in links:
@@ -131,12 +131,7 @@ def finish(proc, timeout=120):
     return proc.returncode, read("learner.out"), read("learner.err")
 
 
-@pytest.fixture(scope="module")
-def golden(tiny_qwen2, tmp_path_factory):
-    run = str(tmp_path_factory.mktemp("golden"))
-    rc, out, err, published = run_scripted(tiny_qwen2, run)
-    assert rc == 0, err[-4000:]
-    return dict(published=published, run=run, out=out)
+# `golden` (tests/conftest.py): the clean run of run_scripted, shared with other files.
 
 
 def test_rollout_sets_the_schedule_per_batch(tiny_qwen2, tmp_path):
@@ -323,20 +318,27 @@ def test_bad_sources_over_the_channel_are_rejected_and_change_nothing(tiny_qwen2
         assert what in err, what
 
 
-def register_static(links, v, srcs) -> dict[str, int]:
-    """Register batch v of `srcs` on every rank (static routing); returns group → owner."""
+def register_static(links, v, srcs, schedule=None) -> dict[str, int]:
+    """Register batch v of `srcs` on every rank (static routing; `schedule` overrides the
+    learner's for this batch); returns group → owner."""
     plan = BatchPlan.from_sources(srcs)
     for link in links:
         link.send(RegisterBatch(version=v, objective="grpo", groups=plan.groups, n_turns={},
-                                data_pos=v + 1, routing="static"))
+                                data_pos=v + 1, routing="static", schedule=schedule))
     return assign_groups(plan, {}, 2)
 
 
-def _rollout_with_a_bad_member(port, updates, run_dir, bad_group=None, without=None):
-    """Scripted rollout: in batch 0 one member of `bad_group` arrives with a token outside
-    the vocabulary (its valid copy never comes); the learner that owns the group rejects it
-    and says so (Rejected), and the rollout announces the drop to every rank (DropGroup), as
-    the real one does. `without`: batch 0 registered and played without that group at all.
+# batch → its schedule in the rejected-member runs: each schedule's batch with the bad group
+# is followed by a clean batch of the same schedule
+BAD_MEMBER_SCHEDULES = {0: "sync", 1: "sync", 2: "thundersync", 3: "thundersync"}
+
+
+def _rollout_with_a_bad_member(port, updates, run_dir, drop_in=(), without_in=()):
+    """Scripted rollout: in each batch v of `drop_in` one member of group v{v}-g2 arrives
+    with a token outside the vocabulary (its valid copy never comes); the learner that owns
+    the group rejects it and says so (Rejected), and the rollout announces the drop to every
+    rank (DropGroup), as the real one does. Each batch v of `without_in` is registered and
+    played without that group at all. Batches use BAD_MEMBER_SCHEDULES.
     Returns the weights published for each version and the Rejected received."""
     from dataclasses import replace
     links = rollout_links(port, run_dir)
@@ -352,14 +354,15 @@ def _rollout_with_a_bad_member(port, updates, run_dir, bad_group=None, without=N
         assert isinstance(links[0].recv(), Hello)
         serve_publish(0)
         for v in range(updates):
-            srcs = [s for s in sources(v) if v or s.group_id != without]
-            owner = register_static(links, v, srcs)
+            bad = f"v{v}-g2"
+            srcs = [s for s in sources(v) if v not in without_in or s.group_id != bad]
+            owner = register_static(links, v, srcs, BAD_MEMBER_SCHEDULES[v])
             for s in srcs:
-                if v == 0 and s.group_id == bad_group and s.traj_id.endswith("-t1"):
+                if v in drop_in and s.group_id == bad and s.traj_id.endswith("-t1"):
                     s = replace(s, tokens=s.tokens[:-1] + (256,))
                 links[owner[s.group_id]].send(TrajectoryMsg(s))
-            if v == 0 and bad_group is not None:
-                msg = links[owner[bad_group]].recv(timeout_s=30)
+            if v in drop_in:
+                msg = links[owner[bad]].recv(timeout_s=30)
                 assert isinstance(msg, Rejected), msg
                 rejected.append(msg)
                 for link in links:
@@ -373,31 +376,38 @@ def _rollout_with_a_bad_member(port, updates, run_dir, bad_group=None, without=N
             link.close()
 
 
-@pytest.mark.parametrize("schedule", ["sync", "thundersync"])
-def test_a_rejected_member_drops_its_group_everywhere_and_the_run_goes_on(tiny_qwen2, tmp_path,
-                                                                          schedule):
+def test_a_rejected_member_drops_its_group_everywhere_and_the_run_goes_on(tiny_qwen2, tmp_path):
     # The last of the three groups (its owner is rank 0 with or without it, so every other
-    # group is served where it would be anyway) loses a member to a bad token.
-    bad = "v0-g2"
-    extra = ["learner.accum_dtype=fp64", f"learner.schedule={schedule}"]
+    # group is served where it would be anyway) loses a member to a bad token: in batch 0
+    # (sync) and in batch 2 (thundersync), each followed by a clean batch of its schedule.
+    # One run per side covers both schedules (BAD_MEMBER_SCHEDULES).
+    bad_batches, updates = (0, 2), 4
+    extra = ["learner.accum_dtype=fp64"]
     runs = {}
-    for name, kw in (("dropped", dict(bad_group=bad)), ("without", dict(without=bad))):
+    for name, kw in (("dropped", dict(drop_in=bad_batches)),
+                     ("without", dict(without_in=bad_batches))):
         port = free_port()
-        proc = start_learner(tiny_qwen2, str(tmp_path / name), port, updates=2, extra=extra)
-        published, rejected = _rollout_with_a_bad_member(port, 2, str(tmp_path / name), **kw)
+        proc = start_learner(tiny_qwen2, str(tmp_path / name), port, updates=updates,
+                             extra=extra)
+        published, rejected = _rollout_with_a_bad_member(port, updates, str(tmp_path / name),
+                                                         **kw)
         rc, out, err = finish(proc)
         assert rc == 0, err[-4000:]
         rows = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
         runs[name] = dict(published=published, rejected=rejected, rows=rows, err=err)
     d, w = runs["dropped"], runs["without"]
-    assert [(m.group_id, m.source) for m in d["rejected"]] == [(bad, "v0-g2-t1")]
-    assert "out of vocabulary" in d["rejected"][0].reason and "out of vocabulary" in d["err"]
-    r0 = d["rows"][0]
-    assert list(r0["dropped_groups"]) == [bad] and r0["n_groups"] == 2
-    assert r0["rejected_sources"] == 1 and w["rows"][0]["rejected_sources"] == 0
-    assert r0["scored_tokens"] == w["rows"][0]["scored_tokens"]
-    assert d["rows"][1]["dropped_groups"] == {} and d["rows"][1]["n_groups"] == 3
-    for v in (1, 2):  # the update without the group, bit for bit; and the next one
+    assert [r["schedule"] for r in d["rows"]] == [BAD_MEMBER_SCHEDULES[v] for v in range(4)]
+    assert [(m.group_id, m.source) for m in d["rejected"]] == \
+        [(f"v{v}-g2", f"v{v}-g2-t1") for v in bad_batches]
+    assert all("out of vocabulary" in m.reason for m in d["rejected"])
+    assert "out of vocabulary" in d["err"]
+    for v in bad_batches:
+        r = d["rows"][v]
+        assert list(r["dropped_groups"]) == [f"v{v}-g2"] and r["n_groups"] == 2, v
+        assert r["rejected_sources"] == 1 and w["rows"][v]["rejected_sources"] == 0
+        assert r["scored_tokens"] == w["rows"][v]["scored_tokens"]
+        assert d["rows"][v + 1]["dropped_groups"] == {} and d["rows"][v + 1]["n_groups"] == 3
+    for v in range(1, updates + 1):  # each update without the group, bit for bit; the next
         assert all(torch.equal(d["published"][v][k], w["published"][v][k])
                    for k in d["published"][v]), v
     assert any(not torch.equal(d["published"][0][k], d["published"][1][k])

@@ -70,18 +70,10 @@ def test_entropy_tp2(tiny_qwen2, rows):
         assert r["after_take"] == [0.0, 0]
 
 
-def test_live_run_metrics(tiny_qwen2, tmp_path):
+def test_live_run_metrics(tiny_qwen2, golden):
+    # the shared live run (conftest.py): loggers console, jsonl and tensorboard
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from test_e2e import finish, free_port, scripted_rollout, start_learner
-    updates, run = 2, str(tmp_path)
-    port = free_port()
-    proc = start_learner(tiny_qwen2, run, port, updates=updates,
-                         extra=["run.loggers=[console,jsonl,tensorboard]"])
-    published, links = scripted_rollout(port, updates, run)
-    rc, out, err = finish(proc)
-    for link in links:
-        link.close()
-    assert rc == 0, err[-4000:]
+    updates, run, published, out = 2, golden["run"], golden["published"], golden["out"]
     metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     assert [m["step"] for m in metrics] == [1, 2]
     acc = EventAccumulator(os.path.join(run, "tensorboard"))

@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 
-from test_e2e import golden, run_scripted  # noqa: F401  (golden: the single-run baseline)
+from test_e2e import run_scripted  # golden (conftest.py): the single-run baseline
 from tsync_mcore import predict, run_files, trace
 from tsync_mcore.trace import SourceRecord, UpdateRecord
 
@@ -72,7 +72,7 @@ def per_rank_updates(run):
     return out
 
 
-def test_second_run_in_one_dir_predicts_like_a_single_run(tiny_qwen2, golden, tmp_path):  # noqa: F811
+def test_second_run_in_one_dir_predicts_like_a_single_run(tiny_qwen2, golden, tmp_path):
     run = str(tmp_path / "run")
     rc, _, err, _ = run_scripted(tiny_qwen2, run, updates=2)
     assert rc == 0, err[-4000:]

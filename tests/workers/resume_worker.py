@@ -1,8 +1,11 @@
 """Resume exactness: N updates straight vs k updates, checkpoint, fresh process, N − k more.
 
-Usage: resume_worker.py HF_DIR BATCH RUN_DIR MODE   (MODE: straight | first | resume | refused)
-Prints RESULT with a digest path of the final parameters (rank 0 writes them); `refused`
-expects the resume to fail on every rank and reports each rank's error instead.
+Usage: resume_worker.py HF_DIR BATCH RUN_DIR MODE[,MODE...]
+(MODE: straight | first | resume | refused; several run one after the other in this process,
+each with its own Policy: `straight,first` saves a launch, a resume needs a fresh process.)
+Prints one RESULT per rank: the modes' results in order (one mode: its result alone). Rank 0
+writes each mode's final parameters; `refused` expects the resume to fail on every rank and
+reports each rank's error instead.
 """
 
 import json
@@ -20,7 +23,7 @@ from tsync_mcore.replay import read_batches
 from tsync_mcore.sources import BatchPlan
 
 
-def main(hf_dir: str, batch: str, run_dir: str, mode: str, split: int = 2) -> None:
+def main(hf_dir: str, batch: str, run_dir: str, mode: str, split: int = 2) -> dict:
     cfg = load_config(None, {"model.hf_dir": hf_dir, "optim.lr": 1e-4, "learner.k_open": 2})
     policy = Policy(cfg)
     batches = read_batches(batch)
@@ -34,9 +37,7 @@ def main(hf_dir: str, batch: str, run_dir: str, mode: str, split: int = 2) -> No
             error = str(e)
         after = policy.export_params()
         same = all(torch.equal(before[k], after[k]) for k in before)
-        print("RESULT " + json.dumps({"rank": policy.par.rank, "error": error,
-                                      "unchanged": same}), flush=True)
-        return
+        return {"rank": policy.par.rank, "error": error, "unchanged": same}
     if mode == "resume":
         meta = checkpoint.load(checkpoint.latest(run_dir), policy)
         start = meta["data_pos"]
@@ -54,8 +55,10 @@ def main(hf_dir: str, batch: str, run_dir: str, mode: str, split: int = 2) -> No
         os.makedirs(run_dir, exist_ok=True)
         save_file({k: v.contiguous() for k, v in params.items()},
                   os.path.join(run_dir, f"params_{mode}.safetensors"))
-    print("RESULT " + json.dumps({"version": learner.version, "rank": policy.par.rank}), flush=True)
+    return {"version": learner.version, "rank": policy.par.rank}
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    results = [main(*sys.argv[1:4], mode) for mode in sys.argv[4].split(",")]
+    out = results[0] if len(results) == 1 else {"rank": results[0]["rank"], "modes": results}
+    print("RESULT " + json.dumps(out), flush=True)
