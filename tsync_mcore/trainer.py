@@ -128,12 +128,9 @@ class Trainer:
             self.finishing = "" if self.version < self.cfg.run.updates else "all updates"
             while not self.finishing:
                 self._update()
-            if self.par.rank == 0:
-                # async: publications of the last updates may still be loading
-                self._await_acks(final=True)
-                self.link.send(Shutdown(f"learner finished {self.finishing}"))
-                if self.cfg.run.export_hf:
-                    self._export_hf()
+            self._finish_together()
+            if self.par.rank == 0 and self.cfg.run.export_hf:
+                self._export_hf()
         except (ChannelError, LearnerStopped) as e:
             waiting = self.learner.waiting_for() if isinstance(e, ChannelError) else []
             self._tell_rollout(e)
@@ -147,6 +144,24 @@ class Trainer:
             self.nvml.stop()
             self._write_nvml_timeline()
             self.link.close()
+
+    def _finish_together(self) -> None:
+        """Rank 0 takes the last acknowledgements (async: the last publications may still be
+        loading) and announces the finish; every rank leaves only after that. The rollout,
+        generating ahead under an asynchronous schedule, reads another rank's closed link as
+        a failure unless rank 0's Shutdown came first (driver: _learner_finished)."""
+        why = ""
+        if self.par.rank == 0:
+            try:
+                self._await_acks(final=True)
+                self.link.send(Shutdown(f"learner finished {self.finishing}"))
+            except (ChannelError, LearnerStopped) as e:
+                why = str(e)
+        failed = torch.tensor([float(bool(why))], dtype=torch.float64, device=self.policy.device)
+        torch.distributed.broadcast(failed, src=0)
+        if failed.item():
+            raise LearnerStopped(why or "learner rank 0 did not get the rollout's last "
+                                        "acknowledgements")
 
     def _export_hf(self) -> None:
         """Rank 0: the final checkpoint as a Hugging Face directory, <run.dir>/hf.

@@ -144,51 +144,16 @@ class RolloutDriver:
 
     def run(self) -> None:
         try:
-            hello = self._recv(0, Hello)
-            version, data_pos = hello.version, hello.data_pos
-            self._serve_publish(version)
-            self.swaps = 0  # θ_start is no swap
-            if self.schedule == "one_step_off":
-                return self._one_step_off(version, data_pos)
-            if self.schedule == "fully_async":
-                try:
-                    return self.et.run(self._fully_async(version, data_pos))
-                except (RewardFailed, DataError) as e:  # reward.on_error: fail; a bad row
-                    raise RolloutStopped(str(e)) from None
-            while version < self.cfg.run.updates:
-                batch = self._plan(version, data_pos)
-                data_pos += self.rc.groups_per_batch
-                for link in self.links:
-                    link.send(RegisterBatch(
-                        version=version, objective=self.cfg.learner.objective,
-                        groups=batch.groups, n_turns=self._n_turns(batch), data_pos=data_pos,
-                        routing=self.cfg.routing))
-                t0 = time.perf_counter()
-                try:
-                    n_sources, reward_mean, metrics = self.et.run(self._rollout(batch))
-                except (RewardFailed, DataError) as e:  # reward.on_error: fail; a bad row
-                    raise RolloutStopped(str(e)) from None
-                metrics, self.pending_metrics = {**metrics, **self.pending_metrics}, {}
-                close = CloseBatch(version=version, rollout_time_s=time.perf_counter() - t0,
-                                   n_sources=n_sources, reward_mean=reward_mean,
-                                   metrics=metrics)
-                for link in self.links:
-                    link.send(close)
-                live = self._serve_publish(version + 1, kept=version)
-                if live is None:
-                    return  # the learner finished
-                if live == version + 1 and self._eval_due(live):
-                    self._evaluate(live)
-                version = live  # == version when the learner dropped the batch
-        except _LearnerFinished:
-            print(f"[rollout] learner finished ({self.links[0].peer_shutdown or ''}); "
-                  f"stopping", flush=True)
-        except ChannelError as e:
-            if (self.links[0].peer_shutdown or "").startswith(FINISHED):
+            try:
+                self._run()
+            except _LearnerFinished:
+                print(f"[rollout] learner finished ({self.links[0].peer_shutdown or ''}); "
+                      f"stopping", flush=True)
+            except ChannelError as e:
+                if not self._learner_finished():
+                    raise RolloutStopped(str(e)) from e
                 print(f"[rollout] learner finished ({self.links[0].peer_shutdown}); stopping",
                       flush=True)
-                return
-            raise RolloutStopped(str(e)) from e
         except RolloutStopped as e:
             for link in self.links:  # tell every learner rank why, instead of a bare close
                 try:
@@ -198,6 +163,55 @@ class RolloutDriver:
             raise
         finally:
             self.close()
+
+    def _learner_finished(self, wait_s: float = 5.0) -> bool:
+        """Did the learner finish normally? Rank 0 announces it before any other rank
+        closes its link (Trainer._finish_together), so a closed link of another rank waits
+        here (bounded) for link 0's reader to have taken that announcement."""
+        deadline = time.monotonic() + wait_s
+        while not (self.links[0].peer_shutdown or "").startswith(FINISHED):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def _run(self) -> None:
+        hello = self._recv(0, Hello)
+        version, data_pos = hello.version, hello.data_pos
+        self._serve_publish(version)
+        self.swaps = 0  # θ_start is no swap
+        if self.schedule == "one_step_off":
+            return self._one_step_off(version, data_pos)
+        if self.schedule == "fully_async":
+            try:
+                return self.et.run(self._fully_async(version, data_pos))
+            except (RewardFailed, DataError) as e:  # reward.on_error: fail; a bad row
+                raise RolloutStopped(str(e)) from None
+        while version < self.cfg.run.updates:
+            batch = self._plan(version, data_pos)
+            data_pos += self.rc.groups_per_batch
+            for link in self.links:
+                link.send(RegisterBatch(
+                    version=version, objective=self.cfg.learner.objective,
+                    groups=batch.groups, n_turns=self._n_turns(batch), data_pos=data_pos,
+                    routing=self.cfg.routing))
+            t0 = time.perf_counter()
+            try:
+                n_sources, reward_mean, metrics = self.et.run(self._rollout(batch))
+            except (RewardFailed, DataError) as e:  # reward.on_error: fail; a bad row
+                raise RolloutStopped(str(e)) from None
+            metrics, self.pending_metrics = {**metrics, **self.pending_metrics}, {}
+            close = CloseBatch(version=version, rollout_time_s=time.perf_counter() - t0,
+                               n_sources=n_sources, reward_mean=reward_mean,
+                               metrics=metrics)
+            for link in self.links:
+                link.send(close)
+            live = self._serve_publish(version + 1, kept=version)
+            if live is None:
+                return  # the learner finished
+            if live == version + 1 and self._eval_due(live):
+                self._evaluate(live)
+            version = live  # == version when the learner dropped the batch
 
     def close(self) -> None:
         for link in self.links:
@@ -279,7 +293,7 @@ class RolloutDriver:
                       f"{msg.reason}", flush=True)
             return
         if isinstance(msg, Shutdown):
-            if msg.reason.startswith(FINISHED):
+            if msg.reason.startswith(FINISHED) or self._learner_finished():
                 raise _LearnerFinished()
             raise RolloutStopped(f"learner shut down: {msg.reason}")
         if isinstance(msg, Publish) and self.schedule in ("one_step_off", "fully_async"):
