@@ -100,7 +100,9 @@ def test_second_run_in_one_dir_predicts_like_a_single_run(tiny_qwen2, golden, tm
     alone = predict.analyze_run(run, warmup=0, suffix="publish")
     for u, a, v in zip(alone["updates"], both["updates"], single["updates"]):
         assert a["n_jobs"] == 2 * v["n_jobs"] == 2 * u["n_jobs"]
-        assert a["L_total"] > u["L_total"] and a["c_n"] > u["c_n"]
+        # c_n may stay: a lane whose last job is released after its other work is done
+        # ends at that release + service however many earlier jobs fill its idle gaps
+        assert a["L_total"] > u["L_total"] and a["c_n"] >= u["c_n"]
         # T = max(R, c_n) + P: larger unless the rollout alone outlasts both lanes
         assert a["T_thundersync"] >= u["T_thundersync"]
         assert a["prediction_error_pct"] >= u["prediction_error_pct"]
