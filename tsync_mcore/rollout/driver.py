@@ -53,10 +53,11 @@ from tsync_mcore.config import Config
 from tsync_mcore.objectives import OBJECTIVES
 from tsync_mcore.rollout.agent import run_batch
 from tsync_mcore.rollout.engine import EngineThread, RolloutEngine, TeacherScorer
-from tsync_mcore.rollout.replicas import ReplicaError, ReplicaSet, start_replicas
 from tsync_mcore.rollout.envs import SkyRLGymAdapter, ToyToolConfig, ToyToolEnv
 from tsync_mcore.rollout.feed import DataFeed
 from tsync_mcore.rollout.pacing import BatchFormer, Group, may_start, span_off_policy
+from tsync_mcore.rollout.replicas import (ReplicaError, ReplicaSet, cpu_memory_note,
+                                          start_replicas)
 from tsync_mcore.rewards import RewardFailed
 from tsync_mcore.data import DataError
 from tsync_mcore.routing import BalancedRouter
@@ -147,6 +148,10 @@ class RolloutDriver:
                                  gpu_memory_utilization=self.rc.gpu_memory_utilization if gpu
                                  else None)
 
+        note = None if gpu else cpu_memory_note(self.rc.replicas, self.rc.kv_cache_gib,
+                                                  self.cfg.model.hf_dir)
+        if note:  # a warning: vLLM's own start fails later if it truly does not fit
+            print(f"[rollout] warning: {note}", flush=True)
         try:
             engine = start_replicas(self.rc.replicas, make, tp=self.rc.tp)
         except ReplicaError as e:

@@ -214,6 +214,25 @@ def replica_devices(i: int, tp: int, n: int) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = old
 
 
+def cpu_memory_note(n: int, kv_cache_gib: float, model_dir: str) -> str | None:
+    """On CPU, a line saying that n replicas (each its weights + KV cache) may not fit in
+    the memory available now; None when they fit or it cannot be told."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f
+                         if line.startswith("MemAvailable:"))
+        weights = sum(os.path.getsize(os.path.join(model_dir, x)) for x in os.listdir(model_dir)
+                      if x.endswith(".safetensors"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    need = n * (weights + kv_cache_gib * 2**30)
+    if need <= avail:
+        return None
+    return (f"rollout.replicas={n} needs about {need / 2**30:.1f} GiB (each replica: the "
+            f"weights + rollout.kv_cache_gib={kv_cache_gib}), {avail / 2**30:.1f} GiB "
+            f"available")
+
+
 def start_replicas(n: int, make: Callable[[], RolloutEngine], tp: int = 1) -> ReplicaSet:
     """Start n engines one after another with `make()` (on the loop that will drive them);
     if one fails to start, the ones already running are stopped and the error names it."""
