@@ -1,7 +1,7 @@
 """rollout.replicas: two vLLM engines behind one driver (tsync_mcore.rollout.replicas).
 
-One ReplicaSet of two engines serves the module (each engine-core process starts in
-~12 s on 2 cores); its last in-process test kills replica 1. One live run (launch/run.py,
+One ReplicaSet of two engines serves the module (two engine-core processes to start);
+its last in-process test kills replica 1. One live run (launch/run.py,
 rollout.replicas=2) checks the whole path.
 """
 
