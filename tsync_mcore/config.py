@@ -276,6 +276,10 @@ class RolloutConfig:
     # vLLM weights/activations precision; auto: model.dtype (bf16 for GPU recipes)
     dtype: RolloutDType = "auto"
     tp: int = 1  # vLLM tensor_parallel_size (GPUs of the rollout engine)
+    # vLLM engines behind the rollout (each its own engine-core process, rollout.tp GPUs and
+    # on CPU its own kv_cache_gib); a group's requests stay on one replica, new groups go to
+    # the least busy one; every replica loads every publication (docs/running.md#replicas)
+    replicas: int = 1
     # GPU only: fraction of each rollout GPU's memory vLLM may take (weights + KV cache)
     gpu_memory_utilization: float = 0.9
     # Which learner rank serves a finished trajectory (tsync_mcore.routing). auto: GRPO
@@ -305,6 +309,7 @@ class RolloutConfig:
         _check(self.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0")
         _check(self.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0")
         _check(self.tp >= 1, "rollout.tp", f"must be >= 1, got {self.tp}")
+        _check(self.replicas >= 1, "rollout.replicas", f"must be >= 1, got {self.replicas}")
         _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
                f"must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -316,7 +321,7 @@ class LaunchConfig:
     # CUDA_VISIBLE_DEVICES of the learner ranks, e.g. "0,1,2,3": one GPU per rank, so as
     # many as rollout.n_learners ("": inherit the environment's, e.g. on CPU)
     learner_gpus: str = ""
-    # CUDA_VISIBLE_DEVICES of the rollout (vLLM uses the first rollout.tp of them)
+    # CUDA_VISIBLE_DEVICES of the rollout (replica i uses the i-th rollout.tp of them)
     rollout_gpus: str = ""
 
     def validate(self) -> None:
@@ -422,8 +427,10 @@ class Config:
                "launch.learner_gpus", f"names {len(learner_gpus or [])} GPUs for "
                f"rollout.n_learners = {self.rollout.n_learners} learner ranks (one GPU each)")
         rollout_gpus = _gpu_list(self.launch.rollout_gpus)
-        _check(not rollout_gpus or len(rollout_gpus) >= self.rollout.tp, "launch.rollout_gpus",
-               f"names {len(rollout_gpus or [])} GPUs, fewer than rollout.tp = {self.rollout.tp}")
+        need = self.rollout.tp * self.rollout.replicas  # replica i: the i-th rollout.tp of them
+        _check(not rollout_gpus or len(rollout_gpus) >= need, "launch.rollout_gpus",
+               f"names {len(rollout_gpus or [])} GPUs, fewer than rollout.tp × rollout.replicas"
+               f" = {self.rollout.tp} × {self.rollout.replicas}")
         self.data.validate()
         self.reward.validate()
         self._check_data_and_reward()

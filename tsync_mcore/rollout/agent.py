@@ -80,7 +80,8 @@ class TrajectoryResult:
 
 
 class Generator(Protocol):
-    """What the agent needs from an engine (`RolloutEngine`, or a test double)."""
+    """What the agent needs from an engine (`RolloutEngine`, `ReplicaSet` (which also takes
+    `route=`), or a test double)."""
 
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int,
                        temperature: float = 1.0, seed: int | None = None) -> GenOut: ...
@@ -108,6 +109,7 @@ async def run_trajectory(
     env_seed: int | None = None,
     step_timeout_s: float | None = None,
     on_turn: TurnCallback | None = None,
+    route: str | None = None,
 ) -> TrajectoryResult:
     """Roll out one episode of `env` with `engine` (anything with `RolloutEngine.generate`).
 
@@ -115,7 +117,9 @@ async def run_trajectory(
     task: members of a GRPO group share `env_seed` and differ in `seed`. `max_total_tokens`
     bounds the whole sequence (prompt included): a turn never samples past it, and an
     observation that would reach it ends the trajectory instead. `step_timeout_s` guards
-    against a hung env: on expiry the env's `timeout_observation` is appended.
+    against a hung env: on expiry the env's `timeout_observation` is appended. `route`
+    (optional) goes with every turn's request: an engine with replicas (`ReplicaSet`) sends
+    the requests of one key to one replica, where their prefix is cached.
     """
     if max_turns < 1 or max_tokens_per_turn < 1:
         raise ValueError("max_turns and max_tokens_per_turn must be >= 1")
@@ -144,7 +148,8 @@ async def run_trajectory(
         budget = min(max_tokens_per_turn, max_total_tokens - len(tokens))
         t0 = time.monotonic()
         out = await engine.generate(tokens, max_tokens=budget, temperature=temperature,
-                                    seed=_turn_seed(seed, turn))
+                                    seed=_turn_seed(seed, turn),
+                                    **({} if route is None else {"route": route}))
         gen_s += time.monotonic() - t0
         action = list(out.token_ids)
         tokens += action
@@ -208,21 +213,25 @@ async def run_batch(
     seeds: Sequence[int | None],
     env_seeds: Sequence[int | None] | None = None,
     on_turn: Callable[[int], TurnCallback] | None = None,
+    routes: Sequence[str | None] | None = None,
     **kwargs: Any,
 ) -> AsyncIterator[tuple[int, TrajectoryResult]]:
     """Run `run_trajectory` for every env at once; yield (index, result) in finish order.
 
-    `on_turn(i)` (optional) gives trajectory i's turn callback; other keyword arguments go
-    to `run_trajectory`. A failing trajectory cancels the rest and re-raises.
+    `on_turn(i)` (optional) gives trajectory i's turn callback; `routes[i]` (optional) its
+    route key; other keyword arguments go to `run_trajectory`. A failing trajectory cancels
+    the rest and re-raises.
     """
-    if len(seeds) != len(envs) or (env_seeds is not None and len(env_seeds) != len(envs)):
-        raise ValueError("seeds/env_seeds must have one entry per env")
+    if any(x is not None and len(x) != len(envs) for x in (env_seeds, routes)) or \
+            len(seeds) != len(envs):
+        raise ValueError("seeds/env_seeds/routes must have one entry per env")
 
     async def one(i: int) -> tuple[int, TrajectoryResult]:
         res = await run_trajectory(
             engine, envs[i], seed=seeds[i],
             env_seed=None if env_seeds is None else env_seeds[i],
-            on_turn=None if on_turn is None else on_turn(i), **kwargs)
+            on_turn=None if on_turn is None else on_turn(i),
+            route=None if routes is None else routes[i], **kwargs)
         return i, res
 
     tasks = [asyncio.ensure_future(one(i)) for i in range(len(envs))]

@@ -1,4 +1,7 @@
-"""The rollout process: vLLM engine + agent loop, streaming ready sources to the learners.
+"""The rollout process: vLLM engines + agent loop, streaming ready sources to the learners.
+
+rollout.replicas engines (tsync_mcore.rollout.replicas) serve one agent loop: a group's
+requests go to one replica, every replica loads every publication before the Ack.
 
     hello ← learner rank 0 (resume point)   reload θ_start, ack
     per update k:
@@ -53,6 +56,8 @@ from tsync_mcore.rollout.engine import EngineThread, RolloutEngine, TeacherScore
 from tsync_mcore.rollout.envs import SkyRLGymAdapter, ToyToolConfig, ToyToolEnv
 from tsync_mcore.rollout.feed import DataFeed
 from tsync_mcore.rollout.pacing import BatchFormer, Group, may_start, span_off_policy
+from tsync_mcore.rollout.replicas import (ReplicaError, ReplicaSet, cpu_memory_note,
+                                          start_replicas)
 from tsync_mcore.rewards import RewardFailed
 from tsync_mcore.data import DataError
 from tsync_mcore.routing import BalancedRouter
@@ -62,6 +67,8 @@ from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, TurnS
 
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # rollout.dtype → vLLM's name
+# Failures that stop the rollout with their own one-line message (told to the learners)
+STOPS = (RewardFailed, DataError, ReplicaError)
 FINISHED = "learner finished"  # reason prefix of the learner's Shutdown after its last update
 
 
@@ -122,22 +129,39 @@ class RolloutDriver:
         self.loaded = 0  # the policy version the engine serves
         self.swaps = 0  # weight reloads since the last CloseBatch (async/weight_swaps)
         self.et = EngineThread()
-        self.engine: RolloutEngine = self.et.run(self._make_engine())
+        self.engine: ReplicaSet = self.et.run(self._make_engine())
         self.teacher = TeacherScorer(self.rc.teacher_dir) if self.turns else None
         if self.turns and not self.rc.teacher_dir:
             raise RolloutStopped("OPD needs rollout.teacher_dir (the frozen teacher's HF "
                                  "directory)")
 
-    async def _make_engine(self) -> RolloutEngine:
+    async def _make_engine(self) -> ReplicaSet:
+        """rollout.replicas engines (one is a set of one), started and warmed up."""
         gpu = torch.cuda.is_available()
-        engine = RolloutEngine(self.cfg.model.hf_dir, seed=self.cfg.seed,
-                               kv_cache_gib=self.rc.kv_cache_gib,
-                               max_model_len=max(self.rc.max_total_tokens, 64),
-                               dtype=VLLM_DTYPES[self.rc.dtype],  # resolved: auto → model.dtype
-                               tensor_parallel_size=self.rc.tp,
-                               gpu_memory_utilization=self.rc.gpu_memory_utilization if gpu
-                               else None)
-        await engine.warmup()
+
+        def make() -> RolloutEngine:
+            return RolloutEngine(self.cfg.model.hf_dir, seed=self.cfg.seed,
+                                 kv_cache_gib=self.rc.kv_cache_gib,
+                                 max_model_len=max(self.rc.max_total_tokens, 64),
+                                 dtype=VLLM_DTYPES[self.rc.dtype],  # resolved: auto → model.dtype
+                                 tensor_parallel_size=self.rc.tp,
+                                 gpu_memory_utilization=self.rc.gpu_memory_utilization if gpu
+                                 else None)
+
+        note = None if gpu else cpu_memory_note(self.rc.replicas, self.rc.kv_cache_gib,
+                                                  self.cfg.model.hf_dir)
+        if note:  # a warning: vLLM's own start fails later if it truly does not fit
+            print(f"[rollout] warning: {note}", flush=True)
+        try:
+            engine = start_replicas(self.rc.replicas, make, tp=self.rc.tp)
+        except ReplicaError as e:
+            raise RolloutStopped(str(e)) from e
+        try:
+            await engine.warmup()
+        except BaseException:
+            await engine.aclose()
+            raise
+        engine.take_metrics()  # warm-up requests are no update's
         return engine
 
     # --- the loop -------------------------------------------------------------------------
@@ -185,7 +209,7 @@ class RolloutDriver:
         if self.schedule == "fully_async":
             try:
                 return self.et.run(self._fully_async(version, data_pos))
-            except (RewardFailed, DataError) as e:  # reward.on_error: fail; a bad row
+            except STOPS as e:  # reward.on_error: fail; a bad row; a failed replica
                 raise RolloutStopped(str(e)) from None
         while version < self.cfg.run.updates:
             batch = self._plan(version, data_pos)
@@ -198,9 +222,10 @@ class RolloutDriver:
             t0 = time.perf_counter()
             try:
                 n_sources, reward_mean, metrics = self.et.run(self._rollout(batch))
-            except (RewardFailed, DataError) as e:  # reward.on_error: fail; a bad row
+            except STOPS as e:  # reward.on_error: fail; a bad row; a failed replica
                 raise RolloutStopped(str(e)) from None
-            metrics, self.pending_metrics = {**metrics, **self.pending_metrics}, {}
+            metrics = {**metrics, **self.pending_metrics, **self.engine.take_metrics()}
+            self.pending_metrics = {}
             close = CloseBatch(version=version, rollout_time_s=time.perf_counter() - t0,
                                n_sources=n_sources, reward_mean=reward_mean,
                                metrics=metrics)
@@ -356,8 +381,9 @@ class RolloutDriver:
                       step_timeout_s=self._step_timeout_s())
         envs = self._envs(batch)
         stats = self.feed.stats() if self.feed is not None else None
+        # A group's members share their prompt: one replica serves the whole group.
         async for i, res in run_batch(self.engine, envs, seeds=batch.seeds,
-                                      env_seeds=batch.env_seeds,
+                                      env_seeds=batch.env_seeds, routes=batch.group_of,
                                       on_turn=on_turn if self.turns else None, **kwargs):
             rewards.append(res.reward)
             if stats is not None:
@@ -431,9 +457,10 @@ class RolloutDriver:
             t0 = time.perf_counter()
             try:
                 n_sources, reward_mean, metrics = self.et.run(self._rollout(batch))
-            except (RewardFailed, DataError) as e:
+            except STOPS as e:
                 raise RolloutStopped(str(e)) from None
-            metrics = {**metrics, **self.pending_metrics, **self._async_counters(0, 0)}
+            metrics = {**metrics, **self.pending_metrics, **self._async_counters(0, 0),
+                       **self.engine.take_metrics()}
             self.pending_metrics = {}
             close = CloseBatch(version=b, rollout_time_s=time.perf_counter() - t0,
                                n_sources=n_sources, reward_mean=reward_mean, metrics=metrics)
@@ -536,7 +563,7 @@ class RolloutDriver:
                       step_timeout_s=self._step_timeout_s())
         members, stats = [], self.feed.stats() if self.feed is not None else None
         async for i, res in run_batch(self.engine, envs, seeds=seeds, env_seeds=[pos] * m,
-                                      **kwargs):
+                                      routes=[gid] * m, **kwargs):
             if stats is not None:
                 stats.add(envs[i])
             src = self._trajectory(tids[i], gid, res, 0)
@@ -586,7 +613,8 @@ class RolloutDriver:
                             self.links[r].send(announce)
         self._take_rejections(k)
         ok = [r for r in rewards if math.isfinite(r)]
-        metrics = {**self._async_counters(dropped, partial), **self.pending_metrics}
+        metrics = {**self._async_counters(dropped, partial), **self.pending_metrics,
+                   **self.engine.take_metrics()}
         self.pending_metrics = {}
         close = CloseBatch(version=k, rollout_time_s=rollout_s, n_sources=order,
                            reward_mean=sum(ok) / len(ok) if ok else None, metrics=metrics)
@@ -607,8 +635,10 @@ class RolloutDriver:
         t0 = time.perf_counter()
         try:
             metrics = self.et.run(self.feed.evaluate(self.engine, version))
-        except (RewardFailed, DataError) as e:
+        except STOPS as e:
             raise RolloutStopped(f"evaluation of θ_{version}: {e}") from None
+        finally:
+            self.engine.take_metrics()  # the replicas' counts are training's only
         metrics["eval/time_s"] = time.perf_counter() - t0
         metrics["eval/policy_version"] = version
         self.pending_metrics = metrics
@@ -641,11 +671,14 @@ class RolloutDriver:
         it; a failed reload is told to the learner, which must not go on."""
         try:
             seconds = await self.engine.reload_weights(msg.path, mode=mode, version=msg.version)
+        except ReplicaError as e:  # names the replica; every replica must load every version
+            self.links[0].send(Ack(version=msg.version, ok=False, error=str(e)[:4000]))
+            raise RolloutStopped(str(e)) from e
         except Exception as e:  # tell the learner; it must not train on the old policy
             self.links[0].send(Ack(version=msg.version, ok=False, error=f"reload failed: {e}"))
             raise RolloutStopped(f"reload of {msg.path} failed: {e}") from e
         self.loaded = msg.version
-        self.swaps += 1
+        self.swaps += 1  # once per publication, however many replicas loaded it
         self.links[0].send(Ack(version=msg.version, ok=True, reload_time_s=seconds))
 
     def _recv(self, rank: int, kind: type):

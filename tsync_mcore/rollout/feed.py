@@ -111,6 +111,7 @@ class DataFeed:
         stats = BatchStats()
         async for i, res in run_batch(
                 engine, envs, seeds=seeds, env_seeds=[r for r, _ in index],
+                routes=[f"eval{version}-row{r}" for r, _ in index],  # a row: one replica
                 max_turns=rc.max_turns, max_tokens_per_turn=rc.max_tokens_per_turn,
                 max_total_tokens=rc.max_total_tokens, temperature=rc.eval_temperature,
                 step_timeout_s=(self.cfg.reward.timeout_s + 5.0 if self.skyrl is None
