@@ -146,7 +146,7 @@ class Trainer:
             waiting = self.learner.waiting_for() if isinstance(e, ChannelError) else []
             self._tell_rollout(e)
             raise LearnerStopped(
-                f"learner rank {self.par.rank} stopped at policy version {self.version}: {e}"
+                f"{nodes.rank_label(self.par.rank)} stopped at policy version {self.version}: {e}"
                 + (f"; still waiting for {waiting[:10]}" if waiting else "")
                 + f". θ and the last checkpoint are intact ({self._state()}).") from None
         finally:
