@@ -243,8 +243,9 @@ class ChannelConfig:
     # TCP port of that listener (not torchrun's); launch/run.py and make demo pick a free one
     port: int = 29610
     timeout_s: float = 300.0  # a learner waiting longer for a source stops with an error
-    # How long the rollout waits for every learner rank to join, and a learner for the
-    # rollout's listener, at start (hosts started one by one); 0: channel.timeout_s
+    # How long the rollout waits for every learner rank to join, a learner for the
+    # rollout's listener, and the learners for the first acknowledgement (the engines'
+    # start) when hosts start one by one; 0: channel.timeout_s
     join_timeout_s: float = 0.0
     ack_timeout_s: float = 120.0  # publication must be acknowledged within this
     # The channel's reader threads under SCHED_FIFO (Linux, CAP_SYS_NICE): for hosts where

@@ -131,11 +131,11 @@ class Trainer:
             self._publish()  # replicas start from exactly θ_start
             # the first acknowledgement also waits for the rollout's engine to start
             ch = self.cfg.channel
-            self.t_ready = self.t_published = self._await_acks(max(ch.ack_timeout_s,
-                                                                   ch.timeout_s))
+            start_s = max(ch.ack_timeout_s, ch.timeout_s, ch.join_timeout_s)
+            self.t_ready = self.t_published = self._await_acks(start_s)
             # The other ranks' first receive waits out the rollout's start too (rank 0's did
             # in its acknowledgement wait): batch 0's registration follows the engine's start.
-            self.register_wait_s = max(ch.ack_timeout_s, ch.timeout_s)
+            self.register_wait_s = start_s
             self.finishing = "" if self.version < self.cfg.run.updates else "all updates"
             while not self.finishing:
                 self._update()
