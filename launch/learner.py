@@ -33,7 +33,7 @@ def main() -> None:
     if args.resume:
         # one line and exit 2 if nothing to resume; a node that does not share run.dir
         # says so here, by name
-        resume_version(cfg.run.dir, who)
+        resume_version(cfg.run.dir, who, cfg.launch.nnodes)
     if rank == "0":
         check_publish_reach(cfg, who)  # rank 0 writes θ where the rollout must read it
     secret_or_exit("learner", cfg)  # the run's channel secret: created here if no launcher did

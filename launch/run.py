@@ -47,7 +47,7 @@ def main() -> None:
     if args.resume and args.role != "rollout":
         # one line and exit 2 if nothing to resume (on this node: run.dir must be shared)
         resume_version(cfg.run.dir, "run" if args.role == "both"
-                       else f"run (learner node {args.node_rank})")
+                       else f"run (learner node {args.node_rank})", cfg.launch.nnodes)
     rows = run_job(args.config, [*port, *set_items(args)], cfg, who="run", resume=args.resume,
                    role=args.role, node_rank=args.node_rank)
     if args.role == "rollout":

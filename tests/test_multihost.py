@@ -41,7 +41,6 @@ from netns import hosts_or_skip
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-pytestmark = pytest.mark.multihost
 
 
 def publish_sets(run_dir) -> list[str]:
@@ -142,6 +141,7 @@ def tbf_overlimits(h, host: str) -> int:
     return n
 
 
+@pytest.mark.multihost
 @pytest.mark.timeout(600)
 def test_demo_task_across_hosts_equals_one_host_then_the_rollout_host_goes(hosts, demo_model,
                                                                            tmp_path):
@@ -219,6 +219,7 @@ def read_lines(proc) -> queue.Queue:
     return q
 
 
+@pytest.mark.multihost
 @pytest.mark.timeout(300)
 def test_learner_node_unplugged_mid_batch_stops_within_the_timeout(hosts, tiny_qwen2, golden,
                                                                    tmp_path):
@@ -270,5 +271,54 @@ def test_learner_node_unplugged_mid_batch_stops_within_the_timeout(hosts, tiny_q
     assert open(run / "checkpoints" / "latest").read().strip() == "step_1"
     assert checkpoint_tensors(run, 1)
     assert not os.path.exists(run / "checkpoints" / "step_2")
+    # Resume per node: node 1 without the shared run.dir's checkpoints (a private empty
+    # mount over them) refuses before it starts, naming itself, instead of diverging.
+    ckpts = run / "checkpoints"
+    p = hosts.run("node1", ["unshare", "-m", "sh", "-c",
+                            f"mount -t tmpfs none {ckpts} && exec {PY} launch/run.py "
+                            + " ".join(f"'{a}'" for a in argv)
+                            + " --resume --role learner --node-rank 1"],
+                  cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    (refused,) = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert refused.startswith("error: run (learner node 1): --resume: no checkpoint under "
+                              f"{run}/checkpoints") and "every node shares" in refused, refused
+    assert open(ckpts / "latest").read().strip() == "step_1"  # untouched for everyone else
     print(f"\nnode 1 unplugged -> node 0 stopped in {node0_s:.1f} s (dist_timeout_s "
           f"{dist_timeout_s}), node 1 in {node1_s:.1f} s (channel.timeout_s {timeout_s})")
+
+
+# --- checked before anything starts (no namespaces needed) ---------------------------------
+
+
+def test_node_layout_is_checked_with_the_key_named():
+    from tsync_mcore.config import ConfigError, load_config
+    two = {"launch.nnodes": 2, "launch.master_addr": "10.0.0.2", "launch.master_port": 29500,
+           "channel.addr": "10.0.0.1"}
+    cfg = load_config(None, {**two, "rollout.n_learners": 4, "model.tp": 2})
+    assert (cfg.launch.nnodes, cfg.rollout.n_learners // cfg.launch.nnodes) == (2, 2)
+    for bad, key in [({"rollout.n_learners": 3}, "launch.nnodes"),
+                     ({"rollout.n_learners": 2, "model.tp": 2}, "model.tp"),
+                     ({"launch.master_port": 0}, "launch.master_port"),
+                     ({"launch.master_addr": "127.0.0.1"}, "launch.master_addr"),
+                     ({"channel.addr": "localhost"}, "channel.addr"),
+                     ({"launch.learner_gpus": "0,1"}, "launch.learner_gpus"),
+                     ({"launch.ifname": "eth0/1"}, "launch.ifname"),
+                     ({"launch.dist_timeout_s": 0}, "launch.dist_timeout_s"),
+                     ({"channel.join_timeout_s": -1}, "channel.join_timeout_s")]:
+        with pytest.raises(ConfigError, match=f"'{key}'"):
+            load_config(None, {**two, **bad})
+    assert load_config(None, {**two, "launch.learner_gpus": "0"}).launch.learner_gpus == "0"
+
+
+def test_node_0_refuses_file_publication_the_rollout_host_cannot_read(tmp_path):
+    # channel.addr is not an address of this host: the rollout is elsewhere, and θ's
+    # default directory (node-local /dev/shm) would be out of its reach
+    p = subprocess.run(
+        [PY, "launch/run.py", "--config", "configs/demo.yaml", "--set", f"run.dir={tmp_path}",
+         "channel.addr=192.0.2.1", "launch.nnodes=2", "launch.master_addr=192.0.2.2",
+         "launch.master_port=29500", "--role", "learner", "--node-rank", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("error: run: run.publish_dir: the rollout "
+                                                     "(channel.addr 192.0.2.1) is on another host")
+    assert not os.path.exists(tmp_path / "logs")  # refused before anything started

@@ -113,15 +113,19 @@ def bar(done: int, total: int, width: int = 30) -> str:
     return f"[{'#' * n}{'.' * (width - n)}] {done}/{total}"
 
 
-def resume_version(run_dir: str, who: str = "") -> int:
+def resume_version(run_dir: str, who: str = "", nnodes: int = 1) -> int:
     """--resume's checkpoint: the policy version its `latest` pointer names (step_N). One
     `error:` line and exit 2 when the run directory or a checkpoint is missing, before any
     process starts; the learner checks the checkpoint itself fully before it changes
-    anything."""
+    anything. `nnodes` > 1: the line says that every learner node must see run.dir (a node
+    that does not would otherwise start from another state than the others)."""
     import re
     def refuse(why: str) -> None:
-        print(f"error: {who + ': ' if who else ''}--resume: {why} (start a fresh run without "
-              f"--resume)", file=sys.stderr, flush=True)
+        hint = (f"; all {nnodes} learner nodes resume from the checkpoints in run.dir, so it "
+                f"must be on a filesystem every node shares (docs/multihost.md)"
+                if nnodes > 1 else " (start a fresh run without --resume)")
+        print(f"error: {who + ': ' if who else ''}--resume: {why}{hint}", file=sys.stderr,
+              flush=True)
         raise SystemExit(2)
 
     if not os.path.isdir(run_dir):
@@ -288,7 +292,7 @@ def run_job(config: str | None, overrides: list[str], cfg, *, who: str = "run",
     rows: list[dict] = []
     reports = role != "rollout" and node_rank == 0  # learner rank 0 prints the updates
     if resume and reports:  # a fresh run's learner replaces the earlier files itself
-        rows = _metrics_before(metrics_path, resume_version(cfg.run.dir))
+        rows = _metrics_before(metrics_path, resume_version(cfg.run.dir, who, nnodes))
     node = f".node{node_rank}" if nnodes > 1 else ""
     rollout_log = os.path.join(log_dir, "rollout.log")
     learner_err, learner_out = (os.path.join(log_dir, f"learner{node}.{x}") for x in ("err", "out"))
