@@ -322,3 +322,32 @@ def test_node_0_refuses_file_publication_the_rollout_host_cannot_read(tmp_path):
     assert p.returncode == 2 and p.stderr.startswith("error: run: run.publish_dir: the rollout "
                                                      "(channel.addr 192.0.2.1) is on another host")
     assert not os.path.exists(tmp_path / "logs")  # refused before anything started
+
+
+@pytest.mark.multihost
+def test_a_rank_that_does_not_share_run_dir_is_named(tmp_path):
+    """Two ranks on "two nodes" (LOCAL_WORLD_SIZE 1 each); rank 1 sees a private empty
+    mount over run.dir, as a node without the shared filesystem would."""
+    import socket
+    if os.geteuid() != 0:
+        pytest.skip("a private mount over run.dir needs root (unshare -m)")
+    run = tmp_path / "run"
+    os.makedirs(run)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = os.path.join(ROOT, "tests/workers/shared_dir_worker.py")
+    procs = []
+    for rank in (0, 1):
+        e = dict(env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                 WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank),
+                 PYTHONPATH=ROOT)
+        argv = [PY, worker, str(run)] if rank == 0 else [
+            "unshare", "-m", "sh", "-c", f"mount -t tmpfs none {run} && exec {PY} {worker} {run}"]
+        procs.append(subprocess.Popen(argv, cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    out = [p.communicate(timeout=120) for p in procs]
+    said = [o.strip().splitlines()[-1] if o.strip() else e[-2000:] for o, e in out]
+    assert said[1].startswith("REFUSED learner rank 1 (node 1, host ") and \
+        "does not see run.dir" in said[1] and "every learner node shares" in said[1], said
+    assert said[0].startswith("REFUSED learner rank 1 on another node do not see run.dir"), said
