@@ -72,8 +72,8 @@ def _lost_peer(e: BaseException, dist) -> bool:
         return True
     text = str(e)
     return isinstance(e, RuntimeError) and any(
-        k in text for k in ("Timed out waiting", "Connection closed by peer", "Connection reset",
-                            "gloo", "Broken pipe", "NCCL"))
+        k in text for k in ("Timed out waiting", "Connection closed by peer",
+                            "Connection reset by peer", "Broken pipe"))
 
 
 if __name__ == "__main__":

@@ -204,7 +204,10 @@ def test_demo_task_across_hosts_equals_one_host_then_the_rollout_host_goes(hosts
         pa, pb = load_file(path), load_file(str(many / "publish" / "policy_v2.safetensors"))
         assert all(torch.equal(pa[k], pb[k]) for k in pa)
     print(f"\nrollout host gone -> both learner nodes stopped in {stop_s:.1f} s "
-          f"(channel.timeout_s {timeout_s}); tbf delayed {delayed} packets")
+          f"(channel.timeout_s {timeout_s}); tbf delayed {delayed} packets; learner tail "
+          f"{rows[0]['learner_tail_s']:.2f} s (update 0) -> {rows[1]['learner_tail_s']:.2f} s "
+          f"(update 1, slow links); step {rows[0]['step_wall_time_s']:.2f} -> "
+          f"{rows[1]['step_wall_time_s']:.2f} s")
 
 
 def read_lines(proc) -> queue.Queue:
@@ -234,7 +237,7 @@ def test_learner_node_unplugged_mid_batch_stops_within_the_timeout(hosts, tiny_q
             f"run.dir={run}", "run.updates=2", "run.save_every=1", "optim.lr=1e-4",
             f"channel.timeout_s={timeout_s}", "channel.join_timeout_s=200",
             "channel.ack_timeout_s=60", *node_sets(hosts, 29610, dist_timeout_s),
-            *publish_sets(run)]
+            f"run.publish_dir={run}/publish"]  # file: the scripted rollout reads the file
     procs = start_hosts(hosts, argv, run, roles=("node0", "node1"))
     try:
         assert lines.get(timeout=240) == "PAUSED", open(run / "rollout.err").read()[-3000:]
