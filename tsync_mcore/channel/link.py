@@ -497,7 +497,8 @@ def connect_learner(addr: str, port: int, learner_rank: int, n_learners: int, ti
             if not said and learner_rank == 0:  # once per learner, not per rank or retry
                 said = True
                 _say(f"learner: waiting for the rollout's channel at {where} (channel.addr, "
-                     f"channel.port; up to {timeout_s:g} s: channel.join_timeout_s, else channel.timeout_s)")
+                     f"channel.port; up to {timeout_s:g} s: channel.join_timeout_s, else "
+                     f"channel.timeout_s)")
             if time.monotonic() + 0.05 >= deadline:
                 raise ChannelTimeout(f"learner rank {learner_rank}: the channel at {where} is not "
                                      f"reachable within {timeout_s:g} s ({e.strerror or e})"
