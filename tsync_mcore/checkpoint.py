@@ -494,3 +494,41 @@ def _apply(plan: _Plan, policy: Policy) -> None:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+# --------------------------------------------------------------------------- across nodes
+
+
+def check_shared_run_dir(run_dir: str, par, device, where: str) -> None:
+    """Multi-node learners: every rank must see run.dir as rank 0 writes it, since the ranks
+    of other nodes write their checkpoint files into rank 0's step directory and a resume
+    reads them back there. Rank 0 writes a random token; a rank that cannot read it back
+    stops the run now, naming itself (`where`), instead of failing at the first checkpoint
+    or resuming from another state. Collective."""
+    token = os.urandom(16).hex().encode() if par.rank == 0 else b"0" * 32
+    path = os.path.join(run_dir, ".learner_nodes")
+    if par.rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        _write_private(path, token.decode())
+    t = torch.frombuffer(bytearray(token), dtype=torch.uint8).to(device)
+    dist.broadcast(t, src=0)
+    want = bytes(t.cpu().tolist()).decode()
+    try:
+        with open(path, encoding="ascii") as f:
+            seen = f.read(33).strip() == want
+    except (OSError, UnicodeDecodeError):
+        seen = False
+    flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(par.world_size)]
+    dist.all_gather(flags, torch.tensor([int(not seen)], dtype=torch.int64, device=device))
+    blind = [r for r, f in enumerate(flags) if f.item()]
+    if not blind:
+        return
+    need = ("multi-node learners need run.dir on a filesystem every learner node shares "
+            "(checkpoints are written and resumed there; docs/multihost.md)")
+    if not seen:
+        raise CheckpointError(f"{where} does not see run.dir {os.path.abspath(run_dir)} as "
+                              f"learner rank 0 writes it ({path} is missing or different "
+                              f"here): {need}")
+    raise CheckpointError(f"learner rank{'s' if len(blind) > 1 else ''} "
+                          f"{', '.join(map(str, blind))} on another node do not see run.dir "
+                          f"{os.path.abspath(run_dir)} as rank 0 writes it: {need}")

@@ -234,10 +234,19 @@ class RunConfig:
 class ChannelConfig:
     """The readiness channel: the rollout listens, each learner rank connects."""
 
-    addr: str = "127.0.0.1"  # address the rollout listens on and the learners connect to
+    # The rollout host's address as the learners reach it (they connect here; the rollout
+    # listens here too unless listen_addr says otherwise). Multi-node: a routable address.
+    addr: str = "127.0.0.1"
+    # Address the rollout binds the channel to, when it differs from the one learners dial
+    # (NAT, a container's port mapping, or 0.0.0.0 for every interface); "": channel.addr
+    listen_addr: str = ""
     # TCP port of that listener (not torchrun's); launch/run.py and make demo pick a free one
     port: int = 29610
     timeout_s: float = 300.0  # a learner waiting longer for a source stops with an error
+    # How long the rollout waits for every learner rank to join, a learner for the
+    # rollout's listener, and the learners for the first acknowledgement (the engines'
+    # start) when hosts start one by one; 0: channel.timeout_s
+    join_timeout_s: float = 0.0
     ack_timeout_s: float = 120.0  # publication must be acknowledged within this
     # The channel's reader threads under SCHED_FIFO (Linux, CAP_SYS_NICE): for hosts where
     # the learner shares cores with the rollout, like the CPU overlap benchmark.
@@ -250,7 +259,11 @@ class ChannelConfig:
         _check(0 < self.port < 65536, "channel.port", f"must be a TCP port, got {self.port}")
         _check(_resolvable(self.addr), "channel.addr",
                f"{self.addr!r} is neither an IP address nor a resolvable host name")
+        _check(not self.listen_addr or _resolvable(self.listen_addr), "channel.listen_addr",
+               f"{self.listen_addr!r} is neither an IP address nor a resolvable host name")
         _check(self.timeout_s > 0, "channel.timeout_s", "must be > 0")
+        _check(self.join_timeout_s >= 0, "channel.join_timeout_s",
+               f"must be >= 0 (0: channel.timeout_s), got {self.join_timeout_s}")
         _check(self.ack_timeout_s > 0, "channel.ack_timeout_s", "must be > 0")
 
 
@@ -316,19 +329,55 @@ class RolloutConfig:
 
 @dataclass
 class LaunchConfig:
-    """launch/run.py: which GPUs each side gets on one node."""
+    """launch/run.py: which GPUs each side gets, and where the learner's nodes meet
+    (docs/multihost.md)."""
 
-    # CUDA_VISIBLE_DEVICES of the learner ranks, e.g. "0,1,2,3": one GPU per rank, so as
-    # many as rollout.n_learners ("": inherit the environment's, e.g. on CPU)
+    # CUDA_VISIBLE_DEVICES of the learner ranks on each learner node, e.g. "0,1,2,3": one
+    # GPU per rank, so rollout.n_learners / launch.nnodes of them ("": inherit the
+    # environment's, e.g. on CPU)
     learner_gpus: str = ""
     # CUDA_VISIBLE_DEVICES of the rollout (replica i uses the i-th rollout.tp of them)
     rollout_gpus: str = ""
+    # Learner nodes (torchrun --nnodes): rollout.n_learners ranks split evenly over them,
+    # model.tp ranks of a tensor-parallel group always on one node; data parallelism
+    # crosses nodes. Each node runs `launch/run.py --role learner --node-rank I`.
+    nnodes: int = 1
+    # torchrun's rendezvous: learner node 0's address as every learner node reaches it
+    # (multi-node: a routable address, not loopback)
+    master_addr: str = "127.0.0.1"
+    # torchrun's rendezvous port on learner node 0; 0: a free port (one node only: every
+    # node must be told the same port)
+    master_port: int = 0
+    # Network interface the learner's torch.distributed sockets use (GLOO_SOCKET_IFNAME,
+    # NCCL_SOCKET_IFNAME), e.g. "eth1"; "": the library's choice (the interface of the
+    # host name's address for gloo)
+    ifname: str = ""
+    # The learner's torch.distributed timeout: rendezvous, and every collective (gradient
+    # reduce, checkpoint barriers). A learner peer that is gone or unreachable ends the run
+    # with an error after this long instead of gloo's/NCCL's 30-minute default.
+    dist_timeout_s: float = 600.0
 
     def validate(self) -> None:
         for key in ("learner_gpus", "rollout_gpus"):
             _check(_gpu_list(getattr(self, key)) is not None, f"launch.{key}",
                    f"must be comma-separated GPU indices like '0,1', got "
                    f"{getattr(self, key)!r}")
+        _check(self.nnodes >= 1, "launch.nnodes", f"must be >= 1, got {self.nnodes}")
+        _check(0 <= self.master_port < 65536, "launch.master_port",
+               f"must be a TCP port (0: a free one), got {self.master_port}")
+        _check(self.nnodes == 1 or self.master_port > 0, "launch.master_port",
+               f"must be set for launch.nnodes = {self.nnodes}: every learner node has to be "
+               f"told the same rendezvous port (0 picks a free port on one node only)")
+        _check(_resolvable(self.master_addr), "launch.master_addr",
+               f"{self.master_addr!r} is neither an IP address nor a resolvable host name")
+        _check(self.nnodes == 1 or not _loopback(self.master_addr), "launch.master_addr",
+               f"{self.master_addr!r} is a loopback address; with launch.nnodes = "
+               f"{self.nnodes} it must be learner node 0's address that every node reaches")
+        _check(self.ifname == "" or (len(self.ifname) < 16 and "/" not in self.ifname
+                                     and self.ifname.strip() == self.ifname),
+               "launch.ifname", f"{self.ifname!r} is not a network interface name")
+        _check(self.dist_timeout_s > 0, "launch.dist_timeout_s",
+               f"must be > 0, got {self.dist_timeout_s}")
 
 
 def _gpu_list(text: str) -> list[int] | None:
@@ -422,10 +471,7 @@ class Config:
         self.channel.validate()
         self.rollout.validate()
         self.launch.validate()
-        learner_gpus = _gpu_list(self.launch.learner_gpus)
-        _check(not learner_gpus or len(learner_gpus) == self.rollout.n_learners,
-               "launch.learner_gpus", f"names {len(learner_gpus or [])} GPUs for "
-               f"rollout.n_learners = {self.rollout.n_learners} learner ranks (one GPU each)")
+        self._check_nodes()
         rollout_gpus = _gpu_list(self.launch.rollout_gpus)
         need = self.rollout.tp * self.rollout.replicas  # replica i: the i-th rollout.tp of them
         _check(not rollout_gpus or len(rollout_gpus) >= need, "launch.rollout_gpus",
@@ -451,6 +497,23 @@ class Config:
         _check(not (self.learner.objective == "opd" and self.rollout.routing == "balanced"),
                "rollout.routing", "'balanced' is for the GRPO family; OPD routes by group "
                "(a trajectory's turns and its group's shared prompt stay on one rank)")
+
+    def _check_nodes(self) -> None:
+        """How the learner ranks split over nodes, and what crosses hosts."""
+        n, nodes, tp = self.rollout.n_learners, self.launch.nnodes, self.model.tp
+        _check(n % nodes == 0, "launch.nnodes", f"{nodes} learner nodes do not split "
+               f"rollout.n_learners = {n} ranks evenly")
+        per_node = n // nodes
+        _check(nodes == 1 or per_node % tp == 0, "model.tp", f"{tp} does not divide the "
+               f"{per_node} learner ranks per node (rollout.n_learners / launch.nnodes): a "
+               f"tensor-parallel group stays on one node")
+        learner_gpus = _gpu_list(self.launch.learner_gpus)
+        _check(not learner_gpus or len(learner_gpus) == per_node, "launch.learner_gpus",
+               f"names {len(learner_gpus or [])} GPUs for {per_node} learner ranks per node "
+               f"(rollout.n_learners / launch.nnodes; one GPU each)")
+        _check(nodes == 1 or not _loopback(self.channel.addr), "channel.addr",
+               f"{self.channel.addr!r} is a loopback address; with launch.nnodes = {nodes} "
+               f"learners on other hosts must reach the rollout: use its routable address")
 
     def _check_data_and_reward(self) -> None:
         env = self.rollout.env
@@ -579,6 +642,20 @@ def _resolvable(addr: str) -> bool:
         return True
     except (OSError, UnicodeError):
         return False
+
+
+def _loopback(addr: str) -> bool:
+    """True for a loopback address or a name that resolves only to loopback ones."""
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(addr, None)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback
+                               for i in infos)
 
 
 def _check(ok: bool, key: str, why: str) -> None:

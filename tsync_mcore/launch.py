@@ -113,15 +113,19 @@ def bar(done: int, total: int, width: int = 30) -> str:
     return f"[{'#' * n}{'.' * (width - n)}] {done}/{total}"
 
 
-def resume_version(run_dir: str, who: str = "") -> int:
+def resume_version(run_dir: str, who: str = "", nnodes: int = 1) -> int:
     """--resume's checkpoint: the policy version its `latest` pointer names (step_N). One
     `error:` line and exit 2 when the run directory or a checkpoint is missing, before any
     process starts; the learner checks the checkpoint itself fully before it changes
-    anything."""
+    anything. `nnodes` > 1: the line says that every learner node must see run.dir (a node
+    that does not would otherwise start from another state than the others)."""
     import re
     def refuse(why: str) -> None:
-        print(f"error: {who + ': ' if who else ''}--resume: {why} (start a fresh run without "
-              f"--resume)", file=sys.stderr, flush=True)
+        hint = (f"; all {nnodes} learner nodes resume from the checkpoints in run.dir, so it "
+                f"must be on a filesystem every node shares (docs/multihost.md)"
+                if nnodes > 1 else " (start a fresh run without --resume)")
+        print(f"error: {who + ': ' if who else ''}--resume: {why}{hint}", file=sys.stderr,
+              flush=True)
         raise SystemExit(2)
 
     if not os.path.isdir(run_dir):
@@ -161,6 +165,57 @@ def _gpu_env(env: dict, gpus: str) -> dict:
     return dict(env, CUDA_VISIBLE_DEVICES=gpus) if gpus.strip() else dict(env)
 
 
+def _ifname_env(env: dict, ifname: str) -> dict:
+    """torch.distributed's sockets on one interface: gloo (CPU) and NCCL (GPU) read these."""
+    if not ifname:
+        return env
+    return dict(env, GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
+
+
+def learner_env(cfg, env: dict) -> dict:
+    """The learner ranks' environment: their GPUs and the interface of their collectives."""
+    return _ifname_env(_gpu_env(env, cfg.launch.learner_gpus), cfg.launch.ifname)
+
+
+def rollout_env(cfg, env: dict) -> dict:
+    """The rollout's environment: its GPUs, and the interface of the publication group
+    (run.publish_ifname, when the config has it; docs/multihost.md)."""
+    return _ifname_env(_gpu_env(env, cfg.launch.rollout_gpus),
+                       getattr(cfg.run, "publish_ifname", ""))
+
+
+def learner_command(cfg, common: list[str], *, node_rank: int = 0, master_port: int = 0,
+                    resume: bool = False) -> list[str]:
+    """torchrun for this learner node: launch.nnodes nodes of rollout.n_learners /
+    launch.nnodes ranks each, meeting at launch.master_addr:master_port (static rendezvous,
+    node `node_rank`; its timeout is launch.dist_timeout_s)."""
+    lc = cfg.launch
+    port = master_port or lc.master_port
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(lc.nnodes),
+            "--node-rank", str(node_rank),
+            "--nproc-per-node", str(cfg.rollout.n_learners // lc.nnodes),
+            "--master-addr", lc.master_addr, "--master-port", str(port),
+            "--rdzv-conf", f"timeout={max(1, round(lc.dist_timeout_s))}",
+            os.path.join(ROOT, "launch/learner.py"), *common, *(["--resume"] if resume else [])]
+
+
+def check_publish_reach(cfg, who: str) -> None:
+    """File publication with the node-local default directory (/dev/shm) works only when
+    the rollout runs on the host that writes it (learner rank 0's, learner node 0). One
+    `error:` line and exit 2 otherwise, before anything starts."""
+    from tsync_mcore import nodes
+    if getattr(cfg.run, "publish", "file") != "file" or cfg.run.publish_dir:
+        return
+    rollout = cfg.channel.addr
+    if nodes.is_local_address(rollout):
+        return
+    print(f"error: {who}: run.publish_dir: the rollout (channel.addr {rollout}) is on another "
+          f"host, and file publication's default directory is node-local shared memory it "
+          f"cannot read: set run.publish_dir to a directory both hosts share, or "
+          f"run.publish: dist (docs/multihost.md)", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def _last_error(*paths: str) -> str:
     """The last `error:` line of these logs (the one-line reason a launcher printed)."""
     found = ""
@@ -194,19 +249,39 @@ def _stop(proc, grace_s: float = 10.0) -> None:
             continue
 
 
+ROLES = ("both", "rollout", "learner")
+
+
 def run_job(config: str | None, overrides: list[str], cfg, *, who: str = "run",
-            resume: bool = False) -> list[dict]:
-    """Start the rollout launcher and the learner ranks (torchrun) for `cfg` on this node,
-    stream one line per update, and return the metrics rows of the run (a resumed run's
-    earlier rows included). Each side gets its CUDA_VISIBLE_DEVICES from launch.*_gpus; logs
-    go to RUN/logs. If either side dies the other is stopped, and the job ends with one
-    `error:` line and exit 1."""
+            resume: bool = False, role: str = "both", node_rank: int = 0) -> list[dict]:
+    """Start this host's share of the job for `cfg` and watch it: `both` (one node: the
+    rollout launcher and the learner ranks under torchrun), `rollout` (the rollout host),
+    or `learner` (learner node `node_rank` of launch.nnodes). Streams one line per update
+    where learner rank 0 runs and returns the metrics rows seen (a resumed run's earlier
+    rows included). Each side gets its CUDA_VISIBLE_DEVICES from launch.*_gpus and its
+    torch.distributed interface from launch.ifname / run.publish_ifname; logs go to
+    RUN/logs. If a side dies the others started here are stopped, and the job ends with
+    one `error:` line and exit 1."""
     import json
     import queue
     import subprocess
     import threading
 
-    secret_or_exit(who, cfg)  # one secret for both launchers, created before either starts
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    nnodes = cfg.launch.nnodes
+    if role == "both" and nnodes > 1:
+        print(f"error: {who}: launch.nnodes = {nnodes}: start each host's share itself, "
+              f"--role rollout on the rollout host and --role learner --node-rank I on each "
+              f"learner node (docs/multihost.md)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    if not 0 <= node_rank < nnodes:
+        print(f"error: {who}: --node-rank {node_rank} is outside [0, launch.nnodes = {nnodes})",
+              file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    if role == "learner" and node_rank == 0:
+        check_publish_reach(cfg, who)  # rank 0 publishes; the rollout must read it
+    secret_or_exit(who, cfg)  # one secret for every launcher, created before any starts
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     common = ["--config", config] if config else []
     if overrides:
@@ -215,35 +290,51 @@ def run_job(config: str | None, overrides: list[str], cfg, *, who: str = "run",
     os.makedirs(log_dir, exist_ok=True)
     metrics_path = os.path.join(cfg.run.dir, "metrics.jsonl")
     rows: list[dict] = []
-    if resume:  # a fresh run's learner replaces the earlier files itself (run_files.py)
-        rows = _metrics_before(metrics_path, resume_version(cfg.run.dir))
-    rollout_log, learner_err = (os.path.join(log_dir, n) for n in ("rollout.log", "learner.err"))
-    rollout = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "launch/rollout.py"), *common],
-        stdout=open(rollout_log, "w"), stderr=subprocess.STDOUT,
-        env=_gpu_env(env, cfg.launch.rollout_gpus), cwd=ROOT, start_new_session=True)
-    learner = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-         str(cfg.rollout.n_learners), "--master-addr", "127.0.0.1", "--master-port",
-         str(free_port()), os.path.join(ROOT, "launch/learner.py"), *common,
-         *(["--resume"] if resume else [])],
-        stdout=subprocess.PIPE, stderr=open(learner_err, "w"), text=True,
-        env=_gpu_env(env, cfg.launch.learner_gpus), cwd=ROOT, start_new_session=True)
+    reports = role != "rollout" and node_rank == 0  # learner rank 0 prints the updates
+    if resume and reports:  # a fresh run's learner replaces the earlier files itself
+        rows = _metrics_before(metrics_path, resume_version(cfg.run.dir, who, nnodes))
+    node = f".node{node_rank}" if nnodes > 1 else ""
+    rollout_log = os.path.join(log_dir, "rollout.log")
+    learner_err, learner_out = (os.path.join(log_dir, f"learner{node}.{x}") for x in ("err", "out"))
+    rollout = learner = None
+    if role in ("both", "rollout"):
+        rollout = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "launch/rollout.py"), *common],
+            stdout=open(rollout_log, "w"), stderr=subprocess.STDOUT,
+            env=rollout_env(cfg, env), cwd=ROOT, start_new_session=True)
     lines: queue.Queue = queue.Queue()
+    if role in ("both", "learner"):
+        master_port = free_port() if nnodes == 1 and not cfg.launch.master_port else 0
+        learner = subprocess.Popen(
+            learner_command(cfg, common, node_rank=node_rank, master_port=master_port,
+                            resume=resume),
+            stdout=subprocess.PIPE, stderr=open(learner_err, "w"), text=True,
+            env=learner_env(cfg, env), cwd=ROOT, start_new_session=True)
 
-    def pump() -> None:  # the learner's stdout, teed to its log
-        with open(os.path.join(log_dir, "learner.out"), "w") as out:
-            for line in learner.stdout:
-                out.write(line)
-                out.flush()
-                lines.put(line)
-        lines.put(None)
+        def pump() -> None:  # the learner's stdout, teed to its log
+            with open(learner_out, "w") as out:
+                for line in learner.stdout:
+                    out.write(line)
+                    out.flush()
+                    lines.put(line)
+            lines.put(None)
 
-    threading.Thread(target=pump, name="learner-stdout", daemon=True).start()
+        threading.Thread(target=pump, name="learner-stdout", daemon=True).start()
+    else:
+        lines.put(None)  # no learner here: watch the rollout alone
     total = cfg.run.updates
-    print(f"training {total} updates: {cfg.learner.objective}/{cfg.learner.schedule}, "
-          f"{cfg.rollout.n_learners} learner ranks, logs in {log_dir}", flush=True)
-    print(f"{bar(len(rows), total)}", flush=True)
+    ch = cfg.channel
+    if role == "rollout":
+        print(f"rollout: hosting the channel at {ch.listen_addr or ch.addr}:{ch.port} for "
+              f"{cfg.rollout.n_learners} learner ranks; log {rollout_log}", flush=True)
+    elif role == "learner":
+        print(f"learner node {node_rank} of {nnodes}: {cfg.rollout.n_learners // nnodes} ranks, "
+              f"rendezvous {cfg.launch.master_addr}:{cfg.launch.master_port}, channel "
+              f"{ch.addr}:{ch.port}; logs in {log_dir}", flush=True)
+    if reports:
+        print(f"training {total} updates: {cfg.learner.objective}/{cfg.learner.schedule}, "
+              f"{cfg.rollout.n_learners} learner ranks, logs in {log_dir}", flush=True)
+        print(f"{bar(len(rows), total)}", flush=True)
     failed = ""
     try:
         while True:
@@ -264,35 +355,40 @@ def run_job(config: str | None, overrides: list[str], cfg, *, who: str = "run",
                       f"{m['policy_version']:3d}  reward {r}  step {m['step_wall_time_s']:.2f}s"
                       f"  rollout {m['rollout_time_s']:.2f}s  tail {m['learner_tail_s']:.2f}s"
                       f"  publish {m['publish_time_s']:.2f}s", flush=True)
-            if rollout.poll() not in (None, 0):  # the rollout died: the learner would wait
-                failed = "rollout"
+            if rollout is not None and rollout.poll() not in (None, 0):
+                failed = "rollout"  # the rollout died: the learner would wait
                 break
-        if not failed:
-            rc_l = learner.wait()
-            if rc_l != 0:
-                failed = "learner"
-            else:
-                try:
-                    rollout.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    pass
-                failed = "rollout" if rollout.poll() != 0 else ""
+        if not failed and learner is not None:
+            failed = "learner" if learner.wait() != 0 else ""
+        if not failed and rollout is not None:
+            try:  # after a learner's clean finish its rollout ends on its own
+                rollout.wait(timeout=60 if learner is not None else None)
+            except subprocess.TimeoutExpired:
+                pass
+            failed = "rollout" if rollout.poll() != 0 else ""
     except KeyboardInterrupt:
         failed = "interrupted"
     finally:
         for proc in (learner, rollout):
-            _stop(proc)
+            if proc is not None:
+                _stop(proc)
+    here = "" if role == "both" else f" ({role}" + (f" node {node_rank})" if role == "learner"
+                                                    else ")")
     if failed == "interrupted":
-        print(f"{who} interrupted: both sides stopped; the last checkpoint under "
+        print(f"{who}{here} interrupted: stopped; the last checkpoint under "
               f"{cfg.run.dir}/checkpoints is intact (continue with --resume)", file=sys.stderr,
               flush=True)
         raise SystemExit(130)
     if failed:
-        rc = f"learner exit {learner.returncode}, rollout exit {rollout.returncode}"
-        first, other = ((rollout_log, learner_err) if failed == "rollout"
-                        else (learner_err, rollout_log))  # the side that died says why
-        why = _last_error(first) or _last_error(other) or f"the {failed} side stopped first"
-        print(f"error: {who} failed ({rc}): {why.removeprefix('error: ')}; logs in {log_dir}",
-              file=sys.stderr, flush=True)
+        rc = ", ".join(f"{n} exit {p.returncode}" for n, p in (("learner", learner),
+                                                               ("rollout", rollout)) if p)
+        logs = [rollout_log, learner_err] if rollout is not None else [learner_err]
+        if failed == "learner":
+            logs.reverse()  # the side that died says why
+        if learner is not None:
+            logs.append(learner_out)
+        why = _last_error(logs[0]) or _last_error(*logs[1:]) or f"the {failed} side stopped first"
+        print(f"error: {who}{here} failed ({rc}): {why.removeprefix('error: ')}; logs in "
+              f"{log_dir}", file=sys.stderr, flush=True)
         raise SystemExit(1)
     return rows

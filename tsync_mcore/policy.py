@@ -33,7 +33,8 @@ class StepResult:
 class Policy:
     def __init__(self, cfg: Config, par: ParallelInfo | None = None):
         self.cfg = cfg
-        self.par = par or init_parallel(tp_size=cfg.model.tp, seed=cfg.seed)
+        self.par = par or init_parallel(tp_size=cfg.model.tp, seed=cfg.seed,
+                                        timeout_s=cfg.launch.dist_timeout_s)
         self.model, self.spec = bridge.build_model(
             cfg.model.hf_dir, dtype=DTYPES[cfg.model.dtype], spec=cfg.model.spec,
             attention=cfg.model.attention)

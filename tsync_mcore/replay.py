@@ -32,6 +32,7 @@ if __name__ == "__main__":  # a CLI process: known-harmless warnings off before 
     from tsync_mcore import quiet
     quiet.install()
 
+import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
@@ -232,9 +233,11 @@ def _gather(x: int) -> list[int]:
     """One value per rank (memory figures are per rank)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [x]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, x)
-    return out
+    dev = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([x], dtype=torch.int64, device=dev)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)  # a tensor, not all_gather_object: no pickle between ranks
+    return [int(v.item()) for v in out]
 
 
 def _feed(learner: Learner, sources: list, plan: BatchPlan, routing: str, par) -> None:

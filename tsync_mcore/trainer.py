@@ -25,7 +25,7 @@ import time
 import torch
 import yaml
 
-from tsync_mcore import checkpoint, export, publish, run_files
+from tsync_mcore import checkpoint, export, nodes, publish, run_files
 from tsync_mcore import trace
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, GroupRewards, Hello,
                                  RegisterBatch, Rejected, Shutdown, TrajectoryMsg, TurnMsg,
@@ -36,6 +36,7 @@ from tsync_mcore.ledger.account import update_flops
 from tsync_mcore.ledger.memory import MemoryMeter
 from tsync_mcore.ledger.mfu import detect_peak, mfu_active
 from tsync_mcore.ledger.nvml import NvmlSampler
+from tsync_mcore.model.parallel import all_gather_json
 from tsync_mcore.metrics import local_stats, off_policy_metrics, reduce_stats, throughput
 from tsync_mcore.policy import Policy
 from tsync_mcore.safe_files import BadFile
@@ -59,6 +60,12 @@ class Trainer:
         self.policy = Policy(cfg)
         self.par = self.policy.par
         self.version, self.data_pos = 0, 0
+        if nodes.multi_node():  # checkpoints of every node go to rank 0's run.dir
+            try:
+                checkpoint.check_shared_run_dir(cfg.run.dir, self.par, self.policy.device,
+                                                nodes.rank_label(self.par.rank))
+            except checkpoint.CheckpointError as e:
+                raise LearnerStopped(str(e)) from None
         if resume:
             try:
                 ckpt = checkpoint.latest(cfg.run.dir)
@@ -102,7 +109,8 @@ class Trainer:
         ch = cfg.channel
         self.link = open_learner_side(ch.addr, ch.port, self.par.rank, self.par.world_size,
                                       timeout_s=ch.timeout_s, realtime_io=ch.realtime_io,
-                                      secret=channel_secret(cfg))
+                                      secret=channel_secret(cfg),
+                                      join_timeout_s=ch.join_timeout_s)
         # Manual GC (as Megatron's --manual-gc): Python's automatic full passes walk every
         # object of the model and its imports and hold the GIL meanwhile, 200-380 ms here,
         # mid-stream: the serving thread and the channel reader both stop. Set-up's objects
@@ -123,8 +131,11 @@ class Trainer:
             self._publish()  # replicas start from exactly θ_start
             # the first acknowledgement also waits for the rollout's engine to start
             ch = self.cfg.channel
-            self.t_ready = self.t_published = self._await_acks(max(ch.ack_timeout_s,
-                                                                   ch.timeout_s))
+            start_s = max(ch.ack_timeout_s, ch.timeout_s, ch.join_timeout_s)
+            self.t_ready = self.t_published = self._await_acks(start_s)
+            # The other ranks' first receive waits out the rollout's start too (rank 0's did
+            # in its acknowledgement wait): batch 0's registration follows the engine's start.
+            self.register_wait_s = start_s
             self.finishing = "" if self.version < self.cfg.run.updates else "all updates"
             while not self.finishing:
                 self._update()
@@ -135,7 +146,7 @@ class Trainer:
             waiting = self.learner.waiting_for() if isinstance(e, ChannelError) else []
             self._tell_rollout(e)
             raise LearnerStopped(
-                f"learner rank {self.par.rank} stopped at policy version {self.version}: {e}"
+                f"{nodes.rank_label(self.par.rank)} stopped at policy version {self.version}: {e}"
                 + (f"; still waiting for {waiting[:10]}" if waiting else "")
                 + f". θ and the last checkpoint are intact ({self._state()}).") from None
         finally:
@@ -195,7 +206,9 @@ class Trainer:
 
     def _update(self) -> None:
         cfg = self.cfg
-        reg = self._recv(RegisterBatch)  # rank 0 takes acknowledgements queued before it
+        # rank 0 takes acknowledgements queued before it
+        reg = self._recv(RegisterBatch, getattr(self, "register_wait_s", None))
+        self.register_wait_s = None
         # The step (and the trace's clock) starts when the registration arrived, not when
         # this loop got to it.
         t_start = self.link.last_arrival
@@ -332,8 +345,7 @@ class Trainer:
         self.policy.take_entropy()  # nothing of this batch is reported
         self._write_trace(result.trace)  # the update record says ok: false, and why
         names = [s for s in done.nonfinite_sources]
-        gathered = [None] * self.par.world_size
-        torch.distributed.all_gather_object(gathered, names)
+        gathered = all_gather_json(names, self.policy.device)  # no pickle across hosts
         culprits = [f"rank {r}: {n[0]}" for r, n in enumerate(gathered) if n]
         why = (f"update {self.version}: the reduced gradient is not finite, so the optimizer "
                f"step was skipped (θ_{self.version} and the optimizer state are untouched; "

@@ -388,10 +388,11 @@ def _say(line: str) -> None:
 
 def open_rollout_side(addr: str, port: int, n_learners: int, timeout_s: float = 300,
                       limits: Limits = DEFAULT_LIMITS, realtime_io: bool = False, *,
-                      secret: bytes) -> list[Link]:
+                      secret: bytes, join_timeout_s: float | None = None) -> list[Link]:
     """Listen on (addr, port) only and wait for every learner rank; index = learner rank.
     A joiner that fails the handshake (wrong secret, version, n_learners, a rank already
-    joined) is told why and refused; the wait goes on for the others until timeout_s.
+    joined) is told why and refused; the wait goes on for the others until join_timeout_s
+    (default timeout_s, which then bounds each link's sends).
     `realtime_io`: the links' reader threads run under SCHED_FIFO."""
     if n_learners < 1:
         raise ChannelError(f"n_learners must be ≥ 1, got {n_learners}")
@@ -399,6 +400,7 @@ def open_rollout_side(addr: str, port: int, n_learners: int, timeout_s: float = 
     if realtime_io:
         _require_realtime("rollout side")
     where = f"{addr}:{port}"
+    timeout_s, link_timeout_s = join_timeout_s or timeout_s, timeout_s
     try:
         family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port,
                                                               type=socket.SOCK_STREAM)[0]
@@ -476,7 +478,7 @@ def open_rollout_side(addr: str, port: int, n_learners: int, timeout_s: float = 
                              f"the channel at {where} within {timeout_s:g} s"
                              + (f" (refused: {'; '.join(refused[-3:])})" if refused else ""))
     with _threads_created_realtime(realtime_io):
-        return [Link(joined[i][0], joined[i][1], "rollout", i, timeout_s, limits)
+        return [Link(joined[i][0], joined[i][1], "rollout", i, link_timeout_s, limits)
                 for i in range(n_learners)]
 
 
@@ -495,7 +497,8 @@ def connect_learner(addr: str, port: int, learner_rank: int, n_learners: int, ti
             if not said and learner_rank == 0:  # once per learner, not per rank or retry
                 said = True
                 _say(f"learner: waiting for the rollout's channel at {where} (channel.addr, "
-                     f"channel.port; up to channel.timeout_s = {timeout_s:g} s)")
+                     f"channel.port; up to {timeout_s:g} s: channel.join_timeout_s, else "
+                     f"channel.timeout_s)")
             if time.monotonic() + 0.05 >= deadline:
                 raise ChannelTimeout(f"learner rank {learner_rank}: the channel at {where} is not "
                                      f"reachable within {timeout_s:g} s ({e.strerror or e})"
@@ -519,8 +522,10 @@ def connect_learner(addr: str, port: int, learner_rank: int, n_learners: int, ti
 
 def open_learner_side(addr: str, port: int, learner_rank: int, n_learners: int,
                       timeout_s: float = 300, limits: Limits = DEFAULT_LIMITS,
-                      realtime_io: bool = False, *, secret: bytes) -> Link:
-    """Join the rollout's channel (waiting for it up to timeout_s) as `learner_rank`.
+                      realtime_io: bool = False, *, secret: bytes,
+                      join_timeout_s: float | None = None) -> Link:
+    """Join the rollout's channel (waiting for it up to join_timeout_s, default timeout_s)
+    as `learner_rank`; the link's receives and sends then wait up to timeout_s.
     `realtime_io`: the link's reader runs under SCHED_FIFO; the calling thread keeps its
     policy."""
     if not 0 <= learner_rank < n_learners:
@@ -528,6 +533,7 @@ def open_learner_side(addr: str, port: int, learner_rank: int, n_learners: int,
     check_secret(secret)
     if realtime_io:
         _require_realtime(f"learner rank {learner_rank}")
-    sock, keys = connect_learner(addr, port, learner_rank, n_learners, timeout_s, secret)
+    sock, keys = connect_learner(addr, port, learner_rank, n_learners,
+                                 join_timeout_s or timeout_s, secret)
     with _threads_created_realtime(realtime_io):
         return Link(sock, keys, "learner", learner_rank, timeout_s, limits)

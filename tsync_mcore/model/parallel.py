@@ -38,9 +38,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_process_group() -> None:
+def _init_process_group(timeout: timedelta) -> None:
     backend = platform.backend()
-    timeout = timedelta(minutes=10)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         # torchrun: env:// reads MASTER_ADDR/PORT, RANK, WORLD_SIZE.
         if platform.on_gpu():
@@ -54,15 +53,19 @@ def _init_process_group() -> None:
     dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
 
 
-def init_parallel(tp_size: int = 1, seed: int = 1234) -> ParallelInfo:
+def init_parallel(tp_size: int = 1, seed: int = 1234, timeout_s: float = 600.0) -> ParallelInfo:
     """Initialize torch.distributed (if needed) and megatron's TP x DP groups, then seed.
 
-    Idempotent for the same `tp_size`; a different one re-creates megatron's groups.
+    `timeout_s` (launch.dist_timeout_s) bounds the rendezvous and every collective of the
+    default group and of megatron's groups (theirs defaults to 30 minutes), so a peer that
+    is gone ends the run after it. Idempotent for the same `tp_size`; a different one
+    re-creates megatron's groups.
     """
+    timeout = timedelta(seconds=timeout_s)
     if not platform.on_gpu():
         cpu.activate()
     if not dist.is_initialized():
-        _init_process_group()
+        _init_process_group(timeout)
         if not platform.on_gpu():
             # why: left to interpreter teardown, gloo's worker threads can free tensors after
             # the interpreter is gone (SIGABRT, "terminate called without an active exception",
@@ -77,7 +80,8 @@ def init_parallel(tp_size: int = 1, seed: int = 1234) -> ParallelInfo:
         if ps.get_tensor_model_parallel_world_size() != tp_size:
             ps.destroy_model_parallel()
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp_size,
+                                     distributed_timeout_minutes=timeout_s / 60)
     cpu.seed_all(seed)
     return ParallelInfo(
         rank=dist.get_rank(),
@@ -98,3 +102,32 @@ def destroy_parallel() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def all_gather_json(value, device: torch.device | str = "cpu") -> list:
+    """Every rank's JSON-able `value`, in rank order: UTF-8 JSON bytes in uint8 tensors.
+
+    Instead of all_gather_object, which unpickles what peers send: learner ranks on other
+    hosts are peers across a network, so their bytes are parsed as JSON and nothing else.
+    A rank whose bytes do not parse is named (ValueError)."""
+    import json
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return [value]
+    raw = json.dumps(value).encode()
+    n = torch.tensor([len(raw)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+    buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[:0]
+    bufs = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(bufs, buf)
+    out = []
+    for r, (b, s) in enumerate(zip(bufs, sizes)):
+        try:
+            out.append(json.loads(bytes(b[:int(s.item())].cpu().tolist()).decode()))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"learner rank {r} sent a value that is not UTF-8 JSON "
+                             f"({type(e).__name__})") from None
+    return out

@@ -109,10 +109,12 @@ class RolloutDriver:
         self.feed = DataFeed(cfg) if self.rc.env != "toy" else None
         self.pending_metrics: dict = {}  # evaluation results for the next CloseBatch
         ch = cfg.channel
-        self.links: list[Link] = open_rollout_side(ch.addr, ch.port, self.rc.n_learners,
+        self.links: list[Link] = open_rollout_side(ch.listen_addr or ch.addr, ch.port,
+                                                   self.rc.n_learners,
                                                    timeout_s=ch.timeout_s,
                                                    realtime_io=ch.realtime_io,
-                                                   secret=channel_secret(cfg))
+                                                   secret=channel_secret(cfg),
+                                                   join_timeout_s=ch.join_timeout_s)
         self.tok = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
         if self.feed is not None:
             self.feed.attach(self.tok)
