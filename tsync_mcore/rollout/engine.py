@@ -134,9 +134,9 @@ class RolloutEngine:
         self._admitted: asyncio.Event | None = None  # set while _admitting == 0
         self.swaps = 0  # reloads that aborted requests in flight (mode="abort")
         self._closed = False
-        # Publication over torch.distributed (receive_weights): group ranks of this engine's
-        # workers, and what the last receive reported per worker.
-        self.n_publish_ranks = 0
+        # Publication over torch.distributed (receive_weights): group ranks this engine's
+        # workers take (one per vLLM worker), and what the last receive reported per worker.
+        self.publish_ranks = tensor_parallel_size
         self.checksums: list[str] = []
         self.bytes_received = 0
 
@@ -277,7 +277,6 @@ class RolloutEngine:
         returns once the learner and every other member joined; the group ranks taken."""
         ranks = await self._live().collective_rpc(
             "tsync_join_publish_group", args=(addr, port, rank, world, token, timeout_s, ifname))
-        self.n_publish_ranks = len(ranks)
         return list(ranks)
 
     async def receive_weights(self, msg, *, mode: Literal["keep", "wait", "abort"] = "keep"
