@@ -9,11 +9,14 @@ is made once, at the start of a run.
 One publication, in order, every piece a broadcast from rank 0:
   control  int64[6]: MAGIC, version, header bytes, buckets, delta (0/1), full (0/1)
   header   uint8[...]: JSON {"bucket_bytes": B, "params": [[name, dtype, shape], ...]}
-  per bucket: meta int64[2] (DENSE, numel) + the flat bucket, or (SPARSE, n) + indices
-              (int64[n]) + values (n elements of the bucket's dtype, as raw bits)
+  without delta: each flat bucket, in order (its size follows from the header)
+  with delta:  metas int64[2 × buckets]: (DENSE, numel) or (SPARSE, n) per bucket, then
+               per bucket the flat bucket, or indices (int64[n]) + values (n elements of
+               the bucket's dtype, as raw bits)
 Buckets are cut from the header alone (`plan_buckets`), so both sides agree on them;
 a bucket holds parameters of one dtype only. Everything received is checked (`Receiver`)
-before it is used; the header before any weight is loaded. Nothing is pickled.
+before it is loaded: the header (and so every size) before the first bucket, and a delta
+publication whole. Nothing is pickled.
 
 This module is imported inside vLLM's worker process: torch, json and the stdlib only.
 """
@@ -283,9 +286,31 @@ class Sender:
                                 int(self.delta), int(full)], dtype=torch.int64)
         self._send(control, st)
         self._send(torch.frombuffer(bytearray(self.header), dtype=torch.uint8), st)
-        it = iter(named)
-        crcs, new_base = [], []
-        for b, bucket in enumerate(self.buckets):
+        flats = self._flats(iter(named))
+        if not self.delta:  # streamed: each bucket goes as soon as it is gathered
+            for flat in flats:
+                st.buckets += 1
+                st.elements += flat.numel()
+                st.changed += flat.numel()
+                self._send(flat, st)
+            return st
+        # delta: every bucket is encoded before any is sent, so that the metas go first
+        # and a replica checks all of them before it loads anything
+        new = list(flats)
+        blocks = [self._encode(b, flat, full, st) for b, flat in enumerate(new)]
+        self._send(torch.tensor([m for meta, _ in blocks for m in meta], dtype=torch.int64), st)
+        for _, payload in blocks:
+            for t in payload:
+                self._send(t, st)
+        self.base, self.force_full = new, False
+        st.checksum = fold_checksums([bucket_checksum(f) for f in new],
+                                     [b.nbytes for b in self.buckets])
+        st.full = st.sparse_buckets == 0
+        return st
+
+    def _flats(self, it: Iterator[tuple[str, torch.Tensor]]) -> Iterator[torch.Tensor]:
+        """The flat buckets, in order, filled from `it` (checked against the header)."""
+        for bucket in self.buckets:
             flat = torch.empty(bucket.numel, dtype=DTYPES[bucket.dtype])
             for i, off in zip(bucket.params, bucket.offsets):
                 p = self.params[i]
@@ -293,41 +318,29 @@ class Sender:
                     name, t = next(it)
                 except StopIteration:
                     raise PublishError(f"publish: the model ended before {p.name}") from None
-                if name != p.name or tuple(t.shape) != p.shape or dtype_name(t.dtype, name) != p.dtype:
+                if (name != p.name or tuple(t.shape) != p.shape
+                        or dtype_name(t.dtype, name) != p.dtype):
                     raise PublishError(f"publish: got {name} {list(t.shape)} {t.dtype}, the "
                                        f"header says {p.name} {list(p.shape)} {p.dtype}")
                 flat[off:off + p.numel].copy_(t.reshape(-1))
-            self._send_bucket(b, flat, full, st)
-            if self.delta:
-                crcs.append(bucket_checksum(flat))
-                new_base.append(flat)
-        if self.delta:
-            self.base, self.force_full = new_base, False
-            st.checksum = fold_checksums(crcs, [b.nbytes for b in self.buckets])
-            st.full = st.sparse_buckets == 0
-        return st
+            yield flat
 
-    def _send_bucket(self, b: int, flat: torch.Tensor, full: bool, st: SendStats) -> None:
+    def _encode(self, b: int, flat: torch.Tensor, full: bool, st: SendStats
+                ) -> tuple[tuple[int, int], list[torch.Tensor]]:
+        """(meta, payload) of bucket b: whole, or the changed elements' indices and bits."""
         st.buckets += 1
         st.elements += flat.numel()
         if full:
-            self._send(torch.tensor([DENSE, flat.numel()], dtype=torch.int64), st)
-            self._send(flat, st)
             st.changed += flat.numel()
-            return
+            return (DENSE, flat.numel()), [flat]
         bits = _BITS[flat.element_size()]
-        diff = flat.view(bits) != self.base[b].view(bits)
-        idx = diff.nonzero().flatten()
+        idx = (flat.view(bits) != self.base[b].view(bits)).nonzero().flatten()
         st.changed += idx.numel()
         if idx.numel() > self.dense_frac * flat.numel():
-            self._send(torch.tensor([DENSE, flat.numel()], dtype=torch.int64), st)
-            self._send(flat, st)
-            return
+            return (DENSE, flat.numel()), [flat]
         st.sparse_buckets += 1
-        self._send(torch.tensor([SPARSE, idx.numel()], dtype=torch.int64), st)
-        if idx.numel():
-            self._send(idx.to(torch.int64), st)
-            self._send(flat.view(bits)[idx].contiguous(), st)
+        payload = [idx.to(torch.int64), flat.view(bits)[idx].contiguous()] if idx.numel() else []
+        return (SPARSE, idx.numel()), payload
 
     def _send(self, t: torch.Tensor, st: SendStats) -> None:
         st.bytes += t.numel() * t.element_size()
@@ -345,11 +358,13 @@ class Received:
 
 
 class Receiver:
-    """A rollout worker's side. `begin` reads and checks the control tensor and the header
-    (nothing is loaded yet); `tensors` then yields (HF name, tensor) bucket by bucket for
-    the worker's `reload_weights`. With delta, the flat buckets of the weights loaded
-    last stay in host memory: a sparse bucket is applied to them (delta's price: one
-    HF-named copy of the model on the rollout host)."""
+    """A rollout worker's side. `begin` reads and checks the control block and the header
+    (nothing is loaded yet); `tensors` then yields (HF name, tensor) for the worker's
+    `reload_weights`: bucket by bucket as they arrive, or with delta, once the whole
+    publication arrived and checked (block sizes, indices), so bad input never reaches the
+    model. With delta the flat buckets of the weights loaded last stay in host memory: a
+    sparse bucket is applied to a copy of its base bucket (delta's price: one HF-named
+    copy of the model on the rollout host, two while a publication is applied)."""
 
     def __init__(self, pg, known: dict[str, tuple[int, ...]], backend: str = "gloo") -> None:
         self.pg = pg
@@ -358,66 +373,77 @@ class Receiver:
         self.base: list[torch.Tensor] | None = None
         self.base_header: bytes | None = None
 
-    def begin(self, version: int, n_buckets: int, delta: bool) -> tuple[list[Param], list[Bucket], Received]:
+    def begin(self, version: int, n_buckets: int, delta: bool
+              ) -> tuple[list[Param], list[Bucket], Received]:
         got = Received(version)
         control = self._recv(torch.empty(6, dtype=torch.int64), got)
         magic, v, hlen, nb, d, full = (int(x) for x in control.cpu())
         if magic != MAGIC:
             raise PublishError(f"publication of θ_{version}: bad control block (magic {magic:#x})")
         if v != version or nb != n_buckets or bool(d) != delta:
-            raise PublishError(f"publication: the group carries θ_{v} ({nb} buckets, delta={bool(d)}), "
-                               f"the notice θ_{version} ({n_buckets} buckets, delta={delta})")
+            raise PublishError(f"publication: the group carries θ_{v} ({nb} buckets, "
+                               f"delta={bool(d)}), the notice θ_{version} ({n_buckets} "
+                               f"buckets, delta={delta})")
         if not 0 < hlen <= MAX_HEADER_BYTES:
-            raise PublishError(f"publication of θ_{version}: header of {hlen} bytes (1..{MAX_HEADER_BYTES})")
+            raise PublishError(f"publication of θ_{version}: header of {hlen} bytes "
+                               f"(1..{MAX_HEADER_BYTES})")
         raw = bytes(self._recv(torch.empty(hlen, dtype=torch.uint8), got).cpu().numpy())
         params, bb = decode_header(raw, self.known)
         buckets = plan_buckets(params, bb)
         if len(buckets) != nb:
-            raise PublishError(f"publication of θ_{version}: header makes {len(buckets)} buckets, "
-                               f"control says {nb}")
-        if delta and not full and (self.base is None or raw != self.base_header):
-            raise PublishError(f"publication of θ_{version}: a delta, but this replica holds no "
-                               f"base with the same header")
-        self._full, self._delta, self._raw = bool(full), delta, raw
+            raise PublishError(f"publication of θ_{version}: header makes {len(buckets)} "
+                               f"buckets, control says {nb}")
+        self._raw, self._ready = raw, None
+        if delta:  # everything arrives and is checked before any of it is loaded
+            has_base = self.base is not None and raw == self.base_header
+            self._ready = self._receive_delta(buckets, bool(full), has_base, got)
         return params, buckets, got
 
     def tensors(self, params: list[Param], buckets: list[Bucket], got: Received
                 ) -> Iterator[tuple[str, torch.Tensor]]:
-        crcs, new_base = [], []
-        for b, bucket in enumerate(buckets):
-            flat = self._bucket(b, bucket, got)
-            if self._delta:
-                crcs.append(bucket_checksum(flat))
-                new_base.append(flat)
+        flats = self._ready if self._ready is not None else (
+            self._recv(torch.empty(b.numel, dtype=DTYPES[b.dtype], device=self.device), got)
+            for b in buckets)
+        for bucket, flat in zip(buckets, flats):
             for i, off in zip(bucket.params, bucket.offsets):
                 p = params[i]
                 yield p.name, flat[off:off + p.numel].view(p.shape)
-        if self._delta:
-            self.base, self.base_header = new_base, self._raw
-            got.checksum = fold_checksums(crcs, [b.nbytes for b in buckets])
+        if self._ready is not None:
+            self.base, self.base_header = self._ready, self._raw
+            got.checksum = fold_checksums([bucket_checksum(f) for f in self._ready],
+                                          [b.nbytes for b in buckets])
 
-    def _bucket(self, b: int, bucket: Bucket, got: Received) -> torch.Tensor:
-        kind, n = (int(x) for x in self._recv(torch.empty(2, dtype=torch.int64), got).cpu())
-        dtype = DTYPES[bucket.dtype]
-        if kind == DENSE:
-            if n != bucket.numel:
-                raise PublishError(f"publication bucket {b}: {n} elements, the header says "
-                                   f"{bucket.numel}")
-            flat = self._recv(torch.empty(n, dtype=dtype, device=self.device), got)
-            return flat.cpu() if self._delta else flat
-        if kind != SPARSE or self._full or not 0 <= n <= bucket.numel:
-            raise PublishError(f"publication bucket {b}: bad block (kind {kind}, {n} elements "
-                               f"of {bucket.numel}{', in a full publication' if self._full else ''})")
-        flat = self.base[b]  # updated in place: the model copies what it loads
-        if n == 0:
-            return flat
-        bits = _BITS[dtype.itemsize]
-        idx = self._recv(torch.empty(n, dtype=torch.int64, device=self.device), got).cpu()
-        vals = self._recv(torch.empty(n, dtype=bits, device=self.device), got).cpu()
-        if int(idx.min()) < 0 or int(idx.max()) >= bucket.numel:
-            raise PublishError(f"publication bucket {b}: delta index outside 0..{bucket.numel - 1}")
-        flat.view(bits)[idx] = vals
-        return flat
+    def _receive_delta(self, buckets: list[Bucket], full: bool, has_base: bool,
+                       got: Received) -> list[torch.Tensor]:
+        metas = self._recv(torch.empty(2 * len(buckets), dtype=torch.int64), got).cpu()
+        metas = [(int(metas[2 * b]), int(metas[2 * b + 1])) for b in range(len(buckets))]
+        for b, ((kind, n), bucket) in enumerate(zip(metas, buckets)):
+            if kind == DENSE and n == bucket.numel:
+                continue
+            if kind == SPARSE and not full and has_base and 0 <= n <= bucket.numel:
+                continue
+            why = ("a sparse block in a full publication" if kind == SPARSE and full else
+                   "a sparse block, but this replica holds no base with the same header"
+                   if kind == SPARSE and not has_base else
+                   f"kind {kind} with {n} elements, the header says {bucket.numel}")
+            raise PublishError(f"publication bucket {b}: {why}")
+        out = []
+        for b, ((kind, n), bucket) in enumerate(zip(metas, buckets)):
+            dtype = DTYPES[bucket.dtype]
+            if kind == DENSE:
+                out.append(self._recv(torch.empty(n, dtype=dtype, device=self.device), got).cpu())
+                continue
+            flat = self.base[b].clone()
+            if n:
+                bits = _BITS[dtype.itemsize]
+                idx = self._recv(torch.empty(n, dtype=torch.int64, device=self.device), got).cpu()
+                vals = self._recv(torch.empty(n, dtype=bits, device=self.device), got).cpu()
+                if int(idx.min()) < 0 or int(idx.max()) >= bucket.numel:
+                    raise PublishError(f"publication bucket {b}: delta index outside "
+                                       f"0..{bucket.numel - 1}")
+                flat.view(bits)[idx] = vals
+            out.append(flat)
+        return out
 
     def _recv(self, t: torch.Tensor, got: Received) -> torch.Tensor:
         _bcast(self.pg, t)
