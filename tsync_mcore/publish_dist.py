@@ -231,6 +231,11 @@ def _device(backend: str) -> torch.device:
         else torch.device("cpu")
 
 
+def _bits(flat: torch.Tensor) -> torch.Tensor:
+    """A flat bucket as its raw bits."""
+    return flat.view(_BITS[flat.element_size()])
+
+
 def _bcast(pg, t: torch.Tensor) -> None:
     from torch.distributed import BroadcastOptions
 
@@ -238,7 +243,8 @@ def _bcast(pg, t: torch.Tensor) -> None:
     opts.rootRank = 0
     opts.rootTensor = 0
     try:
-        pg.broadcast([t], opts).wait()
+        # as bytes: gloo has no int16/bfloat16, and bits are what must arrive
+        pg.broadcast([t.reshape(-1).view(torch.uint8)], opts).wait()
     except Exception as e:  # noqa: BLE001 — a peer gone or the group's timeout
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise PublishError(f"publication broadcast failed: {msg}") from None
@@ -292,7 +298,7 @@ class Sender:
                 st.buckets += 1
                 st.elements += flat.numel()
                 st.changed += flat.numel()
-                self._send(flat, st)
+                self._send(_bits(flat), st)
             return st
         # delta: every bucket is encoded before any is sent, so that the metas go first
         # and a replica checks all of them before it loads anything
@@ -332,12 +338,12 @@ class Sender:
         st.elements += flat.numel()
         if full:
             st.changed += flat.numel()
-            return (DENSE, flat.numel()), [flat]
+            return (DENSE, flat.numel()), [_bits(flat)]
         bits = _BITS[flat.element_size()]
         idx = (flat.view(bits) != self.base[b].view(bits)).nonzero().flatten()
         st.changed += idx.numel()
         if idx.numel() > self.dense_frac * flat.numel():
-            return (DENSE, flat.numel()), [flat]
+            return (DENSE, flat.numel()), [_bits(flat)]
         st.sparse_buckets += 1
         payload = [idx.to(torch.int64), flat.view(bits)[idx].contiguous()] if idx.numel() else []
         return (SPARSE, idx.numel()), payload
@@ -402,8 +408,7 @@ class Receiver:
     def tensors(self, params: list[Param], buckets: list[Bucket], got: Received
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         flats = self._ready if self._ready is not None else (
-            self._recv(torch.empty(b.numel, dtype=DTYPES[b.dtype], device=self.device), got)
-            for b in buckets)
+            self._recv_flat(b, got) for b in buckets)
         for bucket, flat in zip(buckets, flats):
             for i, off in zip(bucket.params, bucket.offsets):
                 p = params[i]
@@ -431,7 +436,7 @@ class Receiver:
         for b, ((kind, n), bucket) in enumerate(zip(metas, buckets)):
             dtype = DTYPES[bucket.dtype]
             if kind == DENSE:
-                out.append(self._recv(torch.empty(n, dtype=dtype, device=self.device), got).cpu())
+                out.append(self._recv_flat(bucket, got).cpu())
                 continue
             flat = self.base[b].clone()
             if n:
@@ -444,6 +449,11 @@ class Receiver:
                 flat.view(bits)[idx] = vals
             out.append(flat)
         return out
+
+    def _recv_flat(self, bucket: Bucket, got: Received) -> torch.Tensor:
+        dtype = DTYPES[bucket.dtype]
+        bits = torch.empty(bucket.numel, dtype=_BITS[dtype.itemsize], device=self.device)
+        return self._recv(bits, got).view(dtype)
 
     def _recv(self, t: torch.Tensor, got: Received) -> torch.Tensor:
         _bcast(self.pg, t)

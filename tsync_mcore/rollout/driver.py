@@ -685,7 +685,7 @@ class RolloutDriver:
         try:
             self.et.run(self.engine.join_publish_group(
                 ch.addr, self._publish_store.port, 1, world, token=token,
-                timeout_s=ch.ack_timeout_s, ifname=run.publish_ifname))
+                timeout_s=ch.ack_timeout_s, ifname=run.publish_ifname, backend=backend))
         except Exception as e:  # the group's own error says who did not come
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise RolloutStopped(f"run.publish: dist: joining the publication group at "

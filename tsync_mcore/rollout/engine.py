@@ -271,12 +271,14 @@ class RolloutEngine:
 
     async def join_publish_group(self, addr: str, port: int, rank: int, world: int, *,
                                  token: str = "", timeout_s: float = 120.0,
-                                 ifname: str = "") -> list[int]:
+                                 ifname: str = "", backend: str = "") -> list[int]:
         """Join the publication group (tsync_mcore.publish_dist): this engine's workers
         take ranks `rank`, `rank` + 1, ... (one per vLLM worker; one on CPU). A collective:
-        returns once the learner and every other member joined; the group ranks taken."""
+        returns once the learner and every other member joined; the group ranks taken.
+        `backend`: gloo or nccl; "": nccl on GPU, gloo on CPU."""
         ranks = await self._live().collective_rpc(
-            "tsync_join_publish_group", args=(addr, port, rank, world, token, timeout_s, ifname))
+            "tsync_join_publish_group",
+            args=(addr, port, rank, world, token, timeout_s, ifname, backend))
         return list(ranks)
 
     async def receive_weights(self, msg, *, mode: Literal["keep", "wait", "abort"] = "keep"

@@ -34,14 +34,15 @@ class ReloadExtension:
     # --- publication over torch.distributed ------------------------------------------------
 
     def tsync_join_publish_group(self, addr: str, port: int, rank: int, world: int,
-                                 token: str, timeout_s: float, ifname: str = "") -> int:
+                                 token: str, timeout_s: float, ifname: str = "",
+                                 backend: str = "") -> int:
         """Join the publication group as `rank` + this worker's rank in its engine (blocks
         until every member joined); returns the group rank taken."""
         import torch
 
         from tsync_mcore.publish_dist import Receiver, join_group
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         me = rank + int(getattr(self, "rank", 0))
         pg = join_group(addr, port, me, world, token=token, timeout_s=timeout_s,
                         backend=backend, ifname=ifname)
