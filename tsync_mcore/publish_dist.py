@@ -395,9 +395,9 @@ class Receiver:
     (nothing is loaded yet); `tensors` then yields (HF name, tensor) for the worker's
     `reload_weights`: bucket by bucket as they arrive, or with delta, once the whole
     publication arrived and checked (block sizes, indices), so bad input never reaches the
-    model. With delta the flat buckets of the weights loaded last stay in host memory: a
-    sparse bucket is applied to a copy of its base bucket (delta's price: one HF-named
-    copy of the model on the rollout host, two while a publication is applied)."""
+    model. With delta the flat buckets of the weights loaded last stay in host memory and
+    a sparse bucket is applied to its base bucket (delta's price: one HF-named copy of the
+    model on the rollout host)."""
 
     def __init__(self, pg, known: dict[str, tuple[int, ...]], backend: str = "gloo") -> None:
         self.pg = pg
@@ -459,13 +459,17 @@ class Receiver:
                    if kind == SPARSE and not has_base else
                    f"kind {kind} with {n} elements, the header says {bucket.numel}")
             raise PublishError(f"publication bucket {b}: {why}")
+        # Sparse blocks are applied to the base in place; until the publication is whole
+        # the replica holds no base (a failure stops the run, and no delta applies to a
+        # half-updated base).
+        base, self.base, self.base_header = self.base, None, None
         out = []
         for b, ((kind, n), bucket) in enumerate(zip(metas, buckets)):
             dtype = DTYPES[bucket.dtype]
             if kind == DENSE:
                 out.append(self._recv_flat(bucket, got).cpu())
                 continue
-            flat = self.base[b].clone()
+            flat = base[b]
             if n:
                 bits = _BITS[dtype.itemsize]
                 idx = self._recv(torch.empty(n, dtype=torch.int64, device=self.device), got).cpu()
