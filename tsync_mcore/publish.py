@@ -115,8 +115,15 @@ class Publisher:
     broadcasts θ over the publication group (tsync_mcore.publish_dist), which it joins at
     the first publication. `stats` holds the last publication's metrics."""
 
-    def __init__(self, run, channel, policy, link, publish_dir: str) -> None:
+    def __init__(self, run, channel, policy, link, publish_dir: str,
+                 rollout_dtype: str = "") -> None:
         self.run, self.channel, self.policy = run, channel, policy
+        # dist: θ travels in the rollout's precision (rollout.dtype), which vLLM would cast
+        # to anyway: an fp32 learner feeding a bf16 rollout sends half the bytes, and bf16
+        # deltas stay sparse
+        import torch
+
+        self.cast = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(rollout_dtype)
         self.link = link  # rank 0's; None elsewhere
         self.publish_dir = publish_dir
         self.rank0 = policy.par.rank == 0
@@ -138,8 +145,8 @@ class Publisher:
         from tsync_mcore import publish_dist
 
         if self.params is None:  # names, shapes, dtypes: one pass at the start
-            self.params = publish_dist.params_of(self.policy.iter_params())
-        named = self.policy.iter_params()
+            self.params = publish_dist.params_of(self._named())
+        named = self._named()
         if not self.rank0:
             for _ in named:  # this rank's part of each TP gather
                 pass
@@ -160,6 +167,11 @@ class Publisher:
                       else None,
                       "publish/sparse_buckets": st.sparse_buckets,
                       "publish/full_resends": self.full_resends}
+
+    def _named(self):
+        cast = self.cast
+        for name, t in self.policy.iter_params():
+            yield name, (t.to(cast) if cast is not None and t.is_floating_point() else t)
 
     def kept_notice(self, version: int) -> Publish:
         """The notice of θ_version again (a dropped batch): nothing to load."""
