@@ -22,7 +22,6 @@ processes on one device).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform

@@ -9,7 +9,6 @@ with what a file reload of the same weights (run.publish: file) leaves there.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import os
 import secrets
 import threading
