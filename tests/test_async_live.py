@@ -49,6 +49,8 @@ def test_one_step_off_trains_every_later_batch_on_the_previous_policy(tmp_path):
     # later ones on θ_{k−1}'s: a real policy difference, reported
     assert all(r["logprob_diff_mean"] > 1e-3 for r in rows[1:])
     assert all(r["stale_sources"] == r["trajectories"] for r in rows[1:])
+    # θ went over the publication group (run.publish: dist, the default), every update
+    assert all(r["publish/method"] == "dist" and r["publish/bytes"] > 0 for r in rows)
 
 
 @pytest.mark.timeout(420)

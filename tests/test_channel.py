@@ -22,7 +22,7 @@ from dist_util import REPO_ROOT, free_port
 from tsync_mcore.channel import (
     LEARNER_SENDS, MAGIC, MESSAGES, WIRE_VERSION, Ack, ChannelError, ChannelTimeout, CloseBatch,
     DropGroup, GroupRewards, Hello, Limits, MsgType, ROLLOUT_SENDS, PeerGone, Publish,
-    RegisterBatch, Rejected, Shutdown, TrajectoryMsg, TurnMsg, decode, encode,
+    PublishGroup, RegisterBatch, Rejected, Shutdown, TrajectoryMsg, TurnMsg, decode, encode,
     open_learner_side, open_rollout_side, schema,
 )
 from tsync_mcore.channel.link import realtime_io_permitted
@@ -237,12 +237,12 @@ def test_every_declared_type_round_trips_its_edge_values(msg):
 
 def test_directions_and_codes_come_from_the_declarations():
     assert set(ROLLOUT_SENDS) == {RegisterBatch, TrajectoryMsg, TurnMsg, GroupRewards,
-                                  CloseBatch, Ack, Shutdown, DropGroup}
+                                  CloseBatch, Ack, Shutdown, DropGroup, PublishGroup}
     assert set(LEARNER_SENDS) == {Hello, Publish, Shutdown, Rejected}
     assert {m.name: int(m) for m in MsgType} == {
         "HELLO": 1, "REGISTER_BATCH": 2, "TRAJECTORY": 3, "TURN": 4, "CLOSE_BATCH": 5,
         "PUBLISH": 6, "ACK": 7, "SHUTDOWN": 8, "GROUP_REWARDS": 9, "REJECTED": 10,
-        "DROP_GROUP": 11}
+        "DROP_GROUP": 11, "PUBLISH_GROUP": 12}
     with pytest.raises(TypeError, match="do not say how they travel"):
         @schema.message(code=99, sender=schema.ROLLOUT)
         class Undeclared:

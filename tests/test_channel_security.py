@@ -243,7 +243,7 @@ def test_a_bad_frame_is_a_protocol_error_told_to_the_sender(fault):
             h[6] = ((64 << 20) + 1 << 8) | 2
             h[15] = sum(h[:15]) % (1 << 62)
             sock.sendall(np.array(h, dtype="<i8").tobytes())
-            want = "text: path\\): 67108865 elements, over the limit max_bytes"
+            want = "text: path, method\\): 67108865 elements, over the limit max_bytes"
         elif fault == "huge frame":  # 1 MiB of whatever, where a frame starts
             sock.settimeout(3)
             try:

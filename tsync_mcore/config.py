@@ -197,6 +197,22 @@ class RunConfig:
     # Where θ_{k+1} is written for the replicas; "" (default): a private per-run directory
     # in /dev/shm derived from the absolute run.dir (publish.resolve_dir).
     publish_dir: str = ""
+    # How θ_{k+1} reaches the rollout (docs/publication.md): dist: broadcast over a
+    # torch.distributed group (gloo on CPU, NCCL on GPU) from learner rank 0 straight into
+    # every vLLM worker; file: a safetensors file in run.publish_dir that each reloads
+    publish: Literal["dist", "file"] = "dist"
+    publish_bucket_mb: float = 64.0  # dist: broadcast θ in buckets of at most this size
+    # dist: send only the elements that changed since the last publication (whole buckets
+    # where more than run.publish_delta_dense of them changed); costs one HF-named copy of
+    # θ in host memory on learner rank 0 and on every rollout worker; acks carry checksums
+    publish_delta: bool = False
+    publish_delta_dense: float = 0.25  # delta: changed fraction above which a bucket goes whole
+    # dist: TCP port of the group's rendezvous store, served by the rollout at
+    # channel.addr; 0: a free port, announced to learner rank 0 over the channel
+    publish_port: int = 0
+    # dist: network interface the group's connections use (GLOO_SOCKET_IFNAME /
+    # NCCL_SOCKET_IFNAME); "": the default route's
+    publish_ifname: str = ""
     # Python GC: automatic collection off, one pass after publishing every N updates
     # (0: Python's automatic GC, whose full passes stalled the learner mid-stream)
     gc_every: int = 1
@@ -224,6 +240,16 @@ class RunConfig:
         _check(self.eval_every >= 0, "run.eval_every", f"must be >= 0, got {self.eval_every}")
         _check(self.save_every >= 0, "run.save_every", "must be >= 0")
         _check(self.gc_every >= 0, "run.gc_every", f"must be >= 0, got {self.gc_every}")
+        _check(self.publish in ("dist", "file"), "run.publish",
+               f"must be dist or file, got {self.publish!r}")
+        _check(0 < self.publish_bucket_mb <= 16384, "run.publish_bucket_mb",
+               f"must be in (0, 16384], got {self.publish_bucket_mb}")
+        _check(0.0 <= self.publish_delta_dense <= 1.0, "run.publish_delta_dense",
+               f"must be in [0, 1], got {self.publish_delta_dense}")
+        _check(not self.publish_delta or self.publish == "dist", "run.publish_delta",
+               "needs run.publish: dist")
+        _check(0 <= self.publish_port < 65536, "run.publish_port",
+               f"must be a TCP port or 0 (a free one), got {self.publish_port}")
         _check(bool(self.dir), "run.dir", "must not be empty")
         from tsync_mcore.tracking import check_loggers  # the tracking module names the backends
         why = check_loggers(self.loggers)

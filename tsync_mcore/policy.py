@@ -193,6 +193,10 @@ class Policy:
     def export_params(self) -> dict[str, torch.Tensor]:
         return bridge.export_hf_state_dict(self.model, self.spec)
 
+    def iter_params(self):
+        """`export_params` one tensor at a time (a collective per tensor at TP > 1)."""
+        return bridge.iter_hf(dict(self.model.named_parameters()), self.spec)
+
     def _map_grad_slices(self) -> dict[str, tuple[int, int, int, torch.Size]]:
         """Megatron param name → (buffer index, start, end, shape) of its main_grad view."""
         out = {}

@@ -104,3 +104,118 @@ def cleanup(publish_dir: str, keep: int | Iterable[int]) -> None:
     for p in glob.glob(os.path.join(publish_dir, "policy_v*.safetensors")):
         if p not in kept:
             os.remove(p)
+
+
+# --------------------------------------------------------------------------- both methods
+
+
+class Publisher:
+    """The learner's side of publication (run.publish), for every rank: `publish` is a
+    collective (the export gathers TP shards); rank 0 sends the notice and, for dist,
+    broadcasts θ over the publication group (tsync_mcore.publish_dist), which it joins at
+    the first publication. `stats` holds the last publication's metrics."""
+
+    def __init__(self, run, channel, policy, link, publish_dir: str,
+                 rollout_dtype: str = "") -> None:
+        self.run, self.channel, self.policy = run, channel, policy
+        # dist: θ travels in the rollout's precision (rollout.dtype), which vLLM would cast
+        # to anyway: an fp32 learner feeding a bf16 rollout sends half the bytes, and bf16
+        # deltas stay sparse
+        import torch
+
+        self.cast = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(rollout_dtype)
+        self.link = link  # rank 0's; None elsewhere
+        self.publish_dir = publish_dir
+        self.rank0 = policy.par.rank == 0
+        self.sender = None  # publish_dist.Sender, rank 0, dist
+        self.params = None  # the header's params (dist; every rank learns them once)
+        self.checksums: dict[int, str] = {}  # delta: version → checksum of what was sent
+        self.full_resends = 0
+        self.stats: dict = {}
+
+    def publish(self, version: int) -> None:
+        if self.run.publish == "file":
+            path = write(self.policy, self.publish_dir, version)
+            if self.rank0:
+                self.link.send(notice(version, path))
+                self.stats = {"publish/method": "file", "publish/bytes": os.path.getsize(path)}
+            return
+        if self.policy.par.tp_size == 1 and not self.rank0:
+            return
+        from tsync_mcore import publish_dist
+
+        if self.params is None:  # names, shapes, dtypes: one pass at the start
+            self.params = publish_dist.params_of(self._named())
+        named = self._named()
+        if not self.rank0:
+            for _ in named:  # this rank's part of each TP gather
+                pass
+            return
+        if self.sender is None:
+            self.sender = self._join()
+        snd = self.sender
+        full_due = snd.force_full and snd.base is not None
+        self.link.send(Publish(version=version, path="", method="dist",
+                               n_buckets=len(snd.buckets), delta=snd.delta))
+        st = snd.publish(version, named)
+        if snd.delta:
+            self.checksums[version] = st.checksum
+        self.full_resends += int(full_due)
+        self.stats = {"publish/method": "dist+delta" if snd.delta else "dist",
+                      "publish/bytes": st.bytes, "publish/buckets": st.buckets,
+                      "publish/delta_share": st.changed / max(1, st.elements) if snd.delta
+                      else None,
+                      "publish/sparse_buckets": st.sparse_buckets,
+                      "publish/full_resends": self.full_resends}
+
+    def _named(self):
+        cast = self.cast
+        for name, t in self.policy.iter_params():
+            yield name, (t.to(cast) if cast is not None and t.is_floating_point() else t)
+
+    def kept_notice(self, version: int) -> Publish:
+        """The notice of θ_version again (a dropped batch): nothing to load."""
+        if self.run.publish == "file":
+            return notice(version, path_for(self.publish_dir, version))
+        return Publish(version=version, path="", method="dist", n_buckets=0,
+                       delta=self.run.publish_delta)
+
+    def check_ack(self, ack) -> str:
+        """Rank 0, delta: the checksum every rollout worker reports for the version it
+        acknowledged against the one sent. A mismatch (a replica drifted) makes the next
+        publication whole; returns why ("" if it matched or there is nothing to check)."""
+        want = self.checksums.pop(ack.version, None)
+        for v in [v for v in self.checksums if v < ack.version]:
+            del self.checksums[v]
+        if want is None or self.sender is None:
+            return ""
+        got = ack.checksum.split(",") if ack.checksum else []
+        if got and all(c == want for c in got):
+            return ""
+        self.sender.force_full = True
+        return (f"rollout checksum of θ_{ack.version} {ack.checksum or '(none)'} differs from "
+                f"the learner's {want}: the next publication is sent whole")
+
+    def _join(self):
+        from tsync_mcore import publish_dist
+        from tsync_mcore.channel import PublishGroup
+
+        ch, run = self.channel, self.run
+        msg = self.link.recv(timeout_s=max(ch.ack_timeout_s, ch.timeout_s))
+        if not isinstance(msg, PublishGroup):
+            raise publish_dist.PublishError(f"run.publish: dist: expected the rollout's "
+                                            f"PublishGroup, got {type(msg).__name__} (does "
+                                            f"the rollout run the same config?)")
+        if not 0 < msg.port < 65536 or not 2 <= msg.world <= 4096:
+            raise publish_dist.PublishError(f"rollout's PublishGroup: port {msg.port}, world "
+                                            f"{msg.world} out of range")
+        mine = "nccl" if self.policy.device.type == "cuda" else "gloo"
+        if msg.backend != mine:
+            raise publish_dist.PublishError(f"publication group: the rollout uses "
+                                            f"{msg.backend}, this learner {mine}")
+        pg = publish_dist.join_group(ch.addr, msg.port, 0, msg.world, token=msg.token,
+                                     timeout_s=ch.ack_timeout_s, backend=mine,
+                                     ifname=run.publish_ifname)
+        return publish_dist.Sender(pg, self.params, int(run.publish_bucket_mb * 2**20),
+                                   backend=mine, delta=run.publish_delta,
+                                   dense_frac=run.publish_delta_dense)

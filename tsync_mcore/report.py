@@ -87,6 +87,9 @@ def summarize(run: dict, warmup: int) -> dict:
         "reward_first": run["metrics"][0].get("reward_mean") if run["metrics"] else None,
         "reward_last": rewards[-1] if rewards else None,
         "stale": sum(pick("stale_sources")),
+        # bytes each publication sent (run.publish; docs/publication.md), and how
+        "publish_bytes": mean(pick("publish/bytes")) if pick("publish/bytes") else None,
+        "publish_method": (pick("publish/method") or ["file"])[-1],
     }
 
 
@@ -228,8 +231,9 @@ def markdown(runs: list[dict], warmup: int) -> str:
     fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
     lines = ["| run | updates | step (s) | rollout R (s) | step − R (s) | learner tail (s) | "
              "publish (s) | step speedup vs reference | step − R: reference / run | "
-             "MFU active | peak mem (MiB) | reward first → last | stale |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "MFU active | peak mem (MiB) | reward first → last | stale | "
+             "publication (MiB, method) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, s in enumerate(rows):
         same_r = comparable(ref, s)
         speedup = f"{ref['step_s'] / s['step_s']:.2f}×" if same_r else \
@@ -242,7 +246,9 @@ def markdown(runs: list[dict], warmup: int) -> str:
             f"{s['tail_s']:.3f} | {s['publish_s']:.3f} | {speedup} | {exposed} | "
             f"{fmt(s['mfu'] and 100 * s['mfu'], '.2f')}{'' if s['mfu'] is None else ' %'} | "
             f"{fmt(s['peak_mem'] and s['peak_mem'] / 2**20, '.0f')} | "
-            f"{fmt(s['reward_first'], '.3f')} → {fmt(s['reward_last'], '.3f')} | {s['stale']} |")
+            f"{fmt(s['reward_first'], '.3f')} → {fmt(s['reward_last'], '.3f')} | {s['stale']} | "
+            f"{fmt(s['publish_bytes'] and s['publish_bytes'] / 2**20, '.2f')} "
+            f"{s['publish_method']} |")
     out = "\n".join(lines) + f"\n\nMeans over updates after {warmup} warm-up update(s). " \
         f"Reference: {ref['run']} (the first sync run, else the first run). step − R is what " \
         f"the learner side adds to the rollout (residual tail, optimizer step, publication).\n"

@@ -25,7 +25,7 @@ import time
 import torch
 import yaml
 
-from tsync_mcore import checkpoint, export, nodes, publish, run_files
+from tsync_mcore import checkpoint, export, nodes, publish, publish_dist, run_files
 from tsync_mcore import trace
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, GroupRewards, Hello,
                                  RegisterBatch, Rejected, Shutdown, TrajectoryMsg, TurnMsg,
@@ -86,11 +86,12 @@ class Trainer:
         self.t_published = 0.0  # the last publication (an async step's period ends there)
         self.finishing = ""  # why the run ends after this update ("": it goes on)
         self.publish_dir = publish.resolve_dir(cfg.run)
-        if self.par.rank == 0:
+        if self.par.rank == 0 and cfg.run.publish == "file":
             try:
                 publish.ensure_private_dir(self.publish_dir)
             except publish.PublishDirError as e:
                 raise LearnerStopped(str(e)) from None
+        if self.par.rank == 0:
             os.makedirs(cfg.run.dir, exist_ok=True)
             with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
@@ -111,6 +112,9 @@ class Trainer:
                                       timeout_s=ch.timeout_s, realtime_io=ch.realtime_io,
                                       secret=channel_secret(cfg),
                                       join_timeout_s=ch.join_timeout_s)
+        self.publisher = publish.Publisher(cfg.run, ch, self.policy,
+                                           self.link if self.par.rank == 0 else None,
+                                           self.publish_dir, rollout_dtype=cfg.rollout.dtype)
         # Manual GC (as Megatron's --manual-gc): Python's automatic full passes walk every
         # object of the model and its imports and hold the GIL meanwhile, 200-380 ms here,
         # mid-stream: the serving thread and the channel reader both stop. Set-up's objects
@@ -333,6 +337,7 @@ class Trainer:
             tokens_per_s_per_device=throughput(stats["tokens"], step_s, self.par.world_size))
         # The rollout side's own metrics (reward/<extra>, reward/errors, eval/*).
         metrics.update({k: v for k, v in close.metrics.items() if k not in metrics})
+        metrics.update(self.publisher.stats)
         if self.par.rank == 0:
             self.tracker.log(metrics, step=self.version)
             print("STEP " + json.dumps(metrics), flush=True)
@@ -365,8 +370,7 @@ class Trainer:
         if self.par.rank == 0:
             # θ_k again, under its own version: the rollout keeps its weights and
             # registers the next batch for version k.
-            self.link.send(publish.notice(self.version,
-                                          publish.path_for(self.publish_dir, self.version)))
+            self.link.send(self.publisher.kept_notice(self.version))
             self.tracker.log(dict(step=self.version, policy_version=self.version, ok=False,
                                   skipped=why), step=self.version)
             self.unacked.append(self.version)
@@ -375,10 +379,13 @@ class Trainer:
     # --- publication ----------------------------------------------------------------------
 
     def _publish(self) -> None:
-        """Export θ_version and hand it to the rollout (rank 0 sends the notice)."""
-        path = publish.write(self.policy, self.publish_dir, self.version)
+        """Export θ_version and hand it to the rollout (rank 0 sends the notice and, for
+        run.publish: dist, broadcasts θ over the publication group)."""
+        try:
+            self.publisher.publish(self.version)
+        except publish_dist.PublishError as e:
+            raise LearnerStopped(f"publication of θ_{self.version}: {e}") from None
         if self.par.rank == 0:
-            self.link.send(publish.notice(self.version, path))
             self.unacked.append(self.version)
 
     def _await_acks(self, timeout_s: float | None = None, final: bool = False) -> float:
@@ -413,7 +420,11 @@ class Trainer:
                                  f"(ack for {ack.version}, ok={ack.ok}: {ack.error}); "
                                  f"refusing to train on the old policy")
         self.acked = self.unacked.pop(0)
-        publish.cleanup(self.publish_dir, keep=[self.acked, *self.unacked])
+        drift = self.publisher.check_ack(ack)
+        if drift:
+            print(f"[learner] {drift}", file=sys.stderr, flush=True)
+        if self.cfg.run.publish == "file":
+            publish.cleanup(self.publish_dir, keep=[self.acked, *self.unacked])
         return self.link.last_arrival
 
     def _finishing(self) -> str:

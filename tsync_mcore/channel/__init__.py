@@ -16,7 +16,7 @@ from tsync_mcore.channel.errors import ChannelError, ChannelTimeout, PeerGone
 from tsync_mcore.channel.link import Link, Prepared, open_learner_side, open_rollout_side
 from tsync_mcore.channel.messages import (
     LEARNER_SENDS, MESSAGES, ROLLOUT_SENDS, Ack, CloseBatch, DropGroup, GroupRewards, Hello,
-    Message, Publish, RegisterBatch, Rejected, Shutdown, TrajectoryMsg, TurnMsg,
+    Message, Publish, PublishGroup, RegisterBatch, Rejected, Shutdown, TrajectoryMsg, TurnMsg,
 )
 from tsync_mcore.channel.secret import channel_secret, load_or_create_secret, secret_path
 from tsync_mcore.channel.wire import (
@@ -30,6 +30,6 @@ __all__ = [
     "open_learner_side", "encode", "decode", "check_header", "check_header_values",
     "decode_arrays", "schema_table", "Limits", "DEFAULT_LIMITS", "MAGIC", "WIRE_VERSION",
     "MsgType", "Message", "MESSAGES", "Hello", "RegisterBatch", "TrajectoryMsg", "TurnMsg",
-    "GroupRewards", "CloseBatch", "Publish", "Ack", "Shutdown", "Rejected", "DropGroup",
+    "GroupRewards", "CloseBatch", "Publish", "PublishGroup", "Ack", "Shutdown", "Rejected", "DropGroup",
     "ROLLOUT_SENDS", "LEARNER_SENDS", "channel_secret", "load_or_create_secret", "secret_path",
 ]

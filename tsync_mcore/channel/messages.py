@@ -17,6 +17,8 @@ from tsync_mcore.channel.schema import (
     TOKENS, VERSION, Json, Nested, Str, declared_messages, message, on_wire,
 )
 from tsync_mcore.routing import ROUTINGS
+
+PUBLISH_METHODS = ("file", "dist")
 from tsync_mcore.schedule import SCHEDULES
 from tsync_mcore.sources import TrajectorySource, TurnSource
 
@@ -126,10 +128,15 @@ class CloseBatch:
 
 @message(code=6, sender=LEARNER)
 class Publish:
-    """Learner rank 0 → rollout: weights θ_version are at `path`."""
+    """Learner rank 0 → rollout: weights θ_version are at `path` (method "file"), or
+    follow over the publication group in `n_buckets` buckets (method "dist"; `delta`:
+    buckets may carry only what changed, docs/publication.md)."""
 
     version: int = on_wire(VERSION)
     path: str = on_wire(STR)
+    method: str = on_wire(Str(choices=PUBLISH_METHODS), default="file")
+    n_buckets: int = on_wire(I64, default=0)
+    delta: bool = on_wire(BOOL, default=False)
 
 
 @message(code=7, sender=ROLLOUT)
@@ -140,6 +147,10 @@ class Ack:
     ok: bool = on_wire(BOOL)
     error: str = on_wire(STR, default="")
     reload_time_s: float = on_wire(F64, default=0.0)
+    # delta publications: the checksum of the weights each rollout worker now holds,
+    # comma-separated (publish_dist.fold_checksums); rank 0 compares it to its own
+    checksum: str = on_wire(STR, default="")
+    bytes_received: int = on_wire(I64, default=0)  # dist: what worker 0 received
 
 
 @message(code=8, sender=EITHER)
@@ -180,8 +191,20 @@ class DropGroup:
     reason: str = on_wire(STR)
 
 
+@message(code=12, sender=ROLLOUT)
+class PublishGroup:
+    """Rollout → learner rank 0 after its Hello (run.publish: dist): join the publication
+    group as rank 0 through the store at channel.addr:`port`, `world` members in all,
+    named `token` in the store."""
+
+    port: int = on_wire(I64)
+    world: int = on_wire(I64)
+    token: str = on_wire(Str(nonempty=True))
+    backend: str = on_wire(Str(choices=("gloo", "nccl")))
+
+
 Message = (Hello | RegisterBatch | TrajectoryMsg | TurnMsg | GroupRewards | CloseBatch | Publish
-           | Ack | Shutdown | Rejected | DropGroup)
+           | Ack | Shutdown | Rejected | DropGroup | PublishGroup)
 MESSAGES: tuple[type, ...] = declared_messages()
 assert set(typing.get_args(Message)) == set(MESSAGES), "Message must list every message"
 

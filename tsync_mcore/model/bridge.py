@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -465,12 +465,27 @@ def export_hf(
     after `train.finish_grad_sync`. Raw per-rank grads (before it) of the Qwen3 q/k-norm
     weights are partial per TP rank: pass `tp_partial_grads=True` to SUM those over TP.
     """
+    order = {n: i for i, n in enumerate(hf_param_names(spec))}
+    order.setdefault("lm_head.weight", len(order))
+    out = dict(iter_hf(named_tensors, spec, tp_partial_grads=tp_partial_grads))
+    return dict(sorted(out.items(), key=lambda kv: order[kv[0]]))
+
+
+def iter_hf(
+    named_tensors: dict[str, torch.Tensor],
+    spec: ModelSpec,
+    *,
+    tp_partial_grads: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`export_hf` one Megatron tensor at a time: (HF name, full CPU tensor) pairs, in the
+    canonical order of the Megatron names (a fused tensor's HF parts together). At TP > 1
+    each step gathers one tensor, so no rank ever holds the whole model; every TP rank
+    must drain the iterator in step."""
     tensors = {(k[7:] if k.startswith("module.") else k): v for k, v in named_tensors.items()}
     order = {n: i for i, n in enumerate(hf_param_names(spec))}
     order.setdefault("lm_head.weight", len(order))
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     group = ps.get_tensor_model_parallel_group() if tp > 1 else None
-    out: dict[str, torch.Tensor] = {}
     for mname in sorted(tensors, key=_canonical_key(order)):
         kind, hf_names = _rule(mname)
         if spec.tie and hf_names == ["lm_head.weight"]:
@@ -486,8 +501,7 @@ def export_hf(
         else:
             shards = [local]
         for name, full in zip(hf_names, _from_shards(kind, shards, spec)):
-            out[name] = full.cpu().contiguous()
-    return dict(sorted(out.items(), key=lambda kv: order[kv[0]]))
+            yield name, full.cpu().contiguous()
 
 
 def export_hf_state_dict(model: torch.nn.Module, spec: ModelSpec) -> dict[str, torch.Tensor]:

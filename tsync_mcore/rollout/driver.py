@@ -45,7 +45,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, GroupRewards, Hello,
-                                 Link, PeerGone, Publish, RegisterBatch, Rejected, Shutdown,
+                                 Link, PeerGone, Publish, PublishGroup, RegisterBatch, Rejected, Shutdown,
                                  TrajectoryMsg, TurnMsg, channel_secret,
                                  open_rollout_side)
 from tsync_mcore import publish
@@ -204,6 +204,8 @@ class RolloutDriver:
     def _run(self) -> None:
         hello = self._recv(0, Hello)
         version, data_pos = hello.version, hello.data_pos
+        if self.cfg.run.publish == "dist":
+            self._open_publish_group()
         self._serve_publish(version)
         self.swaps = 0  # θ_start is no swap
         if self.schedule == "one_step_off":
@@ -483,7 +485,7 @@ class RolloutDriver:
             if not isinstance(msg, Publish):
                 self._on_learner_message(msg, -1)
                 continue
-            check_publish(link, msg, self.loaded + 1, publish_dir)
+            check_publish(link, msg, self.loaded + 1, publish_dir, method=self.cfg.run.publish)
             self.et.run(self._reload(msg))
 
     def _async_counters(self, dropped: int, partial: int) -> dict[str, float]:
@@ -549,7 +551,8 @@ class RolloutDriver:
                 self._on_learner_message(msg, -1)  # Publish → self.notices
         publish_dir = publish.resolve_dir(self.cfg.run)
         while self.notices:
-            msg = check_publish(self.links[0], self.notices.pop(0), self.loaded + 1, publish_dir)
+            msg = check_publish(self.links[0], self.notices.pop(0), self.loaded + 1, publish_dir,
+                                method=self.cfg.run.publish)
             await self._reload(msg, mode="abort")
 
     async def _group(self, pos: int) -> Group | None:
@@ -657,7 +660,8 @@ class RolloutDriver:
         (the version already loaded) means the learner dropped the batch without stepping
         (a non-finite gradient): the weights stay, and the next batch is for `kept` again."""
         msg = await_publish(self.links[0], version, self.cfg.channel.timeout_s,
-                            publish.resolve_dir(self.cfg.run), kept=kept)
+                            publish.resolve_dir(self.cfg.run), kept=kept,
+                            method=self.cfg.run.publish)
         if msg is None:
             return None
         if msg.version == kept:
@@ -669,19 +673,58 @@ class RolloutDriver:
         return version
 
     async def _reload(self, msg: Publish, mode: str = "keep") -> None:
-        """Load θ_msg.version (checked by `await_publish`/`check_publish`) and acknowledge
-        it; a failed reload is told to the learner, which must not go on."""
+        """Load θ_msg.version (checked by `await_publish`/`check_publish`) from its file or
+        the publication group, and acknowledge it; a failed reload is told to the learner,
+        which must not go on."""
+        checksum, received = "", 0
         try:
-            seconds = await self.engine.reload_weights(msg.path, mode=mode, version=msg.version)
+            if msg.method == "dist":
+                seconds = await self.engine.receive_weights(msg, mode=mode)
+                checksum = ",".join(self.engine.checksums)
+                received = self.engine.bytes_received
+            else:
+                seconds = await self.engine.reload_weights(msg.path, mode=mode,
+                                                           version=msg.version)
         except ReplicaError as e:  # names the replica; every replica must load every version
             self.links[0].send(Ack(version=msg.version, ok=False, error=str(e)[:4000]))
             raise RolloutStopped(str(e)) from e
         except Exception as e:  # tell the learner; it must not train on the old policy
-            self.links[0].send(Ack(version=msg.version, ok=False, error=f"reload failed: {e}"))
-            raise RolloutStopped(f"reload of {msg.path} failed: {e}") from e
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self.links[0].send(Ack(version=msg.version, ok=False, error=f"reload failed: {why}"))
+            where = msg.path or "the publication group"
+            raise RolloutStopped(f"reload of θ_{msg.version} from {where} failed: {why}") from e
         self.loaded = msg.version
         self.swaps += 1  # once per publication, however many replicas loaded it
-        self.links[0].send(Ack(version=msg.version, ok=True, reload_time_s=seconds))
+        self.links[0].send(Ack(version=msg.version, ok=True, reload_time_s=seconds,
+                               checksum=checksum, bytes_received=received))
+
+    def _open_publish_group(self) -> None:
+        """run.publish: dist: serve the group's rendezvous store at channel.addr, tell
+        learner rank 0 where (and the group's random name), and join every engine worker
+        (group ranks 1..); returns once the learner joined too (rank 0)."""
+        import secrets
+
+        from tsync_mcore import publish_dist
+
+        run, ch = self.cfg.run, self.cfg.channel
+        try:
+            self._publish_store = publish_dist.host_store(ch.addr, run.publish_port,
+                                                          ch.ack_timeout_s)
+        except publish_dist.PublishError as e:
+            raise RolloutStopped(f"run.publish: dist: {e}") from None
+        token = secrets.token_hex(16)
+        world = 1 + int(getattr(self.engine, "publish_ranks", self.rc.tp))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.links[0].send(PublishGroup(port=self._publish_store.port, world=world,
+                                        token=token, backend=backend))
+        try:
+            self.et.run(self.engine.join_publish_group(
+                ch.addr, self._publish_store.port, 1, world, token=token,
+                timeout_s=ch.ack_timeout_s, ifname=run.publish_ifname, backend=backend))
+        except Exception as e:  # the group's own error says who did not come
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise RolloutStopped(f"run.publish: dist: joining the publication group at "
+                                 f"{ch.addr}:{self._publish_store.port} failed: {why}") from None
 
     def _recv(self, rank: int, kind: type):
         msg = self.links[rank].recv(timeout_s=self.cfg.channel.timeout_s)
@@ -692,7 +735,7 @@ class RolloutDriver:
 
 
 def await_publish(link: Link, version: int, timeout_s: float, publish_dir: str,
-                  kept: int | None = None) -> Publish | None:
+                  kept: int | None = None, method: str = "file") -> Publish | None:
     """The Publish of θ_version (or of `kept`, a dropped batch's θ_k again) from learner
     rank 0's link, checked: its version, and exactly this version's file in the private
     `publish_dir` (publish.resolve_dir), so a learner can only make the rollout load what the
@@ -712,18 +755,32 @@ def await_publish(link: Link, version: int, timeout_s: float, publish_dir: str,
         if msg.reason.startswith(FINISHED):
             return None
         raise RolloutStopped(f"learner shut down: {msg.reason}")
-    return check_publish(link, msg, version, publish_dir, kept)
+    return check_publish(link, msg, version, publish_dir, kept, method=method)
 
 
 def check_publish(link: Link, msg, version: int, publish_dir: str,
-                  kept: int | None = None) -> Publish:
-    """`msg` is the Publish of θ_version (or of `kept`) with exactly that version's file in
-    the private `publish_dir`; else the learner is told (a failed Ack) and RolloutStopped."""
+                  kept: int | None = None, method: str = "file") -> Publish:
+    """`msg` is the Publish of θ_version (or of `kept`) by this run's `method`: for "file",
+    with exactly that version's file in the private `publish_dir`; for "dist", with no
+    path and its buckets announced. Else the learner is told (a failed Ack) and
+    RolloutStopped."""
     if not isinstance(msg, Publish):
         raise RolloutStopped(f"expected Publish, got {type(msg).__name__}")
     if msg.version != version and msg.version != kept:
         link.send(Ack(version=msg.version, ok=False, error=f"rollout expected version {version}"))
         raise RolloutStopped(f"learner published version {msg.version}, expected {version}")
+    if msg.method != method:
+        why = (f"learner published θ_{msg.version} by {msg.method}, this rollout runs "
+               f"run.publish: {method} (both must run the same config)")
+        link.send(Ack(version=msg.version, ok=False, error=why))
+        raise RolloutStopped(why)
+    if method == "dist":
+        if msg.path or (msg.n_buckets < 1 and msg.version != kept):
+            why = (f"Publish of θ_{msg.version} by dist with path {msg.path!r} and "
+                   f"{msg.n_buckets} buckets (expected no path and >= 1 bucket)")
+            link.send(Ack(version=msg.version, ok=False, error=why))
+            raise RolloutStopped(why)
+        return msg
     why = _outside(msg.path, publish_dir)
     want = publish.path_for(publish_dir, msg.version)
     if not why and os.path.realpath(msg.path) != os.path.realpath(want):

@@ -134,6 +134,11 @@ class RolloutEngine:
         self._admitted: asyncio.Event | None = None  # set while _admitting == 0
         self.swaps = 0  # reloads that aborted requests in flight (mode="abort")
         self._closed = False
+        # Publication over torch.distributed (receive_weights): group ranks this engine's
+        # workers take (one per vLLM worker), and what the last receive reported per worker.
+        self.publish_ranks = tensor_parallel_size
+        self.checksums: list[str] = []
+        self.bytes_received = 0
 
     def _live(self) -> Any:
         if self._llm is None:
@@ -258,11 +263,52 @@ class RolloutEngine:
         hold K/V of the old weights. A file may hold a subset of parameters, but whole
         layers only.
         """
-        if self._reload_lock is None:
-            self._reload_lock = asyncio.Lock()
         path = os.path.abspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(path)
+        return await self._swap(lambda llm: llm.collective_rpc("tsync_reload_from_file",
+                                                               args=(path,)), mode, version)
+
+    async def join_publish_group(self, addr: str, port: int, rank: int, world: int, *,
+                                 token: str = "", timeout_s: float = 120.0,
+                                 ifname: str = "", backend: str = "") -> list[int]:
+        """Join the publication group (tsync_mcore.publish_dist): this engine's workers
+        take ranks `rank`, `rank` + 1, ... (one per vLLM worker; one on CPU). A collective:
+        returns once the learner and every other member joined; the group ranks taken.
+        `backend`: gloo or nccl; "": nccl on GPU, gloo on CPU."""
+        ranks = await self._live().collective_rpc(
+            "tsync_join_publish_group",
+            args=(addr, port, rank, world, token, timeout_s, ifname, backend))
+        return list(ranks)
+
+    async def receive_weights(self, msg, *, mode: Literal["keep", "wait", "abort"] = "keep"
+                              ) -> float:
+        """Receive θ_msg.version (a Publish with method "dist") from the publication group
+        straight into the running model, as `reload_weights` does with a file (same
+        `mode`s); a collective with the learner's broadcast. Returns seconds taken; the
+        checksum each worker computed (delta publications) is in `self.checksums`, the
+        bytes it received in `self.bytes_received`."""
+        results: list = []
+
+        async def receive(llm):
+            results.extend(await llm.collective_rpc(
+                "tsync_receive", args=(msg.version, msg.n_buckets, msg.delta)))
+
+        seconds = await self._swap(receive, mode, msg.version)
+        self.checksums = [str(r["checksum"]) for r in results]
+        self.bytes_received = int(results[0]["bytes"]) if results else 0
+        return seconds
+
+    async def param_digest(self) -> dict[str, str]:
+        """Name → SHA-256 of each parameter and buffer the model holds now (vLLM's own
+        names and layout; worker 0)."""
+        return (await self._live().collective_rpc("tsync_param_digest"))[0]
+
+    async def _swap(self, load, mode: str, version: int | None) -> float:
+        """Run `load(llm)` with generation paused per `mode` (see reload_weights), reset
+        the prefix cache, label the new weights `version`; seconds taken."""
+        if self._reload_lock is None:
+            self._reload_lock = asyncio.Lock()
         self._swap_events()
         async with self._reload_lock:
             t0 = time.perf_counter()
@@ -276,7 +322,7 @@ class RolloutEngine:
                     self.swaps += 1
                 await llm.pause_generation(mode=mode, clear_cache=False)
                 try:
-                    await llm.collective_rpc("tsync_reload_from_file", args=(path,))
+                    await load(llm)
                     # Frozen requests hold K/V blocks; without preempting them the reset
                     # fails and later prompts could hit stale prefix blocks.
                     ok = await llm.reset_prefix_cache(reset_running_requests=True)

@@ -150,14 +150,33 @@ class ReplicaSet:
             self.swaps += 1
         return max(seconds)
 
-    async def join_publish_group(self, addr: str, port: int, rank: int, world: int) -> None:
-        """Replica i joins the publication group as rank `rank + i` (the learner is rank 0,
-        so the driver passes rank=1, world=1 + N); all join together (one rendezvous)."""
-        if world < rank + len(self.engines):
+    @property
+    def publish_ranks(self) -> int:
+        """Publication-group ranks the replicas take together (one per vLLM worker)."""
+        return sum(int(e.publish_ranks) for e in self.engines)
+
+    @property
+    def checksums(self) -> list[str]:
+        """Every worker's checksum of the last dist publication, replica by replica."""
+        return [c for e in self.engines for c in e.checksums]
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes of the last dist publication (each replica receives all of them)."""
+        return max((int(e.bytes_received) for e in self.engines), default=0)
+
+    async def join_publish_group(self, addr: str, port: int, rank: int, world: int,
+                                 **kwargs: Any) -> None:
+        """Replica i's workers join the publication group from rank `rank` + the workers of
+        replicas 0..i-1 (the learner is rank 0, so the driver passes rank=1, world=1 +
+        publish_ranks); all join together (one rendezvous). `kwargs` go to every engine."""
+        if world < rank + self.publish_ranks:
             raise ValueError(f"publication group of {world} ranks has no room for "
-                             f"{len(self.engines)} replicas from rank {rank}")
+                             f"{self.publish_ranks} rollout workers from rank {rank}")
+        first = [rank + sum(int(e.publish_ranks) for e in self.engines[:i])
+                 for i in range(len(self.engines))]
         await self._all("joining the publication group",
-                        lambda i, e: e.join_publish_group(addr, port, rank + i, world))
+                        lambda i, e: e.join_publish_group(addr, port, first[i], world, **kwargs))
 
     async def receive_weights(self, msg: Any, mode: str = "keep") -> float:
         """Every replica receives the publication `msg` (a collective with the learner's

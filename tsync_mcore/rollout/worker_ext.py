@@ -1,4 +1,6 @@
-"""vLLM worker extension: in-place weight reload from an HF-named safetensors file.
+"""vLLM worker extension: in-place weight reload from an HF-named safetensors file, or
+from the publication group (`tsync_mcore.publish_dist`), and a digest of what the model
+holds (for tests and checks).
 
 Loaded by qualified name inside vLLM's engine-core process (``worker_extension_cls``), so
 it must stay importable without the rest of the package's heavy modules.
@@ -6,6 +8,7 @@ it must stay importable without the rest of the package's heavy modules.
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 
@@ -27,3 +30,73 @@ class ReloadExtension:
         self.reload_weights(weights_iterator=iter(tensors.items()),  # type: ignore[attr-defined]
                             is_checkpoint_format=True)
         return time.perf_counter() - t0
+
+    # --- publication over torch.distributed ------------------------------------------------
+
+    def tsync_join_publish_group(self, addr: str, port: int, rank: int, world: int,
+                                 token: str, timeout_s: float, ifname: str = "",
+                                 backend: str = "") -> int:
+        """Join the publication group as `rank` + this worker's rank in its engine (blocks
+        until every member joined); returns the group rank taken."""
+        import torch
+
+        from tsync_mcore.publish_dist import Receiver, join_group
+
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        me = rank + int(getattr(self, "rank", 0))
+        pg = join_group(addr, port, me, world, token=token, timeout_s=timeout_s,
+                        backend=backend, ifname=ifname)
+        self._tsync_receiver = Receiver(pg, self._tsync_known_shapes(), backend)
+        return me
+
+    def tsync_receive(self, version: int, n_buckets: int, delta: bool) -> dict:
+        """Receive θ_version from the group and load it bucket by bucket. The control
+        block and header are checked before anything is loaded. Returns seconds, bytes
+        received and (delta) the checksum of the weights now held."""
+        recv = getattr(self, "_tsync_receiver", None)
+        if recv is None:
+            raise RuntimeError("tsync_receive: this worker has not joined a publication group")
+        t0 = time.perf_counter()
+        params, buckets, got = recv.begin(version, n_buckets, delta)
+        self.reload_weights(weights_iterator=recv.tensors(params, buckets, got),  # type: ignore[attr-defined]
+                            is_checkpoint_format=True)
+        return {"seconds": time.perf_counter() - t0, "bytes": got.bytes,
+                "checksum": got.checksum}
+
+    def tsync_known_names(self) -> int:
+        return len(self._tsync_known_shapes())
+
+    def _tsync_known_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name → shape of every tensor of the checkpoint the engine started from (read
+        from the safetensors headers only): what a publication may name."""
+        import glob
+        import os
+
+        from safetensors import safe_open
+
+        cached = getattr(self, "_tsync_shapes", None)
+        if cached is not None:
+            return cached
+        root = self.model_runner.model_config.model  # type: ignore[attr-defined]
+        shapes: dict[str, tuple[int, ...]] = {}
+        for f in sorted(glob.glob(os.path.join(root, "*.safetensors"))):
+            with safe_open(f, framework="pt") as st:
+                for k in st.keys():
+                    shapes[k] = tuple(st.get_slice(k).get_shape())
+        if not shapes:
+            raise RuntimeError(f"no safetensors files under {root}: cannot check publications")
+        self._tsync_shapes = shapes
+        return shapes
+
+    def tsync_param_digest(self) -> dict[str, str]:
+        """vLLM parameter and buffer name → SHA-256 of the bytes the model holds now (its
+        own, fused and repacked layout): two loads gave the same weights iff equal."""
+        import torch
+
+        out: dict[str, str] = {}
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        named = [*model.named_parameters(), *model.named_buffers()]
+        for name, t in named:
+            t = t.detach().contiguous().cpu().reshape(-1)
+            out[name] = hashlib.sha256(t.view(torch.uint8).numpy()).hexdigest()
+        return out
