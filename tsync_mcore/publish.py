@@ -201,7 +201,7 @@ class Publisher:
         from tsync_mcore.channel import PublishGroup
 
         ch, run = self.channel, self.run
-        msg = self.link.recv(timeout_s=max(ch.ack_timeout_s, ch.timeout_s))
+        msg = self.link.recv(timeout_s=max(ch.ack_timeout_s, ch.timeout_s, ch.join_timeout_s))
         if not isinstance(msg, PublishGroup):
             raise publish_dist.PublishError(f"run.publish: dist: expected the rollout's "
                                             f"PublishGroup, got {type(msg).__name__} (does "
