@@ -243,7 +243,7 @@ def test_learner_node_unplugged_mid_batch_stops_within_the_timeout(hosts, tiny_q
             f"run.dir={run}", "run.updates=2", "run.save_every=1", "optim.lr=1e-4",
             f"channel.timeout_s={timeout_s}", "channel.join_timeout_s=200",
             "channel.ack_timeout_s=60", *node_sets(hosts, 29610, dist_timeout_s),
-            f"run.publish_dir={run}/publish"]  # file: the scripted rollout reads the file
+            "run.publish=file", f"run.publish_dir={run}/publish"]  # the scripted rollout reads the file
     procs = start_hosts(hosts, argv, run, roles=("node0", "node1"))
     try:
         assert lines.get(timeout=240) == "PAUSED", open(run / "rollout.err").read()[-3000:]
@@ -325,8 +325,8 @@ def test_node_0_refuses_file_publication_the_rollout_host_cannot_read(tmp_path):
     # default directory (node-local /dev/shm) would be out of its reach
     p = subprocess.run(
         [PY, "launch/run.py", "--config", "configs/demo.yaml", "--set", f"run.dir={tmp_path}",
-         "channel.addr=192.0.2.1", "launch.nnodes=2", "launch.master_addr=192.0.2.2",
-         "launch.master_port=29500", "--role", "learner", "--node-rank", "0"],
+         "run.publish=file", "channel.addr=192.0.2.1", "launch.nnodes=2",
+         "launch.master_addr=192.0.2.2", "launch.master_port=29500", "--role", "learner", "--node-rank", "0"],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.startswith("error: run: run.publish_dir: the rollout "
                                                      "(channel.addr 192.0.2.1) is on another host")

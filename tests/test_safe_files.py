@@ -101,7 +101,8 @@ def test_learner_refuses_an_open_publish_dir_in_one_line(tiny_qwen2, tmp_path):
     pub = tmp_path / "pub"
     pub.mkdir()
     pub.chmod(0o777)
-    proc = _learner(tiny_qwen2, str(tmp_path / "run"), f"run.publish_dir={pub}")
+    proc = _learner(tiny_qwen2, str(tmp_path / "run"), "run.publish=file",
+                    f"run.publish_dir={pub}")
     assert proc.returncode == 3, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last == (f"error: learner stopped: publish directory {pub}: writable by group or others "
