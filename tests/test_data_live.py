@@ -174,8 +174,8 @@ def test_dataset_run_with_user_reward_eval_and_mid_epoch_resume(tmp_path):
         set(tb.Tags()["scalars"])
 
     # the end-of-run export: a Hugging Face directory whose FP32 logits are the learner's
-    # final weights' (θ_4 as published to the rollout, loaded into the base model), and
-    # which vLLM serves with the same greedy tokens as transformers
+    # final weights' (θ_4 as published to the rollout, loaded into the base model). That an
+    # export serves in vLLM with transformers' greedy tokens is test_export's to show.
     from transformers import AutoModelForCausalLM
     hf_dir = str(tmp_path / "whole" / "hf")
     exported = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -186,23 +186,6 @@ def test_dataset_run_with_user_reward_eval_and_mid_epoch_resume(tmp_path):
     with torch.no_grad():
         a, b = exported(input_ids=probe).logits, final(input_ids=probe).logits
     assert float((a - b).abs().max()) <= 1e-5
-    greedy = []
-    ids = probe[0].tolist()
-    with torch.no_grad():
-        for _ in range(6):
-            ids.append(int(exported(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    greedy = ids[probe.shape[1]:]
-    from test_export import VLLM_SCRIPT
-    script = tmp_path / "serve.py"
-    script.write_text(VLLM_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=ROOT, VLLM_LOGGING_LEVEL="WARNING", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(script), hf_dir, json.dumps([probe[0].tolist()]),
-                           "6"], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    served = json.loads(next(line for line in proc.stdout.splitlines()
-                             if line.startswith("RESULT "))[len("RESULT "):])
-    assert served == [greedy]
 
 
 @pytest.mark.timeout(600)
