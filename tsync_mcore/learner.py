@@ -368,7 +368,8 @@ class Learner:
             rejected_sources=list(self.rejected), open_bound=self.open_bound,
             accum_peak_bytes=self.acc.peak_bytes, accum_bound_bytes=self.acc.bound_bytes,
             open_peak_bytes=self.open_peak_bytes,
-            kv_peak_bytes=self.kind.kv_peak_bytes, grad_norm=step.grad_norm,
+            kv_peak_bytes=self.kind.kv_peak_bytes,
+            head_peak_bytes=self.policy.take_head_peak(), grad_norm=step.grad_norm,
             lr=step.lr, ok=step.ok, nonfinite_sources=list(self.nonfinite), **lag)
         self.trace.append(summary)
         result = UpdateResult(summary=summary, grad=step.grad, trace=self.trace)

@@ -29,7 +29,7 @@ import types
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Iterable, Literal, Union, get_args, get_origin, get_type_hints
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: UpdateRecord.head_peak_bytes
 
 
 class TraceError(ValueError):
@@ -103,6 +103,10 @@ class UpdateRecord:
     accum_bound_bytes: int = 0  # 4·(2k+1)·P
     open_peak_bytes: int = 0  # bytes held by open groups at once (pairs, K/V, prompts)
     kv_peak_bytes: int = 0  # context K/V leaves + adjoints and shared prompts at once
+    # LM head's estimated peak of one source or span (kernels/lm_head.py peak_bytes): fused,
+    # a chunk's logits + gradient, grad_h and the weight-gradient accumulator; unfused, the
+    # [S, V/TP] logits, the scored rows' copy and both gradients
+    head_peak_bytes: int = 0
     grad_norm: float = 0.0  # before clipping
     lr: float = 0.0  # the learning rate of this update's step (optim.lr_schedule)
     ok: bool = True  # the step was applied (False: the reduced gradient was not finite)
