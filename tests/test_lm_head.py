@@ -1,0 +1,146 @@
+"""The fused LM head + scored log-prob (tsync_mcore/kernels/lm_head.py) against a plain
+FP64 reference (full logits, log_softmax, gather, autograd): log-probs, entropy and the
+gradients w.r.t. the hidden states and the weight, at TP = 1 and TP = 2 (gloo ranks); the
+model side (bridge/span hand over final hidden states and the output weight, tied or not)
+and the learner's update with the head on and off.
+
+The Triton interpreter's run of the same kernel is in tests/kernel_checks.py (numerics).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from dist_util import run_dist
+from tsync_mcore.kernels import fused_lm_head_logprob
+from tsync_mcore.kernels import lm_head
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "lm_head_worker.py")
+_spec = importlib.util.spec_from_file_location("lm_head_worker", WORKER)
+hw = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hw)
+
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def reference(hidden, weight, targets, grad):
+    """FP64: logp, entropy, d(Σ grad·logp)/d hidden and / d weight, from the full logits."""
+    h = hidden.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    logsm = torch.log_softmax(h @ w.t(), dim=-1)
+    logp = logsm.gather(1, targets[:, None].clamp(0, w.shape[0] - 1))[:, 0]
+    (logp * grad.double()).sum().backward()
+    ent = -(logsm.exp() * logsm).sum(-1)
+    return logp.detach(), ent.detach(), h.grad, w.grad
+
+
+def err(got, ref) -> float:
+    """Max abs error relative to the reference's largest magnitude (at least 1)."""
+    return ((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
+
+
+def fused(hidden, weight, targets, grad, chunk):
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    logp, ent = fused_lm_head_logprob(h, w, targets, chunk=chunk, with_entropy=True)
+    (logp * grad).sum().backward()
+    return logp, ent, h.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("chunk", [1, 10, 37, 1024])  # 10 does not divide T = 37
+def test_matches_fp64_reference(dtype, chunk):
+    hidden, weight, targets, grad = hw.problem(dtype)
+    logp, ent, gh, gw = fused(hidden, weight, targets, grad, chunk)
+    assert logp.dtype == ent.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert not ent.requires_grad
+    ref = reference(hidden, weight, targets, grad)
+    for name, got, want in zip(("logp", "entropy", "grad_h", "grad_w"), (logp, ent, gh, gw), ref):
+        e = err(got, want)
+        print(f"{dtype} chunk {chunk} {name}: {e:.1e}")
+        assert e <= TOL[dtype], (name, e)
+
+
+def test_without_entropy_and_weight_frozen():
+    hidden, weight, targets, grad = hw.problem(torch.float64)
+    h = hidden.clone().requires_grad_()
+    logp = fused_lm_head_logprob(h, weight, targets, chunk=7)  # the weight needs no grad
+    (logp * grad).sum().backward()
+    ref = reference(hidden, weight, targets, grad)
+    assert err(logp, ref[0]) <= 1e-12 and err(h.grad, ref[2]) <= 1e-12
+
+
+def test_edge_cases_stay_finite():
+    # Logits in the thousands (no overflow: everything is relative to the row max), targets
+    # at the vocab's edges and far below the max, an out-of-vocab target (−lse, as
+    # scored_logprob), and no tokens at all.
+    gen = torch.Generator().manual_seed(3)
+    hidden = 40.0 * torch.randn(9, 8, generator=gen, dtype=torch.float64)
+    weight = 30.0 * torch.randn(50, 8, generator=gen, dtype=torch.float64)
+    targets = torch.tensor([0, 49, 3, 7, 11, 20, 30, 40, 45])
+    grad = torch.ones(9, dtype=torch.float64)
+    for dtype in (torch.float64, torch.float32):
+        logp, ent, gh, gw = fused(hidden.to(dtype), weight.to(dtype), targets, grad.to(dtype), 4)
+        assert all(torch.isfinite(t).all() for t in (logp, ent, gh, gw))
+        assert logp.min() < -1000  # a target far below its row's max is scored, not -inf
+        ref = reference(hidden, weight, targets, grad)
+        assert err(logp, ref[0]) <= TOL[dtype] and err(gh, ref[2]) <= TOL[dtype]
+    outside = torch.tensor([50])
+    lp = fused_lm_head_logprob(hidden[:1], weight, outside)
+    assert torch.allclose(lp, -torch.logsumexp(hidden[:1] @ weight.t(), -1), atol=1e-12, rtol=0)
+    h0 = torch.zeros(0, 8, dtype=torch.float64, requires_grad=True)
+    w0 = weight.clone().requires_grad_()
+    lp0 = fused_lm_head_logprob(h0, w0, torch.zeros(0, dtype=torch.long))
+    lp0.sum().backward()
+    assert lp0.shape == (0,) and torch.count_nonzero(w0.grad) == 0
+
+
+def test_bad_inputs_rejected():
+    h, w, t = torch.zeros(4, 8), torch.zeros(10, 8), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="chunk"):
+        fused_lm_head_logprob(h, w, t, chunk=0)
+    with pytest.raises(ValueError, match="targets"):
+        fused_lm_head_logprob(h, w, t[:3])
+    with pytest.raises(ValueError, match="V_local, H"):
+        fused_lm_head_logprob(h, torch.zeros(10, 7), t)
+    with pytest.raises(TypeError, match="bfloat16"):
+        fused_lm_head_logprob(h, w.bfloat16(), t)
+
+
+def test_bf16_close_to_fp32_and_fp32_weight_grad_accumulator():
+    hidden, weight, targets, grad = hw.problem(torch.float32)
+    ref = fused(hidden, weight, targets, grad, 10)
+    got = fused(hidden.bfloat16(), weight.bfloat16(), targets, grad.bfloat16(), 10)
+    assert got[0].dtype == torch.float32 and got[3].dtype == torch.bfloat16
+    for a, b in zip(got, ref):
+        assert err(a.float(), b.double()) <= 0.05
+
+
+def test_peak_bytes_estimate():
+    # Qwen2.5-1.5B shapes, bf16, one rank, a 32k-token source: the fused head's estimate is
+    # a small fraction of the unfused logits and their gradient.
+    t, h, v = 32768, 1536, 151936
+    fused_b = lm_head.peak_bytes(t, h, v, 1024, torch.bfloat16)
+    assert fused_b == 2 * 1024 * v * 2 + t * h * 2 + v * h * 4 + v * h * 2 + 4 * t * 4
+    assert lm_head.unfused_peak_bytes(t, t, v, torch.bfloat16) == 4 * t * v * 2
+    assert fused_b < lm_head.unfused_peak_bytes(t, t, v, torch.bfloat16) / 15
+    assert lm_head.peak_bytes(5, 8, 10, 1024, torch.float32) == 2 * 5 * 10 * 4 + 5 * 8 * 4 \
+        + 10 * 8 * 4 + 4 * 5 * 4  # chunk capped at T; no separate product for fp32
+
+
+def test_tensor_parallel_two_ranks():
+    ranks = run_dist([WORKER], nproc=2)
+    for name, dtype in (("fp64", torch.float64), ("fp32", torch.float32)):
+        hidden, weight, targets, grad = hw.problem(dtype)
+        logp, ent, gh, gw = reference(hidden, weight, targets, grad)
+        for r in ranks:
+            got = {k: torch.tensor(v, dtype=torch.float64) for k, v in r[name].items()}
+            errs = {"logp": err(got["logp"], logp), "ent": err(got["ent"], ent),
+                    "grad_h": err(got["grad_h"], gh),  # whole on every rank (all-reduced)
+                    "grad_w": err(got["grad_w"], gw[r["start"]:r["stop"]])}
+            print(f"TP=2 rank {r['tp_rank']} {name}: " + ", ".join(f"{k} {e:.1e}" for k, e in errs.items()))
+            assert max(errs.values()) <= TOL[dtype], errs
