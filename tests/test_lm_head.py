@@ -203,3 +203,70 @@ def test_final_hidden_times_weight_is_the_logits(tiny_ckpts, parallel1):
         assert head.hidden.shape == (2, 11, policy.spec.hidden)
         assert torch.allclose(head.hidden @ head.weight.t(), logits, rtol=0, atol=1e-5)
         assert bridge.unwrap(policy.model).post_process  # restored
+
+
+# --- the learner's update: fused head on equals off ------------------------------------------
+
+def _rel(a: dict, b: dict) -> float:
+    from reference import rel_l2
+    return rel_l2(a, b)
+
+
+@pytest.mark.parametrize("objective", ["grpo", "opd"])
+def test_replay_update_fused_equals_unfused(tiny_qwen2, tmp_path, objective):
+    """Schedule thundersync, shared prompts on and off: the update's gradient and θ after its
+    step agree within FP32 rounding with the head on and off. (One update: Adam's first step
+    moves a parameter by ±lr whatever its gradient's size, so a later update's gradient
+    would also measure rounding noise amplified.)"""
+    from safetensors.torch import load_file
+
+    from batchgen import write_batches, write_opd_batches
+    from test_learner import replay_many
+    batch = str(tmp_path / "b.jsonl")
+    if objective == "grpo":
+        write_batches(batch, 256, n_updates=1, seed=8)
+    else:
+        write_opd_batches(batch, 256, n_updates=1, seed=8, n_traj=4, group_size=2)
+    jobs = {}
+    for prefix in ("true", "false"):
+        for fused in ("true", "false"):
+            cfg = tmp_path / f"p{prefix}_f{fused}.yaml"
+            cfg.write_text(f"learner:\n  shared_prefix: {prefix}\n  fused_lm_head: {fused}\n"
+                           f"  lm_head_chunk: 7\n")
+            jobs[f"prefix_{prefix}_fused_{fused}"] = [
+                "--model", tiny_qwen2, "--batch", batch, "--objective", objective,
+                "--config", str(cfg), "--lr", "1e-5"]
+    runs = replay_many(jobs, str(tmp_path), nproc=1)
+    for prefix in ("true", "false"):
+        on, off = (runs[f"prefix_{prefix}_fused_{f}"] for f in ("true", "false"))
+        for name in ("grad", "params"):
+            a, b = (load_file(os.path.join(r["dir"], f"{name}.safetensors")) for r in (on, off))
+            e = _rel(a, b)
+            print(f"{objective} shared_prefix {prefix}: {name} fused vs unfused rel L2 {e:.1e}")
+            assert e <= 1e-6, (prefix, name, e)
+        peaks = [r["summary"]["head_peak_bytes_per_rank"][0] for r in (on, off)]
+        assert all(p > 0 for p in peaks)
+
+
+def test_replay_update_fused_equals_unfused_tp2(tiny_ckpts, tmp_path):
+    """TP = 2 (vocab-parallel head, the hidden gradient all-reduced over TP), tied and untied."""
+    from safetensors.torch import load_file
+
+    from batchgen import write_batches
+    from test_learner import replay_many
+    batch = str(tmp_path / "b.jsonl")
+    write_batches(batch, 256, n_updates=1, seed=9)
+    off = tmp_path / "off.yaml"
+    off.write_text("learner:\n  fused_lm_head: false\n")
+    on = tmp_path / "on.yaml"
+    on.write_text("learner:\n  lm_head_chunk: 7\n")
+    jobs = {f"{ckpt}_{name}": ["--model", tiny_ckpts[ckpt], "--batch", batch, "--tp", "2",
+                               "--config", str(cfg)]
+            for ckpt in ("qwen2", "qwen2_tied") for name, cfg in (("on", on), ("off", off))}
+    runs = replay_many(jobs, str(tmp_path), nproc=2)
+    for ckpt in ("qwen2", "qwen2_tied"):
+        a, b = (load_file(os.path.join(runs[f"{ckpt}_{n}"]["dir"], "grad.safetensors"))
+                for n in ("on", "off"))
+        e = _rel(a, b)
+        print(f"TP=2 {ckpt}: fused vs unfused rel L2 {e:.1e}")
+        assert e <= 1e-6
