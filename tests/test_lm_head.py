@@ -312,3 +312,28 @@ def test_fused_head_peak_memory_below_unfused(tmp_path):
           f"{off / 2**30:.2f} GiB (head estimates {est_on / 2**20:.0f} / {est_off / 2**20:.0f} MiB)")
     assert off - on >= 0.5e9
     assert est_off - est_on >= 0.5e9
+
+
+def test_ledger_counts_the_fused_head_as_it_runs(tiny_qwen2, parallel1):
+    """FlopCounterMode over one source served by the Policy, head on and off, against the
+    ledger's account of its trace record: the fused head projects only the scored positions
+    (model FLOPs) and recomputes their logits in backward (recompute, not credited)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tsync_mcore.ledger.account import update_flops
+    from tsync_mcore.trace import SourceRecord
+    tokens = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    mask = [0] * 10 + [1] * 12 + [0] * 8
+    for fused in (True, False):
+        policy = _policy(tiny_qwen2, parallel1, fused)
+        with FlopCounterMode(display=False) as fc:
+            policy.backward_source(tokens, mask, 1.0)
+        policy.zero_grads()
+        rec = SourceRecord(update=0, rank=0, source="trajectory", traj_id="t", group_id="g",
+                           turn=None, policy_version=0, scored_tokens=12, ready=0.0,
+                           start=0.0, end=1.0, span_tokens=30, logits=True, fused_head=fused)
+        work = update_flops(policy.spec, [rec], attention=policy.attention_mode)
+        vocab = 2 * policy.spec.hidden * policy.spec.vocab_size
+        assert work.recompute_flops == (12 * vocab if fused else 0)
+        assert work.by_component["vocab_proj"]["forward"] == (12 if fused else 30) * vocab
+        assert work.total + work.recompute_flops == fc.get_total_flops()

@@ -228,6 +228,7 @@ class Learner:
             rec.open_groups = self.queue.open_groups
             rec.span_tokens, rec.context, rec.logits = (span["span_tokens"], span["context"],
                                                         span["logits"])
+            rec.fused_head = rec.logits and self.policy.fused_head
             self.trace.append(rec)
             self.scored[g] = self.scored.get(g, 0) + src.n_scored
             self.lag_sums[src.key] = self._lag(src)[0]

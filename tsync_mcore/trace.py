@@ -29,7 +29,7 @@ import types
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Iterable, Literal, Union, get_args, get_origin, get_type_hints
 
-SCHEMA_VERSION = 2  # 2: UpdateRecord.head_peak_bytes
+SCHEMA_VERSION = 2  # 2: UpdateRecord.head_peak_bytes, SourceRecord.fused_head
 
 
 class TraceError(ValueError):
@@ -58,6 +58,9 @@ class SourceRecord:
     span_tokens: int = 0  # tokens forwarded (and backpropagated) by its service
     context: int = 0  # K/V positions it attended to before its span
     logits: bool = False  # the LM head and the scored-token loss ran
+    # the fused LM head ran (learner.fused_lm_head): only the scored positions were projected
+    # to the vocabulary, and their logits recomputed in backward
+    fused_head: bool = False
     kind: Literal["source"] = "source"  # fixed per class
 
     @property

@@ -92,8 +92,8 @@ class _FusedLMHead(torch.autograd.Function):
             if grad_h is not None:
                 torch.mm(dlogits, weight, out=grad_h[a:b])
             if grad_w is not None:
-                if grad_w.dtype == dlogits.dtype:
-                    grad_w.addmm_(dlogits.t(), h)
+                if grad_w.dtype == dlogits.dtype:  # out=, not addmm_: FLOP counters see it
+                    torch.addmm(grad_w, dlogits.t(), h, out=grad_w)
                 else:
                     grad_w.add_(dlogits.t() @ h)
             del dlogits
