@@ -11,6 +11,7 @@ span version calls the submodules in the same order itself:
                 K, V = cat(past K/V, k, v); ctx = core_attention(q, K, V, mask [1,1,n,P+n])
                 x = self_attn_bda(linear_proj(ctx), x); x = mlp_bda(mlp(pre_mlp_layernorm(x)), x)
     logits = output_layer(final_layernorm(x))        (vocab-parallel at TP > 1)
+             (fused_head: final_layernorm(x) and the output weight instead, for kernels/lm_head.py)
 
 K/V are kept per layer after RoPE and k-norm, in query-group form `[n, 1, ng_local, hn]`.
 Passing `past` as detached leaves makes backward deliver both the span's parameter gradient
