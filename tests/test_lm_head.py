@@ -120,6 +120,17 @@ def test_bf16_close_to_fp32_and_fp32_weight_grad_accumulator():
         assert err(a.float(), b.double()) <= 0.05
 
 
+def test_config_keys_checked():
+    from tsync_mcore.config import ConfigError, load_config
+    cfg = load_config(None, {})
+    assert cfg.learner.fused_lm_head is True and cfg.learner.lm_head_chunk == 1024
+    for bad in (0, -4):
+        with pytest.raises(ConfigError, match="'learner.lm_head_chunk'.*must be > 0"):
+            load_config(None, {"learner.lm_head_chunk": bad})
+    with pytest.raises(ConfigError, match="'learner.fused_lm_head'"):
+        load_config(None, {"learner.fused_lm_head": "yes"})
+
+
 def test_peak_bytes_estimate():
     # Qwen2.5-1.5B shapes, bf16, one rank, a 32k-token source: the fused head's estimate is
     # a small fraction of the unfused logits and their gradient.
