@@ -1,4 +1,5 @@
-"""Kernel benchmarks: fused scored log-prob and G1/G2 accumulation against plain torch.
+"""Kernel benchmarks: fused scored log-prob, fused LM head and G1/G2 accumulation against
+plain torch.
 
     python perf/kernels.py [--quick] [--device cpu|cuda] [--json OUT]
 
@@ -258,6 +259,69 @@ def bench_liger(device: str, reps: int) -> list[dict]:
     return out
 
 
+# --------------------------------------------------------------------------- fused LM head
+
+# T above the learner's default chunk (1024), so the fused head runs several chunks
+LM_HEAD_SHAPES = {"cuda": (8192, 1536, 151936), "cpu": (4096, 256, 32768),
+                  "cpu-quick": (2048, 64, 16384)}
+
+
+def bench_lm_head(device: str, size_key: str, reps: int, dtype: torch.dtype,
+                  shape: tuple[int, int, int] | None = None, chunk: int = 1024) -> list[dict]:
+    """Output projection + scored log-prob, forward and backward (grads of hidden and weight):
+    `plain` (h @ W^T, log_softmax, gather), `unfused` (h @ W^T, then the package's scored
+    log-prob: the learner with learner.fused_lm_head off) and `fused-*` (kernels/lm_head.py,
+    chunk tokens at a time: the learner's default). Same work, but the fused head
+    recomputes each chunk's logits in backward (one more T·H·V product)."""
+    from tsync_mcore.kernels import lm_head
+
+    name = "lm_head_fwd_bwd"
+    t, h, v = shape or LM_HEAD_SHAPES[size_key]
+    shape = {"T": t, "H": h, "V": v, "dtype": str(dtype).replace("torch.", ""), "chunk": chunk}
+    gen = torch.Generator(device=device).manual_seed(5)
+    hidden = torch.randn(t, h, generator=gen, device=device).to(dtype)
+    weight = (torch.randn(v, h, generator=gen, device=device) / h**0.5).to(dtype)
+    targets = torch.randint(0, v, (t,), generator=gen, device=device)
+    grad_out = torch.randn(t, generator=gen, device=device)
+
+    def run(score):
+        x, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+        logp = score(x, w)
+        return (logp, *torch.autograd.grad(logp, (x, w), grad_out))
+
+    scorers = {"plain": lambda x, w: plain_logprob(x @ w.t(), targets),
+               "unfused": lambda x, w: K.scored_logprob(x @ w.t(), targets),
+               "fused": lambda x, w: K.fused_lm_head_logprob(x, w, targets, chunk=chunk)}
+    fns, checks = {}, {}
+    ref = run(scorers["plain"])
+    for impl, mode in _impls(device):
+        if impl == "plain":
+            fns["plain"] = lambda: run(scorers["plain"])
+            continue
+        for what in ("unfused", "fused"):
+            label = f"{what}-{impl.split('-')[1]}"
+            fns[label] = _forced(mode, lambda what=what: run(scorers[what]))
+            got = fns[label]()
+            checks[label] = {"max_abs_err": float((got[0] - ref[0]).detach().abs().max()),
+                             "grad_max_abs_err": max(float((a.float() - b.float()).abs().max())
+                                                     for a, b in zip(got[1:], ref[1:]))}
+    checks["plain"] = {}
+    del ref
+    timer = _Timer(device, reps)
+    times = timer.medians(fns)
+    elem = torch.finfo(dtype).bits // 8
+    analytic = {"plain": 2 * t * v * elem + 12 * t * v,  # logits + grad, fp32 log_softmax & grads
+                "unfused": lm_head.unfused_peak_bytes(t, 0, v, dtype),
+                "fused": lm_head.peak_bytes(t, h, v, chunk, dtype)}
+    out = []
+    for impl, call in fns.items():
+        peak = timer.peak(call, analytic[impl.split("-")[0]])
+        ts = times[impl]
+        out.append(_record(name, impl, shape, ts, peak, None, **checks[impl],
+                           vs_plain=ts[0] / times["plain"][0]))
+    return out
+
+
 # --------------------------------------------------------------------------- G1/G2 accumulation
 
 
@@ -333,6 +397,8 @@ def run_benchmarks(
     accum_numel: int | None = None,
     stream_numel: int | None = None,
     reps: int | None = None,
+    lm_head_shape: tuple[int, int, int] | None = None,
+    lm_head_chunk: int = 1024,
 ) -> list[dict]:
     """All kernel records for `device`; the keyword overrides shrink a run (tests)."""
     if device == "cuda" and not torch.cuda.is_available():
@@ -349,6 +415,7 @@ def run_benchmarks(
     out = [_skipped(n, "all", {"T": t, "V": v}, "not in --quick (CPU quick runs T=1024, V=32768 only)")
            for t, v in skipped for n in LOGPROB_NAMES]  # fmt: skip
     out += bench_logprob(device, logprob_shapes, reps, dtype, tv_cap)
+    out += bench_lm_head(device, size_key, reps, dtype, lm_head_shape, lm_head_chunk)
     out += bench_liger(device, reps)
     accum_reps = max(reps, MIN_ACCUM_REPS)
     stream = bench_stream(device, stream_numel or STREAM_NUMEL[size_key], accum_reps)

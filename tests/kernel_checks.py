@@ -201,6 +201,30 @@ def _check_tp_gloo(out: dict) -> None:
         out[f"{backend}:tp_gloo_ent_err_fp64"] = max(_max_abs(r["ent"], _entropy_reference(logits)) for r in res)
 
 
+def _check_lm_head(out: dict) -> None:
+    """The fused LM head (kernels/lm_head.py) on this backend vs FP64 full logits + autograd."""
+    import tsync_mcore.kernels as tk
+
+    gen = torch.Generator().manual_seed(12)
+    hidden = torch.randn(T, 16, generator=gen, dtype=torch.float64)
+    weight = 0.5 * torch.randn(V, 16, generator=gen, dtype=torch.float64)
+    _, targets = _make_logits(torch.float64, seed=12)
+    grad_logp = torch.randn(T, generator=gen, dtype=torch.float64)
+    ref_h, ref_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logsm = torch.log_softmax(ref_h @ ref_w.t(), -1)
+    ref = logsm.gather(1, targets[:, None])[:, 0]
+    (ref * grad_logp).sum().backward()
+    ref_ent = -(logsm.exp() * logsm).sum(-1)
+    for name, dtype in (("fp64", torch.float64), ("fp32", torch.float32)):
+        h = hidden.to(dtype, copy=True).requires_grad_()
+        w = weight.to(dtype, copy=True).requires_grad_()
+        logp, ent = tk.fused_lm_head_logprob(h, w, targets, chunk=10, with_entropy=True)
+        (logp * grad_logp.to(dtype)).sum().backward()
+        out[f"lm_head_err_{name}"] = max(
+            _max_abs(a, b) / max(b.abs().max().item(), 1.0)
+            for a, b in ((logp, ref), (ent, ref_ent), (h.grad, ref_h.grad), (w.grad, ref_w.grad)))
+
+
 def numerics() -> dict:
     import tsync_mcore.kernels as tk
 
@@ -213,6 +237,7 @@ def numerics() -> dict:
         _check_scored_logprob(part)
         _check_vocab_parallel(part)
         _check_accumulate(part)
+        _check_lm_head(part)
         out.update({f"{backend}:{k}": v for k, v in part.items()})
     del os.environ["TSYNC_KERNELS"]
     _check_tp_gloo(out)  # each rank runs both backends

@@ -105,6 +105,14 @@ def test_vocab_parallel_combine(checks, backend, dtype, tol):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype,tol", [("fp64", FP64_TOL), ("fp32", FP32_TOL)])
+def test_fused_lm_head(checks, backend, dtype, tol):
+    """The fused LM head through this backend's partials and backward (tests/test_lm_head.py
+    has the rest of its checks, on the default backend)."""
+    assert _result(checks, "numerics")[f"{backend}:lm_head_err_{dtype}"] <= tol
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_vocab_parallel_gloo_two_ranks(checks, backend):
     res = _result(checks, "numerics")
     assert res[f"{backend}:tp_gloo_fwd_err_fp64"] <= FP64_TOL

@@ -199,7 +199,8 @@ def test_compare_improvement_is_not_a_regression():
 
 def test_kernels_smoke_fields_and_equal_work():
     recs = kernels.run_benchmarks("cpu", quick=True, logprob_shapes=[(16, 300)], accum_numel=4096,
-                                  stream_numel=4096, reps=1)  # fmt: skip
+                                  stream_numel=4096, reps=1, lm_head_shape=(40, 8, 300),
+                                  lm_head_chunk=16)  # fmt: skip
     timed = [r for r in recs if r["time_s"] is not None]
     for r in recs:
         assert {"name", "impl", "shape", "time_s", "peak_mem_bytes", "bytes_per_s"} <= r.keys()
@@ -207,9 +208,11 @@ def test_kernels_smoke_fields_and_equal_work():
     for name in ("scored_logprob_fwd", "scored_logprob_fwd_bwd", "accumulate_g1g2", "combine_group", "axpy"):
         assert {(name, "plain"), (name, "fused-torch")} <= names
     assert {("stream_bandwidth", "copy_"), ("stream_bandwidth", "add_")} <= names
+    assert {("lm_head_fwd_bwd", i) for i in ("plain", "unfused-torch", "fused-torch")} <= names
     for r in timed:
         assert r["time_s"] > 0 and r["peak_mem_bytes"] >= 0 and r["peak_mem_source"] == "analytic"
-        if r["name"].startswith("scored_logprob"):
+        if r["name"].startswith("scored_logprob") or r["name"] == "lm_head_fwd_bwd" \
+                and r["impl"] != "plain":
             assert r["max_abs_err"] <= 1e-5 and r["grad_max_abs_err"] <= 1e-5, r
         if r["name"] in ("accumulate_g1g2", "combine_group", "axpy"):
             assert 0 < r["bw_fraction"] and r["vs_plain"] > 0
@@ -234,6 +237,7 @@ def test_kernels_quick_cli_skips_large_shapes(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "STREAM_NUMEL", {**kernels.STREAM_NUMEL, "cpu-quick": 4096})
     monkeypatch.setattr(kernels, "LOGPROB_SHAPES", [(8, 100), (4096, 4096)])
     monkeypatch.setattr(kernels, "MIN_ACCUM_REPS", 1)
+    monkeypatch.setattr(kernels, "LM_HEAD_SHAPES", {"cpu-quick": (40, 8, 300)})
     out = tmp_path / "k.json"
     assert kernels.main(["--quick", "--device", "cpu", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())

@@ -140,6 +140,14 @@ class LearnerConfig:
     # sums after every source's service, so the report names the source that broke them
     # (one more pass over a gradient-sized vector per source).
     check_finite: Literal["update", "source"] = "update"
+    # Fused LM head (docs/lm-head.md): each source's scored log-probs come from the final
+    # hidden states chunk by chunk, never the [T, V/TP] logits and their gradient; off: the
+    # output layer's full logits, then the scored log-prob (the same update, more memory).
+    fused_lm_head: bool = True
+    # Tokens per chunk of the fused head: its logits peak at chunk·V/TP values (1024 at
+    # V = 151,936 in bf16: 311 MB, and the same for their gradient) while 1024-row GEMMs
+    # still run at full speed on a GPU; smaller saves memory, larger saves nothing.
+    lm_head_chunk: int = 1024
 
     def validate(self) -> None:
         from tsync_mcore.objectives import OBJECTIVES  # the objectives/ files define the names
@@ -154,6 +162,8 @@ class LearnerConfig:
         _check(self.max_staleness >= 1, "learner.max_staleness",
                f"must be >= 1, got {self.max_staleness}")
         _check(self.is_cap >= 1, "learner.is_cap", f"must be >= 1, got {self.is_cap}")
+        _check(self.lm_head_chunk > 0, "learner.lm_head_chunk",
+               f"must be > 0 (tokens per chunk of the fused LM head), got {self.lm_head_chunk}")
         _check(self.schedule in ("sync", "group_ready", "thundersync")
                or self.on_nonfinite == "stop", "learner.on_nonfinite",
                f"'drop_batch' needs a synchronous schedule: under '{self.schedule}' the rollout "

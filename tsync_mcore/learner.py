@@ -228,6 +228,7 @@ class Learner:
             rec.open_groups = self.queue.open_groups
             rec.span_tokens, rec.context, rec.logits = (span["span_tokens"], span["context"],
                                                         span["logits"])
+            rec.fused_head = rec.logits and self.policy.fused_head
             self.trace.append(rec)
             self.scored[g] = self.scored.get(g, 0) + src.n_scored
             self.lag_sums[src.key] = self._lag(src)[0]
@@ -368,7 +369,8 @@ class Learner:
             rejected_sources=list(self.rejected), open_bound=self.open_bound,
             accum_peak_bytes=self.acc.peak_bytes, accum_bound_bytes=self.acc.bound_bytes,
             open_peak_bytes=self.open_peak_bytes,
-            kv_peak_bytes=self.kind.kv_peak_bytes, grad_norm=step.grad_norm,
+            kv_peak_bytes=self.kind.kv_peak_bytes,
+            head_peak_bytes=self.policy.take_head_peak(), grad_norm=step.grad_norm,
             lr=step.lr, ok=step.ok, nonfinite_sources=list(self.nonfinite), **lag)
         self.trace.append(summary)
         result = UpdateResult(summary=summary, grad=step.grad, trace=self.trace)

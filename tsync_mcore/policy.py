@@ -1,19 +1,20 @@
 """The trainable policy as the learner sees it: Megatron model + DDP grad buffers + optimizer.
 
 Everything Megatron-specific the learner needs sits behind this small surface:
-`backward_source` (one source's forward, fused scored log-prob, backward into the FP32
-grad buffers), `grad_buffers`/`zero_grads`, and `apply_and_step` (write the batch
+`backward_source` (one source's forward, fused LM head + scored log-prob, backward into
+the FP32 grad buffers), `grad_buffers`/`zero_grads`, and `apply_and_step` (write the batch
 direction into the buffers, distributed reduction, global-norm clip, one optimizer step).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 import tsync_mcore.kernels as K
+from tsync_mcore.kernels import lm_head
 from tsync_mcore.config import Config
 from tsync_mcore.model import bridge, span, train
 from tsync_mcore.model.parallel import ParallelInfo, init_parallel
@@ -62,6 +63,11 @@ class Policy:
         # Entropy of the scored tokens served since the last take_entropy() (a metric).
         self._entropy_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._entropy_tokens = 0
+        # learner.fused_lm_head: sources and spans hand the scorer final hidden states, not
+        # logits (kernels/lm_head.py); its estimated peak bytes since take_head_peak().
+        self.fused_head = cfg.learner.fused_lm_head
+        self.head_chunk = cfg.learner.lm_head_chunk
+        self._head_peak = 0
 
     @property
     def vocab_size(self) -> int:
@@ -79,30 +85,60 @@ class Policy:
     # --- one source ---------------------------------------------------------------------
 
     def backward_source(self, tokens: list[int], scored_mask: list[int], weight: float,
-                        off_policy: OffPolicy | None = None, behaviour=()) -> float:
-        """grad buffers += ∇_θ [−weight · Σ_{t∈M} ρ_t log π_θ(a_t | h_t)]; returns Σ log π.
+                        off_policy: OffPolicy | None = None, behaviour=()) -> torch.Tensor:
+        """grad buffers += ∇_θ [−weight · Σ_{t∈M} ρ_t log π_θ(a_t | h_t)]; returns Σ log π
+        (a device scalar: read it once per batch, not per source).
 
         ρ_t = 1, or the truncated IS weight from the source's `behaviour` log-probs (one per
         token) when `off_policy` corrects (objectives/off_policy.py)."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        pos = torch.nonzero(torch.tensor(scored_mask, device=self.device)).squeeze(1)
-        logits = bridge.logits(self.ddp, ids[None])[0]  # [S, V_local]
-        logp = self.scored_logprob(logits, ids, pos)
+        pos = self.positions(scored_mask)
+        if self.fused_head:
+            head = bridge.final_hidden(self.ddp, ids[None])
+            out = replace(head, hidden=head.hidden[0])  # [S, H]
+        else:
+            out = bridge.logits(self.ddp, ids[None])[0]  # [S, V_local]
+        logp = self.scored_logprob(out, ids, pos)
         rho = off_policy.weights(logp, behaviour_at(behaviour, scored_mask)) if off_policy \
             else None
         (-weight * weighted_logp_sum(logp, rho)).backward()
-        return float(logp.detach().sum())
+        return logp.detach().sum()
 
-    def scored_logprob(self, logits: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor):
-        """log π(ids[pos] | ids[:pos]) from logits of positions pos − 1 (vocab-parallel safe).
+    def positions(self, scored_mask: list[int]) -> torch.Tensor:
+        """Indices of the scored tokens, found on the host: no device sync (torch.nonzero of
+        a device tensor waits for the device)."""
+        return torch.tensor([i for i, m in enumerate(scored_mask) if m], dtype=torch.long,
+                            device=self.device)
+
+    def scored_logprob(self, out: torch.Tensor | bridge.HeadInput, ids: torch.Tensor,
+                       pos: torch.Tensor):
+        """log π(ids[pos] | ids[:pos]) from position pos − 1's output (vocab-parallel safe):
+        logits [S, V_local], or with the fused head the final hidden states [S, H] and the
+        output weight (`bridge.HeadInput`), scored chunk by chunk without the logits.
 
         The same pass adds the entropy of π(· | ids[:pos]) at each scored position to the
         sums `take_entropy` returns (no gradient; its TP partials share the SUM collective)."""
-        logp, ent = K.scored_logprob(logits[pos - 1], ids[pos], vocab_start=self.vocab_start,
-                                     tp_group=self._tp_group, with_entropy=True)
+        if isinstance(out, bridge.HeadInput):
+            hidden = out.hidden[pos - 1]
+            logp, ent = K.fused_lm_head_logprob(
+                hidden, out.weight, ids[pos], vocab_start=self.vocab_start,
+                tp_group=self._tp_group, chunk=self.head_chunk, with_entropy=True)
+            peak = lm_head.peak_bytes(len(pos), hidden.shape[-1], self.vocab_local,
+                                      self.head_chunk, hidden.dtype)
+        else:
+            logp, ent = K.scored_logprob(out[pos - 1], ids[pos], vocab_start=self.vocab_start,
+                                         tp_group=self._tp_group, with_entropy=True)
+            peak = lm_head.unfused_peak_bytes(out.shape[0], len(pos), self.vocab_local,
+                                              out.dtype)
+        self._head_peak = max(self._head_peak, peak)
         self._entropy_sum += ent.sum(dtype=torch.float64)
         self._entropy_tokens += ent.numel()
         return logp
+
+    def take_head_peak(self) -> int:
+        """The LM head's estimated peak bytes (per call, max) since the last call, and reset."""
+        out, self._head_peak = self._head_peak, 0
+        return out
 
     def take_entropy(self) -> tuple[float, int]:
         """(Σ entropy, scored tokens) since the last call, and reset (one host sync)."""
@@ -113,9 +149,11 @@ class Policy:
 
     def span_forward(self, ids: torch.Tensor, offset: int, past: list[span.KV] | None,
                      *, want_logits: bool = True, stop_after_kv: bool = False):
-        """Forward of tokens at offset.. against context K/V (per-turn OPD, shared prefixes)."""
+        """Forward of tokens at offset.. against context K/V (per-turn OPD, shared prefixes).
+
+        Its output (logits, or the fused head's `bridge.HeadInput`) goes to `scored_logprob`."""
         return span.span_forward(self.ddp, ids, offset, past, want_logits=want_logits,
-                                 stop_after_kv=stop_after_kv)
+                                 stop_after_kv=stop_after_kv, fused_head=self.fused_head)
 
     def grad_buffers(self) -> list[torch.Tensor]:
         return self._buffers

@@ -76,9 +76,9 @@ class SharedPrefix:
         continuation's, and the adjoint carries them into the prompt's backward."""
         q = len(self.tokens)
         ids = torch.tensor(src.tokens[q:], dtype=torch.long, device=policy.device)
-        pos = torch.nonzero(torch.tensor(src.scored_mask[q:], device=policy.device)).squeeze(1)
-        logits, _ = policy.span_forward(ids, q, self.leaves)
-        logp = policy.scored_logprob(logits, ids, pos)
+        pos = policy.positions(src.scored_mask[q:])
+        out, _ = policy.span_forward(ids, q, self.leaves)  # logits, or the fused head's input
+        logp = policy.scored_logprob(out, ids, pos)
         rho = off_policy.weights(logp, behaviour_at(src.behaviour_logprobs,
                                                     src.scored_mask[q:], q)) if off_policy else None
         (-weight * weighted_logp_sum(logp, rho)).backward()

@@ -375,6 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
         "accum_peak_bytes": max(r.accum_peak_bytes for r in done),
         "accum_bound_bytes": done[0].accum_bound_bytes,
         "kv_peak_bytes_per_rank": _gather(max(r.kv_peak_bytes for r in done)),
+        "head_peak_bytes_per_rank": _gather(max(r.head_peak_bytes for r in done)),
         "accum_peak_bytes_per_rank": _gather(max(r.accum_peak_bytes for r in done)),
         "open_peak_bytes_per_rank": _gather(max(r.open_peak_bytes for r in done)),
         "open_groups_peak_per_rank": _gather(max(

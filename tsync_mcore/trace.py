@@ -29,7 +29,7 @@ import types
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Iterable, Literal, Union, get_args, get_origin, get_type_hints
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: UpdateRecord.head_peak_bytes, SourceRecord.fused_head
 
 
 class TraceError(ValueError):
@@ -58,6 +58,9 @@ class SourceRecord:
     span_tokens: int = 0  # tokens forwarded (and backpropagated) by its service
     context: int = 0  # K/V positions it attended to before its span
     logits: bool = False  # the LM head and the scored-token loss ran
+    # the fused LM head ran (learner.fused_lm_head): only the scored positions were projected
+    # to the vocabulary, and their logits recomputed in backward
+    fused_head: bool = False
     kind: Literal["source"] = "source"  # fixed per class
 
     @property
@@ -103,6 +106,10 @@ class UpdateRecord:
     accum_bound_bytes: int = 0  # 4·(2k+1)·P
     open_peak_bytes: int = 0  # bytes held by open groups at once (pairs, K/V, prompts)
     kv_peak_bytes: int = 0  # context K/V leaves + adjoints and shared prompts at once
+    # LM head's estimated peak of one source or span (kernels/lm_head.py peak_bytes): fused,
+    # a chunk's logits + gradient, grad_h and the weight-gradient accumulator; unfused, the
+    # [S, V/TP] logits, the scored rows' copy and both gradients
+    head_peak_bytes: int = 0
     grad_norm: float = 0.0  # before clipping
     lr: float = 0.0  # the learning rate of this update's step (optim.lr_schedule)
     ok: bool = True  # the step was applied (False: the reduced gradient was not finite)

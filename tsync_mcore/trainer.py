@@ -297,6 +297,7 @@ class Trainer:
         # What open groups held at once, per rank, against the admission bound that applied.
         open_peaks = self._gather_max(done.open_peak_bytes)
         kv_peaks = self._gather_max(done.kv_peak_bytes)
+        head_peaks = self._gather_max(done.head_peak_bytes)
         n_stale = int(self.policy.dp_sum(stale))
         n_rejected = int(self.policy.dp_sum(len(done.rejected_sources)))
         stats = self._learner_stats(result.trace, done.dropped_groups)
@@ -327,6 +328,7 @@ class Trainer:
             rejected_sources=n_rejected,
             grad_norm=done.grad_norm, lr=done.lr, accum_peak_bytes=done.accum_peak_bytes,
             kv_peak_bytes=max(kv_peaks), kv_peak_bytes_per_rank=kv_peaks,
+            head_peak_bytes=max(head_peaks), head_peak_bytes_per_rank=head_peaks,
             open_peak_bytes_per_rank=open_peaks, open_bound=done.open_bound,
             accum_bound_bytes=done.accum_bound_bytes, flops=flops, recompute_flops=recompute,
             mfu_active=mfu_active(flops, step_s, self.par.world_size, self.peak),

@@ -8,6 +8,7 @@ for at start-up (triton_kernels/README.md).
 
 from tsync_mcore.kernels.dispatch import backend_for, triton_usable
 from tsync_mcore.kernels.grpo_accumulate import accumulate_g1g2_, axpy_, combine_group_
+from tsync_mcore.kernels.lm_head import fused_lm_head_logprob
 from tsync_mcore.kernels.scored_logprob import (
     LogprobPartials,
     all_reduce_partials,
@@ -27,6 +28,7 @@ __all__ = [
     "combine_entropy",
     "combine_group_",
     "combine_partials",
+    "fused_lm_head_logprob",
     "logprob_partials",
     "scored_logprob",
     "scored_logprob_backward",

@@ -105,14 +105,20 @@ def _backward_torch(
     n_rows, n_cols = logits.shape
     acc = lse.dtype
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    local, _ = _target_columns(targets, vocab_start, n_cols)
+    local, owned = _target_columns(targets, vocab_start, n_cols)
     g = grad_logp.to(acc)[:, None]
     step = _chunk_cols(n_rows, n_cols)
     for start in range(0, n_cols, step):
-        x = logits[:, start : start + step].to(acc)
-        cols = torch.arange(start, start + x.shape[1], device=logits.device)
-        onehot = (cols[None, :] == local[:, None]).to(acc)
-        grad[:, start : start + step] = g * (onehot - torch.exp(x - lse[:, None]))
+        # g·(0 − p) off the target column (the same IEEE value as g·(onehot − p) there)
+        p = (logits[:, start : start + step].to(acc) - lse[:, None]).exp_()
+        grad[:, start : start + step] = p.mul_(g).neg_()
+    # The target column: g·(1 − p), in the accumulation dtype and rounded once, as a one-hot
+    # formula would give it, without building a [T, V] comparison (rows whose target is on
+    # another shard keep their value).
+    rows = torch.arange(n_rows, device=logits.device)
+    cols = local.clamp(0, max(n_cols - 1, 0))
+    val = g[:, 0] * (1 - torch.exp(logits[rows, cols].to(acc) - lse))
+    grad[rows, cols] = torch.where(owned, val.to(grad.dtype), grad[rows, cols])
     return grad
 
 

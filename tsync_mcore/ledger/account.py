@@ -4,14 +4,17 @@ Every record of served work carries the span it executed (tsync_mcore.trace): a 
 `span_tokens` after `context` tokens of K/V (a whole trajectory, a continuation after a
 shared prompt, an OPD turn), and deferred work's `spans`: a shared prompt's backward at
 group close (forward to the last K/V and backward, no logits) and OPD replays (pushed back
-through, recomputed or retained). Recomputation is reported separately and not credited.
+through, recomputed or retained). Recomputation is reported separately and not credited:
+OPD context recompute, and the fused LM head's recompute of the scored positions' logits
+in its backward (a source with `fused_head` projects only those positions to the vocabulary).
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
-from tsync_mcore.ledger.flops import FlopBreakdown, replay_flops, span_flops
+from tsync_mcore.ledger.flops import (FlopBreakdown, head_recompute_flops, replay_flops,
+                                      span_flops)
 from tsync_mcore.trace import DeferredRecord, Record, SourceRecord
 
 
@@ -34,6 +37,9 @@ def update_flops(spec, records: Iterable[Record], attention: str = "full") -> Fl
                 f = span_flops(spec, r.span_tokens, r.context, logits_positions=0, attention=a)
                 total = total + FlopBreakdown(f.forward, 0, 0, {})
                 continue
-            total = total + span_flops(spec, r.span_tokens, r.context,
+            head = r.scored_tokens if r.fused_head and r.scored_tokens else None
+            total = total + span_flops(spec, r.span_tokens, r.context, logits_positions=head,
                                        context_grad=r.context > 0, attention=a)
+            if head:
+                total = total + head_recompute_flops(spec, head)
     return total

@@ -9,7 +9,9 @@ the loss are elementwise and not counted (as `torch.utils.flop_counter` does not
     out_proj     T·(heads·head_dim) → T·H
     mlp_gate, mlp_up, mlp_down   SwiGLU: T·H→T·F twice, T·F→T·H
 
-plus `vocab_proj` (final hidden → vocabulary) for the positions that get logits. MoE layers
+plus `vocab_proj` (final hidden → vocabulary) for the positions that get logits (with the
+fused LM head, kernels/lm_head.py: the scored positions only; its backward's recompute of
+their logits is `head_recompute_flops`, hardware work but not model FLOPs). MoE layers
 would replace `_mlp` (router + experts by tokens dispatched); dense models are all we build.
 
 Attention pairs per sequence of length s: `attention="full"` counts s² (Megatron's local
@@ -348,6 +350,15 @@ def span_flops(
         frozen=frozen, lora=lora, context_grad=context_grad, stop_after_kv=stop,
     )  # fmt: skip
     return _breakdown(comps)
+
+
+def head_recompute_flops(spec: "ModelSpec", positions: int) -> FlopBreakdown:
+    """The fused LM head's backward recomputes the logits of its `positions` (one more
+    T·H·V product, kernels/lm_head.py): recomputation, so not credited as model FLOPs."""
+    if positions < 0:
+        raise ValueError(f"positions must be >= 0, got {positions}")
+    f = 2 * int(positions) * spec.hidden * spec.vocab_size
+    return FlopBreakdown(0, 0, f, {"vocab_proj": {"forward": 0, "backward": 0, "recompute": f}})
 
 
 def replay_flops(

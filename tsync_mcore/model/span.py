@@ -11,6 +11,7 @@ span version calls the submodules in the same order itself:
                 K, V = cat(past K/V, k, v); ctx = core_attention(q, K, V, mask [1,1,n,P+n])
                 x = self_attn_bda(linear_proj(ctx), x); x = mlp_bda(mlp(pre_mlp_layernorm(x)), x)
     logits = output_layer(final_layernorm(x))        (vocab-parallel at TP > 1)
+             (fused_head: final_layernorm(x) and the output weight instead, for kernels/lm_head.py)
 
 K/V are kept per layer after RoPE and k-norm, in query-group form `[n, 1, ng_local, hn]`.
 Passing `past` as detached leaves makes backward deliver both the span's parameter gradient
@@ -38,7 +39,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import Tensor
 
 from tsync_mcore.model.attention import SDPAttention
-from tsync_mcore.model.bridge import unwrap
+from tsync_mcore.model.bridge import HeadInput, head_input, unwrap
 
 __all__ = ["KV", "span_forward", "concat_kv", "detached_leaves", "kv_bytes", "span_mask",
            "leaf_adjoints", "backward_kv"]
@@ -145,7 +146,8 @@ def span_forward(
     *,
     want_logits: bool = True,
     stop_after_kv: bool = False,
-) -> tuple[Tensor | None, list[KV]]:
+    fused_head: bool = False,
+) -> tuple[Tensor | HeadInput | None, list[KV]]:
     """Run `tokens` [n] at positions offset..offset+n-1 against `past` and causally on itself.
 
     `past`: per layer, K/V of positions 0..offset-1 (None when offset == 0), typically
@@ -153,7 +155,9 @@ def span_forward(
     dtype, or None; this span's K/V per layer, attached to the graph). With
     `stop_after_kv=True` (replay recompute) or `want_logits=False` it returns right after the
     last layer's K/V: the last layer's attention/MLP, the final norm and the output layer
-    feed only the logits.
+    feed only the logits. With `fused_head=True` it returns, instead of the logits, the
+    final-normed hidden states [n, H] and the output weight (`bridge.HeadInput`) for the
+    fused LM head (kernels/lm_head.py), which never materializes them.
     """
     gpt = unwrap(model)
     _check_supported(gpt)
@@ -202,6 +206,8 @@ def span_forward(
         x = layer.mlp_bda(layer.training, cfg.bias_dropout_fusion)(mlp, x, layer.hidden_dropout)
 
     x = gpt.decoder.final_layernorm(x)
+    if fused_head:
+        return head_input(gpt, x[:, 0]), out_kv
     weight = None
     if gpt.share_embeddings_and_output_weights:
         weight = gpt.shared_embedding_or_output_weight()

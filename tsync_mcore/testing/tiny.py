@@ -85,6 +85,7 @@ def make_tiny_checkpoint(
     head_dim: int | None = None,
     init_std: float = 0.08,
     max_shard_size: str | None = None,
+    max_positions: int = 512,
 ) -> str:
     """Write config + random safetensors weights + tokenizer to `out_dir`; return it.
 
@@ -109,7 +110,7 @@ def make_tiny_checkpoint(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         hidden_act="silu",
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         rms_norm_eps=rms_eps,
         tie_word_embeddings=tie,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},

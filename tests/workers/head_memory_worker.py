@@ -1,0 +1,21 @@
+"""One replay in this process, then its peak resident memory (tests/test_lm_head.py).
+
+Usage: python tests/workers/head_memory_worker.py <replay arguments>
+Prints `RESULT {"peak_rss_bytes": ..., "summary": ...}`.
+"""
+
+import os
+import sys
+
+from tsync_mcore import quiet
+
+quiet.install()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dist_util import report  # noqa: E402
+from tsync_mcore import replay  # noqa: E402
+from tsync_mcore.ledger.memory import peak_rss_bytes  # noqa: E402
+
+if __name__ == "__main__":
+    summary = replay.main(sys.argv[1:])
+    report({"peak_rss_bytes": peak_rss_bytes(), "summary": summary})
