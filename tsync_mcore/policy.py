@@ -17,7 +17,9 @@ import tsync_mcore.kernels as K
 from tsync_mcore.config import Config
 from tsync_mcore.model import bridge, span, train
 from tsync_mcore.model.parallel import ParallelInfo, init_parallel
-from tsync_mcore.objectives.off_policy import OffPolicy, behaviour_at, weighted_logp_sum
+from tsync_mcore.objectives.off_policy import (OffPolicy, behaviour_at, scored_positions,
+                                               weighted_logp_sum)
+from tsync_mcore.platform import upload
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -79,19 +81,21 @@ class Policy:
     # --- one source ---------------------------------------------------------------------
 
     def backward_source(self, tokens: list[int], scored_mask: list[int], weight: float,
-                        off_policy: OffPolicy | None = None, behaviour=()) -> float:
-        """grad buffers += ∇_θ [−weight · Σ_{t∈M} ρ_t log π_θ(a_t | h_t)]; returns Σ log π.
+                        off_policy: OffPolicy | None = None, behaviour=()) -> torch.Tensor:
+        """grad buffers += ∇_θ [−weight · Σ_{t∈M} ρ_t log π_θ(a_t | h_t)]; returns Σ log π
+        as a device scalar (reading it would make the host wait for the device).
 
         ρ_t = 1, or the truncated IS weight from the source's `behaviour` log-probs (one per
         token) when `off_policy` corrects (objectives/off_policy.py)."""
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        pos = torch.nonzero(torch.tensor(scored_mask, device=self.device)).squeeze(1)
+        # i19-host: built on the host and copied asynchronously (no per-source sync)
+        ids = upload(tokens, torch.long, self.device)
+        pos = upload(scored_positions(scored_mask), torch.long, self.device)
         logits = bridge.logits(self.ddp, ids[None])[0]  # [S, V_local]
         logp = self.scored_logprob(logits, ids, pos)
         rho = off_policy.weights(logp, behaviour_at(behaviour, scored_mask)) if off_policy \
             else None
         (-weight * weighted_logp_sum(logp, rho)).backward()
-        return float(logp.detach().sum())
+        return logp.detach().sum()
 
     def scored_logprob(self, logits: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor):
         """log π(ids[pos] | ids[:pos]) from logits of positions pos − 1 (vocab-parallel safe).
