@@ -171,8 +171,12 @@ class Policy:
         return float(bad) == 0.0
 
     def sums_finite(self, vectors: list[torch.Tensor]) -> bool:
-        """This rank only: are these (gradient-sized) vectors finite?"""
-        return all(bool(torch.isfinite(v.sum(dtype=torch.float64))) for v in vectors)
+        """This rank only: are these (gradient-sized) vectors finite? One host read (a
+        float64 sum is non-finite exactly when an element is)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for v in vectors:
+            total += v.sum(dtype=torch.float64)
+        return bool(torch.isfinite(total))
 
     def dp_sum(self, x: float) -> float:
         """Sum a host scalar over data-parallel ranks (e.g. the global scored-token count)."""
