@@ -82,6 +82,7 @@ class Tally:
     cuda_syncs: int = 0  # torch's sync-debug warnings (cuda_sync_debug only)
     exempt: int = 0  # ONCE_ON_GPU calls
     sites: Counter = field(default_factory=Counter)  # "what at file:line" → syncs
+    by_op: Counter = field(default_factory=Counter)  # aten op packet → calls
 
     def add(self, other: "Tally") -> None:
         self.entries += other.entries
@@ -91,6 +92,7 @@ class Tally:
         self.cuda_syncs += other.cuda_syncs
         self.exempt += other.exempt
         self.sites.update(other.sites)
+        self.by_op.update(other.by_op)
 
 
 @dataclass
@@ -110,7 +112,9 @@ class _Dispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         c = self.counter
-        c._top.ops += 1
+        t = c._top
+        t.ops += 1
+        t.by_op[func.overloadpacket.__name__] += 1
         if not c._quiet and _op_syncs(func, args, kwargs):
             c._sync(f"aten.{func.overloadpacket.__name__}")
         return func(*args, **kwargs)
