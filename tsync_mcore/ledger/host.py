@@ -354,10 +354,10 @@ class HostCounter:
             self._patch(torch, name, counted(f"torch.{name}(device=)", lambda a, k: (
                 k.get("device") is not None
                 and _copy_syncs(torch.device("cpu"), torch.device(k["device"]), False))))
-        if torch.cuda.is_available():
-            self._patch(torch.cuda, "synchronize", counted("torch.cuda.synchronize", always))
-            for cls in (torch.cuda.Stream, torch.cuda.Event):
-                self._patch(cls, "synchronize", counted(f"{cls.__name__}.synchronize", always))
+        # also on the CPU platform, which makes torch.cuda.synchronize a no-op
+        self._patch(torch.cuda, "synchronize", counted("torch.cuda.synchronize", always))
+        for cls in (torch.cuda.Stream, torch.cuda.Event):
+            self._patch(cls, "synchronize", counted(f"{cls.__name__}.synchronize", always))
 
 
 def _caller() -> str:
