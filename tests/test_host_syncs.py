@@ -169,7 +169,8 @@ def test_served_sources_make_no_more_syncs_than_documented(tiny_qwen2, parallel1
     learner = _learner(tiny_qwen2, parallel1, objective=objective, schedule=schedule,
                        shared_prefix=shared_prefix, is_correction="tis")
     serve_batch(learner)  # warm-up: first-use work (lazy state, megatron's RoPE move)
-    with HostCounter() as hc:
+    # on CUDA also torch's own sync warnings, as a cross-check (a no-op on the CPU)
+    with HostCounter(cuda_sync_debug=True) as hc:
         res = serve_batch(learner, hc)
     assert res.summary.ok and res.summary.mismatch_tokens > 0  # the TIS path ran
     per = hc.per_source()
@@ -184,6 +185,7 @@ def test_served_sources_make_no_more_syncs_than_documented(tiny_qwen2, parallel1
         f"{limit} per served source); on the serving path: {dict(sites)}")
     # submit's own work (validation, admission) outside _serve is per source too
     assert hc.sections["submit"].syncs == 0, dict(hc.sync_sites(("submit",)))
+    assert max(u.tally.cuda_syncs for u in hc.units) <= limit
 
 
 def test_the_count_fails_on_a_sync_in_the_serving_path(tiny_qwen2, parallel1):
