@@ -18,7 +18,9 @@ from tsync_mcore.kernels import lm_head
 from tsync_mcore.config import Config
 from tsync_mcore.model import bridge, span, train
 from tsync_mcore.model.parallel import ParallelInfo, init_parallel
-from tsync_mcore.objectives.off_policy import OffPolicy, behaviour_at, weighted_logp_sum
+from tsync_mcore.objectives.off_policy import (OffPolicy, behaviour_at, scored_positions,
+                                               weighted_logp_sum)
+from tsync_mcore.platform import upload
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -91,7 +93,8 @@ class Policy:
 
         ρ_t = 1, or the truncated IS weight from the source's `behaviour` log-probs (one per
         token) when `off_policy` corrects (objectives/off_policy.py)."""
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        # built on the host and copied asynchronously (no per-source sync)
+        ids = upload(tokens, torch.long, self.device)
         pos = self.positions(scored_mask)
         if self.fused_head:
             head = bridge.final_hidden(self.ddp, ids[None])
@@ -107,8 +110,7 @@ class Policy:
     def positions(self, scored_mask: list[int]) -> torch.Tensor:
         """Indices of the scored tokens, found on the host: no device sync (torch.nonzero of
         a device tensor waits for the device)."""
-        return torch.tensor([i for i, m in enumerate(scored_mask) if m], dtype=torch.long,
-                            device=self.device)
+        return upload(scored_positions(scored_mask), torch.long, self.device)
 
     def scored_logprob(self, out: torch.Tensor | bridge.HeadInput, ids: torch.Tensor,
                        pos: torch.Tensor):
@@ -205,8 +207,12 @@ class Policy:
         return float(bad) == 0.0
 
     def sums_finite(self, vectors: list[torch.Tensor]) -> bool:
-        """This rank only: are these (gradient-sized) vectors finite?"""
-        return all(bool(torch.isfinite(v.sum(dtype=torch.float64))) for v in vectors)
+        """This rank only: are these (gradient-sized) vectors finite? One host read (a
+        float64 sum is non-finite exactly when an element is)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for v in vectors:
+            total += v.sum(dtype=torch.float64)
+        return bool(torch.isfinite(total))
 
     def dp_sum(self, x: float) -> float:
         """Sum a host scalar over data-parallel ranks (e.g. the global scored-token count)."""

@@ -21,7 +21,9 @@ import torch
 
 from tsync_mcore.accumulators import f32
 from tsync_mcore.model.span import KV, backward_kv, detached_leaves, kv_bytes
-from tsync_mcore.objectives.off_policy import OffPolicy, behaviour_at, weighted_logp_sum
+from tsync_mcore.objectives.off_policy import (OffPolicy, behaviour_at,
+                                               weighted_logp_sum)
+from tsync_mcore.platform import upload
 from tsync_mcore.sources import TrajectorySource
 
 
@@ -50,7 +52,7 @@ class SharedPrefix:
             return None
         if q < 1:
             return None  # nothing before the first scored token's context to share
-        ids = torch.tensor(src.tokens[:q], dtype=torch.long, device=policy.device)
+        ids = upload(src.tokens[:q], torch.long, policy.device)
         _, produced = policy.span_forward(ids, 0, None, want_logits=False)
         if produced[0].k.dtype == torch.float64:
             dtype = torch.float64
@@ -75,7 +77,7 @@ class SharedPrefix:
         adjoint. The prompt has no scored token (`covers`), so every ρ_t is the
         continuation's, and the adjoint carries them into the prompt's backward."""
         q = len(self.tokens)
-        ids = torch.tensor(src.tokens[q:], dtype=torch.long, device=policy.device)
+        ids = upload(src.tokens[q:], torch.long, policy.device)
         pos = policy.positions(src.scored_mask[q:])
         out, _ = policy.span_forward(ids, q, self.leaves)  # logits, or the fused head's input
         logp = policy.scored_logprob(out, ids, pos)

@@ -1,4 +1,5 @@
-"""Measurement layer (docs/measurement.md): learner FLOPs, MFU, NVML timeline, peak memory.
+"""Measurement layer (docs/measurement.md): learner FLOPs, MFU, NVML timeline, peak memory,
+host cost per served source (ops, synchronising calls, host time: `host.HostCounter`).
 
 Importing this package pulls in neither megatron nor pynvml; `flops.load_spec` and the NVML
 sampler import them when used.
@@ -14,12 +15,14 @@ from tsync_mcore.ledger.flops import (
     span_flops,
     train_flops,
 )
+from tsync_mcore.ledger.host import HostCounter
 from tsync_mcore.ledger.memory import MemoryMeter
 from tsync_mcore.ledger.mfu import Peak, detect_peak, mfu_active, steady_state
 from tsync_mcore.ledger.nvml import NvmlSampler
 
 __all__ = [
     "FlopBreakdown",
+    "HostCounter",
     "MemoryMeter",
     "NvmlSampler",
     "Peak",

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tsync_mcore.platform import upload
+
 CORRECTIONS = ("none", "tis")
 
 
@@ -36,6 +38,12 @@ def behaviour_at(behaviour, mask, offset: int = 0) -> list[float]:
     if not behaviour:
         return []
     return [float(behaviour[offset + i]) for i, m in enumerate(mask) if m]
+
+
+def scored_positions(mask, offset: int = 0) -> list[int]:
+    """Indices i of the scored tokens of `mask[offset:]` (built on the host: `nonzero` of a
+    device mask would make the host wait for the device)."""
+    return [i for i, m in enumerate(mask[offset:]) if m]
 
 
 def truncated_ratio(logp: torch.Tensor, behaviour: torch.Tensor,
@@ -87,7 +95,7 @@ class OffPolicy:
         if len(behaviour) != logp.numel():  # the callers' alignment, not the source's
             raise RuntimeError(f"{len(behaviour)} behaviour log-probs for {logp.numel()} "
                                f"scored tokens")
-        b = torch.tensor(behaviour, dtype=torch.float64, device=logp.device)
+        b = upload(behaviour, torch.float64, logp.device)
         rho, ratio = truncated_ratio(logp, b, self.cap)
         if ratio.numel():
             diff = (logp.detach().to(torch.float64) - b).abs().sum()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["on_gpu", "device", "backend"]
+__all__ = ["on_gpu", "device", "backend", "upload"]
 
 
 def on_gpu() -> bool:
@@ -22,3 +22,14 @@ def device() -> torch.device:
 def backend() -> str:
     """torch.distributed backend matching `device()`."""
     return "nccl" if on_gpu() else "gloo"
+
+
+def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device` without making the host wait for the device.
+
+    `torch.tensor(values, device=cuda)` copies from pageable memory and synchronises the
+    stream (the host waits for every kernel queued before it); staged in pinned memory the
+    copy is asynchronous, and the caching host allocator keeps the staging block until
+    the copy is done. On the CPU this is plain `torch.tensor`."""
+    pinned = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=True)

@@ -27,7 +27,8 @@ import torch
 
 from tsync_mcore.model.span import (KV, backward_kv, concat_kv, detached_leaves, kv_bytes,
                                     leaf_adjoints)
-from tsync_mcore.objectives.off_policy import behaviour_at
+from tsync_mcore.objectives.off_policy import behaviour_at, scored_positions
+from tsync_mcore.platform import upload
 from tsync_mcore.prefix import SharedPrefix
 from tsync_mcore.schedule import Service
 from tsync_mcore.sources import SourceError, TurnSource, validate_turn
@@ -208,16 +209,16 @@ class TurnKind:
         last = turn.turn == turn.n_turns - 1
         dev = l.policy.device
         offset, tokens, mask = ctx.span(turn)
-        ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        ids = upload(tokens, torch.long, dev)
         logits, kv = l.policy.span_forward(ids, offset, ctx.past(turn.turn, offset),
                                            want_logits=turn.n_scored > 0)
         kv = self._own(kv, offset, turn)
         l.saw_kv(kv, len(kv[0]))
         if turn.n_scored > 0:
-            pos = torch.nonzero(torch.tensor(mask, device=dev)).squeeze(1)
+            at = scored_positions(mask)  # on the host: no device read per turn
+            pos = upload(at, torch.long, dev)
             q = offset - turn.start
-            teacher = torch.tensor([turn.teacher_logprobs[q + p] for p in pos.tolist()],
-                                   dtype=torch.float64, device=dev)
+            teacher = upload([turn.teacher_logprobs[q + p] for p in at], torch.float64, dev)
             student = l.policy.scored_logprob(logits, ids, pos)
             # ρ_t from this forward's own log π_θ. Replay never re-scores a token (it pushes
             # K/V adjoints back only), so the weight is fixed here, once.
@@ -256,7 +257,7 @@ class TurnKind:
             if l.cfg.opd_replay == "retain":
                 produced = ctx.kept[i]
             else:
-                ids = torch.tensor(tokens_i, dtype=torch.long, device=l.policy.device)
+                ids = upload(tokens_i, torch.long, l.policy.device)
                 _, produced = l.policy.span_forward(ids, offset_i, ctx.past(i, offset_i),
                                                     stop_after_kv=True)
                 produced = self._own(produced, offset_i, turn)
