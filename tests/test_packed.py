@@ -132,3 +132,171 @@ def test_varlen_path_matches_segments_on_gpu(tiny_qwen2):
         a = packed_forward(model, [Segment(*s) for s in segs], attention="segments")
         b = packed_forward(model, [Segment(*s) for s in segs], attention="varlen")
     assert (a.hidden.float() - b.hidden.float()).abs().max() < 5e-2
+
+
+# --- the learner: packed vs one-by-one service ---------------------------------------------
+
+from batchgen import action_first, make_batch, make_opd_batch  # noqa: E402
+from reference import rel_l2  # noqa: E402
+from tsync_mcore import trace  # noqa: E402
+from tsync_mcore.sources import (BatchPlan, TrajectorySource,  # noqa: E402
+                                 opd_turns_from_json)
+
+VOCAB = 256
+SCHEDULES = ("sync", "group_ready", "thundersync", "one_step_off", "fully_async")
+
+
+def _learner(hf_dir, par, version=0, **learner):
+    from tsync_mcore.config import load_config
+    from tsync_mcore.learner import Learner
+    from tsync_mcore.policy import Policy
+    cfg = load_config(None, {"model.hf_dir": hf_dir, "optim.lr": 1e-5,
+                             **{f"learner.{k}": v for k, v in learner.items()}})
+    return Learner(cfg.learner, Policy(cfg, par=par), policy_version=version)
+
+
+def _update(learner, sources, chunk: int):
+    """Sources handed over `chunk` at a time before the learner serves (a learner behind
+    its rollout: what has arrived meanwhile is servable together); one update."""
+    learner.begin(BatchPlan.from_sources(sources))
+    for i, s in enumerate(sources):
+        learner.submit(s, serve=(i + 1) % chunk == 0)
+    return learner.close(export_grad=True)
+
+
+def _grpo(version=0, update=None, seed=2):
+    rows = sorted(make_batch(VOCAB, n_groups=4, m=3, version=version, seed=seed),
+                  key=lambda r: r["ready_order"])
+    return [TrajectorySource.from_json(r) for r in rows]
+
+
+def _opd(version=0, seed=3, first=False):
+    rows = make_opd_batch(VOCAB, n_traj=6, turns=3, version=version, seed=seed)
+    rows = action_first(rows) if first else rows
+    turns = [t for r in rows for t in opd_turns_from_json(r)]
+    return sorted(turns, key=lambda t: t.ready_order)
+
+
+def _srecs(res):
+    return [r for r in res.trace if isinstance(r, trace.SourceRecord) and r.served]
+
+
+def _spans(res):
+    return sorted((r.traj_id, r.turn, r.span_tokens, r.context, r.logits) for r in _srecs(res))
+
+
+def _check_pass_times(res):
+    """A pass's sources hold consecutive slices of its interval, in pack order."""
+    by_pass: dict[int, list] = {}
+    for r in _srecs(res):
+        if r.pass_id is not None:
+            by_pass.setdefault(r.pass_id, []).append(r)
+    for recs in by_pass.values():
+        assert len(recs) > 1
+        for a, b in zip(recs, recs[1:]):
+            assert a.end == b.start and a.start <= a.end
+    return by_pass
+
+
+def _compare(hf_dir, par, sources, chunk, version=0, **cfg):
+    one = _update(_learner(hf_dir, par, version, max_tokens_per_pass=0, **cfg), sources, chunk)
+    packed = _update(_learner(hf_dir, par, version, **cfg), sources, chunk)
+    err = rel_l2(packed.grad, one.grad)
+    assert _spans(packed) == _spans(one)  # the FLOP ledger reads the same spans
+    assert all(r.pass_id is None for r in _srecs(one))
+    passes = _check_pass_times(packed)
+    assert packed.summary.scored_tokens == one.summary.scored_tokens
+    return err, passes, one, packed
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_grpo_packed_update_equals_one_by_one(tiny_qwen2, parallel1, schedule, shared_prefix):
+    lag = schedule in ("one_step_off", "fully_async")
+    srcs = _grpo(version=0)
+    err, passes, one, packed = _compare(tiny_qwen2, parallel1, srcs, chunk=5,
+                                        version=1 if lag else 0, schedule=schedule,
+                                        shared_prefix=shared_prefix)
+    print(f"GRPO {schedule} prefix={shared_prefix}: {len(passes)} passes, rel L2 {err:.2e}")
+    assert err <= 1e-6
+    assert passes, "nothing was packed"
+    direct = {r.traj_id for r in _srecs(packed) if r.pass_id is not None}
+    assert all(r.fold == "direct" for r in _srecs(packed) if r.traj_id in direct)
+
+
+@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s != "fully_async"])  # GRPO only
+def test_opd_packed_update_equals_one_by_one(tiny_qwen2, parallel1, schedule):
+    lag = schedule in ("one_step_off", "fully_async")
+    srcs = _opd(version=0, first=schedule == "group_ready")
+    err, passes, one, packed = _compare(tiny_qwen2, parallel1, srcs, chunk=6,
+                                        version=1 if lag else 0, schedule=schedule,
+                                        objective="opd")
+    print(f"OPD {schedule}: {len(passes)} passes, rel L2 {err:.2e}")
+    assert err <= 1e-6
+    assert passes, "nothing was packed"
+    for recs in passes.values():  # two turns of one trajectory never share a pass
+        assert len({r.traj_id for r in recs}) == len(recs)
+        assert all(r.logits and r.fold == "direct" for r in recs)
+
+
+def test_off_policy_weights_per_token_in_a_pack(tiny_qwen2, parallel1):
+    """fully_async with TIS: each segment's ρ_t from its own behaviour log-probs."""
+    from test_off_policy import CAP, _hf, _with_behaviour
+    rows = _with_behaviour(_hf(tiny_qwen2), make_batch(VOCAB, n_groups=3, m=3, seed=11), seed=3)
+    srcs = [TrajectorySource.from_json(r) for r in sorted(rows, key=lambda r: r["ready_order"])]
+    err, passes, one, packed = _compare(tiny_qwen2, parallel1, srcs, chunk=4, version=1,
+                                        schedule="fully_async", is_correction="tis", is_cap=CAP)
+    assert err <= 1e-6 and passes
+    for f in ("is_weight_mean", "is_truncated_share", "logprob_diff_mean"):
+        assert getattr(packed.summary, f) == pytest.approx(getattr(one.summary, f), rel=1e-5)
+    assert packed.summary.is_truncated_share > 0
+
+
+def test_budget_edges(tiny_qwen2, parallel1):
+    srcs = _grpo()
+    lens = {s.traj_id: s.n_tokens for s in srcs if s.n_scored}
+    # 0: today's path, one source per forward/backward
+    zero = _update(_learner(tiny_qwen2, parallel1, schedule="sync", shared_prefix=False,
+                            max_tokens_per_pass=0), srcs, chunk=1)
+    assert all(r.pass_id is None for r in _srecs(zero))
+    # every source longer than the budget: each runs alone, the same update
+    tiny = _update(_learner(tiny_qwen2, parallel1, schedule="sync", shared_prefix=False,
+                            max_tokens_per_pass=min(lens.values()) - 1), srcs, chunk=1)
+    assert all(r.pass_id is None for r in _srecs(tiny))
+    assert rel_l2(tiny.grad, zero.grad) == 0.0  # the one-by-one path itself, bit for bit
+    # a budget just below the longest source: it runs alone, the others pack within it
+    longest = max(lens, key=lens.get)
+    budget = lens[longest] - 1
+    mid = _update(_learner(tiny_qwen2, parallel1, schedule="sync", shared_prefix=False,
+                           max_tokens_per_pass=budget), srcs, chunk=1)
+    passes = _check_pass_times(mid)
+    assert passes and rel_l2(mid.grad, zero.grad) <= 1e-6
+    for recs in passes.values():
+        assert sum(lens[r.traj_id] for r in recs) <= budget
+    assert [r.pass_id for r in _srecs(mid) if r.traj_id == longest] == [None]
+
+
+def test_what_stays_one_by_one(tiny_qwen2, parallel1):
+    # OPD with retained graphs: never packed (a pass's graph would be replayed whole)
+    srcs = _opd()
+    res = _update(_learner(tiny_qwen2, parallel1, schedule="sync", objective="opd",
+                           opd_replay="retain"), srcs, chunk=1)
+    assert all(r.pass_id is None for r in _srecs(res))
+    # thundersync served on arrival: GRPO units fold into their group's pair (no pack) but
+    # a group's last member, whose coefficient is then known
+    res = _update(_learner(tiny_qwen2, parallel1, schedule="thundersync"), _grpo(), chunk=1)
+    assert all(r.pass_id is None for r in _srecs(res))
+    # a byte budget: a unit that would open a group joins no pack
+    res = _update(_learner(tiny_qwen2, parallel1, schedule="sync", objective="opd",
+                           max_open_bytes=1), srcs, chunk=1)
+    passes = _check_pass_times(res)
+    assert passes
+    for recs in passes.values():
+        assert len({r.group_id for r in recs}) == 1
+
+
+def test_config_key(tmp_path):
+    from tsync_mcore.config import ConfigError, load_config
+    assert load_config(None, {}).learner.max_tokens_per_pass == 16384
+    with pytest.raises(ConfigError, match="learner.max_tokens_per_pass.*must be >= 0"):
+        load_config(None, {"learner.max_tokens_per_pass": -1})

@@ -6,7 +6,8 @@ ledger, the predictor, the report and the benchmarks through the same types:
     SourceRecord    one source (a GRPO trajectory, an OPD turn): when it was ready, when it
                     was served (start/end/cpu; None if it was not served on this rank), how
                     it folded, and the span that ran (span_tokens after context tokens of
-                    K/V; logits: whether the LM head and the scored-token loss ran)
+                    K/V; logits: whether the LM head and the scored-token loss ran; pass_id: the
+                    packed pass it shared with other sources)
     DeferredRecord  work that runs after the sources it belongs to: an OPD trajectory's
                     context replay ("replay": the spans pushed back through, recomputed or
                     retained) or a shared prompt's backward ("prefix")
@@ -58,6 +59,9 @@ class SourceRecord:
     span_tokens: int = 0  # tokens forwarded (and backpropagated) by its service
     context: int = 0  # K/V positions it attended to before its span
     logits: bool = False  # the LM head and the scored-token loss ran
+    # packed serving: the pass (numbered per update and rank) it ran in with other sources;
+    # start/end/cpu are then its share of the pass, split by span tokens; None: alone
+    pass_id: int | None = None
     kind: Literal["source"] = "source"  # fixed per class
 
     @property
