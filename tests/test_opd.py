@@ -26,8 +26,11 @@ def opd_runs(tiny_qwen2, tmp_path_factory):
     common = ["--model", tiny_qwen2, "--batch", batch, "--objective", "opd", "--lr", "1e-5",
               "--save-grads", "all"]
     jobs = {  # one torchrun launch (each job its own Policy/Learner, see replay_many)
-        "sync": ["--schedule", "sync", "--accum-dtype", "fp64"],
-        "thundersync": ["--schedule", "thundersync", "--accum-dtype", "fp64"],
+        # fp64: arrival-order independence, which needs one turn per pass (a packed pass's
+        # FP32 gradient depends on its company; docs/numerics.md)
+        "sync": ["--schedule", "sync", "--accum-dtype", "fp64", "--max-tokens-per-pass", "0"],
+        "thundersync": ["--schedule", "thundersync", "--accum-dtype", "fp64",
+                        "--max-tokens-per-pass", "0"],
         "thundersync_fp32": ["--schedule", "thundersync"],
         "sync_fp32": ["--schedule", "sync"],
         "retain": ["--schedule", "thundersync", "--opd-replay", "retain"],

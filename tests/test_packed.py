@@ -253,7 +253,11 @@ def test_off_policy_weights_per_token_in_a_pack(tiny_qwen2, parallel1):
 
 
 def test_budget_edges(tiny_qwen2, parallel1):
-    srcs = _grpo()
+    rows = sorted(make_batch(VOCAB, n_groups=4, m=3, seed=2), key=lambda r: r["ready_order"])
+    long = next(r for r in rows if r["group_id"].endswith("g2"))
+    long["tokens"] = long["tokens"] + [7, 8, 9] * 12  # longer than any two others together
+    long["scored_mask"] = long["scored_mask"] + [1, 1, 0] * 12
+    srcs = [TrajectorySource.from_json(r) for r in rows]
     lens = {s.traj_id: s.n_tokens for s in srcs if s.n_scored}
     # 0: today's path, one source per forward/backward
     zero = _update(_learner(tiny_qwen2, parallel1, schedule="sync", shared_prefix=False,
