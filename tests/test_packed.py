@@ -16,6 +16,7 @@ import torch
 from tsync_mcore.model import bridge
 from tsync_mcore.model.packed import Segment, block_mask, lm_head, packed_forward
 from tsync_mcore.model.span import KV, detached_leaves, span_forward
+from tsync_mcore.sources import BatchPlan, TrajectorySource
 
 FP64 = 1e-12
 
@@ -132,6 +133,62 @@ def test_varlen_path_matches_segments_on_gpu(tiny_qwen2):
         a = packed_forward(model, [Segment(*s) for s in segs], attention="segments")
         b = packed_forward(model, [Segment(*s) for s in segs], attention="varlen")
     assert (a.hidden.float() - b.hidden.float()).abs().max() < 5e-2
+
+
+# --- the queue: what one pass takes ----------------------------------------------------------
+
+def test_next_pack_rules():
+    from tsync_mcore.schedule import ReadinessQueue
+    from tsync_mcore.sources import TurnSource
+
+    def turn(t, g, j, n=3):
+        return TurnSource(t, g, j, n, 4 * j, (1, 2, 3, 4), (0, 1, 1, 1),
+                          (None, -1.0, -1.0, -1.0), 0)
+
+    plan = BatchPlan()
+    plan.add_group("A", ["a0", "a1"])
+    plan.add_group("B", ["b0", "b1"])
+    size, yes = (lambda u: 4), (lambda u: True)
+    # sync, OPD-like units: each pass takes at most one turn per trajectory, in order;
+    # k_open 1 holds B back until A has run, the pass that closes A included
+    q = ReadinessQueue("sync", plan, k_open=1)
+    for t, g in (("a0", "A"), ("a1", "A"), ("b0", "B"), ("b1", "B")):
+        for j in range(3):
+            q.arrive(turn(t, g, j))
+    q.complete("A"), q.complete("B")
+    q.close()
+    passes = []
+    while (p := q.next_pack(100, size, yes)):
+        passes.append([(s.source.traj_id, s.source.turn) for s in p])
+    assert all(len({t for t, _ in p}) == len(p) for p in passes)
+    assert passes[0] == [("a0", 0), ("a1", 0)]
+    assert all(len({t[0] for t, _ in p}) == 1 for p in passes)  # one group per pass
+    assert sum(len(p) for p in passes) == 12 and len(passes) == 6
+    # the budget: 2 units of 4 tokens; the first always runs, however long
+    q = ReadinessQueue("sync", plan, k_open=4)
+    for t, g in (("a0", "A"), ("a1", "A"), ("b0", "B"), ("b1", "B")):
+        q.arrive(_traj(t, g))
+    q.complete("A"), q.complete("B")
+    q.close()
+    assert len(q.next_pack(8, size, yes)) == 2
+    assert len(q.next_pack(3, size, yes)) == 1  # longer than the budget: alone
+    assert len(q.next_pack(8, size, lambda u: False)) == 1  # not packable: alone
+    # thundersync: a unit of an incomplete group folds into its pair, never packed
+    q = ReadinessQueue("thundersync", plan, k_open=4)
+    q.arrive(_traj("a0", "A"))
+    q.arrive(_traj("b0", "B"))
+    p = q.next_pack(100, size, yes)
+    assert [(s.source.traj_id, s.fold) for s in p] == [("a0", "pair")]
+    q.arrive(_traj("b1", "B"))
+    q.complete("B")  # B's members are now direct: they share a pass
+    q.arrive(_traj("a1", "A"))
+    p = q.next_pack(100, size, yes)
+    assert [(s.source.traj_id, s.fold) for s in p] == [("b0", "direct"), ("b1", "direct")]
+    assert p[-1].closes_group and p[-1].last_here
+
+
+def _traj(t, g):
+    return TrajectorySource(t, g, (1, 2, 3), (0, 1, 1), 1.0, 0)
 
 
 # --- the learner: packed vs one-by-one service ---------------------------------------------
@@ -304,3 +361,30 @@ def test_config_key(tmp_path):
     assert load_config(None, {}).learner.max_tokens_per_pass == 16384
     with pytest.raises(ConfigError, match="learner.max_tokens_per_pass.*must be >= 0"):
         load_config(None, {"learner.max_tokens_per_pass": -1})
+
+
+def test_tensor_parallel_two_ranks(tiny_ckpts, tmp_path):
+    """TP = 2 (vocab-parallel head and log-prob, every collective once per pass on both
+    ranks): packed == one by one, GRPO with shared prompts and OPD, under sync."""
+    from batchgen import write_batches, write_opd_batches
+    from safetensors.torch import load_file
+    from test_learner import replay_many
+    hf_dir = tiny_ckpts["qwen3"]
+    grpo, opd = str(tmp_path / "grpo.jsonl"), str(tmp_path / "opd.jsonl")
+    write_batches(grpo, VOCAB, n_updates=1, seed=4)
+    write_opd_batches(opd, VOCAB, n_updates=1, seed=4, turns=3)
+    jobs = {}
+    for name, batch, flags in (("grpo", grpo, []), ("opd", opd, ["--objective", "opd"])):
+        for pack in ("0", "16384"):
+            jobs[f"{name}_{pack}"] = ["--model", hf_dir, "--batch", batch, "--tp", "2",
+                                      "--schedule", "sync", "--max-tokens-per-pass", pack,
+                                      *flags]
+    out = replay_many(jobs, str(tmp_path))
+    for name in ("grpo", "opd"):
+        one, packed = (load_file(f"{out[f'{name}_{p}']['dir']}/grad.safetensors")
+                       for p in ("0", "16384"))
+        err = rel_l2(packed, one)
+        recs = trace.sources(trace.read(f"{out[f'{name}_16384']['dir']}/trace_rank0.jsonl"))
+        print(f"{name} TP=2 packed vs one by one: rel L2 {err:.2e}")
+        assert out[f"{name}_16384"]["summary"]["tp"] == 2
+        assert err <= 1e-6 and any(r.pass_id is not None for r in recs)

@@ -174,18 +174,23 @@ class ReadinessQueue:
         if first.source is None or first.fold != "direct" or not packable(first.source):
             return [first]
         pack, used, trajs = [first], size(first.source), {first.source.traj_id}
+        # groups closed by a unit of this pass still hold their state until it has run
+        closing = {first.group_id} if first.closes_group else set()
         for u in list(self._continuing.values()) + list(self._starting.values()):
             if used >= budget:
                 break
             if u.traj_id in trajs or u.group_id not in self._complete or not packable(u):
                 continue
             opens = u.group_id not in self._open and self._opens(u)
-            if opens and not (may_open and self._admissible(u)):
+            if opens and not (may_open and self._admissible(u)
+                              and len(self._open) + len(closing) < self.k_open):
                 continue
             n = size(u)
             if used + n > budget:
                 continue
             pack.append(self._take(u))
+            if pack[-1].closes_group:
+                closing.add(u.group_id)
             used += n
             trajs.add(u.traj_id)
         return pack

@@ -210,8 +210,8 @@ class TurnKind:
             ctx.turns.append(turn)
             if turn.turn < turn.n_turns - 1:
                 # own storage: a view would keep the whole pass's K/V alive with it
-                self._hold(turn.group_id, ctx.add_leaves([KV(x.k.detach().clone(), x.v.detach().clone())
-                                                         for x in kv]))
+                own = [KV(x.k.detach().clone(), x.v.detach().clone()) for x in kv]
+                self._hold(turn.group_id, ctx.add_leaves(own))
             spans.append(dict(span_tokens=len(seg.tokens), context=offset, logits=True))
         return spans
 
