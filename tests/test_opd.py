@@ -251,4 +251,6 @@ def test_opd_admission_k_open_and_byte_budget(tiny_qwen2, tmp_path):
     for name in ("one", "solo", "b_group_ready", "b_thundersync"):
         err = rel_l2(load_file(str(tmp_path / name / "grad.safetensors")), ref)
         print(f"OPD admission {name} vs unconstrained: {err:.2e}")
-        assert err <= 1e-12
+        # FP64 sums, but packed passes (the default) hold different turns under each
+        # admission, and a pass's FP32 gradient depends on its company (docs/numerics.md)
+        assert err <= 1e-6
