@@ -5,6 +5,8 @@
     submit(source)    validate → release per schedule → serve what is servable: forward,
                       fused scored log-prob, backward into the grad buffers, fold into the
                       group's own sums or, once the group is complete, into the batch
+                      (those direct folds of several units run as one packed pass, up to
+                      learner.max_tokens_per_pass tokens, and fold once)
     group_rewards()   (balanced routing) the rewards of members served on other ranks
     drop_group()      a group leaves the update (a rejected member on the live path): its
                       open sums and contexts are discarded, nothing of it trains
