@@ -613,17 +613,14 @@ def resolve(cfg: Config) -> list[str]:
         rc.dtype = choose("rollout.dtype", mc.dtype, "follows model.dtype")
     # Span forwards (OPD turns, GRPO shared prompts; model/span.py) need the local layer
     # spec: TE's core attention has no mask for queries shorter than keys.
-    spans = ("OPD" if opd else "learner.shared_prefix" if lc.shared_prefix
-             else "learner.max_tokens_per_pass (packed forwards)" if lc.max_tokens_per_pass
-             else "")
+    spans = "OPD" if opd else "learner.shared_prefix" if lc.shared_prefix else ""
     if mc.spec == "auto" or mc.spec == "te" or mc.attention == "auto":
         gpu = _on_gpu()
         te = gpu and _te_available()
         if mc.spec == "te":
             _check(not spans, "model.spec", f"'te' cannot run the span forwards "
                    f"(model/span.py) that {spans} needs: use 'local' or 'auto'"
-                   + (", or learner.shared_prefix: false and learner.max_tokens_per_pass: 0"
-                      if not opd else ""))
+                   + (", or learner.shared_prefix: false" if not opd else ""))
             _check(te, "model.spec", "'te' needs CUDA and an importable transformer_engine")
         if mc.spec == "auto":
             why = ("no CUDA" if not gpu else "transformer_engine not importable" if not te
