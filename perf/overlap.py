@@ -42,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tsync_mcore import predict, trace  # noqa: E402
+from tsync_mcore.config import LearnerConfig  # noqa: E402
 from tsync_mcore.channel import (Ack, ChannelTimeout, CloseBatch, GroupRewards,  # noqa: E402
                                  Hello, Publish, RegisterBatch, TrajectoryMsg, TurnMsg,
                                  load_or_create_secret, open_rollout_side)
@@ -238,6 +239,7 @@ class RecordedWorkload:
 
 
 SCHEDULES = SYNC_SCHEDULES + ASYNC_SCHEDULES
+PACK_DEFAULT = LearnerConfig.max_tokens_per_pass  # the learner's default token budget per pass
 SEGMENT = 4  # updates an asynchronous schedule plays per round (a pipeline needs several)
 STEADY_FROM = 2  # of those, the first ones fill the pipeline and are not measured
 
@@ -316,7 +318,7 @@ class HostSetup:
 def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio: float, rounds: int,
              warmup: int = 1, k_open: int | None = None, host: HostSetup = HostSetup(),
              routing: str = "balanced", schedules: tuple[str, ...] = SCHEDULES,
-             max_staleness: int = 1) -> list[dict]:
+             max_staleness: int = 1, max_tokens_per_pass: int = PACK_DEFAULT) -> list[dict]:
     """Launch 2 learner ranks, play the cell's updates, return the metrics rows (each with
     the Step that produced it, its R and the simulator's release lag).
 
@@ -340,7 +342,10 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
             "run.publish=file",  # the scripted rollout reads the published file
             f"learner.objective={work.objective}", f"learner.k_open={k_open}",
             "channel.timeout_s=300", f"channel.realtime_io={str(host.realtime_io).lower()}",
-            f"learner.max_staleness={max_staleness}"]
+            f"learner.max_staleness={max_staleness}",
+            # packed serving: the sync baseline packs its sources into micro-batches as a
+            # verl/slime learner does, so every speedup is over that baseline
+            f"learner.max_tokens_per_pass={max_tokens_per_pass}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")  # one core per learner rank
     learner = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -700,6 +705,12 @@ def _dispatch(records: list[Record], updates: set[int], streaming: bool) -> dict
     return dict(dispatch_overhead=d["all"], dispatch_idle=d["idle"], dispatch_idle_n=d["n_idle"])
 
 
+def _packed_share(records: list[Record], updates: set[int]) -> float:
+    """Share of the served sources that ran in a packed pass with others."""
+    srcs = [r for r in trace.sources(records) if r.served and r.update in updates]
+    return sum(r.pass_id is not None for r in srcs) / len(srcs) if srcs else 0.0
+
+
 def _serve_cpu(records: list[Record], updates: set[int]) -> float:
     """Serving-thread CPU seconds per update, summed over ranks."""
     return sum(r.cpu for r in trace.work(records) if r.update in updates) / len(updates)
@@ -780,7 +791,8 @@ def _group_ready_step(records: list[Record], R: float, P: float) -> float:
 def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
          rounds: int, warmup: int = 1, host: HostSetup = HostSetup(), routing: str = "balanced",
          recorded: RecordedWorkload | None = None, schedules: tuple[str, ...] = SCHEDULES,
-         max_staleness: int = 1, **workload) -> list[dict]:
+         max_staleness: int = 1, max_tokens_per_pass: int = PACK_DEFAULT,
+         **workload) -> list[dict]:
     """The schedules at one (objective, ratio, batch), paired round by round.
     `workload`: other Workload fields (lengths, group size, turns); `recorded`: replay a
     real run's release trace instead (its objective and batch override the arguments)."""
@@ -792,7 +804,8 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
     tag = "-recorded" if recorded is not None else ""
     d = os.path.join(out_dir, f"{objective}-r{ratio}-b{batch}{tag}")
     played = run_cell(hf_dir, d, work, ratio, rounds, warmup, host=host, routing=routing,
-                      schedules=schedules, max_staleness=max_staleness)
+                      schedules=schedules, max_staleness=max_staleness,
+                      max_tokens_per_pass=max_tokens_per_pass)
     rows = [r for r in played if not r["calibration"] and not r["warmup"] and r["steady"]]
     pred = {u["update"]: u for u in predict.analyze_run(d, warmup=0)["updates"]}
     entries = trace.read_run(d)
@@ -827,6 +840,8 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
         out.append(dict(
             objective=objective, schedule=schedule, ratio=ratio, batch=batch, rounds=rounds,
             routing=routing if objective == "grpo" else "static",
+            max_tokens_per_pass=max_tokens_per_pass,  # 0: one source per pass
+            packed_share=_packed_share(entries, set(ups)),
             workload="recorded" if recorded is not None else "model",
             R_s=mean(r["R_s"] for r in mine), L_s=L_sync,
             # R over the learner time the sync updates actually took (noise shows here);

@@ -7,7 +7,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overlap import SCHEDULES, HostSetup, RecordedWorkload, cell, mark_busy_host  # noqa: E402
+from overlap import (PACK_DEFAULT, SCHEDULES, HostSetup, RecordedWorkload, cell,  # noqa: E402
+                     mark_busy_host)
 
 from tsync_mcore.channel.link import realtime_io_permitted  # noqa: E402
 
@@ -39,6 +40,10 @@ def main() -> None:
     p.add_argument("--release-trace", metavar="RUN_DIR", default=None,
                    help="replay a real run's release trace (a learner run.dir: traces/ and "
                         "metrics.jsonl) instead of the paper's model; objective and batch come from it")
+    p.add_argument("--max-tokens-per-pass", type=int, default=PACK_DEFAULT,
+                   help="learner.max_tokens_per_pass: sources packed per forward/backward "
+                        f"(default {PACK_DEFAULT}: sync packs its micro-batches like verl/slime; "
+                        "0: one source per pass)")
     p.add_argument("--routing", default="balanced", choices=["balanced", "static"],
                    help="GRPO: trajectory → least-loaded rank (default) or group → fixed rank")
     p.add_argument("--trace-token-scale", type=float, default=1.0,
@@ -51,6 +56,8 @@ def main() -> None:
                 f"{', '.join(SCHEDULES)}; sync is the baseline every speedup is over)")
     if args.max_staleness < 1:
         p.error("--max-staleness must be >= 1")
+    if args.max_tokens_per_pass < 0:
+        p.error("--max-tokens-per-pass must be >= 0 (0: one source per pass)")
     recorded = None
     if args.release_trace:  # read first: a damaged trace fails before any set-up
         try:
@@ -85,10 +92,18 @@ def main() -> None:
         print("note: SCHED_FIFO not permitted here (CAP_SYS_NICE); the simulator and channel "
               "threads share the learners' cores at normal priority", flush=True)
     host = HostSetup(batch_sched=not args.normal_sched, realtime_io=realtime, pin=not args.no_pin)
+    pack = args.max_tokens_per_pass
+    print(f"baseline: sync packs direct-fold sources into passes of up to {pack} tokens "
+          f"(learner.max_tokens_per_pass), as a verl/slime learner packs micro-batches; "
+          f"every speedup is over that sync" if pack else
+          "baseline: one source per forward/backward (--max-tokens-per-pass 0): sync is NOT "
+          "packed here, so speedups are over a weaker baseline than a verl/slime user runs",
+          flush=True)
     rows = []
     for job in jobs:
         new = cell(hf_dir, work, rounds=args.rounds, host=host, routing=args.routing,
-                   schedules=schedules, max_staleness=args.max_staleness, **job)
+                   schedules=schedules, max_staleness=args.max_staleness,
+                   max_tokens_per_pass=pack, **job)
         _print(new)
         rows += new
     for c in mark_busy_host(rows):
@@ -110,6 +125,7 @@ def _print(rows: list[dict]) -> None:
               + (f"  service/sync {r['service_vs_sync']:.3f} (arriving "
                  f"{r['service_vs_sync_arriving']:.3f})"
                  if r.get("service_vs_sync_arriving") is not None else "")
+              + f"  packed {100 * r['packed_share']:.0f}%"
               + f"  policy lag {r['policy_lag_mean']:.2f}/{r['policy_lag_max']}"
               + f"  release lag {r['release_lag_ms']:.1f}/{r['release_lag_max_ms']:.0f}ms"
               + (f"  dispatch {100 * r['dispatch_overhead']:.2f}% (idle lane "

@@ -257,7 +257,9 @@ def test_opd_through_the_channel_matches_replayed_sync(tiny_llama, tmp_path):
 
     batch = str(tmp_path / "opd.jsonl")
     rows = write_opd_batches(batch, 256, n_updates=2, seed=5, n_traj=8, turns=3)
-    fp64 = ["learner.objective=opd", "learner.accum_dtype=fp64"]
+    # one turn per pass: FP64 accumulators make the order not matter, but a packed pass's
+    # FP32 gradient depends on which turns arrived together (docs/numerics.md)
+    fp64 = ["learner.objective=opd", "learner.accum_dtype=fp64", "learner.max_tokens_per_pass=0"]
     port = free_port()
     proc = start_learner(tiny_llama, str(tmp_path / "run"), port, updates=2, extra=fp64)
     links = rollout_links(port, str(tmp_path / "run"))
@@ -290,6 +292,7 @@ def test_opd_through_the_channel_matches_replayed_sync(tiny_llama, tmp_path):
             link.close()
     ref = replay(tiny_llama, batch, str(tmp_path / "replay"), 2, "--objective", "opd",
                  "--schedule", "sync", "--accum-dtype", "fp64", "--lr", "1e-4",
+                 "--max-tokens-per-pass", "0",
                  "--config", os.path.join(ROOT, "configs/grpo_cpu_tiny.yaml"))
     want = load_file(os.path.join(ref["out"], "params.safetensors"))
     theta0 = load_file(os.path.join(tiny_llama, "model.safetensors"))

@@ -85,9 +85,13 @@ def runs(tiny_qwen2, tmp_path_factory):
         "thundersync_balanced": (batch, ["--schedule", "thundersync", "--k-open", "2",
                                          "--routing", "balanced"]),
         "group_ready_balanced": (perm, ["--schedule", "group_ready", "--routing", "balanced"]),
-        "sync_fp64acc": (batch, ["--schedule", "sync", "--accum-dtype", "fp64"]),
+        # FP64 accumulators: order independence, with one source per pass (a packed pass's
+        # FP32 gradient depends on its company; docs/numerics.md)
+        "sync_fp64acc": (batch, ["--schedule", "sync", "--accum-dtype", "fp64",
+                                 "--max-tokens-per-pass", "0"]),
         "thundersync_perm_fp64acc": (perm, ["--schedule", "thundersync", "--k-open", "1",
-                                            "--accum-dtype", "fp64"]),
+                                            "--accum-dtype", "fp64",
+                                            "--max-tokens-per-pass", "0"]),
     }
     jobs = {n: ["--model", tiny_qwen2, "--batch", b, *f, *common] for n, (b, f) in jobs.items()}
     again = {"thundersync_again": jobs.pop("thundersync_again")}

@@ -26,8 +26,11 @@ def opd_runs(tiny_qwen2, tmp_path_factory):
     common = ["--model", tiny_qwen2, "--batch", batch, "--objective", "opd", "--lr", "1e-5",
               "--save-grads", "all"]
     jobs = {  # one torchrun launch (each job its own Policy/Learner, see replay_many)
-        "sync": ["--schedule", "sync", "--accum-dtype", "fp64"],
-        "thundersync": ["--schedule", "thundersync", "--accum-dtype", "fp64"],
+        # fp64: arrival-order independence, which needs one turn per pass (a packed pass's
+        # FP32 gradient depends on its company; docs/numerics.md)
+        "sync": ["--schedule", "sync", "--accum-dtype", "fp64", "--max-tokens-per-pass", "0"],
+        "thundersync": ["--schedule", "thundersync", "--accum-dtype", "fp64",
+                        "--max-tokens-per-pass", "0"],
         "thundersync_fp32": ["--schedule", "thundersync"],
         "sync_fp32": ["--schedule", "sync"],
         "retain": ["--schedule", "thundersync", "--opd-replay", "retain"],
@@ -248,4 +251,6 @@ def test_opd_admission_k_open_and_byte_budget(tiny_qwen2, tmp_path):
     for name in ("one", "solo", "b_group_ready", "b_thundersync"):
         err = rel_l2(load_file(str(tmp_path / name / "grad.safetensors")), ref)
         print(f"OPD admission {name} vs unconstrained: {err:.2e}")
-        assert err <= 1e-12
+        # FP64 sums, but packed passes (the default) hold different turns under each
+        # admission, and a pass's FP32 gradient depends on its company (docs/numerics.md)
+        assert err <= 1e-6

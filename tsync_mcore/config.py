@@ -133,6 +133,11 @@ class LearnerConfig:
     max_open_bytes: int = 0
     # Longest source (a GRPO trajectory, an OPD turn's end) accepted; 0: the model's positions.
     max_tokens: int = 0
+    # Packed serving: sources whose coefficients are known when they run (direct folds) go
+    # through one forward/backward together, up to this many tokens per pass (a longer one
+    # runs alone); same update as one by one (docs/learner.md). 0: one source per pass.
+    # 16384 is verl's default ppo_max_token_len_per_gpu: the packed micro-batch a verl user runs.
+    max_tokens_per_pass: int = 16384
     # A non-finite reduced gradient never steps (θ and the optimizer stay as they were);
     # "stop" ends the run with the reason, "drop_batch" goes on with the next batch on θ_k.
     on_nonfinite: Literal["stop", "drop_batch"] = "stop"
@@ -159,6 +164,8 @@ class LearnerConfig:
                f"must be >= 0 (0: no byte budget), got {self.max_open_bytes}")
         _check(self.max_tokens >= 0, "learner.max_tokens",
                f"must be >= 0 (0: the model's positions), got {self.max_tokens}")
+        _check(self.max_tokens_per_pass >= 0, "learner.max_tokens_per_pass",
+               f"must be >= 0 (0: one source per pass), got {self.max_tokens_per_pass}")
         _check(self.max_staleness >= 1, "learner.max_staleness",
                f"must be >= 1, got {self.max_staleness}")
         _check(self.is_cap >= 1, "learner.is_cap", f"must be >= 1, got {self.is_cap}")

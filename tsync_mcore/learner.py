@@ -5,6 +5,8 @@
     submit(source)    validate → release per schedule → serve what is servable: forward,
                       fused scored log-prob, backward into the grad buffers, fold into the
                       group's own sums or, once the group is complete, into the batch
+                      (those direct folds of several units run as one packed pass, up to
+                      learner.max_tokens_per_pass tokens, and fold once)
     group_rewards()   (balanced routing) the rewards of members served on other ranks
     drop_group()      a group leaves the update (a rejected member on the live path): its
                       open sums and contexts are discarded, nothing of it trains
@@ -21,6 +23,7 @@ intact.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -85,6 +88,14 @@ class Learner:
         self.max_tokens = min(policy.spec.max_position, cfg.max_tokens or policy.spec.max_position)
         # learner.is_correction/is_cap, and the mismatch sums of the sources served since close
         self.off_policy = OffPolicy(cfg.is_correction, cfg.is_cap, policy.device)
+        # Packed serving (learner.max_tokens_per_pass): direct-fold units run together in
+        # one forward/backward; 0 (or a model that cannot run packed forwards): one by one.
+        self.pack_budget = cfg.max_tokens_per_pass
+        why = policy.packable if self.pack_budget else None
+        if why is not None:
+            print(f"learner: learner.max_tokens_per_pass={self.pack_budget} but sources are "
+                  f"served one by one: {why}", file=sys.stderr, flush=True)
+            self.pack_budget = 0
         self.plan: BatchPlan | None = None
 
     # --- register -------------------------------------------------------------------------
@@ -124,6 +135,7 @@ class Learner:
         self.rejected: list[tuple[str, str]] = []  # (source, why), refused here
         self.nonfinite: list[str] = []  # check_finite=source: the unit that broke the sums
         self.open_peak_bytes = 0
+        self.passes = 0  # packed passes run in this batch (SourceRecord.pass_id)
         self.acc.reset()
         self.off_policy.reset()  # an aborted batch's mismatch is not this one's
         try:
@@ -170,12 +182,21 @@ class Learner:
         self._drain()
 
     def serve_next(self) -> bool:
-        """Serve the next servable unit; False when there is none now."""
-        svc = self.queue.next()
-        if svc is None:
-            return False
-        self._serve(svc)
-        return True
+        """Serve the next servable unit (with packing: the next pass, which may hold several
+        units); False when there is none now."""
+        if not self.pack_budget:
+            svc = self.queue.next()
+            if svc is None:
+                return False
+            self._serve(svc)
+            return True
+        pack = self.queue.next_pack(self.pack_budget, self.kind.pack_tokens,
+                                    self.kind.packable, may_open=not self.cfg.max_open_bytes)
+        if len(pack) > 1:
+            self._serve_pack(pack)
+        elif pack:
+            self._serve(pack[0])  # alone: exactly the one-by-one path
+        return bool(pack)
 
     def _check(self, src) -> None:
         if self.plan is None:
@@ -239,6 +260,45 @@ class Learner:
             self.kind.finish(svc)
             self._check_finite(g, f"the close of group {g!r} (its shared prompt and sum)")
 
+    def _serve_pack(self, pack: list[Service]) -> None:
+        """Direct-fold units of different trajectories in one forward/backward (the
+        gradient is linear in their losses, each carrying its own coefficient), folded once;
+        then each one's deferred work and group finish as if served alone, in order.
+
+        Trace: each source keeps its own span (the pass's FLOPs are the sum of its
+        segments'), `pass_id` names the pass, and the pass's wall and CPU time are split
+        over its sources in proportion to their span tokens, as consecutive intervals, so
+        that busy time (Σ end − start) stays the pass's time."""
+        start, cpu0 = self.now(), time.thread_time()
+        spans = self.kind.serve_pack(pack)  # its tensors are freed by now: timed too
+        end, cpu = self.now(), time.thread_time() - cpu0
+        self.passes += 1
+        total = sum(s["span_tokens"] for s in spans) or 1
+        t = start
+        for svc, span in zip(pack, spans):
+            src, g = svc.source, svc.group_id
+            share = span["span_tokens"] / total
+            rec = self.records[src.key]
+            rec.start, rec.end, rec.cpu = t, t + (end - start) * share, cpu * share
+            t = rec.end
+            rec.fold, rec.closes_group = svc.fold, svc.closes_group
+            rec.open_groups = self.queue.open_groups
+            rec.span_tokens, rec.context, rec.logits = (span["span_tokens"], span["context"],
+                                                        span["logits"])
+            rec.pass_id = self.passes
+            self.trace.append(rec)
+            self.scored[g] = self.scored.get(g, 0) + src.n_scored
+            self.lag_sums[src.key] = self._lag(src)[0]
+        self.open_peak_bytes = max(self.open_peak_bytes, self.open_bytes())
+        for svc in pack:
+            src, g = svc.source, svc.group_id
+            self.kind.after(svc)
+            self._check_finite(g, f"{type(src).__name__} {src.key!r} (group {g!r}, packed "
+                                  f"pass {self.passes})")
+            if svc.last_here:
+                self.kind.finish(svc)
+                self._check_finite(g, f"the close of group {g!r} (its shared prompt and sum)")
+
     def _check_finite(self, g: str, what: str) -> None:
         """learner.check_finite=source: name the first unit after which the sums this rank
         holds are not finite (checking once per source costs one pass over them)."""
@@ -248,10 +308,11 @@ class Learner:
 
     # --- what the serving parts call back -------------------------------------------------
 
-    def fold_direct(self, g: str, grads: list[torch.Tensor], coef: float) -> None:
-        """batch += coef·grads: once there, the group cannot be taken out of the update."""
+    def fold_direct(self, g: str | list[str], grads: list[torch.Tensor], coef: float) -> None:
+        """batch += coef·grads: once there, the group (every group of a packed pass) cannot
+        be taken out of the update."""
         self.acc.fold_direct(grads, coef)
-        self.committed.add(g)
+        self.committed.update([g] if isinstance(g, str) else g)
 
     def defer(self, rec: DeferredRecord) -> None:
         self.trace.append(rec)

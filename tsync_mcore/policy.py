@@ -16,7 +16,7 @@ import torch.distributed as dist
 import tsync_mcore.kernels as K
 from tsync_mcore.kernels import lm_head
 from tsync_mcore.config import Config
-from tsync_mcore.model import bridge, span, train
+from tsync_mcore.model import bridge, packed, span, train
 from tsync_mcore.model.parallel import ParallelInfo, init_parallel
 from tsync_mcore.objectives.off_policy import (OffPolicy, behaviour_at, scored_positions,
                                                weighted_logp_sum)
@@ -156,6 +156,27 @@ class Policy:
         Its output (logits, or the fused head's `bridge.HeadInput`) goes to `scored_logprob`."""
         return span.span_forward(self.ddp, ids, offset, past, want_logits=want_logits,
                                  stop_after_kv=stop_after_kv, fused_head=self.fused_head)
+
+    # --- several sources in one pass (packed serving, docs/learner.md) --------------------
+
+    @property
+    def packable(self) -> str | None:
+        """None when the model can run packed forwards (model/packed.py), else why not."""
+        return packed.supported(self.ddp)
+
+    def packed_logprobs(self, segments: list[packed.Segment], scored: list[list[int]]
+                        ) -> tuple[list[torch.Tensor], list[list[span.KV]]]:
+        """One packed forward of `segments`: per segment, log π of its tokens at positions
+        `scored[i]` (indices into the segment, each ≥ 1: scored from the row before, with
+        the graph), and its K/V per layer (graph-attached). The caller sums the segments'
+        losses and backpropagates once; the gradient is the sum of the one-by-one ones."""
+        out = packed.packed_forward(self.ddp, segments)
+        ids = torch.cat([s.tokens for s in segments])
+        pos = torch.tensor([a + p for a, ps in zip(out.starts, scored) for p in ps],
+                           dtype=torch.long, device=self.device)
+        logits = packed.lm_head(self.ddp, out.hidden)  # the one place the LM head runs
+        logp = self.scored_logprob(logits, ids, pos)
+        return list(logp.split([len(ps) for ps in scored])), out.kv
 
     def grad_buffers(self) -> list[torch.Tensor]:
         return self._buffers

@@ -299,6 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="learner.accum: where the accumulators live")
     p.add_argument("--accum-dtype", default=None, choices=["fp32", "fp64"],
                    help="learner.accum_dtype (fp64: independent of arrival order)")
+    p.add_argument("--max-tokens-per-pass", type=int, default=None,
+                   help="learner.max_tokens_per_pass (0: one source per forward/backward)")
     p.add_argument("--lr", type=float, default=None, help="optim.lr")
     p.add_argument("--seed", type=int, default=None, help="seed (config key `seed`)")
     p.add_argument("--save-grads", default="last", choices=["last", "all"],
@@ -325,6 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
                      ("learner.max_staleness", args.max_staleness),
                      ("learner.is_correction", args.is_correction),
                      ("learner.is_cap", args.is_cap),
+                     ("learner.max_tokens_per_pass", args.max_tokens_per_pass),
                      ("optim.lr", args.lr), ("seed", args.seed)]:
         if val is not None:
             overrides[key] = val

@@ -158,8 +158,45 @@ class ReadinessQueue:
             self._open.discard(g)
             return Service(g, None, "pair", closes_group=True, last_here=True)
         u = self._choose()
-        if u is None:
-            return None
+        return None if u is None else self._take(u)
+
+    def next_pack(self, budget: int, size: Callable[[Unit], int],
+                  packable: Callable[[Unit], bool], may_open: bool = True) -> list[Service]:
+        """The next work as one pass: `next()`, and when that is a direct-fold unit that
+        `packable` accepts, more such units — of other trajectories (a unit needs its
+        trajectory's previous one served), in the order `next()` would give them — while
+        their `size` sums to at most `budget` (the first always runs, however long).
+        `may_open=False`: a unit that would open a group joins no pack (a byte budget
+        estimates each new group against what open groups hold after a pass). Empty: none."""
+        first = self.next()
+        if first is None:
+            return []
+        if first.source is None or first.fold != "direct" or not packable(first.source):
+            return [first]
+        pack, used, trajs = [first], size(first.source), {first.source.traj_id}
+        # groups closed by a unit of this pass still hold their state until it has run
+        closing = {first.group_id} if first.closes_group else set()
+        for u in list(self._continuing.values()) + list(self._starting.values()):
+            if used >= budget:
+                break
+            if u.traj_id in trajs or u.group_id not in self._complete or not packable(u):
+                continue
+            opens = u.group_id not in self._open and self._opens(u)
+            if opens and not (may_open and self._admissible(u)
+                              and len(self._open) + len(closing) < self.k_open):
+                continue
+            n = size(u)
+            if used + n > budget:
+                continue
+            pack.append(self._take(u))
+            if pack[-1].closes_group:
+                closing.add(u.group_id)
+            used += n
+            trajs.add(u.traj_id)
+        return pack
+
+    def _take(self, u: Unit) -> Service:
+        """Serve `u` now: the queue's bookkeeping, and its Service."""
         g = u.group_id
         if g not in self._open and self._opens(u):
             self._open.add(g)

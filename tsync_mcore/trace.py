@@ -6,7 +6,8 @@ ledger, the predictor, the report and the benchmarks through the same types:
     SourceRecord    one source (a GRPO trajectory, an OPD turn): when it was ready, when it
                     was served (start/end/cpu; None if it was not served on this rank), how
                     it folded, and the span that ran (span_tokens after context tokens of
-                    K/V; logits: whether the LM head and the scored-token loss ran)
+                    K/V; logits: whether the LM head and the scored-token loss ran; pass_id: the
+                    packed pass it shared with other sources)
     DeferredRecord  work that runs after the sources it belongs to: an OPD trajectory's
                     context replay ("replay": the spans pushed back through, recomputed or
                     retained) or a shared prompt's backward ("prefix")
@@ -29,7 +30,7 @@ import types
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Iterable, Literal, Union, get_args, get_origin, get_type_hints
 
-SCHEMA_VERSION = 2  # 2: UpdateRecord.head_peak_bytes, SourceRecord.fused_head
+SCHEMA_VERSION = 2  # 2: UpdateRecord.head_peak_bytes, SourceRecord.fused_head and pass_id
 
 
 class TraceError(ValueError):
@@ -61,6 +62,9 @@ class SourceRecord:
     # the fused LM head ran (learner.fused_lm_head): only the scored positions were projected
     # to the vocabulary, and their logits recomputed in backward
     fused_head: bool = False
+    # packed serving: the pass (numbered per update and rank) it ran in with other sources;
+    # start/end/cpu are then its share of the pass, split by span tokens; None: alone
+    pass_id: int | None = None
     kind: Literal["source"] = "source"  # fixed per class
 
     @property

@@ -42,8 +42,11 @@ def grad(result) -> dict:
 
 
 def main(hf_dir: str) -> None:
+    # One turn per pass: the order checked here is among one-by-one services (packed
+    # passes are tests/test_packed.py's), and ≤ 1e-12 needs the same per-turn FP32 pass.
     cfg = load_config(None, {"model.hf_dir": hf_dir, "learner.objective": "opd",
-                             "learner.accum_dtype": "fp64", "optim.lr": 1e-30})
+                             "learner.accum_dtype": "fp64", "optim.lr": 1e-30,
+                             "learner.max_tokens_per_pass": 0})
     policy = Policy(cfg)
     learner = Learner(cfg.learner, policy)
     res = {}

@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import time
 
+import torch
+
+from tsync_mcore.accumulators import f32
+from tsync_mcore.model.packed import Segment
+from tsync_mcore.objectives.off_policy import behaviour_at, weighted_logp_sum
 from tsync_mcore.prefix import SharedPrefix
 from tsync_mcore.schedule import Service
 from tsync_mcore.sources import SourceError, TrajectorySource, check_reward, validate_source
@@ -130,6 +135,52 @@ class TrajectoryKind:
         if svc.closes_group:
             self._combine(g)
         return span
+
+    # --- packed serving (docs/learner.md) -------------------------------------------------
+
+    def packable(self, src: TrajectorySource) -> bool:
+        return src.n_scored > 0  # one without scored tokens runs nothing
+
+    def pack_tokens(self, src: TrajectorySource) -> int:
+        """Tokens it forwards: all of it, or what follows its group's shared prompt."""
+        return src.n_tokens - (_prefix_len(src) if self.l.cfg.shared_prefix else 0)
+
+    def serve_pack(self, pack: list[Service]) -> list[dict]:
+        """Direct-fold trajectories in one forward/backward: each one's loss carries its
+        token weight and coefficient (w_i·coef_i, ρ per token), so the gradient is Σ coef_i·
+        ∇loss_i, folded once; a continuation runs against its group's prompt leaves (two
+        members of a group share them, and the leaves sum their coefficient-weighted
+        adjoints, as one-by-one fold_direct(coef_i) calls would)."""
+        l = self.l
+        segments, scored, spans, prefixes = [], [], [], {}
+        for svc in pack:
+            src = svc.source
+            prefix = self._prefix_for(src) if l.cfg.shared_prefix else None
+            q = len(prefix) if prefix is not None else 0
+            if prefix is not None:
+                prefixes[svc.group_id] = prefix
+            ids = torch.tensor(src.tokens[q:], dtype=torch.long, device=l.policy.device)
+            segments.append(Segment(ids, q, prefix.leaves if prefix is not None else None))
+            scored.append([t for t, m in enumerate(src.scored_mask[q:]) if m])
+            spans.append(dict(span_tokens=src.n_tokens - q, context=q, logits=True))
+        logps, _ = l.policy.packed_logprobs(segments, scored)
+        loss = 0.0
+        for svc, seg, logp in zip(pack, segments, logps):
+            src = svc.source
+            w = l.norm.source_weight(src.n_scored) * self._coef(src)
+            rho = l.off_policy.weights(logp, behaviour_at(src.behaviour_logprobs,
+                                                          src.scored_mask[seg.offset:],
+                                                          seg.offset))
+            loss = loss - f32(w) * weighted_logp_sum(logp, rho)
+        loss.backward()
+        l.fold_direct([svc.group_id for svc in pack], l.policy.grad_buffers(), 1.0)
+        for prefix in prefixes.values():
+            prefix.fold_direct(1.0)
+        l.policy.zero_grads()
+        for svc in pack:
+            if svc.closes_group:
+                self._combine(svc.group_id)
+        return spans
 
     def after(self, svc: Service) -> None:
         pass  # a trajectory leaves no deferred work of its own

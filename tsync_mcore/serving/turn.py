@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tsync_mcore.model.packed import Segment
 from tsync_mcore.model.span import (KV, backward_kv, concat_kv, detached_leaves, kv_bytes,
                                     leaf_adjoints)
 from tsync_mcore.objectives.off_policy import behaviour_at, scored_positions
@@ -162,6 +163,58 @@ class TurnKind:
         turn = svc.source
         n_tokens, offset = self._run_turn(turn, svc)  # its tensors are freed by now: timed too
         return dict(span_tokens=n_tokens, context=offset, logits=turn.n_scored > 0)
+
+    # --- packed serving (docs/learner.md) -------------------------------------------------
+
+    def packable(self, turn: TurnSource) -> bool:
+        """A scored turn under recompute replay. Unscored turns run to their K/V only, and a
+        retained graph of a packed pass would be replayed whole for each of its turns."""
+        return turn.n_scored > 0 and self.l.cfg.opd_replay == "recompute"
+
+    def pack_tokens(self, turn: TurnSource) -> int:
+        return len(turn.tokens) + (1 if turn.turn > 0 and turn.scored_mask[0] else 0)
+
+    def serve_pack(self, pack: list[Service]) -> list[dict]:
+        """Turns of different trajectories (the queue never packs two of one: a turn runs
+        on its predecessor's K/V) in one forward/backward, each against its own context;
+        the summed turn losses' gradient is folded once, and each keeps its K/V as leaves."""
+        l = self.l
+        segments, scored, turns = [], [], []
+        for svc in pack:
+            turn = svc.source
+            if turn.turn == 0:
+                prompt = self._prompt_for(turn)
+                self.ctx[turn.traj_id] = _Context(
+                    prompt=prompt,
+                    prompt_leaves=detached_leaves(prompt.produced) if prompt else None)
+            ctx = self.ctx[turn.traj_id]
+            offset, tokens, mask = ctx.span(turn)
+            ids = torch.tensor(tokens, dtype=torch.long, device=l.policy.device)
+            segments.append(Segment(ids, offset, ctx.past(turn.turn, offset)))
+            scored.append([p for p, m in enumerate(mask) if m])
+            turns.append((turn, ctx, offset, mask))
+        logps, kvs = l.policy.packed_logprobs(segments, scored)
+        loss = 0.0
+        for (turn, _, offset, mask), pos, student in zip(turns, scored, logps):
+            q = offset - turn.start
+            teacher = torch.tensor([turn.teacher_logprobs[q + p] for p in pos],
+                                   dtype=torch.float64, device=l.policy.device)
+            rho = l.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs, mask, q))
+            loss = loss + l.objective.turn_loss(student, teacher, rho)
+        loss.backward()
+        l.fold_direct([svc.group_id for svc in pack], l.policy.grad_buffers(), 1.0)
+        l.policy.zero_grads()
+        spans = []
+        for (turn, ctx, offset, _), seg, kv in zip(turns, segments, kvs):
+            kv = self._own(kv, offset, turn)
+            l.saw_kv(kv, len(kv[0]))
+            ctx.turns.append(turn)
+            if turn.turn < turn.n_turns - 1:
+                # own storage: a view would keep the whole pass's K/V alive with it
+                own = [KV(x.k.detach().clone(), x.v.detach().clone()) for x in kv]
+                self._hold(turn.group_id, ctx.add_leaves(own))
+            spans.append(dict(span_tokens=len(seg.tokens), context=offset, logits=True))
+        return spans
 
     def after(self, svc: Service) -> None:
         """Deferred work of a trajectory's last turn: its context replay."""

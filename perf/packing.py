@@ -1,0 +1,71 @@
+"""Packed vs one-by-one serving: the learner time of a sync update, in process, on the CPU.
+
+    python perf/packing.py [--objectives grpo,opd] [--reps 4] [--batch 64]
+
+The overlap benchmark's model (Qwen2 shapes, hidden 128, 4 layers, vocabulary 1024) and
+batch (`overlap.Workload`: GRPO groups of 4 sharing a 16-token prompt, 24–192 tokens; OPD
+4 turns each), one learner per setting (`learner.max_tokens_per_pass` 0 and the default),
+updates alternated so both see the same machine; the first update of each is a warm-up.
+Prints the mean update time (begin → close, step included) and the ratio.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
+from overlap import PACK_DEFAULT, Workload  # noqa: E402
+
+from tsync_mcore.config import load_config  # noqa: E402
+from tsync_mcore.learner import Learner  # noqa: E402
+from tsync_mcore.model.parallel import init_parallel  # noqa: E402
+from tsync_mcore.policy import Policy  # noqa: E402
+from tsync_mcore.testing.tiny import make_tiny_checkpoint  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--objectives", default="grpo,opd")
+    p.add_argument("--reps", type=int, default=4, help="updates per setting, the first a warm-up")
+    p.add_argument("--batch", type=int, default=64)
+    args = p.parse_args()
+    if args.reps < 2:
+        p.error("--reps must be >= 2 (the first update is a warm-up)")
+    torch.set_num_threads(1)
+    hf = os.path.join(tempfile.mkdtemp(prefix="tsync-packing-"), "model")
+    make_tiny_checkpoint(hf, arch="qwen2", vocab_size=1024, hidden=128, layers=4, heads=4,
+                         kv_heads=2, intermediate=384, seed=0)
+    par = init_parallel(tp_size=1)
+    for objective in args.objectives.split(","):
+        learners = {}
+        for pack in (0, PACK_DEFAULT):
+            cfg = load_config(None, {"model.hf_dir": hf, "learner.objective": objective,
+                                     "learner.schedule": "sync", "learner.k_open": 16,
+                                     "learner.max_tokens_per_pass": pack})
+            learners[pack] = Learner(cfg.learner, Policy(cfg, par=par))
+        work = Workload(objective=objective, batch=args.batch)
+        times: dict[int, list[float]] = {pack: [] for pack in learners}
+        for rep in range(args.reps):
+            for pack, learner in learners.items():
+                plan, n_turns, items = work.update(learner.version, R=0.0, draw=rep)
+                plan.n_turns.update(n_turns)
+                t0 = time.perf_counter()
+                learner.begin(plan)
+                for _, src in items:
+                    learner.submit(src)
+                learner.close()
+                if rep:
+                    times[pack].append(time.perf_counter() - t0)
+        one, packed = (statistics.mean(times[k]) for k in (0, PACK_DEFAULT))
+        print(f"{objective} sync B={args.batch}: one by one {one:.3f}s, packed "
+              f"(max_tokens_per_pass={PACK_DEFAULT}) {packed:.3f}s, ratio {one / packed:.2f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
