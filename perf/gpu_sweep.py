@@ -193,12 +193,12 @@ def run_batch(learner, work: Workload, R: float, draw: int, schedule: str,
 
 
 def device_busy_s(fn: Callable[[], object], sync: Callable[[], None]) -> float:
-    """Kernel time of `fn` on the device (CUDA profiler; one stream, so kernels do not
-    overlap)."""
+    """Kernel and copy time of `fn` on the device (torch.profiler, as gpu_step.profile_step;
+    one stream, so they do not overlap)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         sync()
     return sum(e.self_device_time_total for e in prof.key_averages()

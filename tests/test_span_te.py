@@ -27,10 +27,12 @@ def _skip_reason() -> str | None:
 _REASON = _skip_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
-# TE's fp32 GEMMs may run in TF32 and its fp32 attention is its unfused kernel: span and full
-# forwards differ by rounding only (the no-replay gradient is 50-65 % off: the check can fail).
-FP32_SAME_MODEL = 1e-3  # spans vs the whole-sequence TE forward (logits abs, grads rel L2)
-FP32_VS_LOCAL = 1e-2  # TE spans vs the local spec in FP64 (logits abs)
+# TE may run fp32 GEMMs in TF32 (~1e-3 relative) and its fp32 attention is its unfused kernel,
+# so span and full forwards differ by rounding only; a wrong mask or softmax scale in the
+# span's attention moves logits by 1e-1 or more, and the gradient without the replay is
+# 50-65 % off (measured on the local spec: fp32 1e-6 / bf16 9e-3 streamed vs full).
+FP32_SAME_MODEL = 5e-3  # spans vs the whole-sequence TE forward (logits abs, grads rel L2)
+FP32_VS_LOCAL = 2e-2  # TE spans vs the local spec in FP64 (logits abs)
 BF16_GRAD = 5e-2  # rel L2 of the streamed bf16 gradient vs the full bf16 one
 NO_REPLAY_MIN = 1e-1
 
