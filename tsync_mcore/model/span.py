@@ -25,9 +25,11 @@ aligned to the last key (`attention.sdpa_sbhd`), with TE's softmax scale.
 Requirements (checked): no fused masked softmax on the local spec (the fused causal kernel
 ignores the span mask; `bridge` builds with `masked_softmax_fusion=False`), vanilla softmax
 and no fp8 under TE, dropout 0 (recompute must be bit-identical), no sequence/context
-parallelism, plain RoPE. At TP > 1 the embedding, QKV (when
-groups < TP), projections and output layer hold collectives: every TP rank must make the
-same sequence of span_forward calls (same n, offset, stop_after_kv / want_logits).
+parallelism, plain RoPE.
+
+At TP > 1 the embedding, QKV (when groups < TP), projections and output layer hold
+collectives: every TP rank must make the same sequence of span_forward calls (same n,
+offset, stop_after_kv / want_logits).
 """
 
 from __future__ import annotations
