@@ -2,11 +2,11 @@
 under the overlap benchmark's simulated rollout, fused LM head on and off.
 
     (through perf/gpu_step.py: `--sweep-models 1.5b,3b`, `--skip-sweep`; dry run on CPU:
-    `python perf/gpu_step.py --device cpu --model tiny --skip-kernels`)
+    `python perf/gpu_step.py --device cpu --model tiny --skip-kernels --skip-step`)
 
 The learner is the project's own (`Learner` over the Megatron `Policy`, one rank, bf16,
 random weights written here, nothing downloaded). A cell is (model, source length T,
-sources B, group size m). Its batch is `overlap.Workload`'s (the CPU overlap benchmark's
+sources B, group size m, learner.k_open). Its batch is `overlap.Workload`'s (the CPU overlap benchmark's
 rollout model) with every source T tokens long: trajectory i completes at τ_i = U_i·R,
 U_i ~ Uniform(0, 1), rewards random, groups of m. Per cell:
 
@@ -21,7 +21,8 @@ U_i ~ Uniform(0, 1), rewards random, groups of m. Per cell:
 The rollout is simulated on a clock that skips the learner's idle waits: when no source is
 ready the device is synchronised (queued work finishes, as it would during the wait) and
 the clock jumps to the next completion, so an R-second rollout costs no real seconds. Step
-time = clock time from begin() to the end of close(); active = step − skipped idle.
+time = clock time from the rollout's start (begin(), U = 0) to the end of close(), as in the
+overlap benchmark (sync: R·max U_i + L); active = step − skipped idle.
 MFU = ledger FLOPs (attention as executed, LM head over the positions it runs on: every
 position unfused, the scored ones fused) / (active time · device peak).
 
