@@ -28,8 +28,12 @@ megatron_from_wheel() {  # $1: python; prints a site directory to prepend, or no
         return 0
     fi
     site=$(mktemp -d "${TMPDIR:-/tmp}/tsync-mcore-site.XXXXXX")
-    "$py" -m pip install --quiet --no-deps --no-index --target "$site" "$whl" >&2
-    echo "$site"
+    if "$py" -m pip install --quiet --no-deps --no-index --target "$site" "$whl" >&2; then
+        echo "gpu.sh: megatron-core from $whl" >&2
+        echo "$site"
+    else
+        echo "gpu.sh: installing $whl failed: the learner step runs the hf proxy, no sweep" >&2
+    fi
 }
 
 # The first interpreter whose torch sees a GPU: $PYTHON, then python3, then the repo's .venv
@@ -39,8 +43,8 @@ for py in ${PYTHON:-} python3 .venv/bin/python; do
     command -v "$py" >/dev/null 2>&1 || continue
     tried+=("$py")
     if "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-        site=$(megatron_from_wheel "$py")
-        [[ -n "$site" ]] && export PYTHONPATH="$site:$PYTHONPATH"
+        site=$(megatron_from_wheel "$py") || site=""
+        if [[ -n "$site" ]]; then export PYTHONPATH="$site:$PYTHONPATH"; fi
         exec timeout 470 "$py" perf/gpu_step.py "$@"
     fi
 done
