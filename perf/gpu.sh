@@ -28,7 +28,8 @@ megatron_from_wheel() {  # $1: python; prints a site directory to prepend, or no
         return 0
     fi
     site=$(mktemp -d "${TMPDIR:-/tmp}/tsync-mcore-site.XXXXXX")
-    if "$py" -m pip install --quiet --no-deps --no-index --target "$site" "$whl" >&2; then
+    if PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 \
+        "$py" -m pip install --quiet --no-deps --no-index --target "$site" "$whl" >&2; then
         echo "gpu.sh: megatron-core from $whl" >&2
         echo "$site"
     else
