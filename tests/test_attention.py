@@ -108,6 +108,7 @@ def test_span_sdpa_path_equals_megatron_attention_fp64(parallel1, tiny_ckpts, na
         (out * w).sum().backward()
         return out.detach(), [t.grad for t in leaves]
 
+    assert span.softmax_scale(core, hn) == pytest.approx(hn ** -0.5, rel=1e-15)
     ref, ref_grads = run(lambda q, k, v: core(q, k, v, span.span_mask(n, offset)))
     out, grads = run(lambda q, k, v: sdpa_sbhd(q, k, v, hn ** -0.5, causal=True))
     assert (out - ref).abs().max().item() <= 1e-12

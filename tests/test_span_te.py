@@ -43,6 +43,7 @@ def _te_model(path: str, dtype: torch.dtype):
     model, spec = bridge.build_model(path, dtype=dtype, spec="te")
     core = model.decoder.layers[0].self_attention.core_attention
     assert span._is_te_attention(core), type(core)
+    assert span.softmax_scale(core, spec.head_dim) == pytest.approx(spec.head_dim ** -0.5)
     assert type(model.decoder.layers[0].input_layernorm).__name__ == "IdentityOp"
     return model, spec
 

@@ -170,10 +170,16 @@ def _span_attention(core: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, offs
         return core(q, k, v, span_mask(q.shape[0], offset, q.device), attn_mask_type=causal)
     if offset == 0:  # TE: its own kernels for sq == sk, as in the full forward
         return core(q, k, v, None, attn_mask_type=causal)
-    # TE's "causal" aligns the diagonal top-left (wrong for sq < sk): SDPA, bottom-right.
-    # Its scale: megatron passes config.softmax_scale, TE defaults to 1/sqrt(kv_channels).
-    scale = core.config.softmax_scale or 1.0 / math.sqrt(q.shape[-1])
-    return sdpa_sbhd(q, k, v, scale, causal=True)
+    # TE's "causal" aligns the diagonal top-left (wrong for sq < sk): SDPA, bottom-right
+    return sdpa_sbhd(q, k, v, softmax_scale(core, q.shape[-1]), causal=True)
+
+
+def softmax_scale(core: torch.nn.Module, head_dim: int) -> float:
+    """The scale `core` applies to q·k: its own attribute on the local cores; for TE's, what
+    megatron passes it (config.softmax_scale) or TE's default 1/sqrt(kv_channels)."""
+    if isinstance(core, DotProductAttention):
+        return core.softmax_scale
+    return core.config.softmax_scale or 1.0 / math.sqrt(head_dim)
 
 
 def span_forward(
