@@ -14,6 +14,10 @@ Result schema: {"machine", "date", "overlap": [cells], "kernels": [records]}.
 - the GPU learner step (perf/gpu_step.py), keyed by backend, shape and attention mode:
   `mfu_active` may not drop by more than the tolerance (guard GPU runs with
   `--baseline perf/baseline-gpu.json`).
+- the GPU learner sweep (perf/gpu_sweep.py, list `sweep`), keyed by model, shape, fused LM
+  head and attention mode: the trainer's active `mfu_active` and thundersync's
+  `speedup_vs_sync` may not drop by more than the tolerance; a cell that did not run ("oom",
+  skipped for time) has no metrics, so a baseline cell it replaces is missing.
 Absolute times are never compared, so a baseline from one machine guards another of its kind.
 A baseline may hold `noise`: "cell | metric" → the relative range that metric spanned over
 repeated runs of unchanged code; such a cell's tolerance is the larger of the two (the big
@@ -34,7 +38,7 @@ import shutil
 import sys
 
 __all__ = ["InputError", "compare", "kernel_metrics", "kernel_noise", "main", "overlap_metrics",
-           "step_metrics"]
+           "step_metrics", "sweep_metrics"]
 
 DEFAULT_BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baseline.json")
 HIGHER, LOWER = "higher", "lower"  # which direction is better
@@ -94,9 +98,26 @@ def step_metrics(step: dict | None) -> dict[tuple[str, str], tuple[float, str]]:
     return {(cell, "mfu_active"): (float(step["mfu_active"]), HIGHER)}
 
 
+def sweep_metrics(cells: list[dict]) -> dict[tuple[str, str], tuple[float, str]]:
+    """The GPU learner sweep (perf/gpu_sweep.py): per cell that ran, the trainer's active MFU
+    and thundersync's speedup over sync."""
+    out = {}
+    for c in cells:
+        if c.get("status") != "ok":
+            continue
+        head = {True: "on", False: "off"}.get(c.get("fused_lm_head"), "n/a")
+        cell = (f"sweep {c.get('model')} {c.get('n_sources')}x{c.get('seq_len')} "
+                f"fused_head={head} attention={c.get('attention')}")
+        if c.get("mfu_active"):
+            out[cell, "mfu_active"] = (float(c["mfu_active"]), HIGHER)
+        if c.get("speedup_vs_sync"):
+            out[cell, f"speedup_vs_sync r={c.get('ratio')}"] = (float(c["speedup_vs_sync"]), HIGHER)
+    return out
+
+
 def _metrics(doc: dict) -> dict[tuple[str, str], tuple[float, str]]:
     return {**overlap_metrics(doc.get("overlap") or []), **kernel_metrics(doc.get("kernels") or []),
-            **step_metrics(doc.get("step"))}
+            **step_metrics(doc.get("step")), **sweep_metrics(doc.get("sweep") or [])}
 
 
 def _noise_key(cell: str, metric: str) -> str:
@@ -165,8 +186,10 @@ def _load(path: str, what: str) -> dict:
     except json.JSONDecodeError as exc:
         raise InputError(f"check: {what} {path} is not JSON: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("overlap", []), list) \
-            or not isinstance(doc.get("kernels", []), list):  # fmt: skip
-        raise InputError(f"check: {what} {path} needs an object with lists 'overlap' and 'kernels'")
+            or not isinstance(doc.get("kernels", []), list) \
+            or not isinstance(doc.get("sweep", []), list):  # fmt: skip
+        raise InputError(f"check: {what} {path} needs an object with lists 'overlap' and "
+                         f"'kernels' (and 'sweep', when present)")
     return doc
 
 

@@ -1,6 +1,9 @@
-"""One-GPU benchmark: kernels at real sizes, then learner steps of a ~0.5B Qwen2-shaped model.
+"""One-GPU benchmark: kernels at real sizes, learner steps of a ~0.5B Qwen2-shaped model, then
+the learner sweep (perf/gpu_sweep.py: Qwen2.5-1.5B/3B shapes, 2k-32k-token sources, GRPO
+sync vs thundersync at r = 1, fused LM head on and off).
 
     python perf/gpu_step.py [--json OUT] [--backend auto|megatron|hf] [--skip-kernels]
+                            [--skip-step] [--skip-sweep] [--sweep-models 1.5b,3b]
     (normally through perf/gpu.sh)
 
 The model is built here with random weights (`make_tiny_checkpoint`, Qwen2.5-0.5B dims:
@@ -14,8 +17,10 @@ transformer_engine imports, else the local spec); `hf` (used when megatron.core 
 import) is a proxy of the same shapes on Hugging Face transformers: per-parameter bf16 grads
 are copied into one FP32 flat buffer per source (Megatron's main-grad fold), then the same
 kernels and an AdamW step. MFU = ledger `train_flops` / (step time · peak); peak memory is
-`torch.cuda.max_memory_allocated` over one step. Without CUDA it says so and exits 0
-(`--device cpu --model tiny` is a dry run of the code path).
+`torch.cuda.max_memory_allocated` over one step. The sweep needs the megatron backend (it
+runs the project's Learner); the whole run stops starting cells at `--budget-s` and writes
+the result file after every sweep cell. Without CUDA it says so and exits 0
+(`--device cpu --model tiny` is a dry run of the code path, sweep included).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+import gpu_sweep  # noqa: E402
 import kernels as kbench  # noqa: E402
 import tsync_mcore.kernels as K  # noqa: E402
 from tsync_mcore.ledger.flops import train_flops  # noqa: E402
@@ -283,7 +289,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
     ap.add_argument("--profile", action="store_true", help="profile one more step: busy fraction, top ops")
+    ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--sweep-models", default=None,
+                    help="comma list of " + ",".join(gpu_sweep.SWEEP_MODELS)
+                    + " (default: 1.5b,3b; tiny with --model tiny)")
+    ap.add_argument("--sweep-fused", default="on,off",
+                    help="fused LM head modes to sweep, where the config has learner.fused_lm_head")
+    ap.add_argument("--ratio", type=float, default=1.0, help="sweep: r = R / L")
+    ap.add_argument("--lm-head-chunk", type=int, default=None,
+                    help="sweep: learner.lm_head_chunk (default: the config's)")
+    ap.add_argument("--max-tokens-per-pass", type=int, default=None,
+                    help="sweep: learner.max_tokens_per_pass (default: the config's)")
+    ap.add_argument("--budget-s", type=float, default=440.0,
+                    help="no sweep cell starts that would end after this many seconds")
     args = ap.parse_args(argv)
+    start = time.perf_counter()
+    models = (args.sweep_models or ("tiny" if args.model == "tiny" else "1.5b,3b")).split(",")
+    unknown = [m for m in models if m not in gpu_sweep.SWEEP_MODELS]
+    if unknown:
+        ap.error(f"--sweep-models: unknown {unknown}")
+    if any(x not in ("on", "off") for x in args.sweep_fused.split(",")):
+        ap.error(f"--sweep-fused: a comma list of on, off; got {args.sweep_fused!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print(NO_GPU)
         return 0
@@ -309,15 +335,54 @@ def main(argv: list[str] | None = None) -> int:
             print(f"learner step failed ({args.backend} backend):\n{step['traceback']}", file=sys.stderr)
     doc = kbench.result_document(records, args.device, step=step)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {out}")
-    if not failed and step is not None and step.get("backend") == "megatron":
+    write = lambda: _write(out, doc)  # noqa: E731
+    write()
+    megatron_used = step is not None and step.get("backend") == "megatron"
+    if not args.skip_sweep:
+        if args.backend == "hf" or not _imports("megatron.core"):
+            doc["sweep_note"] = ("sweep skipped: it runs the project's Learner, which needs "
+                                 "megatron-core (perf/README.md: the wheel that travels)")
+            print(doc["sweep_note"])
+        else:
+            doc["sweep"] = []
+            if step is not None:  # the 0.5B step's Policy is gone: free its memory first
+                import gc
+                gc.collect()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+
+            def on_cell(cell: dict) -> None:
+                doc["sweep"].append(cell)
+                write()
+
+            modes = tuple({"on": True, "off": False}[x] for x in args.sweep_fused.split(","))
+            try:
+                gpu_sweep.run_sweep(
+                    models, args.device, detect_peak(device=args.device),
+                    deadline=start + args.budget_s, ratio=args.ratio, fused_modes=modes,
+                    head_chunk=args.lm_head_chunk, max_tokens_per_pass=args.max_tokens_per_pass,
+                    attention=args.attention, on_cell=on_cell)
+                megatron_used = True
+                print(gpu_sweep.summary_table(doc["sweep"]))
+            except Exception as e:  # the cells so far are written; say what stopped it
+                failed = True
+                doc["sweep_error"] = f"{type(e).__name__}: {e}"
+                doc["sweep_traceback"] = traceback.format_exc()[-4000:]
+                print(f"sweep failed:\n{doc['sweep_traceback']}", file=sys.stderr)
+            write()
+    print(f"wrote {out} ({time.perf_counter() - start:.0f} s)")
+    if not failed and megatron_used:
         from tsync_mcore.model.parallel import destroy_parallel
 
         destroy_parallel()  # NCCL wants an explicit teardown after a clean finish
     return 1 if failed else 0
 
+
+def _write(path: str, doc: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
 
 if __name__ == "__main__":
     sys.exit(main())

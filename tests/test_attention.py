@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from tsync_mcore.model import bridge, span
 from tsync_mcore.model.attention import SDPAttention
@@ -82,3 +83,38 @@ def test_explicit_mask_is_honoured_and_bad_input_named(parallel1, tiny_qwen2):
         bridge.build_model(tiny_qwen2, attention="flash")
     with pytest.raises(ValueError, match="packed"):
         core(q, k, v, None, attention_bias=torch.zeros(1))
+
+
+@pytest.mark.parametrize("name,offset", [("qwen2", 0), ("qwen2", 7), ("qwen3", 7)])
+def test_span_sdpa_path_equals_megatron_attention_fp64(parallel1, tiny_ckpts, name, offset):
+    """`sdpa_sbhd`, the span forward's core attention after context under Transformer Engine
+    layers (TE's kernel takes sq == sk only), against megatron's DotProductAttention with the
+    explicit span mask: outputs and q/k/v gradients, GQA (4 heads / 2 groups), FP64."""
+    from tsync_mcore.model.attention import sdpa_sbhd
+
+    model, spec = bridge.build_model(tiny_ckpts[name], dtype=torch.float64, attention="megatron")
+    core = _core(model)
+    assert type(core) is DotProductAttention
+    n, hn = 6, spec.head_dim  # qwen3: head_dim 32 != hidden / heads: the scale follows hn
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(n, 1, spec.heads, hn, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(offset + n, 1, spec.kv_heads, hn, dtype=torch.float64, generator=g)
+            for _ in range(2))
+    w = torch.randn(n, 1, spec.heads * hn, dtype=torch.float64, generator=g)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        (out * w).sum().backward()
+        return out.detach(), [t.grad for t in leaves]
+
+    assert span.softmax_scale(core, hn) == pytest.approx(hn ** -0.5, rel=1e-15)
+    ref, ref_grads = run(lambda q, k, v: core(q, k, v, span.span_mask(n, offset)))
+    out, grads = run(lambda q, k, v: sdpa_sbhd(q, k, v, hn ** -0.5, causal=True))
+    assert (out - ref).abs().max().item() <= 1e-12
+    assert all((a - b).abs().max().item() <= 1e-12 for a, b in zip(grads, ref_grads))
+    # the span forward's own dispatch on the two local cores gives the same
+    assert (span._span_attention(core, q, k, v, offset) - ref).abs().max().item() <= 1e-12
+    m_sdpa, _ = bridge.build_model(tiny_ckpts[name], dtype=torch.float64, attention="sdpa")
+    assert (span._span_attention(_core(m_sdpa), q, k, v, offset) - ref).abs().max().item() \
+        <= 1e-12

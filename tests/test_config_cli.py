@@ -99,30 +99,30 @@ def test_resolve_makes_every_auto_concrete_and_says_why(monkeypatch):
     assert explicit.choices == []
 
 
-def test_resolve_on_gpu_picks_te_only_without_span_forwards(monkeypatch):
+def test_resolve_on_gpu_picks_te_with_or_without_span_forwards(monkeypatch):
+    """Span forwards (OPD turns, shared prompts) run on TE layers: `auto` never falls back."""
     monkeypatch.setattr(config_mod, "_on_gpu", lambda: True)
     monkeypatch.setattr(config_mod, "_te_available", lambda: True)
     plain = load_config(None, {"learner.shared_prefix": False})
     assert (plain.model.spec, plain.model.attention) == ("te", "sdpa")
     shared = load_config(None, {})  # shared_prefix defaults to true
-    assert shared.model.spec == "local"
-    assert any("learner.shared_prefix needs span forwards" in c for c in shared.choices)
+    assert shared.model.spec == "te"
+    assert "model.spec: auto -> te (CUDA and transformer_engine present)" in shared.choices
     opd = load_config(None, {"learner.objective": "opd"})
-    assert opd.model.spec == "local" and any("OPD needs span" in c for c in opd.choices)
-    assert load_config(None, {"model.spec": "te", "learner.shared_prefix": False}).model.spec \
-        == "te"
+    assert opd.model.spec == "te"
+    for over in ({}, {"learner.objective": "opd"}):  # an explicit te is accepted with spans
+        assert load_config(None, {"model.spec": "te", **over}).model.spec == "te"
     monkeypatch.setattr(config_mod, "_te_available", lambda: False)
-    assert load_config(None, {"learner.shared_prefix": False}).model.spec == "local"
+    no_te = load_config(None, {"learner.objective": "opd"})
+    assert no_te.model.spec == "local"
+    assert "model.spec: auto -> local (transformer_engine not importable)" in no_te.choices
 
 
 def test_resolve_refuses_impossible_combinations(monkeypatch):
     monkeypatch.setattr(config_mod, "_on_gpu", lambda: True)
-    monkeypatch.setattr(config_mod, "_te_available", lambda: True)
-    with pytest.raises(ConfigError, match=r"'model.spec'.*span forwards.*learner.shared_prefix"):
+    monkeypatch.setattr(config_mod, "_te_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"'model.spec'.*needs CUDA.*transformer_engine"):
         load_config(None, {"model.spec": "te"})
-    with pytest.raises(ConfigError, match=r"'model.spec'.*span forwards.*OPD"):
-        load_config(None, {"model.spec": "te", "learner.objective": "opd",
-                           "learner.shared_prefix": False})
     monkeypatch.setattr(config_mod, "_on_gpu", lambda: False)
     with pytest.raises(ConfigError, match=r"'model.spec'.*needs CUDA"):
         load_config(None, {"model.spec": "te", "learner.shared_prefix": False})

@@ -502,3 +502,61 @@ def test_compare_report_from_metrics_rows(tmp_path):
     bad = subprocess.run([sys.executable, os.path.join(PERF, "compare.py"), "--schedules",
                           "sync,async"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown async" in bad.stderr
+
+
+def _sweep_cell(fused, mfu: float, speedup: float, status: str = "ok") -> dict:
+    return {"model": "1.5b", "n_sources": 16, "seq_len": 2048, "fused_lm_head": fused,
+            "attention": "causal", "ratio": 1.0, "status": status, "mfu_active": mfu,
+            "speedup_vs_sync": speedup}  # fmt: skip
+
+
+def test_check_names_gpu_sweep_regressions_and_skips_cells_that_did_not_run(tmp_path):
+    base = {**_doc(), "sweep": [_sweep_cell(True, 0.40, 1.9), _sweep_cell(False, 0.35, 1.8)]}
+    worse = {**_doc(), "sweep": [_sweep_cell(True, 0.40, 1.2), _sweep_cell(False, 0.35, 1.8)]}
+    p = _run_check(tmp_path, worse, base)
+    assert p.returncode == 1 and "sweep 1.5b 16x2048 fused_head=on" in p.stdout
+    assert "speedup_vs_sync r=1.0" in p.stdout
+    oom = {**_doc(), "sweep": [_sweep_cell(True, 0.40, 1.9), _sweep_cell(False, 0, 0, "oom")]}
+    p = _run_check(tmp_path, oom, base)
+    assert p.returncode == 0 and "MISSING" in p.stdout  # an oom cell has no metrics
+    assert _run_check(tmp_path, oom, base, "--strict").returncode == 1
+    p = _run_check(tmp_path, {**_doc(), "sweep": {"not": "a list"}}, base)
+    assert p.returncode == 2 and "'sweep'" in p.stderr
+
+
+def test_sweep_clock_skips_idle_waits_only():
+    import gpu_sweep
+
+    drained = []
+    clock = gpu_sweep.SimClock(lambda: drained.append(True))
+    t0 = clock.now()
+    clock.wait_until(t0 + 100.0)  # nothing ready for 100 s: the device drains, the clock jumps
+    assert drained and clock.now() - t0 >= 100.0 and clock.skipped <= 100.0
+    before = len(drained)
+    clock.wait_until(t0)  # already past: no sync, no skip
+    assert len(drained) == before and clock.skipped <= 100.0
+
+
+def test_gpu_step_sweep_dry_run_on_cpu(parallel1, tmp_path):
+    """The sweep's code path on the tiny model (`--device cpu --model tiny`): the project's
+    Learner under sync and thundersync with the simulated rollout; the file check.py reads."""
+    import gpu_step
+
+    out = tmp_path / "dry.json"
+    assert gpu_step.main(["--device", "cpu", "--model", "tiny", "--skip-kernels", "--skip-step",
+                          "--sweep-fused", "on", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    cells = doc["sweep"]
+    assert [(c["n_sources"], c["seq_len"], c["k_open"]) for c in cells] == \
+        [(8, 64, 2), (4, 128, 2), (2, 256, 1)]
+    for c in cells:
+        assert c["status"] == "ok", c
+        assert set(c["schedules"]) == {"sync", "thundersync"}
+        assert all(r["ok"] and r["active_s"] > 0 for r in c["schedules"].values())
+        assert c["speedup_vs_sync"] > 0 and 0 < c["mfu_active"] < 1
+        assert c["schedules"]["sync"]["idle_s"] > 0  # sync waited for the last completion
+        assert c["tokens_per_batch"] == c["n_sources"] * c["seq_len"]
+    rows = check.compare(doc, doc, 0.15)
+    assert {r["metric"] for r in rows if r["cell"].startswith("sweep")} == \
+        {"mfu_active", "speedup_vs_sync r=1.0"}
+    assert all(r["status"] == "ok" for r in rows)

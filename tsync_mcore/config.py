@@ -43,8 +43,8 @@ class ModelConfig:
     hf_dir: str = ""  # Hugging Face checkpoint directory (Qwen2/Qwen3/Llama)
     dtype: DType = "fp32"  # student forward/backward precision; grads accumulate in FP32
     tp: int = 1  # tensor-parallel size; data-parallel size = world size / tp
-    # Megatron layer spec; auto: TE with CUDA and transformer_engine unless span forwards
-    # (OPD, learner.shared_prefix) need the local spec, else local
+    # Megatron layer spec; auto: TE with CUDA and transformer_engine, else local (span
+    # forwards for OPD and learner.shared_prefix run on both)
     spec: Literal["auto", "local", "te"] = "auto"
     # local spec's core attention: SDPA kernels (auto: on GPU) or megatron's DotProductAttention
     attention: Literal["auto", "sdpa", "megatron"] = "auto"
@@ -621,22 +621,18 @@ def resolve(cfg: Config) -> list[str]:
                             "GRPO family: each trajectory to the least-loaded rank")
     if rc.dtype == "auto":
         rc.dtype = choose("rollout.dtype", mc.dtype, "follows model.dtype")
-    # Span forwards (OPD turns, GRPO shared prompts; model/span.py) need the local layer
-    # spec: TE's core attention has no mask for queries shorter than keys.
-    spans = "OPD" if opd else "learner.shared_prefix" if lc.shared_prefix else ""
+    # Span forwards (OPD turns, GRPO shared prompts; model/span.py) run on either layer spec:
+    # under TE a span after context takes SDPA for its core attention, so `auto` needs no
+    # fallback for them.
     if mc.spec == "auto" or mc.spec == "te" or mc.attention == "auto":
         gpu = _on_gpu()
         te = gpu and _te_available()
         if mc.spec == "te":
-            _check(not spans, "model.spec", f"'te' cannot run the span forwards "
-                   f"(model/span.py) that {spans} needs: use 'local' or 'auto'"
-                   + (", or learner.shared_prefix: false" if not opd else ""))
             _check(te, "model.spec", "'te' needs CUDA and an importable transformer_engine")
         if mc.spec == "auto":
             why = ("no CUDA" if not gpu else "transformer_engine not importable" if not te
-                   else f"{spans} needs span forwards (model/span.py)" if spans
                    else "CUDA and transformer_engine present")
-            mc.spec = choose("model.spec", "te" if te and not spans else "local", why)
+            mc.spec = choose("model.spec", "te" if te else "local", why)
         if mc.attention == "auto":
             mc.attention = choose("model.attention", "sdpa" if gpu else "megatron",
                                   "GPU: torch SDPA kernels" if gpu else

@@ -17,28 +17,36 @@ K/V are kept per layer after RoPE and k-norm, in query-group form `[n, 1, ng_loc
 Passing `past` as detached leaves makes backward deliver both the span's parameter gradient
 and the adjoints of the context K/V (per-turn distillation, shared GRPO prefixes).
 
-Requirements (checked): the local layer spec (megatron's `DotProductAttention`, which honours
-an explicit mask with sq != sk, or `attention.SDPAttention`, causal aligned to the last key),
-no fused masked softmax (on GPU the fused causal kernel ignores the mask and asserts
-sq == sk; `bridge` builds with `masked_softmax_fusion=False`),
-dropout 0 (recompute must be bit-identical), no sequence/context parallelism, plain RoPE.
-TE's core attention would need `causal_bottom_right` with sq != sk; on GPU build with
-`bridge.build_model(..., spec="local")` for span use. At TP > 1 the embedding, QKV (when
-groups < TP), projections and output layer hold collectives: every TP rank must make the
-same sequence of span_forward calls (same n, offset, stop_after_kv / want_logits).
+Layer specs: the local one (megatron's `DotProductAttention` with an explicit span mask, or
+`attention.SDPAttention`) and Transformer Engine's. Under TE the input norm is fused into
+`linear_qkv` (and the pre-MLP norm into `linear_fc1`), the separate norms are identities, so
+the loop above is the same; TE's core attention is used for a span without context (sq ==
+sk) and a span after context goes through torch SDPA (flash on GPU) with the causal diagonal
+aligned to the last key (`attention.sdpa_sbhd`), with TE's softmax scale.
+Requirements (checked): no fused masked softmax on the local spec (the fused causal kernel
+ignores the span mask; `bridge` builds with `masked_softmax_fusion=False`), vanilla softmax
+and no fp8 under TE, dropout 0 (recompute must be bit-identical), no sequence/context
+parallelism, plain RoPE.
+
+At TP > 1 the embedding, QKV (when groups < TP), projections and output layer hold
+collectives: every TP rank must make the same sequence of span_forward calls (same n,
+offset, stop_after_kv / want_logits).
 """
 
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass
 
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor
 
-from tsync_mcore.model.attention import SDPAttention
+from tsync_mcore.model.attention import SDPAttention, sdpa_sbhd
 from tsync_mcore.model.bridge import HeadInput, head_input, unwrap
 
 __all__ = ["KV", "span_forward", "concat_kv", "detached_leaves", "kv_bytes", "span_mask",
@@ -125,17 +133,54 @@ def _check_supported(model: GPTModel) -> None:
             "span_forward needs attention_dropout = hidden_dropout = 0: the replay recompute "
             f"must reproduce the forward (got {cfg.attention_dropout}, {cfg.hidden_dropout})"
         )
-    core = model.decoder.layers[0].self_attention.core_attention
-    if not isinstance(core, DotProductAttention):
+    sa = model.decoder.layers[0].self_attention
+    if sa.attn_mask_type != AttnMaskType.causal:
+        raise ValueError(f"span_forward needs causal self-attention, got {sa.attn_mask_type}")
+    core = sa.core_attention
+    if _is_te_attention(core):
+        if cfg.softmax_type != "vanilla" or cfg.fp8:
+            raise ValueError(
+                "span_forward with Transformer Engine layers supports vanilla softmax without "
+                f"fp8 (got softmax_type {cfg.softmax_type!r}, fp8 {cfg.fp8!r})"
+            )
+    elif not isinstance(core, DotProductAttention):
         raise ValueError(
-            f"span_forward needs the local layer spec (megatron DotProductAttention), got "
-            f"{type(core).__name__}: build with bridge.build_model(..., spec='local')"
+            f"span_forward needs megatron's DotProductAttention, SDPAttention or Transformer "
+            f"Engine's DotProductAttention as core attention, got {type(core).__name__}"
         )
-    if core.scale_mask_softmax.scaled_masked_softmax_fusion:
+    elif core.scale_mask_softmax.scaled_masked_softmax_fusion:
         raise ValueError(
             "span_forward needs masked_softmax_fusion=False: the fused causal softmax ignores "
             "the span mask (and asserts sq == sk)"
         )
+
+
+def _is_te_attention(core: torch.nn.Module) -> bool:
+    # why: a TE model means transformer_engine is imported; never import it here (no CUDA)
+    te = sys.modules.get("transformer_engine.pytorch")
+    return te is not None and isinstance(core, te.DotProductAttention)
+
+
+def _span_attention(core: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, offset: int) -> Tensor:
+    """Causal core attention of a span's queries q [n, 1, np, hn] (positions offset..offset+n-1)
+    over keys/values k, v [offset+n, 1, ng, hn] -> [n, 1, np·hn]."""
+    causal = AttnMaskType.causal
+    if isinstance(core, SDPAttention):  # None = causal aligned to the last key
+        return core(q, k, v, None, attn_mask_type=causal)
+    if isinstance(core, DotProductAttention):  # honours an explicit mask with sq != sk
+        return core(q, k, v, span_mask(q.shape[0], offset, q.device), attn_mask_type=causal)
+    if offset == 0:  # TE: its own kernels for sq == sk, as in the full forward
+        return core(q, k, v, None, attn_mask_type=causal)
+    # TE's "causal" aligns the diagonal top-left (wrong for sq < sk): SDPA, bottom-right
+    return sdpa_sbhd(q, k, v, softmax_scale(core, q.shape[-1]), causal=True)
+
+
+def softmax_scale(core: torch.nn.Module, head_dim: int) -> float:
+    """The scale `core` applies to q·k: its own attribute on the local cores; for TE's, what
+    megatron passes it (config.softmax_scale) or TE's default 1/sqrt(kv_channels)."""
+    if isinstance(core, DotProductAttention):
+        return core.softmax_scale
+    return core.config.softmax_scale or 1.0 / math.sqrt(head_dim)
 
 
 def span_forward(
@@ -179,13 +224,11 @@ def span_forward(
     x = gpt.embedding(input_ids=tokens[None], position_ids=None)  # [n, 1, h]
     # why: equals rotary_pos_emb(offset + n)[offset:] (positions are arange(n) + offset).
     freqs = gpt.rotary_pos_emb(n, offset=offset)
-    # SDPAttention reads None as causal aligned to the last key: no mask, causal kernels
-    sdpa = isinstance(layers[0].self_attention.core_attention, SDPAttention)
-    mask = None if sdpa else span_mask(n, offset, tokens.device)
     out_kv: list[KV] = []
     for i, layer in enumerate(layers):
         sa = layer.self_attention
         residual = x
+        # TE spec: input_layernorm is an identity, the norm runs fused inside linear_qkv
         q, k, v = sa.get_query_key_value_tensors(layer.input_layernorm(x))
         rope = dict(config=cfg, cp_group=sa.pg_collection.cp)
         # why: contiguous, since callers keep and concatenate them (v is a split view)
@@ -197,7 +240,7 @@ def span_forward(
         q = rope_utils.apply_rotary_pos_emb(q, freqs, **rope)
         keys = k if past is None else torch.cat([past[i].k, k])
         values = v if past is None else torch.cat([past[i].v, v])
-        ctx = sa.core_attention(q, keys, values, mask, attn_mask_type=sa.attn_mask_type)
+        ctx = _span_attention(sa.core_attention, q, keys, values, offset)
         attn = sa.linear_proj(ctx)
         x = layer.self_attn_bda(layer.training, cfg.bias_dropout_fusion)(
             attn, residual, layer.hidden_dropout
