@@ -285,6 +285,7 @@ class Learner:
             rec.open_groups = self.queue.open_groups
             rec.span_tokens, rec.context, rec.logits = (span["span_tokens"], span["context"],
                                                         span["logits"])
+            rec.fused_head = rec.logits and self.policy.fused_head
             rec.pass_id = self.passes
             self.trace.append(rec)
             self.scored[g] = self.scored.get(g, 0) + src.n_scored

@@ -172,10 +172,12 @@ class Policy:
         losses and backpropagates once; the gradient is the sum of the one-by-one ones."""
         out = packed.packed_forward(self.ddp, segments)
         ids = torch.cat([s.tokens for s in segments])
-        pos = torch.tensor([a + p for a, ps in zip(out.starts, scored) for p in ps],
-                           dtype=torch.long, device=self.device)
-        logits = packed.lm_head(self.ddp, out.hidden)  # the one place the LM head runs
-        logp = self.scored_logprob(logits, ids, pos)
+        pos = upload([a + p for a, ps in zip(out.starts, scored) for p in ps], torch.long,
+                     self.device)
+        # the LM head: fused (only the scored rows, chunk by chunk), or the output layer
+        head = bridge.head_input(self.ddp, out.hidden[:, 0]) if self.fused_head \
+            else packed.lm_head(self.ddp, out.hidden)
+        logp = self.scored_logprob(head, ids, pos)
         return list(logp.split([len(ps) for ps in scored])), out.kv
 
     def grad_buffers(self) -> list[torch.Tensor]:

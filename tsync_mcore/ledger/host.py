@@ -229,11 +229,11 @@ class HostCounter:
     @contextlib.contextmanager
     def watch(self, learner):
         """Sections for a Learner's entry points: each `_serve` call is a Unit (section
-        "serve"); `submit` and `group_rewards` outside it are "submit"; `begin` and `close`
+        "serve"), and so is each source of a packed pass (`_serve_pack`); `submit` and `group_rewards` outside it are "submit"; `begin` and `close`
         outside it are the per-batch work."""
         names = {"begin": "begin", "close": "close", "submit": "submit",
                  "group_rewards": "submit"}
-        for attr in [*names, "_serve"]:
+        for attr in [*names, "_serve", "_serve_pack"]:
             if attr in vars(learner):
                 raise RuntimeError(f"learner.{attr} is wrapped already")
         for attr, sec in names.items():
@@ -248,10 +248,24 @@ class HostCounter:
             self.units.append(unit)
 
         learner._serve = _serve
+        serve_pack = getattr(learner, "_serve_pack", None)
+
+        def _serve_pack(pack):
+            # why: a packed pass is one forward/backward; each of its sources is charged the
+            # pass's tally for the per-unit maximum (the section sums count it once)
+            tally = Tally()
+            with self.section("serve", tally):
+                serve_pack(pack)
+            self.units.extend(Unit(svc.source.key, svc.group_id, tally) for svc in pack)
+
+        wrapped = ["_serve"]
+        if serve_pack is not None:
+            learner._serve_pack = _serve_pack
+            wrapped.append("_serve_pack")
         try:
             yield self
         finally:
-            for attr in [*names, "_serve"]:
+            for attr in [*names, *wrapped]:
                 delattr(learner, attr)
 
     def _wrapped(self, fn, name: str):

@@ -33,6 +33,7 @@ rank must pack the same segments (the collectives run once per pass).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ from torch import Tensor
 from tsync_mcore.model.attention import SDPAttention
 from tsync_mcore.model.bridge import unwrap
 from tsync_mcore.model.span import KV, _check_supported, span_mask
+from tsync_mcore.platform import upload
 
 __all__ = ["ATTENTION_PATHS", "Segment", "Packed", "packed_forward", "lm_head", "block_mask",
            "supported"]
@@ -133,7 +135,7 @@ def _attend(sa, q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], starts: li
         raise ValueError("attention path 'varlen' needs CUDA, SDPAttention and fp16/bf16")
     from torch.nn.attention.varlen import varlen_attn
     lens_k = [n + s.offset for n, s in zip(lengths, segs)]
-    cu = lambda xs: torch.tensor([0, *xs], device=q.device).cumsum(0).to(torch.int32)  # noqa: E731
+    cu = lambda xs: upload([0, *itertools.accumulate(xs)], torch.int32, q.device)  # noqa: E731
     heads = q.shape[2]
     out = varlen_attn(q[:, 0], keys[:, 0], values[:, 0], cu(lengths), cu(lens_k),
                       max(lengths), max(lens_k), scale=core.softmax_scale,

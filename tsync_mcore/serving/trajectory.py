@@ -20,6 +20,7 @@ import torch
 from tsync_mcore.accumulators import f32
 from tsync_mcore.model.packed import Segment
 from tsync_mcore.objectives.off_policy import behaviour_at, weighted_logp_sum
+from tsync_mcore.platform import upload
 from tsync_mcore.prefix import SharedPrefix
 from tsync_mcore.schedule import Service
 from tsync_mcore.sources import SourceError, TrajectorySource, check_reward, validate_source
@@ -159,7 +160,7 @@ class TrajectoryKind:
             q = len(prefix) if prefix is not None else 0
             if prefix is not None:
                 prefixes[svc.group_id] = prefix
-            ids = torch.tensor(src.tokens[q:], dtype=torch.long, device=l.policy.device)
+            ids = upload(src.tokens[q:], torch.long, l.policy.device)
             segments.append(Segment(ids, q, prefix.leaves if prefix is not None else None))
             scored.append([t for t, m in enumerate(src.scored_mask[q:]) if m])
             spans.append(dict(span_tokens=src.n_tokens - q, context=q, logits=True))

@@ -189,7 +189,7 @@ class TurnKind:
                     prompt_leaves=detached_leaves(prompt.produced) if prompt else None)
             ctx = self.ctx[turn.traj_id]
             offset, tokens, mask = ctx.span(turn)
-            ids = torch.tensor(tokens, dtype=torch.long, device=l.policy.device)
+            ids = upload(tokens, torch.long, l.policy.device)
             segments.append(Segment(ids, offset, ctx.past(turn.turn, offset)))
             scored.append([p for p, m in enumerate(mask) if m])
             turns.append((turn, ctx, offset, mask))
@@ -197,8 +197,8 @@ class TurnKind:
         loss = 0.0
         for (turn, _, offset, mask), pos, student in zip(turns, scored, logps):
             q = offset - turn.start
-            teacher = torch.tensor([turn.teacher_logprobs[q + p] for p in pos],
-                                   dtype=torch.float64, device=l.policy.device)
+            teacher = upload([turn.teacher_logprobs[q + p] for p in pos], torch.float64,
+                             l.policy.device)
             rho = l.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs, mask, q))
             loss = loss + l.objective.turn_loss(student, teacher, rho)
         loss.backward()
