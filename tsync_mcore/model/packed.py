@@ -38,11 +38,12 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import Tensor
 
 from tsync_mcore.model.attention import SDPAttention
 from tsync_mcore.model.bridge import unwrap
-from tsync_mcore.model.span import KV, _check_supported, span_mask
+from tsync_mcore.model.span import KV, _check_supported, _span_attention, span_mask
 from tsync_mcore.platform import upload
 
 __all__ = ["ATTENTION_PATHS", "Segment", "Packed", "packed_forward", "lm_head", "block_mask",
@@ -108,15 +109,13 @@ def _attend(sa, q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], starts: li
     if path == "auto":
         path = "varlen" if _varlen_ok(core, q) else "segments"
     pasts = [s.past[layer] if s.past is not None else None for s in segs]
-    if path == "segments":
-        sdpa = isinstance(core, SDPAttention)
+    if path == "segments":  # each segment exactly as span_forward attends (TE cores too)
         out = []
         for a, n, s, p in zip(starts, lengths, segs, pasts):
             kk, vv = k[a:a + n], v[a:a + n]
             if p is not None:
                 kk, vv = torch.cat([p.k, kk]), torch.cat([p.v, vv])
-            mask = None if sdpa else span_mask(n, s.offset, q.device)
-            out.append(core(q[a:a + n], kk, vv, mask, attn_mask_type=sa.attn_mask_type))
+            out.append(_span_attention(core, q[a:a + n], kk, vv, s.offset))
         return out[0] if len(out) == 1 else torch.cat(out)
     keys, values = [], []
     for a, n, p in zip(starts, lengths, pasts):
@@ -127,6 +126,9 @@ def _attend(sa, q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], starts: li
         values.append(v[a:a + n])
     keys, values = torch.cat(keys), torch.cat(values)
     if path == "block":
+        if not isinstance(core, (SDPAttention, DotProductAttention)):
+            raise ValueError(f"attention path 'block' needs a local core attention (an "
+                             f"explicit mask), not {type(core).__name__}")
         mask = block_mask(lengths, [s.offset for s in segs], q.device)
         return core(q, keys, values, mask, attn_mask_type=sa.attn_mask_type)
     if path != "varlen":
