@@ -371,10 +371,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"sweep failed:\n{doc['sweep_traceback']}", file=sys.stderr)
             write()
     print(f"wrote {out} ({time.perf_counter() - start:.0f} s)")
-    if not failed and megatron_used:
+    if not failed and megatron_used and args.device != "cpu":
         from tsync_mcore.model.parallel import destroy_parallel
 
-        destroy_parallel()  # NCCL wants an explicit teardown after a clean finish
+        # NCCL wants an explicit teardown after a clean finish; gloo's is at exit (and a
+        # CPU dry run inside a test process must leave the session's groups alone)
+        destroy_parallel()
     return 1 if failed else 0
 
 
