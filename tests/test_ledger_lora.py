@@ -1,0 +1,138 @@
+"""FLOP ledger for LoRA policies: exact against FlopCounterMode on an independent model, the
+Hugging Face checkpoint wrapped with `peft` (separate q/k/v modules, FP64); arithmetic of the
+adapters' own products and of their TP split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tsync_mcore.ledger import LoraShape, load_spec, replay_flops, span_flops, train_flops
+from tsync_mcore.ledger.flops import COMPONENTS, LORA_TARGETS, TP_REPLICATED
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+SUBSETS = {
+    "all": LORA_TARGETS,
+    "q_v": ("q_proj", "v_proj"),  # k untargeted: its output needs no grad in layer 0 (peft)
+    "mlp": ("gate_proj", "down_proj"),  # layer 0's attention gets no backward at all
+}
+
+
+def _peft_model(hf_dir: str, targets: tuple[str, ...], rank: int = 4):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, attn_implementation="eager", dtype=torch.float64)  # eager: the S×S scores
+    cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
+                          lora_dropout=0.0)
+    return peft.get_peft_model(model, cfg)
+
+
+def _token_loss(logits: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, -1).gather(-1, tok[..., None]).sum()
+
+
+@pytest.mark.parametrize("subset", sorted(SUBSETS))
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_lora_train_flops_equal_counter_on_peft(name, subset, tiny_ckpts):
+    """GRPO-style dense sequences, one forward each, a token loss, one backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    targets, lens = SUBSETS[subset], [7, 23, 64]
+    model = _peft_model(tiny_ckpts[name], targets)
+    spec = load_spec(tiny_ckpts[name])
+    gen = torch.Generator().manual_seed(0)
+    with FlopCounterMode(display=False) as fc:
+        loss = torch.zeros((), dtype=torch.float64)
+        for s in lens:
+            tok = torch.randint(0, spec.vocab_size, (1, s), generator=gen)
+            loss = loss + _token_loss(model(input_ids=tok).logits, tok)
+        fwd = fc.get_total_flops()
+        loss.backward()
+        total = fc.get_total_flops()
+    b = train_flops(spec, lens, lora=LoraShape(4, targets, separate_qkv=True))
+    assert (b.forward, b.total) == (fwd, total)
+    full = train_flops(spec, lens)
+    assert b.forward > full.forward and b.backward < full.backward  # adapters on, base frozen
+
+
+@pytest.mark.parametrize("subset", ["all", "q_v"])
+def test_lora_span_flops_equal_counter_on_peft(subset, tiny_qwen3):
+    """An OPD turn: n tokens after P context tokens whose K/V are grad-collecting leaves."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import DynamicCache
+
+    targets, P, n = SUBSETS[subset], 21, 13
+    model = _peft_model(tiny_qwen3, targets)
+    spec = load_spec(tiny_qwen3)
+    tok = torch.randint(0, spec.vocab_size, (1, P + n), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ctx = model(input_ids=tok[:, :P], use_cache=True).past_key_values
+    past = DynamicCache()
+    for i, layer in enumerate(ctx.layers):
+        past.update(layer.keys.detach().requires_grad_(), layer.values.detach().requires_grad_(), i)
+    with FlopCounterMode(display=False) as fc:
+        logits = model(input_ids=tok[:, P:], past_key_values=past, use_cache=True).logits
+        fwd = fc.get_total_flops()
+        _token_loss(logits, tok[:, P:]).backward()
+        total = fc.get_total_flops()
+    b = span_flops(spec, n, P, lora=LoraShape(4, targets, separate_qkv=True))
+    assert (b.forward, b.total) == (fwd, total)
+
+
+def test_lora_ledger_arithmetic(tiny_qwen3):
+    spec = load_spec(tiny_qwen3)
+    h, hd, heads, kv, ffn, L = (spec.hidden, spec.head_dim, spec.heads, spec.kv_heads,
+                                spec.ffn, spec.layers)  # fmt: skip
+    s, r = 50, 8
+    full = train_flops(spec, [s])
+    lora = train_flops(spec, [s], lora=LoraShape(r))
+    assert list(lora.by_component) == [c for c in COMPONENTS if c in lora.by_component]
+    base = {k: v for k, v in lora.by_component.items() if ".lora_" not in k}
+    assert sum(v["forward"] for v in base.values()) == full.forward  # base forward unchanged
+    # adapters: A on T·in -> T·r, B on T·r -> T·out, per targeted projection, every layer
+    c = lora.by_component
+    assert c["qkv_proj.lora_A"]["forward"] == L * 2 * s * h * r * 3
+    assert c["qkv_proj.lora_B"]["forward"] == L * 2 * s * r * (heads + 2 * kv) * hd
+    assert c["mlp_down.lora_A"]["forward"] == L * 2 * s * ffn * r
+    # layer 0's q/k/v adapters see the frozen embedding: weight-grad only; B always both
+    assert c["qkv_proj.lora_A"]["backward"] == c["qkv_proj.lora_A"]["forward"] * (2 * L - 1) // L
+    assert all(c[k]["backward"] == 2 * c[k]["forward"] for k in c if k.endswith("lora_B"))
+    # frozen base: input-grad only, none into layer 0's QKV
+    assert c["qkv_proj"]["backward"] == c["qkv_proj"]["forward"] * (L - 1) // L
+    assert lora.total == sum(v["forward"] + v["backward"] for v in c.values())
+    # a LoraSpec-like object works the same; frozen and lora together are refused
+    like = type("Spec", (), {"rank": r, "targets": list(LORA_TARGETS)})()
+    assert train_flops(spec, [s], lora=like).to_dict() == lora.to_dict()
+    with pytest.raises(ValueError):
+        train_flops(spec, [s], lora=LoraShape(r), frozen=["output_layer.weight"])
+    with pytest.raises(ValueError):
+        LoraShape(0)
+    with pytest.raises(ValueError):
+        LoraShape(4, ("qkv",))
+    # megatron's fused linear_qkv: a targeted q makes k require grad too (one more QK^T grad)
+    qv = LoraShape(r, SUBSETS["q_v"])
+    sep = LoraShape(r, SUBSETS["q_v"], separate_qkv=True)
+    d = (train_flops(spec, [s], lora=qv).backward - train_flops(spec, [s], lora=sep).backward)
+    assert d == 2 * heads * hd * s * s
+    # spans and replays carry the adapters; forward-only spans keep their components
+    assert span_flops(spec, s, 0, lora=qv).to_dict() == train_flops(spec, [s], lora=qv).to_dict()
+    rep = replay_flops(spec, 10, 20, lora=qv)
+    assert rep.forward == 0 and rep.by_component["qkv_proj.lora_B"]["backward"] > 0
+
+
+def test_lora_per_rank_keeps_replicated_adapter_work(tiny_qwen3):
+    spec = load_spec(tiny_qwen3)
+    b = train_flops(spec, [40, 24], lora=LoraShape(16))
+    for tp in (1, 2):
+        one = b.per_rank(tp)
+        rep = sum(v["forward"] for k, v in b.by_component.items() if k in TP_REPLICATED)
+        assert one.forward == (b.forward - rep) // tp + rep
+        assert one.forward == sum(v["forward"] for v in one.by_component.values())
+        assert one.backward == sum(v["backward"] for v in one.by_component.values())
+    # the TP group executes more than the model FLOPs: the replicated adapter products
+    assert b.per_rank(2).total * 2 > b.total
+    assert train_flops(spec, [40]).per_rank(2).total * 2 == train_flops(spec, [40]).total
