@@ -136,3 +136,86 @@ def test_lora_per_rank_keeps_replicated_adapter_work(tiny_qwen3):
     # the TP group executes more than the model FLOPs: the replicated adapter products
     assert b.per_rank(2).total * 2 > b.total
     assert train_flops(spec, [40]).per_rank(2).total * 2 == train_flops(spec, [40]).total
+
+
+# --------------------------------------------------------------------------- on the Megatron model
+
+MEGATRON_CASES = [("qwen3", "all", True), ("qwen2", "q_v", False), ("qwen3_tied", "mlp", True)]
+
+
+@pytest.mark.parametrize("name,subset,fused", MEGATRON_CASES)
+def test_lora_policy_source_equal_counter(name, subset, fused, tiny_ckpts, parallel1):
+    """One source served by a LoRA Policy (model/lora.py adapters on the fused linears) under
+    FlopCounterMode, against the ledger's account of its trace record with `policy.lora`."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tsync_mcore.config import load_config
+    from tsync_mcore.ledger.account import update_flops
+    from tsync_mcore.policy import Policy
+    from tsync_mcore.trace import SourceRecord
+
+    cfg = load_config(None, {"model.hf_dir": tiny_ckpts[name], "learner.fused_lm_head": fused,
+                             "model.lora.rank": 4, "model.lora.targets": list(SUBSETS[subset])})
+    policy = Policy(cfg, par=parallel1)
+    assert policy.lora is not None and policy.lora.targets == SUBSETS[subset]
+    tokens = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    mask = [0] * 10 + [1] * 12 + [0] * 8
+    with FlopCounterMode(display=False) as fc:
+        policy.backward_source(tokens, mask, 1.0)
+    policy.zero_grads()
+    rec = SourceRecord(update=0, rank=0, source="trajectory", traj_id="t", group_id="g",
+                       turn=None, policy_version=0, scored_tokens=12, ready=0.0,
+                       start=0.0, end=1.0, span_tokens=30, logits=True, fused_head=fused)
+    work = update_flops(policy.spec, [rec], attention=policy.attention_mode, lora=policy.lora)
+    assert work.total + work.recompute_flops == fc.get_total_flops()
+    assert work.by_component["qkv_proj" if subset != "mlp" else "mlp_down"] ["forward"] > 0
+    assert any(k.endswith(".lora_B") for k in work.by_component)
+
+
+def test_lora_span_and_replay_equal_counter(tiny_qwen3, parallel1):
+    """An OPD turn against context K/V leaves and its deferred replay, LoRA on q and v only
+    (megatron's fused linear_qkv: k requires grad with them)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tsync_mcore.model import bridge, lora, span
+
+    model, spec = bridge.build_model(tiny_qwen3)
+    spec_l = lora.LoraSpec(4, 8.0, SUBSETS["q_v"])
+    lora.attach(model, spec, spec_l, seed=0)
+    P, n = 21, 13
+    toks = torch.randint(0, spec.vocab_size, (P + n,), generator=torch.Generator().manual_seed(3))
+    _, kv0 = span.span_forward(model, toks[:P], 0, None, want_logits=False)
+    past = span.detached_leaves(kv0)
+    with FlopCounterMode(display=False) as fc:
+        lg, _ = span.span_forward(model, toks[P:], P, past)
+        fwd = fc.get_total_flops()
+        vocab_parallel_cross_entropy(lg.float()[None], toks[P:][None]).sum().backward()
+    b = span_flops(spec, n, P, lora=spec_l)
+    assert (b.forward, b.total) == (fwd, fc.get_total_flops())
+    with FlopCounterMode(display=False) as fc:
+        _, kv = span.span_forward(model, toks[P:], P, past, stop_after_kv=True)
+        rec = fc.get_total_flops()
+        span.backward_kv(kv, [(torch.randn_like(x.k), torch.randn_like(x.v)) for x in kv])
+    r = replay_flops(spec, n, P, lora=spec_l)
+    assert (r.recompute_flops, r.backward) == (rec, fc.get_total_flops() - rec)
+
+
+def test_lora_per_rank_equal_counter_tp2(tiny_ckpts):
+    """At TP = 2 each rank executes the split base and adapter products / 2 and the
+    replicated adapter products whole (`FlopBreakdown.per_rank`)."""
+    import json
+
+    from dist_util import run_dist
+
+    targets = list(LORA_TARGETS)
+    ckpts = {"qwen3": tiny_ckpts["qwen3"]}
+    cfg = {"tp": 2, "ckpts": ckpts, "seq_lens": [[9], [48, 31]],
+           "lora": {"rank": 4, "targets": targets}}
+    ranks = run_dist(["tests/workers/ledger_worker.py", json.dumps(cfg)], nproc=2)
+    spec = load_spec(ckpts["qwen3"])
+    for rank in ranks:
+        for r in rank["results"]["qwen3"]:
+            b = train_flops(spec, r["seq_lens"], lora=LoraShape(4, tuple(targets)))
+            one = b.per_rank(2)
+            assert (one.forward, one.total) == (r["forward"], r["total"]), (rank["tp_rank"], r)

@@ -288,7 +288,8 @@ class Trainer:
         stale = sum(1 for r in trace.sources(result.trace)
                     if r.policy_version != result.policy_version)
         # F_k: this DP rank's work from its trace (TP ranks of one DP rank share it), summed.
-        work = update_flops(self.policy.spec, result.trace, attention=self.policy.attention_mode)
+        work = update_flops(self.policy.spec, result.trace, attention=self.policy.attention_mode,
+                            lora=self.policy.lora)
         flops = self.policy.dp_sum(work.total)
         recompute = self.policy.dp_sum(work.recompute_flops)
         mem = self.memory.snapshot(host_accum_bytes=done.accum_peak_bytes
