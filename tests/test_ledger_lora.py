@@ -219,3 +219,42 @@ def test_lora_per_rank_equal_counter_tp2(tiny_ckpts):
             b = train_flops(spec, r["seq_lens"], lora=LoraShape(4, tuple(targets)))
             one = b.per_rank(2)
             assert (one.forward, one.total) == (r["forward"], r["total"]), (rank["tp_rank"], r)
+
+
+# --------------------------------------------------------------------------- a whole update
+
+
+def test_lora_update_flops_and_accumulator_size(tiny_qwen2, parallel1):
+    """One GRPO update of a LoRA learner (shared prompts and packed passes as configured):
+    FlopCounterMode over the whole update equals the ledger's account of its trace, and the
+    accumulators are sized to the adapters: P_A elements, bound 4·(2k+1)·P_A bytes."""
+    from batchgen import make_batch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tsync_mcore.config import load_config
+    from tsync_mcore.learner import Learner
+    from tsync_mcore.ledger.account import update_flops
+    from tsync_mcore.policy import Policy
+    from tsync_mcore.sources import BatchPlan, TrajectorySource
+
+    cfg = load_config(None, {"model.hf_dir": tiny_qwen2, "model.lora.rank": 4,
+                             "learner.schedule": "thundersync", "learner.k_open": 2})
+    policy = Policy(cfg, par=parallel1)
+    learner = Learner(cfg.learner, policy)
+    rows = sorted(make_batch(256, n_groups=3, m=3, seed=5), key=lambda r: r["ready_order"])
+    srcs = [TrajectorySource.from_json({k: v for k, v in r.items() if k != "update"})
+            for r in rows]
+    with FlopCounterMode(display=False) as fc:
+        learner.begin(BatchPlan.from_sources(srcs))
+        for s in srcs:
+            learner.submit(s)
+        result = learner.close()
+    work = update_flops(policy.spec, result.trace, attention=policy.attention_mode,
+                        lora=policy.lora)
+    assert work.total + work.recompute_flops == fc.get_total_flops()
+    u = result.summary
+    p_a = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
+    p_all = sum(p.numel() for p in policy.model.parameters())
+    assert u.accum_params == p_a and 0 < p_a < p_all // 10
+    assert u.accum_bound_bytes == 4 * (2 * 2 + 1) * p_a
+    assert u.accum_peak_bytes <= u.accum_bound_bytes
