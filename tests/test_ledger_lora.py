@@ -9,6 +9,7 @@ import torch
 
 from tsync_mcore.ledger import LoraShape, load_spec, replay_flops, span_flops, train_flops
 from tsync_mcore.ledger.flops import COMPONENTS, LORA_TARGETS, TP_REPLICATED
+from tsync_mcore.ledger.sizes import accum_bytes, adapter_params, model_params
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -219,6 +220,10 @@ def test_lora_per_rank_equal_counter_tp2(tiny_ckpts):
             b = train_flops(spec, r["seq_lens"], lora=LoraShape(4, tuple(targets)))
             one = b.per_rank(2)
             assert (one.forward, one.total) == (r["forward"], r["total"]), (rank["tp_rank"], r)
+            # the sizes tool's per-rank counts are what a rank holds
+            assert adapter_params(spec, 4, targets, tp=2) == r["adapter_params"]
+            assert model_params(spec, tp=2) + adapter_params(spec, 4, targets, tp=2) == \
+                r["params"]
 
 
 # --------------------------------------------------------------------------- a whole update
@@ -255,6 +260,44 @@ def test_lora_update_flops_and_accumulator_size(tiny_qwen2, parallel1):
     u = result.summary
     p_a = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
     p_all = sum(p.numel() for p in policy.model.parameters())
-    assert u.accum_params == p_a and 0 < p_a < p_all // 10
-    assert u.accum_bound_bytes == 4 * (2 * 2 + 1) * p_a
+    assert u.accum_params == p_a == adapter_params(policy.spec, 4) and 0 < p_a < p_all // 10
+    assert p_all == model_params(policy.spec) + p_a
+    assert u.accum_bound_bytes == 4 * (2 * 2 + 1) * p_a == accum_bytes(p_a, 2)
     assert u.accum_peak_bytes <= u.accum_bound_bytes
+
+
+# --------------------------------------------------------------------------- the sizes tool
+
+
+def test_sizes_tool(tiny_ckpts, capsys):
+    import json
+
+    from tsync_mcore.ledger.sizes import main, preset_spec
+    from tsync_mcore.model import lora
+
+    # P against the Hugging Face model, P_A against model/lora.py's count and peft's
+    for name in ("qwen2", "qwen3_tied"):
+        spec = load_spec(tiny_ckpts[name])
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_ckpts[name])
+        assert model_params(spec) == sum(p.numel() for p in hf.parameters())
+        for targets in SUBSETS.values():
+            got = adapter_params(spec, 8, targets)
+            assert got == lora.n_adapter_params(spec, lora.LoraSpec(8, 16.0, targets))
+            pm = peft.get_peft_model(hf, peft.LoraConfig(r=8, target_modules=list(targets)))
+            assert got == sum(p.numel() for p in pm.parameters() if p.requires_grad)
+            hf = pm.unload()
+    # the 8B shapes: Qwen3-8B has 8.19B parameters; rank 16 on every linear about 0.5 %
+    q8 = preset_spec("qwen3-8b")
+    assert round(model_params(q8) / 1e9, 2) == 8.19
+    assert adapter_params(q8, 16) == 36 * 16 * (3 * 4096 + 4096 + 1024 * 2 + 4096 * 2
+                                                 + 3 * (4096 + 12288))
+    assert main(["--preset", "qwen3-8b", "--ranks", "16,64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["rank"] for r in out["rows"]] == [0, 16, 64]
+    assert out["rows"][1]["accum_grpo_bytes"] == 4 * 9 * adapter_params(q8, 16)
+    assert main(["--preset", "demo", "--ranks", "8"]) == 0
+    assert "LoRA r=8 (P_A)" in capsys.readouterr().out
+    for bad in (["--model", "/nonexistent"], ["--preset", "demo", "--targets", "qkv"]):
+        assert main(bad) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error:"), err

@@ -87,10 +87,12 @@ def measure_lora(hf_dir: str, seq_lens_list: list[list[int]], rank: int,
 
     model, spec = bridge.build_model(hf_dir)
     lora.attach(model, spec, lora.LoraSpec(rank, 2.0 * rank, tuple(targets)), seed=0)
+    sizes = {"params": sum(p.numel() for p in model.parameters()),
+             "adapter_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     out = []
     for lens in seq_lens_list:
         fwd, total = count(model, spec, lens)
-        out.append({"case": "lora", "seq_lens": lens, "forward": fwd, "total": total})
+        out.append({"case": "lora", "seq_lens": lens, "forward": fwd, "total": total, **sizes})
     return out
 
 
