@@ -266,7 +266,21 @@ def test_lora_update_flops_and_accumulator_size(tiny_qwen2, parallel1):
     assert u.accum_peak_bytes <= u.accum_bound_bytes
 
 
-# --------------------------------------------------------------------------- the sizes tool
+# --------------------------------------------------------------------------- the tools
+
+
+def test_ledger_cli_lora(tiny_qwen3, capsys):
+    import json
+
+    from tsync_mcore.ledger.__main__ import main
+
+    assert main(["--model", tiny_qwen3, "--seq-lens", "16,40", "--lora-rank", "8",
+                 "--lora-targets", "q_proj,v_proj", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    want = train_flops(load_spec(tiny_qwen3), [16, 40], lora=LoraShape(8, ("q_proj", "v_proj")))
+    assert got["total_flops"] == want.total and got["lora"]["rank"] == 8
+    assert main(["--model", tiny_qwen3, "--seq-lens", "16", "--lora-rank", "-1"]) == 2
+    assert capsys.readouterr().err.startswith("error: LoRA rank must be >= 1")
 
 
 def test_sizes_tool(tiny_ckpts, capsys):
