@@ -306,7 +306,8 @@ def _walk(
         p = f"decoder.layers.{i}."
         a = p + "self_attention."
         ln_rg = x_rg or w.trainable(p + "input_layernorm.weight")
-        outs = {"q_proj": spec.heads * hd, "k_proj": spec.kv_heads * hd, "v_proj": spec.kv_heads * hd}
+        kv = spec.kv_heads * hd
+        outs = {"q_proj": spec.heads * hd, "k_proj": kv, "v_proj": kv}
         base_rg = w.linear({"qkv_proj": 2 * tokens * h * sum(outs.values())}, ln_rg,
                            a + "linear_qkv.weight")
         base_rg = base_rg or (spec.qkv_bias and w.trainable(a + "linear_qkv.bias"))
