@@ -41,11 +41,9 @@ def main() -> None:
               f"replaced (--resume continues it)", flush=True)
     os.makedirs(cfg.run.dir, exist_ok=True)
     if not os.path.exists(os.path.join(cfg.model.hf_dir, "config.json")):
-        from tsync_mcore.testing.tiny import make_tiny_checkpoint
+        from tsync_mcore.testing.tiny import DEMO_MODEL, make_tiny_checkpoint
         print(f"creating a tiny Qwen2 checkpoint + tokenizer in {cfg.model.hf_dir}", flush=True)
-        make_tiny_checkpoint(cfg.model.hf_dir, arch="qwen2", vocab_size=320, hidden=64,
-                             layers=2, heads=2, kv_heads=1, intermediate=128, seed=0)
-        # heads=2: vLLM's CPU attention needs head_dim >= 32
+        make_tiny_checkpoint(cfg.model.hf_dir, **DEMO_MODEL)
 
     t0 = time.time()
     teacher = os.path.join(cfg.run.dir, "teacher")

@@ -430,6 +430,7 @@ class Learner:
             dropped_groups={g: self.dropped[g] for g in dropped_anywhere},
             rejected_sources=list(self.rejected), open_bound=self.open_bound,
             accum_peak_bytes=self.acc.peak_bytes, accum_bound_bytes=self.acc.bound_bytes,
+            accum_params=self.acc.numel,
             open_peak_bytes=self.open_peak_bytes,
             kv_peak_bytes=self.kind.kv_peak_bytes,
             head_peak_bytes=self.policy.take_head_peak(), grad_norm=step.grad_norm,

@@ -383,6 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
         "sources": sum(len(b) for b in batches),
         "accum_peak_bytes": max(r.accum_peak_bytes for r in done),
         "accum_bound_bytes": done[0].accum_bound_bytes,
+        "accum_params": done[0].accum_params,
         "kv_peak_bytes_per_rank": _gather(max(r.kv_peak_bytes for r in done)),
         "head_peak_bytes_per_rank": _gather(max(r.head_peak_bytes for r in done)),
         "accum_peak_bytes_per_rank": _gather(max(r.accum_peak_bytes for r in done)),

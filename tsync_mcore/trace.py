@@ -108,6 +108,9 @@ class UpdateRecord:
     open_bound: str = ""  # the admission bound that applied: "k_open=4", "4 MiB", ...
     accum_peak_bytes: int = 0  # batch accumulator + G1'/G2 pairs held at once
     accum_bound_bytes: int = 0  # 4·(2k+1)·P
+    # P: gradient elements per accumulator vector on this rank (its DDP grad buffers: the
+    # adapters' P_A under LoRA)
+    accum_params: int = 0
     open_peak_bytes: int = 0  # bytes held by open groups at once (pairs, K/V, prompts)
     kv_peak_bytes: int = 0  # context K/V leaves + adjoints and shared prompts at once
     # LM head's estimated peak of one source or span (kernels/lm_head.py peak_bytes): fused,

@@ -288,7 +288,8 @@ class Trainer:
         stale = sum(1 for r in trace.sources(result.trace)
                     if r.policy_version != result.policy_version)
         # F_k: this DP rank's work from its trace (TP ranks of one DP rank share it), summed.
-        work = update_flops(self.policy.spec, result.trace, attention=self.policy.attention_mode)
+        work = update_flops(self.policy.spec, result.trace, attention=self.policy.attention_mode,
+                            lora=self.policy.lora)
         flops = self.policy.dp_sum(work.total)
         recompute = self.policy.dp_sum(work.recompute_flops)
         mem = self.memory.snapshot(host_accum_bytes=done.accum_peak_bytes
@@ -330,7 +331,8 @@ class Trainer:
             kv_peak_bytes=max(kv_peaks), kv_peak_bytes_per_rank=kv_peaks,
             head_peak_bytes=max(head_peaks), head_peak_bytes_per_rank=head_peaks,
             open_peak_bytes_per_rank=open_peaks, open_bound=done.open_bound,
-            accum_bound_bytes=done.accum_bound_bytes, flops=flops, recompute_flops=recompute,
+            accum_bound_bytes=done.accum_bound_bytes,
+            accum_params=done.accum_params, flops=flops, recompute_flops=recompute,
             mfu_active=mfu_active(flops, step_s, self.par.world_size, self.peak),
             peak_tflops=float(self.peak) / 1e12, peak_source=self.peak.source,
             peak_mem_bytes=max(peaks), peak_mem_bytes_per_rank=peaks,

@@ -2,8 +2,9 @@
 
 `measure_cases` runs in process (TP=1, the test's `parallel1`) and on torchrun ranks:
     torchrun --nproc-per-node 2 tests/workers/ledger_worker.py '<json config>'
-config: {"tp": 2, "ckpts": {name: dir}, "seq_lens": [[...], ...]}; each rank prints one
-`RESULT {json}` line with its counted FLOPs per (checkpoint, freeze case, lengths).
+config: {"tp": 2, "ckpts": {name: dir}, "seq_lens": [[...], ...]} and optionally
+"lora": {"rank": r, "targets": [...]} (LoRA adapters instead of the freeze cases); each rank
+prints one `RESULT {json}` line with its counted FLOPs per (checkpoint, case, lengths).
 """
 
 from __future__ import annotations
@@ -79,13 +80,34 @@ def measure_cases(hf_dir: str, seq_lens_list: list[list[int]]) -> list[dict]:
     return out
 
 
+def measure_lora(hf_dir: str, seq_lens_list: list[list[int]], rank: int,
+                 targets: list[str]) -> list[dict]:
+    """Counted FLOPs of a LoRA model (model/lora.py: frozen base, adapters on `targets`)."""
+    from tsync_mcore.model import lora
+
+    model, spec = bridge.build_model(hf_dir)
+    lora.attach(model, spec, lora.LoraSpec(rank, 2.0 * rank, tuple(targets)), seed=0)
+    sizes = {"params": sum(p.numel() for p in model.parameters()),
+             "adapter_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    out = []
+    for lens in seq_lens_list:
+        fwd, total = count(model, spec, lens)
+        out.append({"case": "lora", "seq_lens": lens, "forward": fwd, "total": total, **sizes})
+    return out
+
+
 def main(cfg: dict) -> None:
     from dist_util import report
 
     from tsync_mcore.model.parallel import init_parallel
 
     info = init_parallel(tp_size=cfg["tp"])
-    res = {name: measure_cases(d, cfg["seq_lens"]) for name, d in cfg["ckpts"].items()}
+    if cfg.get("lora"):
+        lo = cfg["lora"]
+        res = {name: measure_lora(d, cfg["seq_lens"], lo["rank"], lo["targets"])
+               for name, d in cfg["ckpts"].items()}
+    else:
+        res = {name: measure_cases(d, cfg["seq_lens"]) for name, d in cfg["ckpts"].items()}
     report({"tp_rank": info.tp_rank, "tp_size": info.tp_size, "results": res})
 
 

@@ -7,6 +7,7 @@ sampler import them when used.
 
 from tsync_mcore.ledger.flops import (
     FlopBreakdown,
+    LoraShape,
     forward_flops,
     frozen_names,
     head_recompute_flops,
@@ -23,6 +24,7 @@ from tsync_mcore.ledger.nvml import NvmlSampler
 __all__ = [
     "FlopBreakdown",
     "HostCounter",
+    "LoraShape",
     "MemoryMeter",
     "NvmlSampler",
     "Peak",

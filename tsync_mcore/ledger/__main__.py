@@ -1,7 +1,8 @@
 """`python -m tsync_mcore.ledger --model HF_DIR --seq-lens 128,512 [--scored 40,100] [--json]`
 
 FLOPs of one forward + backward of the given sequences (whole model; `--tp N` adds what one
-of N tensor-parallel ranks executes).
+of N tensor-parallel ranks executes; `--lora-rank R` counts a LoRA policy: frozen base, the
+adapters' own products). Parameter and accumulator sizes: `python -m tsync_mcore.ledger.sizes`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import argparse
 import json
 import sys
 
-from tsync_mcore.ledger.flops import ATTENTION_MODES, load_spec, train_flops
+from tsync_mcore.ledger.flops import (ATTENTION_MODES, LORA_TARGETS, LoraShape, load_spec,
+                                      train_flops)
 from tsync_mcore.safe_files import BadFile
 
 
@@ -31,19 +33,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="attention FLOPs counted over the full S×S scores or the causal half "
                          "(default full)")
     ap.add_argument("--tp", type=int, default=1, help="also report per-rank FLOPs at this TP")
+    ap.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full weights)")
+    ap.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
+                    help="projections with an adapter (default all seven)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args(argv)
     if args.scored is not None and len(args.scored) != len(args.seq_lens):
         ap.error(f"--scored needs one count per sequence ({len(args.seq_lens)})")
     try:
         spec = load_spec(args.model)
-    except BadFile as e:  # a missing or damaged model directory: one line, no traceback
+        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+        lora = LoraShape(args.lora_rank, targets) if args.lora_rank else None
+    except (BadFile, ValueError) as e:  # a damaged model dir, a bad LoRA: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
-    b = train_flops(spec, args.seq_lens, attention=args.attention, logits_positions=args.scored)
+    b = train_flops(spec, args.seq_lens, attention=args.attention, logits_positions=args.scored,
+                    lora=lora)
     out = {
         "model": args.model, "arch": spec.arch, "seq_lens": args.seq_lens,
-        "scored": args.scored, "attention": args.attention, **b.to_dict(),
+        "scored": args.scored, "attention": args.attention,
+        "lora": {"rank": lora.rank, "targets": list(lora.targets)} if lora else None,
+        **b.to_dict(),
     }  # fmt: skip
     if args.tp > 1:
         r = b.per_rank(args.tp)
@@ -51,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{spec.arch} seq_lens={args.seq_lens} attention={args.attention}")
+    where = f" lora r={lora.rank} on {','.join(lora.targets)}" if lora else ""
+    print(f"{spec.arch} seq_lens={args.seq_lens} attention={args.attention}{where}")
     for key in ("forward_flops", "backward_flops", "total_flops"):
         print(f"  {key:16s} {out[key]:.6e}")
     if args.tp > 1:

@@ -28,16 +28,30 @@ Backward follows what Megatron-Core 0.16.1 executes (tensor_parallel/layers.py):
 Which activations require grad is propagated through the model from the `frozen` names, so
 e.g. a frozen embedding and frozen first layers cost no backward at all.
 
-TP: all figures are whole-model FLOPs (summed over the TP group). Every counted matmul is
-split evenly by Megatron's column/row-parallel layers (heads, kv_heads, ffn and vocab are
-divisible by tp), so one TP rank executes exactly `total / tp`: `FlopBreakdown.per_rank(tp)`.
+LoRA (`lora=LoraShape(rank, targets)`, or the policy's `model/lora.LoraSpec`): every base
+parameter is frozen, and each targeted projection (Hugging Face names: q_proj ... down_proj)
+adds two products of its own, counted as `<component>.lora_A` (T·in → T·r) and
+`<component>.lora_B` (T·r → T·out). They are plain autograd matmuls on trainable weights:
+backward = weight-grad always, plus input-grad where the input requires grad (always for B,
+whose input is A's output; for A only where the base linear's input does, so layer 0's q/k/v
+adapters, fed by the frozen embedding, get none). A projection's output requires grad where
+its input does or an adapter feeds it; Megatron's linear_qkv has one output, so one targeted
+q/k/v makes all three require grad (`separate_qkv=True` models peft's separate modules).
+
+TP: all figures are whole-model FLOPs, each product counted once. Megatron's column/row-
+parallel layers split every base matmul evenly (heads, kv_heads, ffn and vocab are divisible
+by tp). A LoRA adapter is split on one side only: on a column-parallel linear (qkv, fc1) A is
+replicated on every rank and B sharded by output; on a row-parallel one (proj, fc2) A is
+sharded by input and B replicated after the reduction. `FlopBreakdown.per_rank(tp)` divides
+the split components by tp and keeps the replicated ones (`TP_REPLICATED`) whole, so the TP
+group executes more than the model FLOPs; MFU credits model FLOPs only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # why: importing bridge pulls in megatron; the ledger itself needs neither
     from tsync_mcore.model.bridge import ModelSpec
@@ -45,7 +59,10 @@ if TYPE_CHECKING:  # why: importing bridge pulls in megatron; the ledger itself 
 __all__ = [
     "ATTENTION_MODES",
     "COMPONENTS",
+    "LORA_TARGETS",
+    "TP_REPLICATED",
     "FlopBreakdown",
+    "LoraShape",
     "forward_flops",
     "frozen_names",
     "load_spec",
@@ -55,7 +72,7 @@ __all__ = [
 ]
 
 ATTENTION_MODES = ("full", "causal")
-COMPONENTS = (
+_BASE_COMPONENTS = (
     "qkv_proj",
     "attn_scores",
     "attn_values",
@@ -65,8 +82,17 @@ COMPONENTS = (
     "mlp_down",
     "vocab_proj",
 )
+_ADAPTED = ("qkv_proj", "out_proj", "mlp_gate", "mlp_up", "mlp_down")
+COMPONENTS = _BASE_COMPONENTS + tuple(f"{c}.lora_{m}" for c in _ADAPTED for m in "AB")
+# Adapter products every TP rank executes whole: A of the column-parallel linears (its input
+# is the full hidden state), B of the row-parallel ones (applied after the reduction).
+TP_REPLICATED = frozenset({"qkv_proj.lora_A", "mlp_gate.lora_A", "mlp_up.lora_A",
+                           "out_proj.lora_B", "mlp_down.lora_B"})
+# Hugging Face projection names a LoRA may target, and the component each belongs to.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 Frozen = Callable[[str], bool] | Collection[str] | None
+LoraLike = Any  # None, a LoraShape, or anything with `.rank` and `.targets` (LoraSpec)
 
 # TE-spec names of the fused pre-norms -> the local-spec names the ledger queries.
 _TE_NORM_ALIASES = {
@@ -95,6 +121,35 @@ def frozen_names(model) -> frozenset[str]:
                 name = name[: -len(te)] + local
         out.add(name)
     return frozenset(out)
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """What the ledger needs of a LoRA policy: the rank and the targeted projections.
+
+    `model/lora.LoraSpec` has the same `rank` and `targets` and may be passed instead.
+    `separate_qkv`: q/k/v are separate modules whose outputs require grad on their own
+    (Hugging Face + peft); False is Megatron's fused linear_qkv.
+    """
+
+    rank: int
+    targets: tuple[str, ...] = LORA_TARGETS
+    separate_qkv: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
+        bad = sorted(set(self.targets) - set(LORA_TARGETS))
+        if bad or not self.targets:
+            raise ValueError(f"LoRA targets must be a non-empty subset of {LORA_TARGETS}, "
+                             f"got {tuple(self.targets)}")
+
+    @classmethod
+    def of(cls, lora) -> "LoraShape | None":
+        """A LoraShape from None, a LoraShape or anything with `.rank` and `.targets`."""
+        if lora is None or isinstance(lora, LoraShape):
+            return lora
+        return cls(int(lora.rank), tuple(lora.targets))
 
 
 @dataclass(frozen=True)
@@ -128,17 +183,22 @@ class FlopBreakdown:
         )
 
     def per_rank(self, tp: int) -> "FlopBreakdown":
-        """What one of `tp` tensor-parallel ranks executes (every matmul is split evenly)."""
+        """What one of `tp` tensor-parallel ranks executes: every base matmul split evenly,
+        the `TP_REPLICATED` adapter products whole on each rank."""
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
-        if any(v % tp for v in (self.forward, self.backward, self.recompute_flops)):
-            raise ValueError(f"FLOPs are not divisible by tp={tp}: shapes not TP-shardable")
-        return FlopBreakdown(
-            self.forward // tp,
-            self.backward // tp,
-            self.recompute_flops // tp,
-            {k: {kk: vv // tp for kk, vv in v.items()} for k, v in self.by_component.items()},
-        )
+        rep = {k: v for k, v in self.by_component.items() if k in TP_REPLICATED}
+
+        def share(total: int, key: str) -> int:
+            whole = sum(v.get(key, 0) for v in rep.values())
+            if (total - whole) % tp:
+                raise ValueError(f"FLOPs are not divisible by tp={tp}: shapes not TP-shardable")
+            return (total - whole) // tp + whole
+
+        comps = {k: dict(v) if k in rep else {kk: vv // tp for kk, vv in v.items()}
+                 for k, v in self.by_component.items()}
+        return FlopBreakdown(share(self.forward, "forward"), share(self.backward, "backward"),
+                             share(self.recompute_flops, "recompute"), comps)
 
     def to_dict(self) -> dict:
         return {
@@ -174,7 +234,7 @@ class _Pass:
     """One forward pass's products; backward added by the requires-grad rules."""
 
     trainable: Callable[[str], bool]
-    lora: bool
+    lora: LoraShape | None
     comps: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def _add(self, comp: str, fwd: int, bwd: int) -> None:
@@ -182,14 +242,28 @@ class _Pass:
         row["forward"] += fwd
         row["backward"] += bwd
 
-    def linear(self, parts: dict[str, int], x_rg: bool, weight: str, adapter: bool) -> bool:
+    def linear(self, parts: dict[str, int], x_rg: bool, weight: str) -> bool:
         """Linear layer (one weight, maybe several components); returns output-requires-grad."""
         trainable = self.trainable(weight)
         for comp, f in parts.items():
             # why: megatron's trainable path computes dgrad even for a no-grad input
             bwd = 2 * f if trainable else (f if x_rg else 0)
             self._add(comp, f, bwd)
-        return trainable or x_rg or (self.lora and adapter)
+        return trainable or x_rg
+
+    def adapter(self, comp: str, tokens: int, fan_in: int, fan_outs: list[int], x_rg: bool) -> None:
+        """LoRA on one linear: A (fan_in → r, stacked for every targeted output) and one B per
+        targeted output (r → fan_out); autograd matmuls, so no dgrad for a no-grad input."""
+        if not fan_outs:
+            return
+        r = self.lora.rank
+        fa = 2 * tokens * fan_in * r * len(fan_outs)
+        self._add(comp + ".lora_A", fa, fa * (1 + x_rg))
+        fb = 2 * tokens * r * sum(fan_outs)
+        self._add(comp + ".lora_B", fb, 2 * fb)  # B's input (A's output) always requires grad
+
+    def targeted(self, name: str) -> bool:
+        return self.lora is not None and name in self.lora.targets
 
     def attention(self, spec: "ModelSpec", pairs: int, q_rg: bool, k_rg: bool, v_rg: bool) -> bool:
         f = 2 * spec.heads * spec.head_dim * pairs
@@ -206,7 +280,7 @@ def _walk(
     attention: str,
     logits_tokens: int,
     frozen: Frozen,
-    lora: bool,
+    lora: LoraShape | None,
     context_grad: bool,
     stop_after_kv: bool,
 ) -> dict[str, dict[str, int]]:
@@ -219,46 +293,60 @@ def _walk(
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     if any(n < 0 or p < 0 for n, p in lens):
         raise ValueError(f"sequence lengths must be >= 0, got {list(lens)}")
-    # why: LoRA freezes every base parameter; the adapters alone are trained
+    if lora is not None and frozen is not None:
+        raise ValueError("pass `frozen` or `lora`, not both: LoRA freezes every base parameter")
     w = _Pass((lambda name: False) if lora else _trainable_fn(frozen), lora)
     tokens = sum(n for n, _ in lens)
     pairs = sum(_pairs(n, p, attention) for n, p in lens)
     has_past = any(p for _, p in lens)
-    h, hd, ffn = spec.hidden, spec.head_dim, spec.ffn
+    h, hd = spec.hidden, spec.head_dim
     emb = "embedding.word_embeddings.weight"
     x_rg = w.trainable(emb)  # embedding lookup: no FLOPs, but its grad makes x require grad
     for i in range(spec.layers):
         p = f"decoder.layers.{i}."
         a = p + "self_attention."
         ln_rg = x_rg or w.trainable(p + "input_layernorm.weight")
-        qkv_out = 2 * tokens * h * (spec.heads + 2 * spec.kv_heads) * hd
-        qkv_rg = w.linear({"qkv_proj": qkv_out}, ln_rg, a + "linear_qkv.weight", adapter=True)
-        qkv_rg = qkv_rg or (spec.qkv_bias and w.trainable(a + "linear_qkv.bias"))
+        kv = spec.kv_heads * hd
+        outs = {"q_proj": spec.heads * hd, "k_proj": kv, "v_proj": kv}
+        base_rg = w.linear({"qkv_proj": 2 * tokens * h * sum(outs.values())}, ln_rg,
+                           a + "linear_qkv.weight")
+        base_rg = base_rg or (spec.qkv_bias and w.trainable(a + "linear_qkv.bias"))
+        w.adapter("qkv_proj", tokens, h, [o for t, o in outs.items() if w.targeted(t)], ln_rg)
+        rg = {t: base_rg or w.targeted(t) for t in outs}
+        if not (lora and lora.separate_qkv):  # one fused output: any adapter makes it require grad
+            rg = dict.fromkeys(outs, any(rg.values()))
         if stop_after_kv and i == spec.layers - 1:
             return w.comps
-        q_rg = qkv_rg or (spec.qk_norm and w.trainable(a + "q_layernorm.weight"))
-        k_rg = qkv_rg or (spec.qk_norm and w.trainable(a + "k_layernorm.weight"))
+        q_rg = rg["q_proj"] or (spec.qk_norm and w.trainable(a + "q_layernorm.weight"))
+        k_rg = rg["k_proj"] or (spec.qk_norm and w.trainable(a + "k_layernorm.weight"))
         # why: torch.cat([past.k, k]) requires grad when the context leaves collect adjoints
         ctx_rg = context_grad and has_past
-        attn_rg = w.attention(spec, pairs, q_rg, k_rg or ctx_rg, qkv_rg or ctx_rg)
-        o_rg = w.linear(
-            {"out_proj": 2 * tokens * spec.heads * hd * h}, attn_rg, a + "linear_proj.weight",
-            adapter=True,
-        )
-        x_rg = x_rg or o_rg
+        attn_rg = w.attention(spec, pairs, q_rg, k_rg or ctx_rg, rg["v_proj"] or ctx_rg)
+        attn_out = spec.heads * hd
+        o_rg = w.linear({"out_proj": 2 * tokens * attn_out * h}, attn_rg, a + "linear_proj.weight")
+        w.adapter("out_proj", tokens, attn_out, [h] if w.targeted("o_proj") else [], attn_rg)
+        x_rg = x_rg or o_rg or w.targeted("o_proj")
         m_rg = _mlp(w, spec, p, tokens, x_rg or w.trainable(p + "pre_mlp_layernorm.weight"))
         x_rg = x_rg or m_rg
     fin_rg = x_rg or w.trainable("decoder.final_layernorm.weight")
     out_w = emb if spec.tie else "output_layer.weight"
-    w.linear({"vocab_proj": 2 * logits_tokens * h * spec.vocab_size}, fin_rg, out_w, adapter=False)
+    w.linear({"vocab_proj": 2 * logits_tokens * h * spec.vocab_size}, fin_rg, out_w)
     return w.comps
 
 
 def _mlp(w: _Pass, spec: "ModelSpec", p: str, tokens: int, ln_rg: bool) -> bool:
     """Dense SwiGLU MLP: fc1 = [gate; up] (one Megatron weight), fc2 = down."""
-    f = 2 * tokens * spec.hidden * spec.ffn
-    fc1_rg = w.linear({"mlp_gate": f, "mlp_up": f}, ln_rg, p + "mlp.linear_fc1.weight", True)
-    return w.linear({"mlp_down": f}, fc1_rg, p + "mlp.linear_fc2.weight", adapter=True)
+    h, ffn = spec.hidden, spec.ffn
+    f = 2 * tokens * h * ffn
+    fc1_rg = w.linear({"mlp_gate": f, "mlp_up": f}, ln_rg, p + "mlp.linear_fc1.weight")
+    # peft's gate_proj/up_proj adapters; megatron stacks their A's into one [2r, H] product
+    w.adapter("mlp_gate", tokens, h, [ffn] if w.targeted("gate_proj") else [], ln_rg)
+    w.adapter("mlp_up", tokens, h, [ffn] if w.targeted("up_proj") else [], ln_rg)
+    # why: silu(gate)·up requires grad if either factor does (fused or not)
+    act_rg = fc1_rg or w.targeted("gate_proj") or w.targeted("up_proj")
+    down_rg = w.linear({"mlp_down": f}, act_rg, p + "mlp.linear_fc2.weight")
+    w.adapter("mlp_down", tokens, ffn, [h] if w.targeted("down_proj") else [], act_rg)
+    return down_rg or w.targeted("down_proj")
 
 
 def _breakdown(comps: dict[str, dict[str, int]], recompute: bool = False) -> FlopBreakdown:
@@ -291,22 +379,21 @@ def train_flops(
     attention: str = "full",
     logits_positions: int | Sequence[int] | None = None,
     frozen: Frozen = None,
-    lora: bool = False,
+    lora: LoraLike = None,
 ) -> FlopBreakdown:
     """One forward + backward of independent sequences of lengths `seq_lens`.
 
     Padded batches: pass the padded lengths (padding that reaches a kernel counts).
     `logits_positions`: positions that go through the vocabulary projection (a count, or one
     count per sequence); default every position. `frozen`: Megatron parameter names (local
-    spelling, see `frozen_names`) or a predicate on them. `lora=True`: every base parameter
-    is frozen (`frozen` is then ignored) and each decoder linear carries a trainable low-rank
-    adapter (its own FLOPs ignored), so the projections' outputs require grad.
+    spelling, see `frozen_names`) or a predicate on them. `lora`: a LoRA policy (`LoraShape`
+    or `model/lora.LoraSpec`): every base parameter frozen, the adapters' own products counted.
     """
     lens = [(int(s), 0) for s in seq_lens]
     comps = _walk(
         spec, lens, attention=attention,
         logits_tokens=_logits_tokens(logits_positions, sum(n for n, _ in lens)),
-        frozen=frozen, lora=lora, context_grad=False, stop_after_kv=False,
+        frozen=frozen, lora=LoraShape.of(lora), context_grad=False, stop_after_kv=False,
     )  # fmt: skip
     return _breakdown(comps)
 
@@ -332,7 +419,7 @@ def span_flops(
     attention: str = "full",
     logits_positions: int | None = None,
     frozen: Frozen = None,
-    lora: bool = False,
+    lora: LoraLike = None,
     context_grad: bool = True,
 ) -> FlopBreakdown:
     """Forward + backward of a span of `n` tokens attending to `context` earlier tokens' K/V.
@@ -347,7 +434,7 @@ def span_flops(
     comps = _walk(
         spec, [(int(n), int(context))], attention=attention,
         logits_tokens=_logits_tokens(logits_positions, int(n)),
-        frozen=frozen, lora=lora, context_grad=context_grad, stop_after_kv=stop,
+        frozen=frozen, lora=LoraShape.of(lora), context_grad=context_grad, stop_after_kv=stop,
     )  # fmt: skip
     return _breakdown(comps)
 
@@ -369,7 +456,7 @@ def replay_flops(
     mode: str = "recompute",
     attention: str = "full",
     frozen: Frozen = None,
-    lora: bool = False,
+    lora: LoraLike = None,
 ) -> FlopBreakdown:
     """Deferred OPD replay of one earlier turn: adjoints on its K/V pushed back through it.
 
@@ -381,7 +468,7 @@ def replay_flops(
         raise ValueError(f"mode must be 'recompute' or 'retain', got {mode!r}")
     comps = _walk(
         spec, [(int(n), int(context))], attention=attention, logits_tokens=0,
-        frozen=frozen, lora=lora, context_grad=True, stop_after_kv=True,
+        frozen=frozen, lora=LoraShape.of(lora), context_grad=True, stop_after_kv=True,
     )  # fmt: skip
     out = _breakdown(comps, recompute=True)
     if mode == "retain":

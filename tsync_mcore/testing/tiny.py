@@ -9,7 +9,11 @@ import os
 
 import torch
 
-__all__ = ["make_tiny_checkpoint", "CHAT_TEMPLATE", "SPECIAL_TOKENS"]
+__all__ = ["make_tiny_checkpoint", "CHAT_TEMPLATE", "DEMO_MODEL", "SPECIAL_TOKENS"]
+
+# `make demo`'s model (launch/demo.py); heads=2: vLLM's CPU attention needs head_dim >= 32
+DEMO_MODEL = dict(arch="qwen2", vocab_size=320, hidden=64, layers=2, heads=2, kv_heads=1,
+                  intermediate=128, seed=0)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
