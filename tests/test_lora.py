@@ -28,13 +28,14 @@ WORKER = os.path.join(ROOT, "tests", "workers", "lora_worker.py")
 FP32_TOL = 1e-5
 VOCAB = 256
 
-# adapter name -> (checkpoint variant, targets)
+# adapter name -> (checkpoint variant, targets, rsLoRA)
 ADAPTERS = {
-    "qwen2_all": ("qwen2", ALL_TARGETS),  # QKV bias
-    "qwen2_sub": ("qwen2", PEFT_DEFAULT_TARGETS),
-    "qwen3_all": ("qwen3", ALL_TARGETS),  # qk-norm, head_dim != hidden / heads
-    "llama_tied_sub": ("llama_tied", PEFT_DEFAULT_TARGETS),
-    "qwen3_tied_mix": ("qwen3_tied", ("k_proj", "o_proj", "up_proj")),
+    "qwen2_all": ("qwen2", ALL_TARGETS, False),  # QKV bias
+    "qwen2_sub": ("qwen2", PEFT_DEFAULT_TARGETS, False),
+    "qwen3_all": ("qwen3", ALL_TARGETS, False),  # qk-norm, head_dim != hidden / heads
+    "llama_tied_sub": ("llama_tied", PEFT_DEFAULT_TARGETS, False),
+    "qwen3_tied_mix": ("qwen3_tied", ("k_proj", "o_proj", "up_proj"), False),
+    "llama_rslora": ("llama", ("q_proj", "v_proj", "gate_proj", "down_proj"), True),  # s = α/√r
 }
 
 
@@ -43,10 +44,10 @@ def adapters(tiny_ckpts, tmp_path_factory) -> dict[str, tuple[str, str]]:
     """name -> (HF checkpoint dir, PEFT adapter dir); r = 4, α = 8."""
     root = tmp_path_factory.mktemp("adapters")
     out = {}
-    for i, (name, (variant, targets)) in enumerate(ADAPTERS.items()):
+    for i, (name, (variant, targets, rslora)) in enumerate(ADAPTERS.items()):
         hf = tiny_ckpts[variant]
         out[name] = (hf, make_peft_adapter(hf, str(root / name), targets, r=4, alpha=8.0,
-                                           seed=10 + i))
+                                           seed=10 + i, use_rslora=rslora))
     return out
 
 
@@ -64,7 +65,8 @@ def test_fixture_adapters_are_peft_dirs_with_nonzero_weights(adapters):
         cfg, tensors = read_adapter(ad)
         targets = set(ADAPTERS[name][1])
         assert (cfg["r"], cfg["lora_alpha"], set(cfg["target_modules"])) == (4, 8, targets)
-        assert not cfg["use_dora"] and cfg["bias"] == "none" and not cfg["use_rslora"]
+        assert not cfg["use_dora"] and cfg["bias"] == "none"
+        assert cfg["use_rslora"] == ADAPTERS[name][2]
         assert len(tensors) == 2 * 2 * len(targets)  # 2 layers × (A, B) per target
         assert all(t.abs().max() > 1e-3 for t in tensors.values()), name
         assert all(k.startswith("base_model.model.model.layers.") for k in tensors)
@@ -80,7 +82,8 @@ def test_fixture_adapters_are_peft_dirs_with_nonzero_weights(adapters):
 
 
 @pytest.mark.parametrize("name,objective", [("qwen2_all", "grpo"), ("qwen3_tied_mix", "grpo"),
-                                            ("llama_tied_sub", "opd"), ("qwen3_all", "opd")])
+                                            ("llama_tied_sub", "opd"), ("qwen3_all", "opd"),
+                                            ("llama_rslora", "grpo")])
 def test_reference_agrees_with_full_weight_reference_by_the_chain_rule(
         adapters, tmp_path, name, objective):
     """Two independent routes to the adapter gradient: autograd through peft's LoRA layers,
@@ -126,7 +129,9 @@ def test_logits_match_hf_peft_tp1(parallel1, adapters, name):
 
     hf, ad = adapters[name]
     policy = Policy(_cfg(hf, ad), par=parallel1)
-    assert policy.lora is not None and policy.lora.rank == 4 and policy.lora.scale == 2.0
+    rslora = ADAPTERS[name][2]
+    assert policy.lora is not None and policy.lora.rank == 4 and policy.lora.rslora == rslora
+    assert policy.lora.scale == (8 / 2 if rslora else 8 / 4)
     tokens = _tokens()
     with torch.no_grad():
         got = bridge.logits(policy.model, tokens)
@@ -191,6 +196,7 @@ REPLAY_RUNS = {  # name -> (adapter, objective, TP, schedule flags)
     "tp2_opd_sync_sub": ("llama_tied_sub", "opd", 2, ["--schedule", "sync"]),
     "tp2_opd_ts_sub": ("llama_tied_sub", "opd", 2, ["--schedule", "thundersync"]),
     "tp2_grpo_ts_mix": ("qwen3_tied_mix", "grpo", 2, ["--schedule", "thundersync"]),
+    "tp2_opd_ts_rslora": ("llama_rslora", "opd", 2, ["--schedule", "thundersync"]),
 }
 PAIRS = [("grpo_ts_all", "grpo_sync_all"), ("grpo_ts_sub", "grpo_sync_sub"),
          ("opd_ts_all", "opd_sync_all"), ("tp2_grpo_ts_all", "tp2_grpo_sync_all"),
@@ -294,6 +300,15 @@ def test_export_adapter_round_trip_tp2(tp2_results):
 # --------------------------------------------------------------------------- bad adapter dirs
 
 
+def _rename_first(path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = load_file(str(path))
+    k = next(iter(tensors))
+    tensors[k.replace("layers.0.", "layers.7.")] = tensors.pop(k)  # a layer the model lacks
+    save_file(tensors, str(path))
+
+
 def _bad_dirs(good: str, root) -> dict[str, tuple[str, str]]:
     """case -> (adapter dir, the file its error must name)."""
     import shutil
@@ -322,6 +337,9 @@ def _bad_dirs(good: str, root) -> dict[str, tuple[str, str]]:
     variant("unknown_target", edit_cfg=lambda c: c.update(target_modules=["q_proj", "qkv"]))
     variant("rank_zero", edit_cfg=lambda c: c.update(r=0))
     variant("not_lora", edit_cfg=lambda c: c.update(peft_type="IA3"))
+    variant("dropout", edit_cfg=lambda c: c.update(lora_dropout=0.1))
+    variant("rank_pattern", edit_cfg=lambda c: c.update(rank_pattern={"q_proj": 8}))
+    variant("bad_name", edit_st=lambda p: _rename_first(p))
 
     def truncate(p):
         raw = p.read_bytes()
@@ -350,11 +368,12 @@ def _one_line_error(fn) -> str:
 
 
 def test_bad_adapter_dirs_fail_with_one_line_naming_the_file(adapters, tmp_path):
-    from tsync_mcore.model import lora
+    from tsync_mcore.model import bridge, lora
 
-    _, good = adapters["qwen2_all"]
+    hf, good = adapters["qwen2_all"]
+    spec = bridge.load_hf_config(hf)
     for case, (d, named) in _bad_dirs(good, tmp_path).items():
-        msg = _one_line_error(lambda: lora.read_peft_dir(d))
+        msg = _one_line_error(lambda: lora.read_peft_dir(d, spec))
         print(f"{case}: {msg}")
         assert named in msg, (case, msg)
 
@@ -370,7 +389,7 @@ def test_adapter_shape_mismatch_with_the_base_model(parallel1, adapters, tmp_pat
     _, ad3 = adapters["qwen3_all"]
     msg = _one_line_error(lambda: Policy(_cfg(hf2, ad3), par=parallel1))
     print(f"shape mismatch: {msg}")
-    assert os.path.join(ad3, "adapter_model.safetensors") in msg and "shape" in msg
+    assert os.path.join(ad3, "adapter_model.safetensors") in msg and "(128, 4)" in msg
 
     import shutil
     _, sub = adapters["qwen2_sub"]
