@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from batchgen import make_batch, make_opd_batch, write_batches, write_opd_batches
 from dist_util import run_dist
@@ -141,10 +142,11 @@ def test_logits_match_hf_peft_tp1(parallel1, adapters, name):
     assert err <= FP32_TOL
 
 
-def test_base_frozen_and_unchanged_after_ten_updates(parallel1, adapters):
+def test_base_frozen_and_unchanged_after_ten_updates(parallel1, adapters, tmp_path):
     """Ten GRPO updates in process: every base weight bitwise equal to the checkpoint's, only
     the adapters carry gradients and optimizer state, and they move."""
     from tsync_mcore.learner import Learner
+    from tsync_mcore.model import lora
     from tsync_mcore.policy import Policy
     from tsync_mcore.sources import BatchPlan, TrajectorySource
 
@@ -152,12 +154,12 @@ def test_base_frozen_and_unchanged_after_ten_updates(parallel1, adapters):
     policy = Policy(_cfg(hf, ad, **{"optim.lr": 1e-3}), par=parallel1)
     base = {n: p.detach().clone() for n, p in policy.model.named_parameters()
             if ".lora." not in n}
-    lora = {n: p for n, p in policy.model.named_parameters() if ".lora." in n}
-    assert lora and all(p.requires_grad for p in lora.values())
+    trained = {n: p for n, p in policy.model.named_parameters() if ".lora." in n}
+    assert trained and all(p.requires_grad for p in trained.values())
     assert not any(p.requires_grad for n, p in policy.model.named_parameters() if n in base)
     # the grad buffers hold exactly the adapters (no main_grad for the base)
-    assert policy.n_grad_elements >= sum(p.numel() for p in lora.values())
-    assert policy.n_grad_elements < sum(p.numel() for p in lora.values()) + 4096  # padding
+    n_adapter = sum(p.numel() for p in trained.values())
+    assert n_adapter <= policy.n_grad_elements < n_adapter + 4096  # + DDP bucket padding
     _, tensors = read_adapter(ad)
     before = policy.export_adapter()
     assert sorted(before) == sorted(tensors)
@@ -178,6 +180,72 @@ def test_base_frozen_and_unchanged_after_ten_updates(parallel1, adapters):
     assert sorted(after) == sorted(tensors)
     for k in tensors:
         assert not torch.equal(after[k], tensors[k]), k
+    # the trained adapter, written as a PEFT dir: peft loads it, and its merge_and_unload()
+    # is what the policy publishes (export_params: W + s·B·A)
+    out = str(tmp_path / "trained")
+    lora.write_peft_dir(out, policy.lora, after, base_model=hf)
+    _check_merged(policy.export_params(), hf, out)
+
+
+def _check_merged(got: dict[str, torch.Tensor], hf: str, adapter_dir: str) -> None:
+    """Merged HF weights vs peft's merge_and_unload() of the adapter (FP32, ≤ 1e-6 rel)."""
+    with torch.no_grad():
+        ref = load_peft_model(hf, adapter_dir, torch.float32).merge_and_unload().state_dict()
+    base = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).state_dict()
+    assert set(got) <= set(ref) and "model.layers.0.self_attn.q_proj.weight" in got
+    err = _max_rel(got, {k: ref[k] for k in got})
+    print(f"merged export vs peft merge_and_unload: max rel {err:.2e}")
+    assert err <= 1e-6
+    _, tensors = read_adapter(adapter_dir)
+    adapted = {k.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight"
+               for k in tensors if k.endswith(".lora_A.weight")}
+    for k, t in got.items():  # adapted weights moved, the rest are the checkpoint's
+        assert torch.equal(t, base[k]) != (k in adapted), k
+
+
+def test_fresh_adapter_is_peft_default_and_matches_reference(parallel1, tiny_qwen3, tmp_path):
+    """model.lora without lora_init: PEFT's default init (A ~ U(±1/√fan_in), B = 0), so the
+    model is the base model; exported with write_peft_dir, peft loads it, and the first
+    update's gradient is the FP64 reference's (∂J/∂A = 0 while B = 0)."""
+    from tsync_mcore.config import load_config
+    from tsync_mcore.learner import Learner
+    from tsync_mcore.model import bridge, lora
+    from tsync_mcore.policy import Policy
+    from tsync_mcore.sources import BatchPlan, TrajectorySource
+
+    targets = ["q_proj", "up_proj", "down_proj"]
+    policy = Policy(load_config(None, {"model.hf_dir": tiny_qwen3, "model.lora.rank": 4,
+                                       "model.lora.alpha": 8.0, "model.lora.targets": targets}),
+                    par=parallel1)
+    init = policy.export_adapter()
+    assert len(init) == 2 * 2 * len(targets)
+    for k, t in init.items():
+        if k.endswith("lora_B.weight"):
+            assert not t.any(), k
+        else:
+            bound = t.shape[1] ** -0.5
+            assert t.abs().max() <= bound and t.abs().max() > 0.8 * bound, k
+    tokens = _tokens()
+    with torch.no_grad():
+        got = bridge.logits(policy.model, tokens)
+        ref = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32)(tokens).logits
+    assert (got - ref).abs().max() <= FP32_TOL
+    d = str(tmp_path / "fresh")
+    lora.write_peft_dir(d, policy.lora, init, base_model=tiny_qwen3)
+
+    rows = make_batch(VOCAB, n_groups=2, m=3, seed=9, max_len=16)
+    srcs = [TrajectorySource.from_json(r) for r in rows]
+    learner = Learner(policy.cfg.learner, policy, policy_version=0)
+    learner.begin(BatchPlan.from_sources(srcs))
+    for s in srcs:
+        learner.submit(s)
+    res = learner.close(export_grad=True)
+    want = reference_lora_grad(tiny_qwen3, d, rows)
+    assert sorted(res.grad) == sorted(want)
+    assert all(not want[k].any() for k in want if k.endswith("lora_A.weight"))
+    err = rel_l2(res.grad, want)
+    print(f"fresh adapter, first update vs FP64 HF + peft reference: rel L2 = {err:.2e}")
+    assert err <= FP32_TOL
 
 
 # ---- replay: GRPO and OPD, thundersync vs sync vs the FP64 reference, TP = 1 (DP = 2), TP = 2
@@ -272,29 +340,41 @@ def test_replay_params_are_the_adapters_after_the_step(replays, adapters):
 
 
 @pytest.fixture(scope="module")
-def tp2_results(adapters):
-    """One 2-rank launch: logits and adapter export for every adapter at TP = 2."""
-    return run_dist([WORKER, json.dumps({"adapters": adapters})], nproc=2, timeout=600)
+def tp2_results(adapters, tmp_path_factory):
+    """One 2-rank launch: logits, adapter export and merged export of every adapter, TP = 2."""
+    out = str(tmp_path_factory.mktemp("lora_tp2"))
+    res = run_dist([WORKER, json.dumps({"adapters": adapters, "out": out})], nproc=2,
+                   timeout=600)
+    return dict(ranks=res, out=out)
 
 
 def test_logits_match_hf_peft_tp2(tp2_results, adapters):
-    for r in tp2_results:
-        assert r["tp_size"] == 2
-        for name, (hf, ad) in adapters.items():
-            tokens = torch.tensor(r["tokens"])
-            with torch.no_grad():
-                ref = load_peft_model(hf, ad, torch.float32)(input_ids=tokens).logits
-            got = torch.tensor(r[name]["logits"])
-            err = (got - ref).abs().max().item()
-            print(f"{name}: Megatron + LoRA vs HF + peft logits, TP=2: max abs {err:.2e}")
-            assert err <= FP32_TOL, name
+    assert all(r["tp_size"] == 2 for r in tp2_results["ranks"])
+    tokens = load_file(os.path.join(tp2_results["out"], "tokens.safetensors"))["tokens"]
+    for name, (hf, ad) in adapters.items():
+        got = load_file(os.path.join(tp2_results["out"], f"logits_{name}.safetensors"))["logits"]
+        with torch.no_grad():
+            ref = load_peft_model(hf, ad, torch.float32)(input_ids=tokens).logits
+        err = (got - ref).abs().max().item()
+        print(f"{name}: Megatron + LoRA vs HF + peft logits, TP=2: max abs {err:.2e}")
+        assert err <= FP32_TOL, name
 
 
 def test_export_adapter_round_trip_tp2(tp2_results):
-    for r in tp2_results:
+    for r in tp2_results["ranks"]:
         for name in ADAPTERS:
             assert r[name]["export_names_equal"], name
             assert r[name]["export_exact"], name
+
+
+@pytest.mark.parametrize("name", ["qwen3_all", "llama_tied_sub", "llama_rslora"])
+def test_merged_export_equals_peft_merge_and_unload(parallel1, adapters, tp2_results, name):
+    from tsync_mcore.policy import Policy
+
+    hf, ad = adapters[name]
+    _check_merged(Policy(_cfg(hf, ad), par=parallel1).export_params(), hf, ad)  # TP = 1
+    _check_merged(load_file(os.path.join(tp2_results["out"], f"merged_{name}.safetensors")),
+                  hf, ad)  # TP = 2
 
 
 # --------------------------------------------------------------------------- bad adapter dirs
