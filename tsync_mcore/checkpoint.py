@@ -83,9 +83,11 @@ def _main_params(opt, names: dict) -> dict[str, torch.Tensor]:
 
 
 def _model_tensors(policy: Policy) -> dict[str, torch.Tensor]:
-    # _extra_state entries are TE's FP8 metadata (unused here), not model state.
+    # _extra_state entries are TE's FP8 metadata (unused here), not model state. With LoRA
+    # the frozen base is model.hf_dir's, unchanged: a checkpoint holds the adapters only.
     return {k: v for k, v in policy.model.state_dict().items()
-            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+            and (policy.lora is None or ".lora." in k)}
 
 
 def _tracker():

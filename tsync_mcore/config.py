@@ -36,6 +36,31 @@ class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names the dotted key."""
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (PEFT's LoRA) on the decoder's linears; the base stays frozen."""
+
+    rank: int = 0  # adapter rank r; 0: no LoRA, every weight is trained
+    alpha: float = 16.0  # LoRA α: the adapter's output is scaled by α/r (PEFT's scaling)
+    dropout: float = 0.0  # must be 0: the streamed update equals the sync one, forward for forward
+    # the Hugging Face projections that get an adapter (every decoder layer)
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+    def validate(self) -> None:
+        _check(self.rank >= 0, "model.lora.rank", f"must be >= 0, got {self.rank}")
+        _check(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
+        _check(self.dropout == 0, "model.lora.dropout", "must be 0: dropout makes each "
+               "forward random, and the streamed update must equal the synchronous one")
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        _check(not bad and bool(self.targets), "model.lora.targets",
+               f"must be a non-empty list of {list(LORA_TARGETS)}, got {self.targets}")
+        _check(len(set(self.targets)) == len(self.targets), "model.lora.targets",
+               f"lists a projection twice: {self.targets}")
+
+
 @dataclass
 class ModelConfig:
     """The student model the learner trains and the rollout serves."""
@@ -48,9 +73,18 @@ class ModelConfig:
     spec: Literal["auto", "local", "te"] = "auto"
     # local spec's core attention: SDPA kernels (auto: on GPU) or megatron's DotProductAttention
     attention: Literal["auto", "sdpa", "megatron"] = "auto"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    # start the adapters from a PEFT adapter directory (adapter_config.json +
+    # adapter_model.safetensors; its r, α and targets win); "": fresh (PEFT's default init)
+    lora_init: str = ""
 
     def validate(self) -> None:
         _check(self.tp >= 1, "model.tp", f"must be >= 1, got {self.tp}")
+        self.lora.validate()
+
+    @property
+    def use_lora(self) -> bool:
+        return self.lora.rank > 0 or bool(self.lora_init)
 
 
 @dataclass

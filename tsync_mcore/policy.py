@@ -16,7 +16,7 @@ import torch.distributed as dist
 import tsync_mcore.kernels as K
 from tsync_mcore.kernels import lm_head
 from tsync_mcore.config import Config
-from tsync_mcore.model import bridge, packed, span, train
+from tsync_mcore.model import bridge, lora, packed, span, train
 from tsync_mcore.model.parallel import ParallelInfo, init_parallel
 from tsync_mcore.objectives.off_policy import (OffPolicy, behaviour_at, scored_positions,
                                                weighted_logp_sum)
@@ -41,6 +41,12 @@ class Policy:
         self.model, self.spec = bridge.build_model(
             cfg.model.hf_dir, dtype=DTYPES[cfg.model.dtype], spec=cfg.model.spec,
             attention=cfg.model.attention)
+        # LoRA (model/lora.py): freeze the base, adapters on the targeted linears. From here
+        # on DDP, the optimizer and every gradient-sized buffer hold the adapters only.
+        self.lora: lora.LoraSpec | None = None
+        if cfg.model.use_lora:
+            self.lora, init = _lora_spec(cfg, self.spec)
+            lora.attach(self.model, self.spec, self.lora, init=init, seed=cfg.seed)
         self.attention_mode = bridge.attention_mode(self.model)  # what the FLOP ledger counts
         self.ddp = train.wrap_ddp(self.model, use_distributed_optimizer=cfg.optim.distributed)
         o = cfg.optim
@@ -200,9 +206,11 @@ class Policy:
             if self.par.dp_size > 1:
                 for t in full:
                     dist.all_reduce(t, group=self.par.dp_group)
-            grad = bridge.export_hf({n: -full[i][a:b].view(shape)
-                                     for n, (i, a, b, shape) in self._grad_slices.items()},
-                                    self.spec, tp_partial_grads=self.par.tp_size > 1)
+            named = {n: -full[i][a:b].view(shape)
+                     for n, (i, a, b, shape) in self._grad_slices.items()}
+            # LoRA: PEFT's names (its replicated adapter grads are whole on every TP rank)
+            grad = lora.export_adapter(self.model, named) if self.lora else \
+                bridge.export_hf(named, self.spec, tp_partial_grads=self.par.tp_size > 1)
         train.finish_grad_sync(self.ddp)
         if not self.reduced_grads_finite():
             # Megatron's Adam steps on whatever it is given (it checks only under a loss
@@ -258,16 +266,33 @@ class Policy:
         return t.tolist()
 
     def export_params(self) -> dict[str, torch.Tensor]:
-        return bridge.export_hf_state_dict(self.model, self.spec)
+        """θ in HF names; with LoRA the merged weights W + s·B·A (what vLLM serves)."""
+        return bridge.export_hf(dict(self.model.named_parameters()), self.spec,
+                                transform=self._merge)
 
     def iter_params(self):
         """`export_params` one tensor at a time (a collective per tensor at TP > 1)."""
-        return bridge.iter_hf(dict(self.model.named_parameters()), self.spec)
+        return bridge.iter_hf(dict(self.model.named_parameters()), self.spec,
+                              transform=self._merge)
+
+    @property
+    def _merge(self):
+        return lora.merged_weight(self.model) if self.lora else None
+
+    def export_adapter(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter in PEFT's saved names, full tensors (collective at TP > 1)."""
+        if self.lora is None:
+            raise ValueError("export_adapter: this policy has no LoRA adapters")
+        return lora.export_adapter(self.model, {n: p for n, p in self.model.named_parameters()
+                                                if lora.is_adapter_param(n)})
 
     def _map_grad_slices(self) -> dict[str, tuple[int, int, int, torch.Size]]:
-        """Megatron param name → (buffer index, start, end, shape) of its main_grad view."""
+        """Megatron param name → (buffer index, start, end, shape) of its main_grad view
+        (trainable parameters only: a frozen LoRA base has no main_grad)."""
         out = {}
         for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
             mg = p.main_grad
             for i, buf in enumerate(self._buffers):
                 if mg.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
@@ -277,3 +302,17 @@ class Policy:
             else:
                 raise RuntimeError(f"parameter {name} has no main_grad in the DDP buffers")
         return out
+
+
+def _lora_spec(cfg: Config, spec: bridge.ModelSpec
+               ) -> tuple[lora.LoraSpec, dict[str, torch.Tensor] | None]:
+    """model.lora as a LoraSpec, and the initial adapter when model.lora_init names one (its
+    adapter_config.json gives r, α and targets; a different model.lora.rank is refused)."""
+    c = cfg.model.lora
+    if not cfg.model.lora_init:
+        return lora.LoraSpec(c.rank, c.alpha, tuple(c.targets)), None
+    got, tensors = lora.read_peft_dir(cfg.model.lora_init, spec)
+    if c.rank and c.rank != got.rank:
+        raise lora.LoraDirError(f"{cfg.model.lora_init}: r = {got.rank}, but model.lora.rank "
+                                f"= {c.rank} (leave model.lora.rank 0 to take the adapter's)")
+    return got, tensors

@@ -14,7 +14,9 @@ fully_async) and `--is-correction tis` weights its tokens by its `behaviour_logp
 (docs/async-learner.md). Sources are ingested in `ready_order`. Writes
 DIR/grad.safetensors (g_k of the last update before clipping, FP32, HF names),
 DIR/params.safetensors (θ after the last step, HF names) and DIR/trace_rank{R}.jsonl, and
-prints a one-line JSON summary on rank 0.
+prints a one-line JSON summary on rank 0. With `--lora-adapter PEFT_DIR` the base is frozen
+and the adapter trains (its adapter_config.json gives r, α and targets); both files then hold
+the adapter, keyed by PEFT's saved names (`base_model.model.<module>.lora_A.weight`, ...).
 """
 
 from __future__ import annotations
@@ -302,6 +304,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens-per-pass", type=int, default=None,
                    help="learner.max_tokens_per_pass (0: one source per forward/backward)")
     p.add_argument("--lr", type=float, default=None, help="optim.lr")
+    p.add_argument("--lora-adapter", default=None, metavar="PEFT_DIR",
+                   help="model.lora_init: train this PEFT LoRA adapter on the frozen model")
     p.add_argument("--seed", type=int, default=None, help="seed (config key `seed`)")
     p.add_argument("--save-grads", default="last", choices=["last", "all"],
                    help="'all' also writes grad_{k}.safetensors for every update k")
@@ -328,7 +332,8 @@ def main(argv: list[str] | None = None) -> dict:
                      ("learner.is_correction", args.is_correction),
                      ("learner.is_cap", args.is_cap),
                      ("learner.max_tokens_per_pass", args.max_tokens_per_pass),
-                     ("optim.lr", args.lr), ("seed", args.seed)]:
+                     ("optim.lr", args.lr), ("seed", args.seed),
+                     ("model.lora_init", args.lora_adapter)]:
         if val is not None:
             overrides[key] = val
     cfg = load_config(args.config, overrides)
@@ -357,7 +362,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise NonFiniteUpdate(f"{args.batch}: update {k}: the reduced gradient is not "
                                   f"finite, the step was skipped and nothing is written "
                                   f"({named})")
-    params = policy.export_params()
+    # LoRA: what trains is the adapter (the merged weights are what publication serves)
+    params = policy.export_adapter() if policy.lora else policy.export_params()
     elapsed = time.perf_counter() - t0
 
     par = policy.par

@@ -459,6 +459,7 @@ def export_hf(
     spec: ModelSpec,
     *,
     tp_partial_grads: bool = False,
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Megatron-named, TP-local tensors (parameters or same-shaped grads) -> full HF tensors.
 
@@ -470,7 +471,8 @@ def export_hf(
     """
     order = {n: i for i, n in enumerate(hf_param_names(spec))}
     order.setdefault("lm_head.weight", len(order))
-    out = dict(iter_hf(named_tensors, spec, tp_partial_grads=tp_partial_grads))
+    out = dict(iter_hf(named_tensors, spec, tp_partial_grads=tp_partial_grads,
+                       transform=transform))
     return dict(sorted(out.items(), key=lambda kv: order[kv[0]]))
 
 
@@ -479,12 +481,16 @@ def iter_hf(
     spec: ModelSpec,
     *,
     tp_partial_grads: bool = False,
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`export_hf` one Megatron tensor at a time: (HF name, full CPU tensor) pairs, in the
     canonical order of the Megatron names (a fused tensor's HF parts together). At TP > 1
     each step gathers one tensor, so no rank ever holds the whole model; every TP rank
-    must drain the iterator in step."""
-    tensors = {(k[7:] if k.startswith("module.") else k): v for k, v in named_tensors.items()}
+    must drain the iterator in step. `transform(name, local tensor)` runs on each local
+    tensor first (LoRA merges its adapters there, model/lora.py); LoRA adapter parameters
+    themselves (`.lora.` names) have no HF counterpart and are skipped."""
+    tensors = {(k[7:] if k.startswith("module.") else k): v for k, v in named_tensors.items()
+               if ".lora." not in k}
     order = {n: i for i, n in enumerate(hf_param_names(spec))}
     order.setdefault("lm_head.weight", len(order))
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
@@ -493,7 +499,10 @@ def iter_hf(
         kind, hf_names = _rule(mname)
         if spec.tie and hf_names == ["lm_head.weight"]:
             continue
-        local = tensors[mname].detach().contiguous()
+        local = tensors[mname].detach()
+        if transform is not None:
+            local = transform(mname, local)
+        local = local.contiguous()
         if tp > 1 and kind != "rep":
             shards = [torch.empty_like(local) for _ in range(tp)]
             dist.all_gather(shards, local, group=group)
