@@ -304,8 +304,6 @@ class RunConfig:
                f"must be in [0, 1], got {self.publish_delta_dense}")
         _check(not self.publish_delta or self.publish == "dist", "run.publish_delta",
                "needs run.publish: dist")
-        _check(self.publish_lora in ("merged", "adapter"), "run.publish_lora",
-               f"must be merged or adapter, got {self.publish_lora!r}")
         _check(self.publish_lora == "merged" or self.publish == "file", "run.publish_lora",
                "'adapter' publishes a PEFT directory in run.publish_dir that each replica "
                "loads: set run.publish: file")

@@ -192,11 +192,12 @@ def _read_model_tensors(path: str) -> dict[str, torch.Tensor]:
                           f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
 
 
-def merged_weights(ckpt_dir: str, spec, dtype: torch.dtype, lora_spec=None
+def merged_weights(ckpt_dir: str, spec, dtype: torch.dtype, lora_spec=None, hf_dir: str = ""
                    ) -> tuple[dict[str, torch.Tensor], dict, dict[str, torch.Tensor] | None]:
     """Full HF tensors (canonical HF order) of a checked checkpoint, its meta.json, and
-    with LoRA (`lora_spec`, a model.lora.LoraSpec) the adapter in PEFT's names (FP32); the
-    HF tensors are then the merged W + s·B·A in `dtype`.
+    with LoRA (`lora_spec`, a model/lora.py LoraSpec) the adapter in PEFT's names (FP32).
+    A LoRA checkpoint holds the adapters only (the frozen base is `hf_dir`'s): the HF
+    tensors are then the merged W + s·B·A in `dtype`.
 
     Reads ranks 0..tp-1: Megatron puts TP innermost, so they are TP ranks 0..tp-1 of data-
     parallel replica 0 (every replica holds the same model). `spec`: bridge.ModelSpec."""
@@ -212,6 +213,16 @@ def merged_weights(ckpt_dir: str, spec, dtype: torch.dtype, lora_spec=None
         tensors = _read_model_tensors(path)
         adapter_shards.append({k: tensors.pop(k) for k in [k for k in tensors
                                                            if ".lora." in k]})
+        if lora_spec is None and adapter_shards[-1]:
+            raise ExportError(f"{where}: holds LoRA adapter tensors ('model."
+                              f"{next(iter(adapter_shards[-1]))}'), but the run's config.yaml "
+                              f"has no model.lora")
+        if lora_spec is not None:
+            if tensors:
+                raise ExportError(f"{where}: unexpected model tensor 'model."
+                                  f"{next(iter(tensors))}' (a LoRA run's checkpoint holds "
+                                  f"its adapters only)")
+            continue
         if plan is None:
             plan = _expected_local(spec, list(tensors), tp, where)
         odd = sorted(set(tensors) ^ set(plan))
@@ -227,6 +238,10 @@ def merged_weights(ckpt_dir: str, spec, dtype: torch.dtype, lora_spec=None
                 raise ExportError(f"{where}: tensor 'model.{mname}' holds non-finite values")
         shards.append(tensors)
     order = {n: i for i, n in enumerate(bridge.hf_param_names(spec))}
+    adapter = _adapter_from_shards(adapter_shards, spec, lora_spec, ckpt_dir)
+    if adapter is not None:
+        return _merge(_base_weights(hf_dir, spec, dtype), adapter, lora_spec, dtype), meta, \
+            adapter
     out: dict[str, torch.Tensor] = {}
     for mname, (kind, hf_names, _) in plan.items():
         parts = [s.pop(mname) for s in shards]
@@ -236,16 +251,45 @@ def merged_weights(ckpt_dir: str, spec, dtype: torch.dtype, lora_spec=None
         # the bridge's shard rules (private there: shared with its TP-gathering export_hf)
         for name, full in zip(hf_names, bridge._from_shards(kind, parts, spec)):
             out[name] = full.contiguous()
-    adapter = _adapter_from_shards(adapter_shards, spec, lora_spec, ckpt_dir)
-    if adapter is not None:
-        from tsync_mcore.model import lora
-        for name in out:  # merged as PEFT's merge_and_unload does: W + (B @ A)·s
-            m = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.weight", name)
-            if m and m.group(2) in lora_spec.targets:
-                i, p = int(m.group(1)), m.group(2)
-                b, a = (adapter[lora._peft_key(i, p, w)] for w in "BA")
-                out[name] = (out[name].float() + (b @ a) * lora_spec.scale).to(dtype)
-    return dict(sorted(out.items(), key=lambda kv: order[kv[0]])), meta, adapter
+    return dict(sorted(out.items(), key=lambda kv: order[kv[0]])), meta, None
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+def _base_weights(hf_dir: str, spec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The frozen base of a LoRA run: model.hf_dir's weights in `dtype` (as the learner
+    loaded them), checked against the model's HF shapes; canonical HF order."""
+    from tsync_mcore.model.bridge import _HFWeights  # ModelDirError names the bad file
+    weights = _HFWeights(hf_dir)
+    out = {}
+    for name, shape in _hf_shapes(spec).items():
+        if spec.tie and name == "lm_head.weight":
+            continue
+        if name not in weights:
+            raise ExportError(f"model directory {hf_dir}: no tensor {name} (the frozen base "
+                              f"of this LoRA run)")
+        t = weights.get(name)
+        if tuple(t.shape) != shape or not t.is_floating_point():
+            raise ExportError(f"model directory {hf_dir}: {name} is {tuple(t.shape)} "
+                              f"{t.dtype}; its config.json model has {shape}")
+        out[name] = t.to(dtype).contiguous()
+    return out
+
+
+def _merge(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], lora_spec,
+           dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """W + (B @ A)·s for every adapted projection (as PEFT's merge_and_unload, in FP32),
+    in `dtype`; the other tensors as they are."""
+    from tsync_mcore.model import lora
+    out = dict(base)
+    for name, w in base.items():
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.weight", name)
+        if m and m.group(2) in lora_spec.targets:
+            i, p = int(m.group(1)), m.group(2)
+            b, a = (adapter[lora._peft_key(i, p, x)] for x in "BA")
+            out[name] = (w.float() + (b @ a) * lora_spec.scale).to(dtype)
+    return out
 
 
 def _adapter_plan(spec, lora_spec, tp: int) -> dict[str, tuple[list[str], int | None,
@@ -281,11 +325,7 @@ def _adapter_from_shards(shards: list[dict[str, torch.Tensor]], spec, lora_spec,
     """The TP ranks' adapter tensors (`.lora.` names) as full PEFT tensors, checked: exactly
     the adapters of `lora_spec` on this model, each of its shape, floating, finite, the
     replicated ones equal on every rank. None for a run without LoRA (and no adapters)."""
-    if lora_spec is None:
-        if shards[0]:
-            raise ExportError(f"checkpoint {ckpt_dir}: holds LoRA adapter tensors "
-                              f"('model.{next(iter(shards[0]))}'), but the run's config.yaml "
-                              f"has no model.lora")
+    if lora_spec is None:  # merged_weights refused adapter tensors already
         return None
     plan = _adapter_plan(spec, lora_spec, len(shards))
     out: dict[str, torch.Tensor] = {}
@@ -413,7 +453,7 @@ def export_checkpoint(run_dir: str, out: str, step: int | None = None, *,
     spec = _megatron()[1].load_hf_config(model.hf_dir)  # ModelDirError names model.hf_dir's file
     dtype = DTYPES[model.dtype]
     lora_spec = _lora_spec(model, spec)
-    tensors, meta, adapter = merged_weights(ckpt, spec, dtype, lora_spec)
+    tensors, meta, adapter = merged_weights(ckpt, spec, dtype, lora_spec, model.hf_dir)
     cfg = _hf_config(model.hf_dir, dtype)
 
     out = os.path.abspath(out)

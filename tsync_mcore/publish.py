@@ -128,7 +128,7 @@ def write_adapter(policy, publish_dir: str, version: int) -> str:
                 shutil.rmtree(old)
             elif os.path.lexists(old):
                 os.remove(old)
-        lora.write_peft_dir(tmp, policy.lora, tensors, policy.cfg.model.hf_dir)
+        lora.write_peft_dir(tmp, policy.lora, tensors, base_model=policy.cfg.model.hf_dir)
         os.replace(tmp, path)
     return path
 

@@ -286,13 +286,18 @@ class RolloutEngine:
         versions per token stay exact; with "keep" a request in flight cannot tell which of
         its tokens each version sampled). The prefix cache is always cleared: its blocks
         hold K/V of the old weights. A file may hold a subset of parameters, but whole
-        layers only.
+        layers only. An adapter being served (`load_adapter`) is dropped: whole weights are
+        the policy.
         """
         path = os.path.abspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(path)
-        return await self._swap(lambda llm: llm.collective_rpc("tsync_reload_from_file",
-                                                               args=(path,)), mode, version)
+
+        async def load(llm) -> None:
+            await llm.collective_rpc("tsync_reload_from_file", args=(path,))
+            await self._drop_adapter(llm)
+
+        return await self._swap(load, mode, version)
 
     async def load_adapter(self, path: str, *, mode: Literal["keep", "wait", "abort"] = "keep",
                            version: int | None = None) -> float:
@@ -328,6 +333,12 @@ class RolloutEngine:
 
         return await self._swap(load, "abort" if mode == "keep" else mode, version)
 
+    async def _drop_adapter(self, llm) -> None:
+        """Whole weights were loaded: they are the policy, served without an adapter."""
+        old, self._lora = self._lora, None
+        if old is not None:
+            await llm.remove_lora(old.lora_int_id)
+
     async def join_publish_group(self, addr: str, port: int, rank: int, world: int, *,
                                  token: str = "", timeout_s: float = 120.0,
                                  ifname: str = "", backend: str = "") -> list[int]:
@@ -352,6 +363,7 @@ class RolloutEngine:
         async def receive(llm):
             results.extend(await llm.collective_rpc(
                 "tsync_receive", args=(msg.version, msg.n_buckets, msg.delta)))
+            await self._drop_adapter(llm)
 
         seconds = await self._swap(receive, mode, msg.version)
         self.checksums = [str(r["checksum"]) for r in results]
