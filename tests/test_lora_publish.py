@@ -122,10 +122,15 @@ def test_tp1_export_merged_and_adapter_equal_peft(lora_run, base, tmp_path, caps
           f"exported adapter, max relative error {err:.1e}")
 
 
-def test_tp2_export_merges_the_adapter_shards(base, tmp_path):
+def test_tp2_export_merges_the_adapter_shards(tiny_qwen3, tmp_path):
+    """Qwen3 (2 KV heads, q/k norms) at TP = 2, every projection adapted: the TP shards of
+    each adapter (A or B, by the linear's split) merge to peft's tensors."""
+    base = tiny_qwen3
     batch = str(tmp_path / "b.jsonl")
-    write_batches(batch, 300, n_updates=2, seed=6)
-    init = peft_adapter(base, str(tmp_path / "init"), targets="all-linear", seed=8)
+    write_batches(batch, 256, n_updates=2, seed=6)
+    init = peft_adapter(base, str(tmp_path / "init"), seed=8,
+                        targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                 "up_proj", "down_proj"])
     run = str(tmp_path / "run")
     out = run_dist([WORKER, base, batch, run, "2", "2", json.dumps(lora_overrides(init))],
                    nproc=2)
