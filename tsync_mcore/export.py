@@ -13,11 +13,6 @@ tsync_mcore/model/bridge.py), and writes HF_DIR with
     generation_config.json, tokenizer files   copied from model.hf_dir (generation config
                         derived from config.json where model.hf_dir has none)
 
-    adapter/           a LoRA run's (model.lora) adapter as a PEFT directory
-                        (adapter_config.json + adapter_model.safetensors, FP32) for
-                        `peft.PeftModel.from_pretrained(base, HF_DIR/adapter)`; the weights
-                        above are then the merged W + (α/r)·B·A
-
 The weights keep the model's dtype (`model.dtype`: fp32 or bf16), the dtype the learner
 trained and published them in. Runs on CPU, any TP, without torch.distributed.
 
@@ -58,7 +53,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt",
                    "tokenizer.model", "chat_template.jinja", "chat_template.json")
 DEFAULT_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
-ADAPTER_DIR = "adapter"  # a LoRA run's PEFT adapter, inside the exported directory
 
 
 class ExportError(BadFile):
@@ -192,12 +186,9 @@ def _read_model_tensors(path: str) -> dict[str, torch.Tensor]:
                           f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
 
 
-def merged_weights(ckpt_dir: str, spec, dtype: torch.dtype, lora_spec=None, hf_dir: str = ""
-                   ) -> tuple[dict[str, torch.Tensor], dict, dict[str, torch.Tensor] | None]:
-    """Full HF tensors (canonical HF order) of a checked checkpoint, its meta.json, and
-    with LoRA (`lora_spec`, a model/lora.py LoraSpec) the adapter in PEFT's names (FP32).
-    A LoRA checkpoint holds the adapters only (the frozen base is `hf_dir`'s): the HF
-    tensors are then the merged W + s·B·A in `dtype`.
+def merged_weights(ckpt_dir: str, spec, dtype: torch.dtype
+                   ) -> tuple[dict[str, torch.Tensor], dict]:
+    """Full HF tensors (canonical HF order) of a checked checkpoint, and its meta.json.
 
     Reads ranks 0..tp-1: Megatron puts TP innermost, so they are TP ranks 0..tp-1 of data-
     parallel replica 0 (every replica holds the same model). `spec`: bridge.ModelSpec."""
@@ -205,24 +196,11 @@ def merged_weights(ckpt_dir: str, spec, dtype: torch.dtype, lora_spec=None, hf_d
     meta = checkpoint.step_meta(ckpt_dir)
     tp = meta["tp"]
     shards: list[dict[str, torch.Tensor]] = []
-    adapter_shards: list[dict[str, torch.Tensor]] = []
     plan = None
     for r in range(tp):
         path = checkpoint.rank_file(ckpt_dir, r, meta)
         where = f"checkpoint {path}"
         tensors = _read_model_tensors(path)
-        adapter_shards.append({k: tensors.pop(k) for k in [k for k in tensors
-                                                           if ".lora." in k]})
-        if lora_spec is None and adapter_shards[-1]:
-            raise ExportError(f"{where}: holds LoRA adapter tensors ('model."
-                              f"{next(iter(adapter_shards[-1]))}'), but the run's config.yaml "
-                              f"has no model.lora")
-        if lora_spec is not None:
-            if tensors:
-                raise ExportError(f"{where}: unexpected model tensor 'model."
-                                  f"{next(iter(tensors))}' (a LoRA run's checkpoint holds "
-                                  f"its adapters only)")
-            continue
         if plan is None:
             plan = _expected_local(spec, list(tensors), tp, where)
         odd = sorted(set(tensors) ^ set(plan))
@@ -238,10 +216,6 @@ def merged_weights(ckpt_dir: str, spec, dtype: torch.dtype, lora_spec=None, hf_d
                 raise ExportError(f"{where}: tensor 'model.{mname}' holds non-finite values")
         shards.append(tensors)
     order = {n: i for i, n in enumerate(bridge.hf_param_names(spec))}
-    adapter = _adapter_from_shards(adapter_shards, spec, lora_spec, ckpt_dir)
-    if adapter is not None:
-        return _merge(_base_weights(hf_dir, spec, dtype), adapter, lora_spec, dtype), meta, \
-            adapter
     out: dict[str, torch.Tensor] = {}
     for mname, (kind, hf_names, _) in plan.items():
         parts = [s.pop(mname) for s in shards]
@@ -251,124 +225,7 @@ def merged_weights(ckpt_dir: str, spec, dtype: torch.dtype, lora_spec=None, hf_d
         # the bridge's shard rules (private there: shared with its TP-gathering export_hf)
         for name, full in zip(hf_names, bridge._from_shards(kind, parts, spec)):
             out[name] = full.contiguous()
-    return dict(sorted(out.items(), key=lambda kv: order[kv[0]])), meta, None
-
-
-# --------------------------------------------------------------------------- LoRA
-
-
-def _base_weights(hf_dir: str, spec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The frozen base of a LoRA run: model.hf_dir's weights in `dtype` (as the learner
-    loaded them), checked against the model's HF shapes; canonical HF order."""
-    from tsync_mcore.model.bridge import _HFWeights  # ModelDirError names the bad file
-    weights = _HFWeights(hf_dir)
-    out = {}
-    for name, shape in _hf_shapes(spec).items():
-        if spec.tie and name == "lm_head.weight":
-            continue
-        if name not in weights:
-            raise ExportError(f"model directory {hf_dir}: no tensor {name} (the frozen base "
-                              f"of this LoRA run)")
-        t = weights.get(name)
-        if tuple(t.shape) != shape or not t.is_floating_point():
-            raise ExportError(f"model directory {hf_dir}: {name} is {tuple(t.shape)} "
-                              f"{t.dtype}; its config.json model has {shape}")
-        out[name] = t.to(dtype).contiguous()
-    return out
-
-
-def _merge(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], lora_spec,
-           dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """W + (B @ A)·s for every adapted projection (as PEFT's merge_and_unload, in FP32),
-    in `dtype`; the other tensors as they are."""
-    from tsync_mcore.model import lora
-    out = dict(base)
-    for name, w in base.items():
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.weight", name)
-        if m and m.group(2) in lora_spec.targets:
-            i, p = int(m.group(1)), m.group(2)
-            b, a = (adapter[lora._peft_key(i, p, x)] for x in "BA")
-            out[name] = (w.float() + (b @ a) * lora_spec.scale).to(dtype)
-    return out
-
-
-def _adapter_plan(spec, lora_spec, tp: int) -> dict[str, tuple[list[str], int | None,
-                                                                 tuple[int, ...]]]:
-    """Megatron adapter name -> (its PEFT names, the dim it is sharded along over TP or
-    None when replicated, its local shape): the inverse of model/lora.py's layout."""
-    from tsync_mcore.model import lora
-    full = lora.peft_shapes(spec, lora_spec)
-    plan = {}
-    for i in range(spec.layers):
-        for suffix, (kind, site_projs) in lora._SITES.items():
-            projs = [p for p in site_projs if p in lora_spec.targets]
-            if not projs:
-                continue
-            at = f"decoder.layers.{i}.{suffix}.lora."
-            a_names = [lora._peft_key(i, p, "A") for p in projs]
-            b_names = [lora._peft_key(i, p, "B") for p in projs]
-            if kind == "row":  # A [r, in/tp] sharded on its input, B [out, r] replicated
-                r, inp = full[a_names[0]]
-                plan[at + "A"] = (a_names, 1, (r, inp // tp))
-                plan[at + "B"] = (b_names, None, full[b_names[0]])
-                continue
-            # fused column linear: the targeted A's stacked and replicated, B's row shards
-            plan[at + "A"] = (a_names, None, (len(projs) * lora_spec.rank, spec.hidden))
-            for p, b in zip(projs, b_names):
-                out_, r = full[b]
-                plan[at + f"B_{lora._SHORT[p]}"] = ([b], 0, (out_ // tp, r))
-    return plan
-
-
-def _adapter_from_shards(shards: list[dict[str, torch.Tensor]], spec, lora_spec,
-                         ckpt_dir: str) -> dict[str, torch.Tensor] | None:
-    """The TP ranks' adapter tensors (`.lora.` names) as full PEFT tensors, checked: exactly
-    the adapters of `lora_spec` on this model, each of its shape, floating, finite, the
-    replicated ones equal on every rank. None for a run without LoRA (and no adapters)."""
-    if lora_spec is None:  # merged_weights refused adapter tensors already
-        return None
-    plan = _adapter_plan(spec, lora_spec, len(shards))
-    out: dict[str, torch.Tensor] = {}
-    for mname, (names, dim, shape) in plan.items():
-        parts = []
-        for r, s in enumerate(shards):
-            where = f"checkpoint {ckpt_dir}, TP rank {r}: tensor 'model.{mname}'"
-            t = s.pop(mname, None)
-            if t is None:
-                raise ExportError(f"{where} is missing (model.lora: r = {lora_spec.rank}, "
-                                  f"targets {list(lora_spec.targets)})")
-            if tuple(t.shape) != shape or not t.is_floating_point():
-                raise ExportError(f"{where} is {tuple(t.shape)} {t.dtype}; this adapter at "
-                                  f"TP={len(shards)} has {shape}, floating point")
-            if not torch.isfinite(t).all():
-                raise ExportError(f"{where} holds non-finite values")
-            parts.append(t.float())
-        if dim is None and any(not torch.equal(parts[0], p) for p in parts[1:]):
-            raise ExportError(f"checkpoint {ckpt_dir}: replicated adapter tensor "
-                              f"'model.{mname}' differs between TP ranks")
-        full = parts[0] if dim is None else torch.cat(parts, dim=dim)
-        for name, t in zip(names, full.split(lora_spec.rank) if len(names) > 1 else [full]):
-            out[name] = t.contiguous()
-    extra = [k for s in shards for k in s]
-    if extra:
-        raise ExportError(f"checkpoint {ckpt_dir}: unexpected adapter tensor "
-                          f"'model.{extra[0]}' (model.lora: r = {lora_spec.rank}, targets "
-                          f"{list(lora_spec.targets)})")
-    from tsync_mcore.model import lora
-    return {n: out[n] for n in lora.peft_names(spec, lora_spec)}
-
-
-def _lora_spec(model: ModelConfig, spec):
-    """The run's LoraSpec as the learner built it (policy._lora_spec): model.lora, or the
-    r, α, targets of model.lora_init's adapter_config.json when the run started from one.
-    None without LoRA."""
-    if not model.use_lora:
-        return None
-    from tsync_mcore.model import lora
-    if model.lora_init:
-        got, _ = lora.read_peft_dir(model.lora_init, spec)  # LoraDirError names the file
-        return got
-    return lora.LoraSpec(model.lora.rank, model.lora.alpha, tuple(model.lora.targets))
+    return dict(sorted(out.items(), key=lambda kv: order[kv[0]])), meta
 
 
 # --------------------------------------------------------------------------- the directory
@@ -452,8 +309,7 @@ def export_checkpoint(run_dir: str, out: str, step: int | None = None, *,
     ckpt = _checkpoint_dir(run_dir, step)
     spec = _megatron()[1].load_hf_config(model.hf_dir)  # ModelDirError names model.hf_dir's file
     dtype = DTYPES[model.dtype]
-    lora_spec = _lora_spec(model, spec)
-    tensors, meta, adapter = merged_weights(ckpt, spec, dtype, lora_spec, model.hf_dir)
+    tensors, meta = merged_weights(ckpt, spec, dtype)
     cfg = _hf_config(model.hf_dir, dtype)
 
     out = os.path.abspath(out)
@@ -470,13 +326,6 @@ def export_checkpoint(run_dir: str, out: str, step: int | None = None, *,
             json.dump(cfg, f, indent=2, sort_keys=True)
             f.write("\n")
         copied = _copy_side_files(model.hf_dir, tmp)
-        if adapter is not None:
-            from tsync_mcore.model import lora
-            ad = os.path.join(tmp, ADAPTER_DIR)
-            lora.write_peft_dir(ad, lora_spec, adapter, base_model=os.path.abspath(model.hf_dir))
-            os.chmod(ad, 0o777 & ~umask)
-            for f in os.listdir(ad):
-                os.chmod(os.path.join(ad, f), 0o644)
         if os.path.isdir(out) and os.listdir(out):  # replace=True: set the old one aside
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
             os.rename(out, os.path.join(old, "hf"))
@@ -491,7 +340,6 @@ def export_checkpoint(run_dir: str, out: str, step: int | None = None, *,
         shutil.rmtree(old, ignore_errors=True)
     return {"out": out, "checkpoint": ckpt, "version": meta["version"], "tp": meta["tp"],
             "dtype": HF_DTYPE_NAMES[dtype], "tensors": len(tensors), "files": n_files,
-            "adapter": os.path.join(out, ADAPTER_DIR) if adapter is not None else None,
             "copied": copied, "seconds": round(time.perf_counter() - t0, 3)}
 
 

@@ -28,14 +28,11 @@ PROBE = [[3, 17, 42, 9, 120, 77, 5, 200, 31, 64, 2, 99]]  # token ids < every ti
 
 
 def train(hf_dir: str, batch: str, run_dir: str, tp: int, updates: int, par=None,
-          dtype: str = "fp32", extra: dict | None = None) -> dict:
-    """`extra`: more config overrides (a LoRA run: model.lora.*; its learner_final then
-    also holds the adapter, `adapter.<PEFT name>`)."""
+          dtype: str = "fp32") -> dict:
     cfg = load_config(None, {
         "model.hf_dir": hf_dir, "model.tp": tp, "model.dtype": dtype, "run.dir": run_dir, "run.updates": updates,
         "learner.k_open": 2, "optim.lr": 1e-3, "optim.lr_schedule": "cosine",
-        "optim.warmup_updates": 1, "optim.min_lr": 1e-4, "optim.weight_decay": 0.01,
-        **(extra or {})})
+        "optim.warmup_updates": 1, "optim.min_lr": 1e-4, "optim.weight_decay": 0.01})
     policy = Policy(cfg, par=par)
     learner = Learner(cfg.learner, policy)
     for sources in read_batches(batch)[:updates]:
@@ -51,13 +48,11 @@ def train(hf_dir: str, batch: str, run_dir: str, tp: int, updates: int, par=None
         dist.all_gather(shards, local.contiguous(), group=policy.par.tp_group)
         local = torch.cat(shards, dim=-1)
     params = policy.export_params()  # collective at TP > 1
-    adapter = policy.export_adapter() if policy.lora else {}
     if policy.par.rank == 0:
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
         save_file({"logits": local.contiguous(),
-                   **{f"param.{k}": v.contiguous() for k, v in params.items()},
-                   **{f"adapter.{k}": v.contiguous() for k, v in adapter.items()}},
+                   **{f"param.{k}": v.contiguous() for k, v in params.items()}},
                   os.path.join(run_dir, "learner_final.safetensors"))
     if dist.is_initialized():
         dist.barrier()
@@ -66,6 +61,4 @@ def train(hf_dir: str, batch: str, run_dir: str, tp: int, updates: int, par=None
 
 if __name__ == "__main__":
     hf, batch, run, tp, n = sys.argv[1:6]
-    extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None  # config overrides
-    print("RESULT " + json.dumps(train(hf, batch, run, int(tp), int(n), extra=extra)),
-          flush=True)
+    print("RESULT " + json.dumps(train(hf, batch, run, int(tp), int(n))), flush=True)
