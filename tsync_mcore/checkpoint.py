@@ -157,6 +157,8 @@ def save(run_dir: str, policy: Policy, version: int, data_pos: int) -> str:
     if par.rank == 0:
         meta = {"format": FORMAT, "version": version, "data_pos": data_pos,
                 "world_size": par.world_size, "tp": par.tp_size}
+        if policy.lora is not None:  # what export needs to rebuild the PEFT adapter
+            meta["lora"] = policy.lora.to_json()
         _write_private(os.path.join(tmp, "meta.json"), json.dumps(meta))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -303,6 +305,9 @@ def _validate(ckpt_dir: str, policy: Policy) -> _Plan:
         raise CheckpointError(f"checkpoint {mpath}: written by {meta['world_size']} ranks with "
                               f"TP={meta['tp']}; this run has {par.world_size} ranks with "
                               f"TP={par.tp_size}")
+    if meta.get("lora") != policy.lora:
+        raise CheckpointError(f"checkpoint {mpath}: LoRA {_lora_text(meta.get('lora'))}; this "
+                              f"run has {_lora_text(policy.lora)}")
     path = os.path.join(ckpt_dir, f"rank{par.rank}.safetensors")
     where = f"checkpoint {path}"
     _checked(regular_file, path)
@@ -319,8 +324,14 @@ def _validate(ckpt_dir: str, policy: Policy) -> _Plan:
     return _Plan(meta=meta, tensors=tensors, rest=rest)
 
 
+def _lora_text(lora) -> str:
+    return "none (every weight trained)" if lora is None else \
+        f"r={lora.rank}, alpha={lora.alpha}, targets {list(lora.targets)}"
+
+
 def _read_meta(path: str, step: int) -> dict:
     meta = _checked(read_json_object, path, follow_symlinks=False)
+    lora_meta = meta.pop("lora", None)  # optional: present in a LoRA run's checkpoints
     if set(meta) != set(_META_KEYS):
         raise CheckpointError(f"checkpoint {path}: keys {sorted(meta)}, expected "
                               f"{sorted(_META_KEYS)}")
@@ -338,6 +349,9 @@ def _read_meta(path: str, step: int) -> dict:
     if not (1 <= meta["world_size"] <= 1 << 20 and 1 <= meta["tp"] <= meta["world_size"]):
         raise CheckpointError(f"checkpoint {path}: world_size {meta['world_size']} / tp "
                               f"{meta['tp']} out of range")
+    if lora_meta is not None:
+        from tsync_mcore.model.lora import LoraSpec
+        meta["lora"] = _checked(LoraSpec.from_json, lora_meta, path)
     return meta
 
 

@@ -228,6 +228,50 @@ def merged_weights(ckpt_dir: str, spec, dtype: torch.dtype
     return dict(sorted(out.items(), key=lambda kv: order[kv[0]])), meta
 
 
+ADAPTER_DIR = "lora_adapter"  # a LoRA run's PEFT adapter, inside the exported directory
+
+
+def lora_weights(ckpt_dir: str, spec, hf_dir: str, dtype: torch.dtype
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """A LoRA run's checkpoint: (merged HF tensors W + s·B·A of the base in `hf_dir`, the
+    full PEFT adapter tensors, meta.json). The rank files hold the adapters only."""
+    checkpoint, bridge = _megatron()
+    from tsync_mcore.model import lora
+    meta = checkpoint.step_meta(ckpt_dir)
+    spec_l, tp = meta["lora"], meta["tp"]
+    zeros = {n: torch.empty(s, device="meta") for n, s in lora.peft_shapes(spec, spec_l).items()}
+    shards = []
+    for r in range(tp):
+        path = checkpoint.rank_file(ckpt_dir, r, meta)
+        where = f"checkpoint {path}"
+        tensors = _read_model_tensors(path)
+        want = lora.to_local(zeros, spec, spec_l, tp, r)
+        odd = sorted(set(tensors) ^ set(want))
+        if odd:
+            raise ExportError(f"{where}: model tensor {odd[0]!r} is "
+                              f"{'missing' if odd[0] in want else 'not an adapter of this run'}"
+                              f" (r={spec_l.rank}, targets {list(spec_l.targets)})")
+        for name, w in want.items():
+            t = tensors[name]
+            if t.shape != w.shape or t.dtype != dtype:
+                raise ExportError(f"{where}: tensor 'model.{name}' is {tuple(t.shape)} "
+                                  f"{t.dtype}; this adapter at TP={tp} in {dtype} has "
+                                  f"{tuple(w.shape)}")
+            if not torch.isfinite(t).all():
+                raise ExportError(f"{where}: tensor 'model.{name}' holds non-finite values")
+        shards.append(tensors)
+    try:
+        adapter = lora.from_local(shards, spec, spec_l)
+    except ValueError as e:
+        raise ExportError(f"checkpoint {ckpt_dir}: {e}") from None
+    base = bridge.load_hf_state_dict(hf_dir)
+    missing = [n for n in bridge.hf_param_names(spec) if n not in base]
+    if missing:
+        raise ExportError(f"model.hf_dir {hf_dir}: missing base weight {missing[0]}")
+    base = {n: base[n].to(dtype) for n in bridge.hf_param_names(spec)}
+    return lora.merge_hf(base, adapter, spec_l), adapter, meta
+
+
 # --------------------------------------------------------------------------- the directory
 
 
@@ -309,7 +353,11 @@ def export_checkpoint(run_dir: str, out: str, step: int | None = None, *,
     ckpt = _checkpoint_dir(run_dir, step)
     spec = _megatron()[1].load_hf_config(model.hf_dir)  # ModelDirError names model.hf_dir's file
     dtype = DTYPES[model.dtype]
-    tensors, meta = merged_weights(ckpt, spec, dtype)
+    adapter = None
+    if "lora" in _megatron()[0].step_meta(ckpt):  # a LoRA run: frozen base + its adapter
+        tensors, adapter, meta = lora_weights(ckpt, spec, model.hf_dir, dtype)
+    else:
+        tensors, meta = merged_weights(ckpt, spec, dtype)
     cfg = _hf_config(model.hf_dir, dtype)
 
     out = os.path.abspath(out)
@@ -326,6 +374,10 @@ def export_checkpoint(run_dir: str, out: str, step: int | None = None, *,
             json.dump(cfg, f, indent=2, sort_keys=True)
             f.write("\n")
         copied = _copy_side_files(model.hf_dir, tmp)
+        if adapter is not None:
+            from tsync_mcore.model import lora
+            lora.write_peft_dir(os.path.join(tmp, ADAPTER_DIR), meta["lora"], adapter,
+                                base_model=os.path.abspath(model.hf_dir), dtype=dtype)
         if os.path.isdir(out) and os.listdir(out):  # replace=True: set the old one aside
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
             os.rename(out, os.path.join(old, "hf"))

@@ -28,11 +28,12 @@ PROBE = [[3, 17, 42, 9, 120, 77, 5, 200, 31, 64, 2, 99]]  # token ids < every ti
 
 
 def train(hf_dir: str, batch: str, run_dir: str, tp: int, updates: int, par=None,
-          dtype: str = "fp32") -> dict:
+          dtype: str = "fp32", overrides: dict | None = None) -> dict:
     cfg = load_config(None, {
         "model.hf_dir": hf_dir, "model.tp": tp, "model.dtype": dtype, "run.dir": run_dir, "run.updates": updates,
         "learner.k_open": 2, "optim.lr": 1e-3, "optim.lr_schedule": "cosine",
-        "optim.warmup_updates": 1, "optim.min_lr": 1e-4, "optim.weight_decay": 0.01})
+        "optim.warmup_updates": 1, "optim.min_lr": 1e-4, "optim.weight_decay": 0.01,
+        **(overrides or {})})
     policy = Policy(cfg, par=par)
     learner = Learner(cfg.learner, policy)
     for sources in read_batches(batch)[:updates]:
@@ -47,12 +48,14 @@ def train(hf_dir: str, batch: str, run_dir: str, tp: int, updates: int, par=None
         shards = [torch.empty_like(local) for _ in range(policy.par.tp_size)]
         dist.all_gather(shards, local.contiguous(), group=policy.par.tp_group)
         local = torch.cat(shards, dim=-1)
-    params = policy.export_params()  # collective at TP > 1
+    params = policy.export_params()  # collective at TP > 1 (LoRA: merged)
+    adapter = policy.export_adapter() if policy.lora is not None else {}
     if policy.par.rank == 0:
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
         save_file({"logits": local.contiguous(),
-                   **{f"param.{k}": v.contiguous() for k, v in params.items()}},
+                   **{f"param.{k}": v.contiguous() for k, v in params.items()},
+                   **{f"adapter.{k}": v.contiguous() for k, v in adapter.items()}},
                   os.path.join(run_dir, "learner_final.safetensors"))
     if dist.is_initialized():
         dist.barrier()
@@ -61,4 +64,6 @@ def train(hf_dir: str, batch: str, run_dir: str, tp: int, updates: int, par=None
 
 if __name__ == "__main__":
     hf, batch, run, tp, n = sys.argv[1:6]
-    print("RESULT " + json.dumps(train(hf, batch, run, int(tp), int(n))), flush=True)
+    extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None  # config overrides
+    print("RESULT " + json.dumps(train(hf, batch, run, int(tp), int(n), overrides=extra)),
+          flush=True)

@@ -52,6 +52,9 @@ __all__ = [
     "adapters",
     "export_adapter",
     "merged_weight",
+    "merge_hf",
+    "to_local",
+    "from_local",
     "peft_names",
     "read_peft_dir",
     "write_peft_dir",
@@ -101,6 +104,25 @@ class LoraSpec:
             raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
         # canonical order, so equal specs compare equal
         object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in self.targets))
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets),
+                "rslora": self.rslora}
+
+    @classmethod
+    def from_json(cls, d, where: str) -> "LoraSpec":
+        """A spec `to_json` wrote (a checkpoint's meta.json); anything else is a BadFile."""
+        ok = (isinstance(d, dict) and set(d) == {"rank", "alpha", "targets", "rslora"}
+              and type(d["rank"]) is int and type(d["alpha"]) in (int, float)
+              and math.isfinite(d["alpha"]) and d["alpha"] > 0
+              and isinstance(d["targets"], list) and type(d["rslora"]) is bool
+              and all(isinstance(t, str) for t in d["targets"]))
+        try:
+            if ok:
+                return cls(d["rank"], float(d["alpha"]), tuple(d["targets"]), d["rslora"])
+        except ValueError as e:
+            raise BadFile(f"{where}: lora {e}") from None
+        raise BadFile(f"{where}: lora must be {{rank, alpha, targets, rslora}}, got {d!r}")
 
 
 class LoraDirError(BadFile):
@@ -309,7 +331,7 @@ def _peft_key(layer: int, proj: str, which: str) -> str:
 
 def _local_tensors(ad: LoraAdapter, layer: int, full: dict[str, torch.Tensor], tp: int,
                    rank: int) -> dict[str, torch.Tensor]:
-    """This TP rank's adapter tensors from full PEFT tensors."""
+    """This TP rank's tensors of one adapter (its attribute names) from full PEFT tensors."""
     if ad.kind == "row":
         p = ad.projs[0]
         return {"A": full[_peft_key(layer, p, "A")].chunk(tp, dim=1)[rank],
@@ -317,6 +339,73 @@ def _local_tensors(ad: LoraAdapter, layer: int, full: dict[str, torch.Tensor], t
     out = {"A": torch.cat([full[_peft_key(layer, p, "A")] for p in ad.projs])}
     for p in ad.projs:  # q/k/v rows are grouped by query group: a dim-0 chunk is whole groups
         out[f"B_{_SHORT[p]}"] = full[_peft_key(layer, p, "B")].chunk(tp, dim=0)[rank]
+    return out
+
+
+def _layout_plan(spec, lora: LoraSpec) -> Iterator[tuple[str, str, str, tuple[str, ...]]]:
+    """(Megatron adapter prefix, kind, PEFT projections) of every adapter `attach` makes."""
+    for i in range(spec.layers):
+        for suffix, (kind, all_projs) in _SITES.items():
+            projs = tuple(p for p in all_projs if p in lora.targets)
+            if projs:
+                yield i, f"decoder.layers.{i}.{suffix}.lora.", kind, projs
+
+
+def to_local(full: dict[str, torch.Tensor], spec, lora: LoraSpec, tp: int, rank: int
+             ) -> dict[str, torch.Tensor]:
+    """Megatron-named adapter tensors of TP rank `rank` from full PEFT tensors (meta
+    tensors give the shapes a checkpoint must hold)."""
+    out = {}
+    for i, at, kind, projs in _layout_plan(spec, lora):
+        ad = _Layout(kind, projs, lora.rank)
+        out.update({at + k: v for k, v in _local_tensors(ad, i, full, tp, rank).items()})
+    return out
+
+
+def from_local(shards: list[dict[str, torch.Tensor]], spec, lora: LoraSpec
+               ) -> dict[str, torch.Tensor]:
+    """Full PEFT tensors from every TP rank's Megatron-named adapter tensors (rank order);
+    a replicated tensor must be equal on every rank."""
+    out = {}
+    for i, at, kind, projs in _layout_plan(spec, lora):
+        def rep(name: str) -> torch.Tensor:
+            parts = [s[at + name] for s in shards]
+            if any(not torch.equal(parts[0], x) for x in parts[1:]):
+                raise ValueError(f"replicated adapter tensor {at + name} differs between TP "
+                                 f"ranks")
+            return parts[0]
+
+        if kind == "row":
+            out[_peft_key(i, projs[0], "A")] = torch.cat([s[at + "A"] for s in shards], dim=1)
+            out[_peft_key(i, projs[0], "B")] = rep("B")
+            continue
+        a = rep("A")
+        for j, p in enumerate(projs):
+            out[_peft_key(i, p, "A")] = a[j * lora.rank:(j + 1) * lora.rank]
+            out[_peft_key(i, p, "B")] = torch.cat([s[at + f"B_{_SHORT[p]}"] for s in shards])
+    return {n: out[n].contiguous() for n in peft_names_of(out)}
+
+
+@dataclass(frozen=True)
+class _Layout:  # what _local_tensors reads of an adapter, without building one
+    kind: str
+    projs: tuple[str, ...]
+    rank: int
+
+
+def merge_hf(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor],
+             lora: LoraSpec) -> dict[str, torch.Tensor]:
+    """HF weights with the adapter merged in: W_p + s·B_p·A_p (FP32 sum, W's dtype), as
+    PEFT's `merge_and_unload` does."""
+    out = dict(base)
+    for name in adapter:
+        m = _PEFT_RE.fullmatch(name)
+        if m.group(4) != "A":
+            continue
+        w = f"model.layers.{m.group(1)}.{m.group(2)}.{m.group(3)}.weight"
+        b = adapter[name[: -len("lora_A.weight")] + "lora_B.weight"]
+        out[w] = (base[w].float() + lora.scale * (b.float() @ adapter[name].float())
+                  ).to(base[w].dtype)
     return out
 
 
