@@ -257,3 +257,34 @@ def _hf_err(model, prompt: list[int], out) -> float:
     lp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(
         1, torch.tensor(out.token_ids)[:, None])[:, 0]
     return float((lp - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max())
+
+
+def test_rollout_checks_adapter_notices(tmp_path):
+    """The driver accepts exactly this version's adapter directory in the private publish
+    directory, by method adapter; anything else is told to the learner (a failed Ack)."""
+    from tsync_mcore import publish
+    from tsync_mcore.channel import Ack, Publish
+    from tsync_mcore.config import load_config
+    from tsync_mcore.rollout.driver import RolloutStopped, check_publish
+
+    run = load_config(None, {"model.lora.rank": 8, "run.publish": "file",
+                             "run.publish_lora": "adapter"}).run
+    assert publish.method_of(run) == "adapter"
+    pub = publish.ensure_private_dir(str(tmp_path / "pub"))
+
+    class Sent(list):  # the learner's end of the link: what the rollout told it
+        def send(self, msg):
+            self.append(msg)
+
+    link = Sent()
+    good = Publish(version=1, path=publish.adapter_path_for(pub, 1), method="adapter")
+    assert check_publish(link, good, 1, pub, method="adapter") is good and not link
+    bad = [Publish(version=1, path=publish.path_for(pub, 1), method="adapter"),
+           Publish(version=1, path=str(tmp_path / "policy_v1.adapter"), method="adapter"),
+           Publish(version=1, path=publish.adapter_path_for(pub, 2), method="adapter"),
+           Publish(version=1, path=publish.path_for(pub, 1), method="file")]
+    for msg in bad:
+        with pytest.raises(RolloutStopped) as e:
+            check_publish(link, msg, 1, pub, method="adapter")
+        assert isinstance(link[-1], Ack) and not link[-1].ok and "\n" not in str(e.value)
+    assert len(link) == len(bad)
