@@ -208,18 +208,21 @@ class LoraAdapter(torch.nn.Module):
         return self.A[j * self.rank:(j + 1) * self.rank]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = F.linear(x, self.A)
+        lead = x.shape[:-1]
+        # 2-D products: Megatron's [S, B, H] activations are often non-contiguous views,
+        # which 3-D F.linear runs (and differentiates) as batched bmm calls
+        a = F.linear(x.reshape(-1, x.shape[-1]), self.A)
         if self.kind == "row":
             if self.tp > 1:  # Σ over the input shards; identity backward
                 a = tensor_parallel.reduce_from_tensor_model_parallel_region(
                     a, group=self.tp_group)
-            return F.linear(a, self.B) * self.scale
+            return (F.linear(a, self.B) * self.scale).view(*lead, -1)
         if self.tp > 1:  # identity forward; all-reduce of a's gradient (B is sharded)
             a = tensor_parallel.copy_to_tensor_model_parallel_region(a, group=self.tp_group)
         parts = dict(zip(self.projs, a.split(self.rank, dim=-1)))
         outs = [F.linear(parts[p], self.B_of(p)) if p in parts
-                else x.new_zeros(*x.shape[:-1], self.out_local[p]) for p in self.all_projs]
-        return self._layout(outs, dim=-1) * self.scale
+                else a.new_zeros(a.shape[0], self.out_local[p]) for p in self.all_projs]
+        return (self._layout(outs, dim=-1) * self.scale).view(*lead, -1)
 
     def _layout(self, outs: list[torch.Tensor], dim: int) -> torch.Tensor:
         """Per-projection outputs (along `dim`) -> the fused linear's output layout."""
