@@ -206,7 +206,7 @@ def test_vllm_serves_the_adapter_as_the_merged_weights(lora_run, base, tmp_path)
     from transformers import AutoModelForCausalLM
 
     from tsync_mcore.model import lora
-    from tsync_mcore.rollout.engine import EngineThread, RolloutEngine
+    from tsync_mcore.rollout.engine import EngineThread
 
     published, adapter = learner_final(lora_run)
     spec = lora.read_peft_dir(os.path.join(lora_run, "..", "init"), _spec(base))[0]
@@ -215,7 +215,8 @@ def test_vllm_serves_the_adapter_as_the_merged_weights(lora_run, base, tmp_path)
     merged = str(tmp_path / "policy_v2.safetensors")
     save_file({k: v.contiguous() for k, v in published.items()}, merged)
     hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    hf.load_state_dict(published, strict=False)  # tied? no: every tensor is published
+    missing, unexpected = hf.load_state_dict(published, strict=False)
+    assert not missing and not unexpected  # the merged publication is the whole model
 
     prompts = [[1, 87, 85, 260, 201], [5, 6, 7, 8, 9, 10, 11], list(range(20, 52))]
     et = EngineThread()

@@ -487,7 +487,8 @@ class RolloutDriver:
             if not isinstance(msg, Publish):
                 self._on_learner_message(msg, -1)
                 continue
-            check_publish(link, msg, self.loaded + 1, publish_dir, method=publish.method_of(self.cfg.run))
+            check_publish(link, msg, self.loaded + 1, publish_dir,
+                          method=publish.method_of(self.cfg.run))
             self.et.run(self._reload(msg))
 
     def _async_counters(self, dropped: int, partial: int) -> dict[str, float]:
@@ -765,11 +766,10 @@ def await_publish(link: Link, version: int, timeout_s: float, publish_dir: str,
 
 def check_publish(link: Link, msg, version: int, publish_dir: str,
                   kept: int | None = None, method: str = "file") -> Publish:
-    """`msg` is the Publish of θ_version (or of `kept`) by this run's `method`: for "file"
-    ("adapter"), with exactly that version's file (PEFT directory) in the private
-    `publish_dir`; for "dist", with no
-    path and its buckets announced. Else the learner is told (a failed Ack) and
-    RolloutStopped."""
+    """`msg` is the Publish of θ_version (or of `kept`) by this run's `method`: for "file",
+    with exactly that version's file in the private `publish_dir` ("adapter": its PEFT
+    directory there); for "dist", with no path and its buckets announced. Else the learner
+    is told (a failed Ack) and RolloutStopped."""
     if not isinstance(msg, Publish):
         raise RolloutStopped(f"expected Publish, got {type(msg).__name__}")
     if msg.version != version and msg.version != kept:
