@@ -264,6 +264,11 @@ class RunConfig:
     # dist: network interface the group's connections use (GLOO_SOCKET_IFNAME /
     # NCCL_SOCKET_IFNAME); "": the default route's
     publish_ifname: str = ""
+    # With model.lora (docs/lora.md, "Publication"): merged: θ = W + (α/r)·B·A in the
+    # served dtype, as for full runs; adapter: the adapter alone, a PEFT directory in
+    # run.publish_dir that vLLM serves as a LoRA request over the base it started from
+    # (needs run.publish: file)
+    publish_lora: Literal["merged", "adapter"] = "merged"
     # Python GC: automatic collection off, one pass after publishing every N updates
     # (0: Python's automatic GC, whose full passes stalled the learner mid-stream)
     gc_every: int = 1
@@ -299,6 +304,9 @@ class RunConfig:
                f"must be in [0, 1], got {self.publish_delta_dense}")
         _check(not self.publish_delta or self.publish == "dist", "run.publish_delta",
                "needs run.publish: dist")
+        _check(self.publish_lora == "merged" or self.publish == "file", "run.publish_lora",
+               "'adapter' publishes a PEFT directory in run.publish_dir that each replica "
+               "loads: set run.publish: file")
         _check(0 <= self.publish_port < 65536, "run.publish_port",
                f"must be a TCP port or 0 (a free one), got {self.publish_port}")
         _check(bool(self.dir), "run.dir", "must not be empty")
@@ -560,6 +568,7 @@ class Config:
         _check(self.rollout.n_learners % self.model.tp == 0, "rollout.n_learners",
                f"{self.rollout.n_learners} learner ranks do not split into tensor-parallel "
                f"groups of model.tp = {self.model.tp}")
+        self._check_publish_lora()
         decay = self.optim.decay_updates or self.run.updates
         _check(self.optim.warmup_updates < decay, "optim.warmup_updates",
                f"must be < optim.decay_updates (0: run.updates), here {decay}, got "
@@ -574,6 +583,16 @@ class Config:
         _check(not (self.learner.objective == "opd" and self.rollout.routing == "balanced"),
                "rollout.routing", "'balanced' is for the GRPO family; OPD routes by group "
                "(a trajectory's turns and its group's shared prompt stay on one rank)")
+
+    def _check_publish_lora(self) -> None:
+        if self.run.publish_lora != "adapter":
+            return
+        rank = self.model.lora.rank
+        _check(rank > 0, "run.publish_lora", "'adapter' publishes the LoRA adapter: set "
+               "model.lora.rank > 0 (or leave run.publish_lora: merged)")
+        from tsync_mcore.rollout.engine import VLLM_LORA_RANKS  # no vLLM import
+        _check(rank <= VLLM_LORA_RANKS[-1], "run.publish_lora", f"'adapter': vLLM serves "
+               f"adapters up to rank {VLLM_LORA_RANKS[-1]}, model.lora.rank is {rank}")
 
     def _check_nodes(self) -> None:
         """How the learner ranks split over nodes, and what crosses hosts."""

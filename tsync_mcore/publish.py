@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterable
@@ -95,15 +96,60 @@ def notice(version: int, path: str) -> Publish:
     return Publish(version=version, path=path)
 
 
+# --------------------------------------------------------------------------- LoRA adapters
+
+
+def method_of(run) -> str:
+    """What a Publish of this run (RunConfig) says: file, dist, or adapter (a PEFT
+    directory, run.publish_lora: adapter; the config check makes that run.publish: file)."""
+    return "adapter" if run.publish_lora == "adapter" else run.publish
+
+
+def adapter_path_for(publish_dir: str, version: int) -> str:
+    return os.path.join(publish_dir, f"policy_v{version}.adapter")
+
+
+def write_adapter(policy, publish_dir: str, version: int) -> str:
+    """run.publish_lora: adapter. Collective at TP > 1 (`Policy.export_adapter` gathers
+    the TP shards); rank 0 writes θ_version's adapter as a PEFT directory (adapter_config
+    + adapter_model.safetensors), built beside it and renamed into place, so a replica
+    never sees half of one."""
+    from tsync_mcore.model import lora
+
+    path = adapter_path_for(publish_dir, version)
+    if policy.par.tp_size == 1 and policy.par.rank != 0:
+        return path
+    tensors = policy.export_adapter()
+    if policy.par.rank == 0:
+        ensure_private_dir(publish_dir)
+        tmp = path + ".tmp"
+        for old in (tmp, path):  # a run before a resume may have left them
+            if os.path.isdir(old) and not os.path.islink(old):
+                shutil.rmtree(old)
+            elif os.path.lexists(old):
+                os.remove(old)
+        lora.write_peft_dir(tmp, policy.lora, tensors, base_model=policy.cfg.model.hf_dir)
+        os.replace(tmp, path)
+    return path
+
+
+def _tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
 def cleanup(publish_dir: str, keep: int | Iterable[int]) -> None:
-    """Drop every file but those of `keep`: the version every replica acknowledged last
-    and, under the asynchronous schedules, every version published but not yet
-    acknowledged (a replica may still be loading it)."""
+    """Drop every file (and adapter directory) but those of `keep`: the version every
+    replica acknowledged last and, under the asynchronous schedules, every version
+    published but not yet acknowledged (a replica may still be loading it)."""
     keep = {keep} if isinstance(keep, int) else set(keep)
     kept = {path_for(publish_dir, v) for v in keep}
+    kept |= {adapter_path_for(publish_dir, v) for v in keep}
     for p in glob.glob(os.path.join(publish_dir, "policy_v*.safetensors")):
         if p not in kept:
             os.remove(p)
+    for p in glob.glob(os.path.join(publish_dir, "policy_v*.adapter")):
+        if p not in kept and os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
 
 
 # --------------------------------------------------------------------------- both methods
@@ -134,6 +180,12 @@ class Publisher:
         self.stats: dict = {}
 
     def publish(self, version: int) -> None:
+        if self.run.publish_lora == "adapter":
+            path = write_adapter(self.policy, self.publish_dir, version)
+            if self.rank0:
+                self.link.send(Publish(version=version, path=path, method="adapter"))
+                self.stats = {"publish/method": "adapter", "publish/bytes": _tree_bytes(path)}
+            return
         if self.run.publish == "file":
             path = write(self.policy, self.publish_dir, version)
             if self.rank0:
@@ -175,6 +227,9 @@ class Publisher:
 
     def kept_notice(self, version: int) -> Publish:
         """The notice of θ_version again (a dropped batch): nothing to load."""
+        if self.run.publish_lora == "adapter":
+            return Publish(version=version, path=adapter_path_for(self.publish_dir, version),
+                           method="adapter")
         if self.run.publish == "file":
             return notice(version, path_for(self.publish_dir, version))
         return Publish(version=version, path="", method="dist", n_buckets=0,

@@ -18,7 +18,7 @@ from tsync_mcore.channel.schema import (
 )
 from tsync_mcore.routing import ROUTINGS
 
-PUBLISH_METHODS = ("file", "dist")
+PUBLISH_METHODS = ("file", "dist", "adapter")
 from tsync_mcore.schedule import SCHEDULES
 from tsync_mcore.sources import TrajectorySource, TurnSource
 
@@ -130,7 +130,8 @@ class CloseBatch:
 class Publish:
     """Learner rank 0 → rollout: weights θ_version are at `path` (method "file"), or
     follow over the publication group in `n_buckets` buckets (method "dist"; `delta`:
-    buckets may carry only what changed, docs/publication.md)."""
+    buckets may carry only what changed, docs/publication.md), or θ_version's LoRA adapter
+    is the PEFT directory `path` (method "adapter", docs/lora.md)."""
 
     version: int = on_wire(VERSION)
     path: str = on_wire(STR)

@@ -29,7 +29,7 @@ from tsync_mcore.channel.messages import MESSAGES, Message
 from tsync_mcore.channel.schema import At, Kind, Nested, Slots
 
 MAGIC = 0x7473796E63  # b"tsync"
-WIRE_VERSION = 9  # 2: payload checksum is position-weighted CRC-32; 3: GroupRewards;
+WIRE_VERSION = 10  # 2: payload checksum is position-weighted CRC-32; 3: GroupRewards;
 # 4: a message travels as one fixed-size frame (header + payloads), see link.py;
 # 5: layout derived from messages.py: scalars packed into one int64 and one float64 payload,
 #    texts and JSON into one utf-8 payload (byte lengths in the ints); Rejected, DropGroup;
@@ -39,6 +39,7 @@ WIRE_VERSION = 9  # 2: payload checksum is position-weighted CRC-32; 3: GroupRew
 # 8: sources carry their behaviour log-probs and per-token policy versions (off-policy)
 # 9: publication over torch.distributed: Publish method/n_buckets/delta, Ack checksum and
 #    bytes_received, PublishGroup
+# 10: Publish method "adapter" (a LoRA adapter's PEFT directory)
 HEADER_LEN = 16
 MAX_PAYLOADS = 9  # header slots 5..13
 _MOD = 1 << 62  # checksums stay far from int64 overflow

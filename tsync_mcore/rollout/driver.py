@@ -147,6 +147,8 @@ class RolloutDriver:
                                  max_model_len=max(self.rc.max_total_tokens, 64),
                                  dtype=VLLM_DTYPES[self.rc.dtype],  # resolved: auto → model.dtype
                                  tensor_parallel_size=self.rc.tp,
+                                 lora_rank=self.cfg.model.lora.rank
+                                 if self.cfg.run.publish_lora == "adapter" else 0,
                                  gpu_memory_utilization=self.rc.gpu_memory_utilization if gpu
                                  else None)
 
@@ -485,7 +487,8 @@ class RolloutDriver:
             if not isinstance(msg, Publish):
                 self._on_learner_message(msg, -1)
                 continue
-            check_publish(link, msg, self.loaded + 1, publish_dir, method=self.cfg.run.publish)
+            check_publish(link, msg, self.loaded + 1, publish_dir,
+                          method=publish.method_of(self.cfg.run))
             self.et.run(self._reload(msg))
 
     def _async_counters(self, dropped: int, partial: int) -> dict[str, float]:
@@ -552,7 +555,7 @@ class RolloutDriver:
         publish_dir = publish.resolve_dir(self.cfg.run)
         while self.notices:
             msg = check_publish(self.links[0], self.notices.pop(0), self.loaded + 1, publish_dir,
-                                method=self.cfg.run.publish)
+                                method=publish.method_of(self.cfg.run))
             await self._reload(msg, mode="abort")
 
     async def _group(self, pos: int) -> Group | None:
@@ -661,7 +664,7 @@ class RolloutDriver:
         (a non-finite gradient): the weights stay, and the next batch is for `kept` again."""
         msg = await_publish(self.links[0], version, self.cfg.channel.timeout_s,
                             publish.resolve_dir(self.cfg.run), kept=kept,
-                            method=self.cfg.run.publish)
+                            method=publish.method_of(self.cfg.run))
         if msg is None:
             return None
         if msg.version == kept:
@@ -682,6 +685,9 @@ class RolloutDriver:
                 seconds = await self.engine.receive_weights(msg, mode=mode)
                 checksum = ",".join(self.engine.checksums)
                 received = self.engine.bytes_received
+            elif msg.method == "adapter":
+                seconds = await self.engine.load_adapter(msg.path, mode=mode,
+                                                         version=msg.version)
             else:
                 seconds = await self.engine.reload_weights(msg.path, mode=mode,
                                                            version=msg.version)
@@ -761,9 +767,9 @@ def await_publish(link: Link, version: int, timeout_s: float, publish_dir: str,
 def check_publish(link: Link, msg, version: int, publish_dir: str,
                   kept: int | None = None, method: str = "file") -> Publish:
     """`msg` is the Publish of θ_version (or of `kept`) by this run's `method`: for "file",
-    with exactly that version's file in the private `publish_dir`; for "dist", with no
-    path and its buckets announced. Else the learner is told (a failed Ack) and
-    RolloutStopped."""
+    with exactly that version's file in the private `publish_dir` ("adapter": its PEFT
+    directory there); for "dist", with no path and its buckets announced. Else the learner
+    is told (a failed Ack) and RolloutStopped."""
     if not isinstance(msg, Publish):
         raise RolloutStopped(f"expected Publish, got {type(msg).__name__}")
     if msg.version != version and msg.version != kept:
@@ -782,7 +788,8 @@ def check_publish(link: Link, msg, version: int, publish_dir: str,
             raise RolloutStopped(why)
         return msg
     why = _outside(msg.path, publish_dir)
-    want = publish.path_for(publish_dir, msg.version)
+    want = (publish.adapter_path_for if method == "adapter" else publish.path_for)(
+        publish_dir, msg.version)
     if not why and os.path.realpath(msg.path) != os.path.realpath(want):
         why = (f"learner published {msg.path}, this rollout loads {want} (both must run the "
                f"same config from the same directory)")

@@ -5,7 +5,8 @@
 one need the `if __name__ == "__main__":` guard); `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps
 the model executor inside that child instead of a third process (start ~12 s instead of
 ~19 s on 2 cores). Weights reach the child as a path to an HF-named safetensors file
-(tensors sent through `collective_rpc` would arrive as Python lists).
+(tensors sent through `collective_rpc` would arrive as Python lists), a LoRA adapter as a
+PEFT directory vLLM loads itself (`load_adapter`, docs/lora.md).
 
 `EngineThread` owns an event loop in a background thread so that a non-async caller (the
 launcher, pytest) can drive the engine and the agent coroutines: `et.run(coro)`.
@@ -65,6 +66,23 @@ class GenOut:
     token_versions: list[int] = field(default_factory=list)
 
 
+# vLLM sizes its LoRA buffers for max_lora_rank, which must be one of these.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_args(rank: int) -> dict[str, Any]:
+    """vLLM engine arguments that serve one adapter of rank <= `rank` at a time (0: none)."""
+    if not rank:
+        return {}
+    fit = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fit:
+        raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank "
+                         f"{VLLM_LORA_RANKS[-1]}")
+    # One slot: every request of a version uses its adapter, and a swap drops the old
+    # one only after the new one loaded (vLLM's LRU cache holds two for that moment).
+    return {"enable_lora": True, "max_lora_rank": fit[0], "max_loras": 1, "max_cpu_loras": 2}
+
+
 class RolloutEngine:
     """vLLM `AsyncLLM` over a local HF checkpoint, generating from token ids.
 
@@ -89,6 +107,7 @@ class RolloutEngine:
         enable_prefix_caching: bool = True,
         gpu_memory_utilization: float | None = None,
         tensor_parallel_size: int = 1,
+        lora_rank: int = 0,
     ) -> None:
         _set_cpu_env(kv_cache_gib)
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -111,6 +130,7 @@ class RolloutEngine:
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
             tensor_parallel_size=tensor_parallel_size,
+            **lora_args(lora_rank),
             **({} if gpu_memory_utilization is None
                else {"gpu_memory_utilization": gpu_memory_utilization}),
         )
@@ -139,6 +159,11 @@ class RolloutEngine:
         self.publish_ranks = tensor_parallel_size
         self.checksums: list[str] = []
         self.bytes_received = 0
+        # Adapter publication (run.publish_lora: adapter): every request is served with the
+        # adapter of the version it was admitted under; None: the weights alone.
+        self.lora_rank = lora_rank
+        self._lora: Any = None  # vllm LoRARequest of the current version
+        self._lora_ids = 0  # vLLM caches adapters by id: a fresh one per publication
 
     def _live(self) -> Any:
         if self._llm is None:
@@ -216,12 +241,13 @@ class RolloutEngine:
         llm = self._live()
         self._swap_events()
         await self._gate.wait()
-        version = self.version  # no await until the engine has the request (see reload)
+        # no await until the engine has the request (see reload)
+        version, lora = self.version, self._lora
         self._admitting += 1
         self._admitted.clear()
         try:
             q = await llm.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids),
-                                      params)
+                                      params, lora_request=lora)
         finally:
             self._admitting -= 1
             if not self._admitting:
@@ -261,13 +287,58 @@ class RolloutEngine:
         versions per token stay exact; with "keep" a request in flight cannot tell which of
         its tokens each version sampled). The prefix cache is always cleared: its blocks
         hold K/V of the old weights. A file may hold a subset of parameters, but whole
-        layers only.
+        layers only. An adapter being served (`load_adapter`) is dropped: whole weights are
+        the policy.
         """
         path = os.path.abspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(path)
-        return await self._swap(lambda llm: llm.collective_rpc("tsync_reload_from_file",
-                                                               args=(path,)), mode, version)
+
+        async def load(llm) -> None:
+            await llm.collective_rpc("tsync_reload_from_file", args=(path,))
+            await self._drop_adapter(llm)
+
+        return await self._swap(load, mode, version)
+
+    async def load_adapter(self, path: str, *, mode: Literal["keep", "wait", "abort"] = "keep",
+                           version: int | None = None) -> float:
+        """Serve every later request with the PEFT adapter directory `path` on the base
+        weights the engine holds (run.publish_lora: adapter); returns seconds taken.
+
+        The swap is `reload_weights`' (same gate, pause and prefix-cache reset), except
+        that "keep" acts as "abort": a vLLM request keeps the adapter it was admitted with,
+        so a request frozen across the swap would go on sampling from the old one. Aborted
+        requests continue under the new adapter (`generate`), versions exact per token.
+        vLLM loads the directory in its worker (checking rank, targets and shapes) before
+        the old adapter is dropped, so a refused adapter leaves the old one serving.
+        """
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_rank:
+            raise RuntimeError("load_adapter: this engine was started without LoRA "
+                               "(lora_rank=0)")
+        path = os.path.abspath(path)
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise FileNotFoundError(f"{path}: no adapter_config.json (not a PEFT adapter "
+                                    f"directory)")
+
+        async def load(llm) -> None:
+            self._lora_ids += 1
+            label = self.version + 1 if version is None else version
+            new = LoRARequest(f"tsync-v{label}-{self._lora_ids}", self._lora_ids, path)
+            if not await llm.add_lora(new):
+                raise RuntimeError(f"vLLM did not load the adapter {path}")
+            old, self._lora = self._lora, new
+            if old is not None:
+                await llm.remove_lora(old.lora_int_id)
+
+        return await self._swap(load, "abort" if mode == "keep" else mode, version)
+
+    async def _drop_adapter(self, llm) -> None:
+        """Whole weights were loaded: they are the policy, served without an adapter."""
+        old, self._lora = self._lora, None
+        if old is not None:
+            await llm.remove_lora(old.lora_int_id)
 
     async def join_publish_group(self, addr: str, port: int, rank: int, world: int, *,
                                  token: str = "", timeout_s: float = 120.0,
@@ -293,6 +364,7 @@ class RolloutEngine:
         async def receive(llm):
             results.extend(await llm.collective_rpc(
                 "tsync_receive", args=(msg.version, msg.n_buckets, msg.delta)))
+            await self._drop_adapter(llm)
 
         seconds = await self._swap(receive, mode, msg.version)
         self.checksums = [str(r["checksum"]) for r in results]

@@ -150,6 +150,16 @@ class ReplicaSet:
             self.swaps += 1
         return max(seconds)
 
+    async def load_adapter(self, path: str, *, mode: str = "keep",
+                           version: int | None = None) -> float:
+        """Every replica serves the PEFT adapter `path` (`RolloutEngine.load_adapter`);
+        returns the slowest replica's seconds."""
+        seconds = await self._all(f"adapter load of {self._label(version)}",
+                                  lambda i, e: e.load_adapter(path, mode=mode, version=version))
+        if mode in ("abort", "keep"):  # keep acts as abort for an adapter
+            self.swaps += 1
+        return max(seconds)
+
     @property
     def publish_ranks(self) -> int:
         """Publication-group ranks the replicas take together (one per vLLM worker)."""
