@@ -48,6 +48,7 @@ class LoraConfig:
     dropout: float = 0.0  # must be 0: the streamed update equals the sync one, forward for forward
     # the Hugging Face projections that get an adapter (every decoder layer)
     targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    rslora: bool = False  # rank-stabilised scaling α/√r instead of α/r (PEFT's use_rslora)
 
     def validate(self) -> None:
         _check(self.rank >= 0, "model.lora.rank", f"must be >= 0, got {self.rank}")
@@ -588,8 +589,9 @@ class Config:
         if self.run.publish_lora != "adapter":
             return
         rank = self.model.lora.rank
-        _check(rank > 0, "run.publish_lora", "'adapter' publishes the LoRA adapter: set "
-               "model.lora.rank > 0 (or leave run.publish_lora: merged)")
+        _check(rank > 0 or bool(self.model.lora_init), "run.publish_lora", "'adapter' "
+               "publishes the LoRA adapter: set model.lora.rank > 0 or model.lora_init (or "
+               "leave run.publish_lora: merged)")
         from tsync_mcore.rollout.engine import VLLM_LORA_RANKS  # no vLLM import
         _check(rank <= VLLM_LORA_RANKS[-1], "run.publish_lora", f"'adapter': vLLM serves "
                f"adapters up to rank {VLLM_LORA_RANKS[-1]}, model.lora.rank is {rank}")
@@ -649,6 +651,24 @@ def _te_available() -> bool:
     return True
 
 
+def _lora_from_init(mc: ModelConfig, lines: list[str]) -> None:
+    """model.lora from model.lora_init's adapter_config.json, so that config.yaml (and the
+    rollout, which sizes vLLM's LoRA slots by the rank) hold the adapter's own values."""
+    from tsync_mcore.model.lora_spec import read_peft_config
+    from tsync_mcore.safe_files import BadFile
+    try:
+        got = read_peft_config(mc.lora_init)
+    except BadFile as e:
+        raise ConfigError(f"config key 'model.lora_init': {e}") from None
+    _check(mc.lora.rank in (0, got.rank), "model.lora.rank", f"{mc.lora.rank}, but the "
+           f"adapter in model.lora_init has r = {got.rank} (leave model.lora.rank 0 to take it)")
+    mc.lora.rank, mc.lora.alpha = got.rank, got.alpha
+    mc.lora.targets, mc.lora.rslora = list(got.targets), got.rslora
+    lines.append(f"model.lora: from model.lora_init -> rank {got.rank}, alpha {got.alpha}, "
+                 f"targets {list(got.targets)}{', rslora' if got.rslora else ''} (the "
+                 f"adapter's adapter_config.json)")
+
+
 def resolve(cfg: Config) -> list[str]:
     """Turn every `auto` into a concrete choice, in place; refuse impossible combinations.
 
@@ -674,6 +694,8 @@ def resolve(cfg: Config) -> list[str]:
                             "GRPO family: each trajectory to the least-loaded rank")
     if rc.dtype == "auto":
         rc.dtype = choose("rollout.dtype", mc.dtype, "follows model.dtype")
+    if mc.lora_init:
+        _lora_from_init(mc, lines)
     # Span forwards (OPD turns, GRPO shared prompts; model/span.py) run on either layer spec:
     # under TE a span after context takes SDPA for its core attention, so `auto` needs no
     # fallback for them.

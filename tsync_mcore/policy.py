@@ -310,7 +310,7 @@ def _lora_spec(cfg: Config, spec: bridge.ModelSpec
     adapter_config.json gives r, α and targets; a different model.lora.rank is refused)."""
     c = cfg.model.lora
     if not cfg.model.lora_init:
-        return lora.LoraSpec(c.rank, c.alpha, tuple(c.targets)), None
+        return lora.LoraSpec(c.rank, c.alpha, tuple(c.targets), c.rslora), None
     got, tensors = lora.read_peft_dir(cfg.model.lora_init, spec)
     if c.rank and c.rank != got.rank:
         raise lora.LoraDirError(f"{cfg.model.lora_init}: r = {got.rank}, but model.lora.rank "
