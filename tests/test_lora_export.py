@@ -138,3 +138,33 @@ def test_lora_config_refused(key, value, match):
     from tsync_mcore.config import ConfigError, load_config
     with pytest.raises(ConfigError, match=match):
         load_config(None, {key: value})
+
+
+def _adapter_config(path, **kw) -> str:
+    os.makedirs(path, exist_ok=True)
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "bias": "none",
+           "target_modules": ["q_proj", "v_proj"], **kw}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(path)
+
+
+def test_lora_init_fills_model_lora(tmp_path):
+    from tsync_mcore.config import ConfigError, load_config
+    # the full module paths PEFT writes when it expanded 'all-linear'
+    paths = [f"model.layers.{i}.{m}" for i in range(2)
+             for m in ("self_attn.q_proj", "mlp.down_proj", "self_attn.o_proj")]
+    d = _adapter_config(tmp_path / "a", r=16, lora_alpha=32, target_modules=paths,
+                        use_rslora=True)
+    cfg = load_config(None, {"model.lora_init": d})
+    lc = cfg.model.lora
+    assert (lc.rank, lc.alpha, lc.targets, lc.rslora) == (16, 32.0, ["q_proj", "o_proj",
+                                                                     "down_proj"], True)
+    assert any(c.startswith("model.lora: from model.lora_init") for c in cfg.choices)
+    with pytest.raises(ConfigError, match="r = 16"):
+        load_config(None, {"model.lora_init": d, "model.lora.rank": 8})
+    bad = _adapter_config(tmp_path / "b", use_dora=True)
+    with pytest.raises(ConfigError, match="model.lora_init.*adapter_config.json: use_dora"):
+        load_config(None, {"model.lora_init": bad})
+    with pytest.raises(ConfigError, match="adapter_config.json: missing"):
+        load_config(None, {"model.lora_init": str(tmp_path / "none")})
