@@ -201,7 +201,24 @@ _SITE_OF_KIND = {"qkv": "self_attention.linear_qkv", "fc1": "mlp.linear_fc1",
 def _hook(module, args, kwargs, output):
     x = args[0] if args else kwargs.get("input_", kwargs.get("input"))
     out, bias = output[0], output[1:]
-    return (out + module.lora(_normed_input(module, x)), *bias)
+    return (_ContiguousGrad.apply(out) + module.lora(_normed_input(module, x)), *bias)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a gradient with canonical strides. Megatron's
+    frozen-weight linear computes its input gradient as grad_output.matmul(W); torch folds
+    that 3-D product into one 2-D matmul only when the [S, B, out] strides allow it without a
+    copy, and the add of the adapter's output returns [S, 1, out] gradients whose size-1
+    dimension has an arbitrary stride (still "contiguous"), so it ran as a batched matmul with
+    W broadcast over every token instead."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous().view(-1).view(g.shape)
 
 
 def _normed_input(module, x: torch.Tensor) -> torch.Tensor:
