@@ -30,7 +30,8 @@ import types
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Iterable, Literal, Union, get_args, get_origin, get_type_hints
 
-SCHEMA_VERSION = 2  # 2: UpdateRecord.head_peak_bytes, SourceRecord.fused_head and pass_id
+SCHEMA_VERSION = 3  # 2: UpdateRecord.head_peak_bytes, SourceRecord.fused_head and pass_id;
+#                     3: UpdateRecord.accum_params
 
 
 class TraceError(ValueError):
