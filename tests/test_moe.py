@@ -165,6 +165,8 @@ def test_config_keys_ep_and_aux_loss(tiny_qwen3_moe):
          r"'model.ep': 2: the streaming learner does not run expert parallelism yet"),
         ({"model.hf_dir": tiny_qwen3_moe, "model.tp": 2, "rollout.n_learners": 2},
          r"'model.tp': 2: mixture-of-experts training needs model.tp 1"),
+        ({"model.hf_dir": tiny_qwen3_moe, "model.lora.rank": 4},
+         r"'model.lora': LoRA on mixture-of-experts layers is not supported yet"),
     ]:
         with pytest.raises(ConfigError, match=match):
             load_config(None, overrides)
@@ -257,3 +259,22 @@ def test_grpo_replay_streams_the_sync_update(moe_replays, tiny_qwen3_moe):
         assert err <= 1e-5, name
     params = load_file(os.path.join(moe_replays["sync"]["dir"], "params.safetensors"))
     assert sorted(params) == on_disk
+
+
+def test_trained_checkpoint_exports_to_hf(tiny_qwen3_moe, parallel1, tmp_path):
+    """Two real updates at TP=1, checkpointed; `python -m tsync_mcore.export` writes the
+    per-expert HF directory, bit for bit the learner's parameters, with its logits in HF."""
+    from batchgen import write_batches
+    from test_export import _check_against_learner
+    from tsync_mcore.export import main as export_main
+    from export_worker import train  # tests/workers, on the path once test_export is imported
+
+    batch = str(tmp_path / "b.jsonl")
+    write_batches(batch, 256, n_updates=2, seed=7)
+    run = str(tmp_path / "run")
+    assert train(tiny_qwen3_moe, batch, run, tp=1, updates=2, par=parallel1)["version"] == 2
+    out = str(tmp_path / "hf")
+    assert export_main([run, "--out", out]) == 0
+    assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "qwen3_moe"
+    err = _check_against_learner(run, out)
+    print(f"\nMoE export: HF logits vs the learner's Megatron logits max |err| {err:.1e}")

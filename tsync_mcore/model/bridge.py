@@ -414,7 +414,7 @@ def _layer_spec(spec: ModelSpec, which: str, attention: str = "auto"):
         )
 
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=spec.num_experts or None, moe_grouped_gemm=spec.moe,
+            num_experts=spec.num_experts or None, moe_grouped_gemm=False,
             qk_layernorm=spec.qk_norm)
     if which == "local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
