@@ -114,3 +114,63 @@ def test_forced_routing_checks_shape(routers):
     with pytest.raises(ValueError, match="integers"):
         with forced_routing(layers, torch.zeros(T, 2, K)):
             pass
+
+
+# ------------------------------------------------------------ HF reference: forced routing
+
+@pytest.fixture(scope="module")
+def hf_moe(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from tsync_mcore.testing.tiny_moe import make_tiny_moe_checkpoint
+
+    d = make_tiny_moe_checkpoint(str(tmp_path_factory.mktemp("hf_moe")), hidden=32, heads=2,
+                                 kv_heads=1, layers=2, experts=6, topk=2, seed=3)
+    return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64,
+                                                experts_implementation="eager").eval()
+
+
+def test_hf_forced_routing_matches_hand_written_moe(hf_moe):
+    """The reference the learner's replay will be checked against: forcing HF's routing
+    reproduces its own forward bit for bit; forcing other experts gives, in each MoE
+    block, exactly sum_k w_k down_e(silu(gate_e h) * up_e h) over the forced experts."""
+    from tsync_mcore.testing.tiny_moe import hf_forced_routing, hf_recorded_routing
+
+    ids = torch.tensor([[1, 87, 85, 260, 201, 5, 6, 7, 8]])
+    with torch.no_grad(), hf_recorded_routing(hf_moe) as rec:
+        own = hf_moe(input_ids=ids).logits
+    experts = rec["experts"]
+    assert experts.shape == (ids.numel(), 2, 2)
+    with torch.no_grad(), hf_forced_routing(hf_moe, experts):
+        assert torch.equal(hf_moe(input_ids=ids).logits, own)
+
+    # the two experts each row did not pick, lowest-index first
+    other = torch.stack([torch.stack([torch.tensor(
+        [e for e in range(6) if e not in row.tolist()][:2]) for row in experts[:, layer]])
+        for layer in range(2)], dim=1)
+    seen: dict[int, tuple] = {}
+    hooks = [layer.mlp.register_forward_hook(
+        lambda _m, inp, out, i=i: seen.__setitem__(i, (inp[0][0], out[0])))
+        for i, layer in enumerate(hf_moe.model.layers)]
+    try:
+        with torch.no_grad(), hf_forced_routing(hf_moe, other):
+            forced = hf_moe(input_ids=ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    assert (forced - own).abs().max() > 1e-3
+    for i, layer in enumerate(hf_moe.model.layers):
+        h, out = seen[i]
+        mlp = layer.mlp
+        inter = mlp.experts.down_proj.shape[-1]
+        p = torch.softmax(h @ mlp.gate.weight.T, dim=-1)
+        want = torch.zeros_like(out)
+        for t in range(h.shape[0]):
+            es = other[t, i]
+            w = p[t, es] / p[t, es].sum()
+            for k, e in enumerate(es.tolist()):
+                gu = mlp.experts.gate_up_proj[e]
+                a = torch.nn.functional.silu(gu[:inter] @ h[t]) * (gu[inter:] @ h[t])
+                want[t] += w[k] * (mlp.experts.down_proj[e] @ a)
+        # HF takes the router softmax in FP32 (dtype=torch.float) even in an FP64 model
+        assert (out - want).abs().max() < 1e-7
