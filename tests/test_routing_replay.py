@@ -1,9 +1,11 @@
-"""Routing replay on a Megatron-Core `TopKRouter` (tsync_mcore.model.routing_replay).
+"""Routing replay on Megatron-Core MoE routers (tsync_mcore.model.routing_replay).
 
 The reference is the HF Qwen3-MoE router math written out in FP64 (softmax over all
 experts, keep the chosen ones, renormalise when norm_topk_prob): forcing experts must give
 exactly those experts and HF's weights for them (to FP32: megatron's top-k softmax is FP32
-even with moe_router_dtype fp64); recording must give the router's own top-k. Full-model replay (logits follow forced experts) needs the MoE bridge.
+even with moe_router_dtype fp64); recording must give the router's own top-k. A whole
+Megatron MoE layer under forced routing matches the HF block under forced routing, forward
+and gradients. Full-model replay (logits follow forced experts) needs the MoE bridge.
 """
 
 from __future__ import annotations
@@ -124,8 +126,8 @@ def hf_moe(tmp_path_factory):
 
     from tsync_mcore.testing.tiny_moe import make_tiny_moe_checkpoint
 
-    d = make_tiny_moe_checkpoint(str(tmp_path_factory.mktemp("hf_moe")), hidden=32, heads=2,
-                                 kv_heads=1, layers=2, experts=6, topk=2, seed=3)
+    d = make_tiny_moe_checkpoint(str(tmp_path_factory.mktemp("hf_moe")), hidden=2 * H, heads=2,
+                                 kv_heads=1, layers=2, experts=E, topk=K, seed=3)
     return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64,
                                                 experts_implementation="eager").eval()
 
@@ -174,3 +176,75 @@ def test_hf_forced_routing_matches_hand_written_moe(hf_moe):
                 want[t] += w[k] * (mlp.experts.down_proj[e] @ a)
         # HF takes the router softmax in FP32 (dtype=torch.float) even in an FP64 model
         assert (out - want).abs().max() < 1e-7
+
+
+def megatron_moe_layer(block, config_kw: dict):
+    """A Megatron MoELayer (router + SequentialMLP experts, local linears) holding an HF
+    Qwen3MoeSparseMoeBlock's weights: router = gate.weight, expert e's fc1 = gate_up_proj[e]
+    ([gate; up], Megatron's swiglu order), fc2 = down_proj[e]."""
+    import torch.nn.functional as F
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    n_exp, inter, hidden = block.experts.down_proj.shape[0], block.experts.down_proj.shape[2], \
+        block.experts.down_proj.shape[1]
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=2, num_moe_experts=n_exp,
+        moe_ffn_hidden_size=inter, ffn_hidden_size=inter, moe_router_topk=block.gate.top_k,
+        moe_router_score_function="softmax", moe_router_pre_softmax=not block.gate.norm_topk_prob,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_enable_routing_replay=True, params_dtype=torch.float64, add_bias_linear=False,
+        gated_linear_unit=True, activation_func=F.silu, moe_grouped_gemm=False,
+        # allgather: the alltoall dispatcher needs a CUDA stream (the bridge patches it on CPU)
+        moe_token_dispatcher_type="allgather", moe_expert_capacity_factor=None, **config_kw)
+    spec = MoESubmodules(experts=ModuleSpec(module=SequentialMLP, submodules=MLPSubmodules(
+        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)))
+    layer = MoELayer(config=cfg, submodules=spec, layer_number=1,
+                     pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    with torch.no_grad():
+        layer.router.weight.copy_(block.gate.weight)
+        for e, mlp in enumerate(layer.experts.local_experts):
+            mlp.linear_fc1.weight.copy_(block.experts.gate_up_proj[e])
+            mlp.linear_fc2.weight.copy_(block.experts.down_proj[e])
+    return layer
+
+
+def test_megatron_moe_layer_follows_forced_experts_like_hf(hf_moe, parallel1):
+    """A whole Megatron MoE layer under `forced_routing` against the HF block under
+    `hf_forced_routing`, same weights, experts the router would not pick: outputs and the
+    gradients of the input, the router and the experts agree (to the FP32 of both sides'
+    top-k softmax)."""
+    from tsync_mcore.model.routing_replay import forced_routing
+    from tsync_mcore.testing.tiny_moe import hf_forced_routing
+
+    block = hf_moe.model.layers[0].mlp
+    layer = megatron_moe_layer(block, {})
+    x = torch.randn(T, H * 2, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    own = torch.topk(x @ block.gate.weight.T, K, dim=-1).indices
+    forced = torch.topk(x @ block.gate.weight.T, K, dim=-1, largest=False).indices
+    assert not bool((own.sort(-1).values == forced.sort(-1).values).all(-1).any())
+
+    xm, xh = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    with forced_routing(torch.nn.ModuleList([layer]), forced[:, None, :]):
+        out_m = layer(xm.view(T, 1, -1))[0].view(T, -1)
+        out_m.pow(2).sum().backward()
+    block.zero_grad()
+    with hf_forced_routing(hf_moe, torch.stack([forced, forced], dim=1)):
+        out_h = block(xh.view(1, T, -1)).view(T, -1)
+        out_h.pow(2).sum().backward()
+    assert (out_m - out_h).abs().max() < 1e-7
+    assert (xm.grad - xh.grad).abs().max() < 1e-6
+    assert (layer.router.weight.grad - block.gate.weight.grad).abs().max() < 1e-6
+    for e, mlp in enumerate(layer.experts.local_experts):
+        assert (mlp.linear_fc1.weight.grad - block.experts.gate_up_proj.grad[e]).abs().max() < 1e-6
+        assert (mlp.linear_fc2.weight.grad - block.experts.down_proj.grad[e]).abs().max() < 1e-6
+    # experts outside the forced set get no gradient on either side
+    unused = sorted(set(range(E)) - set(forced.flatten().tolist()))
+    for e in unused:
+        assert layer.experts.local_experts[e].linear_fc1.weight.grad is None \
+            or not layer.experts.local_experts[e].linear_fc1.weight.grad.any()

@@ -8,7 +8,8 @@ with `TransformerConfig.moe_enable_routing_replay=True` every `TopKRouter` owns 
 - REPLAY_FORWARD: take the indices set with `set_target_indices` and gather the router's
   scores at them (for Qwen3-MoE, `moe_router_pre_softmax=False`: the softmax of the gathered
   logits, i.e. HF's `norm_topk_prob` renormalisation over the forced experts);
-- REPLAY_BACKWARD: the same, popping the indices again for an activation-recompute pass.
+- REPLAY_BACKWARD: the same, popping queued indices (one set per micro-batch whose
+  forward ran before its backward).
 
 Megatron's own helpers act on a process-global list of every router ever built; these act
 on the routers of one model only, so a policy and a second MoE model (a reference) in one
@@ -45,12 +46,14 @@ def _clear(replays: list) -> None:
 
 
 @contextmanager
-def forced_routing(model: torch.nn.Module, experts: torch.Tensor, *,
-                   recompute: bool = False) -> Iterator[None]:
+def forced_routing(model: torch.nn.Module, experts: torch.Tensor) -> Iterator[None]:
     """Within the block, every forward of `model` routes row t of MoE layer l to the
     experts `experts[t, l, :]` (an integer tensor [tokens, moe_layers, topk]).
-    `recompute`: the backward re-runs the MoE forward (activation recompute) and must
-    replay the same experts once more."""
+
+    Run the backward inside the block too: an activation-recompute forward then reads
+    the same target. (Megatron's REPLAY_BACKWARD queue is for schedules that run several
+    micro-batches' forwards before their backwards, each with its own routing; the
+    learner forwards and backwards one unit at a time.)"""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     replays = model_replays(model)
@@ -62,8 +65,6 @@ def forced_routing(model: torch.nn.Module, experts: torch.Tensor, *,
     ids = experts.long()
     for layer, r in enumerate(replays):
         r.set_target_indices(ids[:, layer, :])
-        if recompute:  # a second copy for REPLAY_BACKWARD to pop
-            r.replay_backward_list.append(ids[:, layer, :])
         r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     try:
         yield
