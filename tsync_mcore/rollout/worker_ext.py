@@ -9,6 +9,7 @@ it must stay importable without the rest of the package's heavy modules.
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 
 
@@ -27,9 +28,21 @@ class ReloadExtension:
 
         t0 = time.perf_counter()
         tensors = load_file(path, device="cpu")
-        self.reload_weights(weights_iterator=iter(tensors.items()),  # type: ignore[attr-defined]
-                            is_checkpoint_format=True)
+        self._tsync_reload(iter(tensors.items()))
         return time.perf_counter() - t0
+
+    def _tsync_reload(self, weights) -> None:
+        """vLLM's in-place reload of HF-named tensors, then the MoE repack it skips."""
+        names: set[str] = set()
+
+        def seen():
+            for name, t in weights:
+                names.add(name)
+                yield name, t
+
+        self.reload_weights(weights_iterator=seen(),  # type: ignore[attr-defined]
+                            is_checkpoint_format=True)
+        _repack_reloaded_experts(self.model_runner.get_model(), names)  # type: ignore[attr-defined]
 
     # --- publication over torch.distributed ------------------------------------------------
 
@@ -58,8 +71,7 @@ class ReloadExtension:
             raise RuntimeError("tsync_receive: this worker has not joined a publication group")
         t0 = time.perf_counter()
         params, buckets, got = recv.begin(version, n_buckets, delta)
-        self.reload_weights(weights_iterator=recv.tensors(params, buckets, got),  # type: ignore[attr-defined]
-                            is_checkpoint_format=True)
+        self._tsync_reload(recv.tensors(params, buckets, got))
         return {"seconds": time.perf_counter() - t0, "bytes": got.bytes,
                 "checksum": got.checksum}
 
@@ -100,3 +112,41 @@ class ReloadExtension:
             t = t.detach().contiguous().cpu().reshape(-1)
             out[name] = hashlib.sha256(t.view(torch.uint8).numpy()).hexdigest()
         return out
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _repack_reloaded_experts(model, names: set[str]) -> None:
+    """Redo the experts' own weight processing for the MoE layers `names` reloaded.
+
+    why: vLLM 0.32's UnquantizedFusedMoEMethod._setup_kernel runs
+    `moe_kernel.fused_experts.process_weights_after_loading` on the first load only; a
+    reload copies the new checkpoint-layout experts into the kernel tensors and stops.
+    That hook is a no-op for the GPU kernels, but the CPU experts prepack w13/w2 there
+    (cpu_prepack_moe_weight), so without this the CPU engine computes with unpacked
+    weights read as packed ones. Layers the reload did not touch hold packed weights
+    already and must not be packed twice.
+    """
+    touched = {int(m.group(1)) for n in names if ".mlp.experts." in n
+               and (m := _LAYER.search(n))}
+    if not touched:
+        return
+    for mod_name, mod in model.named_modules():
+        kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        # only vLLM's CPU experts: other kernels' hooks are no-ops or not known to be
+        # safe to run twice
+        if not type(experts).__module__.endswith(".cpu_moe"):
+            continue
+        m = _LAYER.search(mod_name + ".")
+        if m is None or int(m.group(1)) not in touched:
+            continue
+        cfg = getattr(experts, "moe_config", None)
+        pad = getattr(experts, "_padded_intermediate_size", None)
+        if cfg is not None and pad is not None \
+                and pad(cfg) != cfg.intermediate_size_per_partition:
+            raise RuntimeError(f"{mod_name}: in-place reload of CPU MoE experts whose "
+                               f"intermediate size {cfg.intermediate_size_per_partition} "
+                               f"vLLM pads is not supported (restart the engine instead)")
+        experts.process_weights_after_loading(mod)
