@@ -126,7 +126,8 @@ def test_moe_span_flops_equal_counter(hf_moe):
     from transformers import DynamicCache
 
     P, n = 21, 13
-    tok = torch.randint(0, CFG["vocab_size"], (1, P + n), generator=torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(3)
+    tok = torch.randint(0, CFG["vocab_size"], (1, P + n), generator=gen)
     with torch.no_grad():
         ctx = hf_moe(input_ids=tok[:, :P], use_cache=True).past_key_values
     past = DynamicCache()

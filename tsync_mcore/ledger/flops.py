@@ -52,10 +52,11 @@ q/k/v makes all three require grad (`separate_qkv=True` models peft's separate m
 
 TP: all figures are whole-model FLOPs, each product counted once. Megatron's column/row-
 parallel layers split every base matmul evenly (heads, kv_heads, ffn and vocab are divisible
-by tp; MoE experts by the expert-TP size, Megatron's default = tp). The router is
-replicated: every TP rank computes it whole (no sequence parallelism here). A LoRA adapter is split on one side only: on a column-parallel linear (qkv, fc1) A is
-replicated on every rank and B sharded by output; on a row-parallel one (proj, fc2) A is
-sharded by input and B replicated after the reduction. `FlopBreakdown.per_rank(tp)` divides
+by tp; MoE experts by the expert-TP size, Megatron's default = tp). The MoE router is
+replicated: every TP rank computes it whole (no sequence parallelism here). A LoRA adapter
+is split on one side only: on a column-parallel linear (qkv, fc1) A is replicated on every
+rank and B sharded by output; on a row-parallel one (proj, fc2) A is sharded by input and B
+replicated after the reduction. `FlopBreakdown.per_rank(tp)` divides
 the split components by tp and keeps the replicated ones (`TP_REPLICATED`) whole, so the TP
 group executes more than the model FLOPs; MFU credits model FLOPs only.
 """
