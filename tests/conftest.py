@@ -79,6 +79,17 @@ def tiny_qwen3(tiny_root) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe(tiny_root) -> str:
+    """Qwen3-MoE: 4 experts, top-2, normalised top-k probabilities, every layer sparse."""
+    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+
+    out = os.path.join(tiny_root, "qwen3_moe")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        make_tiny_checkpoint(out, arch="qwen3_moe", seed=4)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_ckpts(tiny_root) -> dict[str, str]:
     """All TINY_VARIANTS (tied ones included): name -> checkpoint dir."""
     return {name: _tiny(tiny_root, name) for name in TINY_VARIANTS}

@@ -2,6 +2,8 @@
 
 Plain PyTorch, float64, no Megatron, no running sums: one objective
 J = Σ_G (1/m) Σ_i A_i · Σ_{t∈M_i} w_{i,t} log π(a_t | h_t) and autograd.
+MoE models run HF's eager per-expert loop; their expert grads come under the fused
+in-memory names (tests/moe_reference.py maps them to the checkpoint's).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def advantages(rewards: torch.Tensor, objective: str, eps: float = 1e-6) -> torc
 
 def reference_grad(hf_dir: str, rows: list[dict], objective: str = "grpo",
                    token_norm: str = "trajectory") -> dict[str, torch.Tensor]:
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64,
+                                                 experts_implementation="eager")
     model.eval()
     # HF freezes the pad row of the embedding (padding_idx); Eq. 6 has no such exception.
     model.get_input_embeddings().padding_idx = None
@@ -68,7 +71,8 @@ def rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def reference_opd_grad(hf_dir: str, rows: list[dict]) -> dict[str, torch.Tensor]:
     """Eq. 8–9 directly: whole-sequence forward, A = sg[teacher − student], / N_k."""
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64,
+                                                 experts_implementation="eager")
     model.eval()
     model.get_input_embeddings().padding_idx = None
     n_scored = sum(sum(r["scored_mask"]) for r in rows)
@@ -113,7 +117,8 @@ def reference_agg_grad(hf_dir: str, rows: list[dict], objective: str = "grpo",
       trajectory               (1/n_groups) Σ_G (1/m_G) Σ_{i∈G} Σ_t x_i / L_i
 
     B counts every row (also rows with no scored token: they add 0 but count)."""
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64,
+                                                 experts_implementation="eager")
     model.eval()
     model.get_input_embeddings().padding_idx = None
     group_of = [r["group_id"] for r in rows]

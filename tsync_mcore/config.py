@@ -66,9 +66,15 @@ class LoraConfig:
 class ModelConfig:
     """The student model the learner trains and the rollout serves."""
 
-    hf_dir: str = ""  # Hugging Face checkpoint directory (Qwen2/Qwen3/Llama)
+    hf_dir: str = ""  # Hugging Face checkpoint directory (Qwen2/Qwen3/Qwen3-MoE/Llama)
     dtype: DType = "fp32"  # student forward/backward precision; grads accumulate in FP32
     tp: int = 1  # tensor-parallel size; data-parallel size = world size / tp
+    # expert-parallel size (MoE checkpoints): each MoE layer's experts split over this many
+    # data-parallel ranks, tokens reach them by all-to-all (docs/moe.md)
+    ep: int = 1
+    # Megatron's router load-balancing loss coefficient; 0 (RL default): no auxiliary loss,
+    # the gradient is the objective's alone
+    moe_aux_loss_coeff: float = 0.0
     # Megatron layer spec; auto: TE with CUDA and transformer_engine, else local (span
     # forwards for OPD and learner.shared_prefix run on both)
     spec: Literal["auto", "local", "te"] = "auto"
@@ -81,6 +87,9 @@ class ModelConfig:
 
     def validate(self) -> None:
         _check(self.tp >= 1, "model.tp", f"must be >= 1, got {self.tp}")
+        _check(self.ep >= 1, "model.ep", f"must be >= 1, got {self.ep}")
+        _check(0 <= self.moe_aux_loss_coeff < float("inf"), "model.moe_aux_loss_coeff",
+               f"must be a finite number >= 0, got {self.moe_aux_loss_coeff}")
         self.lora.validate()
 
     @property
@@ -569,6 +578,11 @@ class Config:
         _check(self.rollout.n_learners % self.model.tp == 0, "rollout.n_learners",
                f"{self.rollout.n_learners} learner ranks do not split into tensor-parallel "
                f"groups of model.tp = {self.model.tp}")
+        # why: every MoE forward and backward at ep > 1 is an all-to-all over the EP group,
+        # so its ranks must run the same passes in step; the learner serves each rank's
+        # sources on their own (model/bridge.py and parallel.py do run EP; docs/moe.md)
+        _check(self.model.ep == 1, "model.ep", f"{self.model.ep}: the streaming learner does "
+               f"not run expert parallelism yet (its ranks serve different passes); use 1")
         self._check_publish_lora()
         decay = self.optim.decay_updates or self.run.updates
         _check(self.optim.warmup_updates < decay, "optim.warmup_updates",
@@ -738,6 +752,13 @@ def _check_splits(cfg: Config) -> None:
         return
     heads, kv, vocab, ffn = sizes.values()
     tp, where = cfg.model.tp, cfg.model.hf_dir
+    moe = hf.get("model_type") == "qwen3_moe"
+    if moe and isinstance(hf.get("moe_intermediate_size"), int):
+        ffn = hf["moe_intermediate_size"]  # the experts' width is what TP splits
+    # why: megatron refuses MoE training at TP > 1 without sequence parallelism, which the
+    # learner does not use yet (docs/moe.md)
+    _check(not moe or tp == 1, "model.tp", f"{tp}: mixture-of-experts training needs "
+           f"model.tp 1 for now (expert parallelism: model.ep); {where} is a MoE checkpoint")
     for n, what in ((kv, "KV heads"), (vocab, "vocabulary entries"), (ffn, "MLP channels")):
         _check(n % tp == 0, "model.tp", f"{tp} does not divide the {n} {what} of {where}")
     rtp = cfg.rollout.tp

@@ -37,10 +37,11 @@ class Policy:
     def __init__(self, cfg: Config, par: ParallelInfo | None = None):
         self.cfg = cfg
         self.par = par or init_parallel(tp_size=cfg.model.tp, seed=cfg.seed,
-                                        timeout_s=cfg.launch.dist_timeout_s)
+                                        timeout_s=cfg.launch.dist_timeout_s,
+                                        ep_size=cfg.model.ep)
         self.model, self.spec = bridge.build_model(
             cfg.model.hf_dir, dtype=DTYPES[cfg.model.dtype], spec=cfg.model.spec,
-            attention=cfg.model.attention)
+            attention=cfg.model.attention, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff)
         # LoRA (model/lora.py): freeze the base, adapters on the targeted linears. From here
         # on DDP, the optimizer and every gradient-sized buffer hold the adapters only.
         self.lora: lora.LoraSpec | None = None

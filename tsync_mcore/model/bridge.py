@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2 / Qwen3 / Llama checkpoints <-> Megatron-Core GPTModel.
+"""Hugging Face Qwen2 / Qwen3 / Qwen3-MoE / Llama checkpoints <-> Megatron-Core GPTModel.
 
 A small converter of our own (mbridge needs TE and CUDA). Mapping, per decoder layer:
 
@@ -10,6 +10,14 @@ A small converter of our own (mbridge needs TE and CUDA). Mapping, per decoder l
     post_attention_layernorm             pre_mlp_layernorm | linear_fc1.layer_norm_ replicated
     gate_proj, up_proj                   mlp.linear_fc1 = [gate; up] per rank       dim 0 each
     down_proj                            mlp.linear_fc2                             dim 1
+
+Qwen3-MoE layers (docs/moe.md) replace the MLP rows with
+
+    mlp.gate (router)                    mlp.router                                 replicated
+    mlp.experts.{e}.gate_proj, up_proj   mlp.experts.local_experts.{j}.linear_fc1   expert TP dim 0
+    mlp.experts.{e}.down_proj            mlp.experts.local_experts.{j}.linear_fc2   expert TP dim 1
+
+where e = ep_rank * (experts / ep) + j: each expert-parallel rank holds a contiguous block.
 
 plus embed_tokens <-> embedding.word_embeddings (dim 0), norm <-> decoder.final_layernorm,
 lm_head <-> output_layer (dim 0; absent when embeddings are tied). The fused QKV is
@@ -51,7 +59,7 @@ __all__ = [
     "logits",
 ]
 
-_ARCHS = ("qwen2", "qwen3", "llama")
+_ARCHS = ("qwen2", "qwen3", "qwen3_moe", "llama")
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,15 @@ class ModelSpec:
     qkv_bias: bool
     qk_norm: bool
     max_position: int
+    # Mixture of experts (qwen3_moe); num_experts == 0 is a dense model.
+    num_experts: int = 0
+    top_k: int = 0
+    moe_ffn: int = 0
+    norm_topk_prob: bool = False
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelSpec":
@@ -92,6 +109,7 @@ class ModelSpec:
         # transformers 5 keeps rope_theta only in rope_parameters; older configs at top level
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
+        moe = _moe_fields(cfg) if arch == "qwen3_moe" else {}
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -100,19 +118,46 @@ class ModelSpec:
             heads=heads,
             kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            ffn=cfg["intermediate_size"],
+            ffn=cfg["intermediate_size"] if arch != "qwen3_moe" else 0,
             rms_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             tie=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             max_position=cfg.get("max_position_embeddings", 4096),
+            **moe,
         )
 
 
-_HF_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "intermediate_size")
-_HF_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+def _moe_fields(cfg: dict) -> dict:
+    """The ModelSpec MoE fields of a Qwen3-MoE config.json (ValueError names the key)."""
+    # real checkpoints write num_experts; transformers 5 writes num_local_experts
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    top_k = cfg.get("num_experts_per_tok")
+    ffn = cfg.get("moe_intermediate_size")
+    for key, v in (("num_experts", experts), ("num_experts_per_tok", top_k),
+                   ("moe_intermediate_size", ffn)):
+        if type(v) is not int or v < 1:
+            raise ValueError(f"{key} must be a positive integer, got {v!r}")
+    if top_k > experts:
+        raise ValueError(f"num_experts_per_tok {top_k} exceeds num_experts {experts}")
+    norm = cfg.get("norm_topk_prob", False)
+    if type(norm) is not bool:
+        raise ValueError(f"norm_topk_prob must be true or false, got {norm!r}")
+    # why: one layer type for the whole stack; Megatron's moe_layer_freq could express
+    # dense layers in between, the converter does not map them yet.
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers") not in (None, []):
+        raise ValueError("only all-MoE stacks are supported (decoder_sparse_step 1, "
+                         "mlp_only_layers [])")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError("shared experts are not supported")
+    return dict(num_experts=experts, top_k=top_k, moe_ffn=ffn, norm_topk_prob=norm)
+
+
+_HF_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+# intermediate_size: Qwen3-MoE configs carry it though no layer uses it
+_HF_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings",
+                     "intermediate_size")
 _HF_OPTIONAL_FLOATS = ("rms_norm_eps", "rope_theta")
 
 
@@ -156,6 +201,13 @@ _LAYER_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp.linear_fc1.layer_norm_weight": ("rep", ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.weight": ("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
+    "mlp.router.weight": ("rep", ("mlp.gate.weight",)),
+}
+# Expert j of this EP rank -> (kind, HF suffixes with {e}, the global expert index).
+_EXPERT_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "linear_fc1.weight": ("fc1", ("mlp.experts.{e}.gate_proj.weight",
+                                  "mlp.experts.{e}.up_proj.weight")),
+    "linear_fc2.weight": ("row", ("mlp.experts.{e}.down_proj.weight",)),
 }
 _TOP_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "embedding.word_embeddings.weight": ("col", ("model.embed_tokens.weight",)),
@@ -163,10 +215,12 @@ _TOP_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "output_layer.weight": ("col", ("lm_head.weight",)),
 }
 _LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT_RE = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 
 
-def _rule(mname: str) -> tuple[str, list[str]]:
-    """Megatron parameter name -> (kind, HF names)."""
+def _rule(mname: str, expert_offset: int = 0) -> tuple[str, list[str]]:
+    """Megatron parameter name -> (kind, HF names). Kinds of expert parameters start with
+    "expert_"; their local index j is global expert `expert_offset + j`."""
     if mname in _TOP_RULES:
         kind, hf = _TOP_RULES[mname]
         return kind, list(hf)
@@ -174,7 +228,26 @@ def _rule(mname: str) -> tuple[str, list[str]]:
     if m and m.group(2) in _LAYER_RULES:
         kind, hf = _LAYER_RULES[m.group(2)]
         return kind, [f"model.layers.{m.group(1)}.{s}" for s in hf]
+    x = _EXPERT_RE.fullmatch(m.group(2)) if m else None
+    if x and x.group(2) in _EXPERT_RULES:
+        kind, hf = _EXPERT_RULES[x.group(2)]
+        e = expert_offset + int(x.group(1))
+        return "expert_" + kind, [f"model.layers.{m.group(1)}.{s.format(e=e)}" for s in hf]
     raise KeyError(f"no HF mapping for Megatron parameter {mname!r}")
+
+
+def is_expert_param(mname: str) -> bool:
+    """Whether `mname` (optionally 'module.'-prefixed) is a routed expert's weight: sharded
+    over expert parallelism, its grads reduced over the expert-data-parallel group."""
+    return ".mlp.experts.local_experts." in mname
+
+
+def _expert_parallel() -> tuple[int, int, int, int]:
+    """(ep rank, ep size, expert-TP rank, expert-TP size); (0, 1, 0, 1) before init."""
+    if not ps.model_parallel_is_initialized():
+        return 0, 1, 0, 1
+    return (ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
 
 
 def hf_param_names(spec: ModelSpec) -> list[str]:
@@ -189,7 +262,13 @@ def hf_param_names(spec: ModelSpec) -> list[str]:
         names.append(p + "self_attn.o_proj.weight")
         if spec.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        if spec.moe:
+            # HF module order: the experts block, then the router
+            for e in range(spec.num_experts):
+                names += [p + f"mlp.experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down")]
+            names.append(p + "mlp.gate.weight")
+        else:
+            names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
     names.append("model.norm.weight")
     if not spec.tie:
@@ -202,6 +281,7 @@ def hf_param_names(spec: ModelSpec) -> list[str]:
 
 def _to_local(kind: str, hf: list[torch.Tensor], spec: ModelSpec, rank: int, tp: int):
     """Full HF tensors -> this TP rank's Megatron tensor."""
+    kind = kind.removeprefix("expert_")
     if kind == "rep":
         return hf[0]
     if kind == "col":
@@ -224,6 +304,7 @@ def _to_local(kind: str, hf: list[torch.Tensor], spec: ModelSpec, rank: int, tp:
 
 def _from_shards(kind: str, shards: list[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
     """All TP ranks' Megatron tensors (rank order) -> full HF tensors."""
+    kind = kind.removeprefix("expert_")
     if kind == "rep":
         return [shards[0]]
     if kind == "col":
@@ -283,11 +364,15 @@ def load_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
 
 def _load_weights(model: GPTModel, hf_dir: str, spec: ModelSpec) -> None:
     weights = _HFWeights(hf_dir)
-    rank = ps.get_tensor_model_parallel_rank()
-    tp = ps.get_tensor_model_parallel_world_size()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    ep_rank, ep, etp_rank, etp = _expert_parallel()
+    offset = ep_rank * (spec.num_experts // ep)
     with torch.no_grad():
         for mname, param in model.named_parameters():
-            kind, hf_names = _rule(mname)
+            kind, hf_names = _rule(mname, offset)
+            # experts are split over the expert-TP group (megatron: etp defaults to tp)
+            rank, tp = (etp_rank, etp) if kind.startswith("expert_") else (tp_rank, tp_size)
             missing = [n for n in hf_names if n not in weights]
             if missing:
                 raise ModelDirError(f"model directory {hf_dir}: missing {missing} for "
@@ -328,11 +413,17 @@ def _layer_spec(spec: ModelSpec, which: str, attention: str = "auto"):
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=spec.num_experts or None, moe_grouped_gemm=spec.moe,
+            qk_layernorm=spec.qk_norm)
     if which == "local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        layer = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+        # why moe_grouped_gemm=False: SequentialMLP (one MLP per local expert, plain
+        # matmuls) runs anywhere; the grouped-GEMM experts need TE or torch's CUDA kernels.
+        layer = get_gpt_layer_local_spec(num_experts=spec.num_experts or None,
+                                         moe_grouped_gemm=False, qk_layernorm=spec.qk_norm,
+                                         normalization="RMSNorm")
         # why: megatron's DotProductAttention materializes and masks the score matrix; on GPU
         # SDPA's flash kernels are the fast path without TE. The CPU default stays megatron's
         # (the committed CPU perf baseline and FP64 equivalences were measured with it).
@@ -358,8 +449,50 @@ def attention_mode(model: torch.nn.Module) -> str:
     return "full" if type(core) is DotProductAttention else "causal"
 
 
-def _transformer_config(spec: ModelSpec, dtype: torch.dtype, tp: int) -> TransformerConfig:
+def _moe_config(spec: ModelSpec, aux_loss_coeff: float) -> dict:
+    """TransformerConfig MoE settings routing exactly like Qwen3-MoE.
+
+    HF: p = softmax(router logits) over all experts, keep the top k, and divide by their sum
+    when norm_topk_prob. Softmax over all experts renormalised on the top k equals a softmax
+    over the top-k logits alone, which is megatron's moe_router_pre_softmax=False; without
+    renormalisation the probabilities stay the full softmax's (pre_softmax=True).
+    """
+    if not spec.moe:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_ffn_hidden_size=spec.moe_ffn,
+        moe_router_topk=spec.top_k,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        # why "none" at 0: the aux-loss path does extra work (and all-reduces) for nothing
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none",
+        moe_aux_loss_coeff=aux_loss_coeff,
+        # why alltoall: the expert-parallel dispatch megatron scales with; works on gloo
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        # no capacity factor: every routed token reaches its experts, as in HF
+        moe_expert_capacity_factor=None,
+        expert_model_parallel_size=_expert_parallel()[1],
+    )
+
+
+def _router_gemm_without_te() -> None:
+    # why: megatron 0.16.1's router gating reads `te_general_gemm` unguarded, a name
+    # moe_utils only binds when Transformer Engine imports (CPU, or a GPU without TE);
+    # None makes it take its own torch matmul path.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _transformer_config(spec: ModelSpec, dtype: torch.dtype, tp: int,
+                        moe_aux_loss_coeff: float = 0.0) -> TransformerConfig:
     return TransformerConfig(
+        **_moe_config(spec, moe_aux_loss_coeff),
         num_layers=spec.layers,
         hidden_size=spec.hidden,
         num_attention_heads=spec.heads,
@@ -399,12 +532,15 @@ def build_model(
     spec: str = "auto",
     attention: str = "auto",
     load_weights: bool = True,
+    moe_aux_loss_coeff: float = 0.0,
 ) -> tuple[GPTModel, ModelSpec]:
     """GPTModel for `hf_dir` at the current TP size, with this rank's shard of the weights.
 
     `spec`: "auto" (TE with CUDA and an importable transformer_engine, else local),
     "te" or "local". `attention` (local spec): "sdpa" (`SDPAttention`), "megatron"
     (`DotProductAttention`), or "auto" (SDPA on GPU). Needs `init_parallel()` first.
+    MoE checkpoints (qwen3_moe) take the expert-parallel size `init_parallel(ep=...)` set;
+    `moe_aux_loss_coeff` > 0 turns on megatron's load-balancing loss (off for RL).
     """
     if not ps.model_parallel_is_initialized():
         raise RuntimeError("call tsync_mcore.model.parallel.init_parallel() before build_model")
@@ -421,7 +557,15 @@ def build_model(
         )
     if mspec.ffn % tp:
         raise ValueError(f"intermediate_size {mspec.ffn} is not divisible by tp {tp}")
-    config = _transformer_config(mspec, dtype, tp)
+    _, ep, _, etp = _expert_parallel()
+    if mspec.moe and (mspec.num_experts % ep or mspec.moe_ffn % etp):
+        raise ValueError(f"num_experts {mspec.num_experts} must be divisible by ep {ep} and "
+                         f"moe_intermediate_size {mspec.moe_ffn} by expert tp {etp}")
+    if not mspec.moe and ep > 1:
+        raise ValueError(f"expert parallelism (ep {ep}) needs a mixture-of-experts model")
+    if mspec.moe:
+        _router_gemm_without_te()
+    config = _transformer_config(mspec, dtype, tp, moe_aux_loss_coeff)
     config.perform_initialization = not load_weights  # loaded weights overwrite it anyway
     model = GPTModel(
         config=config,
@@ -503,6 +647,9 @@ def iter_hf(
         if transform is not None:
             local = transform(mname, local)
         local = local.contiguous()
+        if kind.startswith("expert_"):
+            yield from _gather_expert(mname, kind, local, spec)
+            continue
         if tp > 1 and kind != "rep":
             shards = [torch.empty_like(local) for _ in range(tp)]
             dist.all_gather(shards, local, group=group)
@@ -513,6 +660,35 @@ def iter_hf(
         else:
             shards = [local]
         for name, full in zip(hf_names, _from_shards(kind, shards, spec)):
+            yield name, full.cpu().contiguous()
+
+
+def _gather_expert(mname: str, kind: str, local: torch.Tensor, spec: ModelSpec
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """One local expert tensor -> its full HF tensors for every EP rank's copy of it:
+    gathered over the expert-TP group, then over the expert-parallel group (EP rank r holds
+    experts r*L .. r*L+L-1, L = num_experts / ep)."""
+    _, ep, _, etp = _expert_parallel()
+    if etp > 1:
+        shards = [torch.empty_like(local) for _ in range(etp)]
+        dist.all_gather(shards, local, group=ps.get_expert_tensor_parallel_group())
+    else:
+        shards = [local]
+    parts = _from_shards(kind, shards, spec)
+    per_rank = [parts]
+    if ep > 1:
+        group = ps.get_expert_model_parallel_group()
+        per_rank = [[] for _ in range(ep)]
+        for t in parts:
+            t = t.contiguous()
+            got = [torch.empty_like(t) for _ in range(ep)]
+            dist.all_gather(got, t, group=group)
+            for r in range(ep):
+                per_rank[r].append(got[r])
+    local_experts = spec.num_experts // ep
+    for r, tensors in enumerate(per_rank):
+        _, names = _rule(mname, r * local_experts)
+        for name, full in zip(names, tensors):
             yield name, full.cpu().contiguous()
 
 

@@ -53,13 +53,17 @@ def _init_process_group(timeout: timedelta) -> None:
     dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
 
 
-def init_parallel(tp_size: int = 1, seed: int = 1234, timeout_s: float = 600.0) -> ParallelInfo:
+def init_parallel(tp_size: int = 1, seed: int = 1234, timeout_s: float = 600.0,
+                  ep_size: int = 1) -> ParallelInfo:
     """Initialize torch.distributed (if needed) and megatron's TP x DP groups, then seed.
+
+    `ep_size` (model.ep) splits each MoE layer's experts over that many data-parallel ranks
+    (megatron's expert-parallel group); dense layers stay data-parallel over all of them.
 
     `timeout_s` (launch.dist_timeout_s) bounds the rendezvous and every collective of the
     default group and of megatron's groups (theirs defaults to 30 minutes), so a peer that
     is gone ends the run after it. Idempotent for the same `tp_size`; a different one
-    re-creates megatron's groups.
+    re-creates megatron's groups (likewise `ep_size`).
     """
     timeout = timedelta(seconds=timeout_s)
     if not platform.on_gpu():
@@ -76,11 +80,17 @@ def init_parallel(tp_size: int = 1, seed: int = 1234, timeout_s: float = 600.0) 
     world = dist.get_world_size()
     if world % tp_size != 0:
         raise ValueError(f"world size {world} is not divisible by tp_size {tp_size}")
+    # megatron: experts are split over tp (expert TP) x ep ranks, so both must tile the world
+    if ep_size < 1 or world % (tp_size * ep_size) != 0:
+        raise ValueError(f"world size {world} is not divisible by tp_size {tp_size} x "
+                         f"ep_size {ep_size}")
     if ps.model_parallel_is_initialized():
-        if ps.get_tensor_model_parallel_world_size() != tp_size:
+        if (ps.get_tensor_model_parallel_world_size() != tp_size
+                or ps.get_expert_model_parallel_world_size() != ep_size):
             ps.destroy_model_parallel()
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp_size,
+                                     expert_model_parallel_size=ep_size,
                                      distributed_timeout_minutes=timeout_s / 60)
     cpu.seed_all(seed)
     return ParallelInfo(

@@ -15,6 +15,8 @@ below names the megatron call sites it covers.
   `device='cuda'` tensors, call `.cuda()` and compare `param.type()` with
   `torch.cuda.FloatTensor`; a TorchFunctionMode scoped around optimizer build and step
   redirects those to the CPU.
+- MoE all-to-all dispatch (obstacle 11): the dispatcher copies its split sizes to the host
+  on a side CUDA stream; on the CPU they are host tensors already.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def activate() -> None:
     _patch_cuda_device_queries()
     _patch_rng()
     _patch_causal_masks()
+    _patch_moe_alltoall()
     _active = True
 
 
@@ -185,6 +188,31 @@ def _patch_causal_masks() -> None:
     for mod in (tutils, fused_softmax):
         mod.get_default_causal_mask = _cpu_default_causal_mask
         mod.get_sliding_window_causal_mask = _cpu_sliding_window_causal_mask
+
+
+# --------------------------------------------------------------------------- MoE dispatch
+
+
+def _host_numpy(t: Any) -> Any:
+    return t.numpy() if torch.is_tensor(t) else t
+
+
+def _cpu_dtoh_and_synchronize(self, point: str, tokens_per_expert: Any = None) -> Any:
+    # why: megatron's version does these copies inside `torch.cuda.stream(...)` and waits on
+    # a CUDA event; the splits must still become numpy arrays, as all-to-all reads them so.
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        self.input_splits = _host_numpy(self.input_splits)
+        self.output_splits = _host_numpy(self.output_splits)
+        self.output_splits_tp = _host_numpy(self.output_splits_tp)
+    return tokens_per_expert
+
+
+def _patch_moe_alltoall() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    # why: __init__ creates the side stream (torch.cuda.Stream) once, when this is None.
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu"
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
 
 
 # --------------------------------------------------------------------------- cuda_redirect

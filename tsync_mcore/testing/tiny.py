@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face checkpoints (Qwen2 / Llama / Qwen3) + a local BPE tokenizer.
+"""Tiny random Hugging Face checkpoints (Qwen2 / Llama / Qwen3 / Qwen3-MoE) + a local BPE
+tokenizer.
 
 No network: the tokenizer is trained here with `tokenizers` on a built-in text.
 """
@@ -42,6 +43,7 @@ _HF_CLASSES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -90,12 +92,20 @@ def make_tiny_checkpoint(
     init_std: float = 0.08,
     max_shard_size: str | None = None,
     max_positions: int = 512,
+    experts: int = 4,
+    top_k: int = 2,
+    moe_intermediate: int = 32,
+    norm_topk_prob: bool = True,
 ) -> str:
     """Write config + random safetensors weights + tokenizer to `out_dir`; return it.
 
     Every weight (norms and biases included) is random so that mapping mistakes show up;
     `head_dim` defaults to hidden // heads (Qwen3 tests may pass a different one);
     `max_shard_size` (e.g. "40KB") writes a sharded checkpoint with an index file.
+    qwen3_moe: every layer is sparse (`experts` experts of width `moe_intermediate`, top
+    `top_k` routing); transformers 5 fuses the experts in memory, `save_pretrained` writes
+    them per expert (`mlp.experts.{e}.gate_proj.weight` ...), as real Qwen3-MoE checkpoints
+    store them.
     """
     import transformers
     from transformers.utils import logging as hf_logging
@@ -127,6 +137,10 @@ def make_tiny_checkpoint(
         kwargs["head_dim"] = head_dim or hidden // heads
     elif head_dim not in (None, hidden // heads):
         raise ValueError("qwen2 has head_dim = hidden // heads")
+    if arch == "qwen3_moe":
+        kwargs.update(num_experts=experts, num_experts_per_tok=top_k,
+                      moe_intermediate_size=moe_intermediate, norm_topk_prob=norm_topk_prob,
+                      decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
     config = getattr(transformers, cfg_name)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
