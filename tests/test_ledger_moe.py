@@ -25,8 +25,8 @@ SEQ_SETS = [[7], [23, 5], [64, 1, 30]]
 
 
 def _spec():
-    """The dense facts as a ModelSpec. why: bridge.load_hf_config does not read qwen3_moe yet
-    (issue 21's converter); attention, norms and head are Qwen3's."""
+    """The dense facts as a Qwen3 ModelSpec, the MoE layers passed as `moe=`. why: the
+    converter maps all-MoE stacks only; the ledger also counts mixed ones (layer 1 here)."""
     from tsync_mcore.model.bridge import ModelSpec
 
     return ModelSpec.from_hf_config({**_config().to_dict(), "model_type": "qwen3"})
@@ -225,36 +225,48 @@ def test_moe_ledger_refusals(tmp_path):
     assert load_moe(str(tmp_path)) == MoeShape(6, 2, 24, (0, 2, 3))
 
 
-# --------------------------------------------------------------------------- Megatron's router
+# --------------------------------------------------------------------------- Megatron
 
 
-def test_routing_counter_on_megatron_topk_router(parallel1):
-    """The counter reads Megatron's routing_map [T, E] (bool) from `mlp.router`'s forward;
-    compared with an independent top-k of the same logits."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.moe.router import TopKRouter
+@pytest.fixture(scope="module")
+def mcore_moe(parallel1, tiny_qwen3_moe):
+    from tsync_mcore.model import bridge
 
-    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
-                            num_moe_experts=6, moe_router_topk=2, moe_aux_loss_coeff=0.0,
-                            moe_router_load_balancing_type="none", use_cpu_initialization=True)
-    router = TopKRouter(cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
-    # why: TopKRouter.gating moves its weight to CUDA; the routing decision itself is untouched
-    router.gating = lambda x: torch.nn.functional.linear(x, router.weight)
-    holder = torch.nn.Module()
-    holder.decoder = torch.nn.Module()
-    holder.decoder.layers = torch.nn.ModuleList([torch.nn.Module()])
-    holder.decoder.layers[0].mlp = torch.nn.Module()
-    holder.decoder.layers[0].mlp.router = router
-    x = torch.randn(17, 1, 32, generator=torch.Generator().manual_seed(0))
-    with RoutingCounter(holder) as rc:
-        _, routing_map = router(x)
-        router(x[:5])
-    assert routing_map.dtype == torch.bool
-    want = torch.zeros(6, dtype=torch.long)
-    for xs in (x, x[:5]):
-        top = torch.topk(torch.nn.functional.linear(xs.reshape(-1, 32), router.weight), 2).indices
-        want += torch.bincount(top.reshape(-1), minlength=6)
-    assert rc.layers == (0,) and rc.counts() == [want.tolist()]
-    with pytest.raises(ValueError, match="no MoE router"):
-        RoutingCounter(torch.nn.Linear(2, 2))
+    return bridge.build_model(tiny_qwen3_moe)
+
+
+@pytest.mark.parametrize("frozen", ["none", "router", "experts"])
+def test_moe_ledger_equals_counter_on_megatron(frozen, mcore_moe):
+    """The same ledger call on the Megatron model, routing recorded from `mlp.router`
+    (TopKRouter's routing_map). A frozen router still runs both grads here."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tsync_mcore.ledger import frozen_names
+    from tsync_mcore.model import bridge
+
+    model, spec = mcore_moe
+    part = {"none": None, "router": ".mlp.router.", "experts": ".mlp.experts."}[frozen]
+    params = [p for n, p in model.named_parameters() if part and part in n]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        tokens = torch.randint(0, spec.vocab_size, (2, 19),
+                               generator=torch.Generator().manual_seed(len(params)))
+        model.zero_grad(set_to_none=True)
+        with RoutingCounter(model) as rc, FlopCounterMode(display=False) as fc:
+            out = bridge.logits(model, tokens)
+            fwd = fc.get_total_flops()
+            out.float().logsumexp(-1).sum().backward()
+            total = fc.get_total_flops()
+        names = frozen_names(model)
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+    routing = rc.counts()
+    assert len(routing) == spec.layers and [sum(r) for r in routing] == [2 * 38] * spec.layers
+    b = train_flops(spec, [19, 19], routing=routing, frozen=names,
+                    attention=bridge.attention_mode(model))  # MoE shape from the spec
+    assert (b.forward, b.total) == (fwd, total)
+    if frozen == "router":
+        c = b.by_component["router"]
+        assert c["backward"] == 2 * c["forward"]

@@ -22,7 +22,7 @@ def update_flops(spec, records: Iterable[Record], attention: str = "full",
                  lora=None, moe=None) -> FlopBreakdown:
     """`attention`: 'full' (megatron DotProductAttention) or 'causal' (SDPA / TE kernels);
     `lora`: the policy's LoRA (`Policy.lora`, a `LoraSpec`), None for full weights; `moe`:
-    the MoE layers (`MoeShape`, default `spec.moe`). MoE experts are counted on k·T routed
+    the MoE layers (`MoeShape`, default: the spec's). MoE experts are counted on k·T routed
     tokens per span (exact for dropless routing; no per-record routing is traced)."""
     a = attention
     total = FlopBreakdown(0, 0, 0, {})

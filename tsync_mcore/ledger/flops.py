@@ -475,7 +475,7 @@ def train_flops(
     count per sequence); default every position. `frozen`: Megatron parameter names (local
     spelling, see `frozen_names`) or a predicate on them. `lora`: a LoRA policy (`LoraShape`
     or `model/lora.LoraSpec`): every base parameter frozen, the adapters' own products counted.
-    `moe`: the MoE layers (`MoeShape`; default `spec.moe` where the spec has one).
+    `moe`: the MoE layers (`MoeShape`); default: the spec's MoE fields, every layer.
     `routing`: tokens each MoE layer routed to each expert in this pass, summed over the
     sequences (`RoutingCounter.counts()`); one row per MoE layer, each summing to k·Σ seq_lens.
     """

@@ -64,12 +64,13 @@ class MoeShape:
 
     @classmethod
     def of(cls, obj) -> "MoeShape | None":
-        """None, a MoeShape, anything with the four fields, or a spec carrying `.moe`."""
+        """None, a MoeShape, or a `bridge.ModelSpec`: its MoE fields (None for a dense spec;
+        the converter builds all-MoE stacks, so every layer)."""
         if obj is None or isinstance(obj, MoeShape):
             return obj
-        if hasattr(obj, "experts"):
-            return cls(int(obj.experts), int(obj.top_k), int(obj.ffn), tuple(obj.layers))
-        return cls.of(getattr(obj, "moe", None))
+        if not getattr(obj, "num_experts", 0):
+            return None
+        return cls(obj.num_experts, obj.top_k, obj.moe_ffn, tuple(range(obj.layers)))
 
 
 def load_moe(hf_dir: str) -> MoeShape | None:
