@@ -270,3 +270,15 @@ def test_moe_ledger_equals_counter_on_megatron(frozen, mcore_moe):
     if frozen == "router":
         c = b.by_component["router"]
         assert c["backward"] == 2 * c["forward"]
+
+
+def test_cli_on_a_moe_checkpoint(tiny_qwen3_moe, capsys):
+    from tsync_mcore.ledger import load_spec
+    from tsync_mcore.ledger.__main__ import main as cli_main
+
+    assert cli_main(["--model", tiny_qwen3_moe, "--seq-lens", "16,8", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["moe"] == {"experts": 4, "top_k": 2, "expert_ffn": 32}
+    assert got["total_flops"] == train_flops(load_spec(tiny_qwen3_moe), [16, 8]).total
+    assert cli_main(["--model", tiny_qwen3_moe, "--seq-lens", "16", "--lora-rank", "4"]) == 2
+    assert "LoRA on MoE" in capsys.readouterr().err
