@@ -282,3 +282,34 @@ def test_cli_on_a_moe_checkpoint(tiny_qwen3_moe, capsys):
     assert got["total_flops"] == train_flops(load_spec(tiny_qwen3_moe), [16, 8]).total
     assert cli_main(["--model", tiny_qwen3_moe, "--seq-lens", "16", "--lora-rank", "4"]) == 2
     assert "LoRA on MoE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_update_flops_of_a_moe_source(tiny_qwen3_moe, parallel1, fused):
+    """What the trainer reports: `update_flops` of a served source's trace record (no routing
+    in the trace: k·T per layer) equals FlopCounterMode over the Policy serving it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tsync_mcore.config import load_config
+    from tsync_mcore.ledger.account import update_flops
+    from tsync_mcore.policy import Policy
+    from tsync_mcore.trace import SourceRecord
+
+    policy = Policy(load_config(None, {"model.hf_dir": tiny_qwen3_moe,
+                                       "learner.fused_lm_head": fused}), par=parallel1)
+    tokens = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    mask = [0] * 10 + [1] * 12 + [0] * 8
+    with RoutingCounter(policy.model) as rc, FlopCounterMode(display=False) as fc:
+        policy.backward_source(tokens, mask, 1.0)
+    rec = SourceRecord(update=0, rank=0, source="trajectory", traj_id="t", group_id="g",
+                       turn=None, policy_version=0, scored_tokens=12, ready=0.0, start=0.0,
+                       end=1.0, span_tokens=30, logits=True, fused_head=fused)
+    work = update_flops(policy.spec, [rec], attention=policy.attention_mode)
+    assert work.total + work.recompute_flops == fc.get_total_flops()
+    spec = policy.spec
+    assert work.by_component["expert_up"]["forward"] == 2 * 2 * 30 * spec.hidden * spec.moe_ffn \
+        * spec.layers  # top-2 of 30 tokens, every layer
+    head = 12 if fused else None
+    exact = train_flops(policy.spec, [30], routing=rc.counts(), attention=policy.attention_mode,
+                        logits_positions=head)
+    assert exact.total == work.total  # the recorded routing gives the same total
