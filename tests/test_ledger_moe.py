@@ -85,12 +85,12 @@ def test_moe_train_flops_equal_counter(lens, hf_moe):
 
 def test_moe_routing_follows_the_input(hf_moe):
     """Different inputs route differently; an uneven routing is still counted exactly."""
-    runs = [_fwd_bwd(hf_moe, [40], seed=s) for s in (1, 2)]
+    runs = [_fwd_bwd(hf_moe, [24], seed=s) for s in (1, 2)]
     assert runs[0][2] != runs[1][2]
-    assert any(0 in row or max(row) > 2 * 40 // 6 + 4 for row in runs[0][2])  # not uniform
+    assert any(max(row) - min(row) >= 4 for row in runs[0][2])  # not an even spread
     spec, moe = _spec(), MoeShape.from_hf_config(_config().to_dict())
     for fwd, total, routing in runs:
-        b = train_flops(spec, [40], moe=moe, routing=routing)
+        b = train_flops(spec, [24], moe=moe, routing=routing)
         assert (b.forward, b.total) == (fwd, total)
 
 

@@ -53,7 +53,8 @@ q/k/v makes all three require grad (`separate_qkv=True` models peft's separate m
 TP: all figures are whole-model FLOPs, each product counted once. Megatron's column/row-
 parallel layers split every base matmul evenly (heads, kv_heads, ffn and vocab are divisible
 by tp; MoE experts by the expert-TP size, Megatron's default = tp). The MoE router is
-replicated: every TP rank computes it whole (no sequence parallelism here). A LoRA adapter
+counted whole on every rank (`TP_REPLICATED`); the learner trains MoE at TP = 1 for now
+(Megatron needs sequence parallelism for MoE at TP > 1, which splits it by tokens). A LoRA adapter
 is split on one side only: on a column-parallel linear (qkv, fc1) A is replicated on every
 rank and B sharded by output; on a row-parallel one (proj, fc2) A is sharded by input and B
 replicated after the reduction. `FlopBreakdown.per_rank(tp)` divides
@@ -107,7 +108,7 @@ _ADAPTED = ("qkv_proj", "out_proj", "mlp_gate", "mlp_up", "mlp_down")
 COMPONENTS = _BASE_COMPONENTS + tuple(f"{c}.lora_{m}" for c in _ADAPTED for m in "AB")
 # Adapter products every TP rank executes whole: A of the column-parallel linears (its input
 # is the full hidden state), B of the row-parallel ones (applied after the reduction).
-# The MoE router is replicated too (not split by TP, and no sequence parallelism here).
+# The MoE router is not split by TP (without sequence parallelism: each rank routes all).
 TP_REPLICATED = frozenset({"qkv_proj.lora_A", "mlp_gate.lora_A", "mlp_up.lora_A",
                            "out_proj.lora_B", "mlp_down.lora_B", "router"})
 # Hugging Face projection names a LoRA may target, and the component each belongs to.

@@ -107,7 +107,11 @@ class RoutingCounter:
 
         with RoutingCounter(model) as rc:
             ...forwards...
-        train_flops(spec, lens, moe=moe, routing=rc.counts())
+        train_flops(spec, lens, routing=rc.counts())
+
+    Every router forward inside counts, a recomputation's too (an OPD replay in recompute
+    mode): wrap the passes whose FLOPs you ask for. At expert parallelism each rank counts
+    its own tokens, before dispatch.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -128,6 +132,9 @@ class RoutingCounter:
     def _hook(self, layer: int, experts: int):
         def record(_mod, _args, out) -> None:
             decision = out[-1] if isinstance(out, tuple) else out
+            if decision.is_floating_point():  # e.g. a router that returns logits only
+                raise TypeError(f"layer {layer} router returned no routing decision "
+                                f"(top-k indices or a routing map)")
             if decision.dtype == torch.bool:  # Megatron routing_map [T, E]
                 n = decision.reshape(-1, experts).sum(0)
             else:  # HF top-k indices [T, k]
