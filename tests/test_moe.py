@@ -165,6 +165,8 @@ def test_config_keys_ep_and_aux_loss(tiny_qwen3_moe):
          r"'model.ep': 2: the streaming learner does not run expert parallelism yet"),
         ({"model.hf_dir": tiny_qwen3_moe, "model.tp": 2, "rollout.n_learners": 2},
          r"'model.tp': 2: mixture-of-experts training needs model.tp 1"),
+        ({"model.hf_dir": tiny_qwen3_moe, "model.lora.rank": 4},
+         r"'model.lora': LoRA on mixture-of-experts layers is not supported yet"),
     ]:
         with pytest.raises(ConfigError, match=match):
             load_config(None, overrides)
@@ -210,21 +212,27 @@ def test_ep2_logits_grads_and_export(dist_results):
 
 @pytest.fixture(scope="module")
 def moe_replays(tiny_qwen3_moe, tmp_path_factory):
-    """GRPO replays of two updates on the tiny MoE, 2 data-parallel ranks, one launch."""
-    from batchgen import write_batches
+    """GRPO (two updates) and OPD replays on the tiny MoE, 2 data-parallel ranks, one
+    launch."""
+    from batchgen import write_batches, write_opd_batches
     from test_learner import replay_many
 
     d = tmp_path_factory.mktemp("moe_replay")
-    batch = str(d / "batch.jsonl")
+    batch, opd_batch = str(d / "batch.jsonl"), str(d / "opd.jsonl")
     rows = write_batches(batch, 256, n_updates=2, seed=3)
-    common = ["--model", tiny_qwen3_moe, "--batch", batch, "--lr", "1e-5",
-              "--save-grads", "all"]
-    jobs = {"sync": ["--schedule", "sync"],
-            "thundersync": ["--schedule", "thundersync", "--k-open", "2"],
-            "thundersync_balanced": ["--schedule", "thundersync", "--k-open", "2",
-                                     "--routing", "balanced"]}
+    opd_rows = write_opd_batches(opd_batch, 256, n_updates=1, seed=2, turns=4)
+    common = ["--model", tiny_qwen3_moe, "--lr", "1e-5", "--save-grads", "all"]
+    grpo = ["--batch", batch]
+    opd = ["--batch", opd_batch, "--objective", "opd"]
+    jobs = {"sync": [*grpo, "--schedule", "sync"],
+            "thundersync": [*grpo, "--schedule", "thundersync", "--k-open", "2"],
+            "thundersync_balanced": [*grpo, "--schedule", "thundersync", "--k-open", "2",
+                                     "--routing", "balanced"],
+            "opd_sync": [*opd, "--schedule", "sync"],
+            "opd_thundersync": [*opd, "--schedule", "thundersync"],
+            "opd_retain": [*opd, "--schedule", "thundersync", "--opd-replay", "retain"]}
     out = replay_many({n: [*common, *f] for n, f in jobs.items()}, str(d))
-    out["rows"] = rows
+    out.update(rows=rows, opd_rows=opd_rows)
     return out
 
 
@@ -257,3 +265,46 @@ def test_grpo_replay_streams_the_sync_update(moe_replays, tiny_qwen3_moe):
         assert err <= 1e-5, name
     params = load_file(os.path.join(moe_replays["sync"]["dir"], "params.safetensors"))
     assert sorted(params) == on_disk
+
+
+def test_opd_replay_streams_the_sync_update(moe_replays, tiny_qwen3_moe):
+    """OPD per-turn streaming (recompute and retain) == sync (≤ 1e-6), and == the FP64
+    Eq. 8-9 reference on HF's eager experts (≤ 1e-5)."""
+    from safetensors.torch import load_file
+
+    from reference import reference_opd_grad, rel_l2
+
+    def grad(name):
+        return load_file(os.path.join(moe_replays[name]["dir"], "grad_0.safetensors"))
+
+    g_sync = grad("opd_sync")
+    for name in ("opd_thundersync", "opd_retain"):
+        err = rel_l2(grad(name), g_sync)
+        print(f"MoE {name} vs opd_sync: rel L2 = {err:.2e}")
+        assert err <= 1e-6, name
+    ref = by_disk_name(reference_opd_grad(tiny_qwen3_moe, moe_replays["opd_rows"]))
+    for name in ("opd_sync", "opd_thundersync"):
+        got = grad(name)
+        assert got.keys() == ref.keys()
+        err = rel_l2(got, ref)
+        print(f"MoE {name} vs FP64 HF reference (Eq. 8-9): rel L2 = {err:.2e}")
+        assert err <= 1e-5, name
+
+
+def test_trained_checkpoint_exports_to_hf(tiny_qwen3_moe, parallel1, tmp_path):
+    """Two real updates at TP=1, checkpointed; `python -m tsync_mcore.export` writes the
+    per-expert HF directory, bit for bit the learner's parameters, with its logits in HF."""
+    from batchgen import write_batches
+    from test_export import _check_against_learner
+    from tsync_mcore.export import main as export_main
+    from export_worker import train  # tests/workers, on the path once test_export is imported
+
+    batch = str(tmp_path / "b.jsonl")
+    write_batches(batch, 256, n_updates=2, seed=7)
+    run = str(tmp_path / "run")
+    assert train(tiny_qwen3_moe, batch, run, tp=1, updates=2, par=parallel1)["version"] == 2
+    out = str(tmp_path / "hf")
+    assert export_main([run, "--out", out]) == 0
+    assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "qwen3_moe"
+    err = _check_against_learner(run, out)
+    print(f"\nMoE export: HF logits vs the learner's Megatron logits max |err| {err:.1e}")

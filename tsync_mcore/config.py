@@ -744,6 +744,14 @@ def _check_splits(cfg: Config) -> None:
         hf = read_json_object(path)
     except BadFile:
         return
+    if hf.get("model_type") == "qwen3_moe":
+        where = cfg.model.hf_dir
+        # why: megatron refuses MoE training at TP > 1 without sequence parallelism, which
+        # the learner does not use yet (docs/moe.md)
+        _check(cfg.model.tp == 1, "model.tp", f"{cfg.model.tp}: mixture-of-experts training "
+               f"needs model.tp 1 for now; {where} is a MoE checkpoint")
+        _check(not cfg.model.use_lora, "model.lora", f"LoRA on mixture-of-experts layers is "
+               f"not supported yet; {where} is a MoE checkpoint")
     sizes = {k: hf.get(k) for k in ("num_attention_heads", "num_key_value_heads", "vocab_size",
                                     "intermediate_size")}
     sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
@@ -752,13 +760,6 @@ def _check_splits(cfg: Config) -> None:
         return
     heads, kv, vocab, ffn = sizes.values()
     tp, where = cfg.model.tp, cfg.model.hf_dir
-    moe = hf.get("model_type") == "qwen3_moe"
-    if moe and isinstance(hf.get("moe_intermediate_size"), int):
-        ffn = hf["moe_intermediate_size"]  # the experts' width is what TP splits
-    # why: megatron refuses MoE training at TP > 1 without sequence parallelism, which the
-    # learner does not use yet (docs/moe.md)
-    _check(not moe or tp == 1, "model.tp", f"{tp}: mixture-of-experts training needs "
-           f"model.tp 1 for now (expert parallelism: model.ep); {where} is a MoE checkpoint")
     for n, what in ((kv, "KV heads"), (vocab, "vocabulary entries"), (ffn, "MLP channels")):
         _check(n % tp == 0, "model.tp", f"{tp} does not divide the {n} {what} of {where}")
     rtp = cfg.rollout.tp

@@ -134,12 +134,18 @@ def _hf_shapes(spec) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj.weight": (spec.ffn, h), "mlp.down_proj.weight": (h, spec.ffn),
         "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
     }
+    # Qwen3-MoE (docs/moe.md): the router, and per expert e the same three projections
+    per_layer.update({"mlp.gate.weight": (spec.num_experts, h),
+                      "mlp.experts.E.gate_proj.weight": (spec.moe_ffn, h),
+                      "mlp.experts.E.up_proj.weight": (spec.moe_ffn, h),
+                      "mlp.experts.E.down_proj.weight": (h, spec.moe_ffn)})
     top = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,),
            "lm_head.weight": (spec.vocab_size, h)}
     out = {}
     for name in _megatron()[1].hf_param_names(spec):
         m = re.fullmatch(r"model\.layers\.\d+\.(.+)", name)
-        out[name] = per_layer[m.group(1)] if m else top[name]
+        out[name] = per_layer[re.sub(r"experts\.\d+\.", "experts.E.", m.group(1))] if m \
+            else top[name]
     return out
 
 

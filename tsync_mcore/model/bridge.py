@@ -154,10 +154,9 @@ def _moe_fields(cfg: dict) -> dict:
     return dict(num_experts=experts, top_k=top_k, moe_ffn=ffn, norm_topk_prob=norm)
 
 
-_HF_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-# intermediate_size: Qwen3-MoE configs carry it though no layer uses it
-_HF_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings",
-                     "intermediate_size")
+_HF_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "intermediate_size")
+_HF_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 _HF_OPTIONAL_FLOATS = ("rms_norm_eps", "rope_theta")
 
 
@@ -165,9 +164,11 @@ def load_hf_config(hf_dir: str) -> ModelSpec:
     """The ModelSpec of `hf_dir`; a broken or unusable config.json is a ModelDirError."""
     path = os.path.join(hf_dir, "config.json")
     cfg = hf_config(hf_dir)
+    # Qwen3-MoE configs carry intermediate_size though no layer of theirs uses it
+    required = _HF_INTS if cfg.get("model_type") != "qwen3_moe" else _HF_INTS[:-1]
     for k in _HF_INTS + _HF_OPTIONAL_INTS:
         v = cfg.get(k)
-        if (v is not None or k in _HF_INTS) and (type(v) is not int or v < 1):
+        if (v is not None or k in required) and (type(v) is not int or v < 1):
             raise ModelDirError(f"{path}: {k} must be a positive integer, got {v!r}")
     for k in _HF_OPTIONAL_FLOATS:
         v = cfg.get(k)
@@ -414,7 +415,7 @@ def _layer_spec(spec: ModelSpec, which: str, attention: str = "auto"):
         )
 
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=spec.num_experts or None, moe_grouped_gemm=spec.moe,
+            num_experts=spec.num_experts or None, moe_grouped_gemm=False,
             qk_layernorm=spec.qk_norm)
     if which == "local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
