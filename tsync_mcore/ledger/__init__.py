@@ -8,6 +8,7 @@ sampler import them when used.
 from tsync_mcore.ledger.flops import (
     FlopBreakdown,
     LoraShape,
+    ep_rank_flops,
     forward_flops,
     frozen_names,
     head_recompute_flops,
@@ -31,6 +32,7 @@ __all__ = [
     "NvmlSampler",
     "Peak",
     "detect_peak",
+    "ep_rank_flops",
     "forward_flops",
     "frozen_names",
     "head_recompute_flops",

@@ -81,6 +81,7 @@ __all__ = [
     "FlopBreakdown",
     "LoraShape",
     "MoeShape",
+    "ep_rank_flops",
     "forward_flops",
     "frozen_names",
     "load_spec",
@@ -317,12 +318,15 @@ def _walk(
     stop_after_kv: bool,
     moe: MoeShape | None = None,
     routing: Routing = None,
+    local_load: Routing = None,
 ) -> dict[str, dict[str, int]]:
     """Products of one forward over sequences/spans `lens` = [(n, past)], backward rules applied.
 
     `stop_after_kv`: the pass ends at the last layer's K/V (span.py's recompute / no-logits
     path): the last layer's attention, MLP, final norm and vocab projection do not run.
     `moe`/`routing`: MoE layers and their per-expert token counts (see `train_flops`).
+    `local_load`: per MoE layer, the tokens each of this rank's experts processes, when they
+    are not this pass's own tokens (an expert-parallel rank: `ep_rank_flops`).
     """
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
@@ -333,6 +337,8 @@ def _walk(
     w = _Pass((lambda name: False) if lora else _trainable_fn(frozen), lora)
     tokens = sum(n for n, _ in lens)
     moe_rows = _moe_rows(spec, moe, routing, lora, tokens, stop_after_kv)
+    if local_load is not None:
+        moe_rows = dict(zip(moe_rows, local_load))
     pairs = sum(_pairs(n, p, attention) for n, p in lens)
     has_past = any(p for _, p in lens)
     h, hd = spec.hidden, spec.head_dim
@@ -409,9 +415,10 @@ def _moe_rows(spec: "ModelSpec", moe: MoeShape | None, routing: Routing, lora: L
 
 def _moe(w: _Pass, spec: "ModelSpec", moe: MoeShape, p: str, tokens: int,
          counts: list[int] | None, ln_rg: bool) -> bool:
-    """MoE MLP: router, then each expert's SwiGLU on the tokens routed to it. Expert names:
-    sequential `mlp.experts.local_experts.{e}.linear_fc1/2.weight`, TE grouped
-    `mlp.experts.linear_fc1/2.weight{e}`; an expert is frozen if either name is."""
+    """MoE MLP: router, then each local expert's SwiGLU on the tokens routed to it (`counts`
+    by local index j; j = e without expert parallelism). Names: sequential
+    `mlp.experts.local_experts.{j}.linear_fc1/2.weight`, TE grouped
+    `mlp.experts.linear_fc1/2.weight{j}`; an expert is frozen if either name is."""
     h, ffn = spec.hidden, moe.ffn
     out_rg = w.router(2 * tokens * h * moe.experts, ln_rg, p + "mlp.router.weight")
     if counts is None:  # per-expert split unknown: the k·T routed tokens, if freezing is uniform
@@ -486,6 +493,45 @@ def train_flops(
         logits_tokens=_logits_tokens(logits_positions, sum(n for n, _ in lens)),
         frozen=frozen, lora=LoraShape.of(lora), context_grad=False, stop_after_kv=False,
         moe=MoeShape.of(moe if moe is not None else spec), routing=routing,
+    )  # fmt: skip
+    return _breakdown(comps)
+
+
+def ep_rank_flops(
+    spec: "ModelSpec",
+    seq_lens: Sequence[Sequence[int]],
+    routing: Sequence[Routing],
+    ep_rank: int,
+    *,
+    attention: str = "full",
+    logits_positions: int | Sequence[int] | None = None,
+    frozen: Frozen = None,
+) -> FlopBreakdown:
+    """What expert-parallel rank `ep_rank` executes in one forward + backward, with
+    `seq_lens[r]` and `routing[r]` the sequences and `RoutingCounter.counts()` of each of the
+    EP group's ranks (ep = len(seq_lens)).
+
+    A rank runs attention, router and head on its own tokens, and its block of E/ep experts
+    (megatron: e = ep_rank·E/ep + j) on every rank's tokens routed to them (the all-to-all
+    brings them). Summed over the ranks it is the model FLOPs of all their sequences.
+    `logits_positions`, `frozen`: of this rank (its local expert names).
+    """
+    moe, ep = MoeShape.of(spec), len(seq_lens)
+    if moe is None or len(routing) != ep or not 0 <= ep_rank < ep or moe.experts % ep:
+        raise ValueError(f"ep_rank_flops needs a MoE spec, one routing per EP rank and "
+                         f"experts divisible by ep={ep} (ep_rank {ep_rank})")
+    for r in range(ep):  # each rank's own routing is checked against its own tokens
+        check_routing(moe, routing[r], moe.layers, sum(seq_lens[r]))
+    block = moe.experts // ep
+    lo = ep_rank * block
+    load = [[sum(routing[r][i][lo + j] for r in range(ep)) for j in range(block)]
+            for i in range(len(moe.layers))]
+    lens = [(int(s), 0) for s in seq_lens[ep_rank]]
+    comps = _walk(
+        spec, lens, attention=attention,
+        logits_tokens=_logits_tokens(logits_positions, sum(n for n, _ in lens)),
+        frozen=frozen, lora=None, context_grad=False, stop_after_kv=False,
+        moe=moe, local_load=load,
     )  # fmt: skip
     return _breakdown(comps)
 
