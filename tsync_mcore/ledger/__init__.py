@@ -8,6 +8,7 @@ sampler import them when used.
 from tsync_mcore.ledger.flops import (
     FlopBreakdown,
     LoraShape,
+    ep_rank_flops,
     forward_flops,
     frozen_names,
     head_recompute_flops,
@@ -16,6 +17,7 @@ from tsync_mcore.ledger.flops import (
     span_flops,
     train_flops,
 )
+from tsync_mcore.ledger.moe import MoeShape, RoutingCounter, load_moe
 from tsync_mcore.ledger.host import HostCounter
 from tsync_mcore.ledger.memory import MemoryMeter
 from tsync_mcore.ledger.mfu import Peak, detect_peak, mfu_active, steady_state
@@ -26,15 +28,19 @@ __all__ = [
     "HostCounter",
     "LoraShape",
     "MemoryMeter",
+    "MoeShape",
     "NvmlSampler",
     "Peak",
     "detect_peak",
+    "ep_rank_flops",
     "forward_flops",
     "frozen_names",
     "head_recompute_flops",
+    "load_moe",
     "load_spec",
     "mfu_active",
     "replay_flops",
+    "RoutingCounter",
     "span_flops",
     "steady_state",
     "train_flops",

@@ -2,7 +2,9 @@
 
 FLOPs of one forward + backward of the given sequences (whole model; `--tp N` adds what one
 of N tensor-parallel ranks executes; `--lora-rank R` counts a LoRA policy: frozen base, the
-adapters' own products). Parameter and accumulator sizes: `python -m tsync_mcore.ledger.sizes`.
+adapters' own products; a Qwen3-MoE checkpoint counts its experts on the top-k routed tokens
+of every token, which is the exact total under dropless routing). Parameter and accumulator
+sizes: `python -m tsync_mcore.ledger.sizes`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 
 from tsync_mcore.ledger.flops import (ATTENTION_MODES, LORA_TARGETS, LoraShape, load_spec,
                                       train_flops)
+from tsync_mcore.ledger.moe import MoeShape
 from tsync_mcore.safe_files import BadFile
 
 
@@ -44,15 +47,18 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(args.model)
         targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
         lora = LoraShape(args.lora_rank, targets) if args.lora_rank else None
+        b = train_flops(spec, args.seq_lens, attention=args.attention,
+                        logits_positions=args.scored, lora=lora)
     except (BadFile, ValueError) as e:  # a damaged model dir, a bad LoRA: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
-    b = train_flops(spec, args.seq_lens, attention=args.attention, logits_positions=args.scored,
-                    lora=lora)
+    moe = MoeShape.of(spec)
     out = {
         "model": args.model, "arch": spec.arch, "seq_lens": args.seq_lens,
         "scored": args.scored, "attention": args.attention,
         "lora": {"rank": lora.rank, "targets": list(lora.targets)} if lora else None,
+        # experts on top_k routed tokens each (dropless): no forward needed for the total
+        "moe": {"experts": moe.experts, "top_k": moe.top_k, "expert_ffn": moe.ffn} if moe else None,
         **b.to_dict(),
     }  # fmt: skip
     if args.tp > 1:
@@ -62,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out))
         return 0
     where = f" lora r={lora.rank} on {','.join(lora.targets)}" if lora else ""
+    if moe:
+        where += f" moe {moe.experts} experts top-{moe.top_k}"
     print(f"{spec.arch} seq_lens={args.seq_lens} attention={args.attention}{where}")
     for key in ("forward_flops", "backward_flops", "total_flops"):
         print(f"  {key:16s} {out[key]:.6e}")

@@ -19,32 +19,34 @@ from tsync_mcore.trace import DeferredRecord, Record, SourceRecord
 
 
 def update_flops(spec, records: Iterable[Record], attention: str = "full",
-                 lora=None) -> FlopBreakdown:
+                 lora=None, moe=None) -> FlopBreakdown:
     """`attention`: 'full' (megatron DotProductAttention) or 'causal' (SDPA / TE kernels);
-    `lora`: the policy's LoRA (`Policy.lora`, a `LoraSpec`), None for full weights."""
+    `lora`: the policy's LoRA (`Policy.lora`, a `LoraSpec`), None for full weights; `moe`:
+    the MoE layers (`MoeShape`, default: the spec's). MoE experts are counted on k·T routed
+    tokens per span (exact for dropless routing; no per-record routing is traced)."""
     a = attention
     total = FlopBreakdown(0, 0, 0, {})
     for r in records:
         if isinstance(r, DeferredRecord) and r.work == "replay":
             for n, ctx in r.spans:
                 total = total + replay_flops(spec, n, ctx, mode=r.replay_mode or "recompute",
-                                             attention=a, lora=lora)
+                                             attention=a, lora=lora, moe=moe)
         elif isinstance(r, DeferredRecord):  # prefix
             for n, ctx in r.spans:
                 total = total + span_flops(spec, n, ctx, logits_positions=0, attention=a,
-                                           lora=lora)
+                                           lora=lora, moe=moe)
         elif isinstance(r, SourceRecord) and r.span_tokens:
             if not r.logits:
                 # An OPD turn without scored tokens: forward to its K/V only; its backward
                 # happens in its trajectory's replay.
                 f = span_flops(spec, r.span_tokens, r.context, logits_positions=0, attention=a,
-                               lora=lora)
+                               lora=lora, moe=moe)
                 total = total + FlopBreakdown(f.forward, 0, 0, {
                     k: {**v, "backward": 0} for k, v in f.by_component.items()})
                 continue
             head = r.scored_tokens if r.fused_head and r.scored_tokens else None
             total = total + span_flops(spec, r.span_tokens, r.context, logits_positions=head,
-                                       context_grad=r.context > 0, attention=a, lora=lora)
+                                       context_grad=r.context > 0, attention=a, lora=lora, moe=moe)
             if head:
                 total = total + head_recompute_flops(spec, head)
     return total
