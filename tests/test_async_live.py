@@ -33,7 +33,8 @@ def demo(tmp_path, *sets):
 
 @pytest.mark.timeout(420)
 def test_one_step_off_trains_every_later_batch_on_the_previous_policy(tmp_path):
-    run, _, rows, sources = demo(tmp_path, "run.updates=3", "learner.schedule=one_step_off")
+    run, out, rows, sources = demo(tmp_path, "run.updates=3", "learner.schedule=one_step_off")
+    assert "improved" in out or "did NOT improve" in out  # launch/demo.py's last line
     assert [r["policy_version"] for r in rows] == [0, 1, 2]
     for e in sources:  # batch k was sampled by θ_{k−1} (θ_0 for the first two)
         assert e.policy_version == max(e.update - 1, 0), (e.traj_id, e.update)

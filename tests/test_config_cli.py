@@ -348,26 +348,5 @@ def test_resume_keeps_the_metrics_rows_up_to_the_checkpoint(tmp_path):
     assert launch._metrics_before(str(tmp_path / "metrics.jsonl"), v) == rows[:2]
 
 
-@pytest.mark.timeout(400)
-def test_run_launcher_trains_two_updates(tmp_path):
-    _tiny_model(str(tmp_path / "model"))
-    run = tmp_path / "run"
-    p = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "launch/run.py"), "--config",
-         os.path.join(ROOT, "configs/demo.yaml"), "--set", f"run.dir={run}",
-         f"model.hf_dir={tmp_path}/model", "run.updates=2", "--set", "run.save_every=1",
-         "rollout.groups_per_batch=2", "rollout.group_size=2", "rollout.n_learners=1",
-         f"run.publish_dir={tmp_path}/publish"],
-        cwd=ROOT, capture_output=True, text=True, timeout=380)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    steps = [line for line in p.stdout.splitlines() if " step " in line and "version" in line]
-    assert len(steps) == 2 and "2/2" in steps[-1]
-    assert [json.loads(r)["policy_version"] for r in open(run / "metrics.jsonl")] == [0, 1]
-    saved = yaml.safe_load(open(run / "config.yaml"))
-    assert "auto" not in json.dumps(saved)  # config.yaml holds only concrete values
-    assert saved["channel"]["port"] != 29610  # a free port, not the default
-    assert "[config] model.spec: auto -> local" in p.stdout  # each choice logged once
-    assert p.stdout.count("[config] model.spec") == 1
-    for log in ("rollout.log", "learner.err", "learner.out"):
-        assert (run / "logs" / log).exists()
-    assert (run / "checkpoints" / "step_2").is_dir()
+# launch/run.py training to the end: test_e2e.test_vllm_rollout_two_learner_ranks_few_updates
+# (one live run checks the run and the launcher).

@@ -46,10 +46,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(config: str, run: str, sets: list[str], resume: bool = False,
-           check: bool = True) -> tuple[int, int]:
-    """Rollout launcher + 2 learner ranks under torchrun, to the end; asserts both exit 0
-    (check) and returns their exit codes."""
+def start(config: str, run: str, sets: list[str], resume: bool = False):
+    """Rollout launcher + 2 learner ranks under torchrun (see finish)."""
     sets = [f"run.dir={run}", f"run.publish_dir={run}/publish", f"channel.port={free_port()}",
             *sets]
     os.makedirs(run, exist_ok=True)
@@ -64,6 +62,13 @@ def launch(config: str, run: str, sets: list[str], resume: bool = False,
          *common, *(["--resume"] if resume else [])],
         stdout=open(f"{run}/learner.out", "a"), stderr=open(f"{run}/learner.err", "a"),
         env=env, cwd=ROOT)
+    return run, learner, rollout
+
+
+def finish(started, check: bool = True) -> tuple[int, int]:
+    """Waits for a start()ed run to end; asserts both sides exit 0 (check) and returns their
+    exit codes."""
+    run, learner, rollout = started
     try:
         rc_l = learner.wait(timeout=400)
         rc_r = rollout.wait(timeout=120)
@@ -75,6 +80,12 @@ def launch(config: str, run: str, sets: list[str], resume: bool = False,
     log = open(f"{run}/rollout.log").read()[-3000:] + open(f"{run}/learner.err").read()[-3000:]
     assert not check or rc_l == 0 and rc_r == 0, log
     return rc_l, rc_r
+
+
+def launch(config: str, run: str, sets: list[str], resume: bool = False,
+           check: bool = True) -> tuple[int, int]:
+    """start() + finish(): one run to the end."""
+    return finish(start(config, run, sets, resume), check)
 
 
 @pytest.mark.timeout(1200)
@@ -108,21 +119,33 @@ def test_dataset_run_with_user_reward_eval_and_mid_epoch_resume(tmp_path):
     }
     runs = {}
     loggers = {"whole": "run.loggers=[jsonl,tensorboard]", "resumed": "run.loggers=[jsonl]"}
-    for name, steps in (("whole", [(4, False)]), ("resumed", [(2, False), (4, True)])):
-        run, log = str(tmp_path / name), str(tmp_path / f"{name}_calls.jsonl")
+    config = {}
+    for name in ("whole", "resumed"):
+        log = str(tmp_path / f"{name}_calls.jsonl")
         rw = tmp_path / f"{name}_reward.py"
         rw.write_text(textwrap.dedent(REWARD.format(log=log)))
         cfg["reward"]["function"] = f"{rw}:score"
-        config = str(tmp_path / f"{name}.yaml")
-        with open(config, "w") as f:
+        config[name] = str(tmp_path / f"{name}.yaml")
+        with open(config[name], "w") as f:
             yaml.safe_dump(cfg, f)
-        for updates, resume in steps:
-            launch(config, run, [f"run.updates={updates}", loggers[name]], resume=resume)
+    run = {name: str(tmp_path / name) for name in config}
+    # The whole run and the first half of the resumed one side by side (independent runs),
+    # then the resume.
+    first = [start(config["whole"], run["whole"], ["run.updates=4", loggers["whole"]]),
+             start(config["resumed"], run["resumed"], ["run.updates=2", loggers["resumed"]])]
+    try:
+        for started in first:
+            finish(started)
+    finally:
+        for p in (p for _, *procs in first for p in procs if p.poll() is None):
+            p.kill()
+    launch(config["resumed"], run["resumed"], ["run.updates=4", loggers["resumed"]], resume=True)
+    for name in config:
         runs[name] = dict(
-            calls=[json.loads(line) for line in open(log)],
-            rows=[json.loads(line) for line in open(f"{run}/metrics.jsonl")],
-            evals=[json.loads(line) for line in open(f"{run}/eval.jsonl")],
-            theta=load_file(f"{run}/publish/policy_v4.safetensors"))
+            calls=[json.loads(line) for line in open(tmp_path / f"{name}_calls.jsonl")],
+            rows=[json.loads(line) for line in open(f"{run[name]}/metrics.jsonl")],
+            evals=[json.loads(line) for line in open(f"{run[name]}/eval.jsonl")],
+            theta=load_file(f"{run[name]}/publish/policy_v4.safetensors"))
     whole, resumed = runs["whole"], runs["resumed"]
 
     # the reward function: keyword arguments prompt (the row's text), response, label, meta

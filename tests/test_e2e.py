@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from batchgen import make_batch
@@ -482,10 +483,15 @@ def test_learner_rank_dies_rollout_side_stops_instead_of_hanging(tiny_qwen2, tmp
 
 @pytest.mark.timeout(420)
 def test_vllm_rollout_two_learner_ranks_few_updates(tmp_path):
+    """launch/run.py on the demo's config (thundersync): also test_config_cli's launcher
+    checks (one live run for both; launch/demo.py runs live in test_async_live)."""
+    from tsync_mcore.testing.tiny import DEMO_MODEL, make_tiny_checkpoint
+    make_tiny_checkpoint(str(tmp_path / "model"), **DEMO_MODEL)
     run = tmp_path / "run"
     p = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "launch/demo.py"), "--set", f"run.dir={run}",
-         f"model.hf_dir={tmp_path}/model", "run.updates=3", "run.save_every=0",
+        [sys.executable, os.path.join(ROOT, "launch/run.py"), "--config",
+         os.path.join(ROOT, "configs/demo.yaml"), "--set", f"run.dir={run}",
+         f"model.hf_dir={tmp_path}/model", "run.updates=3", "--set", "run.save_every=1",
          "rollout.groups_per_batch=4", f"run.publish_dir={tmp_path}/publish"],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -495,7 +501,17 @@ def test_vllm_rollout_two_learner_ranks_few_updates(tmp_path):
     for r in range(2):
         for e in trace.sources(trace.read(str(run / "traces" / f"rank{r}.jsonl"))):
             assert e.policy_version == e.update  # every trained source: θ_k for update k
-    assert "improved" in p.stdout or "did NOT improve" in p.stdout
+    # the launcher: one line per update, a concrete config.yaml, each choice logged once
+    steps = [line for line in p.stdout.splitlines() if " step " in line and "version" in line]
+    assert len(steps) == 3 and "3/3" in steps[-1]
+    saved = yaml.safe_load(open(run / "config.yaml"))
+    assert "auto" not in json.dumps(saved)  # config.yaml holds only concrete values
+    assert saved["channel"]["port"] != 29610  # a free port, not the default
+    assert "[config] model.spec: auto -> local" in p.stdout
+    assert p.stdout.count("[config] model.spec") == 1
+    for log in ("rollout.log", "learner.err", "learner.out"):
+        assert (run / "logs" / log).exists()
+    assert (run / "checkpoints" / "step_3").is_dir()
 
 
 def test_async_learner_publishes_without_waiting_and_takes_late_acks(tiny_qwen2, golden,

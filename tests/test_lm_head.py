@@ -304,20 +304,30 @@ def test_fused_head_peak_memory_below_unfused(tmp_path):
                prompt_len=8, scored_mask=[0] * 8 + [1] * (t - 8), reward=1.0, policy_version=0)
     batch = tmp_path / "b.jsonl"
     batch.write_text(json.dumps(row) + "\n")
-    peaks = {}
+    # the two processes side by side (peak RSS is per process), 1 thread each
+    procs = {}
     for fused in ("true", "false"):
         cfg = tmp_path / f"{fused}.yaml"
         cfg.write_text(f"learner:\n  fused_lm_head: {fused}\n  lm_head_chunk: 512\n")
-        p = subprocess.run(
+        procs[fused] = subprocess.Popen(
             [sys.executable, os.path.join(REPO_ROOT, "tests/workers/head_memory_worker.py"),
              "--model", ckpt, "--batch", str(batch), "--config", str(cfg),
              "--out", str(tmp_path / fused)],
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-            env=dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=REPO_ROOT))
-        assert p.returncode == 0, p.stderr[-4000:]
-        line = next(x for x in p.stdout.splitlines() if x.startswith(RESULT_PREFIX))
-        res = json.loads(line[len(RESULT_PREFIX):])
-        peaks[fused] = (res["peak_rss_bytes"], res["summary"]["head_peak_bytes_per_rank"][0])
+            cwd=REPO_ROOT, stdout=open(tmp_path / f"{fused}.out", "w"),
+            stderr=open(tmp_path / f"{fused}.err", "w"),
+            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT))
+    peaks = {}
+    try:
+        for fused, p in procs.items():
+            assert p.wait(timeout=600) == 0, (tmp_path / f"{fused}.err").read_text()[-4000:]
+            out = (tmp_path / f"{fused}.out").read_text()
+            line = next(x for x in out.splitlines() if x.startswith(RESULT_PREFIX))
+            res = json.loads(line[len(RESULT_PREFIX):])
+            peaks[fused] = (res["peak_rss_bytes"], res["summary"]["head_peak_bytes_per_rank"][0])
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
     (on, est_on), (off, est_off) = peaks["true"], peaks["false"]
     print(f"T={t} V={vocab} fp32 peak RSS: fused {on / 2**30:.2f} GiB, unfused "
           f"{off / 2**30:.2f} GiB (head estimates {est_on / 2**20:.0f} / {est_off / 2**20:.0f} MiB)")

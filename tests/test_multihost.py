@@ -171,7 +171,7 @@ def test_demo_task_across_hosts_equals_one_host_then_the_rollout_host_goes(hosts
         wait_for(lambda: steps_done(many) >= 1, 420, "update 0 across hosts", procs)
         # (c) a slow link to node 1 and to the rollout for update 1: it completes, same θ
         for host in ("node1", "rollout"):
-            hosts.slow_link(host, rate="1mbit", burst="1600")
+            hosts.slow_link(host, rate="4mbit", burst="1600")
         wait_for(lambda: steps_done(many) >= 2, 120, "update 1 over slow links", procs, 0.05)
         delayed = {host: tbf_overlimits(hosts, host) for host in ("node1", "rollout")}
         # (b) the rollout host is unplugged during update 2 (batch 2 streaming or θ_3 being

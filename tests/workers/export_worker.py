@@ -63,7 +63,11 @@ def train(hf_dir: str, batch: str, run_dir: str, tp: int, updates: int, par=None
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from dist_util import exit_now
+
     hf, batch, run, tp, n = sys.argv[1:6]
     extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None  # config overrides
     print("RESULT " + json.dumps(train(hf, batch, run, int(tp), int(n), overrides=extra)),
           flush=True)
+    exit_now()  # the ranks' results are out: skip the interpreter's teardown

@@ -17,5 +17,8 @@ from tsync_mcore import replay  # noqa: E402
 from tsync_mcore.ledger.memory import peak_rss_bytes  # noqa: E402
 
 if __name__ == "__main__":
+    from dist_util import exit_now
+
     summary = replay.main(sys.argv[1:])
     report({"peak_rss_bytes": peak_rss_bytes(), "summary": summary})
+    exit_now()  # the ranks' results are out: skip the interpreter's teardown

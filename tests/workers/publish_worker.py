@@ -37,4 +37,7 @@ def main(hf_dir, tp, addr, port, world, token, bucket_bytes):
 
 
 if __name__ == "__main__":
+    from dist_util import exit_now
+
     main(*sys.argv[1:])
+    exit_now()  # the ranks' results are out: skip the interpreter's teardown

@@ -59,6 +59,10 @@ def main(hf_dir: str, batch: str, run_dir: str, mode: str, split: int = 2) -> di
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from dist_util import exit_now
+
     results = [main(*sys.argv[1:4], mode) for mode in sys.argv[4].split(",")]
     out = results[0] if len(results) == 1 else {"rank": results[0]["rank"], "modes": results}
     print("RESULT " + json.dumps(out), flush=True)
+    exit_now()  # the ranks' results are out: skip the interpreter's teardown
