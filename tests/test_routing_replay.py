@@ -124,10 +124,11 @@ def test_forced_routing_checks_shape(routers):
 def hf_moe(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from tsync_mcore.testing.tiny_moe import make_tiny_moe_checkpoint
+    from tsync_mcore.testing.tiny import make_tiny_checkpoint
 
-    d = make_tiny_moe_checkpoint(str(tmp_path_factory.mktemp("hf_moe")), hidden=2 * H, heads=2,
-                                 kv_heads=1, layers=2, experts=E, topk=K, seed=3)
+    d = make_tiny_checkpoint(str(tmp_path_factory.mktemp("hf_moe")), arch="qwen3_moe",
+                             vocab_size=300, hidden=2 * H, heads=2, kv_heads=1, layers=2,
+                             experts=E, top_k=K, seed=3, router_std=0.5)
     return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64,
                                                 experts_implementation="eager").eval()
 

@@ -96,6 +96,7 @@ def make_tiny_checkpoint(
     top_k: int = 2,
     moe_intermediate: int = 32,
     norm_topk_prob: bool = True,
+    router_std: float | None = None,
 ) -> str:
     """Write config + random safetensors weights + tokenizer to `out_dir`; return it.
 
@@ -105,7 +106,8 @@ def make_tiny_checkpoint(
     qwen3_moe: every layer is sparse (`experts` experts of width `moe_intermediate`, top
     `top_k` routing); transformers 5 fuses the experts in memory, `save_pretrained` writes
     them per expert (`mlp.experts.{e}.gate_proj.weight` ...), as real Qwen3-MoE checkpoints
-    store them.
+    store them. `router_std` draws the routers (`mlp.gate.weight`) wider than the rest, so
+    that top-k choices are far from ties (routing tests).
     """
     import transformers
     from transformers.utils import logging as hf_logging
@@ -148,6 +150,8 @@ def make_tiny_checkpoint(
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + init_std * torch.randn_like(p))
+            elif router_std is not None and name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, router_std)
             else:
                 p.normal_(0.0, init_std)
     model = model.to(dtype)
