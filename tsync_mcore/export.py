@@ -192,6 +192,16 @@ def _read_model_tensors(path: str) -> dict[str, torch.Tensor]:
                           f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
 
 
+def _check_tensor(t: torch.Tensor, name: str, shape, dtype: torch.dtype, what: str,
+                  where: str) -> None:
+    """A rank file's model tensor has the shape and dtype this run gives it, and is finite."""
+    if t.shape != shape or t.dtype != dtype:
+        raise ExportError(f"{where}: tensor 'model.{name}' is {tuple(t.shape)} {t.dtype}; "
+                          f"{what} in {dtype} has {tuple(shape)}")
+    if not torch.isfinite(t).all():
+        raise ExportError(f"{where}: tensor 'model.{name}' holds non-finite values")
+
+
 def merged_weights(ckpt_dir: str, spec, dtype: torch.dtype
                    ) -> tuple[dict[str, torch.Tensor], dict]:
     """Full HF tensors (canonical HF order) of a checked checkpoint, and its meta.json.
@@ -213,13 +223,8 @@ def merged_weights(ckpt_dir: str, spec, dtype: torch.dtype
         if odd:
             raise ExportError(f"{where}: model tensor {odd[0]!r} present on one TP rank only")
         for mname, (_, _, shapes) in plan.items():
-            t = tensors[mname]
-            if t.shape != shapes[r] or t.dtype != dtype:
-                raise ExportError(f"{where}: tensor 'model.{mname}' is {tuple(t.shape)} "
-                                  f"{t.dtype}; this model at TP={tp} in {dtype} has "
-                                  f"{tuple(shapes[r])}")
-            if not torch.isfinite(t).all():
-                raise ExportError(f"{where}: tensor 'model.{mname}' holds non-finite values")
+            _check_tensor(tensors[mname], mname, shapes[r], dtype, f"this model at TP={tp}",
+                          where)
         shards.append(tensors)
     order = {n: i for i, n in enumerate(bridge.hf_param_names(spec))}
     out: dict[str, torch.Tensor] = {}
@@ -258,13 +263,8 @@ def lora_weights(ckpt_dir: str, spec, hf_dir: str, dtype: torch.dtype
                               f"{'missing' if odd[0] in want else 'not an adapter of this run'}"
                               f" (r={spec_l.rank}, targets {list(spec_l.targets)})")
         for name, w in want.items():
-            t = tensors[name]
-            if t.shape != w.shape or t.dtype != dtype:
-                raise ExportError(f"{where}: tensor 'model.{name}' is {tuple(t.shape)} "
-                                  f"{t.dtype}; this adapter at TP={tp} in {dtype} has "
-                                  f"{tuple(w.shape)}")
-            if not torch.isfinite(t).all():
-                raise ExportError(f"{where}: tensor 'model.{name}' holds non-finite values")
+            _check_tensor(tensors[name], name, w.shape, dtype, f"this adapter at TP={tp}",
+                          where)
         shards.append(tensors)
     try:
         adapter = lora.from_local(shards, spec, spec_l)
