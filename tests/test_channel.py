@@ -28,7 +28,7 @@ from tsync_mcore.channel import (
 from tsync_mcore.channel.link import realtime_io_permitted
 from tsync_mcore.channel.messages import GROUPS, METRICS, TURN_COUNTS
 from tsync_mcore.channel.wire import SPECS, schema_table
-from tsync_mcore.sources import TurnSource
+from tsync_mcore.sources import RoutedExperts, TrajectorySource, TurnSource
 
 WORKER = os.path.join(REPO_ROOT, "tests", "workers", "channel_worker.py")
 sys.path.insert(0, os.path.dirname(WORKER))
@@ -99,7 +99,7 @@ MALFORMED = {
     "wire version": (lambda t: _tweak_header(t, 1, 99), "wire version 99"),
     "unknown type": (lambda t: _tweak_header(t, 2, 42), "unknown message type 42"),
     "payload count": (lambda t: _tweak_header(t, 4, 3), "announces 3 payload tensors"),
-    "truncated message": (lambda t: t[:3], "truncated: header announces 7 payload tensors, got 2"),
+    "truncated message": (lambda t: t[:3], "truncated: header announces 8 payload tensors, got 2"),
     "truncated payload": (lambda t: [t[0], t[1][:-10], *t[2:]], r"tokens\): truncated payload"),
     "wrong dtype": (lambda t: [t[0], t[1].to(torch.int32), *t[2:]], r"tokens\): dtype torch.int32"),
     "header dtype": (lambda t: [t[0].double(), *t[1:]], r"header must be int64\[16\]"),
@@ -133,12 +133,18 @@ def test_limits_and_bad_payload_content():
     # Payload bytes that pass the checksum but are not what the type promises.
     with pytest.raises(ChannelError, match="Publish path: invalid utf-8"):
         decode(_with_text(encode(Publish(1, "ab")), "path", b"\xff\xfe"))
-    # TrajectoryMsg payloads: tokens, scored_mask, behaviour_logprobs, token_versions, then
-    # the ints: ready_order, has_prompt_len, prompt_len, ...
-    ints = tensors[5].clone()
+    # TrajectoryMsg payloads: tokens, scored_mask, behaviour_logprobs, token_versions,
+    # routed_experts, then the ints: ready_order, has_prompt_len, prompt_len, layers, topk...
+    ints = tensors[6].clone()
     ints[1] = 2  # has_prompt_len flag
     with pytest.raises(ChannelError, match="has_prompt_len flag 2"):
-        decode(_seal(tensors[0], [*tensors[1:5], ints, *tensors[6:]]))
+        decode(_seal(tensors[0], [*tensors[1:6], ints, *tensors[7:]]))
+    ints = tensors[6].clone()
+    ints[3:5] = torch.tensor([0, 2])  # routed_experts: ids present, 0 layers
+    with pytest.raises(ChannelError, match="routed_experts: 8 ids do not fill rows of 0 "
+                                           "layers × top-2"):
+        decode(_seal(tensors[0], [*tensors[1:5], torch.arange(8, dtype=torch.uint8), ints,
+                                  *tensors[7:]]))
     reg = encode(RegisterBatch(0, "grpo", {}, {}, 0))
     with pytest.raises(ChannelError, match="RegisterBatch.groups: invalid JSON"):
         decode(_with_text(reg, "groups", b'{"g": '))
@@ -206,6 +212,7 @@ _EDGES = {
     schema.FLOAT_MAP: ({}, {"a ✓": -math.inf, "": 2.5e-300}),
     GROUPS: ({}, {"g ✓": ["a", ""], "": []}), TURN_COUNTS: ({}, {"t": _BIG, "": -1}),
     METRICS: ({}, {"eval/pass@1 ✓": 0.5, "reward/errors": 3, "": None}),
+    schema.ROUTED: (None, RoutedExperts(3, 2, bytes([0, 255, 7, 1, 2, 3]) * 2)),
 }
 
 
@@ -233,6 +240,25 @@ def test_every_declared_type_round_trips_its_edge_values(msg):
     assert repr(back) == repr(msg)  # -0.0 stays -0.0, ints stay ints
     spec = SPECS[MsgType(int(tensors[0][2]))]
     assert spec.cls is type(msg) and len(tensors) - 1 == len(spec.payloads)
+
+
+def test_routed_experts_travel_with_their_own_limit():
+    """One byte per id; an empty record and None differ; the ids' count has its own limit
+    (a token carries layers·topk of them) and must fill whole rows."""
+    empty = RoutedExperts(48, 8, b"")
+    src = TrajectorySource("t", "g", (1, 2), (0, 1), 1.0, 0, routed_experts=empty)
+    assert decode(encode(TrajectoryMsg(src))).source.routed_experts == empty
+    big = RoutedExperts(48, 8, bytes(48 * 8 * 5000))  # 5000 rows: over max_tokens=1e5 ids
+    tensors = encode(TrajectoryMsg(TrajectorySource("t", "g", (1, 2), (0, 1), 1.0, 0,
+                                                    routed_experts=big)))
+    assert decode(tensors, Limits(max_tokens=100_000)).source.routed_experts == big
+    with pytest.raises(ChannelError, match=r"routed_experts\): 1920000 elements, over the "
+                                           r"limit max_routed=1000000"):
+        decode(tensors, Limits(max_routed=1_000_000))
+    with pytest.raises(ChannelError, match=r"routed_experts: 5 ids do not fill rows of 3 "
+                                           r"layers × top-2"):
+        encode(TrajectoryMsg(TrajectorySource("t", "g", (1,), (0,), 1.0, 0,
+                                              routed_experts=RoutedExperts(3, 2, bytes(5)))))
 
 
 def test_directions_and_codes_come_from_the_declarations():

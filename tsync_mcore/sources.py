@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 
 class SourceError(ValueError):
     """A source, or the batch it belongs to, is malformed; the message names it."""
@@ -105,17 +107,108 @@ def _list_of(ok: Callable[[Any], bool], what: str) -> Check:
 _ints = _list_of(_is_int, "integers")
 _logprobs = _list_of(lambda x: x is None or _is_num(x), "numbers or nulls")
 
+# --- routed experts (MoE routing replay, docs/moe-routing.md) ---
+
+MAX_ROUTED_EXPERTS = 256  # ids travel as one byte each, as vLLM's own record does
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """The experts a source's positions were routed to, per MoE layer: row-major
+    [rows, layers, topk] ids, one byte each. Row i is the source's i-th position (a
+    turn's: its trajectory position start + i); the rollout records the positions it fed
+    through the model, which is every one but a trajectory's last (the last sampled token
+    is never fed back, and its output scores nothing)."""
+
+    layers: int
+    topk: int
+    ids: bytes
+
+    @property
+    def rows(self) -> int:
+        return len(self.ids) // (self.layers * self.topk)
+
+    def array(self) -> np.ndarray:
+        """[rows, layers, topk] uint8, read-only (a view of `ids`)."""
+        return np.frombuffer(self.ids, dtype=np.uint8).reshape(-1, self.layers, self.topk)
+
+    def slice(self, a: int, b: int) -> "RoutedExperts":
+        """Rows a..b−1 (clipped to the rows held)."""
+        row = self.layers * self.topk
+        return RoutedExperts(self.layers, self.topk, self.ids[a * row:b * row])
+
+    @classmethod
+    def from_array(cls, a) -> "RoutedExperts":
+        """From an integer array [rows, layers, topk] of ids in 0..255."""
+        a = np.asarray(a)
+        if a.ndim != 3 or a.shape[1] < 1 or a.shape[2] < 1:
+            raise SourceError(f"routed_experts must be [rows, layers, topk], got shape "
+                              f"{list(a.shape)}")
+        if a.size and (a.dtype.kind not in "iu" or a.min() < 0
+                       or a.max() >= MAX_ROUTED_EXPERTS):
+            raise SourceError(f"routed_experts must hold expert ids in 0..255, got "
+                              f"{a.dtype} values {a.min()}..{a.max()}")
+        return cls(int(a.shape[1]), int(a.shape[2]), a.astype(np.uint8).tobytes())
+
+    @classmethod
+    def from_json(cls, v: Any) -> "RoutedExperts":
+        """From nested JSON lists [rows][layers][topk] of integers."""
+        try:
+            a = np.array(v, dtype=object)
+        except ValueError:
+            a = None
+        if a is None or a.ndim != 3 or not all(_is_int(x) for x in a.flat):
+            raise SourceError("routed_experts must be nested lists [rows][layers][topk] of "
+                              "integers, every row the same shape")
+        return cls.from_array(a.astype(np.int64))
+
+
+def check_routing(name: str, routed: RoutedExperts, rows: int, layers: int, topk: int,
+                  experts: int) -> None:
+    """A source's routed experts fit the model: its MoE layers and top-k, `rows` rows,
+    every id a real expert, no expert twice for one token in one layer."""
+    if (routed.layers, routed.topk) != (layers, topk):
+        raise SourceError(f"{name}: routed_experts has {routed.layers} layers × top-{routed.topk}"
+                          f", the model routes {layers} MoE layers × top-{topk}")
+    if len(routed.ids) != rows * layers * topk:
+        raise SourceError(f"{name}: routed_experts has {len(routed.ids) / (layers * topk):g} "
+                          f"rows, expected {rows} (one per position fed through the model)")
+    a = routed.array()
+    if a.size and int(a.max()) >= experts:
+        raise SourceError(f"{name}: routed expert id {int(a.max())} out of range: the model "
+                          f"has {experts} experts")
+    if topk > 1 and a.size and bool((np.diff(np.sort(a, axis=-1), axis=-1) == 0).any()):
+        raise SourceError(f"{name}: routed_experts names an expert twice for one token in one "
+                          f"layer")
+
+
+def _routed_field(obj: dict, name: str) -> RoutedExperts | None:
+    """A record's routed_experts (None when absent); a bad one is named with its record."""
+    if "routed_experts" not in obj:
+        return None
+    try:
+        return RoutedExperts.from_json(obj["routed_experts"])
+    except SourceError as e:
+        raise SourceError(f"{name}: {e}") from None
+
+
+def _routed(v: Any) -> str | None:
+    """JSON field check: the shape and values are RoutedExperts.from_json's."""
+    return None if isinstance(v, list) else f"must be nested lists [rows][layers][topk], got {_got(v)}"
+
+
 # Field → checker, per record kind: (required, optional).
 GRPO_FIELDS: tuple[dict[str, Check], dict[str, Check]] = (
     {"traj_id": _id, "group_id": _id, "tokens": _ints, "scored_mask": _ints,
      "reward": _finite, "policy_version": _int},
     {"ready_order": _int, "prompt_len": _int_or_null, "behaviour_logprobs": _logprobs,
-     "token_versions": _ints})
+     "token_versions": _ints, "routed_experts": _routed})
 OPD_FIELDS: tuple[dict[str, Check], dict[str, Check]] = (
     {"traj_id": _id, "group_id": _id, "tokens": _ints, "scored_mask": _ints,
      "teacher_logprobs": _logprobs, "turn_ends": _ints, "turn_ready_order": _ints,
      "policy_version": _int},
-    {"prompt_len": _int_or_null, "behaviour_logprobs": _logprobs, "token_versions": _ints})
+    {"prompt_len": _int_or_null, "behaviour_logprobs": _logprobs, "token_versions": _ints,
+     "routed_experts": _routed})
 
 
 def check_record(obj: Any, fields: tuple[dict[str, Check], dict[str, Check]]) -> str:
@@ -161,6 +254,9 @@ class TrajectorySource:
     # weight swap happened mid-trajectory (fully_async); (): every token was policy_version's.
     behaviour_logprobs: tuple[float | None, ...] = ()
     token_versions: tuple[int, ...] = ()
+    # MoE: the experts the rollout routed each position to (None: not sent), rows for
+    # positions 0..n_tokens − 2 (docs/moe-routing.md)
+    routed_experts: RoutedExperts | None = None
 
     @property
     def n_scored(self) -> int:
@@ -180,7 +276,7 @@ class TrajectorySource:
     def from_json(cls, obj: dict) -> "TrajectorySource":
         """One GRPO JSON Lines record; a wrong key set or field type is a SourceError.
         Values (vocabulary, mask, prompt_len range) are validate_source's."""
-        check_record(obj, GRPO_FIELDS)
+        name = check_record(obj, GRPO_FIELDS)
         return cls(
             traj_id=str(obj["traj_id"]),
             group_id=str(obj["group_id"]),
@@ -192,6 +288,7 @@ class TrajectorySource:
             prompt_len=obj.get("prompt_len"),
             behaviour_logprobs=tuple(obj.get("behaviour_logprobs", ())),
             token_versions=tuple(obj.get("token_versions", ())),
+            routed_experts=_routed_field(obj, name),
         )
 
 
@@ -346,6 +443,14 @@ class TurnSource:
     prompt_len: int | None = None  # shared prompt length of the group (turn 0 starts with it)
     behaviour_logprobs: tuple[float | None, ...] = ()  # as TrajectorySource's, for this span
     token_versions: tuple[int, ...] = ()
+    # MoE: the rollout's experts for positions start.. of this span (its last turn: all but
+    # the trajectory's last position); None: not sent
+    routed_experts: RoutedExperts | None = None
+
+    @property
+    def routed_rows(self) -> int:
+        """Rows its routed_experts must have: one per position fed through the model."""
+        return len(self.tokens) - (1 if self.turn == self.n_turns - 1 else 0)
 
     @property
     def end(self) -> int:
@@ -379,6 +484,10 @@ def opd_turns_from_json(obj: dict) -> list[TurnSource]:
     if len(order) != len(ends):
         raise SourceError(f"{name}: turn_ready_order has {len(order)} entries for {len(ends)} turns")
     lps, vs = obj.get("behaviour_logprobs", []), obj.get("token_versions", [])
+    routed = _routed_field(obj, name)
+    if routed is not None and routed.rows != len(toks) - 1:
+        raise SourceError(f"{name}: routed_experts has {routed.rows} rows, expected "
+                          f"{len(toks) - 1} (every position but the last)")
     for what, xs in (("behaviour_logprobs", lps), ("token_versions", vs)):
         if xs and len(xs) != len(toks):
             raise SourceError(f"{name}: {what} has {len(xs)} entries for {len(toks)} tokens")
@@ -390,7 +499,8 @@ def opd_turns_from_json(obj: dict) -> list[TurnSource]:
             scored_mask=tuple(mask[start:end]), teacher_logprobs=tuple(teacher[start:end]),
             policy_version=obj["policy_version"], ready_order=order[j],
             prompt_len=obj.get("prompt_len"),
-            behaviour_logprobs=tuple(lps[start:end]), token_versions=tuple(vs[start:end])))
+            behaviour_logprobs=tuple(lps[start:end]), token_versions=tuple(vs[start:end]),
+            routed_experts=routed.slice(start, end) if routed is not None else None))
         start = end
     return turns
 

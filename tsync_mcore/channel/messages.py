@@ -13,7 +13,8 @@ from __future__ import annotations
 import typing
 
 from tsync_mcore.channel.schema import (
-    BOOL, EITHER, F64, FLOAT_MAP, I64, LEARNER, MASK, OPT_F64, OPT_F64S, OPT_I64, ROLLOUT, STR,
+    BOOL, EITHER, F64, FLOAT_MAP, I64, LEARNER, MASK, OPT_F64, OPT_F64S, OPT_I64, ROLLOUT, ROUTED,
+    STR,
     TOKENS, VERSION, Json, Nested, Str, declared_messages, message, on_wire,
 )
 from tsync_mcore.routing import ROUTINGS
@@ -88,6 +89,7 @@ class TrajectoryMsg:
         prompt_len=OPT_I64,
         behaviour_logprobs=OPT_F64S,  # () when the rollout sent none
         token_versions=TOKENS,  # (): every token sampled by policy_version
+        routed_experts=ROUTED,  # MoE routing replay; None when the rollout sent none
     ))
 
 
@@ -110,6 +112,7 @@ class TurnMsg:
         prompt_len=OPT_I64,
         behaviour_logprobs=OPT_F64S,
         token_versions=TOKENS,
+        routed_experts=ROUTED,
     ))
 
 

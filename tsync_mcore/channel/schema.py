@@ -68,6 +68,7 @@ class Kind:
     header = False
     ints = floats = texts = 0
     array: torch.dtype | None = None
+    limit = "tokens"  # the Limits field bounding its array payload: max_tokens or max_routed
     doc = ""  # the value, as the docs table describes it
 
     def put(self, name: str, v: Any, out: Slots) -> None:
@@ -274,6 +275,39 @@ class _OptF64s(Kind):
         return tuple([None if x != x else x for x in m.arrays[at.a].tolist()])
 
 
+class _Routed(Kind):
+    """`RoutedExperts` or None: layers and top-k in two int slots (0, 0: None), the ids a
+    uint8 array of rows·layers·topk (its own limit: a token carries layers·topk of them)."""
+
+    ints, array, limit = 2, torch.uint8, "routed"
+    doc = "RoutedExperts or None: ints layers, topk (0, 0: None); ids uint8 [rows·layers·topk]"
+
+    def put(self, name, v, out):
+        from tsync_mcore.sources import RoutedExperts
+        if v is None:
+            out.ints += (0, 0)
+            out.arrays.append(np.empty(0, dtype=np.uint8))
+            return
+        if not isinstance(v, RoutedExperts) or not isinstance(v.ids, bytes):
+            raise ChannelError(f"{name} must be a RoutedExperts or None, got {type(v).__name__}")
+        layers, topk = as_int(f"{name}.layers", v.layers), as_int(f"{name}.topk", v.topk)
+        if layers < 1 or topk < 1 or len(v.ids) % (layers * topk):
+            raise ChannelError(f"{name}: {len(v.ids)} ids do not fill rows of {layers} layers "
+                               f"× top-{topk}")
+        out.ints += (layers, topk)
+        out.arrays.append(np.frombuffer(v.ids, dtype=np.uint8).copy())  # writable for torch
+
+    def get(self, name, m, at):
+        from tsync_mcore.sources import RoutedExperts
+        layers, topk, ids = m.ints[at.i], m.ints[at.i + 1], m.arrays[at.a]
+        if layers == topk == 0 and ids.size == 0:
+            return None
+        if layers < 1 or topk < 1 or ids.size % (layers * topk):
+            raise ChannelError(f"{name}: {ids.size} ids do not fill rows of {layers} layers × "
+                               f"top-{topk}")
+        return RoutedExperts(layers, topk, ids.tobytes())
+
+
 class _FloatMap(Kind):
     """dict str → float: the values as a float64 array (bit for bit), the keys as a JSON list."""
 
@@ -324,6 +358,7 @@ TOKENS = _Tokens()  # int64 array (token ids, any int64)
 MASK = _Mask()  # uint8 array
 OPT_F64S = _OptF64s()  # float64 array, NaN = None
 FLOAT_MAP = _FloatMap()
+ROUTED = _Routed()
 
 
 # ---------------------------------------------------------------- declaring a message

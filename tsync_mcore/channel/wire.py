@@ -29,7 +29,7 @@ from tsync_mcore.channel.messages import MESSAGES, Message
 from tsync_mcore.channel.schema import At, Kind, Nested, Slots
 
 MAGIC = 0x7473796E63  # b"tsync"
-WIRE_VERSION = 10  # 2: payload checksum is position-weighted CRC-32; 3: GroupRewards;
+WIRE_VERSION = 11  # 2: payload checksum is position-weighted CRC-32; 3: GroupRewards;
 # 4: a message travels as one fixed-size frame (header + payloads), see link.py;
 # 5: layout derived from messages.py: scalars packed into one int64 and one float64 payload,
 #    texts and JSON into one utf-8 payload (byte lengths in the ints); Rejected, DropGroup;
@@ -40,6 +40,7 @@ WIRE_VERSION = 10  # 2: payload checksum is position-weighted CRC-32; 3: GroupRe
 # 9: publication over torch.distributed: Publish method/n_buckets/delta, Ack checksum and
 #    bytes_received, PublishGroup
 # 10: Publish method "adapter" (a LoRA adapter's PEFT directory)
+# 11: routed_experts on TrajectoryMsg / TurnMsg (MoE routing replay), Limits.max_routed
 HEADER_LEN = 16
 MAX_PAYLOADS = 9  # header slots 5..13
 _MOD = 1 << 62  # checksums stay far from int64 overflow
@@ -64,12 +65,16 @@ class Limits:
 
     max_tokens: int = 1 << 20  # per array payload (a trajectory's / turn's tokens)
     max_bytes: int = 64 << 20  # per text payload (all of a message's str / JSON fields)
+    # per routed-experts payload (ids, one byte each): rows × MoE layers × top-k; 48 layers
+    # × top-8 is 384 per token, so this admits a 700k-token trajectory of such a model
+    max_routed: int = 1 << 28
 
 
 DEFAULT_LIMITS = Limits()
 
 # Payload size rules: an exact element count, or bounded by a Limits field.
-TOKENS, BYTES = "tokens", "bytes"
+TOKENS, BYTES, ROUTED = "tokens", "bytes", "routed"
+_LIMIT_OF = {TOKENS: "max_tokens", BYTES: "max_bytes", ROUTED: "max_routed"}
 PayloadSpec = tuple[str, torch.dtype, int]  # name, dtype, element count
 
 
@@ -112,7 +117,7 @@ class _Spec:
         self.n_scalars, self.n_ints, self.n_floats, self.n_texts = i, i + t, fl, t
         self.text_names = [n for n, k in leaves for _ in range(k.texts)]
         self.payloads: list[tuple[str, torch.dtype, int | str]] = [
-            (n, k.array, TOKENS) for n, k in leaves if k.array is not None]
+            (n, k.array, k.limit) for n, k in leaves if k.array is not None]
         self.n_arrays = len(self.payloads)
         if self.n_ints:
             self.payloads.append(("ints", torch.int64, self.n_ints))
@@ -240,12 +245,12 @@ def check_header_values(h: list[int],
                 raise ChannelError(f"{name} payload {j} ({pname}): {numel} elements, expected "
                                    f"{rule}")
         else:
-            limit = limits.max_tokens if rule == TOKENS else limits.max_bytes
+            limit = getattr(limits, _LIMIT_OF[rule])
             if numel < 0:
                 raise ChannelError(f"{name} payload {j} ({pname}): negative size {numel}")
             if numel > limit:
                 raise ChannelError(f"{name} payload {j} ({pname}): {numel} elements, over the "
-                                   f"limit {'max_tokens' if rule == TOKENS else 'max_bytes'}="
+                                   f"limit {_LIMIT_OF[rule]}="
                                    f"{limit}")
         specs.append((pname, dtype, numel))
     if any(h[5 + len(schema):14]):
@@ -337,7 +342,7 @@ def _where(spec: _Spec, f: _Field) -> str:
 
 
 def _size(rule: int | str) -> str:
-    return {TOKENS: "≤ max_tokens", BYTES: "≤ max_bytes"}.get(rule, str(rule))
+    return f"≤ {_LIMIT_OF[rule]}" if rule in _LIMIT_OF else str(rule)
 
 
 def schema_table() -> str:
