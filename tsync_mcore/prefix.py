@@ -27,6 +27,15 @@ from tsync_mcore.platform import upload
 from tsync_mcore.sources import TrajectorySource
 
 
+def prefix_len(src) -> int:
+    """Tokens a source's group prompt shares (0: none). Known prompt: all of it but its
+    last token, whose logits may score the first action token, so every member splits at
+    the same place; otherwise up to the position before the first scored token."""
+    if src.prompt_len is not None:
+        return max(0, src.prompt_len - 1)
+    return max(0, src.scored_mask.index(1) - 1) if 1 in src.scored_mask else 0
+
+
 class SharedPrefix:
     def __init__(self, tokens: tuple[int, ...], produced: list[KV], leaves: list[KV],
                  dtype: torch.dtype):
@@ -38,18 +47,12 @@ class SharedPrefix:
         self.a2: list[torch.Tensor] | None = None
         self.has_a1 = False  # a folded reward differed from the shift (else A1 = 0 exactly)
         self.ad: list[torch.Tensor] | None = None  # Σ coef_i·adj_i of members with A_i known
+        self.owner: str | None = None  # the trajectory it was forwarded for (its MoE routing)
 
     @classmethod
     def build(cls, policy, src: TrajectorySource,
               dtype: torch.dtype = torch.float32) -> "SharedPrefix | None":
-        if src.prompt_len is not None:
-            # Known prompt: share all of it but its last token, whose logits may score the
-            # first action token, so every member splits at the same place.
-            q = src.prompt_len - 1
-        elif 1 in src.scored_mask:
-            q = src.scored_mask.index(1) - 1
-        else:
-            return None
+        q = prefix_len(src)
         if q < 1:
             return None  # nothing before the first scored token's context to share
         ids = upload(src.tokens[:q], torch.long, policy.device)

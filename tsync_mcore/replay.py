@@ -303,6 +303,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="learner.accum_dtype (fp64: independent of arrival order)")
     p.add_argument("--max-tokens-per-pass", type=int, default=None,
                    help="learner.max_tokens_per_pass (0: one source per forward/backward)")
+    p.add_argument("--routing-replay", default=None, choices=["off", "learner", "rollout"],
+                   help="learner.routing_replay (MoE): 'rollout' takes each record's "
+                        "routed_experts")
     p.add_argument("--lr", type=float, default=None, help="optim.lr")
     p.add_argument("--lora-adapter", default=None, metavar="PEFT_DIR",
                    help="model.lora_init: train this PEFT LoRA adapter on the frozen model")
@@ -332,6 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
                      ("learner.is_correction", args.is_correction),
                      ("learner.is_cap", args.is_cap),
                      ("learner.max_tokens_per_pass", args.max_tokens_per_pass),
+                     ("learner.routing_replay", args.routing_replay),
                      ("optim.lr", args.lr), ("seed", args.seed),
                      ("model.lora_init", args.lora_adapter)]:
         if val is not None:

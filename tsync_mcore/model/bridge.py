@@ -476,6 +476,9 @@ def _moe_config(spec: ModelSpec, aux_loss_coeff: float) -> dict:
         moe_router_fusion=False,
         # no capacity factor: every routed token reaches its experts, as in HF
         moe_expert_capacity_factor=None,
+        # each router gets a RouterReplay, so the learner can replay or record routing
+        # (model/routing_replay.py); with no replay set a router routes itself
+        moe_enable_routing_replay=True,
         expert_model_parallel_size=_expert_parallel()[1],
     )
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -91,3 +92,45 @@ def recorded_routing(model: torch.nn.Module) -> Iterator[dict]:
         out["experts"] = torch.stack([g.detach().long() for g in got], dim=1)
     finally:
         _clear(replays)
+
+
+def _guided_topk(given: torch.Tensor | None, used: dict, layer: int, scores: torch.Tensor,
+                 topk: int, num_groups=None, group_topk=None, default=None):
+    """The router's own top-k, with the rows `given` names (ids ≥ 0) replaced by them; the
+    scores gathered at the result, as megatron's REPLAY_FORWARD gathers them (at the
+    router's own choice that is exactly its top-k values)."""
+    probs, idx = default(scores, topk, num_groups=num_groups, group_topk=group_topk)
+    if given is not None:
+        if given.shape[0] != scores.shape[0]:
+            raise ValueError(f"guided routing: {given.shape[0]} rows given, MoE layer {layer} "
+                             f"routes {scores.shape[0]}")
+        given = given.to(idx.device, non_blocking=True)
+        # why no `if any row is given`: that test would wait for the device
+        idx = torch.where(given[:, :1] >= 0, given.long(), idx)
+        probs = scores.gather(1, idx)
+    used[layer] = idx.detach()
+    return probs, idx
+
+
+@contextmanager
+def guided_routing(model: torch.nn.Module, given: torch.Tensor | None) -> Iterator[dict]:
+    """Within the block, MoE layer l routes row t to `given[t, l, :]` where that row holds
+    expert ids (≥ 0) and to its own top-k where it holds −1 (`given` None: every row its
+    own). The dict yielded maps each MoE layer that ran to the [rows, topk] ids it used
+    (the last forward's), so one call both replays known rows and records the rest.
+
+    Rows per layer are all given or all free in practice (a position's record covers the
+    layers its forward ran); the test is on the first top-k slot."""
+    replays = model_replays(model)
+    if given is not None and (given.dim() != 3 or given.shape[1] != len(replays)):
+        raise ValueError(f"guided routing: expected [tokens, {len(replays)} MoE layers, topk], "
+                         f"got shape {tuple(given.shape)}")
+    used: dict = {}
+    for layer, r in enumerate(replays):
+        r.get_replay_topk = partial(_guided_topk, None if given is None else given[:, layer],
+                                    used, layer)
+    try:
+        yield used
+    finally:
+        for r in replays:
+            del r.get_replay_topk  # back to the class's method

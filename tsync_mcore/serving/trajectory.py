@@ -21,7 +21,7 @@ from tsync_mcore.accumulators import f32
 from tsync_mcore.model.packed import Segment
 from tsync_mcore.objectives.off_policy import behaviour_at, weighted_logp_sum
 from tsync_mcore.platform import upload
-from tsync_mcore.prefix import SharedPrefix
+from tsync_mcore.prefix import SharedPrefix, prefix_len
 from tsync_mcore.schedule import Service
 from tsync_mcore.sources import SourceError, TrajectorySource, check_reward, validate_source
 from tsync_mcore.trace import DeferredRecord
@@ -94,7 +94,7 @@ class TrajectoryKind:
         q = self.l.queue
         n = 0 if q.is_complete(src.group_id) else 2 * self.l.acc.vector_bytes
         if self.l.cfg.shared_prefix:
-            n += 2 * self.l.kv_per_token * _prefix_len(src)
+            n += 2 * self.l.kv_per_token * prefix_len(src)
         return n
 
     def held_bytes(self) -> int:
@@ -115,12 +115,13 @@ class TrajectoryKind:
             w = l.norm.source_weight(src.n_scored)
             prefix = self._prefix_for(src) if l.cfg.shared_prefix else None
             # ρ_t (off-policy correction) per scored token: inside the backward's weights.
-            if prefix is None:
-                l.policy.backward_source(list(src.tokens), list(src.scored_mask), w,
-                                         l.off_policy, src.behaviour_logprobs)
-            else:
-                prefix.backward_continuation(l.policy, src, w, l.off_policy)
             q = len(prefix) if prefix is not None else 0
+            with l.routes.forward([(src.traj_id, q, src.n_tokens - q)]):
+                if prefix is None:
+                    l.policy.backward_source(list(src.tokens), list(src.scored_mask), w,
+                                             l.off_policy, src.behaviour_logprobs)
+                else:
+                    prefix.backward_continuation(l.policy, src, w, l.off_policy)
             span = dict(span_tokens=src.n_tokens - q, context=q, logits=True)
             grads = l.policy.grad_buffers()
             if svc.fold == "direct":
@@ -144,7 +145,7 @@ class TrajectoryKind:
 
     def pack_tokens(self, src: TrajectorySource) -> int:
         """Tokens it forwards: all of it, or what follows its group's shared prompt."""
-        return src.n_tokens - (_prefix_len(src) if self.l.cfg.shared_prefix else 0)
+        return src.n_tokens - (prefix_len(src) if self.l.cfg.shared_prefix else 0)
 
     def serve_pack(self, pack: list[Service]) -> list[dict]:
         """Direct-fold trajectories in one forward/backward: each one's loss carries its
@@ -164,16 +165,18 @@ class TrajectoryKind:
             segments.append(Segment(ids, q, prefix.leaves if prefix is not None else None))
             scored.append([t for t, m in enumerate(src.scored_mask[q:]) if m])
             spans.append(dict(span_tokens=src.n_tokens - q, context=q, logits=True))
-        logps, _ = l.policy.packed_logprobs(segments, scored)
-        loss = 0.0
-        for svc, seg, logp in zip(pack, segments, logps):
-            src = svc.source
-            w = l.norm.source_weight(src.n_scored) * self._coef(src)
-            rho = l.off_policy.weights(logp, behaviour_at(src.behaviour_logprobs,
-                                                          src.scored_mask[seg.offset:],
-                                                          seg.offset))
-            loss = loss - f32(w) * weighted_logp_sum(logp, rho)
-        loss.backward()
+        with l.routes.forward([(svc.source.traj_id, seg.offset, len(seg.tokens))
+                               for svc, seg in zip(pack, segments)]):
+            logps, _ = l.policy.packed_logprobs(segments, scored)
+            loss = 0.0
+            for svc, seg, logp in zip(pack, segments, logps):
+                src = svc.source
+                w = l.norm.source_weight(src.n_scored) * self._coef(src)
+                rho = l.off_policy.weights(logp, behaviour_at(src.behaviour_logprobs,
+                                                              src.scored_mask[seg.offset:],
+                                                              seg.offset))
+                loss = loss - f32(w) * weighted_logp_sum(logp, rho)
+            loss.backward()
         l.fold_direct([svc.group_id for svc in pack], l.policy.grad_buffers(), 1.0)
         for prefix in prefixes.values():
             prefix.fold_direct(1.0)
@@ -233,15 +236,15 @@ class TrajectoryKind:
         """The group's shared prompt, computed once on its first scored source."""
         g = src.group_id
         if g not in self.prefixes:
-            self.prefixes[g] = SharedPrefix.build(self.l.policy, src, dtype=self.l.acc.dtype)
+            with self.l.routes.forward([(src.traj_id, 0, prefix_len(src))]):
+                self.prefixes[g] = SharedPrefix.build(self.l.policy, src, dtype=self.l.acc.dtype)
             if self.prefixes[g] is not None:
+                self.prefixes[g].owner = src.traj_id
                 self.l.saw_kv(self.prefixes[g].produced, len(self.prefixes[g]))
                 self.kv_peak_bytes = max(self.kv_peak_bytes, self.held_bytes())
         prefix = self.prefixes[g]
-        return prefix if prefix is not None and prefix.covers(src) else None
+        # a member whose prompt was routed to other experts runs it with its own
+        return prefix if prefix is not None and prefix.covers(src) and self.l.routes.agree(
+            prefix.owner, src.traj_id, len(prefix)) else None
 
 
-def _prefix_len(src: TrajectorySource) -> int:
-    if src.prompt_len is not None:
-        return max(0, src.prompt_len - 1)
-    return max(0, src.scored_mask.index(1) - 1) if 1 in src.scored_mask else 0

@@ -30,7 +30,7 @@ from tsync_mcore.model.span import (KV, backward_kv, concat_kv, detached_leaves,
                                     leaf_adjoints)
 from tsync_mcore.objectives.off_policy import behaviour_at, scored_positions
 from tsync_mcore.platform import upload
-from tsync_mcore.prefix import SharedPrefix
+from tsync_mcore.prefix import SharedPrefix, prefix_len
 from tsync_mcore.schedule import Service
 from tsync_mcore.sources import SourceError, TurnSource, validate_turn
 from tsync_mcore.trace import DeferredRecord
@@ -193,15 +193,18 @@ class TurnKind:
             segments.append(Segment(ids, offset, ctx.past(turn.turn, offset)))
             scored.append([p for p, m in enumerate(mask) if m])
             turns.append((turn, ctx, offset, mask))
-        logps, kvs = l.policy.packed_logprobs(segments, scored)
-        loss = 0.0
-        for (turn, _, offset, mask), pos, student in zip(turns, scored, logps):
-            q = offset - turn.start
-            teacher = upload([turn.teacher_logprobs[q + p] for p in pos], torch.float64,
-                             l.policy.device)
-            rho = l.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs, mask, q))
-            loss = loss + l.objective.turn_loss(student, teacher, rho)
-        loss.backward()
+        with l.routes.forward([(turn.traj_id, offset, len(seg.tokens))
+                               for (turn, _, offset, _), seg in zip(turns, segments)]):
+            logps, kvs = l.policy.packed_logprobs(segments, scored)
+            loss = 0.0
+            for (turn, _, offset, mask), pos, student in zip(turns, scored, logps):
+                q = offset - turn.start
+                teacher = upload([turn.teacher_logprobs[q + p] for p in pos], torch.float64,
+                                 l.policy.device)
+                rho = l.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs,
+                                                                 mask, q))
+                loss = loss + l.objective.turn_loss(student, teacher, rho)
+            loss.backward()
         l.fold_direct([svc.group_id for svc in pack], l.policy.grad_buffers(), 1.0)
         l.policy.zero_grads()
         spans = []
@@ -263,21 +266,25 @@ class TurnKind:
         dev = l.policy.device
         offset, tokens, mask = ctx.span(turn)
         ids = upload(tokens, torch.long, dev)
-        logits, kv = l.policy.span_forward(ids, offset, ctx.past(turn.turn, offset),
-                                           want_logits=turn.n_scored > 0)
-        kv = self._own(kv, offset, turn)
-        l.saw_kv(kv, len(kv[0]))
+        with l.routes.forward([(turn.traj_id, offset, len(tokens))]):
+            logits, kv = l.policy.span_forward(ids, offset, ctx.past(turn.turn, offset),
+                                               want_logits=turn.n_scored > 0)
+            kv = self._own(kv, offset, turn)
+            l.saw_kv(kv, len(kv[0]))
+            if turn.n_scored > 0:
+                at = scored_positions(mask)  # on the host: no device read per turn
+                pos = upload(at, torch.long, dev)
+                q = offset - turn.start
+                teacher = upload([turn.teacher_logprobs[q + p] for p in at], torch.float64,
+                                 dev)
+                student = l.policy.scored_logprob(logits, ids, pos)
+                # ρ_t from this forward's own log π_θ. Replay never re-scores a token (it
+                # pushes K/V adjoints back only), so the weight is fixed here, once.
+                rho = l.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs,
+                                                                 mask, q))
+                loss = l.objective.turn_loss(student, teacher, rho)  # N_k: deferred scalar
+                loss.backward(retain_graph=l.cfg.opd_replay == "retain" and not last)
         if turn.n_scored > 0:
-            at = scored_positions(mask)  # on the host: no device read per turn
-            pos = upload(at, torch.long, dev)
-            q = offset - turn.start
-            teacher = upload([turn.teacher_logprobs[q + p] for p in at], torch.float64, dev)
-            student = l.policy.scored_logprob(logits, ids, pos)
-            # ρ_t from this forward's own log π_θ. Replay never re-scores a token (it pushes
-            # K/V adjoints back only), so the weight is fixed here, once.
-            rho = l.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs, mask, q))
-            loss = l.objective.turn_loss(student, teacher, rho)  # N_k is the deferred scalar
-            loss.backward(retain_graph=l.cfg.opd_replay == "retain" and not last)
             self._fold(turn.group_id, svc.fold)
         ctx.turns.append(turn)
         if not last:
@@ -311,8 +318,9 @@ class TurnKind:
                 produced = ctx.kept[i]
             else:
                 ids = upload(tokens_i, torch.long, l.policy.device)
-                _, produced = l.policy.span_forward(ids, offset_i, ctx.past(i, offset_i),
-                                                    stop_after_kv=True)
+                with l.routes.forward([(traj_id, offset_i, len(tokens_i))]):
+                    _, produced = l.policy.span_forward(ids, offset_i, ctx.past(i, offset_i),
+                                                        stop_after_kv=True)
                 produced = self._own(produced, offset_i, turn)
             backward_kv(produced, adjoint)
         self._fold(g, svc.fold)
@@ -331,11 +339,15 @@ class TurnKind:
             return None
         g = turn.group_id
         if g not in self.prompts:
-            self.prompts[g] = SharedPrefix.build(self.l.policy, turn, dtype=self.l.acc.dtype)
+            with self.l.routes.forward([(turn.traj_id, 0, prefix_len(turn))]):
+                self.prompts[g] = SharedPrefix.build(self.l.policy, turn, dtype=self.l.acc.dtype)
             if self.prompts[g] is not None:
+                self.prompts[g].owner = turn.traj_id
                 self._hold(g, self.prompts[g].nbytes)
         prompt = self.prompts[g]
-        return prompt if prompt is not None and prompt.covers(turn) else None
+        # a member whose prompt was routed to other experts runs it with its own
+        return prompt if prompt is not None and prompt.covers(turn) and self.l.routes.agree(
+            prompt.owner, turn.traj_id, len(prompt)) else None
 
     def _fold(self, g: str, fold: str) -> None:
         """The turn's (or replay's) gradient out of the grad buffers: into the batch, or the
