@@ -214,13 +214,21 @@ def test_ep2_logits_grads_and_export(dist_results):
 def moe_replays(tiny_qwen3_moe, tmp_path_factory):
     """GRPO (two updates) and OPD replays on the tiny MoE, 2 data-parallel ranks, one
     launch."""
-    from batchgen import write_batches, write_opd_batches
+    from batchgen import with_routing, write_batches, write_opd_batches, write_rows
     from test_learner import replay_many
 
     d = tmp_path_factory.mktemp("moe_replay")
     batch, opd_batch = str(d / "batch.jsonl"), str(d / "opd.jsonl")
     rows = write_batches(batch, 256, n_updates=2, seed=3)
     opd_rows = write_opd_batches(opd_batch, 256, n_updates=1, seed=2, turns=4)
+    # as a rollout recording its routing sends them (4 experts, top-2, 2 layers)
+    routed = with_routing([r for r in rows if r["policy_version"] == 0], 2, 2, 4, seed=5)
+    opd_routed = with_routing(opd_rows, 2, 2, 4, seed=6)
+    write_rows(str(d / "routed.jsonl"), routed)
+    write_rows(str(d / "opd_routed.jsonl"), opd_routed)
+    rr = ["--batch", str(d / "routed.jsonl"), "--routing-replay", "rollout"]
+    opd_rr = ["--batch", str(d / "opd_routed.jsonl"), "--objective", "opd",
+              "--routing-replay", "rollout"]
     common = ["--model", tiny_qwen3_moe, "--lr", "1e-5", "--save-grads", "all"]
     grpo = ["--batch", batch]
     opd = ["--batch", opd_batch, "--objective", "opd"]
@@ -230,9 +238,14 @@ def moe_replays(tiny_qwen3_moe, tmp_path_factory):
                                      "--routing", "balanced"],
             "opd_sync": [*opd, "--schedule", "sync"],
             "opd_thundersync": [*opd, "--schedule", "thundersync"],
-            "opd_retain": [*opd, "--schedule", "thundersync", "--opd-replay", "retain"]}
+            "opd_retain": [*opd, "--schedule", "thundersync", "--opd-replay", "retain"],
+            "rr_sync": [*rr, "--schedule", "sync"],
+            "rr_thundersync": [*rr, "--schedule", "thundersync", "--k-open", "2"],
+            "rr_opd_sync": [*opd_rr, "--schedule", "sync"],
+            "rr_opd_thundersync": [*opd_rr, "--schedule", "thundersync"],
+            "learner_opd": [*opd, "--schedule", "thundersync", "--routing-replay", "learner"]}
     out = replay_many({n: [*common, *f] for n, f in jobs.items()}, str(d))
-    out.update(rows=rows, opd_rows=opd_rows)
+    out.update(rows=rows, opd_rows=opd_rows, routed=routed, opd_routed=opd_routed)
     return out
 
 
@@ -289,6 +302,74 @@ def test_opd_replay_streams_the_sync_update(moe_replays, tiny_qwen3_moe):
         err = rel_l2(got, ref)
         print(f"MoE {name} vs FP64 HF reference (Eq. 8-9): rel L2 = {err:.2e}")
         assert err <= 1e-5, name
+
+
+def _forced(model, row):
+    """HF's forward of a replay row under the routing it carries (its last position,
+    which scores nothing, takes the row before's experts)."""
+    from tsync_mcore.testing.tiny_moe import hf_forced_routing
+
+    e = row["routed_experts"]
+    return hf_forced_routing(model, torch.tensor(e + e[-1:]))
+
+
+def test_rollout_routing_replay_streams_the_sync_update(moe_replays, tiny_qwen3_moe):
+    """learner.routing_replay=rollout: GRPO and OPD sources carrying experts their routers
+    would not pick (one group member's prompt routed apart from its group's); streamed ==
+    sync (≤ 1e-6), both == the FP64 HF reference under the same forced routing (≤ 1e-5),
+    and far from the learner's own routing."""
+    from safetensors.torch import load_file
+
+    from reference import reference_grad, reference_opd_grad, rel_l2
+
+    def grad(name):
+        return load_file(os.path.join(moe_replays[name]["dir"], "grad_0.safetensors"))
+
+    refs = {"rr": by_disk_name(reference_grad(tiny_qwen3_moe, moe_replays["routed"], "grpo",
+                                              routing=_forced)),
+            "rr_opd": by_disk_name(reference_opd_grad(tiny_qwen3_moe, moe_replays["opd_routed"],
+                                                      routing=_forced))}
+    for pre, own in (("rr", "sync"), ("rr_opd", "opd_sync")):
+        g_sync = grad(f"{pre}_sync")
+        err = rel_l2(grad(f"{pre}_thundersync"), g_sync)
+        print(f"routing replay {pre}: thundersync vs sync rel L2 = {err:.2e}")
+        assert err <= 1e-6
+        for name in ("sync", "thundersync"):
+            err = rel_l2(grad(f"{pre}_{name}"), refs[pre])
+            print(f"routing replay {pre}_{name} vs FP64 HF reference, forced: {err:.2e}")
+            assert err <= 1e-5
+        assert rel_l2(g_sync, grad(own)) > 0.1  # the rollout's experts, not the learner's
+
+
+def test_learner_routing_replay_equals_own_routing(moe_replays):
+    """learner.routing_replay=learner (OPD: turns re-run in the recompute replay replay the
+    experts of their first forward) is the learner's own routing: == sync, ≤ 1e-6."""
+    from safetensors.torch import load_file
+
+    from reference import rel_l2
+
+    def grad(name):
+        return load_file(os.path.join(moe_replays[name]["dir"], "grad_0.safetensors"))
+
+    err = rel_l2(grad("learner_opd"), grad("opd_sync"))
+    print(f"routing replay learner (OPD thundersync) vs opd_sync: rel L2 = {err:.2e}")
+    assert err <= 1e-6
+
+
+def test_routing_replay_config_refusals(tiny_qwen3_moe, tiny_qwen2):
+    """Dense models have no routing to replay; a live run cannot take 'rollout' (the vLLM
+    rollout does not record routed experts yet)."""
+    from tsync_mcore.config import ConfigError, check_live, load_config
+
+    with pytest.raises(ConfigError, match=r"'learner.routing_replay': 'learner' replays the "
+                                          r"routing of mixture-of-experts layers; .* is a "
+                                          r"dense model"):
+        load_config(None, {"model.hf_dir": tiny_qwen2, "learner.routing_replay": "learner"})
+    cfg = load_config(None, {"model.hf_dir": tiny_qwen3_moe, "learner.routing_replay": "rollout"})
+    with pytest.raises(ConfigError, match="'rollout' needs the experts the rollout routed"):
+        check_live(cfg)
+    check_live(load_config(None, {"model.hf_dir": tiny_qwen3_moe,
+                                  "learner.routing_replay": "learner"}))
 
 
 def test_trained_checkpoint_exports_to_hf(tiny_qwen3_moe, parallel1, tmp_path):

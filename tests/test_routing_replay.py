@@ -249,3 +249,106 @@ def test_megatron_moe_layer_follows_forced_experts_like_hf(hf_moe, parallel1):
     for e in unused:
         assert layer.experts.local_experts[e].linear_fc1.weight.grad is None \
             or not layer.experts.local_experts[e].linear_fc1.weight.grad.any()
+
+
+# --------------------------------------------------------------------------- the learner's routing
+
+
+@pytest.fixture(scope="module")
+def moe_policy(parallel1, tiny_qwen3_moe):
+    from tsync_mcore.config import load_config
+    from tsync_mcore.policy import Policy
+
+    cfg = load_config(None, {"model.hf_dir": tiny_qwen3_moe, "learner.routing_replay": "rollout"})
+    return Policy(cfg, par=parallel1)
+
+
+def test_policy_logprobs_follow_forced_experts(moe_policy, tiny_qwen3_moe):
+    """The whole Megatron model under guided routing — rows given are forced to experts its
+    routers would not pick, the last rows route themselves — gives the HF model's
+    log-probs under the same routing (hf_forced_routing), FP32 ≤ 1e-5; far from its own."""
+    from moe_reference import load_hf_moe
+    from tsync_mcore.model import bridge
+    from tsync_mcore.model.routing_replay import guided_routing
+    from tsync_mcore.testing.tiny_moe import hf_forced_routing, hf_recorded_routing
+
+    n, free = 20, 3
+    ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(7))
+    hf = load_hf_moe(tiny_qwen3_moe)
+    with torch.no_grad(), hf_recorded_routing(hf) as rec:
+        own_logp = torch.log_softmax(hf(ids[None]).logits[0].double(), -1)
+    own = rec["experts"]  # [n, layers, 2] of 4 experts: the other two are never its choice
+    others = torch.stack([torch.tensor([e for e in range(4) if e not in row])
+                          for row in own.reshape(-1, 2).tolist()]).view_as(own)
+    given = others.clone()
+    given[n - free:] = -1
+    want = torch.where(given >= 0, given, own)  # what each row must be routed to
+    with torch.no_grad(), hf_forced_routing(hf, want):
+        want_logp = torch.log_softmax(hf(ids[None]).logits[0].double(), -1)
+    with torch.no_grad(), guided_routing(moe_policy.model, given) as used:
+        got = bridge.logits(moe_policy.ddp, ids[None])[0]
+    got_logp = torch.log_softmax(got.double(), -1)
+    err = float((got_logp - want_logp).abs().max())
+    print(f"forced routing: Megatron vs HF log-probs max |err| = {err:.2e}; vs own routing "
+          f"{float((got_logp - own_logp).abs().max()):.2e}")
+    assert err <= 1e-5
+    assert float((got_logp - own_logp).abs().max()) > 1e-2  # the forced experts mattered
+    used = torch.stack([used[layer] for layer in sorted(used)], dim=1)
+    assert torch.equal(used.sort(-1).values, want.sort(-1).values)
+
+
+def _traj(routed=None, n=8, **kw):
+    from tsync_mcore.sources import TrajectorySource
+
+    return TrajectorySource("t", "g", tuple(range(1, n + 1)), (0,) * 4 + (1,) * (n - 4), 1.0, 0,
+                            routed_experts=routed, **kw)
+
+
+def test_rollout_routing_is_checked_against_the_model(moe_policy):
+    """learner.routing_replay=rollout: a source without routed experts, or with the wrong
+    layers, top-k, rows, expert ids or a repeated expert, is refused naming it."""
+    import numpy as np
+
+    from tsync_mcore.serving.experts import ExpertRoutes
+    from tsync_mcore.sources import RoutedExperts, SourceError
+
+    routes = ExpertRoutes("rollout", moe_policy)
+    good = np.array([[[0, 1], [2, 3]]] * 7)  # 8 tokens: 7 rows
+    routes.check("src", _traj(RoutedExperts.from_array(good)))
+    bad = {
+        "no routed_experts": None,
+        "1 layers × top-2, the model routes 2 MoE layers × top-2": good[:, :1],
+        "has 6 rows, expected 7": good[:6],
+        "routed expert id 4 out of range: the model has 4 experts": good + 1,
+        "names an expert twice": np.array([[[1, 1], [2, 3]]] * 7),
+    }
+    for why, arr in bad.items():
+        with pytest.raises(SourceError, match=f"src: .*{why}"):
+            routes.check("src", _traj(None if arr is None else RoutedExperts.from_array(arr)))
+    ExpertRoutes("off", moe_policy).check("src", _traj())  # other modes ignore it
+
+
+def test_learner_mode_books_the_first_forward(moe_policy):
+    """learner.routing_replay=learner: a forward books what it used; a later forward over
+    booked positions replays them (here: bit for bit the same logits as the first pass),
+    and new positions are booked as they first run."""
+    from tsync_mcore.model import bridge
+    from tsync_mcore.model.routing_replay import guided_routing
+    from tsync_mcore.serving.experts import ExpertRoutes
+
+    routes = ExpertRoutes("learner", moe_policy)
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), routes.forward([("a", 0, 12)]):
+        first = bridge.logits(moe_policy.ddp, ids[None])[0]
+    booked = routes.book["a"].clone()
+    assert booked.shape == (12, 2, 2) and bool((booked >= 0).all())
+    # the same positions again, now forced through the book; other trajectories untouched
+    with torch.no_grad(), routes.forward([("a", 0, 12)]):
+        again = bridge.logits(moe_policy.ddp, ids[None])[0]
+    assert torch.equal(first, again) and torch.equal(routes.book["a"], booked)
+    # a book entry is what the model routed: its own top-k
+    with torch.no_grad(), guided_routing(moe_policy.model, None) as own:
+        bridge.logits(moe_policy.ddp, ids[None])
+    assert torch.equal(torch.stack([own[0], own[1]], 1).sort(-1).values.to(torch.int16),
+                       booked.sort(-1).values)
+    assert routes.agree("a", "b", 5)  # only "rollout" books a prompt before it runs
