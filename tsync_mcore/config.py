@@ -558,7 +558,9 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     seed: int = 1234  # seeds sampling, environments and the learner's RNGs
 
-    def validate(self) -> None:
+    def validate(self, replay: bool = False) -> None:
+        """`replay`: for the replay harness (python -m tsync_mcore.replay), which hands every
+        rank every source in the same order; the live trainer's keys still validate."""
         self.model.validate()
         self.optim.validate()
         self.learner.validate()
@@ -578,11 +580,7 @@ class Config:
         _check(self.rollout.n_learners % self.model.tp == 0, "rollout.n_learners",
                f"{self.rollout.n_learners} learner ranks do not split into tensor-parallel "
                f"groups of model.tp = {self.model.tp}")
-        # why: every MoE forward and backward at ep > 1 is an all-to-all over the EP group,
-        # so its ranks must run the same passes in step; the learner serves each rank's
-        # sources on their own (model/bridge.py and parallel.py do run EP; docs/moe.md)
-        _check(self.model.ep == 1, "model.ep", f"{self.model.ep}: the streaming learner does "
-               f"not run expert parallelism yet (its ranks serve different passes); use 1")
+        self._check_expert_parallel(replay)
         self._check_publish_lora()
         decay = self.optim.decay_updates or self.run.updates
         _check(self.optim.warmup_updates < decay, "optim.warmup_updates",
@@ -598,6 +596,30 @@ class Config:
         _check(not (self.learner.objective == "opd" and self.rollout.routing == "balanced"),
                "rollout.routing", "'balanced' is for the GRPO family; OPD routes by group "
                "(a trajectory's turns and its group's shared prompt stay on one rank)")
+
+    def _check_expert_parallel(self, replay: bool) -> None:
+        """model.ep > 1: every MoE forward and backward is an all-to-all over the EP group,
+        so the learner serves its ranks in lockstep, one pass each per step, a dummy pass
+        where a rank has no work (docs/moe.md). What runs other passes is refused."""
+        ep = self.model.ep
+        if ep == 1:
+            return
+        _check(replay, "model.ep", f"{ep}: model.ep > 1 runs in the replay harness only for "
+               f"now (the live trainer's ranks get sources at different times, and do not "
+               f"serve in lockstep yet); use 1")
+        _check(self.learner.objective != "opd", "learner.objective", f"'opd' with model.ep = "
+               f"{ep}: OPD turns run K/V-context forwards and a deferred replay per rank, "
+               f"passes the lockstep does not match; use a GRPO-family objective or model.ep 1")
+        # why: a source served before its group's rewards are known folds into the group's
+        # pair (G1'/G2); at ep > 1 its expert gradients land on other ranks, summed with
+        # theirs, where no pair of its group can take them apart
+        _check(self.learner.schedule in ("sync", "group_ready"), "learner.schedule",
+               f"'{self.learner.schedule}' with model.ep = {ep}: only sync and group_ready "
+               f"serve every source once its group's rewards are known (a direct fold: the "
+               f"coefficient in the loss), which expert gradients landing on other ranks need")
+        _check(not self.learner.shared_prefix, "learner.shared_prefix", f"true with model.ep "
+               f"= {ep}: a group's prompt is forwarded once and backpropagated at its close, "
+               f"passes the lockstep does not match; set it false")
 
     def _check_publish_lora(self) -> None:
         if self.run.publish_lora != "adapter":
@@ -893,8 +915,10 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Load a YAML file (or defaults) and apply dotted overrides like {"learner.k_open": 2}."""
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                replay: bool = False) -> Config:
+    """Load a YAML file (or defaults) and apply dotted overrides like {"learner.k_open": 2}.
+    `replay`: validate for the replay harness (Config.validate)."""
     data: dict[str, Any] = _read_yaml(path) if path is not None else {}
     for dotted, value in (overrides or {}).items():
         node = data
@@ -907,7 +931,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
                                   f"'{dotted}' (it was set to {node!r})")
         node[leaf] = value
     cfg = from_dict(Config, data)
-    cfg.validate()
+    cfg.validate(replay=replay)
     cfg.choices = resolve(cfg)  # type: ignore[attr-defined]  # not a key: the launchers log it
     return cfg
 
