@@ -160,9 +160,9 @@ def test_config_keys_ep_and_aux_loss(tiny_qwen3_moe):
     for overrides, match in [
         ({"model.ep": 0}, r"'model.ep': must be >= 1"),
         ({"model.moe_aux_loss_coeff": -1.0}, r"'model.moe_aux_loss_coeff'"),
-        # the model layer runs EP (tests below); the learner's ranks do not step together yet
+        # the learner serves EP ranks in lockstep in the replay harness only (tests below)
         ({"model.hf_dir": tiny_qwen3_moe, "model.ep": 2, "rollout.n_learners": 2},
-         r"'model.ep': 2: the streaming learner does not run expert parallelism yet"),
+         r"'model.ep': 2: model.ep > 1 runs in the replay harness only for now"),
         ({"model.hf_dir": tiny_qwen3_moe, "model.tp": 2, "rollout.n_learners": 2},
          r"'model.tp': 2: mixture-of-experts training needs model.tp 1"),
         ({"model.hf_dir": tiny_qwen3_moe, "model.lora.rank": 4},
@@ -170,6 +170,37 @@ def test_config_keys_ep_and_aux_loss(tiny_qwen3_moe):
     ]:
         with pytest.raises(ConfigError, match=match):
             load_config(None, overrides)
+
+
+def test_expert_parallel_learner_refusals(tiny_qwen3_moe, tmp_path):
+    """At ep > 1 what the lockstep cannot match is refused in one line naming the key: OPD,
+    shared prompts, schedules that fold into a group's pair, balanced routing, checkpoints."""
+    from types import SimpleNamespace
+
+    from tsync_mcore import checkpoint, replay
+    from tsync_mcore.config import ConfigError, load_config
+
+    ok = {"model.hf_dir": tiny_qwen3_moe, "model.ep": 2, "learner.shared_prefix": False,
+          "learner.schedule": "group_ready"}
+    assert load_config(None, ok, replay=True).model.ep == 2
+    for overrides, match in [
+        ({"learner.objective": "opd"}, r"'learner.objective': 'opd' with model.ep = 2"),
+        ({"learner.shared_prefix": True}, r"'learner.shared_prefix': true with model.ep = 2"),
+        ({"learner.schedule": "thundersync"},
+         r"'learner.schedule': 'thundersync' with model.ep = 2: only sync and group_ready"),
+    ]:
+        with pytest.raises(ConfigError, match=match) as e:
+            load_config(None, ok | overrides, replay=True)
+        assert "\n" not in str(e.value)
+    with pytest.raises(SystemExit):
+        replay.parse_args(["--model", tiny_qwen3_moe, "--batch", "b", "--out", "o",
+                           "--ep", "2", "--routing", "balanced"])
+    stub = SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(ep=2)))
+    for call in (lambda: checkpoint.save(str(tmp_path), stub, 1, 0),
+                 lambda: checkpoint.load(str(tmp_path), stub)):
+        with pytest.raises(checkpoint.CheckpointError, match="model.ep 2: checkpoints"):
+            call()
+    assert not os.listdir(tmp_path)
 
 
 # --------------------------------------------------------------------------- 2 ranks
@@ -231,6 +262,13 @@ def moe_replays(tiny_qwen3_moe, tmp_path_factory):
             "opd_sync": [*opd, "--schedule", "sync"],
             "opd_thundersync": [*opd, "--schedule", "thundersync"],
             "opd_retain": [*opd, "--schedule", "thundersync", "--opd-replay", "retain"]}
+    # EP = 2 over the same 2 ranks (its groups re-created per job): whole-batch packs (the
+    # default budget), one by one (dummy passes), small packs (both)
+    ep = [*grpo, "--ep", "2", "--no-shared-prefix"]
+    jobs.update({"ep2_sync": [*ep, "--schedule", "sync"],
+                 "ep2_group_ready": [*ep, "--schedule", "group_ready",
+                                     "--max-tokens-per-pass", "0"],
+                 "ep2_packed": [*ep, "--schedule", "group_ready", "--max-tokens-per-pass", "64"]})
     out = replay_many({n: [*common, *f] for n, f in jobs.items()}, str(d))
     out.update(rows=rows, opd_rows=opd_rows)
     return out
@@ -265,6 +303,41 @@ def test_grpo_replay_streams_the_sync_update(moe_replays, tiny_qwen3_moe):
         assert err <= 1e-5, name
     params = load_file(os.path.join(moe_replays["sync"]["dir"], "params.safetensors"))
     assert sorted(params) == on_disk
+
+
+def test_ep2_replay_equals_ep1(moe_replays, tiny_qwen3_moe):
+    """EP = 2 (lockstep passes, dummies where a rank has none): every update's gradient and
+    the parameters == EP = 1 on the same ranks (≤ 1e-6), == the FP64 HF reference (≤ 1e-5);
+    one by one, ranks serve different numbers of passes, so dummies ran."""
+    from safetensors.torch import load_file
+
+    from reference import reference_grad, rel_l2
+    from tsync_mcore import trace
+
+    def load(name, f):
+        return load_file(os.path.join(moe_replays[name]["dir"], f))
+
+    names = ("ep2_sync", "ep2_group_ready", "ep2_packed")
+    for k in (0, 1):
+        g_ep1 = load("sync", f"grad_{k}.safetensors")
+        for name in names:
+            err = rel_l2(load(name, f"grad_{k}.safetensors"), g_ep1)
+            print(f"MoE {name} vs ep1 sync, update {k}: rel L2 = {err:.2e}")
+            assert err <= 1e-6, (name, k)
+    for name in names:
+        assert rel_l2(load(name, "params.safetensors"), load("sync", "params.safetensors")) \
+            <= 1e-6, name
+    rows0 = [r for r in moe_replays["rows"] if r["policy_version"] == 0]
+    ref = by_disk_name(reference_grad(tiny_qwen3_moe, rows0, "grpo"))
+    err = rel_l2(load("ep2_group_ready", "grad_0.safetensors"), ref)
+    print(f"MoE ep2_group_ready vs FP64 HF reference: rel L2 = {err:.2e}")
+    assert err <= 1e-5
+    for name in ("ep2_group_ready", "ep2_packed"):
+        d = moe_replays[name]["dir"]
+        records = [r for rank in (0, 1)
+                   for r in trace.read(os.path.join(d, f"trace_rank{rank}.jsonl"))]
+        assert sum(r.dummy_passes for r in records if isinstance(r, trace.UpdateRecord)), name
+    assert any(r.pass_id for r in trace.sources(records))  # ep2_packed: packs ran
 
 
 def test_opd_replay_streams_the_sync_update(moe_replays, tiny_qwen3_moe):

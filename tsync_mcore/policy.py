@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 import tsync_mcore.kernels as K
 from tsync_mcore.kernels import lm_head
@@ -90,8 +91,9 @@ class Policy:
 
     @property
     def ep_size(self) -> int:
-        """Expert-parallel size (model.ep): > 1, every MoE pass is a collective over EP."""
-        return self.cfg.model.ep
+        """Expert-parallel size (megatron's, as model.ep set it): > 1, every MoE forward and
+        backward is a collective over the EP group."""
+        return ps.get_expert_model_parallel_world_size()
 
     @property
     def n_grad_elements(self) -> int:
