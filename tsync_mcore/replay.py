@@ -386,6 +386,7 @@ def main(argv: list[str] | None = None) -> dict:
         "updates": len(results), "objective": cfg.learner.objective,
         "schedule": cfg.learner.schedule, "dtype": cfg.model.dtype,
         "world_size": par.world_size, "tp": par.tp_size, "dp": par.dp_size,
+        "ep": policy.ep_size,
         "grad_norm": [r.grad_norm for r in done], "ok": all(r.ok for r in done),
         "scored_tokens": [r.scored_tokens for r in done],
         "first_update": args.start_version,
