@@ -174,7 +174,8 @@ def test_config_keys_ep_and_aux_loss(tiny_qwen3_moe):
 
 def test_expert_parallel_learner_refusals(tiny_qwen3_moe, tmp_path):
     """At ep > 1 what the lockstep cannot match is refused in one line naming the key: OPD,
-    shared prompts, schedules that fold into a group's pair, balanced routing, checkpoints."""
+    shared prompts, schedules that fold into a group's pair, the aux loss, balanced routing,
+    checkpoints."""
     from types import SimpleNamespace
 
     from tsync_mcore import checkpoint, replay
@@ -186,6 +187,7 @@ def test_expert_parallel_learner_refusals(tiny_qwen3_moe, tmp_path):
     for overrides, match in [
         ({"learner.objective": "opd"}, r"'learner.objective': 'opd' with model.ep = 2"),
         ({"learner.shared_prefix": True}, r"'learner.shared_prefix': true with model.ep = 2"),
+        ({"model.moe_aux_loss_coeff": 0.01}, r"'model.moe_aux_loss_coeff': > 0 with model.ep"),
         ({"learner.schedule": "thundersync"},
          r"'learner.schedule': 'thundersync' with model.ep = 2: only sync and group_ready"),
     ]:

@@ -617,6 +617,9 @@ class Config:
                f"'{self.learner.schedule}' with model.ep = {ep}: only sync and group_ready "
                f"serve every source once its group's rewards are known (a direct fold: the "
                f"coefficient in the loss), which expert gradients landing on other ranks need")
+        _check(self.model.moe_aux_loss_coeff == 0, "model.moe_aux_loss_coeff", f"> 0 with "
+               f"model.ep = {ep}: its gradient does not scale with the source coefficient "
+               f"that rides in the loss at ep > 1, so the update would not be ep 1's; use 0")
         _check(not self.learner.shared_prefix, "learner.shared_prefix", f"true with model.ep "
                f"= {ep}: a group's prompt is forwarded once and backpropagated at its close, "
                f"passes the lockstep does not match; set it false")
