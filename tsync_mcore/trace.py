@@ -125,7 +125,8 @@ class UpdateRecord:
     # non-finite (empty: finite here, or not checked per source)
     nonfinite_sources: list[str] = field(default_factory=list)
     # model.ep > 1: forward/backward passes this rank ran with nothing to serve, so that its
-    # expert-parallel peers' passes could complete (gradient discarded; no FLOPs counted)
+    # expert-parallel peers' passes could complete (its own gradient dropped, its experts'
+    # share of the peers' kept; no source record, so no FLOPs counted)
     dummy_passes: int = 0
     # Policy lag of the scored tokens that trained (over all ranks; docs/async-learner.md):
     # mean of update − (the version that sampled the token), its max, share with lag > 0
