@@ -342,6 +342,29 @@ def test_ep2_replay_equals_ep1(moe_replays, tiny_qwen3_moe):
     assert any(r.pass_id for r in trace.sources(records))  # ep2_packed: packs ran
 
 
+def test_ep2_over_four_ranks_reduces_experts_over_expert_dp(moe_replays, tiny_qwen3_moe,
+                                                           tmp_path):
+    """DP = 4, EP = 2: each expert on two ranks, its grads summed over that expert-DP pair
+    (DDP and export_grad), lockstep over all four: == EP = 1 on 2 ranks (≤ 1e-6)."""
+    from safetensors.torch import load_file
+
+    from reference import rel_l2
+    from test_learner import replay_many
+
+    batch = os.path.join(os.path.dirname(moe_replays["sync"]["dir"]), "batch.jsonl")
+    args = ["--model", tiny_qwen3_moe, "--batch", batch, "--lr",
+            "1e-5", "--save-grads", "all", "--ep", "2", "--no-shared-prefix", "--schedule",
+            "group_ready", "--max-tokens-per-pass", "64"]
+    got = replay_many({"dp4_ep2": args}, str(tmp_path), nproc=4)["dp4_ep2"]
+    assert (got["summary"]["dp"], got["summary"]["ep"]) == (4, 2)
+    for k in (0, 1):
+        err = rel_l2(load_file(os.path.join(got["dir"], f"grad_{k}.safetensors")),
+                     load_file(os.path.join(moe_replays["sync"]["dir"],
+                                            f"grad_{k}.safetensors")))
+        print(f"MoE DP 4 x EP 2 vs EP 1, update {k}: rel L2 = {err:.2e}")
+        assert err <= 1e-6, k
+
+
 def test_opd_replay_streams_the_sync_update(moe_replays, tiny_qwen3_moe):
     """OPD per-turn streaming (recompute and retain) == sync (≤ 1e-6), and == the FP64
     Eq. 8-9 reference on HF's eager experts (≤ 1e-5)."""
