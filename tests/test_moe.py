@@ -1,5 +1,6 @@
 """Qwen3-MoE <-> Megatron MoE layers: logits and grads against HF `Qwen3MoeForCausalLM`
-(eager experts), export round trips, TP = 2 and EP = 2 on 2 gloo ranks, refusals."""
+(eager experts), export round trips, TP = 2 and EP = 2 on 2 gloo ranks, the learner at EP = 2
+(lockstep replays), refusals."""
 
 from __future__ import annotations
 
@@ -246,7 +247,7 @@ def test_ep2_logits_grads_and_export(dist_results):
 @pytest.fixture(scope="module")
 def moe_replays(tiny_qwen3_moe, tmp_path_factory):
     """GRPO (two updates) and OPD replays on the tiny MoE, 2 data-parallel ranks, one
-    launch."""
+    launch; GRPO also at EP = 2 over the same ranks."""
     from batchgen import write_batches, write_opd_batches
     from test_learner import replay_many
 
