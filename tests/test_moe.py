@@ -1,5 +1,6 @@
 """Qwen3-MoE <-> Megatron MoE layers: logits and grads against HF `Qwen3MoeForCausalLM`
-(eager experts), export round trips, TP = 2 and EP = 2 on 2 gloo ranks, refusals."""
+(eager experts), export round trips, TP = 2 and EP = 2 on 2 gloo ranks, the learner at EP = 2
+(lockstep replays), refusals."""
 
 from __future__ import annotations
 
@@ -160,9 +161,9 @@ def test_config_keys_ep_and_aux_loss(tiny_qwen3_moe):
     for overrides, match in [
         ({"model.ep": 0}, r"'model.ep': must be >= 1"),
         ({"model.moe_aux_loss_coeff": -1.0}, r"'model.moe_aux_loss_coeff'"),
-        # the model layer runs EP (tests below); the learner's ranks do not step together yet
+        # the learner serves EP ranks in lockstep in the replay harness only (tests below)
         ({"model.hf_dir": tiny_qwen3_moe, "model.ep": 2, "rollout.n_learners": 2},
-         r"'model.ep': 2: the streaming learner does not run expert parallelism yet"),
+         r"'model.ep': 2: model.ep > 1 runs in the replay harness only for now"),
         ({"model.hf_dir": tiny_qwen3_moe, "model.tp": 2, "rollout.n_learners": 2},
          r"'model.tp': 2: mixture-of-experts training needs model.tp 1"),
         ({"model.hf_dir": tiny_qwen3_moe, "model.lora.rank": 4},
@@ -170,6 +171,39 @@ def test_config_keys_ep_and_aux_loss(tiny_qwen3_moe):
     ]:
         with pytest.raises(ConfigError, match=match):
             load_config(None, overrides)
+
+
+def test_expert_parallel_learner_refusals(tiny_qwen3_moe, tmp_path):
+    """At ep > 1 what the lockstep cannot match is refused in one line naming the key: OPD,
+    shared prompts, schedules that fold into a group's pair, the aux loss, balanced routing,
+    checkpoints."""
+    from types import SimpleNamespace
+
+    from tsync_mcore import checkpoint, replay
+    from tsync_mcore.config import ConfigError, load_config
+
+    ok = {"model.hf_dir": tiny_qwen3_moe, "model.ep": 2, "learner.shared_prefix": False,
+          "learner.schedule": "group_ready"}
+    assert load_config(None, ok, replay=True).model.ep == 2
+    for overrides, match in [
+        ({"learner.objective": "opd"}, r"'learner.objective': 'opd' with model.ep = 2"),
+        ({"learner.shared_prefix": True}, r"'learner.shared_prefix': true with model.ep = 2"),
+        ({"model.moe_aux_loss_coeff": 0.01}, r"'model.moe_aux_loss_coeff': > 0 with model.ep"),
+        ({"learner.schedule": "thundersync"},
+         r"'learner.schedule': 'thundersync' with model.ep = 2: only sync and group_ready"),
+    ]:
+        with pytest.raises(ConfigError, match=match) as e:
+            load_config(None, ok | overrides, replay=True)
+        assert "\n" not in str(e.value)
+    with pytest.raises(SystemExit):
+        replay.parse_args(["--model", tiny_qwen3_moe, "--batch", "b", "--out", "o",
+                           "--ep", "2", "--routing", "balanced"])
+    stub = SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(ep=2)))
+    for call in (lambda: checkpoint.save(str(tmp_path), stub, 1, 0),
+                 lambda: checkpoint.load(str(tmp_path), stub)):
+        with pytest.raises(checkpoint.CheckpointError, match="model.ep 2: checkpoints"):
+            call()
+    assert not os.listdir(tmp_path)
 
 
 # --------------------------------------------------------------------------- 2 ranks
@@ -213,7 +247,7 @@ def test_ep2_logits_grads_and_export(dist_results):
 @pytest.fixture(scope="module")
 def moe_replays(tiny_qwen3_moe, tmp_path_factory):
     """GRPO (two updates) and OPD replays on the tiny MoE, 2 data-parallel ranks, one
-    launch."""
+    launch; GRPO also at EP = 2 over the same ranks, and both with routing replay."""
     from batchgen import with_routing, write_batches, write_opd_batches, write_rows
     from test_learner import replay_many
 
@@ -244,6 +278,13 @@ def moe_replays(tiny_qwen3_moe, tmp_path_factory):
             "rr_opd_sync": [*opd_rr, "--schedule", "sync"],
             "rr_opd_thundersync": [*opd_rr, "--schedule", "thundersync"],
             "learner_opd": [*opd, "--schedule", "thundersync", "--routing-replay", "learner"]}
+    # EP = 2 over the same 2 ranks (its groups re-created per job): whole-batch packs (the
+    # default budget), one by one (dummy passes), small packs (both)
+    ep = [*grpo, "--ep", "2", "--no-shared-prefix"]
+    jobs.update({"ep2_sync": [*ep, "--schedule", "sync"],
+                 "ep2_group_ready": [*ep, "--schedule", "group_ready",
+                                     "--max-tokens-per-pass", "0"],
+                 "ep2_packed": [*ep, "--schedule", "group_ready", "--max-tokens-per-pass", "64"]})
     out = replay_many({n: [*common, *f] for n, f in jobs.items()}, str(d))
     out.update(rows=rows, opd_rows=opd_rows, routed=routed, opd_routed=opd_routed)
     return out
@@ -278,6 +319,64 @@ def test_grpo_replay_streams_the_sync_update(moe_replays, tiny_qwen3_moe):
         assert err <= 1e-5, name
     params = load_file(os.path.join(moe_replays["sync"]["dir"], "params.safetensors"))
     assert sorted(params) == on_disk
+
+
+def test_ep2_replay_equals_ep1(moe_replays, tiny_qwen3_moe):
+    """EP = 2 (lockstep passes, dummies where a rank has none): every update's gradient and
+    the parameters == EP = 1 on the same ranks (≤ 1e-6), == the FP64 HF reference (≤ 1e-5);
+    one by one, ranks serve different numbers of passes, so dummies ran."""
+    from safetensors.torch import load_file
+
+    from reference import reference_grad, rel_l2
+    from tsync_mcore import trace
+
+    def load(name, f):
+        return load_file(os.path.join(moe_replays[name]["dir"], f))
+
+    names = ("ep2_sync", "ep2_group_ready", "ep2_packed")
+    for k in (0, 1):
+        g_ep1 = load("sync", f"grad_{k}.safetensors")
+        for name in names:
+            err = rel_l2(load(name, f"grad_{k}.safetensors"), g_ep1)
+            print(f"MoE {name} vs ep1 sync, update {k}: rel L2 = {err:.2e}")
+            assert err <= 1e-6, (name, k)
+    for name in names:
+        assert rel_l2(load(name, "params.safetensors"), load("sync", "params.safetensors")) \
+            <= 1e-6, name
+    rows0 = [r for r in moe_replays["rows"] if r["policy_version"] == 0]
+    ref = by_disk_name(reference_grad(tiny_qwen3_moe, rows0, "grpo"))
+    err = rel_l2(load("ep2_group_ready", "grad_0.safetensors"), ref)
+    print(f"MoE ep2_group_ready vs FP64 HF reference: rel L2 = {err:.2e}")
+    assert err <= 1e-5
+    for name in ("ep2_group_ready", "ep2_packed"):
+        d = moe_replays[name]["dir"]
+        records = [r for rank in (0, 1)
+                   for r in trace.read(os.path.join(d, f"trace_rank{rank}.jsonl"))]
+        assert sum(r.dummy_passes for r in records if isinstance(r, trace.UpdateRecord)), name
+    assert any(r.pass_id for r in trace.sources(records))  # ep2_packed: packs ran
+
+
+def test_ep2_over_four_ranks_reduces_experts_over_expert_dp(moe_replays, tiny_qwen3_moe,
+                                                           tmp_path):
+    """DP = 4, EP = 2: each expert on two ranks, its grads summed over that expert-DP pair
+    (DDP and export_grad), lockstep over all four: == EP = 1 on 2 ranks (≤ 1e-6)."""
+    from safetensors.torch import load_file
+
+    from reference import rel_l2
+    from test_learner import replay_many
+
+    batch = os.path.join(os.path.dirname(moe_replays["sync"]["dir"]), "batch.jsonl")
+    args = ["--model", tiny_qwen3_moe, "--batch", batch, "--lr",
+            "1e-5", "--save-grads", "all", "--ep", "2", "--no-shared-prefix", "--schedule",
+            "group_ready", "--max-tokens-per-pass", "64"]
+    got = replay_many({"dp4_ep2": args}, str(tmp_path), nproc=4)["dp4_ep2"]
+    assert (got["summary"]["dp"], got["summary"]["ep"]) == (4, 2)
+    for k in (0, 1):
+        err = rel_l2(load_file(os.path.join(got["dir"], f"grad_{k}.safetensors")),
+                     load_file(os.path.join(moe_replays["sync"]["dir"],
+                                            f"grad_{k}.safetensors")))
+        print(f"MoE DP 4 x EP 2 vs EP 1, update {k}: rel L2 = {err:.2e}")
+        assert err <= 1e-6, k
 
 
 def test_opd_replay_streams_the_sync_update(moe_replays, tiny_qwen3_moe):
@@ -359,17 +458,17 @@ def test_learner_routing_replay_equals_own_routing(moe_replays):
 def test_routing_replay_config_refusals(tiny_qwen3_moe, tiny_qwen2):
     """Dense models have no routing to replay; a live run cannot take 'rollout' (the vLLM
     rollout does not record routed experts yet)."""
-    from tsync_mcore.config import ConfigError, check_live, load_config
+    from tsync_mcore.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"'learner.routing_replay': 'learner' replays the "
                                           r"routing of mixture-of-experts layers; .* is a "
                                           r"dense model"):
         load_config(None, {"model.hf_dir": tiny_qwen2, "learner.routing_replay": "learner"})
-    cfg = load_config(None, {"model.hf_dir": tiny_qwen3_moe, "learner.routing_replay": "rollout"})
+    rollout = {"model.hf_dir": tiny_qwen3_moe, "learner.routing_replay": "rollout"}
     with pytest.raises(ConfigError, match="'rollout' needs the experts the rollout routed"):
-        check_live(cfg)
-    check_live(load_config(None, {"model.hf_dir": tiny_qwen3_moe,
-                                  "learner.routing_replay": "learner"}))
+        load_config(None, rollout)
+    assert load_config(None, rollout, replay=True).learner.routing_replay == "rollout"
+    load_config(None, {**rollout, "learner.routing_replay": "learner"})
 
 
 def test_trained_checkpoint_exports_to_hf(tiny_qwen3_moe, parallel1, tmp_path):

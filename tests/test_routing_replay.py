@@ -259,7 +259,8 @@ def moe_policy(parallel1, tiny_qwen3_moe):
     from tsync_mcore.config import load_config
     from tsync_mcore.policy import Policy
 
-    cfg = load_config(None, {"model.hf_dir": tiny_qwen3_moe, "learner.routing_replay": "rollout"})
+    cfg = load_config(None, {"model.hf_dir": tiny_qwen3_moe, "learner.routing_replay": "rollout"},
+                      replay=True)
     return Policy(cfg, par=parallel1)
 
 

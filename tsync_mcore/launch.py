@@ -11,11 +11,9 @@ from tsync_mcore.safe_files import BadFile
 
 def config_or_exit(who: str, path: str | None, overrides: list[str]):
     """The validated config, or one `error:` line naming the key or file and exit code 2."""
-    from tsync_mcore.config import ConfigError, check_live, load_config, parse_overrides
+    from tsync_mcore.config import ConfigError, load_config, parse_overrides
     try:
-        cfg = load_config(path, parse_overrides(overrides))
-        check_live(cfg)
-        return cfg
+        return load_config(path, parse_overrides(overrides))
     except ConfigError as e:
         print(f"error: {who}: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

@@ -44,6 +44,8 @@ from tsync_mcore.sources import BatchPlan, SourceError, assign_groups, check_ver
 from tsync_mcore.trace import DeferredRecord, Record, SourceRecord, UpdateRecord
 
 ACCUM_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+# model.ep > 1: the schedules that serve a source only once its group's rewards are known
+EP_SCHEDULES = ("sync", "group_ready")
 
 
 @dataclass
@@ -83,6 +85,10 @@ class Learner:
         self.kind = SOURCE_KINDS[self.objective.source](self)
         # MoE: the experts each forward routes a position to (learner.routing_replay)
         self.routes = ExpertRoutes(cfg.routing_replay, policy)
+        if policy.ep_size > 1 and (self.kind.name != "trajectory" or cfg.shared_prefix):
+            raise ValueError(f"model.ep {policy.ep_size}: the learner serves expert-parallel "
+                             f"ranks in lockstep for GRPO-family objectives with "
+                             f"learner.shared_prefix false only (docs/moe.md)")
         self.acc = GradAccumulators(policy.grad_buffers(), cfg.k_open, cfg.accum,
                                     dtype=ACCUM_DTYPES[cfg.accum_dtype],
                                     per_group=self.objective.group_vectors)
@@ -120,6 +126,7 @@ class Learner:
             raise ValueError(f"routing {routing!r}: the {self.cfg.objective} objective routes "
                              f"{' or '.join(self.objective.routings)}")
         self.schedule = schedule or self.cfg.schedule
+        self._check_ep(routing)
         self.max_lag = max_lag(self.cfg, self.schedule)
         self.routing = routing
         self.owner = assign_groups(plan, group_tokens or {}, self.policy.par.dp_size)
@@ -139,6 +146,7 @@ class Learner:
         self.nonfinite: list[str] = []  # check_finite=source: the unit that broke the sums
         self.open_peak_bytes = 0
         self.passes = 0  # packed passes run in this batch (SourceRecord.pass_id)
+        self.dummy_passes = 0  # ep > 1: passes run only to match other ranks' (no work)
         self.acc.reset()
         self.routes.begin()
         self.off_policy.reset()  # an aborted batch's mismatch is not this one's
@@ -147,6 +155,17 @@ class Learner:
         except SourceError:
             self.plan = None  # the registration itself is refused: no batch is open
             raise
+
+    def _check_ep(self, routing: str) -> None:
+        """model.ep > 1 (Config._check_expert_parallel says why): static routing, and only
+        direct folds, so that each rank's buffers go to the batch as they are."""
+        ep = self.policy.ep_size
+        if ep > 1 and routing != "static":
+            raise ValueError(f"routing {routing!r} with model.ep {ep}: ranks serving in "
+                             f"lockstep must each be handed every source (static)")
+        if ep > 1 and self.schedule not in EP_SCHEDULES:
+            raise ValueError(f"schedule {self.schedule!r} with model.ep {ep}: only "
+                             f"{' and '.join(EP_SCHEDULES)} fold every source directly")
 
     # --- stream ---------------------------------------------------------------------------
 
@@ -189,19 +208,23 @@ class Learner:
     def serve_next(self) -> bool:
         """Serve the next servable unit (with packing: the next pass, which may hold several
         units); False when there is none now."""
+        units = self._take()
+        self._run(units)
+        return bool(units)
+
+    def _take(self) -> list[Service]:
+        """The units of the next pass, taken from the queue (empty: none servable now)."""
         if not self.pack_budget:
             svc = self.queue.next()
-            if svc is None:
-                return False
-            self._serve(svc)
-            return True
-        pack = self.queue.next_pack(self.pack_budget, self.kind.pack_tokens,
+            return [] if svc is None else [svc]
+        return self.queue.next_pack(self.pack_budget, self.kind.pack_tokens,
                                     self.kind.packable, may_open=not self.cfg.max_open_bytes)
-        if len(pack) > 1:
-            self._serve_pack(pack)
-        elif pack:
-            self._serve(pack[0])  # alone: exactly the one-by-one path
-        return bool(pack)
+
+    def _run(self, units: list[Service]) -> None:
+        if len(units) > 1:
+            self._serve_pack(units)
+        elif units:
+            self._serve(units[0])  # alone: exactly the one-by-one path
 
     def _check(self, src) -> None:
         if self.plan is None:
@@ -240,8 +263,38 @@ class Learner:
             self.queue.complete(g)
 
     def _drain(self) -> None:
-        while self.serve_next():
-            pass
+        if self.policy.ep_size == 1:
+            while self.serve_next():
+                pass
+            return
+        # ep > 1: every MoE pass is an all-to-all over the EP group, so DP ranks (EP groups
+        # tile them) agree on each step: while any rank has work, each runs one model pass,
+        # a real one or a dummy (docs/moe.md). Every rank calls _drain at the same points
+        # (static routing in the replay harness: each rank is given every source).
+        while True:
+            units = self._take()
+            mine = 2 if self._runs_pass(units) else 1 if units else 0
+            most = self.policy.dp_max_vector([mine])[0]
+            if most == 0:
+                return
+            self._run(units)
+            if most == 2 and mine < 2:
+                self._dummy_pass()
+
+    def _dummy_pass(self) -> None:
+        """A pass with nothing to serve; the gradient the peers' tokens left on this rank's
+        experts joins the batch (their coefficients are in their losses)."""
+        self.policy.dummy_pass()
+        self.fold_direct([], self.policy.grad_buffers(), 1.0)
+        self.policy.zero_grads()
+        self.dummy_passes += 1
+
+    @staticmethod
+    def _runs_pass(units: list[Service]) -> bool:
+        """Whether serving `units` runs a forward/backward: a pack always does; a lone unit
+        when it has scored tokens (TrajectoryKind.serve; a group's close alone runs none)."""
+        return len(units) > 1 or (len(units) == 1 and units[0].source is not None
+                                  and units[0].source.n_scored > 0)
 
     def _serve(self, svc: Service) -> None:
         src, g = svc.source, svc.group_id
@@ -441,7 +494,8 @@ class Learner:
             open_peak_bytes=self.open_peak_bytes,
             kv_peak_bytes=self.kind.kv_peak_bytes,
             head_peak_bytes=self.policy.take_head_peak(), grad_norm=step.grad_norm,
-            lr=step.lr, ok=step.ok, nonfinite_sources=list(self.nonfinite), **lag)
+            lr=step.lr, ok=step.ok, nonfinite_sources=list(self.nonfinite),
+            dummy_passes=self.dummy_passes, **lag)
         self.trace.append(summary)
         result = UpdateResult(summary=summary, grad=step.grad, trace=self.trace)
         if step.ok:  # a skipped step leaves θ_k, so the next batch is again for version k

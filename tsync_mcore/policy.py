@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 import tsync_mcore.kernels as K
 from tsync_mcore.kernels import lm_head
@@ -67,6 +68,7 @@ class Policy:
         self.vocab_start = self.par.tp_rank * self.vocab_local
         self._tp_group = self.par.tp_group if self.par.tp_size > 1 else None
         self._buffers = train.grad_buffers(self.ddp)
+        self._buffer_groups = train.grad_buffer_groups(self.ddp)  # each one's DP reduction
         self._reduced = train.reduced_grad_ranges(self.ddp)  # this rank's part after the reduce
         self._grad_slices = self._map_grad_slices()
         # Entropy of the scored tokens served since the last take_entropy() (a metric).
@@ -86,6 +88,12 @@ class Policy:
     def lr(self) -> float:
         """The learning rate the next optimizer step applies."""
         return train.current_lr(self.optimizer)
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel size (megatron's, as model.ep set it): > 1, every MoE forward and
+        backward is a collective over the EP group."""
+        return ps.get_expert_model_parallel_world_size()
 
     @property
     def n_grad_elements(self) -> int:
@@ -113,6 +121,20 @@ class Policy:
             else None
         (-weight * weighted_logp_sum(logp, rho)).backward()
         return logp.detach().sum()
+
+    def dummy_pass(self) -> None:
+        """A forward + backward of two tokens with loss weight 0: at ep > 1 it makes the
+        collectives of a real pass (MoE all-to-alls each way) on a rank with nothing to
+        serve, so its EP peers' passes complete. Its own gradient is dropped (the dense
+        buffers are zeroed: weight 0 leaves any router aux-loss gradient); the expert
+        buffers keep what the peers' tokens routed to this rank's experts put there, for
+        the caller to fold. Entropy and LM head metrics are left as they were."""
+        entropy, tokens, peak = self._entropy_sum.clone(), self._entropy_tokens, self._head_peak
+        self.backward_source([0, 0], [0, 1], 0.0)
+        for buf in self._buffers[:len(self.ddp.buffers)]:  # the dense ones come first
+            buf.zero_()
+        self._entropy_sum.copy_(entropy)
+        self._entropy_tokens, self._head_peak = tokens, peak
 
     def positions(self, scored_mask: list[int]) -> torch.Tensor:
         """Indices of the scored tokens, found on the host: no device sync (torch.nonzero of
@@ -204,9 +226,11 @@ class Policy:
         grad = None
         if export_grad:
             full = [b.clone() for b in self._buffers]
-            if self.par.dp_size > 1:
-                for t in full:
-                    dist.all_reduce(t, group=self.par.dp_group)
+            # Dense buffers sum over DP; expert buffers over expert-DP (at ep > 1 each rank
+            # holds other experts, which export_hf gathers over EP), as DDP reduces them.
+            for t, group in zip(full, self._buffer_groups):
+                if group.size() > 1:
+                    dist.all_reduce(t, group=group)
             named = {n: -full[i][a:b].view(shape)
                      for n, (i, a, b, shape) in self._grad_slices.items()}
             # LoRA: PEFT's names (its replicated adapter grads are whole on every TP rank)

@@ -283,6 +283,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model.dtype (default fp32)")
     p.add_argument("--config", default=None, help="optional YAML config; flags override it")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
+    p.add_argument("--ep", type=int, default=None,
+                   help="model.ep: expert-parallel size (MoE); > 1 serves the ranks in "
+                        "lockstep and needs --no-shared-prefix and static routing (docs/moe.md)")
+    p.add_argument("--no-shared-prefix", action="store_true",
+                   help="learner.shared_prefix false: each trajectory forwards its own prompt")
     p.add_argument("--k-open", type=int, default=None,
                    help="learner.k_open: groups per rank holding open state at once")
     p.add_argument("--routing", default="static", choices=["static", "balanced"],
@@ -313,6 +318,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-grads", default="last", choices=["last", "all"],
                    help="'all' also writes grad_{k}.safetensors for every update k")
     args = p.parse_args(argv)
+    if args.ep and args.ep > 1 and args.routing != "static":
+        p.error(f"--routing {args.routing} with --ep {args.ep}: expert-parallel ranks serve in "
+                f"lockstep, so every rank must be handed every source (static)")
     if args.routing not in OBJECTIVES[args.objective].routings:
         p.error(f"--routing {args.routing}: the {args.objective} objective routes "
                 f"{' or '.join(OBJECTIVES[args.objective].routings)} (a trajectory's turns "
@@ -325,7 +333,10 @@ def main(argv: list[str] | None = None) -> dict:
     check_out(args.out)  # before any work: a run that cannot save its results is not started
     overrides = {"model.hf_dir": args.model, "model.dtype": args.dtype,
                  "learner.objective": args.objective, "learner.schedule": args.schedule}
-    for key, val in [("model.tp", args.tp), ("learner.k_open", args.k_open),
+    if args.no_shared_prefix:
+        overrides["learner.shared_prefix"] = False
+    for key, val in [("model.tp", args.tp), ("model.ep", args.ep),
+                     ("learner.k_open", args.k_open),
                      ("learner.token_norm", args.token_norm), ("learner.accum", args.accum),
                      ("learner.token_norm_constant", args.token_norm_constant),
                      ("learner.adv_std", args.adv_std),
@@ -340,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
                      ("model.lora_init", args.lora_adapter)]:
         if val is not None:
             overrides[key] = val
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides, replay=True)
     if args.start_version < 0:
         raise SourceError(f"--start-version {args.start_version}: must be >= 0")
     batches = read_batches(args.batch, OBJECTIVES[cfg.learner.objective].source,
@@ -379,6 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
         "updates": len(results), "objective": cfg.learner.objective,
         "schedule": cfg.learner.schedule, "dtype": cfg.model.dtype,
         "world_size": par.world_size, "tp": par.tp_size, "dp": par.dp_size,
+        "ep": policy.ep_size,
         "grad_norm": [r.grad_norm for r in done], "ok": all(r.ok for r in done),
         "scored_tokens": [r.scored_tokens for r in done],
         "first_update": args.start_version,

@@ -30,8 +30,8 @@ import types
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Iterable, Literal, Union, get_args, get_origin, get_type_hints
 
-SCHEMA_VERSION = 3  # 2: UpdateRecord.head_peak_bytes, SourceRecord.fused_head and pass_id;
-#                     3: UpdateRecord.accum_params
+SCHEMA_VERSION = 4  # 2: UpdateRecord.head_peak_bytes, SourceRecord.fused_head and pass_id;
+#                     3: UpdateRecord.accum_params; 4: UpdateRecord.dummy_passes
 
 
 class TraceError(ValueError):
@@ -124,6 +124,10 @@ class UpdateRecord:
     # learner.check_finite=source: the unit after whose service this rank's sums were first
     # non-finite (empty: finite here, or not checked per source)
     nonfinite_sources: list[str] = field(default_factory=list)
+    # model.ep > 1: forward/backward passes this rank ran with nothing to serve, so that its
+    # expert-parallel peers' passes could complete (its own gradient dropped, its experts'
+    # share of the peers' kept; no source record, so no FLOPs counted)
+    dummy_passes: int = 0
     # Policy lag of the scored tokens that trained (over all ranks; docs/async-learner.md):
     # mean of update − (the version that sampled the token), its max, share with lag > 0
     policy_lag_mean: float = 0.0

@@ -11,6 +11,7 @@ steps with `ddp.zero_grad_buffer()`.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
@@ -57,6 +58,12 @@ def wrap_ddp(
 def grad_buffers(ddp: DistributedDataParallel) -> list[torch.Tensor]:
     """The flat FP32 grad tensors of all DDP buffers (`param.main_grad` are views into them)."""
     return [buf.grad_data for buf in ddp.buffers + ddp.expert_parallel_buffers]
+
+
+def grad_buffer_groups(ddp: DistributedDataParallel) -> list[dist.ProcessGroup]:
+    """Per `grad_buffers` entry, the group DDP reduces it over: data-parallel for dense
+    parameters, expert-data-parallel (DP / EP ranks) for routed experts."""
+    return [buf.data_parallel_group for buf in ddp.buffers + ddp.expert_parallel_buffers]
 
 
 def flat_grad_numel(ddp: DistributedDataParallel) -> int:

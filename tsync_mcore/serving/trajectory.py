@@ -113,6 +113,12 @@ class TrajectoryKind:
             # Token weight 1/L_i (or 1) now; the batch's divisor is the deferred scalar at
             # close (objectives/token_norm.py).
             w = l.norm.source_weight(src.n_scored)
+            # model.ep > 1: expert gradients land on the experts' ranks, summed with those of
+            # the sources served there in the same pass, so the coefficient rides in the
+            # loss and the fold adds the buffers as they are (only direct folds run then).
+            coef_in_loss = svc.fold == "direct" and l.policy.ep_size > 1
+            if coef_in_loss:
+                w *= self._coef(src)
             prefix = self._prefix_for(src) if l.cfg.shared_prefix else None
             # ρ_t (off-policy correction) per scored token: inside the backward's weights.
             q = len(prefix) if prefix is not None else 0
@@ -125,7 +131,7 @@ class TrajectoryKind:
             span = dict(span_tokens=src.n_tokens - q, context=q, logits=True)
             grads = l.policy.grad_buffers()
             if svc.fold == "direct":
-                coef = self._coef(src)
+                coef = 1.0 if coef_in_loss else self._coef(src)
                 l.fold_direct(g, grads, coef)
                 if prefix is not None:
                     prefix.fold_direct(coef)
