@@ -161,9 +161,11 @@ def test_config_keys_ep_and_aux_loss(tiny_qwen3_moe):
     for overrides, match in [
         ({"model.ep": 0}, r"'model.ep': must be >= 1"),
         ({"model.moe_aux_loss_coeff": -1.0}, r"'model.moe_aux_loss_coeff'"),
-        # the learner serves EP ranks in lockstep in the replay harness only (tests below)
-        ({"model.hf_dir": tiny_qwen3_moe, "model.ep": 2, "rollout.n_learners": 2},
-         r"'model.ep': 2: model.ep > 1 runs in the replay harness only for now"),
+        # the learner serves EP ranks in lockstep, each group on one rank
+        ({"model.hf_dir": tiny_qwen3_moe, "model.ep": 2, "rollout.n_learners": 2,
+          "learner.shared_prefix": False, "learner.schedule": "sync",
+          "rollout.routing": "balanced"},
+         r"'rollout.routing': 'balanced' with model.ep = 2: the lockstep serves each group"),
         ({"model.hf_dir": tiny_qwen3_moe, "model.tp": 2, "rollout.n_learners": 2},
          r"'model.tp': 2: mixture-of-experts training needs model.tp 1"),
         ({"model.hf_dir": tiny_qwen3_moe, "model.lora.rank": 4},
@@ -175,11 +177,9 @@ def test_config_keys_ep_and_aux_loss(tiny_qwen3_moe):
 
 def test_expert_parallel_learner_refusals(tiny_qwen3_moe, tmp_path):
     """At ep > 1 what the lockstep cannot match is refused in one line naming the key: OPD,
-    shared prompts, schedules that fold into a group's pair, the aux loss, balanced routing,
-    checkpoints."""
-    from types import SimpleNamespace
-
-    from tsync_mcore import checkpoint, replay
+    shared prompts, schedules that fold into a group's pair, the aux loss, balanced
+    routing."""
+    from tsync_mcore import replay
     from tsync_mcore.config import ConfigError, load_config
 
     ok = {"model.hf_dir": tiny_qwen3_moe, "model.ep": 2, "learner.shared_prefix": False,
@@ -198,12 +198,8 @@ def test_expert_parallel_learner_refusals(tiny_qwen3_moe, tmp_path):
     with pytest.raises(SystemExit):
         replay.parse_args(["--model", tiny_qwen3_moe, "--batch", "b", "--out", "o",
                            "--ep", "2", "--routing", "balanced"])
-    stub = SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(ep=2)))
-    for call in (lambda: checkpoint.save(str(tmp_path), stub, 1, 0),
-                 lambda: checkpoint.load(str(tmp_path), stub)):
-        with pytest.raises(checkpoint.CheckpointError, match="model.ep 2: checkpoints"):
-            call()
-    assert not os.listdir(tmp_path)
+    live = load_config(None, {**ok, "rollout.n_learners": 2})  # the live trainer: static
+    assert live.model.ep == 2 and live.rollout.routing == "static"
 
 
 # --------------------------------------------------------------------------- 2 ranks
@@ -488,3 +484,77 @@ def test_trained_checkpoint_exports_to_hf(tiny_qwen3_moe, parallel1, tmp_path):
     assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "qwen3_moe"
     err = _check_against_learner(run, out)
     print(f"\nMoE export: HF logits vs the learner's Megatron logits max |err| {err:.1e}")
+
+
+# --------------------------------------------------------------------------- live, EP = 2
+
+
+def test_live_run_at_ep2_publishes_checkpoints_and_exports(tmp_path):
+    """launch/run.py on the demo task with the vLLM-sized tiny MoE, 2 learner ranks at
+    model.ep 2 (lockstep serving, group_ready) with learner routing replay: every update
+    trains on θ_k, each rank's experts move, the checkpoint holds each rank's experts, and
+    its HF export equals, bit for bit, the last weights published to vLLM (gathered over EP
+    on the live ranks; the export renumbers each rank file's experts)."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tsync_mcore import trace
+    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.testing.tiny_moe import VLLM_TINY_MOE
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model, run, pub = tmp_path / "model", tmp_path / "run", tmp_path / "publish"
+    make_tiny_checkpoint(str(model), **VLLM_TINY_MOE)
+    p = subprocess.run(
+        [sys.executable, os.path.join(root, "launch/run.py"), "--config",
+         os.path.join(root, "configs/demo.yaml"), "--set", f"run.dir={run}",
+         f"model.hf_dir={model}", "run.updates=2", "rollout.groups_per_batch=4", "model.ep=2",
+         "learner.schedule=group_ready", "learner.shared_prefix=false",
+         "learner.routing_replay=learner", "run.publish=file", f"run.publish_dir={pub}"],
+        cwd=root, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "[config] rollout.routing: auto -> static (model.ep > 1" in p.stdout
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["policy_version"] for r in rows] == [0, 1]
+    assert all(r["stale_sources"] == 0 and r["trajectories"] == 16 for r in rows)
+    for r in range(2):
+        for e in trace.sources(trace.read(str(run / "traces" / f"rank{r}.jsonl"))):
+            assert e.policy_version == e.update
+    meta = json.load(open(run / "checkpoints" / "step_2" / "meta.json"))
+    assert meta["ep"] == 2
+    exported = {}
+    for f in (run / "hf").glob("*.safetensors"):
+        exported.update(load_file(str(f)))
+    published = load_file(str(pub / "policy_v2.safetensors"))
+    assert exported.keys() == published.keys()
+    assert all(torch.equal(exported[k], published[k]) for k in published)
+    init = load_file(str(next(model.glob("*.safetensors"))))
+    for e in range(4):  # experts 0, 1 on EP rank 0; 2, 3 on EP rank 1
+        k = f"model.layers.0.mlp.experts.{e}.down_proj.weight"
+        assert not torch.equal(init[k], exported[k]), k
+
+
+def test_resume_refuses_another_expert_parallel_layout(tiny_qwen3_moe, parallel1, tmp_path):
+    """A checkpoint records model.ep (each rank file holds its own experts); an EP size its
+    world cannot hold is refused naming meta.json, before anything is restored. (A resume
+    with another EP size over the same ranks is refused the same way: 'written with
+    model.ep N'; one rank cannot show it.)"""
+    from tsync_mcore import checkpoint
+    from tsync_mcore.config import load_config
+    from tsync_mcore.policy import Policy
+
+    policy = Policy(load_config(None, {"model.hf_dir": tiny_qwen3_moe}), par=parallel1)
+    step = checkpoint.save(str(tmp_path), policy, 1, 0)
+    mpath = os.path.join(step, "meta.json")
+    meta = json.load(open(mpath))
+    assert "ep" not in meta  # ep 1 checkpoints look as before
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    for bad, match in [(2, r"meta.json: ep 2 must be an integer >= 2 with tp × ep dividing "
+                           r"world_size 1"),
+                       ("2", r"meta.json: ep '2' must be an integer")]:
+        json.dump({**meta, "ep": bad}, open(mpath, "w"))
+        with pytest.raises(checkpoint.CheckpointError, match=match):
+            checkpoint.load(step, policy)
+    assert all(torch.equal(p, before[n]) for n, p in policy.model.named_parameters())

@@ -13,7 +13,7 @@ directory and renamed into place only after every rank has finished, so a crash 
 leaves the previous checkpoint intact. `load` checks everything (files, types, that the
 tensors cover exactly this rank's parameters with their shapes and dtypes) on every rank
 before it changes anything, so a refused resume leaves model and optimizer untouched.
-Resuming needs the same world layout (ranks, TP); the next update then equals the one an
+Resuming needs the same world layout (ranks, TP, EP); the next update then equals the one an
 uninterrupted run would have made. Optimizer hyper-parameters come from the config.
 """
 
@@ -134,7 +134,6 @@ def _py_rng_to_json(state: tuple) -> list:
 
 def save(run_dir: str, policy: Policy, version: int, data_pos: int) -> str:
     """Collective: every rank writes its file; returns the checkpoint directory."""
-    _check_ep(policy)
     root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(root, f"step_{version}")
     tmp = final + ".tmp"
@@ -149,7 +148,7 @@ def save(run_dir: str, policy: Policy, version: int, data_pos: int) -> str:
         tensors, rest = _collect(policy)
     header = {"format": FORMAT, "rank": str(par.rank), "world_size": str(par.world_size),
               "tp": str(par.tp_size), "version": str(version), "data_pos": str(data_pos),
-              "state": json.dumps(rest)}
+              "state": json.dumps(rest), **_ep_header(policy)}
     path = os.path.join(tmp, f"rank{par.rank}.safetensors")
     save_file(tensors, path, metadata=header)
     os.chmod(path, 0o600)
@@ -160,6 +159,8 @@ def save(run_dir: str, policy: Policy, version: int, data_pos: int) -> str:
                 "world_size": par.world_size, "tp": par.tp_size}
         if policy.lora is not None:  # what export needs to rebuild the PEFT adapter
             meta["lora"] = policy.lora.to_json()
+        if policy.ep_size > 1:  # each rank holds its own experts (export gathers them)
+            meta["ep"] = policy.ep_size
         _write_private(os.path.join(tmp, "meta.json"), json.dumps(meta))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -169,12 +170,13 @@ def save(run_dir: str, policy: Policy, version: int, data_pos: int) -> str:
     return final
 
 
-def _check_ep(policy: Policy) -> None:
-    # why: at ep > 1 each rank holds other experts, which neither the layout check, the
-    # resume nor `python -m tsync_mcore.export` (TP shards only) knows about
-    if policy.cfg.model.ep > 1:
-        raise CheckpointError(f"model.ep {policy.cfg.model.ep}: checkpoints of expert-parallel "
-                              f"runs are not supported yet (each rank holds other experts)")
+def _ep_header(policy: Policy) -> dict[str, str]:
+    """Expert parallelism in a rank file's header: the size and this rank's place, so a
+    resume and an export know which experts the file holds (absent at ep 1)."""
+    if policy.ep_size == 1:
+        return {}
+    from megatron.core import parallel_state as ps
+    return {"ep": str(policy.ep_size), "ep_rank": str(ps.get_expert_model_parallel_rank())}
 
 
 def _private_dir(path: str) -> None:
@@ -256,7 +258,6 @@ def load(ckpt_dir: str, policy: Policy) -> dict:
     """Collective: check this rank's part, agree with every rank that all parts are good,
     then restore. Returns meta (version, data_pos). Raises CheckpointError, leaving model,
     optimizer and RNG untouched, if any rank's part is refused."""
-    _check_ep(policy)
     error = None
     try:
         plan = _validate(ckpt_dir, policy)
@@ -300,6 +301,8 @@ def _check_header(header: dict, rank: int, meta: dict, where: str) -> None:
     want = {"format": FORMAT, "rank": str(rank), "world_size": str(meta["world_size"]),
             "tp": str(meta["tp"]), "version": str(meta["version"]),
             "data_pos": str(meta["data_pos"])}
+    if meta.get("ep", 1) > 1:
+        want["ep"] = str(meta["ep"])
     for k, v in want.items():
         if header.get(k) != v:
             raise CheckpointError(f"{where}: header {k}={header.get(k)!r}, meta.json/this "
@@ -315,6 +318,9 @@ def _validate(ckpt_dir: str, policy: Policy) -> _Plan:
         raise CheckpointError(f"checkpoint {mpath}: written by {meta['world_size']} ranks with "
                               f"TP={meta['tp']}; this run has {par.world_size} ranks with "
                               f"TP={par.tp_size}")
+    if meta.get("ep", 1) != policy.ep_size:
+        raise CheckpointError(f"checkpoint {mpath}: written with model.ep {meta.get('ep', 1)}; "
+                              f"this run has model.ep {policy.ep_size}")
     if meta.get("lora") != policy.lora:
         raise CheckpointError(f"checkpoint {mpath}: LoRA {_lora_text(meta.get('lora'))}; this "
                               f"run has {_lora_text(policy.lora)}")
@@ -342,6 +348,7 @@ def _lora_text(lora) -> str:
 def _read_meta(path: str, step: int) -> dict:
     meta = _checked(read_json_object, path, follow_symlinks=False)
     lora_meta = meta.pop("lora", None)  # optional: present in a LoRA run's checkpoints
+    ep = meta.pop("ep", None)  # optional: present when model.ep > 1
     if set(meta) != set(_META_KEYS):
         raise CheckpointError(f"checkpoint {path}: keys {sorted(meta)}, expected "
                               f"{sorted(_META_KEYS)}")
@@ -359,6 +366,12 @@ def _read_meta(path: str, step: int) -> dict:
     if not (1 <= meta["world_size"] <= 1 << 20 and 1 <= meta["tp"] <= meta["world_size"]):
         raise CheckpointError(f"checkpoint {path}: world_size {meta['world_size']} / tp "
                               f"{meta['tp']} out of range")
+    if ep is not None:
+        if type(ep) is not int or not 2 <= ep <= meta["world_size"] \
+                or meta["world_size"] % (ep * meta["tp"]):
+            raise CheckpointError(f"checkpoint {path}: ep {ep!r} must be an integer >= 2 with "
+                                  f"tp × ep dividing world_size {meta['world_size']}")
+        meta["ep"] = ep
     if lora_meta is not None:
         from tsync_mcore.model.lora import LoraSpec
         meta["lora"] = _checked(LoraSpec.from_json, lora_meta, path)

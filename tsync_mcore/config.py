@@ -617,9 +617,9 @@ class Config:
         ep = self.model.ep
         if ep == 1:
             return
-        _check(replay, "model.ep", f"{ep}: model.ep > 1 runs in the replay harness only for "
-               f"now (the live trainer's ranks get sources at different times, and do not "
-               f"serve in lockstep yet); use 1")
+        _check(replay or self.routing == "static", "rollout.routing",
+               f"'{self.rollout.routing}' with model.ep = {ep}: the lockstep serves each group "
+               f"on one rank; use 'static' (or 'auto')")
         _check(self.learner.objective != "opd", "learner.objective", f"'opd' with model.ep = "
                f"{ep}: OPD turns run K/V-context forwards and a deferred replay per rank, "
                f"passes the lockstep does not match; use a GRPO-family objective or model.ep 1")
@@ -686,7 +686,7 @@ class Config:
         """rollout.routing with 'auto' resolved for the objective (see `resolve`)."""
         if self.rollout.routing != "auto":
             return self.rollout.routing
-        return "static" if self.learner.objective == "opd" else "balanced"
+        return "static" if self.learner.objective == "opd" or self.model.ep > 1 else "balanced"
 
 
 def _on_gpu() -> bool:
@@ -741,8 +741,9 @@ def resolve(cfg: Config) -> list[str]:
                                "OPD streams turns before a trajectory's length is known: 1/N_k"
                                if opd else "GRPO family: 1/(n_groups·m_G·L_i)")
     if rc.routing == "auto":
-        rc.routing = choose("rollout.routing", "static" if opd else "balanced",
+        rc.routing = choose("rollout.routing", "static" if opd or mc.ep > 1 else "balanced",
                             "OPD keeps a trajectory's turns on one rank" if opd else
+                            "model.ep > 1 serves each group on one rank" if mc.ep > 1 else
                             "GRPO family: each trajectory to the least-loaded rank")
     if rc.dtype == "auto":
         rc.dtype = choose("rollout.dtype", mc.dtype, "follows model.dtype")

@@ -217,6 +217,8 @@ def merged_weights(ckpt_dir: str, spec, dtype: torch.dtype
         path = checkpoint.rank_file(ckpt_dir, r, meta)
         where = f"checkpoint {path}"
         tensors = _read_model_tensors(path)
+        if meta.get("ep", 1) > 1:
+            tensors = _with_all_experts(ckpt_dir, meta, spec, tensors, where)
         if plan is None:
             plan = _expected_local(spec, list(tensors), tp, where)
         odd = sorted(set(tensors) ^ set(plan))
@@ -237,6 +239,44 @@ def merged_weights(ckpt_dir: str, spec, dtype: torch.dtype
         for name, full in zip(hf_names, bridge._from_shards(kind, parts, spec)):
             out[name] = full.contiguous()
     return dict(sorted(out.items(), key=lambda kv: order[kv[0]])), meta
+
+
+def _with_all_experts(ckpt_dir: str, meta: dict, spec, tensors: dict[str, torch.Tensor],
+                      where: str) -> dict[str, torch.Tensor]:
+    """Rank 0's model tensors with every expert-parallel rank's experts under their global
+    index (local expert j of EP rank r is expert r·E/ep + j), as one rank would hold them
+    at ep 1. MoE training runs at TP 1, where megatron puts EP ranks 0..ep−1 on ranks
+    0..ep−1: each file's header says which EP rank wrote it, and is checked."""
+    checkpoint, bridge = _megatron()
+    ep = meta["ep"]
+    if meta["tp"] != 1:
+        raise ExportError(f"{where}: ep {ep} with tp {meta['tp']}; expert-parallel export "
+                          f"reads TP 1 checkpoints")
+    local = spec.num_experts // ep
+    out = {n: t for n, t in tensors.items() if not bridge.is_expert_param(n)}
+    for r in range(ep):
+        path = checkpoint.rank_file(ckpt_dir, r, meta)
+        got = _checked_ep_rank(path, r)
+        part = tensors if r == 0 else _read_model_tensors(path)
+        for n, t in part.items():
+            if not bridge.is_expert_param(n):
+                continue
+            m = re.search(r"\.local_experts\.(\d+)\.", n)
+            j = int(m.group(1))
+            if j >= local:
+                raise ExportError(f"checkpoint {path}: local expert {j}, but EP rank {got} "
+                                  f"holds {local}")
+            out[n.replace(m.group(0), f".local_experts.{got * local + j}.")] = t
+    return out
+
+
+def _checked_ep_rank(path: str, r: int) -> int:
+    with safe_open(path, "pt", device="cpu") as f:
+        got = (f.metadata() or {}).get("ep_rank")
+    if got != str(r):
+        raise ExportError(f"checkpoint {path}: header ep_rank={got!r}, expected {r} (rank {r} "
+                          f"of a TP 1 expert-parallel run)")
+    return r
 
 
 ADAPTER_DIR = "lora_adapter"  # a LoRA run's PEFT adapter, inside the exported directory

@@ -271,15 +271,26 @@ class Learner:
         # tile them) agree on each step: while any rank has work, each runs one model pass,
         # a real one or a dummy (docs/moe.md). Every rank calls _drain at the same points
         # (static routing in the replay harness: each rank is given every source).
-        while True:
-            units = self._take()
-            mine = 2 if self._runs_pass(units) else 1 if units else 0
-            most = self.policy.dp_max_vector([mine])[0]
-            if most == 0:
-                return
-            self._run(units)
-            if most == 2 and mine < 2:
-                self._dummy_pass()
+        while self.serve_together()[0]:
+            pass
+
+    def serve_together(self, closed: bool = True, stopping: bool = False
+                       ) -> tuple[bool, bool, bool]:
+        """ep > 1: one lockstep round over the DP ranks (a collective: every rank calls it
+        the same number of times). Each rank serves its next pass, or a dummy pass when a
+        peer runs one and it has none. `closed`: this rank has its batch's CloseBatch;
+        `stopping`: this rank must stop. Returns (any rank served something, some rank is
+        not closed yet, some rank is stopping); a stopping round serves nothing."""
+        units = [] if stopping else self._take()
+        mine = 2 if self._runs_pass(units) else 1 if units else 0
+        most, waiting, stop = self.policy.dp_max_vector(
+            [float(mine), float(not closed), float(stopping)])
+        if stop:
+            return False, bool(waiting), True  # the batch is abandoned: units need not run
+        self._run(units)
+        if most == 2 and mine < 2:
+            self._dummy_pass()
+        return most > 0, bool(waiting), False
 
     def _dummy_pass(self) -> None:
         """A pass with nothing to serve; the gradient the peers' tokens left on this rank's

@@ -90,6 +90,13 @@ class Policy:
         return train.current_lr(self.optimizer)
 
     @property
+    def gathers_to_export(self) -> bool:
+        """Whether exporting θ (publication, export_params) is a collective: at TP > 1 each
+        TP group gathers its shards, at EP > 1 each EP group its experts; else rank 0 alone
+        holds everything."""
+        return self.par.tp_size > 1 or self.ep_size > 1
+
+    @property
     def ep_size(self) -> int:
         """Expert-parallel size (megatron's, as model.ep set it): > 1, every MoE forward and
         backward is a collective over the EP group."""

@@ -78,9 +78,10 @@ def path_for(publish_dir: str, version: int) -> str:
 
 
 def write(policy, publish_dir: str, version: int) -> str:
-    """Collective at TP > 1 (the export gathers TP shards); rank 0 writes the file."""
+    """Collective at TP or EP > 1 (the export gathers TP shards and experts); rank 0
+    writes the file."""
     path = path_for(publish_dir, version)
-    if policy.par.tp_size == 1 and policy.par.rank != 0:
+    if not policy.gathers_to_export and policy.par.rank != 0:
         return path
     params = policy.export_params()
     if policy.par.rank == 0:
@@ -117,7 +118,7 @@ def write_adapter(policy, publish_dir: str, version: int) -> str:
     from tsync_mcore.model import lora
 
     path = adapter_path_for(publish_dir, version)
-    if policy.par.tp_size == 1 and policy.par.rank != 0:
+    if not policy.gathers_to_export and policy.par.rank != 0:
         return path
     tensors = policy.export_adapter()
     if policy.par.rank == 0:
@@ -192,7 +193,7 @@ class Publisher:
                 self.link.send(notice(version, path))
                 self.stats = {"publish/method": "file", "publish/bytes": os.path.getsize(path)}
             return
-        if self.policy.par.tp_size == 1 and not self.rank0:
+        if not self.policy.gathers_to_export and not self.rank0:
             return
         from tsync_mcore import publish_dist
 
@@ -200,7 +201,7 @@ class Publisher:
             self.params = publish_dist.params_of(self._named())
         named = self._named()
         if not self.rank0:
-            for _ in named:  # this rank's part of each TP gather
+            for _ in named:  # this rank's part of each TP / expert gather
                 pass
             return
         if self.sender is None:
