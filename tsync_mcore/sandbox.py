@@ -4,7 +4,8 @@ Each run gets:
 
 * a working directory: a fresh temporary one (removed afterwards), optionally seeded with
   a copy of a template directory, or a caller's persistent one (a terminal episode's repo);
-  it is also HOME and TMPDIR. stdin/stdout/stderr are files in a second, root-private
+  it is also HOME and TMPDIR. `python` and `python3` on PATH are the interpreter the
+  sandbox user can run (`interpreter`). stdin/stdout/stderr are files in a second, root-private
   temporary directory (the program only holds their descriptors, so it cannot swap them
   for links to files it may not read);
 * an environment of PATH/HOME/TMPDIR/LANG only (none of the trainer's variables);
@@ -53,8 +54,13 @@ TRUNCATED = "\n[... output truncated: {n} more bytes]"
 # Runs as the process group leader (in the new network namespace when there is one):
 # joins the pids cgroup, sets the limits, drops privileges, execs the program.
 _LAUNCHER = """\
-import json, os, resource, sys
+import json, os, resource, signal, sys
 a = json.loads(sys.argv[1])
+# Python ignores SIGPIPE and SIGXFSZ, and exec keeps ignored signals: the default back,
+# so a program writing past RLIMIT_FSIZE dies of SIGXFSZ (Python programs ignore it again
+# and get EFBIG)
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
 if a["cgroup"]:
     with open(a["cgroup"], "w") as f:
         f.write(str(os.getpid()))
@@ -330,6 +336,7 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
                 raise SandboxError(f"sandbox: network isolation required but {why}")
             _warn_once(f"sandbox runs WITH network access: {why}")
     cg_root = pids_cgroup_root()
+    exe = interpreter(limits)
     launcher_python = sys.executable  # runs as the caller (root) before the drop
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tsync-sandbox-") as rundir, \
@@ -337,6 +344,11 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
         os.chmod(io, 0o700)
         if template:
             shutil.copytree(template, rundir, dirs_exist_ok=True, symlinks=True)
+        # `python`/`python3` on PATH: the interpreter the sandbox user can run
+        bindir = os.path.join(rundir, ".sandbox-bin")
+        os.mkdir(bindir)
+        for alias in ("python", "python3"):
+            os.symlink(exe, os.path.join(bindir, alias))
         for name, text in (files or {}).items():
             with open(os.path.join(rundir, name), "w", encoding="utf-8") as f:
                 f.write(text)
@@ -353,7 +365,7 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
             nproc=limits.nproc_user if cg else limits.nproc,
             cgroup=os.path.join(cg, "cgroup.procs") if cg else "",
             uid=ids[0] if ids else None, gid=ids[1] if ids else None)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": rundir, "TMPDIR": rundir,
+        env = {"PATH": f"{bindir}:/usr/local/bin:/usr/bin:/bin", "HOME": rundir, "TMPDIR": rundir,
                "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
         out_path, err_path = os.path.join(io, "stdout"), os.path.join(io, "stderr")
         in_path = os.path.join(io, "stdin")
