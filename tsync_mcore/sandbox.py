@@ -46,7 +46,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 UNSHARE = "/usr/bin/unshare"
 TRUNCATED = "\n[... output truncated: {n} more bytes]"
@@ -438,7 +438,3 @@ async def arun_shell(command: str, **kw) -> Result:
 
 async def arun_python(code: str, **kw) -> Result:
     return await asyncio.to_thread(run_python, code, **kw)
-
-
-def with_timeout(limits: Limits, timeout_s: float) -> Limits:
-    return replace(limits, timeout_s=timeout_s)

@@ -75,8 +75,8 @@ def _task(seed: int) -> Task:
         sig, visible = f"{name}(s)", [(word, word[::-1].upper())]
         hidden = [(w, w[::-1].upper()) for w in ("xyz", "Hello", "q" + word)]
     arg = sig[sig.index("(") + 1:-1]
-    helpers = (f'def double(x):\n    """Return 2 * x."""\n    return 2 * x\n\n\n'
-               f'def is_even(n):\n    """Whether n is even."""\n    return n % 2 == 0\n')
+    helpers = ('def double(x):\n    """Return 2 * x."""\n    return 2 * x\n\n\n'
+               'def is_even(n):\n    """Whether n is even."""\n    return n % 2 == 0\n')
 
     def module(body: str) -> str:
         return (f'"""Small utilities."""\n\n\n{helpers}\n\n'
