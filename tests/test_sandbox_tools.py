@@ -301,3 +301,25 @@ def test_terminal_env_tasks_and_observations(tok):
     # an episode stopped early (token budget) is verified by reward()
     env.reset(6)
     assert env.reward() == 0.0 and env.workdir is None
+
+
+def test_terminal_env_from_config_and_the_driver_hook(tok):
+    from types import SimpleNamespace
+
+    from tsync_mcore.config import ConfigError, load_config
+    from tsync_mcore.rollout.driver import RolloutDriver, _Batch
+
+    cfg = load_config(None, {"rollout": {"env": "terminal", "max_turns": 5},
+                             "tools": {"timeout_s": 3.0, "network": "require"}})
+    cfg.validate()  # no data.train needed
+    stub = SimpleNamespace(feed=None, rc=cfg.rollout, cfg=cfg, tok=tok)
+    envs = RolloutDriver._envs(stub, _Batch(0, {}, [], [], ["a", "b"], ["g", "g"]))
+    assert len(envs) == 2 and all(isinstance(e, TerminalTaskEnv) for e in envs)
+    assert envs[0].cfg.max_turns == 5 and envs[0].limits.timeout_s == 3.0
+    assert envs[0].limits.network == "require"
+    assert RolloutDriver._step_timeout_s(stub) == 3.0 * 4 + 20.0 + 10.0
+    for bad in ({"tools": {"network": "maybe"}}, {"tools": {"timeout_s": 0}},
+                {"rollout": {"env": "terminal"}, "learner": {"objective": "opd"}}):
+        with pytest.raises(ConfigError):
+            c = load_config(None, {"rollout": {"env": "terminal"}, **bad})
+            c.validate()

@@ -557,8 +557,7 @@ class RewardConfig:
 
 @dataclass
 class ToolsConfig:
-    """The agents' sandboxed tools (python, bash: tsync_mcore.tools) and rollout.env
-    'terminal' (docs/tools.md)."""
+    """The agents' sandboxed tools (python, bash) and rollout.env 'terminal' (docs/tools.md)."""
 
     timeout_s: float = 10.0  # one tool call's wall time (and CPU seconds, rounded up)
     memory_mb: int = 1024  # one tool call's address space (RLIMIT_AS)
