@@ -323,3 +323,20 @@ def test_terminal_env_from_config_and_the_driver_hook(tok):
         with pytest.raises(ConfigError):
             c = load_config(None, {"rollout": {"env": "terminal"}, **bad})
             c.validate()
+
+
+def test_concurrent_terminal_episodes_do_not_interfere(tok):
+    async def main():
+        envs, runs = [], []
+        for seed in range(8):
+            task = _task(seed)
+            env = TerminalTaskEnv(tok, TerminalConfig(max_turns=3), LIM)
+            envs.append(env)
+            runs.append(run_trajectory(ScriptedEngine(tok, [fix_calls(task), "Fixed."]), env,
+                                       seed=0, env_seed=seed, max_turns=3,
+                                       max_tokens_per_turn=4096, max_total_tokens=60000))
+        return await asyncio.gather(*runs)
+
+    t0 = time.monotonic()
+    res = asyncio.run(main())
+    assert [r.reward for r in res] == [1.0] * 8 and time.monotonic() - t0 < 60

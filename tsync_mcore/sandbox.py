@@ -35,6 +35,8 @@ filesystem isolation (a program reads what `nobody` may read: world-readable fil
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import json
 import os
 import pwd
@@ -427,14 +429,30 @@ def run_python(code: str, *, limits: Limits = Limits(), stdin: str = "", **kw) -
     return run([exe, "-I", InRun("prog.py")], limits=limits, stdin=stdin, files=files, **kw)
 
 
+# Sandbox runs of the event loop's callers wait in these threads (blocked in wait(), not
+# computing): enough for every episode of a large batch to run a tool at once, which
+# asyncio's default pool (min(32, cores + 4) threads) is not.
+_POOL_WORKERS = 64
+_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+async def in_thread(fn, *args, **kw):
+    """`fn(*args, **kw)` in the sandbox thread pool: the event loop goes on meanwhile."""
+    if not _POOL:
+        _POOL.append(concurrent.futures.ThreadPoolExecutor(
+            _POOL_WORKERS, thread_name_prefix="tsync-sandbox"))
+    return await asyncio.get_running_loop().run_in_executor(
+        _POOL[0], functools.partial(fn, *args, **kw))
+
+
 async def arun(argv: Sequence[str], **kw) -> Result:
     """`run` in a worker thread: the event loop goes on while the program runs."""
-    return await asyncio.to_thread(run, argv, **kw)
+    return await in_thread(run, argv, **kw)
 
 
 async def arun_shell(command: str, **kw) -> Result:
-    return await asyncio.to_thread(run_shell, command, **kw)
+    return await in_thread(run_shell, command, **kw)
 
 
 async def arun_python(code: str, **kw) -> Result:
-    return await asyncio.to_thread(run_python, code, **kw)
+    return await in_thread(run_python, code, **kw)

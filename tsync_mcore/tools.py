@@ -4,7 +4,8 @@
 ({"type": "function", "function": {"name", "description", "parameters"}}), for a chat
 template's `tools=` or an endpoint's function calling. `await ToolBox.call(name,
 arguments)` validates the arguments (a JSON object string, or a dict) and runs the tool in
-the sandbox (tsync_mcore.sandbox) in a worker thread, so the event loop goes on; it never
+the sandbox (tsync_mcore.sandbox) in a worker thread (`sandbox.in_thread`: 64 of them), so
+the event loop goes on; it never
 raises on bad model output: an unknown tool, arguments that are not a JSON object, missing
 or mistyped fields, all give an "error: ..." string the model sees. A box made with a
 `workdir` runs every call there (files persist between calls: a terminal episode's repo);
@@ -16,7 +17,6 @@ In-text tool calls (`parse_tool_calls`) follow the Qwen/Hermes convention:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from dataclasses import dataclass, replace
@@ -144,7 +144,7 @@ class ToolBox:
             return res
         fn, kw = res
         try:
-            return format_result(await asyncio.to_thread(fn, **kw))
+            return format_result(await sb.in_thread(fn, **kw))
         except sb.SandboxError as e:
             return f"error: {name}: the sandbox cannot run: {e}"
 

@@ -19,7 +19,6 @@ the tests, so an `os._exit(0)` planted in the module passes nothing), else 0.0.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import secrets
@@ -162,7 +161,7 @@ class TerminalTaskEnv:
                 self.n_calls += not c.error
             messages.append({"role": "tool", "content": out})
         if not calls or self.turn >= self.cfg.max_turns:
-            await asyncio.to_thread(self._verify)
+            await sb.in_thread(self._verify)
             return [], True
         return observation_ids(self.tok, messages, action_ids), False
 
