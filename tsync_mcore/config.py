@@ -375,7 +375,9 @@ class RolloutConfig:
 
     n_learners: int = 2  # learner ranks (world size of the learner torchrun)
     # "toy" (built-in task), "dataset" (data.train's prompts, one answer scored by
-    # reward.function) or "skyrl:<env name>" (a SkyRL-Gym env fed data.train's rows)
+    # reward.function), "terminal" (make a failing test pass in a generated repo with the
+    # sandboxed bash/python tools; docs/tools.md) or "skyrl:<env name>" (a SkyRL-Gym env
+    # fed data.train's rows)
     env: str = "toy"
     groups_per_batch: int = 8  # prompts (groups) per batch, i.e. per optimizer step
     group_size: int = 4  # trajectories sampled per prompt (GRPO group size m)
@@ -412,9 +414,10 @@ class RolloutConfig:
         _check(self.group_size >= 1, "rollout.group_size", "must be >= 1")
         _check(self.max_turns >= 1, "rollout.max_turns", "must be >= 1")
         _check(self.max_tokens_per_turn >= 1, "rollout.max_tokens_per_turn", "must be >= 1")
-        _check(self.env in ("toy", "dataset") or
+        _check(self.env in ("toy", "dataset", "terminal") or
                (self.env.startswith("skyrl:") and len(self.env) > len("skyrl:")),
-               "rollout.env", f"must be 'toy', 'dataset' or 'skyrl:<name>', got {self.env!r}")
+               "rollout.env", f"must be 'toy', 'dataset', 'terminal' or 'skyrl:<name>', "
+                              f"got {self.env!r}")
         _check(self.max_total_tokens >= 1, "rollout.max_total_tokens", "must be >= 1")
         _check(self.temperature >= 0, "rollout.temperature",
                f"must be >= 0 (0: greedy), got {self.temperature}")
@@ -553,6 +556,35 @@ class RewardConfig:
 
 
 @dataclass
+class ToolsConfig:
+    """The agents' sandboxed tools (python, bash) and rollout.env 'terminal' (docs/tools.md)."""
+
+    timeout_s: float = 10.0  # one tool call's wall time (and CPU seconds, rounded up)
+    memory_mb: int = 1024  # one tool call's address space (RLIMIT_AS)
+    # processes of one call (its pids cgroup where writable, else RLIMIT_NPROC of the
+    # sandbox user, shared by all concurrent calls)
+    nproc: int = 64
+    fsize_mb: int = 16  # largest file a tool call may write (RLIMIT_FSIZE)
+    # "isolate": a new network namespace (no network) where Linux permits, else a warning
+    # and the host's network; "require": fail where not permitted; "host": no isolation
+    network: Literal["isolate", "require", "host"] = "isolate"
+    user: str = "nobody"  # run as root, tool calls drop to this user
+    python: str = ""  # the python tool's interpreter ("": this one, else system python3)
+    max_output_chars: int = 2000  # of stdout and of stderr shown to the model per call
+    max_calls_per_turn: int = 4  # tool calls run per assistant turn (more: an error)
+    verify_timeout_s: float = 20.0  # terminal env: the hidden tests' wall time
+
+    def validate(self) -> None:
+        _check(self.timeout_s > 0, "tools.timeout_s", "must be > 0")
+        _check(self.memory_mb >= 64, "tools.memory_mb", f"must be >= 64, got {self.memory_mb}")
+        _check(self.nproc >= 1, "tools.nproc", "must be >= 1")
+        _check(self.fsize_mb >= 1, "tools.fsize_mb", "must be >= 1")
+        _check(self.max_output_chars >= 100, "tools.max_output_chars", "must be >= 100")
+        _check(self.max_calls_per_turn >= 1, "tools.max_calls_per_turn", "must be >= 1")
+        _check(self.verify_timeout_s > 0, "tools.verify_timeout_s", "must be > 0")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -563,6 +595,7 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     seed: int = 1234  # seeds sampling, environments and the learner's RNGs
 
     def validate(self, replay: bool = False) -> None:
@@ -583,6 +616,7 @@ class Config:
                f" = {self.rollout.tp} × {self.rollout.replicas}")
         self.data.validate()
         self.reward.validate()
+        self.tools.validate()
         self._check_data_and_reward()
         _check(self.rollout.n_learners % self.model.tp == 0, "rollout.n_learners",
                f"{self.rollout.n_learners} learner ranks do not split into tensor-parallel "
@@ -667,19 +701,22 @@ class Config:
 
     def _check_data_and_reward(self) -> None:
         env = self.rollout.env
-        _check(env == "toy" or bool(self.data.train), "data.train",
+        _check(env in ("toy", "terminal") or bool(self.data.train), "data.train",
                f"rollout.env={env!r} takes its prompts from a dataset: set data.train")
         _check(env != "dataset" or bool(self.reward.function), "reward.function",
                "rollout.env='dataset' scores each response with a reward function: set "
                "reward.function (a built-in: exact_match, math, code_tests; or file.py:name)")
         _check(not self.run.eval_every or bool(self.data.eval), "data.eval",
                f"run.eval_every={self.run.eval_every} evaluates on a dataset: set data.eval")
-        _check(not self.run.eval_every or env != "toy", "run.eval_every",
+        _check(not self.run.eval_every or env not in ("toy", "terminal"), "run.eval_every",
                "evaluation runs data.eval's prompts: use rollout.env 'dataset' or 'skyrl:<name>'")
         _check(not (env.startswith("skyrl:") and self.reward.function), "reward.function",
                f"{env} scores episodes itself (its reward_spec); leave reward.function empty")
         _check(not (env == "dataset" and self.learner.objective == "opd"), "rollout.env",
                "'dataset' is single-turn GRPO-family; OPD needs a multi-turn env")
+        _check(not (env == "terminal" and self.learner.objective == "opd"), "rollout.env",
+               "'terminal' episodes end when the agent stops calling tools, and OPD "
+               "registers every trajectory's turn count up front: use the GRPO family")
 
     @property
     def routing(self) -> str:

@@ -106,7 +106,7 @@ class RolloutDriver:
             check_hf_dir(self.rc.teacher_dir)
         # Datasets and the reward function are checked before the channel opens: a bad row
         # or spec stops here in one line, not after the learners joined.
-        self.feed = DataFeed(cfg) if self.rc.env != "toy" else None
+        self.feed = DataFeed(cfg) if self.rc.env not in ("toy", "terminal") else None
         self.pending_metrics: dict = {}  # evaluation results for the next CloseBatch
         ch = cfg.channel
         self.links: list[Link] = open_rollout_side(ch.listen_addr or ch.addr, ch.port,
@@ -295,6 +295,10 @@ class RolloutDriver:
             rng = (lambda i: random.Random(i)) if salt is None else \
                 (lambda i: random.Random(salt * 1_000_003 + i))
             return [ToyToolEnv(self.tok, conf, latency_rng=rng(i)) for i in range(n)]
+        if self.rc.env == "terminal":
+            from tsync_mcore.rollout.terminal_env import terminal_envs
+            return terminal_envs(self.tok, n, max_turns=self.rc.max_turns,
+                                 tools_cfg=self.cfg.tools)
         name = self.rc.env.split(":", 1)[1]
         prompt = [{"role": "user", "content": "Solve the task step by step."}]
         return [SkyRLGymAdapter.from_registry(name, self.tok, prompt) for _ in range(n)]
@@ -443,6 +447,9 @@ class RolloutDriver:
         # The dataset env's step is the reward call, limited by reward.timeout_s itself.
         if self.rc.env == "dataset":
             return self.cfg.reward.timeout_s + 5.0
+        if self.rc.env == "terminal":  # a turn's tool calls, then (last turn) the verifier
+            t = self.cfg.tools
+            return t.timeout_s * t.max_calls_per_turn + t.verify_timeout_s + 10.0
         return self.rc.tool_timeout_s * 2
 
     # --- one_step_off ---------------------------------------------------------------------
