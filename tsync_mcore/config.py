@@ -824,10 +824,17 @@ def _check_splits(cfg: Config) -> None:
         where = cfg.model.hf_dir
         # why: megatron refuses MoE training at TP > 1 without sequence parallelism, which
         # the learner does not use yet (docs/moe.md)
-        _check(cfg.model.tp == 1, "model.tp", f"{cfg.model.tp}: mixture-of-experts training "
-               f"needs model.tp 1 for now; {where} is a MoE checkpoint")
         _check(not cfg.model.use_lora, "model.lora", f"LoRA on mixture-of-experts layers is "
                f"not supported yet; {where} is a MoE checkpoint")
+        if cfg.model.tp > 1:
+            # why: MoE layers run at TP > 1 without sequence parallelism (model/bridge.py),
+            # with every token reaching its experts on each TP rank; tested at ep 1 and
+            # without the load-balancing loss, whose gradient would count each token tp times
+            _check(cfg.model.ep == 1, "model.ep", f"{cfg.model.ep} with model.tp "
+                   f"{cfg.model.tp}: a mixture-of-experts model trains with one of them > 1")
+            _check(cfg.model.moe_aux_loss_coeff == 0, "model.moe_aux_loss_coeff",
+                   f"> 0 with model.tp {cfg.model.tp}: the load-balancing loss runs at TP 1 "
+                   f"only; use 0")
     else:
         _check(cfg.learner.routing_replay == "off", "learner.routing_replay",
                f"'{cfg.learner.routing_replay}' replays the routing of mixture-of-experts "

@@ -71,6 +71,13 @@ class Policy:
         self._buffer_groups = train.grad_buffer_groups(self.ddp)  # each one's DP reduction
         self._reduced = train.reduced_grad_ranges(self.ddp)  # this rank's part after the reduce
         self._grad_slices = self._map_grad_slices()
+        # MoE at TP > 1 (no sequence parallelism, model/bridge.py): megatron's dispatcher
+        # gathers every TP rank's tokens for the experts, and each rank holds the whole
+        # sequence, so each token reaches its experts tp times and their weight gradients
+        # come out tp times over; the step takes them back to one.
+        self._expert_slices = [] if not (self.spec.moe and self.par.tp_size > 1) else [
+            (i, a, b) for n, (i, a, b, _) in self._grad_slices.items()
+            if bridge.is_expert_param(n)]
         # Entropy of the scored tokens served since the last take_entropy() (a metric).
         self._entropy_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._entropy_tokens = 0
@@ -230,6 +237,8 @@ class Policy:
         lr = self.lr
         for buf, acc in zip(self._buffers, descent):
             buf.copy_(acc.mul_(scale))  # scale in the accumulator's precision; it is reset next batch
+        for i, a, b in self._expert_slices:
+            self._buffers[i][a:b].div_(self.par.tp_size)
         grad = None
         if export_grad:
             full = [b.clone() for b in self._buffers]

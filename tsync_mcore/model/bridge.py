@@ -586,8 +586,59 @@ def build_model(
     # why: WrappedTorchNorm (local spec RMSNorm) is built without a dtype.
     model = model.to(device=platform.device(), dtype=dtype)
     if load_weights:
+        _mark_tensor_parallel(model)
         _load_weights(model, hf_dir, mspec)
+    if mspec.moe and tp > 1:
+        _moe_without_sequence_parallel(model)
     return model, mspec
+
+
+def _mark_tensor_parallel(model: GPTModel) -> None:
+    """Give TP-sharded weights megatron's tensor-parallel attributes.
+
+    why: megatron 0.16 sets them only inside its weight initialisers, which do not run with
+    perform_initialization=False (the weights are loaded instead). Without them every
+    sharded weight counts as a TP replica, and the optimizer's global grad norm (so the
+    clipping) took only TP rank 0's shards: at TP = 2 it read about 1/√2 of the true norm."""
+    from megatron.core import tensor_parallel as tpl
+
+    for m in model.modules():
+        if isinstance(m, (tpl.ColumnParallelLinear, tpl.VocabParallelEmbedding)):
+            dims = {"weight": 0, "bias": 0}
+        elif isinstance(m, tpl.RowParallelLinear):
+            dims = {"weight": 1}  # a row-parallel bias is whole on every rank
+        else:
+            continue
+        for name, dim in dims.items():
+            p = getattr(m, name, None)
+            if isinstance(p, torch.nn.Parameter) and not getattr(p, "tensor_model_parallel",
+                                                                 False):
+                tpl.set_tensor_model_parallel_attributes(p, True, dim, 1)
+
+
+def _moe_without_sequence_parallel(model: GPTModel) -> None:
+    """Let MoE layers train at TP > 1 without sequence parallelism.
+
+    why: megatron 0.16's MoELayer.forward raises in training mode at TP > 1 without
+    sequence parallelism, a performance guard ("performance may degrade"): every TP rank
+    then routes the whole sequence instead of its slice. The learner's span and packed
+    forwards do not run sequence-parallel. With the aux and z losses off (config check),
+    `training` changes nothing else in a MoE layer, so its forward runs with it False."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for layer in model.modules():
+        if isinstance(layer, MoELayer):
+            layer.forward = _eval_mode_forward(layer, layer.forward)
+
+
+def _eval_mode_forward(layer, forward):
+    def run(*args, **kwargs):
+        was, layer.training = layer.training, False
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            layer.training = was
+    return run
 
 
 # --------------------------------------------------------------------------- export
