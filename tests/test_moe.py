@@ -166,8 +166,13 @@ def test_config_keys_ep_and_aux_loss(tiny_qwen3_moe):
           "learner.shared_prefix": False, "learner.schedule": "sync",
           "rollout.routing": "balanced"},
          r"'rollout.routing': 'balanced' with model.ep = 2: the lockstep serves each group"),
-        ({"model.hf_dir": tiny_qwen3_moe, "model.tp": 2, "rollout.n_learners": 2},
-         r"'model.tp': 2: mixture-of-experts training needs model.tp 1"),
+        ({"model.hf_dir": tiny_qwen3_moe, "model.tp": 2, "model.ep": 2,
+          "rollout.n_learners": 4, "learner.shared_prefix": False,
+          "learner.schedule": "sync"},
+         r"'model.ep': 2 with model.tp 2: a mixture-of-experts model trains with one of them"),
+        ({"model.hf_dir": tiny_qwen3_moe, "model.tp": 2, "rollout.n_learners": 2,
+          "model.moe_aux_loss_coeff": 0.01},
+         r"'model.moe_aux_loss_coeff': > 0 with model.tp 2: the load-balancing loss runs"),
         ({"model.hf_dir": tiny_qwen3_moe, "model.lora.rank": 4},
          r"'model.lora': LoRA on mixture-of-experts layers is not supported yet"),
     ]:
@@ -281,6 +286,11 @@ def moe_replays(tiny_qwen3_moe, tmp_path_factory):
                  "ep2_group_ready": [*ep, "--schedule", "group_ready",
                                      "--max-tokens-per-pass", "0"],
                  "ep2_packed": [*ep, "--schedule", "group_ready", "--max-tokens-per-pass", "64"]})
+    # TP = 2 (DP 1): MoE layers without sequence parallelism (model/bridge.py)
+    jobs.update({"tp2_sync": [*grpo, "--schedule", "sync", "--tp", "2"],
+                 "tp2_thundersync": [*grpo, "--schedule", "thundersync", "--k-open", "2",
+                                     "--tp", "2"],
+                 "tp2_opd_thundersync": [*opd, "--schedule", "thundersync", "--tp", "2"]})
     out = replay_many({n: [*common, *f] for n, f in jobs.items()}, str(d))
     out.update(rows=rows, opd_rows=opd_rows, routed=routed, opd_routed=opd_routed)
     return out
@@ -397,6 +407,29 @@ def test_opd_replay_streams_the_sync_update(moe_replays, tiny_qwen3_moe):
         err = rel_l2(got, ref)
         print(f"MoE {name} vs FP64 HF reference (Eq. 8-9): rel L2 = {err:.2e}")
         assert err <= 1e-5, name
+
+
+def test_tp2_replays_equal_tp1(moe_replays):
+    """MoE training at TP = 2 (no sequence parallelism: each TP rank routes the whole
+    sequence, and the step takes the experts' tp-fold gradients back to one): GRPO sync and
+    thundersync, OPD thundersync equal the TP = 1 runs (≤ 1e-6), and the reported grad norm
+    is the gradient's own."""
+    from safetensors.torch import load_file
+
+    from reference import rel_l2
+
+    def grad(name, k=0):
+        return load_file(os.path.join(moe_replays[name]["dir"], f"grad_{k}.safetensors"))
+
+    for tp2, tp1, ks in (("tp2_sync", "sync", (0, 1)), ("tp2_thundersync", "sync", (0, 1)),
+                         ("tp2_opd_thundersync", "opd_sync", (0,))):
+        for k in ks:
+            err = rel_l2(grad(tp2, k), grad(tp1, k))
+            print(f"MoE {tp2} vs {tp1} (TP 1, DP 2), update {k}: rel L2 = {err:.2e}")
+            assert err <= 1e-6, (tp2, k)
+        g = grad(tp2, ks[-1])
+        norm = sum(float((t.double() ** 2).sum()) for t in g.values()) ** 0.5
+        assert abs(moe_replays[tp2]["summary"]["grad_norm"][-1] - norm) <= 1e-5 * norm
 
 
 def _forced(model, row):
