@@ -115,10 +115,20 @@ class ToyToolEnv:
     def reset(self, seed: int) -> list[int]:
         self._n_action = self._n_target = self.turn = self.n_timeouts = 0
         self.tool_latencies = []
+        return prompt_ids(self.tok, self.task_messages(seed))
+
+    @staticmethod
+    def task_messages(seed: int) -> list[dict[str, str]]:
+        """The task's chat messages for `seed` (what an external agent is given)."""
         task = random.Random(seed).randint(0, 999)
-        messages = [{"role": "user", "content": f"Task {task}: write digits only. A counter "
-                                                f"tool reports your digit count."}]
-        return prompt_ids(self.tok, messages)
+        return [{"role": "user", "content": f"Task {task}: write digits only. A counter "
+                                            f"tool reports your digit count."}]
+
+    @staticmethod
+    def tool_text(n_target: int, n_action: int) -> str:
+        """The counter tool's answer after `n_action` action tokens, `n_target` of them
+        in the target class."""
+        return f"{n_target}/{n_action} digits"
 
     def _account(self, action_ids: Sequence[int]) -> None:
         self._n_action += len(action_ids)
@@ -127,7 +137,7 @@ class ToyToolEnv:
 
     async def _tool(self, latency: float) -> str:
         await asyncio.sleep(latency)
-        return f"{self._n_target}/{self._n_action} digits"
+        return self.tool_text(self._n_target, self._n_action)
 
     async def step(self, action_ids: list[int]) -> tuple[list[int], bool]:
         self._account(action_ids)
