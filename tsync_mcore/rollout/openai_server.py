@@ -1,0 +1,376 @@
+"""An OpenAI-compatible HTTP endpoint on the rollout side, for agents written against the
+OpenAI API (docs/agents.md).
+
+    POST /t/<traj>/v1/chat/completions   POST /v1/chat/completions  (X-Tsync-Trajectory: <traj>)
+    POST /t/<traj>/v1/completions        POST /v1/completions       (same header)
+    POST /t/<traj>/v1/reward             POST /v1/trajectories/<traj>/reward   {"reward": x}
+    GET  /t/<traj>/v1/models             GET  /v1/models
+
+Every request belongs to a trajectory the rollout registered (`register`); the agent gets
+`OPENAI_BASE_URL=http://HOST:PORT/t/<traj>/v1`, so an existing agent needs only its base
+URL. Bearer auth with the run's random key (`OPENAI_API_KEY`). The server runs on the
+engine's event loop and calls the same engine (`RolloutEngine` or `ReplicaSet`) as the
+built-in agent loop; each trajectory's `Session` records the exact ids (openai_session).
+
+Errors are OpenAI's error objects with one-line messages: 400 a request this endpoint does
+not take (n > 1, stream, stop strings, a history rewrite under `reject`, a budget spent),
+401 a wrong key, 404 an unknown trajectory, 409 a closed or stale trajectory (its batch's
+policy is no longer served) or a second reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from tsync_mcore.rollout.openai_session import Session, SessionError, assistant_message
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def _number(body: dict, key: str, default: float | None, lo: float, hi: float,
+            lo_open: bool = False) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+            v < lo or v > hi or (lo_open and v == lo):
+        raise ApiError(400, f"{key} must be a number in {'(' if lo_open else '['}{lo}, {hi}], "
+                            f"got {v!r}", param=key)
+    return float(v)
+
+
+def _int(body: dict, key: str, lo: int = 0) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ApiError(400, f"{key} must be an integer >= {lo}, got {v!r}", param=key)
+    return v
+
+
+class OpenAIServer:
+    """Sessions + the FastAPI app. `register` a trajectory before its agent starts,
+    `close` it when the agent is done; `current_version()` is the policy version the
+    engine serves (a session of another version is stale)."""
+
+    def __init__(self, engine: Any, tokenizer: Any, *, api_key: str, model: str = "tsync",
+                 history: str = "segment", temperature: float = 1.0,
+                 current_version: Callable[[], int] | None = None) -> None:
+        self.engine, self.tok, self.api_key, self.model = engine, tokenizer, api_key, model
+        self.history, self.temperature = history, temperature
+        self.current_version = current_version or (lambda: int(getattr(engine, "version", 0)))
+        self.sessions: dict[str, Session] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.routes: dict[str, str] = {}
+        self.counts = dict(requests=0, rewrites=0, rejected=0, stale=0, bad=0)
+        self.host, self.port = "", 0
+        self._server = self._task = None
+        self.app = self._make_app()
+
+    # --- trajectories -----------------------------------------------------------------
+
+    def register(self, traj_id: str, *, version: int, seed: int | None = None,
+                 route: str | None = None, **limits: int) -> Session:
+        if traj_id in self.sessions:
+            raise ValueError(f"trajectory {traj_id} is registered already")
+        s = Session(self.tok, traj_id, version=version, seed=seed, history=self.history,
+                    **limits)
+        self.sessions[traj_id] = s
+        self._locks[traj_id] = asyncio.Lock()
+        if route is not None:
+            self.routes[traj_id] = route
+        return s
+
+    def close(self, traj_id: str, why: str) -> Session:
+        """No more requests for it (they get 409 `why`); the session, for its record."""
+        s = self.sessions[traj_id]
+        s.closed = why
+        return s
+
+    def forget(self, traj_id: str) -> None:
+        self.sessions.pop(traj_id, None)
+        self._locks.pop(traj_id, None)
+        self.routes.pop(traj_id, None)
+
+    def base_url(self, traj_id: str) -> str:
+        return f"http://{self.host}:{self.port}/t/{traj_id}/v1"
+
+    def take_metrics(self) -> dict[str, float]:
+        out = {f"rollout/openai_{k}": float(v) for k, v in self.counts.items()}
+        self.counts = {k: 0 for k in self.counts}
+        return out
+
+    def set_reward(self, traj_id: str, value: Any) -> None:
+        s = self._session(traj_id)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value) or abs(value) > 1e6:
+            raise ApiError(400, f"reward must be a finite number with |reward| <= 1e6, "
+                                f"got {value!r}", param="reward")
+        if s.closed:
+            raise ApiError(409, f"trajectory {traj_id} is closed: {s.closed}")
+        if s.reward is not None:
+            raise ApiError(409, f"trajectory {traj_id} has its reward already ({s.reward})")
+        s.reward = float(value)
+
+    def _session(self, traj_id: str | None) -> Session:
+        if not traj_id:
+            raise ApiError(404, "no trajectory: use the base URL /t/<trajectory id>/v1, or "
+                                "send the X-Tsync-Trajectory header")
+        s = self.sessions.get(traj_id)
+        if s is None:
+            raise ApiError(404, f"unknown trajectory {traj_id!r}", kind="not_found_error")
+        return s
+
+    # --- serving ----------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Serve on this event loop; port 0: a free one. Returns (host, port)."""
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.set_inheritable(True)
+        self.host, self.port = host, sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off",
+                                access_log=False)
+        self._server = uvicorn.Server(config)
+        self._server.install_signal_handlers = lambda: None  # older uvicorn
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the start's error
+                raise RuntimeError("the OpenAI endpoint stopped while starting")
+            await asyncio.sleep(0.01)
+        return self.host, self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            try:
+                await asyncio.wait_for(self._task, 10)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+            self._server = None
+
+    def _make_app(self):
+        app = FastAPI(title="tsync-mcore rollout (OpenAI-compatible)", docs_url=None,
+                      redoc_url=None, openapi_url=None)
+
+        def error(e: ApiError) -> JSONResponse:
+            return JSONResponse({"error": {"message": e.message, "type": e.kind,
+                                           "param": e.param, "code": e.status}},
+                                status_code=e.status)
+
+        async def handle(request: Request, traj_id: str | None, fn) -> JSONResponse:
+            try:
+                auth = request.headers.get("authorization", "")
+                if auth != f"Bearer {self.api_key}":
+                    raise ApiError(401, "invalid API key (the run's OPENAI_API_KEY, as "
+                                        "'Authorization: Bearer <key>')",
+                                   kind="authentication_error")
+                traj_id = traj_id or request.headers.get("x-tsync-trajectory")
+                if request.method == "GET":
+                    return JSONResponse(await fn(traj_id, None))
+                try:
+                    body = await request.json()
+                except Exception:
+                    raise ApiError(400, "the request body is not JSON") from None
+                if not isinstance(body, dict):
+                    raise ApiError(400, "the request body must be a JSON object")
+                return JSONResponse(await fn(traj_id, body))
+            except ApiError as e:
+                if e.status == 400:
+                    self.counts["bad"] += 1
+                return error(e)
+
+        def bind(fn, with_id: bool):
+            if with_id:
+                async def route(request: Request, traj_id: str):
+                    return await handle(request, traj_id, fn)
+            else:
+                async def route(request: Request):
+                    return await handle(request, None, fn)
+            return route
+
+        for prefix, with_id in (("/t/{traj_id}/v1", True), ("/v1", False)):
+            app.post(prefix + "/chat/completions")(bind(self._chat, with_id))
+            app.post(prefix + "/completions")(bind(self._completion, with_id))
+            app.get(prefix + "/models")(bind(self._models, with_id))
+        app.post("/t/{traj_id}/v1/reward")(bind(self._reward, True))
+        app.post("/v1/trajectories/{traj_id}/reward")(bind(self._reward, True))
+        return app
+
+    async def _models(self, traj_id, body) -> dict:
+        return {"object": "list", "data": [{"id": self.model, "object": "model",
+                                            "created": 0, "owned_by": "tsync-mcore"}]}
+
+    async def _reward(self, traj_id, body) -> dict:
+        if "reward" not in body:
+            raise ApiError(400, 'the body must be {"reward": <number>}', param="reward")
+        self.set_reward(traj_id, body["reward"])
+        return {"trajectory": traj_id, "reward": self.sessions[traj_id].reward}
+
+    def _sampling(self, body: dict) -> dict:
+        if body.get("stream"):
+            raise ApiError(400, "stream: true is not supported by this endpoint", param="stream")
+        n = _int(body, "n", 1)
+        if n not in (None, 1):
+            raise ApiError(400, f"n must be 1 (one completion per request: each is a turn of "
+                                f"the trajectory), got {n}", param="n")
+        stop = body.get("stop")
+        if stop not in (None, [], ""):
+            raise ApiError(400, "stop strings are not supported (the model's EOS ends a turn)",
+                           param="stop")
+        if _int(body, "best_of", 1) not in (None, 1):
+            raise ApiError(400, "best_of must be 1", param="best_of")
+        if body.get("top_logprobs"):
+            raise ApiError(400, "top_logprobs is not supported (logprobs: true gives each "
+                                "sampled token's)", param="top_logprobs")
+        rf = body.get("response_format")
+        if rf not in (None, {"type": "text"}):
+            raise ApiError(400, "response_format is not supported", param="response_format")
+        mt = body.get("max_completion_tokens", body.get("max_tokens"))
+        if mt is not None:
+            mt = _int({"max_tokens": mt}, "max_tokens", 1)
+        return dict(temperature=_number(body, "temperature", self.temperature, 0, 2),
+                    top_p=_number(body, "top_p", 1.0, 0, 1, lo_open=True),
+                    seed=_int(body, "seed"), max_tokens=mt,
+                    logprobs=bool(body.get("logprobs")))
+
+    async def _generate(self, s: Session, plan_fn, sp: dict):
+        """Plan, sample, check, record, under the trajectory's lock: (pending, GenOut)."""
+        async with self._locks[s.traj_id]:
+            if s.closed:
+                raise ApiError(409, f"trajectory {s.traj_id} is closed: {s.closed}",
+                               kind="conflict_error")
+            now = self.current_version()
+            if now != s.version:
+                self.counts["stale"] += 1
+                raise ApiError(409, f"trajectory {s.traj_id} is stale: it belongs to the batch "
+                                    f"of θ_{s.version}, the engine serves θ_{now}",
+                               kind="conflict_error")
+            rewrites = s.rewrites
+            try:
+                pending = plan_fn(sp["max_tokens"])
+            except SessionError as e:
+                if s.rewrites > rewrites:
+                    self.counts["rewrites"] += 1
+                    self.counts["rejected"] += 1
+                raise ApiError(400, str(e)) from None
+            if pending.rewritten:
+                self.counts["rewrites"] += 1
+            seed = sp["seed"] if sp["seed"] is not None else (
+                s.sampling_seed(0 if pending.new_segment else None))
+            kw = {"route": self.routes[s.traj_id]} if s.traj_id in self.routes and \
+                hasattr(self.engine, "route") else {}
+            try:
+                out = await self.engine.generate(pending.prompt_ids, max_tokens=pending.max_tokens,
+                                                 temperature=sp["temperature"], seed=seed,
+                                                 top_p=sp["top_p"], **kw)
+            except ValueError as e:
+                raise ApiError(400, f"the engine refused the request: {e}") from None
+            versions = list(out.token_versions) or [out.policy_version] * len(out.token_ids)
+            if any(v != s.version for v in versions):
+                # a publication happened while it waited at the engine's gate: never record
+                # tokens of another version under this trajectory
+                self.counts["stale"] += 1
+                raise ApiError(409, f"trajectory {s.traj_id} is stale: θ_{out.policy_version} "
+                                    f"was published while the request waited (its batch is "
+                                    f"θ_{s.version}'s)", kind="conflict_error")
+            self.counts["requests"] += 1
+            return pending, out
+
+    def _logprob_entries(self, out) -> list[dict]:
+        entries = []
+        for t, lp in zip(out.token_ids, out.logprobs):
+            text = self.tok.decode([t], skip_special_tokens=False)
+            entries.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+                            "top_logprobs": []})
+        return entries
+
+    @staticmethod
+    def _usage(pending, out) -> dict:
+        return {"prompt_tokens": len(pending.prompt_ids),
+                "completion_tokens": len(out.token_ids),
+                "total_tokens": len(pending.prompt_ids) + len(out.token_ids)}
+
+    def _ext(self, s: Session, out) -> dict:
+        return {"trajectory": s.traj_id, "turn": s.n_turns - 1, "segment": len(s.segments),
+                "policy_version": out.policy_version, "token_ids": list(out.token_ids)}
+
+    async def _chat(self, traj_id, body) -> dict:
+        s = self._session(traj_id)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list", param="messages")
+        tools = body.get("tools") or None
+        if tools is not None and not isinstance(tools, list):
+            raise ApiError(400, "tools must be a list", param="tools")
+        choice = body.get("tool_choice")
+        if choice not in (None, "auto", "none"):
+            raise ApiError(400, "tool_choice must be 'auto' or 'none' (the model decides, in "
+                                "its chat template's format)", param="tool_choice")
+        if body.get("parallel_tool_calls") is False:
+            pass  # the model's text decides; several calls are parsed in order
+        sp = self._sampling(body)
+        pending, out = await self._generate(
+            s, lambda mt: s.plan_chat(messages, tools, mt), sp)
+        text = self.tok.decode(out.token_ids, skip_special_tokens=True)
+        answer = assistant_message(text, tools is not None and choice != "none",
+                                   s.n_turns)
+        s.commit(pending, out, answer)
+        finish = "tool_calls" if answer.get("tool_calls") else out.finish_reason
+        return {"id": f"chatcmpl-{s.traj_id}-{s.n_requests}", "object": "chat.completion",
+                "created": int(time.time()), "model": self.model,
+                "choices": [{"index": 0, "message": answer, "finish_reason": finish,
+                             "logprobs": {"content": self._logprob_entries(out)}
+                             if sp["logprobs"] else None}],
+                "usage": self._usage(pending, out), "tsync": self._ext(s, out)}
+
+    async def _completion(self, traj_id, body) -> dict:
+        s = self._session(traj_id)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(self.tok)
+                for t in prompt))):
+            raise ApiError(400, "prompt must be a string or a list of token ids (one prompt)",
+                           param="prompt")
+        if body.get("echo") or body.get("suffix"):
+            raise ApiError(400, "echo and suffix are not supported")
+        sp = self._sampling(body)
+        if body.get("logprobs") not in (None, False, 0, 1, True):
+            raise ApiError(400, "logprobs > 1 (top alternatives) is not supported",
+                           param="logprobs")
+        pending, out = await self._generate(s, lambda mt: s.plan_text(prompt, mt), sp)
+        s.commit(pending, out)
+        text = self.tok.decode(out.token_ids, skip_special_tokens=True)
+        lp = None
+        if sp["logprobs"]:
+            toks = [self.tok.decode([t], skip_special_tokens=False) for t in out.token_ids]
+            offs, o = [], 0
+            for t in toks:
+                offs.append(o)
+                o += len(t)
+            lp = {"tokens": toks, "token_logprobs": list(out.logprobs), "top_logprobs": None,
+                  "text_offset": offs}
+        return {"id": f"cmpl-{s.traj_id}-{s.n_requests}", "object": "text_completion",
+                "created": int(time.time()), "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": lp,
+                             "finish_reason": out.finish_reason}],
+                "usage": self._usage(pending, out), "tsync": self._ext(s, out)}
