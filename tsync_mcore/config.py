@@ -405,9 +405,40 @@ class RolloutConfig:
     # fully_async: groups generated at once at most (0: groups_per_batch); AReaL's staleness
     # bound (learner.max_staleness) may hold fewer back (docs/async.md)
     max_groups_in_flight: int = 0
+    # Who runs the trajectories (docs/agents.md): "builtin" (the agent loop in this
+    # process) or "openai" (rollout.agent_command, one process per trajectory, talking to
+    # the OpenAI-compatible endpoint at rollout.serve_openai; the server records the exact
+    # ids it sampled, the learner trains on those)
+    agent: Literal["builtin", "openai"] = "builtin"
+    # agent: openai: the endpoint's HOST:PORT (port 0: a free one); agents get
+    # OPENAI_BASE_URL=http://HOST:PORT/t/<trajectory id>/v1
+    serve_openai: str = "127.0.0.1:0"
+    # agent: openai: a shell command run per trajectory with OPENAI_BASE_URL,
+    # OPENAI_API_KEY, TSYNC_TRAJECTORY_ID and TSYNC_TASK (JSON) in its environment
+    # ("": the bundled demo agent, python -m tsync_mcore.agents.digits)
+    agent_command: str = ""
+    agent_timeout_s: float = 120.0  # an agent process running longer is killed (failed)
+    agent_failed_reward: float = 0.0  # the reward of a crashed or timed-out agent's trajectory
+    agent_concurrency: int = 0  # agent processes at once (0: every trajectory of the batch)
+    # A request whose messages are not the trajectory so far plus the returned answer (the
+    # agent rewrote history): "segment" (start a new segment; only the last one is trained)
+    # or "reject" (HTTP 400); both counted (rollout/openai_rewrites)
+    openai_history: Literal["segment", "reject"] = "segment"
 
     def validate(self) -> None:
         _check(self.n_learners >= 1, "rollout.n_learners", "must be >= 1")
+        _check(self.agent_timeout_s > 0, "rollout.agent_timeout_s",
+               f"must be > 0, got {self.agent_timeout_s}")
+        _check(self.agent_concurrency >= 0, "rollout.agent_concurrency",
+               f"must be >= 0 (0: every trajectory at once), got {self.agent_concurrency}")
+        _check(math.isfinite(self.agent_failed_reward), "rollout.agent_failed_reward",
+               "must be finite")
+        host, _, port = self.serve_openai.rpartition(":")
+        _check(bool(host) and port.isdigit() and int(port) < 65536, "rollout.serve_openai",
+               f"must be HOST:PORT (port 0: a free one), got {self.serve_openai!r}")
+        _check(self.agent == "builtin" or self.env == "toy", "rollout.env",
+               f"rollout.agent: openai runs the toy task (rollout.env: toy) so far, got "
+               f"{self.env!r}")
         _check(self.max_groups_in_flight >= 0, "rollout.max_groups_in_flight",
                f"must be >= 0 (0: groups_per_batch), got {self.max_groups_in_flight}")
         _check(self.groups_per_batch >= 1, "rollout.groups_per_batch", "must be >= 1")
@@ -637,6 +668,10 @@ class Config:
                "learner.schedule", "'fully_async' is for the GRPO family: OPD registers a "
                "batch's turn counts before its turns stream, and fully_async forms a batch only "
                "from completed groups (one_step_off supports OPD)")
+        _check(not (self.rollout.agent == "openai" and (
+            self.learner.schedule == "fully_async" or self.learner.objective == "opd")),
+               "rollout.agent", "'openai' runs whole trajectories per batch: not with "
+               "learner.schedule: fully_async or learner.objective: opd")
         _check(not (self.run.eval_every and self.learner.schedule == "fully_async"),
                "run.eval_every", "evaluation runs between batches, and fully_async has no "
                "'between': use one_step_off or a synchronous schedule to evaluate")

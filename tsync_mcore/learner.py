@@ -41,7 +41,7 @@ from tsync_mcore.schedule import ASYNC_SCHEDULES, ReadinessQueue, Service
 from tsync_mcore.serving import SOURCE_KINDS
 from tsync_mcore.serving.experts import ExpertRoutes
 from tsync_mcore.sources import BatchPlan, SourceError, assign_groups, check_version
-from tsync_mcore.trace import DeferredRecord, Record, SourceRecord, UpdateRecord
+from tsync_mcore.trace import DeferredRecord, Record, SourceRecord, UpdateRecord, tokens_digest
 
 ACCUM_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 # model.ep > 1: the schedules that serve a source only once its group's rewards are known
@@ -189,7 +189,8 @@ class Learner:
                 group_id=g, turn=getattr(src, "turn", None), policy_version=src.policy_version,
                 scored_tokens=src.n_scored, policy_lag=self.version - src.policy_version,
                 lagged_tokens=self._lag(src)[1],
-                ready=self.now() if arrived is None else arrived - self.t0)
+                ready=self.now() if arrived is None else arrived - self.t0,
+                tokens_sha256=tokens_digest(src.tokens, src.scored_mask))
         self._maybe_complete(g)
         if serve:
             self._drain()

@@ -34,6 +34,15 @@ SCHEMA_VERSION = 4  # 2: UpdateRecord.head_peak_bytes, SourceRecord.fused_head a
 #                     3: UpdateRecord.accum_params; 4: UpdateRecord.dummy_passes
 
 
+def tokens_digest(tokens, scored_mask) -> str:
+    """sha256 of a source's token ids and scored mask (SourceRecord.tokens_sha256)."""
+    import hashlib
+
+    body = json.dumps([[int(t) for t in tokens], [int(m) for m in scored_mask]],
+                      separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
 class TraceError(ValueError):
     """A trace line is malformed or of another schema version; the message names it."""
 
@@ -66,6 +75,9 @@ class SourceRecord:
     # packed serving: the pass (numbered per update and rank) it ran in with other sources;
     # start/end/cpu are then its share of the pass, split by span tokens; None: alone
     pass_id: int | None = None
+    # sha256 of the source's tokens and scored mask as this rank received them
+    # (tokens_digest): compared with the rollout's records (RUN/agent/records.jsonl)
+    tokens_sha256: str | None = None
     kind: Literal["source"] = "source"  # fixed per class
 
     @property

@@ -133,6 +133,9 @@ class RolloutDriver:
         self.et = EngineThread()
         self.engine: ReplicaSet = self.et.run(self._make_engine())
         self.teacher = TeacherScorer(self.rc.teacher_dir) if self.turns else None
+        self.oai = self.agent_counters = None
+        if self.rc.agent == "openai":
+            self._start_openai()
         if self.turns and not self.rc.teacher_dir:
             raise RolloutStopped("OPD needs rollout.teacher_dir (the frozen teacher's HF "
                                  "directory)")
@@ -167,6 +170,56 @@ class RolloutDriver:
             raise
         engine.take_metrics()  # warm-up requests are no update's
         return engine
+
+    def _start_openai(self) -> None:
+        """rollout.agent: openai: the OpenAI-compatible endpoint on the engine's loop
+        (docs/agents.md), with a random key for this run."""
+        import secrets
+
+        from tsync_mcore.rollout.openai_agents import AgentCounters
+        from tsync_mcore.rollout.openai_server import OpenAIServer
+
+        self.oai = OpenAIServer(self.engine, self.tok, api_key=secrets.token_urlsafe(24),
+                                model=os.path.basename(os.path.normpath(self.cfg.model.hf_dir)),
+                                history=self.rc.openai_history, temperature=self.rc.temperature,
+                                current_version=lambda: self.loaded)
+        self.agent_counters = AgentCounters()
+        host, _, port = self.rc.serve_openai.rpartition(":")
+        try:
+            host, port = self.et.run(self.oai.start(host.strip("[]"), int(port)))
+        except OSError as e:
+            raise RolloutStopped(f"rollout.serve_openai: cannot serve on "
+                                 f"{self.rc.serve_openai}: {e}") from None
+        print(f"[rollout] OpenAI-compatible endpoint at http://{host}:{port}/t/<trajectory>/v1",
+              flush=True)
+
+    def _agents(self, batch: _Batch, envs: list, kwargs: dict):
+        """The batch's trajectories: the built-in loop, or one agent process each talking to
+        the endpoint (rollout.agent: openai)."""
+        if self.oai is None:
+            return run_batch(self.engine, envs, seeds=batch.seeds, env_seeds=batch.env_seeds,
+                             routes=batch.group_of, **kwargs)
+        from tsync_mcore.rollout.openai_agents import DEFAULT_COMMAND, run_agents
+
+        rc = self.rc
+        limits = dict(max_turns=rc.max_turns, max_tokens_per_turn=rc.max_tokens_per_turn,
+                      max_total_tokens=rc.max_total_tokens)
+        tasks = [{"messages": ToyToolEnv.task_messages(seed), "model": self.oai.model,
+                  "temperature": rc.temperature, **limits} for seed in batch.env_seeds]
+
+        def toy_reward(i: int, actions: list[list[int]]) -> float:
+            env = envs[i]  # the toy env sees each sampled completion, as in the built-in loop
+            env.reset(batch.env_seeds[i])
+            for a in actions:
+                env._account(a)
+            return env.reward()
+
+        return run_agents(self.oai, traj_ids=batch.traj_ids, group_of=batch.group_of,
+                          tasks=tasks, seeds=batch.seeds, version=self.loaded, limits=limits,
+                          command=rc.agent_command or DEFAULT_COMMAND,
+                          timeout_s=rc.agent_timeout_s, failed_reward=rc.agent_failed_reward,
+                          concurrency=rc.agent_concurrency, task_reward=toy_reward,
+                          run_dir=self.cfg.run.dir, counters=self.agent_counters)
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -247,6 +300,11 @@ class RolloutDriver:
     def close(self) -> None:
         for link in self.links:
             link.close()
+        if self.oai is not None:
+            try:
+                self.et.run(self.oai.stop(), timeout=20)
+            except Exception as e:
+                print(f"[rollout] stopping the OpenAI endpoint: {e}", flush=True)
         try:
             self.et.run(self.engine.aclose())
         finally:
@@ -392,9 +450,14 @@ class RolloutDriver:
         envs = self._envs(batch)
         stats = self.feed.stats() if self.feed is not None else None
         # A group's members share their prompt: one replica serves the whole group.
-        async for i, res in run_batch(self.engine, envs, seeds=batch.seeds,
-                                      env_seeds=batch.env_seeds, routes=batch.group_of,
-                                      on_turn=on_turn if self.turns else None, **kwargs):
+        if self.turns:
+            kwargs["on_turn"] = on_turn
+        async for i, res in self._agents(batch, envs, kwargs):
+            if not res.n_turns:  # an agent that failed before its first request
+                self._drop(batch.version, batch.group_of[i],
+                           f"trajectory {batch.traj_ids[i]}: its agent "
+                           f"{res.extra.get('agent_status', 'ended')} before any request")
+                continue
             rewards.append(res.reward)
             if stats is not None:
                 stats.add(envs[i])
@@ -430,7 +493,11 @@ class RolloutDriver:
         if stats is not None and stats.errors:  # reward.on_error: zero
             print(f"[rollout] {stats.errors} reward errors in update {batch.version}, scored 0; "
                   f"first: {stats.first_error}", flush=True)
-        return order, reward_mean, (stats.metrics() if stats is not None else {})
+        metrics = stats.metrics() if stats is not None else {}
+        if self.oai is not None:
+            metrics.update(self.oai.take_metrics())
+            metrics.update(self.agent_counters.take())
+        return order, reward_mean, metrics
 
     def _trajectory(self, traj_id: str, gid: str, res, order: int) -> TrajectorySource:
         """A finished trajectory as a source: its sampling log-probs, and the versions

