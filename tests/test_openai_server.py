@@ -253,3 +253,50 @@ def test_vllm_behind_the_endpoint_records_what_it_sampled(et, engine, tok):
             assert res.reward == replay_reward(tok, s.actions())
     finally:
         et.run(server.stop())
+
+
+def test_tool_calls_round_trip_through_the_official_client(et, tok):
+    """The docs' example: append the returned message as the client models it
+    (model_dump), answer its tool call; the next turn extends the record token for token."""
+    call = '<tool_call>{"name": "python", "arguments": {"code": "1+1"}}</tool_call>'
+    action = tok(call, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    engine = Scripted([action, [65, tok.eos_token_id]])
+    server = serve(et, engine, tok, history="reject")
+    tools = [{"type": "function", "function": {
+        "name": "python", "description": "run code",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}}}]
+    try:
+        s = server.register("tc", version=3, max_turns=3, max_tokens_per_turn=128,
+                            max_total_tokens=400)
+        c = client(server, "tc")
+        messages = [{"role": "user", "content": "compute"}]
+        r = c.chat.completions.create(model="m", messages=messages, tools=tools)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+        assert msg.tool_calls[0].function.name == "python"
+        assert json.loads(msg.tool_calls[0].function.arguments) == {"code": "1+1"}
+        messages.append(msg.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "2"})
+        c.chat.completions.create(model="m", messages=messages, tools=tools)
+        assert s.rewrites == 0 and s.n_turns == 2
+        from tsync_mcore.rollout.envs import observation_ids
+        assert s.turns[1]["prompt_ids"] == observation_ids(
+            tok, [{"role": "tool", "content": "2"}], action)
+        assert engine.prompts[1] == s.tokens[:s.turn_ends[0]] + s.turns[1]["prompt_ids"]
+    finally:
+        et.run(server.stop())
+
+
+def test_config_refusals():
+    from tsync_mcore.config import ConfigError, load_config
+
+    for overrides, what in [({"learner.schedule": "fully_async"}, "rollout.agent"),
+                            ({"learner.objective": "opd"}, "rollout.agent"),
+                            ({"rollout.env": "dataset"}, "rollout.env"),
+                            ({"rollout.serve_openai": "nohost"}, "rollout.serve_openai"),
+                            ({"rollout.agent_timeout_s": 0}, "rollout.agent_timeout_s"),
+                            ({"rollout.openai_history": "drop"}, "rollout.openai_history")]:
+        with pytest.raises(ConfigError, match=what):
+            load_config(None, {"rollout.agent": "openai", **overrides})
+    cfg = load_config(None, {"rollout.agent": "openai", "rollout.serve_openai": "0.0.0.0:8100"})
+    assert cfg.rollout.agent == "openai"
