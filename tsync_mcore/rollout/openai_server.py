@@ -21,6 +21,7 @@ policy is no longer served) or a second reward.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import math
 import socket
 import time
@@ -178,7 +179,7 @@ class OpenAIServer:
         async def handle(request: Request, traj_id: str | None, fn) -> JSONResponse:
             try:
                 auth = request.headers.get("authorization", "")
-                if auth != f"Bearer {self.api_key}":
+                if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
                     raise ApiError(401, "invalid API key (the run's OPENAI_API_KEY, as "
                                         "'Authorization: Bearer <key>')",
                                    kind="authentication_error")
@@ -251,8 +252,9 @@ class OpenAIServer:
                     seed=_int(body, "seed"), max_tokens=mt,
                     logprobs=bool(body.get("logprobs")))
 
-    async def _generate(self, s: Session, plan_fn, sp: dict):
-        """Plan, sample, check, record, under the trajectory's lock: (pending, GenOut)."""
+    async def _generate(self, s: Session, plan_fn, sp: dict, record):
+        """Plan, sample, check, and `record(pending, out)`, under the trajectory's lock:
+        (pending, GenOut)."""
         async with self._locks[s.traj_id]:
             if s.closed:
                 raise ApiError(409, f"trajectory {s.traj_id} is closed: {s.closed}",
@@ -292,6 +294,7 @@ class OpenAIServer:
                                     f"was published while the request waited (its batch is "
                                     f"θ_{s.version}'s)", kind="conflict_error")
             self.counts["requests"] += 1
+            record(pending, out)
             return pending, out
 
     def _logprob_entries(self, out) -> list[dict]:
@@ -327,12 +330,17 @@ class OpenAIServer:
         if body.get("parallel_tool_calls") is False:
             pass  # the model's text decides; several calls are parsed in order
         sp = self._sampling(body)
+        answers = []
+
+        def record(pending, out) -> None:
+            text = self.tok.decode(out.token_ids, skip_special_tokens=True)
+            answers.append(assistant_message(text, tools is not None and choice != "none",
+                                             s.n_turns))
+            s.commit(pending, out, answers[0])
+
         pending, out = await self._generate(
-            s, lambda mt: s.plan_chat(messages, tools, mt), sp)
-        text = self.tok.decode(out.token_ids, skip_special_tokens=True)
-        answer = assistant_message(text, tools is not None and choice != "none",
-                                   s.n_turns)
-        s.commit(pending, out, answer)
+            s, lambda mt: s.plan_chat(messages, tools, mt), sp, record)
+        answer = answers[0]
         finish = "tool_calls" if answer.get("tool_calls") else out.finish_reason
         return {"id": f"chatcmpl-{s.traj_id}-{s.n_requests}", "object": "chat.completion",
                 "created": int(time.time()), "model": self.model,
@@ -357,8 +365,8 @@ class OpenAIServer:
         if body.get("logprobs") not in (None, False, 0, 1, True):
             raise ApiError(400, "logprobs > 1 (top alternatives) is not supported",
                            param="logprobs")
-        pending, out = await self._generate(s, lambda mt: s.plan_text(prompt, mt), sp)
-        s.commit(pending, out)
+        pending, out = await self._generate(s, lambda mt: s.plan_text(prompt, mt), sp,
+                                            lambda p, o: s.commit(p, o))
         text = self.tok.decode(out.token_ids, skip_special_tokens=True)
         lp = None
         if sp["logprobs"]:
