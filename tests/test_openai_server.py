@@ -292,7 +292,7 @@ def test_config_refusals():
 
     for overrides, what in [({"learner.schedule": "fully_async"}, "rollout.agent"),
                             ({"learner.objective": "opd"}, "rollout.agent"),
-                            ({"rollout.env": "dataset"}, "rollout.env"),
+                            ({"rollout.env": "terminal"}, "rollout.env"),
                             ({"rollout.serve_openai": "nohost"}, "rollout.serve_openai"),
                             ({"rollout.agent_timeout_s": 0}, "rollout.agent_timeout_s"),
                             ({"rollout.openai_history": "drop"}, "rollout.openai_history")]:
@@ -300,3 +300,57 @@ def test_config_refusals():
             load_config(None, {"rollout.agent": "openai", **overrides})
     cfg = load_config(None, {"rollout.agent": "openai", "rollout.serve_openai": "0.0.0.0:8100"})
     assert cfg.rollout.agent == "openai"
+
+
+@pytest.mark.timeout(120)
+def test_agent_processes_ok_crashed_hung(et, tok, tmp_path):
+    """openai_agents.run_agents with real processes (the bundled agent) on a scripted engine:
+    a crash after its turns and a hang are failed trajectories with the failed reward; the
+    hung one's process group is killed at the timeout; records and logs are written."""
+    import sys
+    import time
+
+    from tsync_mcore.rollout.openai_agents import AgentCounters, run_agents
+
+    engine = Scripted(script_for(tok))
+    server = serve(et, engine, tok)
+    demo = f"{sys.executable} -m tsync_mcore.agents.digits"
+    marker = tmp_path / "hung-still-running"
+    cmd = (f"case $TSYNC_TRAJECTORY_ID in a) exec {demo};; b) {demo}; exit 5;; "
+           f"c) (sleep 30; touch {marker}) & sleep 600;; esac")
+    counters = AgentCounters()
+
+    async def task_reward(i, actions):
+        return float(len(actions))
+
+    async def go():
+        out = {}
+        async for i, res in run_agents(
+                server, traj_ids=["a", "b", "c"], group_of=["g"] * 3,
+                tasks=[task(1)] * 3, seeds=[1, 2, 3], version=3, limits=LIMITS, command=cmd,
+                timeout_s=12, failed_reward=-1.0, concurrency=0, task_reward=task_reward,
+                run_dir=str(tmp_path), counters=counters):
+            out[i] = res
+        return out
+
+    t0 = time.monotonic()
+    try:
+        out = et.run(go())
+    finally:
+        et.run(server.stop())
+    assert time.monotonic() - t0 < 25
+    assert out[0].reward == 3.0 and out[0].n_turns == 3 and out[0].stop_reason == "agent_exit"
+    assert out[1].reward == -1.0 and out[1].n_turns == 3  # crashed after its turns
+    assert out[1].extra["agent_status"] == "crashed"
+    assert out[2].reward == -1.0 and out[2].n_turns == 0  # hung before any request
+    assert counters.take() == {"rollout/agent_failures": 2.0, "rollout/agent_timeouts": 1.0,
+                               "rollout/agent_crashes": 1.0}
+    records = [json.loads(line) for line in open(tmp_path / "agent" / "records.jsonl")]
+    assert {r["traj_id"]: r["status"] for r in records} == {"a": "ok", "b": "crashed",
+                                                            "c": "timed out"}
+    assert {r["traj_id"]: r["exit_code"] for r in records} == {"a": 0, "b": 5, "c": None}
+    logs = tmp_path / "agent" / "logs"
+    assert sorted(os.listdir(logs)) == ["b.log", "c.log"]  # a successful agent's goes
+    assert server.sessions == {}
+    time.sleep(20)  # the hung agent's background child was killed with its group
+    assert not marker.exists()

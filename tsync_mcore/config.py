@@ -436,8 +436,8 @@ class RolloutConfig:
         host, _, port = self.serve_openai.rpartition(":")
         _check(bool(host) and port.isdigit() and int(port) < 65536, "rollout.serve_openai",
                f"must be HOST:PORT (port 0: a free one), got {self.serve_openai!r}")
-        _check(self.agent == "builtin" or self.env == "toy", "rollout.env",
-               f"rollout.agent: openai runs the toy task (rollout.env: toy) so far, got "
+        _check(self.agent == "builtin" or self.env in ("toy", "dataset"), "rollout.env",
+               f"rollout.agent: openai runs rollout.env: toy or dataset so far, got "
                f"{self.env!r}")
         _check(self.max_groups_in_flight >= 0, "rollout.max_groups_in_flight",
                f"must be >= 0 (0: groups_per_batch), got {self.max_groups_in_flight}")

@@ -204,21 +204,31 @@ class RolloutDriver:
         rc = self.rc
         limits = dict(max_turns=rc.max_turns, max_tokens_per_turn=rc.max_tokens_per_turn,
                       max_total_tokens=rc.max_total_tokens)
-        tasks = [{"messages": ToyToolEnv.task_messages(seed), "model": self.oai.model,
-                  "temperature": rc.temperature, **limits} for seed in batch.env_seeds]
+        if self.feed is not None:  # rollout.env: dataset: the row's chat messages
+            from tsync_mcore.data import row_messages
+            messages = [row_messages(self.feed.train.row(r), self.cfg.data.system_prompt)
+                        for r in batch.rows]
+        else:
+            messages = [ToyToolEnv.task_messages(seed) for seed in batch.env_seeds]
+        tasks = [{"messages": m, "model": self.oai.model, "temperature": rc.temperature,
+                  **limits} for m in messages]
 
-        def toy_reward(i: int, actions: list[list[int]]) -> float:
-            env = envs[i]  # the toy env sees each sampled completion, as in the built-in loop
+        async def task_reward(i: int, actions: list[list[int]]) -> float:
+            """The task's reward from the recorded actions, when the agent posted none."""
+            env = envs[i]
             env.reset(batch.env_seeds[i])
-            for a in actions:
-                env._account(a)
+            if self.feed is not None:  # reward.function on the final answer's text
+                await env.step(actions[-1])
+            else:  # the toy env sees every completion, as in the built-in loop
+                for a in actions:
+                    env._account(a)
             return env.reward()
 
         return run_agents(self.oai, traj_ids=batch.traj_ids, group_of=batch.group_of,
                           tasks=tasks, seeds=batch.seeds, version=self.loaded, limits=limits,
                           command=rc.agent_command or DEFAULT_COMMAND,
                           timeout_s=rc.agent_timeout_s, failed_reward=rc.agent_failed_reward,
-                          concurrency=rc.agent_concurrency, task_reward=toy_reward,
+                          concurrency=rc.agent_concurrency, task_reward=task_reward,
                           run_dir=self.cfg.run.dir, counters=self.agent_counters)
 
     # --- the loop -------------------------------------------------------------------------

@@ -13,7 +13,8 @@ process exits or is killed (its whole process group) after rollout.agent_timeout
 trajectory is then built from the server's record (`Session.result`), so the learner trains
 on the ids vLLM sampled. A process that exits non-zero or times out gives a failed
 trajectory: rollout.agent_failed_reward, counted (rollout/agent_failures). The reward is the
-one the agent posted, else the task's (the toy task's, computed from the recorded actions).
+one the agent posted, else the task's: the toy task's from the recorded actions, or
+(rollout.env: dataset) reward.function on the last completion's text.
 Each trajectory's record goes to RUN/agent/records.jsonl; a failed agent's output is kept in
 RUN/agent/logs/<trajectory id>.log.
 """
@@ -27,7 +28,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from tsync_mcore.rollout.agent import TrajectoryResult
@@ -96,7 +97,7 @@ async def run_agents(
     timeout_s: float,
     failed_reward: float,
     concurrency: int,
-    task_reward: Callable[[int, list[list[int]]], float],
+    task_reward: Callable[[int, list[list[int]]], Awaitable[float]],
     run_dir: str,
     counters: AgentCounters,
 ) -> AsyncIterator[tuple[int, TrajectoryResult]]:
@@ -126,7 +127,8 @@ async def run_agents(
             pass
         if status == "ok":
             os.remove(log)
-            reward = s.reward if s.reward is not None else task_reward(i, s.actions())
+            reward = s.reward if s.reward is not None else (
+                await task_reward(i, s.actions()) if s.n_turns else failed_reward)
         else:
             counters.failures += 1
             if status == "timed out":
