@@ -15,7 +15,7 @@ from tsync_mcore import quiet
 quiet.install()  # first: known-harmless warnings off, here and in vLLM's spawned engine core
 from tsync_mcore import nodes  # noqa: E402
 from tsync_mcore.launch import (add_config_args, check_publish_reach,  # noqa: E402
-                                config_from_args, resume_version, secret_or_exit, stopped)
+                                config_from_args, resume_version, say, secret_or_exit, stopped)
 
 
 def main() -> None:
@@ -46,20 +46,19 @@ def main() -> None:
         Trainer(cfg, resume=args.resume).run()
     except ChannelError as e:  # joining the channel failed: the message names addr:port
         lead = "" if str(e).startswith("learner rank") else f"{who}: "
-        print(f"error: {lead}{e}", file=sys.stderr, flush=True)
+        say(f"error: {lead}{e}")
         sys.exit(3)
     except LearnerStopped as e:  # across nodes, name the rank that says it
         lead = "" if str(e).startswith("learner rank") or not nodes.multi_node() else f"{who}: "
-        print(f"error: learner stopped: {lead}{e}", file=sys.stderr, flush=True)
+        say(f"error: learner stopped: {lead}{e}")
         sys.exit(3)
     except BaseException as e:  # one line here; the traceback goes to the run's log
         if _lost_peer(e, dist):
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"error: {who} lost its learner peers: a torch.distributed operation failed "
-                  f"({first[:300]}); a learner node is gone, unreachable, or did not answer "
-                  f"within launch.dist_timeout_s = {cfg.launch.dist_timeout_s:g} s. The last "
-                  f"checkpoint under {cfg.run.dir}/checkpoints is intact", file=sys.stderr,
-                  flush=True)
+            say(f"error: {who} lost its learner peers: a torch.distributed operation failed "
+                f"({first[:300]}); a learner node is gone, unreachable, or did not answer "
+                f"within launch.dist_timeout_s = {cfg.launch.dist_timeout_s:g} s. The last "
+                f"checkpoint under {cfg.run.dir}/checkpoints is intact")
             os._exit(5)  # no teardown: it would wait on the peers that are gone
         sys.exit(stopped(who, e, cfg.run.dir))
     destroy_parallel()  # clean finish only (an NCCL teardown on an error path can hang)

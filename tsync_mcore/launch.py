@@ -29,6 +29,14 @@ def secret_or_exit(who: str, cfg) -> None:
         raise SystemExit(2) from None
 
 
+def say(line: str) -> None:
+    """One line to stderr in one write: ranks sharing a stderr pipe do not split each
+    other's lines (print writes the text and the newline separately; a pipe keeps a write
+    of up to 4096 bytes whole)."""
+    sys.stderr.flush()
+    os.write(2, (line + "\n").encode("utf-8", "replace"))
+
+
 def stopped(who: str, e: BaseException, run_dir: str) -> int:
     """Print one line naming what stopped, why and where the state and traceback are;
     returns the exit code (130 for an interrupt, 4 otherwise)."""
@@ -50,9 +58,8 @@ def stopped(who: str, e: BaseException, run_dir: str) -> int:
         log = "(not written: run dir not writable)"
     tb = traceback.extract_tb(e.__traceback__)
     where = f" at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
-    print(f"error: {who} stopped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-          f"{where}. The last checkpoint under {run_dir}/checkpoints is intact; traceback: "
-          f"{log}", file=sys.stderr, flush=True)
+    say(f"error: {who} stopped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        f"{where}. The last checkpoint under {run_dir}/checkpoints is intact; traceback: {log}")
     return 4
 
 
