@@ -31,10 +31,10 @@ def secret_or_exit(who: str, cfg) -> None:
 
 def say(line: str) -> None:
     """One line to stderr in one write: ranks sharing a stderr pipe do not split each
-    other's lines (print writes the text and the newline separately; a pipe keeps a write
-    of up to 4096 bytes whole)."""
+    other's lines (print writes the text and the newline separately, two writes when
+    unbuffered, as under `python -u`; a pipe keeps a write of up to 4096 bytes whole)."""
+    sys.stderr.write(line + "\n")
     sys.stderr.flush()
-    os.write(2, (line + "\n").encode("utf-8", "replace"))
 
 
 def stopped(who: str, e: BaseException, run_dir: str) -> int:
