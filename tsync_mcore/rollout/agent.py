@@ -20,13 +20,14 @@ import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from tsync_mcore.rollout.engine import GenOut
 from tsync_mcore.rollout.envs import AgentEnv
 
 # on_turn(turn_index, tokens_so_far, turn_start, turn_end, scored_mask_so_far,
 # logprobs_so_far, token_versions_so_far); may be async.
+T = TypeVar("T")
 TurnCallback = Callable[..., Awaitable[None] | None]
 
 
@@ -234,7 +235,14 @@ async def run_batch(
             route=None if routes is None else routes[i], **kwargs)
         return i, res
 
-    tasks = [asyncio.ensure_future(one(i)) for i in range(len(envs))]
+    async for done in as_finished([one(i) for i in range(len(envs))]):
+        yield done
+
+
+async def as_finished(coros: Sequence[Awaitable[T]]) -> AsyncIterator[T]:
+    """Run `coros` at once and yield their results in finish order. A failure re-raises
+    and cancels the rest; so does the caller leaving the iteration early."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         for fut in asyncio.as_completed(tasks):
             yield await fut

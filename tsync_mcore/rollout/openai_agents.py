@@ -31,7 +31,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-from tsync_mcore.rollout.agent import TrajectoryResult
+from tsync_mcore.rollout.agent import TrajectoryResult, as_finished
 from tsync_mcore.rollout.openai_server import OpenAIServer
 
 DEFAULT_COMMAND = f"{shlex.quote(sys.executable)} -m tsync_mcore.agents.digits"
@@ -148,15 +148,10 @@ async def run_agents(
         server.forget(tid)
         return i, res
 
-    running = [asyncio.ensure_future(one(i)) for i in range(len(traj_ids))]
     try:
-        for fut in asyncio.as_completed(running):
-            yield await fut
+        async for done in as_finished([one(i) for i in range(len(traj_ids))]):
+            yield done
     finally:
-        for t in running:
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
         for tid in traj_ids:
             server.forget(tid)
         records.close()
