@@ -292,7 +292,7 @@ def test_config_refusals():
 
     for overrides, what in [({"learner.schedule": "fully_async"}, "rollout.agent"),
                             ({"learner.objective": "opd"}, "rollout.agent"),
-                            ({"rollout.env": "terminal"}, "rollout.env"),
+                            ({"rollout.env": "skyrl:gsm8k"}, "rollout.env"),
                             ({"rollout.serve_openai": "nohost"}, "rollout.serve_openai"),
                             ({"rollout.agent_timeout_s": 0}, "rollout.agent_timeout_s"),
                             ({"rollout.openai_history": "drop"}, "rollout.openai_history")]:
@@ -354,3 +354,89 @@ def test_agent_processes_ok_crashed_hung(et, tok, tmp_path):
     assert server.sessions == {}
     time.sleep(20)  # the hung agent's background child was killed with its group
     assert not marker.exists()
+
+
+@pytest.mark.timeout(120)
+def test_terminal_task_through_the_endpoint_runs_tools_in_the_episode_repo(et, tok, tmp_path):
+    """rollout.env: terminal behind the endpoint: the bundled function-calling agent
+    (tsync_mcore.agents.terminal) runs the model's tool calls through the tool route in its
+    episode's sandboxed repo (at most max_calls_per_turn per model turn), and the verifier
+    scores the repo the calls left: the episode whose model wrote the fix gets 1.0, the one
+    that only ran the failing test 0.0; the verified task takes no posted reward."""
+    import sys
+
+    from tsync_mcore.rollout.openai_agents import AgentCounters, run_agents
+    from tsync_mcore.rollout.terminal_env import TerminalConfig, TerminalTaskEnv, _task
+    from tsync_mcore.tools import format_tool_call
+
+    seeds = [s for s in range(40) if _task(s).module != _task(0).module][:1] + [0]
+    tasks = {_task(s).module: _task(s) for s in seeds}
+    fixer = _task(seeds[0]).module
+
+    def answer(prompt: str) -> str:
+        mod = next(m for m in tasks if f"Fix `{m}.py`" in prompt)
+        n_tool = prompt.count("<|im_start|>tool")
+        run_test = format_tool_call("bash", {"command": f"python test_{mod}.py"})
+        if mod != fixer:  # run the failing test, stop
+            return run_test if n_tool == 0 else "Done."
+        if n_tool == 0:  # the fix, and a second call over the limit
+            write = f"open({mod + '.py'!r}, 'w').write({tasks[mod].fixed!r})"
+            return (format_tool_call("python", {"code": write}) +
+                    format_tool_call("bash", {"command": "touch second"}))
+        return run_test if n_tool == 2 else "Done."
+
+    class ByPrompt:
+        version = 3
+
+        async def generate(self, prompt_ids, *, max_tokens, seed=None, **kw):
+            text = answer(tok.decode(prompt_ids))
+            ids = (tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id])
+            return GenOut(ids[:max_tokens], [-0.5] * min(len(ids), max_tokens), "stop", 3,
+                          [3] * min(len(ids), max_tokens))
+
+    server = serve(et, ByPrompt(), tok)
+    envs = [TerminalTaskEnv(tok, TerminalConfig(max_turns=4)) for _ in seeds]
+    limits = dict(max_turns=4, max_tokens_per_turn=1500, max_total_tokens=12000)
+    msgs = [env.start(s) for env, s in zip(envs, seeds)]
+
+    async def go():
+        out = {}
+        async for i, res in run_agents(
+                server, traj_ids=["fix", "nofix"], group_of=["g", "g"],
+                tasks=[{"messages": m, **limits} for m in msgs], seeds=[1, 2], version=3,
+                limits=limits, command=f"{sys.executable} -m tsync_mcore.agents.terminal",
+                timeout_s=60, failed_reward=-1.0, concurrency=0,
+                task_reward=lambda i, actions: envs[i].verify(), run_dir=str(tmp_path),
+                counters=AgentCounters(), tools=[env.box for env in envs],
+                max_calls_per_turn=1):
+            out[i] = res
+        return out
+
+    try:
+        out = et.run(go())
+        # a verified task takes no posted reward; a task without tools has no tool route
+        server.register("v", version=3, tools=envs[0].box)
+        server.register("plain", version=3)
+        h = {"Authorization": f"Bearer {KEY}"}
+        base = f"http://127.0.0.1:{server.port}"
+        r = httpx.post(f"{base}/t/v/v1/reward", json={"reward": 1}, headers=h)
+        assert r.status_code == 409 and "verifier" in r.json()["error"]["message"]
+        r = httpx.get(f"{base}/v1/trajectories/v/tools", headers=h)
+        assert [t["function"]["name"] for t in r.json()["data"]] == ["python", "bash"]
+        r = httpx.post(f"{base}/t/plain/v1/tools/bash", json={"arguments": {}}, headers=h)
+        assert r.status_code == 404 and "no tools" in r.json()["error"]["message"]
+        r = httpx.post(f"{base}/t/v/v1/tools/bash", json={"arguments": {}}, headers={})
+        assert r.status_code == 401
+    finally:
+        et.run(server.stop())
+    records = {json.loads(line)["traj_id"]: json.loads(line)
+               for line in open(tmp_path / "agent" / "records.jsonl")}
+    assert out[0].reward == 1.0 and out[1].reward == 0.0, (out[0].reward, out[1].reward)
+    assert all(r["status"] == "ok" for r in records.values())
+    fix_text = tok.decode(records["fix"]["tokens"])
+    assert "error: at most 1 tool calls per turn" in fix_text  # `touch second` did not run
+    assert "all tests passed" in fix_text
+    nofix_text = tok.decode(records["nofix"]["tokens"])
+    assert "AssertionError" in nofix_text and "all tests passed" not in nofix_text
+    assert out[0].n_turns == 3 and out[1].n_turns == 2
+    assert server.counts["tool_calls"] == 3

@@ -415,7 +415,8 @@ class RolloutConfig:
     serve_openai: str = "127.0.0.1:0"
     # agent: openai: a shell command run per trajectory with OPENAI_BASE_URL,
     # OPENAI_API_KEY, TSYNC_TRAJECTORY_ID and TSYNC_TASK (JSON) in its environment
-    # ("": the bundled demo agent, python -m tsync_mcore.agents.digits)
+    # ("": the bundled demo agent, python -m tsync_mcore.agents.digits; for env terminal
+    # python -m tsync_mcore.agents.terminal)
     agent_command: str = ""
     agent_timeout_s: float = 120.0  # an agent process running longer is killed (failed)
     agent_failed_reward: float = 0.0  # the reward of a crashed or timed-out agent's trajectory
@@ -436,9 +437,9 @@ class RolloutConfig:
         host, _, port = self.serve_openai.rpartition(":")
         _check(bool(host) and port.isdigit() and int(port) < 65536, "rollout.serve_openai",
                f"must be HOST:PORT (port 0: a free one), got {self.serve_openai!r}")
-        _check(self.agent == "builtin" or self.env in ("toy", "dataset"), "rollout.env",
-               f"rollout.agent: openai runs rollout.env: toy or dataset so far, got "
-               f"{self.env!r}")
+        _check(self.agent == "builtin" or self.env in ("toy", "dataset", "terminal"),
+               "rollout.env", f"rollout.agent: openai runs rollout.env: toy, dataset or "
+                              f"terminal, got {self.env!r}")
         _check(self.max_groups_in_flight >= 0, "rollout.max_groups_in_flight",
                f"must be >= 0 (0: groups_per_batch), got {self.max_groups_in_flight}")
         _check(self.groups_per_batch >= 1, "rollout.groups_per_batch", "must be >= 1")

@@ -199,15 +199,20 @@ class RolloutDriver:
         if self.oai is None:
             return run_batch(self.engine, envs, seeds=batch.seeds, env_seeds=batch.env_seeds,
                              routes=batch.group_of, **kwargs)
-        from tsync_mcore.rollout.openai_agents import DEFAULT_COMMAND, run_agents
+        from tsync_mcore.rollout.openai_agents import (DEFAULT_COMMAND, TERMINAL_COMMAND,
+                                                       run_agents)
 
         rc = self.rc
         limits = dict(max_turns=rc.max_turns, max_tokens_per_turn=rc.max_tokens_per_turn,
                       max_total_tokens=rc.max_total_tokens)
+        tools = None
         if self.feed is not None:  # rollout.env: dataset: the row's chat messages
             from tsync_mcore.data import row_messages
             messages = [row_messages(self.feed.train.row(r), self.cfg.data.system_prompt)
                         for r in batch.rows]
+        elif rc.env == "terminal":  # each episode's repo, its tools run there
+            messages = [env.start(seed) for env, seed in zip(envs, batch.env_seeds)]
+            tools = [env.box for env in envs]
         else:
             messages = [ToyToolEnv.task_messages(seed) for seed in batch.env_seeds]
         tasks = [{"messages": m, "model": self.oai.model, "temperature": rc.temperature,
@@ -216,6 +221,8 @@ class RolloutDriver:
         async def task_reward(i: int, actions: list[list[int]]) -> float:
             """The task's reward from the recorded actions, when the agent posted none."""
             env = envs[i]
+            if tools is not None:  # the hidden tests on what the agent left in the repo
+                return await env.verify()
             env.reset(batch.env_seeds[i])
             if self.feed is not None:  # reward.function on the final answer's text
                 await env.step(actions[-1])
@@ -226,10 +233,12 @@ class RolloutDriver:
 
         return run_agents(self.oai, traj_ids=batch.traj_ids, group_of=batch.group_of,
                           tasks=tasks, seeds=batch.seeds, version=self.loaded, limits=limits,
-                          command=rc.agent_command or DEFAULT_COMMAND,
+                          command=rc.agent_command or (
+                              TERMINAL_COMMAND if tools is not None else DEFAULT_COMMAND),
                           timeout_s=rc.agent_timeout_s, failed_reward=rc.agent_failed_reward,
                           concurrency=rc.agent_concurrency, task_reward=task_reward,
-                          run_dir=self.cfg.run.dir, counters=self.agent_counters)
+                          run_dir=self.cfg.run.dir, counters=self.agent_counters, tools=tools,
+                          max_calls_per_turn=self.cfg.tools.max_calls_per_turn)
 
     # --- the loop -------------------------------------------------------------------------
 

@@ -6,15 +6,18 @@ address and its trajectory id in its environment:
     OPENAI_API_KEY       the run's random key (the endpoint checks it)
     TSYNC_TRAJECTORY_ID  the trajectory id;  TSYNC_GROUP_ID  its GRPO group
     TSYNC_TASK           the task as JSON: {"messages": [...], "max_turns", "max_tokens_per_turn",
-                         "temperature", "model"}
+                         "temperature", "model"} (+ "tools": their OpenAI schemas)
+    TSYNC_TOOLS_URL      a task with tools (rollout.env: terminal): POST <url>/<name>
+                         {"arguments": {...}} runs one in the episode's sandbox
 
 The trajectory is registered on the server before its process starts, and closed when the
 process exits or is killed (its whole process group) after rollout.agent_timeout_s; the
 trajectory is then built from the server's record (`Session.result`), so the learner trains
 on the ids vLLM sampled. A process that exits non-zero or times out gives a failed
 trajectory: rollout.agent_failed_reward, counted (rollout/agent_failures). The reward is the
-one the agent posted, else the task's: the toy task's from the recorded actions, or
-(rollout.env: dataset) reward.function on the last completion's text.
+one the agent posted, else the task's: the toy task's from the recorded actions,
+(rollout.env: dataset) reward.function on the last completion's text, or (terminal) the
+verifier's on the episode's repo, which takes no posted reward.
 Each trajectory's record goes to RUN/agent/records.jsonl; a failed agent's output is kept in
 RUN/agent/logs/<trajectory id>.log.
 """
@@ -35,6 +38,8 @@ from tsync_mcore.rollout.agent import TrajectoryResult, as_finished
 from tsync_mcore.rollout.openai_server import OpenAIServer
 
 DEFAULT_COMMAND = f"{shlex.quote(sys.executable)} -m tsync_mcore.agents.digits"
+# rollout.env: terminal: the bundled function-calling agent (tools through the endpoint)
+TERMINAL_COMMAND = f"{shlex.quote(sys.executable)} -m tsync_mcore.agents.terminal"
 
 
 class AgentCounters:
@@ -100,31 +105,38 @@ async def run_agents(
     task_reward: Callable[[int, list[list[int]]], Awaitable[float]],
     run_dir: str,
     counters: AgentCounters,
+    tools: Sequence[Any] | None = None,
+    max_calls_per_turn: int = 4,
 ) -> AsyncIterator[tuple[int, TrajectoryResult]]:
     """One agent process per trajectory; yield (index, result) as each one ends.
     `task_reward(i, actions)` is trajectory i's reward from its sampled actions when the
-    agent posted none."""
+    agent posted none. `tools[i]`: trajectory i's ToolBox (or None), served to its agent."""
     sem = asyncio.Semaphore(concurrency or len(traj_ids) or 1)
     agent_dir = os.path.join(run_dir, "agent")
     os.makedirs(agent_dir, exist_ok=True)
     records = open(os.path.join(agent_dir, "records.jsonl"), "a")
     for i, tid in enumerate(traj_ids):  # every trajectory exists before any agent starts
-        server.register(tid, version=version, seed=seeds[i], route=group_of[i], **limits)
+        server.register(tid, version=version, seed=seeds[i], route=group_of[i],
+                        tools=tools[i] if tools else None,
+                        max_calls_per_turn=max_calls_per_turn, **limits)
 
     async def one(i: int) -> tuple[int, TrajectoryResult]:
         tid = traj_ids[i]
         task = {**tasks[i], "trajectory": tid, "group": group_of[i]}
         env = {**os.environ, "OPENAI_BASE_URL": server.base_url(tid),
                "OPENAI_API_KEY": server.api_key, "TSYNC_TRAJECTORY_ID": tid,
-               "TSYNC_GROUP_ID": group_of[i], "TSYNC_TASK": json.dumps(task)}
+               "TSYNC_GROUP_ID": group_of[i]}
+        if tools and tools[i] is not None:
+            task["tools"] = tools[i].schemas()
+            env["TSYNC_TOOLS_URL"] = server.base_url(tid) + "/tools"
+        env["TSYNC_TASK"] = json.dumps(task)
         log = os.path.join(agent_dir, "logs", f"{tid}.log")
         t0 = time.monotonic()
         async with sem:
             status, code = await run_agent(command, env, timeout_s, log)
         t1 = time.monotonic()
         s = server.close(tid, f"its agent {status}")
-        async with server._locks[tid]:  # a request in flight finishes (or sees `closed`)
-            pass
+        await server.settle(tid)  # a request in flight finishes (or sees `closed`)
         if status == "ok":
             os.remove(log)
             reward = s.reward if s.reward is not None else (

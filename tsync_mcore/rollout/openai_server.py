@@ -5,12 +5,22 @@ OpenAI API (docs/agents.md).
     POST /t/<traj>/v1/completions        POST /v1/completions       (same header)
     POST /t/<traj>/v1/reward             POST /v1/trajectories/<traj>/reward   {"reward": x}
     GET  /t/<traj>/v1/models             GET  /v1/models
+    GET  /t/<traj>/v1/tools              GET  /v1/trajectories/<traj>/tools
+    POST /t/<traj>/v1/tools/<name>       POST /v1/trajectories/<traj>/tools/<name>
+                                                              {"arguments": {...}}
 
 Every request belongs to a trajectory the rollout registered (`register`); the agent gets
 `OPENAI_BASE_URL=http://HOST:PORT/t/<traj>/v1`, so an existing agent needs only its base
 URL. Bearer auth with the run's random key (`OPENAI_API_KEY`). The server runs on the
 engine's event loop and calls the same engine (`RolloutEngine` or `ReplicaSet`) as the
 built-in agent loop; each trajectory's `Session` records the exact ids (openai_session).
+
+A trajectory registered with `tools` (a `ToolBox`: rollout.env: terminal, whose box runs in
+the episode's repo) serves them: GET lists their OpenAI schemas (pass them as `tools=`),
+POST runs one call in the episode's sandbox and returns its output for the agent's `tool`
+message. As in the built-in loop, at most `max_calls_per_turn` calls run per model turn;
+later ones return an error text without running. Such a task is scored by its verifier when
+the agent exits, so its reward route answers 409.
 
 Errors are OpenAI's error objects with one-line messages: 400 a request this endpoint does
 not take (n > 1, stream, stop strings, a history rewrite under `reject`, a budget spent),
@@ -26,6 +36,7 @@ import math
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -62,6 +73,16 @@ def _int(body: dict, key: str, lo: int = 0) -> int | None:
     return v
 
 
+@dataclass
+class _Tools:
+    """A trajectory's tools: its box, and the calls run in its current model turn."""
+
+    box: Any  # tsync_mcore.tools.ToolBox
+    per_turn: int
+    turn: int = 0
+    calls: int = 0
+
+
 class OpenAIServer:
     """Sessions + the FastAPI app. `register` a trajectory before its agent starts,
     `close` it when the agent is done; `current_version()` is the policy version the
@@ -76,7 +97,8 @@ class OpenAIServer:
         self.sessions: dict[str, Session] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self.routes: dict[str, str] = {}
-        self.counts = dict(requests=0, rewrites=0, rejected=0, stale=0, bad=0)
+        self.tools: dict[str, _Tools] = {}
+        self.counts = dict(requests=0, rewrites=0, rejected=0, stale=0, bad=0, tool_calls=0)
         self.host, self.port = "", 0
         self._server = self._task = None
         self.app = self._make_app()
@@ -84,7 +106,10 @@ class OpenAIServer:
     # --- trajectories -----------------------------------------------------------------
 
     def register(self, traj_id: str, *, version: int, seed: int | None = None,
-                 route: str | None = None, **limits: int) -> Session:
+                 route: str | None = None, tools: Any = None, max_calls_per_turn: int = 4,
+                 **limits: int) -> Session:
+        """A new trajectory. `tools`: a ToolBox its agent may call (the task's verifier then
+        fixes its reward: none may be posted)."""
         if traj_id in self.sessions:
             raise ValueError(f"trajectory {traj_id} is registered already")
         s = Session(self.tok, traj_id, version=version, seed=seed, history=self.history,
@@ -93,7 +118,15 @@ class OpenAIServer:
         self._locks[traj_id] = asyncio.Lock()
         if route is not None:
             self.routes[traj_id] = route
+        if tools is not None:
+            self.tools[traj_id] = _Tools(tools, max_calls_per_turn)
         return s
+
+    async def settle(self, traj_id: str) -> None:
+        """Wait for the trajectory's request or tool call in flight, if any (after `close`,
+        none starts)."""
+        async with self._locks[traj_id]:
+            pass
 
     def close(self, traj_id: str, why: str) -> Session:
         """No more requests for it (they get 409 `why`); the session, for its record."""
@@ -105,6 +138,7 @@ class OpenAIServer:
         self.sessions.pop(traj_id, None)
         self._locks.pop(traj_id, None)
         self.routes.pop(traj_id, None)
+        self.tools.pop(traj_id, None)
 
     def base_url(self, traj_id: str) -> str:
         return f"http://{self.host}:{self.port}/t/{traj_id}/v1"
@@ -122,6 +156,10 @@ class OpenAIServer:
                                 f"got {value!r}", param="reward")
         if s.closed:
             raise ApiError(409, f"trajectory {traj_id} is closed: {s.closed}")
+        if traj_id in self.tools:
+            raise ApiError(409, f"trajectory {traj_id} is scored by its task's verifier when "
+                                f"its agent exits: it takes no posted reward",
+                           kind="conflict_error")
         if s.reward is not None:
             raise ApiError(409, f"trajectory {traj_id} has its reward already ({s.reward})")
         s.reward = float(value)
@@ -176,7 +214,9 @@ class OpenAIServer:
                                            "param": e.param, "code": e.status}},
                                 status_code=e.status)
 
-        async def handle(request: Request, traj_id: str | None, fn) -> JSONResponse:
+        async def handle(request: Request, fn) -> JSONResponse:
+            params = dict(request.path_params)
+            traj_id = params.pop("traj_id", None)
             try:
                 auth = request.headers.get("authorization", "")
                 if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
@@ -185,34 +225,32 @@ class OpenAIServer:
                                    kind="authentication_error")
                 traj_id = traj_id or request.headers.get("x-tsync-trajectory")
                 if request.method == "GET":
-                    return JSONResponse(await fn(traj_id, None))
+                    return JSONResponse(await fn(traj_id, None, **params))
                 try:
                     body = await request.json()
                 except Exception:
                     raise ApiError(400, "the request body is not JSON") from None
                 if not isinstance(body, dict):
                     raise ApiError(400, "the request body must be a JSON object")
-                return JSONResponse(await fn(traj_id, body))
+                return JSONResponse(await fn(traj_id, body, **params))
             except ApiError as e:
                 if e.status == 400:
                     self.counts["bad"] += 1
                 return error(e)
 
-        def bind(fn, with_id: bool):
-            if with_id:
-                async def route(request: Request, traj_id: str):
-                    return await handle(request, traj_id, fn)
-            else:
-                async def route(request: Request):
-                    return await handle(request, None, fn)
+        def bind(fn):
+            async def route(request: Request):
+                return await handle(request, fn)
             return route
 
-        for prefix, with_id in (("/t/{traj_id}/v1", True), ("/v1", False)):
-            app.post(prefix + "/chat/completions")(bind(self._chat, with_id))
-            app.post(prefix + "/completions")(bind(self._completion, with_id))
-            app.get(prefix + "/models")(bind(self._models, with_id))
-        app.post("/t/{traj_id}/v1/reward")(bind(self._reward, True))
-        app.post("/v1/trajectories/{traj_id}/reward")(bind(self._reward, True))
+        for prefix in ("/t/{traj_id}/v1", "/v1"):
+            app.post(prefix + "/chat/completions")(bind(self._chat))
+            app.post(prefix + "/completions")(bind(self._completion))
+            app.get(prefix + "/models")(bind(self._models))
+        for prefix in ("/t/{traj_id}/v1", "/v1/trajectories/{traj_id}"):
+            app.post(prefix + "/reward")(bind(self._reward))
+            app.get(prefix + "/tools")(bind(self._tool_list))
+            app.post(prefix + "/tools/{name}")(bind(self._tool_call))
         return app
 
     async def _models(self, traj_id, body) -> dict:
@@ -224,6 +262,41 @@ class OpenAIServer:
             raise ApiError(400, 'the body must be {"reward": <number>}', param="reward")
         self.set_reward(traj_id, body["reward"])
         return {"trajectory": traj_id, "reward": self.sessions[traj_id].reward}
+
+    def _tools_of(self, traj_id) -> _Tools:
+        self._session(traj_id)
+        t = self.tools.get(traj_id)
+        if t is None:
+            raise ApiError(404, f"trajectory {traj_id} has no tools (rollout.env: terminal "
+                                f"serves them)", kind="not_found_error")
+        return t
+
+    async def _tool_list(self, traj_id, body) -> dict:
+        return {"object": "list", "data": self._tools_of(traj_id).box.schemas()}
+
+    async def _tool_call(self, traj_id, body, name: str) -> dict:
+        """Run one call in the episode's sandbox; bad arguments or an unknown tool are the
+        model's mistakes: an "error: ..." output (200), as in the built-in loop."""
+        t = self._tools_of(traj_id)
+        s = self.sessions[traj_id]
+        args = body.get("arguments", {})
+        if not isinstance(args, (dict, str)):
+            raise ApiError(400, "arguments must be a JSON object or its JSON text",
+                           param="arguments")
+        async with self._locks[traj_id]:
+            if s.closed:
+                raise ApiError(409, f"trajectory {traj_id} is closed: {s.closed}",
+                               kind="conflict_error")
+            if t.turn != s.n_turns:  # a model turn since the last call
+                t.turn, t.calls = s.n_turns, 0
+            t.calls += 1
+            if t.calls > t.per_turn:
+                out = (f"error: at most {t.per_turn} tool calls per turn; this one did not "
+                       f"run")
+            else:
+                out = await t.box.call(name, args)
+                self.counts["tool_calls"] += 1
+        return {"trajectory": traj_id, "name": name, "content": out}
 
     def _sampling(self, body: dict) -> dict:
         if body.get("stream"):

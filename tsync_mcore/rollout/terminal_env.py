@@ -127,6 +127,11 @@ class TerminalTaskEnv:
     # --- episode ---------------------------------------------------------------------------
 
     def reset(self, seed: int) -> list[int]:
+        return prompt_ids(self.tok, self.start(seed))
+
+    def start(self, seed: int) -> list[dict[str, str]]:
+        """A fresh episode: write its repo, return its first messages (system, user). The
+        OpenAI endpoint's agents get these; `reset` is their ids for the built-in loop."""
         self.close()
         self.task = _task(seed)
         self.workdir = tempfile.mkdtemp(prefix="tsync-terminal-")
@@ -138,12 +143,11 @@ class TerminalTaskEnv:
         self._reward = None
         self.verify_result = None
         mod = self.task.module
-        messages = [
+        return [
             {"role": "system", "content": SYSTEM_PROMPT.format(timeout=self.limits.timeout_s)},
             {"role": "user", "content": f"The test `python test_{mod}.py` fails. Fix "
                                         f"`{mod}.py` so that it passes. Files: "
                                         f"{', '.join(sorted(self.task.files))}."}]
-        return prompt_ids(self.tok, messages)
 
     async def step(self, action_ids: list[int]) -> tuple[list[int], bool]:
         if self.task is None:
@@ -168,6 +172,10 @@ class TerminalTaskEnv:
     def timeout_observation(self, action_ids: list[int]) -> tuple[list[int], bool]:
         # A tool call past the agent's limit: the episode ends (reward() verifies).
         return [], True
+
+    async def verify(self) -> float:
+        """The verifier's reward, off the event loop (the hidden tests take seconds)."""
+        return await sb.in_thread(self._verify)
 
     def reward(self) -> float:
         if self._reward is None:
