@@ -46,17 +46,25 @@ def et():
 
 
 class Scripted:
-    """Answers the i-th request with script[i % len]; records prompts and outputs."""
+    """Answers the i-th request with script[i % len]; records prompts and outputs. With
+    `stop` strings it ends at the token whose text completes one, as vLLM (needs `tok`)."""
 
     version = 3
 
-    def __init__(self, script):
-        self.script, self.prompts, self.outs, self.seeds = script, [], [], []
+    def __init__(self, script, tok=None):
+        self.script, self.tok, self.prompts, self.outs, self.seeds = script, tok, [], [], []
+        self.stops = []
 
-    async def generate(self, prompt_ids, *, max_tokens, temperature=1.0, seed=None, **kw):
+    async def generate(self, prompt_ids, *, max_tokens, temperature=1.0, seed=None, stop=None,
+                       **kw):
         ids = list(self.script[len(self.prompts) % len(self.script)][:max_tokens])
         self.prompts.append(list(prompt_ids))
         self.seeds.append(seed)
+        self.stops.append(stop)
+        for k in range(len(ids) if stop else 0):
+            if any(x in self.tok.decode(ids[:k + 1], skip_special_tokens=True) for x in stop):
+                ids = ids[:k + 1]
+                break
         out = GenOut(ids, [-0.25 - 0.01 * i for i in range(len(ids))], "stop", self.version,
                      [self.version] * len(ids))
         self.outs.append(out)
@@ -127,15 +135,21 @@ def test_errors_are_openai_errors_with_one_line_messages(et, tok):
         with pytest.raises(openai.NotFoundError, match="unknown trajectory 'nope'"):
             client(server, "nope").chat.completions.create(model="m", messages=msgs)
         c = client(server, "t0")
-        for kw, what in [(dict(n=2), "n must be 1"), (dict(stream=True), "stream"),
-                         (dict(stop=["x"]), "stop strings"), (dict(temperature=5), "temperature"),
+        for kw, what in [(dict(n=2), "n must be 1"), (dict(n=2, stream=True), "n must be 1"),
+                         (dict(stop=["a", "b", "c", "d", "e"]), "stop must be"),
+                         (dict(stop=["x", ""]), "stop must be"), (dict(stop=7), "stop must be"),
+                         (dict(stream_options={"include_usage": True}), "stream_options"),
+                         (dict(temperature=5), "temperature"),
                          (dict(max_tokens=0), "max_tokens"), (dict(top_logprobs=2), "top_logprobs"),
                          (dict(tool_choice="required"), "tool_choice")]:
             with pytest.raises(openai.BadRequestError, match=what) as e:
                 c.chat.completions.create(model="m", messages=msgs, **kw)
             assert "\n" not in e.value.message
         with pytest.raises(openai.BadRequestError, match="non-empty list"):
-            c.chat.completions.create(model="m", messages=[])
+            c.chat.completions.create(model="m", messages=[], stream=True)
+        with pytest.raises(openai.NotFoundError, match="unknown trajectory"):
+            client(server, "nope").chat.completions.create(model="m", messages=msgs,
+                                                           stream=True)
         assert engine.prompts == []  # nothing reached the engine
         r = c.chat.completions.create(model="m", messages=msgs, logprobs=True)
         assert r.choices[0].message.role == "assistant"
@@ -174,6 +188,8 @@ def test_errors_are_openai_errors_with_one_line_messages(et, tok):
         server.close("t0", "its agent exited")
         with pytest.raises(openai.ConflictError, match="closed: its agent exited"):
             c.chat.completions.create(model="m", messages=msgs)
+        with pytest.raises(openai.ConflictError, match="closed: its agent exited"):
+            c.chat.completions.create(model="m", messages=msgs, stream=True)
         # stale: the engine serves a newer version than the trajectory's batch
         engine.version = 4
         with pytest.raises(openai.ConflictError, match="stale.*θ_3.*θ_4"):
@@ -255,6 +271,38 @@ def test_vllm_behind_the_endpoint_records_what_it_sampled(et, engine, tok):
         et.run(server.stop())
 
 
+@pytest.mark.timeout(120)
+def test_vllm_stops_sampling_at_a_stop_string(et, engine, tok):
+    """vLLM ends the turn at the token completing the stop string: the same seed without
+    stop samples the same ids on, and the text returned ends before the stop string."""
+    rec = Recording(engine)
+    server = serve(et, rec, tok)
+    v = engine.version
+    limits = dict(max_turns=1, max_tokens_per_turn=32, max_total_tokens=200)
+    msgs = [{"role": "user", "content": "count"}]
+    try:
+        server.register("free", version=v, **limits)
+        client(server, "free").chat.completions.create(model="m", messages=msgs, seed=5)
+        ids = rec.outs[-1][1].token_ids
+        # the stop string: a character the text first shows at token k, 0 < k < last
+        texts = [tok.decode(ids[:k + 1], skip_special_tokens=True) for k in range(len(ids))]
+        k, stop = next(((k, texts[k][-1]) for k in range(1, len(ids) - 1)
+                        if texts[k] and texts[k][-1].strip() and texts[k][-1].isprintable()
+                        and texts[k][-1] not in texts[k - 1] + "\ufffd"), (None, None))
+        if stop is None:
+            pytest.skip(f"no usable stop character in {texts[-1]!r}")
+        s = server.register("stop", version=v, **limits)
+        r = client(server, "stop").chat.completions.create(model="m", messages=msgs, seed=5,
+                                                           stop=[stop])
+        out = rec.outs[-1][1]
+        assert out.token_ids == ids[:k + 1]  # sampling ended at the stop string's token
+        assert s.actions() == [out.token_ids] and s.turns[0]["logprobs"] == out.logprobs
+        assert r.choices[0].message.content == texts[-1][:texts[-1].index(stop)]
+        assert r.choices[0].finish_reason == "stop"
+    finally:
+        et.run(server.stop())
+
+
 def test_tool_calls_round_trip_through_the_official_client(et, tok):
     """The docs' example: append the returned message as the client models it
     (model_dump), answer its tool call; the next turn extends the record token for token."""
@@ -283,6 +331,162 @@ def test_tool_calls_round_trip_through_the_official_client(et, tok):
         assert s.turns[1]["prompt_ids"] == observation_ids(
             tok, [{"role": "tool", "content": "2"}], action)
         assert engine.prompts[1] == s.tokens[:s.turn_ends[0]] + s.turns[1]["prompt_ids"]
+    finally:
+        et.run(server.stop())
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "python", "description": "run code",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}}}]
+
+
+def collect(stream) -> dict:
+    """A chat stream put together as a client does: content, tool calls by index, the
+    finish reason, log-prob entries, usage, the tsync object; one id for every chunk."""
+    content, calls, lps, got = "", {}, [], dict(ids=set(), finish=None, usage=None, tsync=None)
+    for i, ch in enumerate(stream):
+        got["ids"].add((ch.id, ch.created, ch.model, ch.object))
+        if ch.usage is not None:
+            got["usage"] = ch.usage
+        if (ch.model_extra or {}).get("tsync"):
+            got["tsync"] = ch.model_extra["tsync"]
+        if not ch.choices:
+            continue
+        c = ch.choices[0]
+        if i == 0:
+            assert c.delta.role == "assistant" and c.delta.content == ""
+        content += c.delta.content or ""
+        for tc in c.delta.tool_calls or []:
+            d = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+            d["id"] += tc.id or ""
+            d["name"] += tc.function.name or ""
+            d["arguments"] += tc.function.arguments or ""
+        if c.logprobs is not None:
+            lps += c.logprobs.content
+        if c.finish_reason is not None:
+            got["finish"] = c.finish_reason
+    return dict(got, content=content or None, calls=[calls[j] for j in sorted(calls)],
+                logprobs=lps)
+
+
+def test_streaming_is_the_non_streamed_answer(et, tok):
+    """stream: true carries the answer the plain request gets (content, tool calls,
+    log-probs, usage, tsync), ends with [DONE], and records the same turns."""
+    call = '<tool_call>{"name": "python", "arguments": {"code": "1+1"}}</tool_call>'
+    action = tok("ok " + call, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    script = [action, tok("two", add_special_tokens=False).input_ids + [tok.eos_token_id]]
+    server = serve(et, Scripted(script), tok, history="reject")
+    limits = dict(max_turns=3, max_tokens_per_turn=128, max_total_tokens=400)
+    try:
+        plain = server.register("plain", version=3, seed=4, **limits)
+        streamed = server.register("streamed", version=3, seed=4, **limits)
+        answers = {}
+        for tid, stream in (("plain", False), ("streamed", True)):
+            server.engine = Scripted(script)
+            c, messages, answers[tid] = client(server, tid), [{"role": "user", "content": "go"}], []
+            for _ in range(2):
+                kw = dict(stream=True, stream_options={"include_usage": True}) if stream else {}
+                r = c.chat.completions.create(model="m", messages=messages, tools=TOOLS,
+                                              logprobs=True, **kw)
+                if stream:
+                    got = collect(r)
+                    assert len(got.pop("ids")) == 1
+                    msg = {"role": "assistant", "content": got["content"]}
+                    if got["calls"]:
+                        msg["tool_calls"] = [{"id": d["id"], "type": "function", "function": {
+                            "name": d["name"], "arguments": d["arguments"]}} for d in got["calls"]]
+                else:
+                    m = r.choices[0]
+                    got = dict(finish=m.finish_reason, usage=r.usage, tsync=r.model_extra["tsync"],
+                               logprobs=m.logprobs.content)
+                    msg = m.message.model_dump(exclude_none=True)
+                answers[tid].append((msg, got["finish"], got["usage"].model_dump(),
+                                     [e.model_dump() for e in got["logprobs"]], got["tsync"]))
+                messages.append(msg)
+                if msg.get("tool_calls"):
+                    messages.append({"role": "tool", "content": "2",
+                                     "tool_call_id": msg["tool_calls"][0]["id"]})
+        first = answers["plain"][0]
+        assert first[1] == "tool_calls" and first[0]["content"] == "ok"
+        assert answers["plain"][1][0] == {"role": "assistant", "content": "two"}
+        for a, b in zip(answers["plain"], answers["streamed"]):
+            assert a[:4] == b[:4]
+            assert {**a[4], "trajectory": ""} == {**b[4], "trajectory": ""}
+        assert plain.rewrites == streamed.rewrites == 0 and plain.n_turns == 2
+        ra, rb = plain.record(), streamed.record()
+        assert {**ra, "traj_id": ""} == {**rb, "traj_id": ""}
+        # the wire: an event stream of data: lines, [DONE] last; text completions too
+        server.register("raw", version=3, **limits)
+        server.engine = Scripted(script)
+        r = httpx.post(f"http://127.0.0.1:{server.port}/t/raw/v1/completions",
+                       headers={"Authorization": f"Bearer {KEY}"},
+                       json={"prompt": "Hi", "stream": True, "logprobs": 1,
+                             "stream_options": {"include_usage": True}})
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = r.text.split("\n\n")
+        assert events[-2:] == ["data: [DONE]", ""]
+        chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+        assert all(e.startswith("data: ") for e in events[:-2])
+        assert {c["object"] for c in chunks} == {"text_completion"}
+        text = tok.decode(script[0], skip_special_tokens=True)
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
+        assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+        assert chunks[-2]["tsync"]["token_ids"] == script[0]
+        assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == \
+            server.engine.outs[0].logprobs
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == \
+            len(script[0])
+        server.register("raw2", version=3, **limits)
+        cr = client(server, "raw2").completions.create(model="m", prompt="Hi", stream=True)
+        assert "".join(ch.choices[0].text for ch in cr if ch.choices) == \
+            tok.decode(script[1], skip_special_tokens=True)
+    finally:
+        et.run(server.stop())
+
+
+def test_stop_strings_end_sampling_and_the_text(et, tok):
+    """The engine stops at the token completing a stop string; the text ends before it,
+    finish_reason stop; the record keeps the sampled ids, and the agent's next turn (the
+    returned message sent back) extends it with the closing EOS, as a max_tokens cut."""
+    eos = tok.eos_token_id
+    first = tok("12 and 34 or 5", add_special_tokens=False).input_ids + [eos]
+    engine = Scripted([first, [65, eos]], tok)
+    server = serve(et, engine, tok, history="reject")
+    try:
+        s = server.register("st", version=3, max_turns=3, max_tokens_per_turn=64,
+                            max_total_tokens=400)
+        c = client(server, "st")
+        messages = [{"role": "user", "content": "count"}]
+        r = c.chat.completions.create(model="m", messages=messages, stop=["or", " and"],
+                                      logprobs=True)
+        sampled = engine.outs[0].token_ids
+        assert engine.stops[0] == ["or", " and"]
+        assert len(sampled) < len(first) and sampled == first[:len(sampled)]
+        assert " and" in tok.decode(sampled) and " and" not in tok.decode(sampled[:-1])
+        assert r.choices[0].message.content == "12"
+        assert r.choices[0].finish_reason == "stop"
+        assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens == len(sampled)
+        assert s.actions() == [sampled] and r.model_extra["tsync"]["token_ids"] == sampled
+        messages += [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "more"}]
+        c.chat.completions.create(model="m", messages=messages, stop="or")
+        from tsync_mcore.rollout.envs import observation_ids
+        assert s.rewrites == 0 and s.n_turns == 2
+        assert s.turns[1]["prompt_ids"] == observation_ids(
+            tok, [{"role": "user", "content": "more"}], sampled)
+        assert s.turns[1]["prompt_ids"][0] == eos
+        # text completions: the same cut; a stream ends the same way
+        server.register("tx", version=3, max_turns=3, max_tokens_per_turn=64,
+                        max_total_tokens=400)
+        server.engine = engine = Scripted([first], tok)
+        cr = client(server, "tx").completions.create(model="m", prompt="Go", stop=["34"])
+        assert cr.choices[0].text == "12 and " and cr.choices[0].finish_reason == "stop"
+        server.register("ts", version=3, max_turns=3, max_tokens_per_turn=64,
+                        max_total_tokens=400)
+        got = collect(client(server, "ts").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "count"}], stop="34",
+            stream=True))
+        assert got["content"] == "12 and " and got["finish"] == "stop"
     finally:
         et.run(server.stop())
 

@@ -179,14 +179,21 @@ class RolloutEngine:
         seed: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
         top_p: float = 1.0,
+        stop: Sequence[str] | None = None,
     ) -> GenOut:
         """Sample one completion of `prompt_ids`; EOS of the checkpoint always stops it.
+
+        `stop` strings end sampling at the token that completes one (finish_reason "stop");
+        the ids returned still include that token (vLLM cuts only its text, which this
+        method does not return: a caller cuts the decoded text itself).
 
         A weight swap with mode="abort" ends the request with the tokens sampled so far
         (vLLM 0.32 returns them, with their log-probs, as finish_reason "abort"); it then
         continues under the new weights from the prompt plus those tokens, for the tokens
         left of `max_tokens` (AReaL's interruptible generation). Each token keeps the
-        version and log-prob it was sampled with, so both are exact per token.
+        version and log-prob it was sampled with, so both are exact per token. A
+        continuation searches for stop strings only in its own text: one that straddles
+        the swap is not seen.
         """
         if not prompt_ids:
             raise ValueError("generate: empty prompt")
@@ -204,7 +211,7 @@ class RolloutEngine:
             part_seed = seed if seed is None or not ids else (seed * 7919 + len(ids)) % 2**31
             (part_ids, part_lps), version, reason = await self._request(
                 [*prompt_ids, *ids], max_tokens - len(ids), temperature, top_p, part_seed,
-                stop_token_ids)
+                stop_token_ids, stop)
             ids += part_ids
             lps += part_lps
             versions += [version] * len(part_ids)
@@ -218,8 +225,8 @@ class RolloutEngine:
         return GenOut(ids, lps, reason, versions[-1] if versions else self.version, versions)
 
     async def _request(self, prompt_ids: list[int], max_tokens: int, temperature: float,
-                       top_p: float, seed: int | None, stop_token_ids
-                       ) -> tuple[tuple[list[int], list[float]], int, str]:
+                       top_p: float, seed: int | None, stop_token_ids,
+                       stop: Sequence[str] | None = None) -> tuple[tuple[list[int], list[float]], int, str]:
         """One vLLM request: ((ids, log-probs), the version that sampled them, finish
         reason). Admitted through the swap gate, so the version read is the one that runs."""
         from vllm import SamplingParams
@@ -233,7 +240,10 @@ class RolloutEngine:
             seed=seed,
             logprobs=0,  # the sampled token's own log-prob only
             stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
-            detokenize=False,  # ids in, ids out: skip detokenizer work
+            stop=list(stop) if stop else None,
+            # ids in, ids out: skip detokenizer work, unless stop strings need the text
+            # (vLLM refuses them without it)
+            detokenize=bool(stop),
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         # Unique per call: a multi-turn trajectory issues one request per turn.

@@ -22,16 +22,29 @@ message. As in the built-in loop, at most `max_calls_per_turn` calls run per mod
 later ones return an error text without running. Such a task is scored by its verifier when
 the agent exits, so its reward route answers 409.
 
+`stream: true` answers with Server-Sent Events as OpenAI's (chunks, then `data: [DONE]`),
+but the stream carries the turn once it is sampled: the engine returns whole completions,
+so the chunks (role, content, each tool call, finish reason and the `tsync` object, usage
+with `stream_options.include_usage`) are cut from the response the non-streamed request
+gets, and the record is the same either way. Every error comes before a stream's first
+byte, so it is a plain JSON error with its status.
+
+`stop` strings end sampling at the token that completes one (vLLM's stop check): the
+returned text ends before the earliest stop string, finish_reason "stop"; the record, the
+log-probs and `usage` keep every sampled id, the stop string's too (the next turn closes
+the completion with EOS, as one cut by max_tokens).
+
 Errors are OpenAI's error objects with one-line messages: 400 a request this endpoint does
-not take (n > 1, stream, stop strings, a history rewrite under `reject`, a budget spent),
-401 a wrong key, 404 an unknown trajectory, 409 a closed or stale trajectory (its batch's
-policy is no longer served) or a second reward.
+not take (n > 1, a history rewrite under `reject`, a budget spent), 401 a wrong key, 404 an
+unknown trajectory, 409 a closed or stale trajectory (its batch's policy is no longer
+served) or a second reward.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import math
 import socket
 import time
@@ -40,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tsync_mcore.rollout.openai_session import Session, SessionError, assistant_message
 
@@ -71,6 +84,94 @@ def _int(body: dict, key: str, lo: int = 0) -> int | None:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise ApiError(400, f"{key} must be an integer >= {lo}, got {v!r}", param=key)
     return v
+
+
+MAX_STOP = 4  # stop strings per request, as OpenAI
+
+
+def _stop(body: dict) -> list[str]:
+    """The request's stop strings; "" and [] (sent by some clients) mean none."""
+    stop = body.get("stop")
+    if stop in (None, "", []):
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or \
+            not all(isinstance(x, str) and x for x in stop):
+        raise ApiError(400, f"stop must be a string or a list of up to {MAX_STOP} non-empty "
+                            f"strings, got {stop!r}", param="stop")
+    return stop
+
+
+def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """`text` up to the earliest stop string (excluded); whether one was found."""
+    at = min((i for i in (text.find(x) for x in stop) if i >= 0), default=-1)
+    return (text, False) if at < 0 else (text[:at], True)
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise ApiError(400, f"stream must be a boolean, got {stream!r}", param="stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return bool(stream), False
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true",
+                       param="stream_options")
+    usage = opts.get("include_usage", False) if isinstance(opts, dict) else None
+    if usage not in (True, False):
+        raise ApiError(400, 'stream_options must be {"include_usage": true|false}',
+                       param="stream_options")
+    return True, usage
+
+
+def sse(chunks: list[dict]) -> StreamingResponse:
+    """OpenAI's event stream: one `data:` event per chunk, then `data: [DONE]`."""
+    events = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+    return StreamingResponse(iter(events), media_type="text/event-stream")
+
+
+def chat_chunks(resp: dict, include_usage: bool) -> list[dict]:
+    """A chat.completion as chat.completion.chunk's: role, content, one per tool call, the
+    finish reason with the `tsync` object, then usage (when asked). The log-probs ride on
+    the content chunk (on the last one when there is no content)."""
+    head = {"id": resp["id"], "object": "chat.completion.chunk", "created": resp["created"],
+            "model": resp["model"]}
+    choice, extra = resp["choices"][0], {"usage": None} if include_usage else {}
+    msg, lp = choice["message"], choice["logprobs"]
+
+    def chunk(delta: dict, finish: str | None = None, logprobs: Any = None, **more) -> dict:
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish}], **extra, **more}
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    if msg.get("content"):
+        out.append(chunk({"content": msg["content"]}, logprobs=lp))
+        lp = None
+    for j, call in enumerate(msg.get("tool_calls") or []):
+        out.append(chunk({"tool_calls": [{"index": j, **call}]}))
+    out.append(chunk({}, choice["finish_reason"], lp, tsync=resp["tsync"]))
+    if include_usage:
+        out.append({**head, "choices": [], "usage": resp["usage"]})
+    return out
+
+
+def text_chunks(resp: dict, include_usage: bool) -> list[dict]:
+    """A text_completion as its stream: the text (with its log-probs), the finish reason
+    with the `tsync` object, then usage (when asked)."""
+    head = {k: resp[k] for k in ("id", "object", "created", "model")}
+    choice, extra = resp["choices"][0], {"usage": None} if include_usage else {}
+    out = [{**head, "choices": [{"index": 0, "text": choice["text"],
+                                 "logprobs": choice["logprobs"], "finish_reason": None}],
+            **extra},
+           {**head, "choices": [{"index": 0, "text": "", "logprobs": None,
+                                 "finish_reason": choice["finish_reason"]}],
+            **extra, "tsync": resp["tsync"]}]
+    if include_usage:
+        out.append({**head, "choices": [], "usage": resp["usage"]})
+    return out
 
 
 @dataclass
@@ -214,7 +315,7 @@ class OpenAIServer:
                                            "param": e.param, "code": e.status}},
                                 status_code=e.status)
 
-        async def handle(request: Request, fn) -> JSONResponse:
+        async def handle(request: Request, fn) -> Response:
             params = dict(request.path_params)
             traj_id = params.pop("traj_id", None)
             try:
@@ -232,7 +333,8 @@ class OpenAIServer:
                     raise ApiError(400, "the request body is not JSON") from None
                 if not isinstance(body, dict):
                     raise ApiError(400, "the request body must be a JSON object")
-                return JSONResponse(await fn(traj_id, body, **params))
+                out = await fn(traj_id, body, **params)  # sampled before any byte of a stream
+                return out if isinstance(out, Response) else JSONResponse(out)
             except ApiError as e:
                 if e.status == 400:
                     self.counts["bad"] += 1
@@ -299,16 +401,11 @@ class OpenAIServer:
         return {"trajectory": traj_id, "name": name, "content": out}
 
     def _sampling(self, body: dict) -> dict:
-        if body.get("stream"):
-            raise ApiError(400, "stream: true is not supported by this endpoint", param="stream")
+        stream, include_usage = _stream_flags(body)
         n = _int(body, "n", 1)
         if n not in (None, 1):
             raise ApiError(400, f"n must be 1 (one completion per request: each is a turn of "
                                 f"the trajectory), got {n}", param="n")
-        stop = body.get("stop")
-        if stop not in (None, [], ""):
-            raise ApiError(400, "stop strings are not supported (the model's EOS ends a turn)",
-                           param="stop")
         if _int(body, "best_of", 1) not in (None, 1):
             raise ApiError(400, "best_of must be 1", param="best_of")
         if body.get("top_logprobs"):
@@ -323,7 +420,8 @@ class OpenAIServer:
         return dict(temperature=_number(body, "temperature", self.temperature, 0, 2),
                     top_p=_number(body, "top_p", 1.0, 0, 1, lo_open=True),
                     seed=_int(body, "seed"), max_tokens=mt,
-                    logprobs=bool(body.get("logprobs")))
+                    logprobs=bool(body.get("logprobs")), stop=_stop(body), stream=stream,
+                    include_usage=include_usage)
 
     async def _generate(self, s: Session, plan_fn, sp: dict, record):
         """Plan, sample, check, and `record(pending, out)`, under the trajectory's lock:
@@ -352,6 +450,8 @@ class OpenAIServer:
                 s.sampling_seed(0 if pending.new_segment else None))
             kw = {"route": self.routes[s.traj_id]} if s.traj_id in self.routes and \
                 hasattr(self.engine, "route") else {}
+            if sp["stop"]:
+                kw["stop"] = sp["stop"]
             try:
                 out = await self.engine.generate(pending.prompt_ids, max_tokens=pending.max_tokens,
                                                  temperature=sp["temperature"], seed=seed,
@@ -384,11 +484,17 @@ class OpenAIServer:
                 "completion_tokens": len(out.token_ids),
                 "total_tokens": len(pending.prompt_ids) + len(out.token_ids)}
 
+    def _answer_text(self, out, stop: list[str]) -> tuple[str, str]:
+        """The completion's text as returned, and its finish reason: cut before the
+        earliest stop string (the ids keep it: vLLM stops at the token completing it)."""
+        text, cut = cut_at_stop(self.tok.decode(out.token_ids, skip_special_tokens=True), stop)
+        return text, "stop" if cut else out.finish_reason
+
     def _ext(self, s: Session, out) -> dict:
         return {"trajectory": s.traj_id, "turn": s.n_turns - 1, "segment": len(s.segments),
                 "policy_version": out.policy_version, "token_ids": list(out.token_ids)}
 
-    async def _chat(self, traj_id, body) -> dict:
+    async def _chat(self, traj_id, body) -> dict | Response:
         s = self._session(traj_id)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -406,23 +512,25 @@ class OpenAIServer:
         answers = []
 
         def record(pending, out) -> None:
-            text = self.tok.decode(out.token_ids, skip_special_tokens=True)
-            answers.append(assistant_message(text, tools is not None and choice != "none",
-                                             s.n_turns))
-            s.commit(pending, out, answers[0])
+            text, finish = self._answer_text(out, sp["stop"])
+            answers.append((assistant_message(text, tools is not None and choice != "none",
+                                              s.n_turns), finish))
+            s.commit(pending, out, answers[0][0])
 
         pending, out = await self._generate(
             s, lambda mt: s.plan_chat(messages, tools, mt), sp, record)
-        answer = answers[0]
-        finish = "tool_calls" if answer.get("tool_calls") else out.finish_reason
-        return {"id": f"chatcmpl-{s.traj_id}-{s.n_requests}", "object": "chat.completion",
+        answer, finish = answers[0]
+        if answer.get("tool_calls"):
+            finish = "tool_calls"
+        resp = {"id": f"chatcmpl-{s.traj_id}-{s.n_requests}", "object": "chat.completion",
                 "created": int(time.time()), "model": self.model,
                 "choices": [{"index": 0, "message": answer, "finish_reason": finish,
                              "logprobs": {"content": self._logprob_entries(out)}
                              if sp["logprobs"] else None}],
                 "usage": self._usage(pending, out), "tsync": self._ext(s, out)}
+        return sse(chat_chunks(resp, sp["include_usage"])) if sp["stream"] else resp
 
-    async def _completion(self, traj_id, body) -> dict:
+    async def _completion(self, traj_id, body) -> dict | Response:
         s = self._session(traj_id)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -440,7 +548,7 @@ class OpenAIServer:
                            param="logprobs")
         pending, out = await self._generate(s, lambda mt: s.plan_text(prompt, mt), sp,
                                             lambda p, o: s.commit(p, o))
-        text = self.tok.decode(out.token_ids, skip_special_tokens=True)
+        text, finish = self._answer_text(out, sp["stop"])
         lp = None
         if sp["logprobs"]:
             toks = [self.tok.decode([t], skip_special_tokens=False) for t in out.token_ids]
@@ -450,8 +558,9 @@ class OpenAIServer:
                 o += len(t)
             lp = {"tokens": toks, "token_logprobs": list(out.logprobs), "top_logprobs": None,
                   "text_offset": offs}
-        return {"id": f"cmpl-{s.traj_id}-{s.n_requests}", "object": "text_completion",
+        resp = {"id": f"cmpl-{s.traj_id}-{s.n_requests}", "object": "text_completion",
                 "created": int(time.time()), "model": self.model,
                 "choices": [{"index": 0, "text": text, "logprobs": lp,
-                             "finish_reason": out.finish_reason}],
+                             "finish_reason": finish}],
                 "usage": self._usage(pending, out), "tsync": self._ext(s, out)}
+        return sse(text_chunks(resp, sp["include_usage"])) if sp["stream"] else resp

@@ -10,8 +10,8 @@ request's messages followed by the assistant message the server returned (compar
 role, content and tool calls). Its new ids are then the recorded ids plus the ids of the
 new messages only, laid out exactly as the built-in loop lays out an observation
 (`envs.observation_ids`): the EOS that closes the assistant turn (unless the completion
-already ended with it), then the rest of the template's text after the assistant's
-content, tokenized. Any other request rewrote history: `history="reject"` refuses it
+already ended with it: one cut by max_tokens or at a stop string did not), then the rest
+of the template's text after the assistant's content, tokenized. Any other request rewrote history: `history="reject"` refuses it
 (`HistoryRewritten`, HTTP 400); `history="segment"` starts a new segment from that
 request's prompt. A trajectory is one GRPO source, so only its last segment is trained;
 earlier segments are kept in the record (and counted), not sent.

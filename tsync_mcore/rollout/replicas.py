@@ -87,7 +87,7 @@ class ReplicaSet:
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int,
                        temperature: float = 1.0, seed: int | None = None,
                        stop_token_ids: Sequence[int] | None = None, top_p: float = 1.0,
-                       route: str | None = None) -> GenOut:
+                       stop: Sequence[str] | None = None, route: str | None = None) -> GenOut:
         """`RolloutEngine.generate` on the replica `route` picks. A replica's failure is
         named; a bad request (ValueError) is the caller's and passes unchanged."""
         i = self.route(route)
@@ -95,7 +95,7 @@ class ReplicaSet:
         try:
             out = await self.engines[i].generate(
                 prompt_ids, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                stop_token_ids=stop_token_ids, top_p=top_p)
+                stop_token_ids=stop_token_ids, top_p=top_p, stop=stop)
         except ValueError:
             raise
         except Exception as e:
