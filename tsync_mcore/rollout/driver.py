@@ -39,6 +39,7 @@ import math
 import os
 import random
 import time
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -193,9 +194,10 @@ class RolloutDriver:
         print(f"[rollout] OpenAI-compatible endpoint at http://{host}:{port}/t/<trajectory>/v1",
               flush=True)
 
-    def _agents(self, batch: _Batch, envs: list, kwargs: dict):
+    def _agents(self, batch: _Batch, envs: list, kwargs: dict, prompts: Any = None):
         """The batch's trajectories: the built-in loop, or one agent process each talking to
-        the endpoint (rollout.agent: openai)."""
+        the endpoint (rollout.agent: openai). `prompts`: the PromptSet of `batch.rows`
+        (default: data.train; evaluation passes data.eval)."""
         if self.oai is None:
             return run_batch(self.engine, envs, seeds=batch.seeds, env_seeds=batch.env_seeds,
                              routes=batch.group_of, **kwargs)
@@ -208,15 +210,17 @@ class RolloutDriver:
         tools = None
         if self.feed is not None:  # rollout.env: dataset: the row's chat messages
             from tsync_mcore.data import row_messages
-            messages = [row_messages(self.feed.train.row(r), self.cfg.data.system_prompt)
+            rows = prompts or self.feed.train
+            messages = [row_messages(rows.row(r), self.cfg.data.system_prompt)
                         for r in batch.rows]
         elif rc.env == "terminal":  # each episode's repo, its tools run there
             messages = [env.start(seed) for env, seed in zip(envs, batch.env_seeds)]
             tools = [env.box for env in envs]
         else:
             messages = [ToyToolEnv.task_messages(seed) for seed in batch.env_seeds]
-        tasks = [{"messages": m, "model": self.oai.model, "temperature": rc.temperature,
-                  **limits} for m in messages]
+        tasks = [{"messages": m, "model": self.oai.model,
+                  "temperature": kwargs.get("temperature", rc.temperature), **limits}
+                 for m in messages]
 
         async def task_reward(i: int, actions: list[list[int]]) -> float:
             """The task's reward from the recorded actions, when the agent posted none."""
@@ -734,12 +738,21 @@ class RolloutDriver:
         evaluation is not in any step time. Results go into the next CloseBatch's metrics
         and, at once, to RUN/eval.jsonl (the last evaluation has no next batch)."""
         t0 = time.perf_counter()
+
+        def agents(envs, seeds, rows, traj_ids, routes, kwargs):  # the batch's agents too
+            b = _Batch(version, {}, rows, seeds, traj_ids, routes, rows)
+            return self._agents(b, envs, kwargs, prompts=self.feed.eval)
+
         try:
-            metrics = self.et.run(self.feed.evaluate(self.engine, version))
+            metrics = self.et.run(self.feed.evaluate(
+                self.engine, version, agents=agents if self.oai is not None else None))
         except STOPS as e:
             raise RolloutStopped(f"evaluation of θ_{version}: {e}") from None
         finally:
             self.engine.take_metrics()  # the replicas' counts are training's only
+        if self.oai is not None:  # and so are the endpoint's; the agents' failures are named
+            self.oai.take_metrics()
+            metrics["eval/agent_failures"] = self.agent_counters.take()["rollout/agent_failures"]
         metrics["eval/time_s"] = time.perf_counter() - t0
         metrics["eval/policy_version"] = version
         self.pending_metrics = metrics

@@ -98,9 +98,12 @@ class DataFeed:
     def train_envs(self, rows: list[int], traj_ids: list[str]) -> list[Any]:
         return [self._env(self.train, r, f"trajectory {t}") for r, t in zip(rows, traj_ids)]
 
-    async def evaluate(self, engine: Any, version: int) -> dict[str, float]:
+    async def evaluate(self, engine: Any, version: int, agents: Any = None
+                       ) -> dict[str, float]:
         """Every eval row (or the first data.eval_max_prompts) × data.eval_n samples with θ
-        as loaded in `engine`: eval/reward_mean, eval/pass@k, eval/reward_errors."""
+        as loaded in `engine`: eval/reward_mean, eval/pass@k, eval/reward_errors.
+        `agents(envs, seeds, rows, traj_ids, routes, kwargs)`: who runs them instead of the
+        built-in loop (rollout.agent: openai: the training batches' agents)."""
         assert self.eval is not None
         rc, n = self.cfg.rollout, self.dc.eval_n
         m = min(len(self.eval), self.dc.eval_max_prompts or len(self.eval))
@@ -109,13 +112,16 @@ class DataFeed:
         seeds = [_seed(self.cfg.seed, "eval", version, r, j) for r, j in index]
         rewards: list[list[float]] = [[] for _ in range(m)]
         stats = BatchStats()
-        async for i, res in run_batch(
-                engine, envs, seeds=seeds, env_seeds=[r for r, _ in index],
-                routes=[f"eval{version}-row{r}" for r, _ in index],  # a row: one replica
-                max_turns=rc.max_turns, max_tokens_per_turn=rc.max_tokens_per_turn,
-                max_total_tokens=rc.max_total_tokens, temperature=rc.eval_temperature,
-                step_timeout_s=(self.cfg.reward.timeout_s + 5.0 if self.skyrl is None
-                                else rc.tool_timeout_s * 2)):
+        rows = [r for r, _ in index]
+        routes = [f"eval{version}-row{r}" for r in rows]  # a row: one replica
+        kwargs = dict(max_turns=rc.max_turns, max_tokens_per_turn=rc.max_tokens_per_turn,
+                      max_total_tokens=rc.max_total_tokens, temperature=rc.eval_temperature,
+                      step_timeout_s=(self.cfg.reward.timeout_s + 5.0 if self.skyrl is None
+                                      else rc.tool_timeout_s * 2))
+        runs = (agents(envs, seeds, rows, [f"eval{version}-r{r}-s{j}" for r, j in index],
+                       routes, kwargs) if agents is not None else
+                run_batch(engine, envs, seeds=seeds, env_seeds=rows, routes=routes, **kwargs))
+        async for i, res in runs:
             rewards[index[i][0]].append(res.reward)
             stats.add(envs[i])
         out = eval_metrics(rewards, n)
