@@ -560,13 +560,25 @@ def test_agent_processes_ok_crashed_hung(et, tok, tmp_path):
     assert not marker.exists()
 
 
+def readme_agent(tmp_path) -> str:
+    """The README's complete example agent, as printed there."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    code = text.split("```python\n# my_agent.py\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "my_agent.py"
+    path.write_text(code)
+    return str(path)
+
+
 @pytest.mark.timeout(120)
-def test_terminal_task_through_the_endpoint_runs_tools_in_the_episode_repo(et, tok, tmp_path):
-    """rollout.env: terminal behind the endpoint: the bundled function-calling agent
-    (tsync_mcore.agents.terminal) runs the model's tool calls through the tool route in its
-    episode's sandboxed repo (at most max_calls_per_turn per model turn), and the verifier
-    scores the repo the calls left: the episode whose model wrote the fix gets 1.0, the one
-    that only ran the failing test 0.0; the verified task takes no posted reward."""
+@pytest.mark.parametrize("agent", ["bundled", "readme"])
+def test_terminal_task_through_the_endpoint_runs_tools_in_the_episode_repo(et, tok, tmp_path,
+                                                                           agent):
+    """rollout.env: terminal behind the endpoint: a function-calling agent (the bundled
+    tsync_mcore.agents.terminal, and the README's example) runs the model's tool calls
+    through the tool route in its episode's sandboxed repo (at most max_calls_per_turn per
+    model turn), and the verifier scores the repo the calls left: the episode whose model
+    wrote the fix gets 1.0, the one that only ran the failing test 0.0; the verified task
+    takes no posted reward."""
     import sys
 
     from tsync_mcore.rollout.openai_agents import AgentCounters, run_agents
@@ -607,8 +619,11 @@ def test_terminal_task_through_the_endpoint_runs_tools_in_the_episode_repo(et, t
         out = {}
         async for i, res in run_agents(
                 server, traj_ids=["fix", "nofix"], group_of=["g", "g"],
-                tasks=[{"messages": m, **limits} for m in msgs], seeds=[1, 2], version=3,
-                limits=limits, command=f"{sys.executable} -m tsync_mcore.agents.terminal",
+                tasks=[{"messages": m, "model": "m", "temperature": 1.0, **limits}
+                       for m in msgs], seeds=[1, 2], version=3,
+                limits=limits, command=f"{sys.executable} " + (
+                    "-m tsync_mcore.agents.terminal" if agent == "bundled" else
+                    readme_agent(tmp_path)),
                 timeout_s=60, failed_reward=-1.0, concurrency=0,
                 task_reward=lambda i, actions: envs[i].verify(), run_dir=str(tmp_path),
                 counters=AgentCounters(), tools=[env.box for env in envs],
