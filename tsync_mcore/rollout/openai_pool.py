@@ -180,30 +180,14 @@ class AgentPool:
             raise ApiError(404, f"unknown worker {worker!r} (TSYNC_WORKER_ID of a live worker)",
                            kind="not_found_error", param="worker")
         slot.polled, slot.last_poll = True, time.monotonic()
-        job = self.waiting.popleft() if self.waiting else None
-        if job is None:
-            fut = asyncio.get_running_loop().create_future()
-            self.pollers.append((worker, fut))
-            slot.polling += 1
-            try:
-                await asyncio.wait([fut], timeout=wait_s)
-            except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled() and fut.result() is not None:
-                    self._offer(fut.result(), front=True)  # never lose a handout
-                fut.cancel()
-                raise
-            finally:
-                slot.polling -= 1
-                slot.last_poll = time.monotonic()
-            if not fut.done():
-                fut.cancel()
-                self.pollers = deque(p for p in self.pollers if p[1] is not fut)
+        deadline = time.monotonic() + wait_s
+        while True:
+            job = self.waiting.popleft() if self.waiting else await self._poll(
+                slot, worker, deadline - time.monotonic())
+            if job is None:
                 return None
-            job = fut.result()
-            if job is None:  # stopping, or this worker is gone
-                if self.stopping:
-                    raise ApiError(410, "the rollout is stopping: exit", kind="gone")
-                raise ApiError(404, f"worker {worker!r} has exited", kind="not_found_error")
+            if not job.handed.done():  # else its trajectory was cancelled meanwhile
+                break
         if self._slot(worker) is not slot:  # the worker went while it waited
             self._offer(job, front=True)
             raise ApiError(404, f"worker {worker!r} has exited", kind="not_found_error")
@@ -212,6 +196,33 @@ class AgentPool:
         slot.got_work, slot.streak = True, 0
         job.handed.set_result(slot)
         return job.handout
+
+    async def _poll(self, slot: _Slot, worker: str, wait_s: float) -> _Job | None:
+        """Wait for a job offered to this worker; None: none within wait_s."""
+        from tsync_mcore.rollout.openai_server import ApiError
+
+        fut = asyncio.get_running_loop().create_future()
+        self.pollers.append((worker, fut))
+        slot.polling += 1
+        try:
+            await asyncio.wait([fut], timeout=max(wait_s, 0))
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.result() is not None:
+                self._offer(fut.result(), front=True)  # never lose a handout
+            fut.cancel()
+            raise
+        finally:
+            slot.polling -= 1
+            slot.last_poll = time.monotonic()
+        if not fut.done():
+            fut.cancel()
+            self.pollers = deque(p for p in self.pollers if p[1] is not fut)
+            return None
+        if fut.result() is None:  # stopping, or this worker is gone
+            if self.stopping:
+                raise ApiError(410, "the rollout is stopping: exit", kind="gone")
+            raise ApiError(404, f"worker {worker!r} has exited", kind="not_found_error")
+        return fut.result()
 
     # --- internals ---------------------------------------------------------------------
 
