@@ -499,6 +499,7 @@ def test_config_refusals():
                             ({"rollout.env": "skyrl:gsm8k"}, "rollout.env"),
                             ({"rollout.serve_openai": "nohost"}, "rollout.serve_openai"),
                             ({"rollout.agent_timeout_s": 0}, "rollout.agent_timeout_s"),
+                            ({"rollout.agent_pool": -1}, "rollout.agent_pool"),
                             ({"rollout.openai_history": "drop"}, "rollout.openai_history")]:
         with pytest.raises(ConfigError, match=what):
             load_config(None, {"rollout.agent": "openai", **overrides})
