@@ -499,6 +499,7 @@ def test_config_refusals():
                             ({"rollout.env": "skyrl:gsm8k"}, "rollout.env"),
                             ({"rollout.serve_openai": "nohost"}, "rollout.serve_openai"),
                             ({"rollout.agent_timeout_s": 0}, "rollout.agent_timeout_s"),
+                            ({"rollout.agent_pool": -1}, "rollout.agent_pool"),
                             ({"rollout.openai_history": "drop"}, "rollout.openai_history")]:
         with pytest.raises(ConfigError, match=what):
             load_config(None, {"rollout.agent": "openai", **overrides})
@@ -548,7 +549,8 @@ def test_agent_processes_ok_crashed_hung(et, tok, tmp_path):
     assert out[1].extra["agent_status"] == "crashed"
     assert out[2].reward == -1.0 and out[2].n_turns == 0  # hung before any request
     assert counters.take() == {"rollout/agent_failures": 2.0, "rollout/agent_timeouts": 1.0,
-                               "rollout/agent_crashes": 1.0}
+                               "rollout/agent_crashes": 1.0, "rollout/agent_errors": 0.0,
+                               "rollout/agent_restarts": 0.0}
     records = [json.loads(line) for line in open(tmp_path / "agent" / "records.jsonl")]
     assert {r["traj_id"]: r["status"] for r in records} == {"a": "ok", "b": "crashed",
                                                             "c": "timed out"}
@@ -659,3 +661,235 @@ def test_terminal_task_through_the_endpoint_runs_tools_in_the_episode_repo(et, t
     assert "AssertionError" in nofix_text and "all tests passed" not in nofix_text
     assert out[0].n_turns == 3 and out[1].n_turns == 2
     assert server.counts["tool_calls"] == 3
+
+
+# --- agent pools (rollout.agent_pool > 0): long-lived workers pull trajectories -------------
+
+
+class BySeed:
+    """Scripted answers chosen by the request's seed (the trajectory's per-turn seed), so a
+    trajectory samples the same ids whatever order the agents' requests come in."""
+
+    version = 3
+
+    def __init__(self, script):
+        self.script = script
+
+    async def generate(self, prompt_ids, *, max_tokens, seed=None, **kw):
+        ids = list(self.script[(seed or 0) % len(self.script)][:max_tokens])
+        return GenOut(ids, [-0.5] * len(ids), "stop", 3, [3] * len(ids))
+
+
+def agents_run(server, tmp_path, ids, command, *, pool=None, timeout_s=20.0, counters=None,
+               version=3):
+    """run_agents over `ids` (toy tasks, seeds from the ids); {traj_id: result}."""
+    from tsync_mcore.rollout.openai_agents import AgentCounters, run_agents
+
+    async def task_reward(i, actions):
+        return float(len(actions))
+
+    async def go():
+        out = {}
+        async for i, res in run_agents(
+                server, traj_ids=ids, group_of=["g"] * len(ids),
+                tasks=[task(k) for k in range(len(ids))],
+                seeds=[100 + 7 * k for k in range(len(ids))], version=version, limits=LIMITS,
+                command=command, timeout_s=timeout_s, failed_reward=-1.0, concurrency=0,
+                task_reward=task_reward, run_dir=str(tmp_path),
+                counters=counters or AgentCounters(), pool=pool):
+            out[ids[i]] = res
+        return out
+    return go()
+
+
+def records_of(path) -> dict:
+    return {r["traj_id"]: r for r in map(json.loads, open(path))}
+
+
+def make_pool(server, tmp_path, command, size, timeout_s=20.0, counters=None):
+    from tsync_mcore.rollout.openai_pool import AgentPool
+
+    return AgentPool(server, command=command, size=size, run_dir=str(tmp_path),
+                     timeout_s=timeout_s, counters=counters)
+
+
+@pytest.mark.timeout(120)
+def test_agent_pool_serves_what_one_process_per_trajectory_does(et, tok, tmp_path):
+    """Two workers of the bundled agent (pool mode) serve two batches of 4 trajectories:
+    the same records (ids, rewards) as one process per trajectory; started once."""
+    import sys
+
+    demo = f"{sys.executable} -m tsync_mcore.agents.digits"
+    ids = ["t0", "t1", "t2", "t3"]
+    server = serve(et, BySeed(script_for(tok)), tok)
+    try:
+        et.run(agents_run(server, tmp_path / "proc", ids, demo))
+        pool = make_pool(server, tmp_path / "pool", demo, 2)
+        try:
+            first = et.run(agents_run(server, tmp_path / "pool", ids, demo, pool=pool))
+            second = et.run(agents_run(server, tmp_path / "pool", [f"b{t}" for t in ids], demo,
+                                       pool=pool))
+            assert pool.starts == 2  # kept across batches
+        finally:
+            et.run(pool.stop())
+        assert all(s.proc.returncode is not None for s in pool.slots)
+    finally:
+        et.run(server.stop())
+    proc = records_of(tmp_path / "proc" / "agent" / "records.jsonl")
+    pooled = records_of(tmp_path / "pool" / "agent" / "records.jsonl")
+    assert len(pooled) == 8 and all(r["status"] == "ok" for r in pooled.values())
+    for t in ids:
+        for got in (pooled[t], pooled["b" + t]):
+            for f in ("tokens", "scored_mask", "logprobs", "turn_ends", "reward"):
+                assert got[f] == proc[t][f], (t, f)
+        assert first[t].reward == second["b" + t].reward == 3.0
+    logs = sorted(os.listdir(tmp_path / "pool" / "agent" / "pool"))
+    assert logs == ["worker0.log", "worker1.log"]
+    assert server.sessions == {}
+
+
+@pytest.mark.timeout(120)
+def test_agent_pool_worker_crash_hang_and_reported_error(et, tok, tmp_path):
+    """A worker that exits mid-trajectory fails it ("crashed", its exit code) and is
+    restarted; one that hangs is killed at the timeout ("timed out") and restarted; an
+    episode that raises is posted as done {"error"} ("failed"); the rest are ok."""
+    import sys
+    import time
+
+    from tsync_mcore.rollout.openai_agents import AgentCounters
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import os, sys, time\n"
+        "from tsync_mcore.agents import digits, pool\n"
+        "def run(client, task):\n"
+        "    t = task['trajectory']\n"
+        "    if t == 'crash':\n"
+        "        client.chat.completions.create(model='m', messages=task['messages'])\n"
+        "        os._exit(7)\n"
+        "    if t == 'hang':\n"
+        "        time.sleep(600)\n"
+        "    if t == 'err':\n"
+        "        raise ValueError('no such tool')\n"
+        "    return digits.run(client, task)\n"
+        "sys.exit(pool.serve(run))\n")
+    counters = AgentCounters()
+    server = serve(et, BySeed(script_for(tok)), tok)
+    ids = ["a", "crash", "b", "hang", "err", "c", "d"]
+    cmd = f"{sys.executable} {worker}"
+    pool = make_pool(server, tmp_path, cmd, 2, timeout_s=5.0, counters=counters)
+    t0 = time.monotonic()
+    try:
+        out = et.run(agents_run(server, tmp_path, ids, cmd, pool=pool, timeout_s=5.0,
+                                counters=counters))
+        elapsed = time.monotonic() - t0
+        for _ in range(100):  # the hung worker's restart follows its kill
+            if pool.starts == 4:
+                break
+            time.sleep(0.05)
+        assert pool.starts == 4  # two, and one restart each for the crash and the hang
+    finally:
+        et.run(pool.stop())
+        et.run(server.stop())
+    assert elapsed < 30
+    status = {t: r.extra["agent_status"] for t, r in out.items()}
+    assert status == {"a": "ok", "b": "ok", "c": "ok", "d": "ok", "crash": "crashed",
+                      "hang": "timed out", "err": "failed"}, status
+    assert out["crash"].n_turns == 1 and out["crash"].reward == -1.0
+    assert all(out[t].reward == 3.0 for t in "abcd")
+    assert counters.take() == {"rollout/agent_failures": 3.0, "rollout/agent_timeouts": 1.0,
+                               "rollout/agent_crashes": 1.0, "rollout/agent_errors": 1.0,
+                               "rollout/agent_restarts": 2.0}
+    records = records_of(tmp_path / "agent" / "records.jsonl")
+    assert records["crash"]["exit_code"] == 7
+    assert "ValueError: no such tool" in records["err"]["error"]
+    logs = "".join(open(tmp_path / "agent" / "pool" / f"worker{k}.log").read()
+                   for k in range(2))
+    assert logs.count("[pool] worker") == 4  # appended across restarts
+    assert "no such tool" in logs
+
+
+@pytest.mark.timeout(60)
+def test_agent_pool_crash_loop_stops_with_one_line(et, tok, tmp_path):
+    """Workers that exit at once: each slot is restarted a few times, then given up; with
+    none left the waiting trajectories fail with one line naming the command and the log."""
+    import time
+
+    from tsync_mcore.rollout.openai_pool import AgentPoolDead
+
+    server = serve(et, BySeed(script_for(tok)), tok)
+    cmd = "echo cannot import my_agent; exit 3"
+    pool = make_pool(server, tmp_path, cmd, 2, timeout_s=5.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(AgentPoolDead) as e:
+            et.run(agents_run(server, tmp_path, ["x", "y", "z"], cmd, pool=pool))
+    finally:
+        et.run(pool.stop())
+        et.run(server.stop())
+    assert time.monotonic() - t0 < 20
+    msg = str(e.value)
+    assert "\n" not in msg and cmd in msg and "worker" in msg and ".log" in msg, msg
+    assert "cannot import my_agent" in msg
+    assert server.sessions == {}
+
+
+@pytest.mark.timeout(60)
+def test_agent_pool_protocol(et, tok, tmp_path):
+    """/v1/pool/next: 204 on an empty poll, a handout with the per-process content, 410
+    once stopping; done twice: 409; auth; unknown workers; bad wait_s."""
+    server = serve(et, BySeed(script_for(tok)), tok)
+    base = f"http://127.0.0.1:{server.port}"
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{base}/v1/pool/next", json={"worker": "0-0"}, headers=h)
+    assert r.status_code == 404 and "agent_pool" in r.json()["error"]["message"]
+    pool = make_pool(server, tmp_path, "sleep 60", 1)  # we poll as its worker
+
+    async def go():
+        await pool.start()
+        wid = pool.slots[0].worker_id
+        async with httpx.AsyncClient(base_url=base, headers=h, timeout=10) as ac:
+            async def nxt(**body):
+                return await ac.post("/v1/pool/next", json={"worker": wid, **body})
+            r = await nxt(wait_s=0.2)
+            assert r.status_code == 204
+            r = await ac.post("/v1/pool/next", json={"worker": wid},
+                              headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401
+            r = await ac.post("/v1/pool/next", json={"worker": "9-9", "wait_s": 0})
+            assert r.status_code == 404 and "unknown worker" in r.json()["error"]["message"]
+            r = await nxt(wait_s=31)
+            assert r.status_code == 400 and "wait_s" in r.json()["error"]["message"]
+            poll = asyncio.ensure_future(nxt(wait_s=10))  # waiting when the work comes
+            batch = asyncio.ensure_future(agents_run(server, tmp_path, ["p", "q"], "sleep 60",
+                                                     pool=pool))
+            r = await poll
+            assert r.status_code == 200
+            got = r.json()
+            assert got["trajectory"] == "p" and got["base_url"] == server.base_url("p")
+            assert got["task"]["messages"] == task(0)["messages"]
+            assert got["task"]["trajectory"] == "p" and got["task"]["group"] == "g"
+            assert "tools_url" not in got
+            r = await ac.post("/t/p/v1/done", json={"reward": 0.5})
+            assert r.status_code == 200 and r.json()["status"] == "ok"
+            r = await ac.post("/t/p/v1/done", json={})
+            assert r.status_code == 409
+            r = await nxt(wait_s=1)
+            assert r.json()["trajectory"] == "q"
+            r = await ac.post("/v1/trajectories/q/done", json={"reward": 1, "error": "x"})
+            assert r.status_code == 400
+            r = await ac.post("/v1/trajectories/q/done", json={"error": "gave up"})
+            assert r.status_code == 200 and r.json()["status"] == "failed"
+            out = await batch
+            await pool.stop()
+            r = await nxt(wait_s=1)
+            assert r.status_code == 410
+            return out
+
+    try:
+        out = et.run(go())
+    finally:
+        et.run(pool.stop())
+        et.run(server.stop())
+    assert out["p"].reward == 0.5 and out["p"].extra["agent_status"] == "ok"
+    assert out["q"].reward == -1.0 and out["q"].extra["agent_status"] == "failed"

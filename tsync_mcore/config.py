@@ -406,21 +406,30 @@ class RolloutConfig:
     # bound (learner.max_staleness) may hold fewer back (docs/async.md)
     max_groups_in_flight: int = 0
     # Who runs the trajectories (docs/agents.md): "builtin" (the agent loop in this
-    # process) or "openai" (rollout.agent_command, one process per trajectory, talking to
-    # the OpenAI-compatible endpoint at rollout.serve_openai; the server records the exact
-    # ids it sampled, the learner trains on those)
+    # process) or "openai" (rollout.agent_command, one process per trajectory or a pool of
+    # them (agent_pool), talking to the OpenAI-compatible endpoint at rollout.serve_openai;
+    # the server records the exact ids it sampled, the learner trains on those)
     agent: Literal["builtin", "openai"] = "builtin"
     # agent: openai: the endpoint's HOST:PORT (port 0: a free one); agents get
     # OPENAI_BASE_URL=http://HOST:PORT/t/<trajectory id>/v1
     serve_openai: str = "127.0.0.1:0"
     # agent: openai: a shell command run per trajectory with OPENAI_BASE_URL,
-    # OPENAI_API_KEY, TSYNC_TRAJECTORY_ID and TSYNC_TASK (JSON) in its environment
-    # ("": the bundled demo agent, python -m tsync_mcore.agents.digits; for env terminal
+    # OPENAI_API_KEY, TSYNC_TRAJECTORY_ID and TSYNC_TASK (JSON) in its environment (with
+    # agent_pool: the pool's workers' command) ("": the bundled demo agent, python -m tsync_mcore.agents.digits; for env terminal
     # python -m tsync_mcore.agents.terminal)
     agent_command: str = ""
-    agent_timeout_s: float = 120.0  # an agent process running longer is killed (failed)
+    # an agent process running longer is killed (failed); with agent_pool: a trajectory
+    # not done this long after its handout (its worker is killed and restarted)
+    agent_timeout_s: float = 120.0
     agent_failed_reward: float = 0.0  # the reward of a crashed or timed-out agent's trajectory
-    agent_concurrency: int = 0  # agent processes at once (0: every trajectory of the batch)
+    # agent processes at once (0: every trajectory of the batch); with agent_pool, the
+    # trajectories queued or handed out at once
+    agent_concurrency: int = 0
+    # agent: openai: 0 runs agent_command once per trajectory; N > 0 starts N long-lived
+    # workers of it (TSYNC_POOL_URL, OPENAI_API_KEY, TSYNC_WORKER_ID in their environment)
+    # that pull trajectories from the endpoint (docs/agents.md, "Agent pools"); kept across
+    # batches, restarted when they exit (the bundled agents serve a pool)
+    agent_pool: int = 0
     # A request whose messages are not the trajectory so far plus the returned answer (the
     # agent rewrote history): "segment" (start a new segment; only the last one is trained)
     # or "reject" (HTTP 400); both counted (rollout/openai_rewrites)
@@ -432,6 +441,8 @@ class RolloutConfig:
                f"must be > 0, got {self.agent_timeout_s}")
         _check(self.agent_concurrency >= 0, "rollout.agent_concurrency",
                f"must be >= 0 (0: every trajectory at once), got {self.agent_concurrency}")
+        _check(self.agent_pool >= 0, "rollout.agent_pool",
+               f"must be >= 0 (0: one agent process per trajectory), got {self.agent_pool}")
         _check(math.isfinite(self.agent_failed_reward), "rollout.agent_failed_reward",
                "must be finite")
         host, _, port = self.serve_openai.rpartition(":")

@@ -9,6 +9,9 @@ tokens>/<tokens> digits", counted from the returned log-probs' tokens, the closi
 included) as a `tool` message, until max_turns. The reward is the rollout's (the toy task's,
 from the recorded ids); an agent could post its own: POST <base>/reward {"reward": x}.
 A 400 (e.g. the trajectory reached rollout.max_total_tokens) ends the episode normally.
+
+With TSYNC_POOL_URL set (rollout.agent_pool > 0) it is a pool worker instead: it pulls
+trajectories and runs each the same way (tsync_mcore.agents.pool.serve).
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ def run(client: openai.OpenAI, task: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main() -> int:
+    if os.environ.get("TSYNC_POOL_URL"):
+        from tsync_mcore.agents import pool
+        return pool.serve(run)
     task = json.loads(os.environ["TSYNC_TASK"])
     run(openai.OpenAI(), task)  # OPENAI_BASE_URL, OPENAI_API_KEY from the environment
     return 0

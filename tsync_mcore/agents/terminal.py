@@ -9,6 +9,7 @@ Each turn asks the model with the task's `tools` (their OpenAI schemas); every t
 the answer runs through POST $TSYNC_TOOLS_URL/<name> {"arguments": ...} and its output goes
 back as a `tool` message. The episode ends on an answer without tool calls, or at max_turns.
 The reward is the task verifier's, on the repo the calls left behind (none is posted).
+With TSYNC_POOL_URL set (rollout.agent_pool > 0) it serves the pool (agents.pool.serve).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import openai
 
 
 def call_tool(client: openai.OpenAI, name: str, arguments: str) -> str:
-    """One tool call, run by the rollout; its output (or an "error: ..." text)."""
-    url = f"{os.environ['TSYNC_TOOLS_URL']}/{name}"
+    """One tool call, run by the rollout; its output (or an "error: ..." text). The tool
+    route is the trajectory's base URL + /tools (TSYNC_TOOLS_URL, the handout's tools_url)."""
+    url = f"{str(client.base_url).rstrip('/')}/tools/{name}"
     try:
         r = client.post(url, cast_to=object, body={"arguments": arguments})
     except openai.APIStatusError as e:
@@ -56,6 +58,9 @@ def run(client: openai.OpenAI, task: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main() -> int:
+    if os.environ.get("TSYNC_POOL_URL"):
+        from tsync_mcore.agents import pool
+        return pool.serve(run)
     task = json.loads(os.environ["TSYNC_TASK"])
     run(openai.OpenAI(), task)  # OPENAI_BASE_URL, OPENAI_API_KEY from the environment
     return 0

@@ -56,6 +56,7 @@ from tsync_mcore.rollout.agent import run_batch
 from tsync_mcore.rollout.engine import EngineThread, RolloutEngine, TeacherScorer
 from tsync_mcore.rollout.envs import SkyRLGymAdapter, ToyToolConfig, ToyToolEnv
 from tsync_mcore.rollout.feed import DataFeed
+from tsync_mcore.rollout.openai_pool import AgentPoolDead
 from tsync_mcore.rollout.pacing import BatchFormer, Group, may_start, span_off_policy
 from tsync_mcore.rollout.replicas import (ReplicaError, ReplicaSet, cpu_memory_note,
                                           start_replicas)
@@ -69,7 +70,7 @@ from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, TurnS
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # rollout.dtype → vLLM's name
 # Failures that stop the rollout with their own one-line message (told to the learners)
-STOPS = (RewardFailed, DataError, ReplicaError)
+STOPS = (RewardFailed, DataError, ReplicaError, AgentPoolDead)
 FINISHED = "learner finished"  # reason prefix of the learner's Shutdown after its last update
 
 
@@ -134,7 +135,7 @@ class RolloutDriver:
         self.et = EngineThread()
         self.engine: ReplicaSet = self.et.run(self._make_engine())
         self.teacher = TeacherScorer(self.rc.teacher_dir) if self.turns else None
-        self.oai = self.agent_counters = None
+        self.oai = self.agent_counters = self.pool = None
         if self.rc.agent == "openai":
             self._start_openai()
         if self.turns and not self.rc.teacher_dir:
@@ -203,6 +204,7 @@ class RolloutDriver:
                              routes=batch.group_of, **kwargs)
         from tsync_mcore.rollout.openai_agents import (DEFAULT_COMMAND, TERMINAL_COMMAND,
                                                        run_agents)
+        from tsync_mcore.rollout.openai_pool import AgentPool
 
         rc = self.rc
         limits = dict(max_turns=rc.max_turns, max_tokens_per_turn=rc.max_tokens_per_turn,
@@ -235,11 +237,15 @@ class RolloutDriver:
                     env._account(a)
             return env.reward()
 
+        command = rc.agent_command or (TERMINAL_COMMAND if rc.env == "terminal"
+                                       else DEFAULT_COMMAND)
+        if rc.agent_pool and self.pool is None:  # started with the first batch, kept
+            self.pool = AgentPool(self.oai, command=command, size=rc.agent_pool,
+                                  run_dir=self.cfg.run.dir, timeout_s=rc.agent_timeout_s,
+                                  counters=self.agent_counters)
         return run_agents(self.oai, traj_ids=batch.traj_ids, group_of=batch.group_of,
                           tasks=tasks, seeds=batch.seeds, version=self.loaded, limits=limits,
-                          command=rc.agent_command or (
-                              TERMINAL_COMMAND if tools is not None else DEFAULT_COMMAND),
-                          timeout_s=rc.agent_timeout_s, failed_reward=rc.agent_failed_reward,
+                          command=command, pool=self.pool, timeout_s=rc.agent_timeout_s, failed_reward=rc.agent_failed_reward,
                           concurrency=rc.agent_concurrency, task_reward=task_reward,
                           run_dir=self.cfg.run.dir, counters=self.agent_counters, tools=tools,
                           max_calls_per_turn=self.cfg.tools.max_calls_per_turn)
@@ -323,6 +329,11 @@ class RolloutDriver:
     def close(self) -> None:
         for link in self.links:
             link.close()
+        if self.pool is not None:  # 410 to its pollers, SIGTERM, SIGKILL after a grace
+            try:
+                self.et.run(self.pool.stop(), timeout=30)
+            except Exception as e:
+                print(f"[rollout] stopping the agent pool: {e}", flush=True)
         if self.oai is not None:
             try:
                 self.et.run(self.oai.stop(), timeout=20)

@@ -8,6 +8,9 @@ OpenAI API (docs/agents.md).
     GET  /t/<traj>/v1/tools              GET  /v1/trajectories/<traj>/tools
     POST /t/<traj>/v1/tools/<name>       POST /v1/trajectories/<traj>/tools/<name>
                                                               {"arguments": {...}}
+    POST /t/<traj>/v1/done               POST /v1/trajectories/<traj>/done
+                                         {} | {"reward": x} | {"error": "why"}
+    POST /v1/pool/next                   {"worker": id, "wait_s": s}  (rollout.agent_pool)
 
 Every request belongs to a trajectory the rollout registered (`register`); the agent gets
 `OPENAI_BASE_URL=http://HOST:PORT/t/<traj>/v1`, so an existing agent needs only its base
@@ -37,7 +40,11 @@ the completion with EOS, as one cut by max_tokens).
 Errors are OpenAI's error objects with one-line messages: 400 a request this endpoint does
 not take (n > 1, a history rewrite under `reject`, a budget spent), 401 a wrong key, 404 an
 unknown trajectory, 409 a closed or stale trajectory (its batch's policy is no longer
-served) or a second reward.
+served), a second reward or a second done.
+
+`done` ends a trajectory from the agent's side (its reward, or the error that failed it):
+an agent pool's worker (openai_pool, rollout.agent_pool > 0) posts it for each trajectory
+it pulled from /v1/pool/next (200 a handout, 204 none within wait_s, 410 stopping).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import json
 import math
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +64,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tsync_mcore.rollout.openai_session import Session, SessionError, assistant_message
+
+
+ENDED_KEPT = 4096  # forgotten trajectory ids remembered (their late requests: 409)
 
 
 class ApiError(Exception):
@@ -199,6 +210,9 @@ class OpenAIServer:
         self._locks: dict[str, asyncio.Lock] = {}
         self.routes: dict[str, str] = {}
         self.tools: dict[str, _Tools] = {}
+        self.done: dict[str, str | None] = {}  # trajectories whose agent posted done: error
+        self.pool: Any = None  # openai_pool.AgentPool (rollout.agent_pool > 0)
+        self.ended: OrderedDict[str, str] = OrderedDict()  # forgotten trajectories: why (409)
         self.counts = dict(requests=0, rewrites=0, rejected=0, stale=0, bad=0, tool_calls=0)
         self.host, self.port = "", 0
         self._server = self._task = None
@@ -213,6 +227,7 @@ class OpenAIServer:
         fixes its reward: none may be posted)."""
         if traj_id in self.sessions:
             raise ValueError(f"trajectory {traj_id} is registered already")
+        self.ended.pop(traj_id, None)
         s = Session(self.tok, traj_id, version=version, seed=seed, history=self.history,
                     **limits)
         self.sessions[traj_id] = s
@@ -236,10 +251,15 @@ class OpenAIServer:
         return s
 
     def forget(self, traj_id: str) -> None:
-        self.sessions.pop(traj_id, None)
+        s = self.sessions.pop(traj_id, None)
+        if s is not None:  # a late request of its agent: 409 (it ended), not 404
+            self.ended[traj_id] = s.closed or "its agent ended"
+            while len(self.ended) > ENDED_KEPT:
+                self.ended.popitem(last=False)
         self._locks.pop(traj_id, None)
         self.routes.pop(traj_id, None)
         self.tools.pop(traj_id, None)
+        self.done.pop(traj_id, None)
 
     def base_url(self, traj_id: str) -> str:
         return f"http://{self.host}:{self.port}/t/{traj_id}/v1"
@@ -270,6 +290,9 @@ class OpenAIServer:
             raise ApiError(404, "no trajectory: use the base URL /t/<trajectory id>/v1, or "
                                 "send the X-Tsync-Trajectory header")
         s = self.sessions.get(traj_id)
+        if s is None and traj_id in self.ended:
+            raise ApiError(409, f"trajectory {traj_id} has ended: {self.ended[traj_id]}",
+                           kind="conflict_error")
         if s is None:
             raise ApiError(404, f"unknown trajectory {traj_id!r}", kind="not_found_error")
         return s
@@ -353,6 +376,8 @@ class OpenAIServer:
             app.post(prefix + "/reward")(bind(self._reward))
             app.get(prefix + "/tools")(bind(self._tool_list))
             app.post(prefix + "/tools/{name}")(bind(self._tool_call))
+            app.post(prefix + "/done")(bind(self._done))
+        app.post("/v1/pool/next")(bind(self._pool_next))
         return app
 
     async def _models(self, traj_id, body) -> dict:
@@ -364,6 +389,37 @@ class OpenAIServer:
             raise ApiError(400, 'the body must be {"reward": <number>}', param="reward")
         self.set_reward(traj_id, body["reward"])
         return {"trajectory": traj_id, "reward": self.sessions[traj_id].reward}
+
+    async def _done(self, traj_id, body) -> dict:
+        """The agent is done with the trajectory: ok (with the reward it posts, else its
+        task's), or failed with `error`. No more requests are served for it."""
+        s = self._session(traj_id)
+        if traj_id in self.done:
+            raise ApiError(409, f"trajectory {traj_id} is done already", kind="conflict_error")
+        extra = set(body) - {"reward", "error"}
+        if extra or ("reward" in body and "error" in body):
+            raise ApiError(400, 'the body must be {}, {"reward": <number>} or {"error": '
+                                '"<why>"}')
+        error = body.get("error")
+        if "error" in body and not (isinstance(error, str) and error.strip()):
+            raise ApiError(400, "error must be a non-empty string", param="error")
+        if s.closed:
+            raise ApiError(409, f"trajectory {traj_id} is closed: {s.closed}",
+                           kind="conflict_error")
+        if "reward" in body:
+            self.set_reward(traj_id, body["reward"])
+        self.done[traj_id] = error
+        s.closed = f"its agent posted done{'' if error is None else ' (failed)'}"
+        if self.pool is not None:
+            self.pool.finish(traj_id)
+        return {"trajectory": traj_id, "status": "ok" if error is None else "failed"}
+
+    async def _pool_next(self, traj_id, body) -> dict | Response:
+        if self.pool is None:
+            raise ApiError(404, "no agent pool here (rollout.agent_pool: 0 runs one process "
+                                "per trajectory)", kind="not_found_error")
+        handout = await self.pool.next(body)
+        return Response(status_code=204) if handout is None else handout
 
     def _tools_of(self, traj_id) -> _Tools:
         self._session(traj_id)
