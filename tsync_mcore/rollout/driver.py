@@ -245,7 +245,8 @@ class RolloutDriver:
                                   counters=self.agent_counters)
         return run_agents(self.oai, traj_ids=batch.traj_ids, group_of=batch.group_of,
                           tasks=tasks, seeds=batch.seeds, version=self.loaded, limits=limits,
-                          command=command, pool=self.pool, timeout_s=rc.agent_timeout_s, failed_reward=rc.agent_failed_reward,
+                          command=command, pool=self.pool, timeout_s=rc.agent_timeout_s,
+                          failed_reward=rc.agent_failed_reward,
                           concurrency=rc.agent_concurrency, task_reward=task_reward,
                           run_dir=self.cfg.run.dir, counters=self.agent_counters, tools=tools,
                           max_calls_per_turn=self.cfg.tools.max_calls_per_turn)
