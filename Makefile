@@ -20,11 +20,9 @@ $(VENV)/.ready: requirements.txt pyproject.toml
 setup: $(VENV)/.ready
 
 # TSYNC_MULTIHOST=1: the opt-in multi-host tests run too (network namespaces; they skip,
-# saying why, where namespaces cannot be made, e.g. without root). Two pytest-xdist workers,
-# a file per worker at a time, slowest files first (tests/conftest.py: SLOW_FILES).
+# saying why, where namespaces cannot be made, e.g. without root).
 test: setup
-	TSYNC_MULTIHOST=1 $(VPY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
-		--durations=15 tests
+	TSYNC_MULTIHOST=1 $(VPY) -m pytest -q tests
 
 # The main job: a real GRPO training run on the embedded CPU default (see configs/demo.yaml).
 demo: setup

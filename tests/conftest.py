@@ -21,19 +21,7 @@ def pytest_configure(config) -> None:
         config.addinivalue_line("filterwarnings", f"ignore::{cat}:megatron.*")
 
 
-# The files with the longest live runs, longest first. `make test` runs the suite on two
-# pytest-xdist workers, a file per worker at a time, in collection order
-# (--dist loadfile --no-loadscope-reorder): starting these first lets the many short files
-# fill in around them instead of one long file running alone at the end.
-SLOW_FILES = ("test_e2e.py", "test_data_live.py", "test_multihost.py", "test_openai_live.py",
-              "test_opd.py", "test_moe.py", "test_async_live.py", "test_lora_publish.py",
-              "test_lora.py", "test_publish_dist.py", "test_learner.py", "test_lm_head.py",
-              "test_replicas.py", "test_hardening.py", "test_nonfinite_live.py")
-
-
 def pytest_collection_modifyitems(config, items) -> None:
-    rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
     # `multihost` (tests/test_multihost.py: network namespaces, root) is opt-in: `make test`
     # and CI opt in with TSYNC_MULTIHOST=1, a user with `-m multihost`.
     if os.environ.get("TSYNC_MULTIHOST") == "1" or "multihost" in (config.option.markexpr or ""):
