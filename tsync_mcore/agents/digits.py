@@ -16,8 +16,6 @@ trajectories and runs each the same way (tsync_mcore.agents.pool.serve).
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from typing import Any
 
@@ -57,12 +55,8 @@ def run(client: openai.OpenAI, task: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    if os.environ.get("TSYNC_POOL_URL"):
-        from tsync_mcore.agents import pool
-        return pool.serve(run)
-    task = json.loads(os.environ["TSYNC_TASK"])
-    run(openai.OpenAI(), task)  # OPENAI_BASE_URL, OPENAI_API_KEY from the environment
-    return 0
+    from tsync_mcore.agents import pool
+    return pool.main(run)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ of docs/agents.md ("Agent pools").
 
     from tsync_mcore.agents import pool
     pool.serve(run)        # run(client: openai.OpenAI, task: dict) -> anything
+    pool.main(run)         # an agent's entry point: a pool worker, or one episode
 
 Loop: POST $TSYNC_POOL_URL/next {"worker": $TSYNC_WORKER_ID, "wait_s": 30} — 204: poll
 again; 410: the rollout is stopping, return; 200: a handout {"trajectory", "base_url",
@@ -13,6 +14,7 @@ trajectory is failed). One trajectory at a time; an async worker may hold severa
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -46,3 +48,12 @@ def serve(run_fn: Callable[[openai.OpenAI, dict[str, Any]], Any]) -> int:
                 traceback.print_exc(file=sys.stderr)
                 body = {"error": f"{type(e).__name__}: {e}"[:2000]}
         http.post(f"{h['base_url']}/done", json=body)  # 409: it had timed out already
+
+
+def main(run_fn: Callable[[openai.OpenAI, dict[str, Any]], Any]) -> int:
+    """A bundled agent's entry point: a pool worker when TSYNC_POOL_URL is set, else one
+    episode of TSYNC_TASK (OPENAI_BASE_URL, OPENAI_API_KEY from the environment)."""
+    if os.environ.get("TSYNC_POOL_URL"):
+        return serve(run_fn)
+    run_fn(openai.OpenAI(), json.loads(os.environ["TSYNC_TASK"]))
+    return 0

@@ -14,8 +14,6 @@ With TSYNC_POOL_URL set (rollout.agent_pool > 0) it serves the pool (agents.pool
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from typing import Any
 
@@ -58,12 +56,8 @@ def run(client: openai.OpenAI, task: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    if os.environ.get("TSYNC_POOL_URL"):
-        from tsync_mcore.agents import pool
-        return pool.serve(run)
-    task = json.loads(os.environ["TSYNC_TASK"])
-    run(openai.OpenAI(), task)  # OPENAI_BASE_URL, OPENAI_API_KEY from the environment
-    return 0
+    from tsync_mcore.agents import pool
+    return pool.main(run)
 
 
 if __name__ == "__main__":
