@@ -24,7 +24,7 @@ setup: $(VENV)/.ready
 test: setup
 	TSYNC_MULTIHOST=1 $(VPY) -m pytest -q tests
 
-# The main job: a real GRPO training run on the embedded CPU default (see configs/demo.yaml).
+# The main job: a real GRPO training run on the embedded CPU default (see tsync_mcore/cli/demo.yaml).
 demo: setup
 	$(VPY) launch/demo.py $(ARGS)
 

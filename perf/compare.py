@@ -35,7 +35,7 @@ FAILED: set[str] = set()  # schedules whose run stopped with an error
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=os.path.join(ROOT, "configs/demo.yaml"),
+    p.add_argument("--config", default=os.path.join(ROOT, "tsync_mcore/cli/demo.yaml"),
                    help="the task's config (default: the demo's)")
     p.add_argument("--out", default="runs/compare", help="output directory (default runs/compare)")
     p.add_argument("--schedules", default=",".join(SCHEDULES),
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report-only", action="store_true",
                    help="redraw the figures and summary.md from the run directories under --out")
     args = p.parse_args(argv)
-    from tsync_mcore.schedule import SCHEDULES as KNOWN
+    from tsync_mcore.learner.schedule import SCHEDULES as KNOWN
     schedules = [s for s in args.schedules.split(",") if s]
     bad = [s for s in schedules if s not in KNOWN]
     if bad or not schedules:
@@ -78,12 +78,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(args, out: str, schedule: str) -> list[dict]:
     """One run of the task under `schedule`; its metrics rows."""
-    from tsync_mcore import quiet
+    from tsync_mcore.util import quiet
     quiet.install()
-    from tsync_mcore.launch import config_or_exit, free_port, run_job
+    from tsync_mcore.cli.launch import config_or_exit, free_port, run_job
     model = os.path.join(out, "model")
     if not os.path.exists(os.path.join(model, "config.json")):
-        from tsync_mcore.testing.tiny import make_tiny_checkpoint
+        from tsync_mcore.model.tiny import make_tiny_checkpoint
         # the demo's model (launch/demo.py): every schedule starts from this same θ_0
         make_tiny_checkpoint(model, arch="qwen2", vocab_size=320, hidden=64, layers=2, heads=2,
                              kv_heads=1, intermediate=128, seed=0)

@@ -46,8 +46,8 @@ sys.path.insert(0, HERE)
 import gpu_sweep  # noqa: E402
 import kernels as kbench  # noqa: E402
 import tsync_mcore.kernels as K  # noqa: E402
-from tsync_mcore.ledger.flops import train_flops  # noqa: E402
-from tsync_mcore.ledger.mfu import detect_peak, mfu_active  # noqa: E402
+from tsync_mcore.observability.ledger.flops import train_flops  # noqa: E402
+from tsync_mcore.observability.ledger.mfu import detect_peak, mfu_active  # noqa: E402
 
 MODELS = {
     "0.5b": dict(vocab_size=151936, hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, tie=True),
@@ -57,7 +57,7 @@ NO_GPU = "no CUDA GPU: torch.cuda.is_available() is False; skipping the GPU benc
 
 
 def make_checkpoint(out_dir: str, model: str, seq_len: int) -> str:
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
 
     make_tiny_checkpoint(out_dir, arch="qwen2", dtype=torch.bfloat16, init_std=0.02, **MODELS[model])
     # why: make_tiny_checkpoint writes 512 positions; RoPE needs nothing more, the config should agree
@@ -124,7 +124,7 @@ class GroupSums:
 def megatron_step_fn(ckpt: str, sources: list[dict], device: str, attention: str = "auto"):
     """(step fn, description, attention mode) on the learner's own Megatron Policy."""
     from tsync_mcore.config import load_config
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.policy import Policy
 
     dtype = "bf16" if device == "cuda" else "fp32"
     # shared_prefix off: whole-sequence steps only, so spec auto may pick TE (config.resolve)

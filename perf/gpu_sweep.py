@@ -46,8 +46,8 @@ from typing import Callable
 import torch
 
 from overlap import Workload
-from tsync_mcore.ledger.flops import train_flops
-from tsync_mcore.ledger.mfu import Peak, mfu_active
+from tsync_mcore.observability.ledger.flops import train_flops
+from tsync_mcore.observability.ledger.mfu import Peak, mfu_active
 
 __all__ = ["SWEEP_MODELS", "SWEEP_CELLS", "run_sweep", "write_random_checkpoint"]
 
@@ -117,7 +117,7 @@ def build_policy(ckpt: str, device: str, *, fused: bool | None, head_chunk: int 
                  max_tokens_per_pass: int | None, attention: str):
     """(Policy, its LearnerConfig, what the run used): a fresh Policy of the project's."""
     from tsync_mcore.config import load_config
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.policy import Policy
 
     fields = learner_fields()
     over = {"model.hf_dir": ckpt, "model.dtype": "bf16" if device == "cuda" else "fp32",
@@ -280,7 +280,7 @@ def run_sweep(models: list[str], device: str, peak: Peak, *, deadline: float, ra
               on_cell: Callable[[dict], None] = lambda c: None) -> list[dict]:
     """Every (model, fused mode, cell) in order until `deadline` (perf_counter); a cell that
     would not finish before it is recorded as skipped."""
-    from tsync_mcore.learner import Learner
+    from tsync_mcore.learner.update import Learner
     from tsync_mcore.model.bridge import load_hf_config
 
     fields = learner_fields()

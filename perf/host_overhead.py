@@ -49,8 +49,8 @@ CASES = [("grpo", "sync"), ("grpo", "thundersync"), ("opd", "sync"), ("opd", "th
 
 def learner(hf_dir: str, par, objective: str, schedule: str):
     from tsync_mcore.config import load_config
-    from tsync_mcore.learner import Learner
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.update import Learner
+    from tsync_mcore.learner.policy import Policy
     cfg = load_config(None, {"model.hf_dir": hf_dir, "optim.lr": 1e-5,
                              "learner.objective": objective, "learner.schedule": schedule})
     return Learner(cfg.learner, Policy(cfg, par=par))
@@ -76,7 +76,7 @@ def serve(l, work, counter=None) -> None:
 def measure(hf_dir: str, par, model: str, objective: str, schedule: str, batches: int,
             batch: int, cuda_sync_debug: bool) -> dict:
     from overlap import Workload
-    from tsync_mcore.ledger.host import HostCounter
+    from tsync_mcore.observability.ledger.host import HostCounter
     work = Workload(objective, batch=batch, vocab=MODELS[model]["vocab_size"])
     l = learner(hf_dir, par, objective, schedule)
     serve(l, work)  # warm-up
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
 
     from tsync_mcore.model.parallel import init_parallel
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
     par = init_parallel(tp_size=1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,7 +19,7 @@ rollout's decisions in async_rollout.py; only the segment's steady-state updates
 Pairing them in time matters on a shared machine: runs of identical code launched minutes
 apart differed by up to 15 % here, updates one second apart by a few %. Speedup = mean step time of `sync` / mean step
 time of the schedule; the predicted speedup replays the schedule's own traces through
-Eq. 14 (tsync_mcore.predict; the asynchronous schedules through its one_step_off model).
+Eq. 14 (tsync_mcore.observability.predict; the asynchronous schedules through its one_step_off model).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -41,17 +40,20 @@ from statistics import mean, median, stdev
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tsync_mcore import predict, trace  # noqa: E402
+from tsync_mcore.observability import predict  # noqa: E402
+
+from tsync_mcore.observability import trace  # noqa: E402
 from tsync_mcore.config import LearnerConfig  # noqa: E402
 from tsync_mcore.channel import (Ack, ChannelTimeout, CloseBatch, GroupRewards,  # noqa: E402
                                  Hello, Publish, RegisterBatch, TrajectoryMsg, TurnMsg,
                                  load_or_create_secret, open_rollout_side)
-from tsync_mcore.routing import BalancedRouter  # noqa: E402
-from tsync_mcore.schedule import ASYNC_SCHEDULES, SYNC_SCHEDULES  # noqa: E402
-from tsync_mcore.sources import BatchPlan, TrajectorySource, TurnSource, assign_groups  # noqa: E402
-from tsync_mcore.trace import Record, SourceRecord, UpdateRecord  # noqa: E402
+from tsync_mcore.channel.routing import BalancedRouter  # noqa: E402
+from tsync_mcore.learner.schedule import ASYNC_SCHEDULES, SYNC_SCHEDULES  # noqa: E402
+from tsync_mcore.channel.sources import BatchPlan, TrajectorySource, TurnSource, assign_groups  # noqa: E402
+from tsync_mcore.observability.trace import Record, SourceRecord, UpdateRecord  # noqa: E402
 
 from async_rollout import FullyAsyncStream, one_step_off_sampler  # noqa: E402
+from tsync_mcore.util.net import free_port  # noqa: E402
 
 GAMMA = 0.49  # the paper's service exponent
 
@@ -244,10 +246,6 @@ SEGMENT = 4  # updates an asynchronous schedule plays per round (a pipeline need
 STEADY_FROM = 2  # of those, the first ones fill the pipeline and are not measured
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -473,7 +471,7 @@ def _send_batch(links, objective: str, v: int, plan: BatchPlan, n_turns: dict, i
     """Register batch v, send its sources at their ready times (seconds after the
     registration) and close it at R (rollout_time_s: `rollout_s`, default the time taken).
 
-    Routing as the real rollout does it (tsync_mcore.routing): "balanced" sends each GRPO
+    Routing as the real rollout does it (tsync_mcore.channel.routing): "balanced" sends each GRPO
     trajectory to the rank with the least tokens assigned so far and announces a split
     group's rewards to the ranks holding its members after its last one; "static" (and OPD)
     sends by group owner. Returns each release's lag: its send's completion after its

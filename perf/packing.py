@@ -21,10 +21,10 @@ import torch  # noqa: E402
 from overlap import PACK_DEFAULT, Workload  # noqa: E402
 
 from tsync_mcore.config import load_config  # noqa: E402
-from tsync_mcore.learner import Learner  # noqa: E402
+from tsync_mcore.learner.update import Learner  # noqa: E402
 from tsync_mcore.model.parallel import init_parallel  # noqa: E402
-from tsync_mcore.policy import Policy  # noqa: E402
-from tsync_mcore.testing.tiny import make_tiny_checkpoint  # noqa: E402
+from tsync_mcore.learner.policy import Policy  # noqa: E402
+from tsync_mcore.model.tiny import make_tiny_checkpoint  # noqa: E402
 
 
 def main() -> None:

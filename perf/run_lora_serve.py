@@ -54,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from tsync_mcore.rollout.engine import EngineThread, RolloutEngine
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
 
     root = tempfile.mkdtemp(prefix="lora_serve_")
     base = make_tiny_checkpoint(os.path.join(root, "base"), vocab_size=512,

@@ -12,8 +12,8 @@ from overlap import (PACK_DEFAULT, SCHEDULES, HostSetup, RecordedWorkload, cell,
 
 from tsync_mcore.channel.link import realtime_io_permitted  # noqa: E402
 
-from tsync_mcore.testing.tiny import make_tiny_checkpoint  # noqa: E402
-from tsync_mcore.trace import TraceError  # noqa: E402
+from tsync_mcore.model.tiny import make_tiny_checkpoint  # noqa: E402
+from tsync_mcore.observability.trace import TraceError  # noqa: E402
 
 
 def main() -> None:

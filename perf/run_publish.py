@@ -45,7 +45,7 @@ TINY = dict(arch="qwen2", vocab_size=300, hidden=64, layers=2, heads=2, kv_heads
 
 def make_model(out: str, shapes: dict, dtype) -> str:
     """Random weights with the shapes (HF init, std 0.02 as the real model's), no download."""
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
 
     if not os.path.exists(os.path.join(out, "config.json")):
         make_tiny_checkpoint(out, dtype=dtype, init_std=0.02, **shapes)
@@ -78,7 +78,7 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from tsync_mcore import publish_dist as pd
+    from tsync_mcore.publication import dist as pd
     from tsync_mcore.rollout.engine import EngineThread, RolloutEngine
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]

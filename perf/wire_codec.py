@@ -18,7 +18,7 @@ import timeit
 from tsync_mcore.channel import TrajectoryMsg, TurnMsg, wire
 from tsync_mcore.channel.handshake import Mac
 from tsync_mcore.channel.link import _HEADER_BYTES, _body_bytes, _layout, _pack, _unpack
-from tsync_mcore.sources import TrajectorySource, TurnSource
+from tsync_mcore.channel.sources import TrajectorySource, TurnSource
 
 
 def traj(n: int) -> TrajectoryMsg:

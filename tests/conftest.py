@@ -52,7 +52,7 @@ def tiny_root(tmp_path_factory) -> str:
 
 
 def _tiny(root: str, name: str) -> str:
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
 
     out = os.path.join(root, name)
     if not os.path.exists(os.path.join(out, "config.json")):
@@ -81,7 +81,7 @@ def tiny_qwen3(tiny_root) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen3_moe(tiny_root) -> str:
     """Qwen3-MoE: 4 experts, top-2, normalised top-k probabilities, every layer sparse."""
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
 
     out = os.path.join(tiny_root, "qwen3_moe")
     if not os.path.exists(os.path.join(out, "config.json")):

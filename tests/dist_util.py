@@ -5,18 +5,14 @@ from __future__ import annotations
 import json
 import re
 import os
-import socket
 import subprocess
 import sys
+from tsync_mcore.util.net import free_port  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_PREFIX = "RESULT "
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_dist(

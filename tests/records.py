@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tsync_mcore.trace import DeferredRecord, SourceRecord, UpdateRecord
+from tsync_mcore.observability.trace import DeferredRecord, SourceRecord, UpdateRecord
 
 
 def source(**kw) -> SourceRecord:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tsync_mcore import trace
+from tsync_mcore.observability import trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -3,7 +3,7 @@
 import pytest
 
 from tsync_mcore.rollout.pacing import BatchFormer, Group, may_start, span_off_policy
-from tsync_mcore.sources import TrajectorySource, check_off_policy
+from tsync_mcore.channel.sources import TrajectorySource, check_off_policy
 
 
 def test_span_off_policy_one_version_sends_no_per_token_versions():

@@ -28,7 +28,7 @@ from tsync_mcore.channel import (
 from tsync_mcore.channel.link import realtime_io_permitted
 from tsync_mcore.channel.messages import GROUPS, METRICS, TURN_COUNTS
 from tsync_mcore.channel.wire import SPECS, schema_table
-from tsync_mcore.sources import RoutedExperts, TrajectorySource, TurnSource
+from tsync_mcore.channel.sources import RoutedExperts, TrajectorySource, TurnSource
 
 WORKER = os.path.join(REPO_ROOT, "tests", "workers", "channel_worker.py")
 sys.path.insert(0, os.path.dirname(WORKER))

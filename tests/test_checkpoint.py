@@ -53,13 +53,13 @@ import pytest  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from tsync_mcore import checkpoint  # noqa: E402
-from tsync_mcore.checkpoint import CheckpointError  # noqa: E402
+from tsync_mcore.learner import checkpoint  # noqa: E402
+from tsync_mcore.learner.checkpoint import CheckpointError  # noqa: E402
 
 
 def _policy(hf_dir: str, parallel1, distributed: bool):
     from tsync_mcore.config import load_config
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.policy import Policy
     cfg = load_config(None, {"model.hf_dir": hf_dir, "optim.lr": 1e-3,
                              "optim.distributed": distributed})
     return Policy(cfg, par=parallel1)

@@ -24,10 +24,10 @@ def missing_dir_commands(tmp):
         f.write(json.dumps(dict(traj_id="t0", group_id="g0", tokens=[1, 2, 3],
                                 scored_mask=[0, 1, 1], reward=0.5, policy_version=0)) + "\n")
     return {
-        "predict trace": [PY, "-m", "tsync_mcore.predict", "trace", nope],
-        "report": [PY, "-m", "tsync_mcore.report", nope],
-        "ledger": [PY, "-m", "tsync_mcore.ledger", "--model", nope, "--seq-lens", "16"],
-        "replay": [PY, "-m", "tsync_mcore.replay", "--model", nope, "--batch", batch,
+        "predict trace": [PY, "-m", "tsync_mcore.observability.predict", "trace", nope],
+        "report": [PY, "-m", "tsync_mcore.observability.report", nope],
+        "ledger": [PY, "-m", "tsync_mcore.observability.ledger", "--model", nope, "--seq-lens", "16"],
+        "replay": [PY, "-m", "tsync_mcore.learner.replay", "--model", nope, "--batch", batch,
                    "--out", os.path.join(tmp, "out")],
         "channel": [PY, "-m", "tsync_mcore.channel", "--update-docs", nope],
         "learner": [PY, "launch/learner.py", "--config", CFG, "--set",
@@ -58,9 +58,11 @@ def test_missing_directory_is_one_error_line(tmp_path):
 
 def parsers():
     """Every CLI's argparse parser, captured where its main() parses."""
-    from tsync_mcore import predict, replay, report
+    from tsync_mcore.observability import predict
+    from tsync_mcore.learner import replay
+    from tsync_mcore.observability import report
     from tsync_mcore.channel import __main__ as channel
-    from tsync_mcore.ledger import __main__ as ledger
+    from tsync_mcore.observability.ledger import __main__ as ledger
 
     class Got(Exception):
         pass
@@ -104,7 +106,7 @@ def test_every_option_has_a_help_text():
 
 def test_quiet_filters_exact_known_warnings_only():
     code = """
-from tsync_mcore import quiet
+from tsync_mcore.util import quiet
 quiet.install()
 import logging, warnings
 import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs  # warn on import

@@ -15,20 +15,18 @@ import pytest
 import yaml
 
 from tsync_mcore import config as config_mod
-from tsync_mcore import config_doc, launch
+from tsync_mcore.config import reference as config_doc
+from tsync_mcore.cli import launch
 from tsync_mcore.channel import ChannelError, ChannelTimeout, open_rollout_side
 from tsync_mcore.channel.link import connect_learner
 from tsync_mcore.config import ConfigError, load_config, resolve
+from tsync_mcore.util.net import free_port  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHERS = ["learner", "rollout", "demo", "run"]
 SECRET = b"s" * 32
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- reference
@@ -207,7 +205,7 @@ def launcher(name: str, *argv: str, monkeypatch) -> int:
 @pytest.mark.parametrize("name", LAUNCHERS)
 def test_every_launcher_prints_the_resolved_config(name, tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
-    rc = launcher(name, "--config", os.path.join(ROOT, "configs/demo.yaml"),
+    rc = launcher(name, "--config", os.path.join(ROOT, "tsync_mcore/cli/demo.yaml"),
                   "--set", "run.updates=3", "learner.k_open=2", "--set", "seed=7",
                   f"run.dir={run_dir}", "--print-config", monkeypatch=monkeypatch)
     out = capsys.readouterr().out
@@ -297,7 +295,7 @@ def test_another_runs_rollout_is_named_as_such():
 
 
 def _tiny_model(path: str) -> None:
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
     make_tiny_checkpoint(path, arch="qwen2", vocab_size=320, hidden=64, layers=2, heads=2,
                          kv_heads=1, intermediate=128, seed=0)  # as make demo's
 
@@ -310,7 +308,7 @@ def test_run_with_a_taken_port_stops_both_sides_with_the_rollouts_line(tmp_path)
         port = holder.getsockname()[1]
         p = subprocess.run(
             [sys.executable, os.path.join(ROOT, "launch/run.py"), "--config",
-             os.path.join(ROOT, "configs/demo.yaml"), "--keep-port", "--set",
+             os.path.join(ROOT, "tsync_mcore/cli/demo.yaml"), "--keep-port", "--set",
              f"run.dir={tmp_path}/run", f"model.hf_dir={tmp_path}/model",
              f"channel.port={port}", "channel.timeout_s=300", "--set",
              f"run.publish_dir={tmp_path}/publish"],
@@ -323,14 +321,14 @@ def test_run_with_a_taken_port_stops_both_sides_with_the_rollouts_line(tmp_path)
 
 def test_resume_without_a_checkpoint_is_one_line(tmp_path, monkeypatch, capsys):
     for name in ("run", "demo"):
-        rc = launcher(name, "--config", os.path.join(ROOT, "configs/demo.yaml"), "--resume",
+        rc = launcher(name, "--config", os.path.join(ROOT, "tsync_mcore/cli/demo.yaml"), "--resume",
                       "--set", f"run.dir={tmp_path}/{name}", monkeypatch=monkeypatch)
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and err[-1].startswith(f"error: {name}: --resume: run directory "
                                               f"{tmp_path}/{name} does not exist"), err
         assert not any(line.startswith("error:") for line in err[:-1])
     os.makedirs(tmp_path / "empty")  # a run directory without a checkpoint
-    rc = launcher("run", "--config", os.path.join(ROOT, "configs/demo.yaml"), "--resume",
+    rc = launcher("run", "--config", os.path.join(ROOT, "tsync_mcore/cli/demo.yaml"), "--resume",
                   "--set", f"run.dir={tmp_path}/empty", monkeypatch=monkeypatch)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("error: run: --resume: no checkpoint under"), err

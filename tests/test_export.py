@@ -1,4 +1,4 @@
-"""`python -m tsync_mcore.export`: a run's checkpoint as a Hugging Face directory.
+"""`python -m tsync_mcore.learner.export`: a run's checkpoint as a Hugging Face directory.
 
 Checkpoints come from real short training runs (tests/workers/export_worker.py): TP=1 in
 this process, TP=2 under torchrun. The reference for the export is the learner itself: its
@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from batchgen import write_batches
 from dist_util import run_dist
-from tsync_mcore.export import main as export_main
+from tsync_mcore.learner.export import main as export_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests/workers/export_worker.py")
@@ -36,7 +36,7 @@ VLLM_TINY = dict(arch="qwen2", vocab_size=300, hidden=64, layers=2, heads=2, kv_
 
 @pytest.fixture(scope="module")
 def vllm_tiny(tmp_path_factory) -> str:
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("vllm_tiny") / "m"), seed=4,
                                 **VLLM_TINY)
 
@@ -274,10 +274,10 @@ def test_wrong_dir_and_nonempty_out_from_the_command_line(tp1_run, tmp_path):
     for args, says in [([tp1_run, "--out", str(out)], "exists and is not empty"),
                        ([str(tmp_path / "nope"), "--out", str(tmp_path / "x")],
                         "missing or not a directory")]:
-        p = subprocess.run([sys.executable, "-m", "tsync_mcore.export", *args], env=env,
+        p = subprocess.run([sys.executable, "-m", "tsync_mcore.learner.export", *args], env=env,
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 2 and p.stderr.count("\n") == 1 and says in p.stderr, p.stderr
     assert os.listdir(out) == ["keep.txt"] and sorted(os.listdir(tmp_path)) == ["hf"]
-    p = subprocess.run([sys.executable, "-m", "tsync_mcore.export", "--help"], env=env,
+    p = subprocess.run([sys.executable, "-m", "tsync_mcore.learner.export", "--help"], env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "--max-shard-size" in p.stdout and "--step" in p.stdout

@@ -15,8 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from tsync_mcore.config import ConfigError, load_config, parse_overrides
-from tsync_mcore.sources import (MAX_ABS_REWARD, SourceError, TrajectorySource, TurnSource,
+from tsync_mcore.channel.sources import (MAX_ABS_REWARD, SourceError, TrajectorySource, TurnSource,
                                  validate_source, validate_turn)
+from tsync_mcore.util.net import free_port as _free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -143,11 +144,6 @@ def _worker(hf_dir, out, mode, check):
     return {r["rank"]: r["results"] for r in rows}
 
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("check", ["update", "source"])
@@ -188,7 +184,7 @@ def test_replay_of_a_non_finite_update_fails_and_writes_nothing(tiny_qwen2, tmp_
     cfg = tmp_path / "c.yaml"
     cfg.write_text("learner:\n  adv_eps: 1.0e-300\n  check_finite: source\n")
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "tsync_mcore.replay", "--model", tiny_qwen2,
+    p = subprocess.run([sys.executable, "-m", "tsync_mcore.learner.replay", "--model", tiny_qwen2,
                         "--batch", str(batch), "--out", str(out), "--config", str(cfg)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     err = [line for line in p.stderr.splitlines() if line.startswith("error: ")]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from batchgen import make_batch, make_opd_batch
-from tsync_mcore.ledger.host import HostCounter
+from tsync_mcore.observability.ledger.host import HostCounter
 from tsync_mcore.platform import upload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,8 +109,8 @@ def test_counter_restores_what_it_intercepts():
 
 def _learner(hf_dir, par, **learner):
     from tsync_mcore.config import load_config
-    from tsync_mcore.learner import Learner
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.update import Learner
+    from tsync_mcore.learner.policy import Policy
     cfg = load_config(None, {"model.hf_dir": hf_dir, "optim.lr": 1e-5,
                              **{f"learner.{k}": v for k, v in learner.items()}})
     return Learner(cfg.learner, Policy(cfg, par=par))
@@ -122,7 +122,7 @@ def _behaviour(mask, rng):
 
 def _sources(objective: str, version: int):
     """One batch of the objective's sources in arrival order, with behaviour log-probs."""
-    from tsync_mcore.sources import TrajectorySource, opd_turns_from_json
+    from tsync_mcore.channel.sources import TrajectorySource, opd_turns_from_json
     rng = random.Random(version)
     if objective == "grpo":
         rows = sorted(make_batch(VOCAB, n_groups=3, m=3, seed=5, version=version),
@@ -138,7 +138,7 @@ def _sources(objective: str, version: int):
 def serve_batch(learner, counter: HostCounter | None = None, sources: bool = False):
     """One update through the learner's public entry points, counted when asked; with
     `sources`, (result, the sources served)."""
-    from tsync_mcore.sources import BatchPlan
+    from tsync_mcore.channel.sources import BatchPlan
     srcs = _sources(learner.cfg.objective, learner.version)
     watch = counter.watch(learner) if counter is not None else None
     if watch is not None:
@@ -221,5 +221,5 @@ def test_the_count_fails_on_a_sync_in_the_serving_path(tiny_qwen2, parallel1):
         serve_batch(checked, hc)
     served = [u for u in hc.units if u.key is not None]
     assert all(1 <= u.tally.syncs <= 2 for u in served)  # 2: its group's close came with it
-    assert all(s.startswith("aten._local_scalar_dense at tsync_mcore/policy.py:")
+    assert all(s.startswith("aten._local_scalar_dense at tsync_mcore/learner/policy.py:")
                for s in hc.sync_sites())

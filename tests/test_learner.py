@@ -15,19 +15,20 @@ from safetensors.torch import load_file
 
 from batchgen import write_batches
 from reference import reference_grad, rel_l2
-from tsync_mcore import trace
-from tsync_mcore.trace import SourceRecord
+from tsync_mcore.observability import trace
+from tsync_mcore.observability.trace import SourceRecord
+from tsync_mcore.util.net import free_port as _free_port  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_UPDATES = 10
 
 
 def replay(hf_dir, batch, out, nproc=2, *flags):
-    cmd = [sys.executable, "-m", "tsync_mcore.replay", "--model", hf_dir, "--batch", batch,
+    cmd = [sys.executable, "-m", "tsync_mcore.learner.replay", "--model", hf_dir, "--batch", batch,
            "--out", out, *flags]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), "-m", "tsync_mcore.replay", *cmd[3:]]
+               "--master-port", str(_free_port()), "-m", "tsync_mcore.learner.replay", *cmd[3:]]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, f"replay failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -55,11 +56,6 @@ def replay_many(jobs, d, nproc=2):
             for name, s in zip(jobs, res["summaries"], strict=True)}
 
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ def rows():
 
 def test_entropy_tp1(tiny_qwen2, parallel1, rows):
     from tsync_mcore.config import load_config
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.policy import Policy
     policy = Policy(load_config(None, {"model.hf_dir": tiny_qwen2}), par=parallel1)
     for r in rows:
         policy.backward_source(r["tokens"], r["scored_mask"], 1.0)

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from tsync_mcore.ledger import (
+from tsync_mcore.observability.ledger import (
     FlopBreakdown,
     MemoryMeter,
     NvmlSampler,
@@ -25,8 +25,8 @@ from tsync_mcore.ledger import (
     steady_state,
     train_flops,
 )
-from tsync_mcore.ledger import mfu as mfu_mod
-from tsync_mcore.ledger.__main__ import main as cli_main
+from tsync_mcore.observability.ledger import mfu as mfu_mod
+from tsync_mcore.observability.ledger.__main__ import main as cli_main
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 0.02  # brief: ledger within 2 % of torch's counter
@@ -142,7 +142,7 @@ def test_ledger_shapes_and_options(tiny_qwen3):
 
 def test_cli_json_and_text(tiny_qwen2, capsys):
     out = subprocess.run(
-        [sys.executable, "-m", "tsync_mcore.ledger", "--model", tiny_qwen2,
+        [sys.executable, "-m", "tsync_mcore.observability.ledger", "--model", tiny_qwen2,
          "--seq-lens", "128,512", "--scored", "64,500", "--json"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tsync_mcore.ledger import LoraShape, load_spec, replay_flops, span_flops, train_flops
-from tsync_mcore.ledger.flops import COMPONENTS, LORA_TARGETS, TP_REPLICATED
-from tsync_mcore.ledger.sizes import accum_bytes, adapter_params, model_params
+from tsync_mcore.observability.ledger import LoraShape, load_spec, replay_flops, span_flops, train_flops
+from tsync_mcore.observability.ledger.flops import COMPONENTS, LORA_TARGETS, TP_REPLICATED
+from tsync_mcore.observability.ledger.sizes import accum_bytes, adapter_params, model_params
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -151,9 +151,9 @@ def test_lora_policy_source_equal_counter(name, subset, fused, tiny_ckpts, paral
     from torch.utils.flop_counter import FlopCounterMode
 
     from tsync_mcore.config import load_config
-    from tsync_mcore.ledger.account import update_flops
-    from tsync_mcore.policy import Policy
-    from tsync_mcore.trace import SourceRecord
+    from tsync_mcore.observability.ledger.account import update_flops
+    from tsync_mcore.learner.policy import Policy
+    from tsync_mcore.observability.trace import SourceRecord
 
     cfg = load_config(None, {"model.hf_dir": tiny_ckpts[name], "learner.fused_lm_head": fused,
                              "model.lora.rank": 4, "model.lora.targets": list(SUBSETS[subset])})
@@ -237,10 +237,10 @@ def test_lora_update_flops_and_accumulator_size(tiny_qwen2, parallel1):
     from torch.utils.flop_counter import FlopCounterMode
 
     from tsync_mcore.config import load_config
-    from tsync_mcore.learner import Learner
-    from tsync_mcore.ledger.account import update_flops
-    from tsync_mcore.policy import Policy
-    from tsync_mcore.sources import BatchPlan, TrajectorySource
+    from tsync_mcore.learner.update import Learner
+    from tsync_mcore.observability.ledger.account import update_flops
+    from tsync_mcore.learner.policy import Policy
+    from tsync_mcore.channel.sources import BatchPlan, TrajectorySource
 
     cfg = load_config(None, {"model.hf_dir": tiny_qwen2, "model.lora.rank": 4,
                              "learner.schedule": "thundersync", "learner.k_open": 2})
@@ -272,7 +272,7 @@ def test_lora_update_flops_and_accumulator_size(tiny_qwen2, parallel1):
 def test_ledger_cli_lora(tiny_qwen3, capsys):
     import json
 
-    from tsync_mcore.ledger.__main__ import main
+    from tsync_mcore.observability.ledger.__main__ import main
 
     assert main(["--model", tiny_qwen3, "--seq-lens", "16,40", "--lora-rank", "8",
                  "--lora-targets", "q_proj,v_proj", "--json"]) == 0
@@ -286,7 +286,7 @@ def test_ledger_cli_lora(tiny_qwen3, capsys):
 def test_sizes_tool(tiny_ckpts, capsys):
     import json
 
-    from tsync_mcore.ledger.sizes import main, preset_spec
+    from tsync_mcore.observability.ledger.sizes import main, preset_spec
     from tsync_mcore.model import lora
 
     # P against the Hugging Face model, P_A against model/lora.py's count and peft's

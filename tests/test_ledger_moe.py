@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from tsync_mcore.ledger import MoeShape, RoutingCounter, load_moe, span_flops, train_flops
-from tsync_mcore.ledger.flops import COMPONENTS, TP_REPLICATED
-from tsync_mcore.safe_files import ModelDirError
+from tsync_mcore.observability.ledger import MoeShape, RoutingCounter, load_moe, span_flops, train_flops
+from tsync_mcore.observability.ledger.flops import COMPONENTS, TP_REPLICATED
+from tsync_mcore.util.safe_files import ModelDirError
 
 transformers = pytest.importorskip("transformers")
 
@@ -241,7 +241,7 @@ def test_moe_ledger_equals_counter_on_megatron(frozen, mcore_moe):
     (TopKRouter's routing_map). A frozen router still runs both grads here."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from tsync_mcore.ledger import frozen_names
+    from tsync_mcore.observability.ledger import frozen_names
     from tsync_mcore.model import bridge
 
     model, spec = mcore_moe
@@ -273,8 +273,8 @@ def test_moe_ledger_equals_counter_on_megatron(frozen, mcore_moe):
 
 
 def test_cli_on_a_moe_checkpoint(tiny_qwen3_moe, capsys):
-    from tsync_mcore.ledger import load_spec
-    from tsync_mcore.ledger.__main__ import main as cli_main
+    from tsync_mcore.observability.ledger import load_spec
+    from tsync_mcore.observability.ledger.__main__ import main as cli_main
 
     assert cli_main(["--model", tiny_qwen3_moe, "--seq-lens", "16,8", "--json"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -291,9 +291,9 @@ def test_update_flops_of_a_moe_source(tiny_qwen3_moe, parallel1, fused):
     from torch.utils.flop_counter import FlopCounterMode
 
     from tsync_mcore.config import load_config
-    from tsync_mcore.ledger.account import update_flops
-    from tsync_mcore.policy import Policy
-    from tsync_mcore.trace import SourceRecord
+    from tsync_mcore.observability.ledger.account import update_flops
+    from tsync_mcore.learner.policy import Policy
+    from tsync_mcore.observability.trace import SourceRecord
 
     policy = Policy(load_config(None, {"model.hf_dir": tiny_qwen3_moe,
                                        "learner.fused_lm_head": fused}), par=parallel1)
@@ -320,7 +320,7 @@ def test_ep_rank_flops_equal_counter_on_each_rank(tiny_qwen3_moe):
     head on its own tokens and its 2 experts on both ranks' tokens routed to them."""
     from dist_util import run_dist
 
-    from tsync_mcore.ledger import ep_rank_flops, load_spec
+    from tsync_mcore.observability.ledger import ep_rank_flops, load_spec
 
     cfg = {"ckpt": tiny_qwen3_moe, "shapes": [[1, 19], [2, 11]]}
     ranks = run_dist(["tests/workers/ledger_moe_ep_worker.py", json.dumps(cfg)], nproc=2)

@@ -161,7 +161,7 @@ def test_tensor_parallel_two_ranks():
 
 def _policy(hf_dir, par, fused, chunk=5):
     from tsync_mcore.config import load_config
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.policy import Policy
     return Policy(load_config(None, {"model.hf_dir": hf_dir, "learner.fused_lm_head": fused,
                                      "learner.lm_head_chunk": chunk}), par=par)
 
@@ -294,7 +294,7 @@ def test_fused_head_peak_memory_below_unfused(tmp_path):
     import sys
 
     from dist_util import REPO_ROOT, RESULT_PREFIX
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
     t, vocab = 4096, 65536
     ckpt = make_tiny_checkpoint(str(tmp_path / "ckpt"), vocab_size=vocab, hidden=16, layers=1,
                                 heads=2, kv_heads=1, intermediate=32, max_positions=t)
@@ -341,8 +341,8 @@ def test_ledger_counts_the_fused_head_as_it_runs(tiny_qwen2, parallel1):
     (model FLOPs) and recomputes their logits in backward (recompute, not credited)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from tsync_mcore.ledger.account import update_flops
-    from tsync_mcore.trace import SourceRecord
+    from tsync_mcore.observability.ledger.account import update_flops
+    from tsync_mcore.observability.trace import SourceRecord
     tokens = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(1)).tolist()
     mask = [0] * 10 + [1] * 12 + [0] * 8
     for fused in (True, False):

@@ -126,7 +126,7 @@ def _tokens(b: int = 2, s: int = 21) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(ADAPTERS))
 def test_logits_match_hf_peft_tp1(parallel1, adapters, name):
     from tsync_mcore.model import bridge
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.policy import Policy
 
     hf, ad = adapters[name]
     policy = Policy(_cfg(hf, ad), par=parallel1)
@@ -145,10 +145,10 @@ def test_logits_match_hf_peft_tp1(parallel1, adapters, name):
 def test_base_frozen_and_unchanged_after_ten_updates(parallel1, adapters, tmp_path):
     """Ten GRPO updates in process: every base weight bitwise equal to the checkpoint's, only
     the adapters carry gradients and optimizer state, and they move."""
-    from tsync_mcore.learner import Learner
+    from tsync_mcore.learner.update import Learner
     from tsync_mcore.model import lora
-    from tsync_mcore.policy import Policy
-    from tsync_mcore.sources import BatchPlan, TrajectorySource
+    from tsync_mcore.learner.policy import Policy
+    from tsync_mcore.channel.sources import BatchPlan, TrajectorySource
 
     hf, ad = adapters["qwen2_all"]
     policy = Policy(_cfg(hf, ad, **{"optim.lr": 1e-3}), par=parallel1)
@@ -208,10 +208,10 @@ def test_fresh_adapter_is_peft_default_and_matches_reference(parallel1, tiny_qwe
     model is the base model; exported with write_peft_dir, peft loads it, and the first
     update's gradient is the FP64 reference's (∂J/∂A = 0 while B = 0)."""
     from tsync_mcore.config import load_config
-    from tsync_mcore.learner import Learner
+    from tsync_mcore.learner.update import Learner
     from tsync_mcore.model import bridge, lora
-    from tsync_mcore.policy import Policy
-    from tsync_mcore.sources import BatchPlan, TrajectorySource
+    from tsync_mcore.learner.policy import Policy
+    from tsync_mcore.channel.sources import BatchPlan, TrajectorySource
 
     targets = ["q_proj", "up_proj", "down_proj"]
     policy = Policy(load_config(None, {"model.hf_dir": tiny_qwen3, "model.lora.rank": 4,
@@ -369,7 +369,7 @@ def test_export_adapter_round_trip_tp2(tp2_results):
 
 @pytest.mark.parametrize("name", ["qwen3_all", "llama_tied_sub", "llama_rslora"])
 def test_merged_export_equals_peft_merge_and_unload(parallel1, adapters, tp2_results, name):
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.policy import Policy
 
     hf, ad = adapters[name]
     _check_merged(Policy(_cfg(hf, ad), par=parallel1).export_params(), hf, ad)  # TP = 1
@@ -463,7 +463,7 @@ def test_adapter_shape_mismatch_with_the_base_model(parallel1, adapters, tmp_pat
     the config's targets do not explain."""
     from safetensors.torch import save_file
 
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.policy import Policy
 
     hf2, _ = adapters["qwen2_all"]
     _, ad3 = adapters["qwen3_all"]
@@ -488,7 +488,7 @@ def test_replay_cli_bad_adapter_one_line(adapters, tmp_path):
     d, named = _bad_dirs(good, tmp_path)["dora"]
     batch = str(tmp_path / "b.jsonl")
     write_batches(batch, VOCAB, n_updates=1, seed=1)
-    p = subprocess.run([sys.executable, "-m", "tsync_mcore.replay", "--model", hf, "--batch",
+    p = subprocess.run([sys.executable, "-m", "tsync_mcore.learner.replay", "--model", hf, "--batch",
                         batch, "--out", str(tmp_path / "out"), "--lora-adapter", d],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     err = p.stderr.strip()

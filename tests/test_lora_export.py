@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from batchgen import write_batches
 from dist_util import run_dist
-from tsync_mcore.export import ADAPTER_DIR
-from tsync_mcore.export import main as export_main
+from tsync_mcore.learner.export import ADAPTER_DIR
+from tsync_mcore.learner.export import main as export_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests/workers/export_worker.py")
@@ -87,9 +87,9 @@ def test_lora_checkpoint_export_tp2(tiny_qwen2, tmp_path):
 
 
 def test_lora_resume_refuses_another_adapter(tiny_qwen3, parallel1, tmp_path):
-    from tsync_mcore import checkpoint
+    from tsync_mcore.learner import checkpoint
     from tsync_mcore.config import load_config
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.policy import Policy
     batch = str(tmp_path / "b.jsonl")
     write_batches(batch, 256, n_updates=1, seed=7)
     run = str(tmp_path / "run")

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from batchgen import write_batches
-from tsync_mcore.export import main as export_main
+from tsync_mcore.learner.export import main as export_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests/workers/export_worker.py")
@@ -55,7 +55,7 @@ def lora_overrides(init: str) -> dict:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> str:
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("lora_base") / "m"), seed=4,
                                 **VLLM_TINY)
 
@@ -153,9 +153,9 @@ def test_write_adapter_round_trips_a_real_policys_adapter(base, parallel1, tmp_p
     """publish.write_adapter of a Policy started from a peft adapter writes that adapter
     back bit for bit (a PEFT directory, renamed into place); peft's merge of it equals the
     policy's merged publication; cleanup drops the unkept versions' directories."""
-    from tsync_mcore import publish
+    from tsync_mcore.publication import send as publish
     from tsync_mcore.config import load_config
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.policy import Policy
 
     init = peft_adapter(base, str(tmp_path / "init"))
     policy = Policy(load_config(None, {"model.hf_dir": base, **lora_overrides(init)}),
@@ -263,7 +263,7 @@ def _hf_err(model, prompt: list[int], out) -> float:
 def test_rollout_checks_adapter_notices(tmp_path):
     """The driver accepts exactly this version's adapter directory in the private publish
     directory, by method adapter; anything else is told to the learner (a failed Ack)."""
-    from tsync_mcore import publish
+    from tsync_mcore.publication import send as publish
     from tsync_mcore.channel import Ack, Publish
     from tsync_mcore.config import load_config
     from tsync_mcore.rollout.driver import RolloutStopped, check_publish

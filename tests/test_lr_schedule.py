@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tsync_mcore import checkpoint
-from tsync_mcore.checkpoint import CheckpointError
+from tsync_mcore.learner import checkpoint
+from tsync_mcore.learner.checkpoint import CheckpointError
 from tsync_mcore.config import ConfigError, load_config
 
 
@@ -37,7 +37,7 @@ def reference_lr(k: int, style: str, lr: float, min_lr: float, warmup: int, deca
 
 
 def _policy(hf_dir, par, **optim):
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.policy import Policy
     cfg = load_config(None, {"model.hf_dir": hf_dir, "run.updates": 20, "optim.lr": 1e-3,
                              **{f"optim.{k}": v for k, v in optim.items()}})
     return Policy(cfg, par=par)
@@ -184,8 +184,8 @@ def test_trainer_logs_the_schedule_resumes_it_and_exports_the_final_policy(tiny_
     """3 updates, then --resume to 7 (longer than warm-up 2 + decay 4): every update's
     `lr` in metrics.jsonl and in the trace is the schedule's; RUN/hf is the final policy."""
     from test_e2e import finish, free_port, scripted_rollout, start_learner
-    from tsync_mcore import trace
-    from tsync_mcore.export import main as export_main
+    from tsync_mcore.observability import trace
+    from tsync_mcore.learner.export import main as export_main
 
     run = str(tmp_path / "run")
     sched = ["optim.lr_schedule=cosine", "optim.warmup_updates=2", "optim.decay_updates=4",

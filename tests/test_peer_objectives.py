@@ -23,8 +23,8 @@ from batchgen import write_opd_batches
 from reference import reference_agg_grad, reference_opd_grad, rel_l2
 from tsync_mcore.config import ConfigError, load_config
 from tsync_mcore.objectives import ADVANTAGES, group_stats
-from tsync_mcore.replay import main as replay_main
-from tsync_mcore.replay import parse_args
+from tsync_mcore.learner.replay import main as replay_main
+from tsync_mcore.learner.replay import parse_args
 
 H = 40.0  # token_norm_constant of seq_mean_token_sum_norm
 # (token_norm, adv_std, objective): each under every schedule × routing in ROUTES
@@ -238,7 +238,7 @@ def test_replay_flags(tiny_qwen2, tmp_path):
     # End to end on one process: the flags reach the learner.
     rows = _rows(256, [("mixed", 3), ("mixed", 2), ("uniform", 2)], seed=9)
     batch = _write(tmp_path / "b.jsonl", rows)
-    cmd = [sys.executable, "-m", "tsync_mcore.replay", "--model", tiny_qwen2, "--batch", batch,
+    cmd = [sys.executable, "-m", "tsync_mcore.learner.replay", "--model", tiny_qwen2, "--batch", batch,
            "--out", str(tmp_path / "o"), "--token-norm", "seq_mean_token_mean",
            "--adv-std", "unbiased", "--k-open", "1"]
     p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
@@ -257,7 +257,7 @@ def test_opd_seq_mean_token_sum_norm(tiny_qwen2, tmp_path):
     # OPD streams turns: 1/(B·H) needs no trajectory length, so it runs there; the reference
     # is Eq. 8–9's 1/N_k gradient rescaled to N_k/(B·H).
     rows = write_opd_batches(str(tmp_path / "opd.jsonl"), 256, seed=3)
-    cmd = [sys.executable, "-m", "tsync_mcore.replay", "--model", tiny_qwen2, "--batch",
+    cmd = [sys.executable, "-m", "tsync_mcore.learner.replay", "--model", tiny_qwen2, "--batch",
            str(tmp_path / "opd.jsonl"), "--out", str(tmp_path / "o"), "--objective", "opd",
            "--token-norm", "seq_mean_token_sum_norm", "--token-norm-constant", str(H)]
     p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)

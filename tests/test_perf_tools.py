@@ -270,7 +270,7 @@ def test_overlap_workload_is_valid_and_follows_the_release_model():
     import sys
     sys.path.insert(0, os.path.join(ROOT, "perf"))
     from overlap import Workload
-    from tsync_mcore.sources import opd_turns_from_json, validate_source, validate_turn  # noqa: F401
+    from tsync_mcore.channel.sources import opd_turns_from_json, validate_source, validate_turn  # noqa: F401
 
     for objective in ("grpo", "opd"):
         w = Workload(objective=objective, batch=16)
@@ -399,7 +399,7 @@ def test_fully_async_stream_bounds_policy_lag_and_counts_drops():
 def test_fully_async_batches_reuse_the_draw_groups_under_fresh_ids():
     from async_rollout import StreamGroup
     from overlap import Workload, _stream_batch
-    from tsync_mcore.sources import validate_source
+    from tsync_mcore.channel.sources import validate_source
 
     w = Workload(objective="grpo", batch=16)
     plan, n_turns, items = w.update(7, R=1.0, draw=0)
@@ -429,8 +429,8 @@ def test_recorded_opd_release_trace_replays_turns_and_shared_prompts(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "perf"))
     from overlap import RecordedWorkload
     from records import deferred, source
-    from tsync_mcore import trace
-    from tsync_mcore.sources import validate_turn
+    from tsync_mcore.observability import trace
+    from tsync_mcore.channel.sources import validate_turn
 
     (tmp_path / "traces").mkdir()
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"policy_version": 0, "rollout_time_s": 4.0}) + "\n")

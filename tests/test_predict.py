@@ -12,13 +12,13 @@ import sys
 
 import pytest
 
-from tsync_mcore.predict import (
+from tsync_mcore.observability.predict import (
     ReleaseParams, analytic, analyze_run, jobs_by_rank, lane_completion,
     lane_completion_closed_form, main, peak_ratio, predict_update, release_grpo, release_opd,
     replay_lane, speedup_waves, tail_grpo, tail_opd)
 
 from records import deferred, source
-from tsync_mcore import trace
+from tsync_mcore.observability import trace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -324,12 +324,12 @@ def test_cli_trace_and_analytic(tmp_path, capsys) -> None:
 def test_module_entry_point(tmp_path) -> None:
     env = dict(os.environ, PYTHONPATH=REPO)
     proc = subprocess.run(
-        [sys.executable, "-m", "tsync_mcore.predict", "analytic", "--objective", "opd",
+        [sys.executable, "-m", "tsync_mcore.observability.predict", "analytic", "--objective", "opd",
          "--batch", "64", "--ratio", "0.5", "--turns", "40", "--peak", "--json"],
         capture_output=True, text=True, env=env, cwd=REPO, timeout=60, check=True)
     out = json.loads(proc.stdout)
     assert close_to(out["peak_speedup"], 1.95) and math.isfinite(out["tail"])
-    proc = subprocess.run([sys.executable, "-m", "tsync_mcore.predict", "trace",
+    proc = subprocess.run([sys.executable, "-m", "tsync_mcore.observability.predict", "trace",
                            _write_run(tmp_path), "--json"],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=60, check=True)
     assert "speedup_predicted" in json.loads(proc.stdout)
@@ -362,7 +362,7 @@ def test_one_step_off_segment_settles_at_the_slower_pipeline():
     # Two lanes, 20 unit-service jobs each arriving uniformly over R: L = 20·p. In steady
     # state the period is max(R, L + P) whether the rollout (r = 2) or the learner (r = 0.5,
     # 1) is the slower one; the first update (nothing to overlap with) takes R + tail + P.
-    from tsync_mcore.predict import one_step_off_period, one_step_off_segment
+    from tsync_mcore.observability.predict import one_step_off_period, one_step_off_segment
 
     p, P, n = 0.05, 0.1, 20
     L = n * p
@@ -381,20 +381,20 @@ def test_one_step_off_segment_settles_at_the_slower_pipeline():
 
 def test_one_step_off_segment_shows_an_imbalanced_rank():
     # Rank 1 holds twice rank 0's work: the learner period follows the busier lane.
-    from tsync_mcore.predict import one_step_off_segment
+    from tsync_mcore.observability.predict import one_step_off_segment
 
     lanes = {0: [(0.1, 0.2)] * 5, 1: [(0.1, 0.4)] * 5}
     assert one_step_off_segment([(1.0, lanes, 0.1)] * 6)[-1] == pytest.approx(2.0 + 0.1)
 
 
 def test_analytic_reports_one_step_off_speedup():
-    from tsync_mcore.predict import async_speedup
+    from tsync_mcore.observability.predict import async_speedup
 
     res = analytic("grpo", 64, 1.0, 1)
     # B = 64 < Q: one wave, rho_w = 0.5, kappa 0.05: (1 + 0.5 + 0.05) / max(1, 0.55)
     assert res["speedup_one_step_off"] == pytest.approx(1.55)
     assert async_speedup(0.5, 0.0) == pytest.approx(1.5)  # learner-bound: (1 + 2) / 2
-    out = subprocess.run([sys.executable, "-m", "tsync_mcore.predict", "analytic", "--objective",
+    out = subprocess.run([sys.executable, "-m", "tsync_mcore.observability.predict", "analytic", "--objective",
                           "grpo", "--batch", "64", "--turns", "1"], capture_output=True,
                          text=True, cwd=REPO)
     assert out.returncode == 0 and "one_step_off 1.5500x at policy lag 1" in out.stdout

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dist_util import REPO_ROOT, run_dist
-from tsync_mcore import publish_dist as pd
+from tsync_mcore.publication import dist as pd
 from tsync_mcore.channel import Ack, Publish
 from tsync_mcore.rollout.engine import EngineThread, RolloutEngine
 
@@ -29,7 +29,7 @@ BUCKET = 48 << 10  # several buckets for the tiny model, one parameter over a bu
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("publish_ckpts")
     return [make_tiny_checkpoint(str(root / n), seed=s, **TINY) for n, s in (("a", 0), ("b", 1))]
@@ -109,7 +109,7 @@ def file_digest(et, engine, path):
 def test_dist_gives_the_replicas_the_file_reloads_weights_tp1(rig, ckpts, parallel1):
     """A TP=1 learner's θ (its live export, iterated) over the group into 2 replicas."""
     from tsync_mcore.config import load_config
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.policy import Policy
 
     et, engines = rig
     start = digests(et, engines)
@@ -197,7 +197,7 @@ def test_delta_publication_matches_the_full_one_after_every_update(rig, ckpts, t
 def test_a_drifted_replica_gets_the_whole_model_next(tmp_path):
     """The learner side of the checksum: a mismatched ack makes the next publication whole."""
     from tsync_mcore.config import RunConfig
-    from tsync_mcore.publish import Publisher
+    from tsync_mcore.publication.send import Publisher
 
     store = pd.host_store("127.0.0.1", 0, 10)
     pg = pd.join_group("127.0.0.1", store.port, 0, 1, token="solo", timeout_s=10)

@@ -1,7 +1,7 @@
 """Replay files are untrusted input: every bad line is refused up front, before any model
 is built, with one `FILE:LINE: problem` message — never a traceback or a silent run.
 
-Fast: the line validator is pure (tsync_mcore.replay.batches_from_lines); the CLI tests stop
+Fast: the line validator is pure (tsync_mcore.learner.replay.batches_from_lines); the CLI tests stop
 before the model is built.
 """
 
@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchgen import make_batch, make_opd_batch, write_batches, write_opd_batches
-from tsync_mcore import replay
-from tsync_mcore.replay import OutError, batches_from_lines, check_out, read_batches
-from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, TurnSource,
+from tsync_mcore.learner import replay
+from tsync_mcore.learner.replay import OutError, batches_from_lines, check_out, read_batches
+from tsync_mcore.channel.sources import (BatchPlan, SourceError, TrajectorySource, TurnSource,
                                  validate_source, validate_turn)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -310,7 +310,7 @@ def test_bad_out_or_batch_fails_before_the_model_is_built(tmp_path, monkeypatch)
 
 def _cli(*args):
     env = dict(os.environ, PYTHONWARNINGS="ignore")  # megatron's import warnings are not ours
-    return subprocess.run([sys.executable, "-m", "tsync_mcore.replay", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "tsync_mcore.learner.replay", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
 
 

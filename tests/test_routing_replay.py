@@ -124,7 +124,7 @@ def test_forced_routing_checks_shape(routers):
 def hf_moe(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from tsync_mcore.testing.tiny import make_tiny_checkpoint
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
 
     d = make_tiny_checkpoint(str(tmp_path_factory.mktemp("hf_moe")), arch="qwen3_moe",
                              vocab_size=300, hidden=2 * H, heads=2, kv_heads=1, layers=2,
@@ -137,7 +137,7 @@ def test_hf_forced_routing_matches_hand_written_moe(hf_moe):
     """The reference the learner's replay will be checked against: forcing HF's routing
     reproduces its own forward bit for bit; forcing other experts gives, in each MoE
     block, exactly sum_k w_k down_e(silu(gate_e h) * up_e h) over the forced experts."""
-    from tsync_mcore.testing.tiny_moe import hf_forced_routing, hf_recorded_routing
+    from tsync_mcore.model.tiny_moe import hf_forced_routing, hf_recorded_routing
 
     ids = torch.tensor([[1, 87, 85, 260, 201, 5, 6, 7, 8]])
     with torch.no_grad(), hf_recorded_routing(hf_moe) as rec:
@@ -221,7 +221,7 @@ def test_megatron_moe_layer_follows_forced_experts_like_hf(hf_moe, parallel1):
     gradients of the input, the router and the experts agree (to the FP32 of both sides'
     top-k softmax)."""
     from tsync_mcore.model.routing_replay import forced_routing
-    from tsync_mcore.testing.tiny_moe import hf_forced_routing
+    from tsync_mcore.model.tiny_moe import hf_forced_routing
 
     block = hf_moe.model.layers[0].mlp
     layer = megatron_moe_layer(block, {})
@@ -257,7 +257,7 @@ def test_megatron_moe_layer_follows_forced_experts_like_hf(hf_moe, parallel1):
 @pytest.fixture(scope="module")
 def moe_policy(parallel1, tiny_qwen3_moe):
     from tsync_mcore.config import load_config
-    from tsync_mcore.policy import Policy
+    from tsync_mcore.learner.policy import Policy
 
     cfg = load_config(None, {"model.hf_dir": tiny_qwen3_moe, "learner.routing_replay": "rollout"},
                       replay=True)
@@ -271,7 +271,7 @@ def test_policy_logprobs_follow_forced_experts(moe_policy, tiny_qwen3_moe):
     from moe_reference import load_hf_moe
     from tsync_mcore.model import bridge
     from tsync_mcore.model.routing_replay import guided_routing
-    from tsync_mcore.testing.tiny_moe import hf_forced_routing, hf_recorded_routing
+    from tsync_mcore.model.tiny_moe import hf_forced_routing, hf_recorded_routing
 
     n, free = 20, 3
     ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(7))
@@ -299,7 +299,7 @@ def test_policy_logprobs_follow_forced_experts(moe_policy, tiny_qwen3_moe):
 
 
 def _traj(routed=None, n=8, **kw):
-    from tsync_mcore.sources import TrajectorySource
+    from tsync_mcore.channel.sources import TrajectorySource
 
     return TrajectorySource("t", "g", tuple(range(1, n + 1)), (0,) * 4 + (1,) * (n - 4), 1.0, 0,
                             routed_experts=routed, **kw)
@@ -310,8 +310,8 @@ def test_rollout_routing_is_checked_against_the_model(moe_policy):
     layers, top-k, rows, expert ids or a repeated expert, is refused naming it."""
     import numpy as np
 
-    from tsync_mcore.serving.experts import ExpertRoutes
-    from tsync_mcore.sources import RoutedExperts, SourceError
+    from tsync_mcore.learner.serving.experts import ExpertRoutes
+    from tsync_mcore.channel.sources import RoutedExperts, SourceError
 
     routes = ExpertRoutes("rollout", moe_policy)
     good = np.array([[[0, 1], [2, 3]]] * 7)  # 8 tokens: 7 rows
@@ -335,7 +335,7 @@ def test_learner_mode_books_the_first_forward(moe_policy):
     and new positions are booked as they first run."""
     from tsync_mcore.model import bridge
     from tsync_mcore.model.routing_replay import guided_routing
-    from tsync_mcore.serving.experts import ExpertRoutes
+    from tsync_mcore.learner.serving.experts import ExpertRoutes
 
     routes = ExpertRoutes("learner", moe_policy)
     ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))

@@ -1,5 +1,5 @@
 """A run directory used twice: a fresh run replaces the earlier run's records, a resume keeps
-those up to its checkpoint (tsync_mcore/run_files.py), so `predict trace` and the report see
+those up to its checkpoint (tsync_mcore/observability/run_files.py), so `predict trace` and the report see
 one run per update."""
 
 import json
@@ -7,8 +7,10 @@ import os
 import shutil
 
 from test_e2e import run_scripted  # golden (conftest.py): the single-run baseline
-from tsync_mcore import predict, run_files, trace
-from tsync_mcore.trace import SourceRecord, UpdateRecord
+from tsync_mcore.observability import predict
+from tsync_mcore.observability import run_files
+from tsync_mcore.observability import trace
+from tsync_mcore.observability.trace import SourceRecord, UpdateRecord
 
 
 def lines(path):

@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from tsync_mcore import publish
+from tsync_mcore.publication import send as publish
 from tsync_mcore.config import RunConfig
-from tsync_mcore.publish import PublishDirError
-from tsync_mcore.safe_files import ModelDirError, check_hf_dir
+from tsync_mcore.publication.send import PublishDirError
+from tsync_mcore.util.safe_files import ModelDirError, check_hf_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,4 +1,4 @@
-"""The general sandbox (tsync_mcore.sandbox), the agents' tools (tsync_mcore.tools) and the
+"""The general sandbox (tsync_mcore.sandbox.jail), the agents' tools (tsync_mcore.sandbox.tools) and the
 terminal task env (rollout.env: terminal). Fast: no vLLM, no model; a tiny tokenizer.
 
 What must hold: a tool call that loops forever, forks without end, allocates 10 GB, writes
@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from tsync_mcore import sandbox as sb
-from tsync_mcore.rollout.agent import run_trajectory
+from tsync_mcore.sandbox import jail as sb
+from tsync_mcore.rollout.loop import run_trajectory
 from tsync_mcore.rollout.engine import GenOut
 from tsync_mcore.rollout.envs import observation_ids
 from tsync_mcore.rollout.terminal_env import TerminalConfig, TerminalTaskEnv, _task
-from tsync_mcore.tools import (ToolBox, format_tool_call, parse_tool_calls, tool_schemas)
+from tsync_mcore.sandbox.tools import (ToolBox, format_tool_call, parse_tool_calls, tool_schemas)
 
 LIM = sb.Limits(timeout_s=5.0, memory_mb=256, nproc=16)
 ROOT = os.geteuid() == 0
@@ -220,7 +220,7 @@ def test_parse_tool_calls():
 
 @pytest.fixture(scope="module")
 def tok():
-    from tsync_mcore.testing.tiny import _build_tokenizer
+    from tsync_mcore.model.tiny import _build_tokenizer
 
     return _build_tokenizer(256)
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from records import deferred, source, update
-from tsync_mcore import trace
-from tsync_mcore.trace import SCHEMA_VERSION, TraceError
+from tsync_mcore.observability import trace
+from tsync_mcore.observability.trace import SCHEMA_VERSION, TraceError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -108,8 +108,8 @@ def _damaged_run(tmp_path) -> str:
 
 
 @pytest.mark.parametrize("cli", [
-    ["-m", "tsync_mcore.predict", "trace", "RUN"],
-    ["-m", "tsync_mcore.report", "RUN", "--out", "OUT"],
+    ["-m", "tsync_mcore.observability.predict", "trace", "RUN"],
+    ["-m", "tsync_mcore.observability.report", "RUN", "--out", "OUT"],
     [os.path.join(ROOT, "perf", "run_overlap.py"), "--release-trace", "RUN", "--out", "OUT"],
 ], ids=["predict", "report", "run_overlap"])
 def test_cli_stops_on_a_damaged_trace_with_one_line(tmp_path, cli):
@@ -127,4 +127,4 @@ def test_cli_stops_on_a_damaged_trace_with_one_line(tmp_path, cli):
 def test_docs_show_the_generated_field_table():
     with open(os.path.join(ROOT, "docs", "trace.md")) as f:
         doc = f.read()
-    assert trace.field_table() in doc, "regenerate: python -m tsync_mcore.trace > table"
+    assert trace.field_table() in doc, "regenerate: python -m tsync_mcore.observability.trace > table"

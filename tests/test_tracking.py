@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from tsync_mcore.config import ConfigError, load_config
-from tsync_mcore.metrics import TRACKER_NAMES, tracker_scalars
-from tsync_mcore.tracking import Tracker, TrackingError, mlflow_key
+from tsync_mcore.observability.metrics import TRACKER_NAMES, tracker_scalars
+from tsync_mcore.observability.tracking import Tracker, TrackingError, mlflow_key
 
 # Two updates' records as the learner writes them (flat keys), plus rollout-side '/' keys.
 RECORDS = [

@@ -14,9 +14,9 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/tests")
 from batchgen import make_batch  # noqa: E402
 
 from tsync_mcore.config import load_config  # noqa: E402
-from tsync_mcore.learner import Learner  # noqa: E402
-from tsync_mcore.policy import Policy  # noqa: E402
-from tsync_mcore.sources import BatchPlan, SourceError, TrajectorySource  # noqa: E402
+from tsync_mcore.learner.update import Learner  # noqa: E402
+from tsync_mcore.learner.policy import Policy  # noqa: E402
+from tsync_mcore.channel.sources import BatchPlan, SourceError, TrajectorySource  # noqa: E402
 
 
 def same(a: dict, b: dict) -> bool:

@@ -25,7 +25,7 @@ from tsync_mcore.channel import (
     Ack, CloseBatch, DropGroup, Hello, Publish, RegisterBatch, Rejected, Shutdown, TrajectoryMsg,
     TurnMsg, open_learner_side, open_rollout_side,
 )
-from tsync_mcore.sources import TrajectorySource, TurnSource
+from tsync_mcore.channel.sources import TrajectorySource, TurnSource
 
 SECRET = b"tsync channel test secret, not for runs"  # both test processes use it
 HELLO = Hello(version=3, data_pos=17)

@@ -20,7 +20,7 @@ from dist_util import report  # noqa: E402
 
 from tsync_mcore.config import load_config  # noqa: E402
 from tsync_mcore.model.parallel import init_parallel  # noqa: E402
-from tsync_mcore.policy import Policy  # noqa: E402
+from tsync_mcore.learner.policy import Policy  # noqa: E402
 
 
 def main() -> None:

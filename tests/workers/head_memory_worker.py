@@ -7,14 +7,14 @@ Prints `RESULT {"peak_rss_bytes": ..., "summary": ...}`.
 import os
 import sys
 
-from tsync_mcore import quiet
+from tsync_mcore.util import quiet
 
 quiet.install()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dist_util import report  # noqa: E402
-from tsync_mcore import replay  # noqa: E402
-from tsync_mcore.ledger.memory import peak_rss_bytes  # noqa: E402
+from tsync_mcore.learner import replay  # noqa: E402
+from tsync_mcore.observability.ledger.memory import peak_rss_bytes  # noqa: E402
 
 if __name__ == "__main__":
     from dist_util import exit_now

@@ -18,7 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dist_util import report  # noqa: E402
 
-from tsync_mcore.ledger import RoutingCounter  # noqa: E402
+from tsync_mcore.observability.ledger import RoutingCounter  # noqa: E402
 from tsync_mcore.model import bridge  # noqa: E402
 from tsync_mcore.model.parallel import init_parallel  # noqa: E402
 

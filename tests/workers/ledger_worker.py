@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tsync_mcore.ledger.flops import frozen_names  # noqa: E402
+from tsync_mcore.observability.ledger.flops import frozen_names  # noqa: E402
 from tsync_mcore.model import bridge  # noqa: E402
 
 

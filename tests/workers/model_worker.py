@@ -19,7 +19,7 @@ from megatron.core import tensor_parallel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dist_util import report  # noqa: E402
 
-from tsync_mcore.model import bridge, train  # noqa: E402
+from tsync_mcore.model import bridge, optimizer  # noqa: E402
 from tsync_mcore.model.parallel import init_parallel  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def check_tp2(cfg: dict) -> dict:
     out: dict = {"tp_rank": info.tp_rank, "tp_size": info.tp_size}
     for name, path in cfg["ckpts"].items():
         model, spec = bridge.build_model(path)
-        ddp = train.wrap_ddp(model, use_distributed_optimizer=False)  # DP=1: TP-grad sync only
+        ddp = optimizer.wrap_ddp(model, use_distributed_optimizer=False)  # DP=1: TP-grad sync only
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, spec.vocab_size, (2, 19), generator=gen)
         weight = torch.randn(2, 19, spec.vocab_size, generator=gen)
@@ -52,7 +52,7 @@ def check_tp2(cfg: dict) -> dict:
         raw = bridge.export_hf(
             {n: p.main_grad for n, p in ddp.named_parameters()}, spec, tp_partial_grads=True
         )
-        train.finish_grad_sync(ddp)
+        optimizer.finish_grad_sync(ddp)
         grads = bridge.export_hf({n: p.main_grad for n, p in ddp.named_parameters()}, spec)
         hf_grads = {n: p.grad for n, p in hf.named_parameters()}
         exported = bridge.export_hf_state_dict(ddp, spec)  # "module." prefix stripped
@@ -104,7 +104,7 @@ def _nll(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 def _flat_ref(ddp, ref_grads: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """Reference grads laid out like the DDP grad buffers."""
-    flats = [torch.zeros_like(b) for b in train.grad_buffers(ddp)]
+    flats = [torch.zeros_like(b) for b in optimizer.grad_buffers(ddp)]
     names = {p: n for n, p in ddp.module.named_parameters()}
     for flat, buf in zip(flats, ddp.buffers):
         for param, (start, end, _) in buf.param_index_map.items():
@@ -114,12 +114,12 @@ def _flat_ref(ddp, ref_grads: dict[str, torch.Tensor]) -> list[torch.Tensor]:
 
 def _check_ddp(path: str, info, *, dist_opt: bool, dtype: torch.dtype, seqs: list) -> dict:
     model, spec = bridge.build_model(path, dtype=dtype)
-    ddp = train.wrap_ddp(model, use_distributed_optimizer=dist_opt)
+    ddp = optimizer.wrap_ddp(model, use_distributed_optimizer=dist_opt)
     ddp.zero_grad_buffer()
     _nll(ddp, seqs[info.dp_rank]).backward()
-    bufs = train.grad_buffers(ddp)
+    bufs = optimizer.grad_buffers(ddp)
     local = [b.clone() for b in bufs]
-    train.finish_grad_sync(ddp)
+    optimizer.finish_grad_sync(ddp)
     # expected: SUM of both ranks' pre-sync buffers
     expected = []
     for t in local:
@@ -132,7 +132,7 @@ def _check_ddp(path: str, info, *, dist_opt: bool, dtype: torch.dtype, seqs: lis
         _nll(ref_model, seq).backward()
     ref = _flat_ref(ddp, {n: p.grad for n, p in ref_model.named_parameters()})
     sum_err = ref_err = 0.0
-    for buf, exp, rf, ranges in zip(bufs, expected, ref, train.reduced_grad_ranges(ddp)):
+    for buf, exp, rf, ranges in zip(bufs, expected, ref, optimizer.reduced_grad_ranges(ddp)):
         for a, b in ranges:
             sum_err = max(sum_err, (buf[a:b] - exp[a:b]).abs().max().item())
             ref_err = max(ref_err, (buf[a:b] - rf[a:b]).abs().max().item())
@@ -142,9 +142,9 @@ def _check_ddp(path: str, info, *, dist_opt: bool, dtype: torch.dtype, seqs: lis
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     # bf16 spacing near 1.0 is 2^-7: a 1e-3 Adam step would not move the norm weights
     lr = 1e-2 if dtype == torch.bfloat16 else 1e-3
-    opt = train.build_optimizer(ddp, lr=lr, clip_grad=1.0, bf16=dtype == torch.bfloat16,
+    opt = optimizer.build_optimizer(ddp, lr=lr, clip_grad=1.0, bf16=dtype == torch.bfloat16,
                                 use_distributed_optimizer=dist_opt)
-    ok, grad_norm = train.optimizer_step(opt)
+    ok, grad_norm = optimizer.optimizer_step(opt)
     changed = all(not torch.equal(before[n], p) for n, p in model.named_parameters())
     flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
     parts = [torch.empty_like(flat) for _ in range(info.dp_size)]
@@ -160,7 +160,7 @@ def _check_ddp(path: str, info, *, dist_opt: bool, dtype: torch.dtype, seqs: lis
     return {
         "grad_dtypes": sorted({str(b.dtype) for b in bufs}),
         "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-        "flat_numel": train.flat_grad_numel(ddp),
+        "flat_numel": optimizer.flat_grad_numel(ddp),
         "n_params": sum(p.numel() for p in model.parameters()),
         "sum_err": sum_err,
         "ref_err": ref_err,

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dist_util import report  # noqa: E402
 from moe_reference import grads as hf_grads, load_hf_moe as _hf  # noqa: E402
 
-from tsync_mcore.model import bridge, train  # noqa: E402
+from tsync_mcore.model import bridge, optimizer  # noqa: E402
 from tsync_mcore.model.parallel import init_parallel  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def check_ep2(cfg: dict) -> dict:
     out: dict = {"dp_size": info.dp_size,
                  "local_experts": len(model.decoder.layers[0].mlp.experts.local_experts)}
     out.update(_export_checks(model, spec, cfg["ckpt"]))
-    ddp = train.wrap_ddp(model, use_distributed_optimizer=False)
+    ddp = optimizer.wrap_ddp(model, use_distributed_optimizer=False)
     expert_buf_params = {p for b in ddp.expert_parallel_buffers for p in b.params}
     out["experts_in_expert_buffers"] = all(
         (p in expert_buf_params) == bridge.is_expert_param(n) for n, p in model.named_parameters())
@@ -75,7 +75,7 @@ def check_ep2(cfg: dict) -> dict:
     ddp.zero_grad_buffer()
     local = bridge.logits(ddp, tokens)
     (local * weight).sum().backward()
-    train.finish_grad_sync(ddp)  # dense grads: SUM over DP; expert grads: complete already
+    optimizer.finish_grad_sync(ddp)  # dense grads: SUM over DP; expert grads: complete already
     grads = bridge.export_hf({n: p.main_grad for n, p in ddp.named_parameters()}, spec)
     hf = _hf(cfg["ckpt"])
     ref_loss = 0.0

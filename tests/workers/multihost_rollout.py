@@ -20,7 +20,7 @@ from test_e2e import sources  # noqa: E402  (the golden run's batches)
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, Hello, Publish,  # noqa: E402
                                  RegisterBatch, TrajectoryMsg, load_or_create_secret,
                                  open_rollout_side)
-from tsync_mcore.sources import BatchPlan, assign_groups  # noqa: E402
+from tsync_mcore.channel.sources import BatchPlan, assign_groups  # noqa: E402
 
 
 class Ended(Exception):

@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from batchgen import make_batch  # noqa: E402
 from tsync_mcore.config import load_config  # noqa: E402
-from tsync_mcore.learner import Learner  # noqa: E402
-from tsync_mcore.policy import Policy  # noqa: E402
-from tsync_mcore.sources import BatchPlan, TrajectorySource  # noqa: E402
+from tsync_mcore.learner.update import Learner  # noqa: E402
+from tsync_mcore.learner.policy import Policy  # noqa: E402
+from tsync_mcore.channel.sources import BatchPlan, TrajectorySource  # noqa: E402
 
 
 def batch(version: int, seed: int, poison: bool = False) -> list[TrajectorySource]:

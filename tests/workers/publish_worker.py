@@ -12,9 +12,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dist_util import report  # noqa: E402
-from tsync_mcore import publish_dist
+from tsync_mcore.publication import dist as publish_dist
 from tsync_mcore.config import load_config
-from tsync_mcore.policy import Policy
+from tsync_mcore.learner.policy import Policy
 
 
 def main(hf_dir, tp, addr, port, world, token, bucket_bytes):

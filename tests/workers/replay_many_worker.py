@@ -1,4 +1,4 @@
-"""Several replays in one launch: `python -m tsync_mcore.replay`'s own main() once per job.
+"""Several replays in one launch: `python -m tsync_mcore.learner.replay`'s own main() once per job.
 
 Usage (under torchrun or plain python): replay_many_worker.py JOBS.json
 JOBS.json holds a list of replay argument lists. Each job is a whole replay (its own config,
@@ -12,13 +12,13 @@ import json
 import os
 import sys
 
-from tsync_mcore import quiet
+from tsync_mcore.util import quiet
 
 quiet.install()  # as the replay command does before its imports
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dist_util import report  # noqa: E402
-from tsync_mcore import replay  # noqa: E402
+from tsync_mcore.learner import replay  # noqa: E402
 from tsync_mcore.model.parallel import destroy_parallel  # noqa: E402
 
 

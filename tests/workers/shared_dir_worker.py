@@ -11,7 +11,9 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from tsync_mcore import checkpoint, nodes
+from tsync_mcore.learner import checkpoint
+
+from tsync_mcore.channel import nodes
 
 
 def main(run_dir: str) -> str:

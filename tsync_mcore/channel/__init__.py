@@ -8,7 +8,7 @@ per-message MACs. The messages and their wire fields are declared once in `messa
 docs/wire.md describes handshake, framing, header, checksums, link semantics and the security
 model, with the layout table generated from the declarations
 (`python -m tsync_mcore.channel --table`). `decode` checks structure only; the learner
-validates content through `tsync_mcore.sources`.
+validates content through `tsync_mcore.channel.sources`.
 """
 
 from tsync_mcore.channel import schema

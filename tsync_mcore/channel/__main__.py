@@ -49,6 +49,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from tsync_mcore import quiet
+    from tsync_mcore.util import quiet
     quiet.install()
     main()

@@ -5,7 +5,7 @@ each field's wire kind (`tsync_mcore.channel.schema`). Adding a field is one lin
 WIRE_VERSION bump); docs/wire.md shows the resulting layout (`python -m tsync_mcore.channel
 --table`). A link rejects a type that comes from the wrong side. Content (vocabulary,
 versions, duplicates, group membership) is the learner's to validate through
-`tsync_mcore.sources`.
+`tsync_mcore.channel.sources`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from tsync_mcore.channel.schema import (
     STR,
     TOKENS, VERSION, Json, Nested, Str, declared_messages, message, on_wire,
 )
-from tsync_mcore.routing import ROUTINGS
+from tsync_mcore.channel.routing import ROUTINGS
 
 PUBLISH_METHODS = ("file", "dist", "adapter")
-from tsync_mcore.schedule import SCHEDULES
-from tsync_mcore.sources import TrajectorySource, TurnSource
+from tsync_mcore.channel.sources import SCHEDULES, TrajectorySource, TurnSource
 
 
 def _str_lists(v) -> bool:
@@ -68,7 +67,7 @@ class RegisterBatch:
     # Release schedule for this batch only (None: the learner's configured one). Lets a
     # benchmark alternate schedules batch by batch in one run, so machine drift is paired.
     schedule: str | None = on_wire(Str(choices=SCHEDULES, optional=True), default=None)
-    # How sources reach the ranks (tsync_mcore.routing): "static" (group → owner) or
+    # How sources reach the ranks (tsync_mcore.channel.routing): "static" (group → owner) or
     # "balanced" (trajectory → least-loaded rank, with GroupRewards announcements).
     routing: str = on_wire(Str(choices=ROUTINGS), default="static")
 

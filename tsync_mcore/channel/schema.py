@@ -283,7 +283,7 @@ class _Routed(Kind):
     doc = "RoutedExperts or None: ints layers, topk (0, 0: None); ids uint8 [rows·layers·topk]"
 
     def put(self, name, v, out):
-        from tsync_mcore.sources import RoutedExperts
+        from tsync_mcore.channel.sources import RoutedExperts
         if v is None:
             out.ints += (0, 0)
             out.arrays.append(np.empty(0, dtype=np.uint8))
@@ -298,7 +298,7 @@ class _Routed(Kind):
         out.arrays.append(np.frombuffer(v.ids, dtype=np.uint8).copy())  # writable for torch
 
     def get(self, name, m, at):
-        from tsync_mcore.sources import RoutedExperts
+        from tsync_mcore.channel.sources import RoutedExperts
         layers, topk, ids = m.ints[at.i], m.ints[at.i + 1], m.arrays[at.a]
         if layers == topk == 0 and ids.size == 0:
             return None

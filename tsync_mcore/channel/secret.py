@@ -10,23 +10,18 @@ from __future__ import annotations
 import os
 import secrets
 import stat
-from typing import TYPE_CHECKING
-
 from tsync_mcore.channel.errors import ChannelError
-
-if TYPE_CHECKING:
-    from tsync_mcore.config import Config
 
 SECRET_BYTES = 32
 MIN_SECRET_BYTES = 16
 
 
-def secret_path(cfg: "Config") -> str:
+def secret_path(cfg) -> str:
     """`channel.secret_file`, or `<run.dir>/channel.secret` when that is empty."""
     return cfg.channel.secret_file or os.path.join(cfg.run.dir, "channel.secret")
 
 
-def channel_secret(cfg: "Config") -> bytes:
+def channel_secret(cfg) -> bytes:
     """The run's secret (created on first use); ChannelError names a bad file."""
     return load_or_create_secret(secret_path(cfg))
 

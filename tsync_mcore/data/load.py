@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from tsync_mcore.safe_files import BadFile
+from tsync_mcore.util.safe_files import BadFile
 
 ROLES = ("system", "user", "assistant", "tool")
 

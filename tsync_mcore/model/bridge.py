@@ -42,7 +42,7 @@ from safetensors import SafetensorError, safe_open
 
 from tsync_mcore import platform
 from tsync_mcore.model.attention import SDPAttention
-from tsync_mcore.safe_files import ModelDirError, hf_config, hf_weight_map
+from tsync_mcore.util.safe_files import ModelDirError, hf_config, hf_weight_map
 
 __all__ = [
     "ModelSpec",

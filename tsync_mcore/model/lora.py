@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 
 from tsync_mcore.model.lora_spec import (CONFIG_FILE, TARGETS, LoraDirError, LoraSpec,
                                          read_peft_config)
-from tsync_mcore.safe_files import BadFile, read_safetensors, regular_file
+from tsync_mcore.util.safe_files import BadFile, read_safetensors, regular_file
 
 __all__ = [
     "TARGETS",

@@ -9,12 +9,14 @@ import math
 import os
 from dataclasses import dataclass
 
-from tsync_mcore.safe_files import BadFile, read_json_object
+from tsync_mcore.util.safe_files import BadFile, read_json_object
 
 __all__ = ["TARGETS", "CONFIG_FILE", "LoraSpec", "LoraDirError", "read_peft_config"]
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE = "adapter_config.json"
+# vLLM sizes its LoRA buffers for max_lora_rank, which must be one of these.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass(frozen=True)

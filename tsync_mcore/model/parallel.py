@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -14,6 +13,7 @@ from megatron.core import parallel_state as ps
 
 from tsync_mcore import platform
 from tsync_mcore.platform import cpu
+from tsync_mcore.util.net import free_port as _free_port
 
 __all__ = ["ParallelInfo", "init_parallel", "destroy_parallel"]
 
@@ -32,10 +32,6 @@ class ParallelInfo:
     dp_group_gloo: dist.ProcessGroup
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _init_process_group(timeout: timedelta) -> None:

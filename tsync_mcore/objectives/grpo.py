@@ -54,7 +54,7 @@ class AffineAdvantage:
     name: str
     alpha: Callable[[GroupStats, float], float]  # (stats, eps) -> α_G
     uses_std: bool = False  # α_G depends on σ_G (learner.adv_std matters)
-    source = "trajectory"  # its sources: whole trajectories (tsync_mcore.serving)
+    source = "trajectory"  # its sources: whole trajectories (tsync_mcore.learner.serving)
     group_vectors = 2  # an open group holds G1' and G2
     routings = ("static", "balanced")  # members may be served on several ranks
 

@@ -16,7 +16,7 @@ class Distillation:
     """Per-token advantages against a frozen teacher, on turn sources."""
 
     name = "opd"
-    source = "turn"  # its sources: scored turns (tsync_mcore.serving)
+    source = "turn"  # its sources: scored turns (tsync_mcore.learner.serving)
     group_vectors = 1  # an open group holds only its plain gradient sum
     routings = ("static",)  # a trajectory's turns and its group's prompt stay on one rank
 

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from tsync_mcore.safe_files import BadFile
+from tsync_mcore.util.safe_files import BadFile
 
 BUILTINS = ("exact_match", "math", "code_tests")
 ARGS = ("prompt", "response", "label", "meta")  # always passed; `messages` too for multi-turn

@@ -1,5 +1,5 @@
 """Run untrusted Python (a model's answer plus its tests) in a limited subprocess: the
-code_tests reward's front to the general sandbox (tsync_mcore/sandbox.py, docs/tools.md).
+code_tests reward's front to the general sandbox (tsync_mcore/sandbox/jail.py, docs/tools.md).
 
 Each program runs in a fresh temporary directory (its cwd, HOME and TMPDIR, removed
 afterwards) as `python -I` (no PYTHON* variables, no user site) with an environment of
@@ -13,7 +13,7 @@ group is killed after a normal exit too, so background children do not outlive i
 Run as root, the program runs as `reward.sandbox_user` (nobody): RLIMIT_NPROC does not
 bind root, and root could read the run's secret and checkpoints. Where Linux permits, it
 also runs in a new network namespace (no network) and a pids cgroup of its own (which
-bounds its processes and kills setsid escapees); see tsync_mcore/sandbox.py.
+bounds its processes and kills setsid escapees); see tsync_mcore/sandbox/jail.py.
 
 Not a security boundary against a determined attacker: no mount namespace or seccomp (the
 program reads world-readable files). docs/data-and-rewards.md says what this does and does
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tsync_mcore import sandbox as _sb
-from tsync_mcore.sandbox import SandboxError
+from tsync_mcore.sandbox import jail as _sb
+from tsync_mcore.sandbox.jail import SandboxError
 
 __all__ = ["SandboxError", "SandboxLimits", "SandboxResult", "interpreter", "run_python"]
 

@@ -49,22 +49,22 @@ from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, Group
                                  Link, PeerGone, Publish, PublishGroup, RegisterBatch, Rejected, Shutdown,
                                  TrajectoryMsg, TurnMsg, channel_secret,
                                  open_rollout_side)
-from tsync_mcore import publish
+from tsync_mcore.publication import send as publish
 from tsync_mcore.config import Config
 from tsync_mcore.objectives import OBJECTIVES
-from tsync_mcore.rollout.agent import run_batch
+from tsync_mcore.rollout.loop import run_batch
 from tsync_mcore.rollout.engine import EngineThread, RolloutEngine, TeacherScorer
 from tsync_mcore.rollout.envs import SkyRLGymAdapter, ToyToolConfig, ToyToolEnv
 from tsync_mcore.rollout.feed import DataFeed
-from tsync_mcore.rollout.openai_pool import AgentPoolDead
+from tsync_mcore.rollout.openai.pool import AgentPoolDead
 from tsync_mcore.rollout.pacing import BatchFormer, Group, may_start, span_off_policy
 from tsync_mcore.rollout.replicas import (ReplicaError, ReplicaSet, cpu_memory_note,
                                           start_replicas)
 from tsync_mcore.rewards import RewardFailed
 from tsync_mcore.data import DataError
-from tsync_mcore.routing import BalancedRouter
-from tsync_mcore.safe_files import check_hf_dir
-from tsync_mcore.sources import (BatchPlan, SourceError, TrajectorySource, TurnSource,
+from tsync_mcore.channel.routing import BalancedRouter
+from tsync_mcore.util.safe_files import check_hf_dir
+from tsync_mcore.channel.sources import (BatchPlan, SourceError, TrajectorySource, TurnSource,
                                  assign_groups, validate_source, validate_turn)
 
 
@@ -178,8 +178,8 @@ class RolloutDriver:
         (docs/agents.md), with a random key for this run."""
         import secrets
 
-        from tsync_mcore.rollout.openai_agents import AgentCounters
-        from tsync_mcore.rollout.openai_server import OpenAIServer
+        from tsync_mcore.rollout.openai.processes import AgentCounters
+        from tsync_mcore.rollout.openai.server import OpenAIServer
 
         self.oai = OpenAIServer(self.engine, self.tok, api_key=secrets.token_urlsafe(24),
                                 model=os.path.basename(os.path.normpath(self.cfg.model.hf_dir)),
@@ -202,9 +202,9 @@ class RolloutDriver:
         if self.oai is None:
             return run_batch(self.engine, envs, seeds=batch.seeds, env_seeds=batch.env_seeds,
                              routes=batch.group_of, **kwargs)
-        from tsync_mcore.rollout.openai_agents import (DEFAULT_COMMAND, TERMINAL_COMMAND,
+        from tsync_mcore.rollout.openai.processes import (DEFAULT_COMMAND, TERMINAL_COMMAND,
                                                        run_agents)
-        from tsync_mcore.rollout.openai_pool import AgentPool
+        from tsync_mcore.rollout.openai.pool import AgentPool
 
         rc = self.rc
         limits = dict(max_turns=rc.max_turns, max_tokens_per_turn=rc.max_tokens_per_turn,
@@ -828,7 +828,7 @@ class RolloutDriver:
         (group ranks 1..); returns once the learner joined too (rank 0)."""
         import secrets
 
-        from tsync_mcore import publish_dist
+        from tsync_mcore.publication import dist as publish_dist
 
         run, ch = self.cfg.run, self.cfg.channel
         try:

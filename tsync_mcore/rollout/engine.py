@@ -35,9 +35,11 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
+from tsync_mcore.model.lora_spec import VLLM_LORA_RANKS
+
 T = TypeVar("T")
 
-WORKER_EXTENSION = "tsync_mcore.rollout.worker_ext.ReloadExtension"
+WORKER_EXTENSION = "tsync_mcore.publication.worker_ext.ReloadExtension"
 
 
 def _set_cpu_env(kv_cache_gib: float) -> None:
@@ -64,10 +66,6 @@ class GenOut:
     policy_version: int  # engine weight version when the request finished
     # per token; [] (a test double): every token is policy_version's
     token_versions: list[int] = field(default_factory=list)
-
-
-# vLLM sizes its LoRA buffers for max_lora_rank, which must be one of these.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def lora_args(rank: int) -> dict[str, Any]:
@@ -353,7 +351,7 @@ class RolloutEngine:
     async def join_publish_group(self, addr: str, port: int, rank: int, world: int, *,
                                  token: str = "", timeout_s: float = 120.0,
                                  ifname: str = "", backend: str = "") -> list[int]:
-        """Join the publication group (tsync_mcore.publish_dist): this engine's workers
+        """Join the publication group (tsync_mcore.publication.dist): this engine's workers
         take ranks `rank`, `rank` + 1, ... (one per vLLM worker; one on CPU). A collective:
         returns once the learner and every other member joined; the group ranks taken.
         `backend`: gloo or nccl; "": nccl on GPU, gloo on CPU."""

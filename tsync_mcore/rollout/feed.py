@@ -15,7 +15,7 @@ from tsync_mcore.config import Config
 from tsync_mcore.data import DataError, EpochSampler, PromptSet, Row, load_prompts, render_prompt
 from tsync_mcore.rewards import RewardRunner, RewardStats, load_reward_fn
 from tsync_mcore.rewards.call import eval_metrics
-from tsync_mcore.rollout.agent import run_batch
+from tsync_mcore.rollout.loop import run_batch
 from tsync_mcore.rollout.dataset_env import SingleTurnEnv
 from tsync_mcore.rollout.envs import SkyRLGymAdapter
 

@@ -1,5 +1,5 @@
 """`rollout.env: terminal` — make a failing test pass in a generated repo, with the
-sandboxed bash/python tools (tsync_mcore.tools, docs/tools.md).
+sandboxed bash/python tools (tsync_mcore.sandbox.tools, docs/tools.md).
 
 Each episode (`reset(seed)`) writes a small git-less repo into a fresh temporary
 directory: a module with a few functions, one of them buggy (which, and its constants,
@@ -28,9 +28,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from tsync_mcore import sandbox as sb
+from tsync_mcore.sandbox import jail as sb
 from tsync_mcore.rollout.envs import observation_ids, prompt_ids
-from tsync_mcore.tools import ToolBox, parse_tool_calls
+from tsync_mcore.sandbox.tools import ToolBox, parse_tool_calls
 
 _MODULES = ("calc", "mathutil", "numbers_lib", "helpers", "ops")
 
@@ -231,7 +231,7 @@ class TerminalTaskEnv:
 
 def terminal_envs(tokenizer: Any, n: int, *, max_turns: int, tools_cfg: Any) -> list:
     """`n` TerminalTaskEnv of the config's `tools` section (the driver's registry hook)."""
-    from tsync_mcore.tools import limits_from_config
+    from tsync_mcore.sandbox.tools import limits_from_config
 
     conf = TerminalConfig(max_turns=max_turns, max_calls_per_turn=tools_cfg.max_calls_per_turn,
                           verify_timeout_s=tools_cfg.verify_timeout_s)

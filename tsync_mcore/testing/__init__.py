@@ -1,1 +1,0 @@
-"""Test helpers: tiny random HF checkpoints (tiny)."""
