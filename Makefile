@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test demo compare setup clean-venv
+.PHONY: test test-unit test-integration demo compare setup clean-venv
 
 $(VENV)/.ready: requirements.txt pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -23,6 +23,14 @@ setup: $(VENV)/.ready
 # saying why, where namespaces cannot be made, e.g. without root).
 test: setup
 	TSYNC_MULTIHOST=1 $(VPY) -m pytest -q tests
+
+# The fast inner loop: pure tests only (no subprocess, torchrun, vLLM or network; ≤ 3 min).
+test-unit: setup
+	$(VPY) -m pytest -q tests/unit
+
+# Everything live: launchers, torchrun ranks, vLLM engines, agents, namespaces.
+test-integration: setup
+	TSYNC_MULTIHOST=1 $(VPY) -m pytest -q tests/integration
 
 # The main job: a real GRPO training run on the embedded CPU default (see tsync_mcore/cli/demo.yaml).
 demo: setup

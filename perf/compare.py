@@ -26,7 +26,6 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 SCHEDULES = ("sync", "thundersync", "one_step_off", "fully_async")
 FAILED: set[str] = set()  # schedules whose run stopped with an error

@@ -45,7 +45,7 @@ for py in ${PYTHON:-} python3 .venv/bin/python; do
     tried+=("$py")
     if "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
         site=$(megatron_from_wheel "$py") || site=""
-        if [[ -n "$site" ]]; then export PYTHONPATH="$site:$PYTHONPATH"; fi
+        if [[ -n "$site" ]]; then export PYTHONPATH="$site:${PYTHONPATH:-}"; fi
         exec timeout 470 "$py" perf/gpu_step.py "$@"
     fi
 done

@@ -40,8 +40,6 @@ from types import SimpleNamespace
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
 
 import gpu_sweep  # noqa: E402
 import kernels as kbench  # noqa: E402

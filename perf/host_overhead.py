@@ -26,7 +26,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
 
@@ -34,8 +33,6 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-sys.path.insert(0, HERE)
 
 MODELS = {
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab_size=256),

@@ -33,7 +33,6 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tsync_mcore.kernels as K  # noqa: E402
 from tsync_mcore.kernels import dispatch  # noqa: E402

@@ -38,7 +38,6 @@ from functools import partial
 from statistics import mean, median, stdev
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 from tsync_mcore.observability import predict  # noqa: E402
 

@@ -12,11 +12,9 @@ Prints the mean update time (begin → close, step included) and the ratio.
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from overlap import PACK_DEFAULT, Workload  # noqa: E402
 

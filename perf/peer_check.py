@@ -74,8 +74,8 @@ H = 40.0
 def main(hf: str, out: str) -> None:
     sys.meta_path.insert(0, _Absent())
     import verl.trainer.ppo.core_algos as verl
-    from dist_util import REPO_ROOT, run_dist
-    from reference import rel_l2
+    from tests.helpers.dist_util import REPO_ROOT, run_dist
+    from tests.helpers.reference import rel_l2
     from test_peer_objectives import _rows, _write
 
     os.makedirs(out, exist_ok=True)
@@ -90,7 +90,7 @@ def main(hf: str, out: str) -> None:
              for n in MODES]
     with open(os.path.join(out, "cases.json"), "w") as f:
         json.dump(cases, f)
-    run_dist([os.path.join(REPO_ROOT, "tests/workers/peer_objectives_worker.py"), hf,
+    run_dist([os.path.join(REPO_ROOT, "tests/helpers/workers/peer_objectives_worker.py"), hf,
               os.path.join(out, "cases.json"), out], nproc=2, timeout=900)
 
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float64)

@@ -6,7 +6,6 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overlap import (PACK_DEFAULT, SCHEDULES, HostSetup, RecordedWorkload, cell,  # noqa: E402
                      mark_busy_host)
 

@@ -28,13 +28,11 @@ import platform
 import secrets
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 # Qwen2.5-0.5B: vocab 151936, hidden 896, 24 layers, 14 heads / 2 KV heads, MLP 4864, tied
 QWEN25_05B = dict(arch="qwen2", vocab_size=151936, hidden=896, layers=24, heads=14, kv_heads=2,

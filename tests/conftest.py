@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-for _p in (REPO_ROOT, TESTS_DIR):  # `import tsync_mcore` and `import dist_util`
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from tests.helpers.paths import ROOT
 
+# Worker scripts the tests start import `tests.helpers` and `tsync_mcore` from the checkout.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
 
 def pytest_configure(config) -> None:
@@ -109,7 +106,7 @@ def golden(tiny_qwen2, tmp_path_factory) -> dict:
     test_learner_metrics): the learner launcher under torchrun (2 ranks, 2 updates, loggers
     console + jsonl + tensorboard) fed by test_e2e's scripted rollout. Returns the weights
     published per version, the run directory and the learner's stdout."""
-    from test_e2e import run_scripted
+    from tests.helpers.scripted import run_scripted
     run = str(tmp_path_factory.mktemp("golden"))
     rc, out, err, published = run_scripted(
         tiny_qwen2, run, extra=["run.loggers=[console,jsonl,tensorboard]"])

@@ -14,7 +14,7 @@ import pytest
 
 from tsync_mcore.observability import trace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
 
 
 def demo(tmp_path, *sets):

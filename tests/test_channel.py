@@ -12,13 +12,13 @@ import sys
 import threading
 import time
 import zlib
-from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
 import torch
 
-from dist_util import REPO_ROOT, free_port
+from tests.helpers.dist_util import REPO_ROOT, free_port
+from tests.helpers.links import link_pair
 from tsync_mcore.channel import (
     LEARNER_SENDS, MAGIC, MESSAGES, WIRE_VERSION, Ack, ChannelError, ChannelTimeout, CloseBatch,
     DropGroup, GroupRewards, Hello, Limits, MsgType, ROLLOUT_SENDS, PeerGone, Publish,
@@ -30,9 +30,8 @@ from tsync_mcore.channel.messages import GROUPS, METRICS, TURN_COUNTS
 from tsync_mcore.channel.wire import SPECS, schema_table
 from tsync_mcore.channel.sources import RoutedExperts, TrajectorySource, TurnSource
 
-WORKER = os.path.join(REPO_ROOT, "tests", "workers", "channel_worker.py")
-sys.path.insert(0, os.path.dirname(WORKER))
-import channel_worker as cw  # noqa: E402
+WORKER = os.path.join(REPO_ROOT, "tests", "helpers", "workers", "channel_worker.py")
+from tests.helpers.workers import channel_worker as cw  # noqa: E402
 
 ALL_MESSAGES = [cw.HELLO, cw.PUBLISH, Shutdown(""), Shutdown("bye ✓"),
                 *cw.sample_rollout_messages(), cw.bench_message(0),
@@ -352,23 +351,6 @@ def test_register_batch_objective_is_a_non_empty_str():
 
 # ---------------------------------------------------------------- links, one process
 
-@contextmanager
-def link_pair(timeout_s: float = 10, limits: Limits = Limits(), realtime_io: bool = False):
-    """(rollout link, learner link) for one learner, both ends in this process."""
-    port, box = free_port(), {}
-    th = threading.Thread(target=lambda: box.update(
-        links=open_rollout_side("127.0.0.1", port, 1, timeout_s, limits, realtime_io,
-                                secret=cw.SECRET)))
-    th.start()
-    learner = open_learner_side("127.0.0.1", port, 0, 1, timeout_s, limits, realtime_io,
-                                secret=cw.SECRET)
-    th.join()
-    (rollout,) = box["links"]
-    try:
-        yield rollout, learner
-    finally:
-        rollout.close()
-        learner.close()
 
 
 def test_timeout_keeps_link_and_shutdown_handshake():

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dist_util import REPO_ROOT, free_port
+from tests.helpers.dist_util import REPO_ROOT, free_port
 from test_channel import ALL_MESSAGES, link_pair
 from tsync_mcore.channel import (
     WIRE_VERSION, Ack, ChannelError, ChannelTimeout, CloseBatch, Limits, Message, PeerGone,
@@ -35,7 +35,7 @@ from tsync_mcore.channel.link import (_HEADER_BYTES, PROTOCOL_ERROR, _pack, conn
 from tsync_mcore.channel.secret import load_secret
 from tsync_mcore.channel.wire import encode_arrays
 
-import channel_worker as cw  # noqa: E402  (tests/workers, on the path via test_channel)
+from tests.helpers.workers import channel_worker as cw  # noqa: E402  (tests/workers, on the path via test_channel)
 
 WRONG = b"not the run's secret, same length"
 

@@ -6,11 +6,11 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
-from batchgen import write_batches
-from dist_util import run_dist
+from tests.helpers.batchgen import write_batches
+from tests.helpers.dist_util import run_dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests/workers/resume_worker.py")
+from tests.helpers.paths import ROOT
+WORKER = os.path.join(ROOT, "tests/helpers/workers/resume_worker.py")
 
 
 def test_resume_is_exact_on_two_ranks_with_distributed_optimizer(tiny_qwen2, tmp_path):

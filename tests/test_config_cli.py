@@ -22,7 +22,7 @@ from tsync_mcore.channel.link import connect_learner
 from tsync_mcore.config import ConfigError, load_config, resolve
 from tsync_mcore.util.net import free_port  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
 LAUNCHERS = ["learner", "rollout", "demo", "run"]
 SECRET = b"s" * 32
 

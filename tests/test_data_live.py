@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from tsync_mcore.util.net import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
 
 ROWS = [{"prompt": f"Write the digits of {n}.", "label": str(n), "topic": t}
         for n, t in ((314, "pi"), (271, "e"), (141, "sqrt2"), (173, "sqrt3"), (223, "sqrt5"))]

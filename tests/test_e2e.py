@@ -17,116 +17,30 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from batchgen import make_batch
-from test_learner import replay
+from tests.helpers.replay import replay
+from tests.helpers.scripted import (finish, register_static, rollout_links, run_scripted,
+                                    sources, start_learner)
 from tsync_mcore.observability import trace
 from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, Hello, PeerGone,
-                                 Publish, RegisterBatch, Rejected, TrajectoryMsg,
-                                 load_or_create_secret, open_rollout_side)
-from tsync_mcore.channel.sources import BatchPlan, TrajectorySource, assign_groups, validate_source
+                                 Publish, RegisterBatch, Rejected, TrajectoryMsg)
+from tsync_mcore.channel.sources import BatchPlan, assign_groups, validate_source
 from tsync_mcore.util.net import free_port  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
 
 
 
 
-def start_learner(hf_dir, run_dir, port, updates=2, extra=(), flags=()):
-    sets = [f"model.hf_dir={hf_dir}", f"run.dir={run_dir}", f"run.updates={updates}",
-            "run.save_every=1", f"run.publish_dir={run_dir}/publish", f"channel.port={port}",
-            "run.publish=file",  # the scripted rollout reads the published file
-            "channel.timeout_s=20", "channel.ack_timeout_s=20", "optim.lr=1e-4", *extra]
-    os.makedirs(run_dir, exist_ok=True)
-    # Logs go to files: an unread pipe fills up with warnings and blocks the learner.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), os.path.join(ROOT, "launch/learner.py"),
-         "--config", os.path.join(ROOT, "configs/grpo_cpu_tiny.yaml"), *flags, "--set", *sets],
-        cwd=ROOT, stdout=open(os.path.join(run_dir, "learner.out"), "w"),
-        stderr=open(os.path.join(run_dir, "learner.err"), "w"), text=True)
-    proc.run_dir = run_dir
-    return proc
 
 
-def rollout_links(port, run_dir):
-    """The rollout side of the channel for the 2 learner ranks of the run in `run_dir`,
-    authenticated with that run's secret (whoever comes first creates it)."""
-    secret = load_or_create_secret(os.path.join(run_dir, "channel.secret"))
-    return open_rollout_side("127.0.0.1", port, 2, timeout_s=60, secret=secret)
 
 
-def sources(version):
-    return [TrajectorySource.from_json(r)
-            for r in sorted(make_batch(256, n_groups=3, m=3, version=version, seed=1),
-                            key=lambda r: r["ready_order"])]
 
 
-def scripted_rollout(port, updates, run_dir, bad=None, ack_ok=True, stop_after=None,
-                     schedules=None):
-    """Play `updates` batches for the learner of `run_dir`; return the weights published for
-    each version.
-
-    bad(version, sources) → extra malformed sources to interleave; stop_after=(v, n): return
-    (links open, learner waiting) after sending n sources of batch v; schedules: version →
-    release schedule for that batch (RegisterBatch override).
-    """
-    links = rollout_links(port, run_dir)
-    published = {}
-    try:
-        hello = links[0].recv()
-        assert isinstance(hello, Hello)
-        v0 = hello.version  # a resumed learner starts later
-
-        def serve_publish(v):
-            msg = links[0].recv()
-            assert isinstance(msg, Publish) and msg.version == v
-            published[v] = load_file(msg.path)
-            links[0].send(Ack(version=v, ok=ack_ok or v == v0,
-                              error="" if ack_ok or v == v0 else "replica 0 failed to load"))
-
-        serve_publish(v0)
-        for v in range(v0, updates):
-            srcs = sources(v)
-            plan = BatchPlan.from_sources(srcs)
-            owner = assign_groups(plan, {}, 2)
-            for link in links:
-                link.send(RegisterBatch(version=v, objective="grpo", groups=plan.groups,
-                                        n_turns={}, data_pos=v + 1,
-                                        schedule=(schedules or {}).get(v)))
-            # bad sources go right after the first good one (so a duplicate is a duplicate)
-            stream = srcs[:1] + (bad(v, srcs) if bad else []) + srcs[1:]
-            for n, s in enumerate(stream):
-                if stop_after is not None and (v, n) == stop_after:
-                    return published, links
-                links[owner[s.group_id]].send(TrajectoryMsg(s))
-            for link in links:
-                link.send(CloseBatch(version=v, rollout_time_s=0.1, n_sources=len(srcs)))
-            if not ack_ok:
-                serve_publish(v + 1)
-                return published, links
-            serve_publish(v + 1)
-        return published, links
-    except Exception:
-        for link in links:
-            link.close()
-        raise
 
 
-def run_scripted(hf_dir, run_dir, updates=2, flags=(), extra=(), **rollout):
-    """Learner ranks + the scripted rollout to the end: (rc, stdout, stderr, published)."""
-    port = free_port()
-    proc = start_learner(hf_dir, run_dir, port, updates=updates, extra=extra, flags=flags)
-    published, links = scripted_rollout(port, updates, run_dir, **rollout)
-    rc, out, err = finish(proc)
-    for link in links:
-        link.close()
-    return rc, out, err, published
 
 
-def finish(proc, timeout=120):
-    proc.wait(timeout=timeout)
-    read = lambda name: open(os.path.join(proc.run_dir, name)).read()  # noqa: E731
-    return proc.returncode, read("learner.out"), read("learner.err")
 
 
 # `golden` (tests/conftest.py): the clean run of run_scripted, shared with other files.
@@ -192,7 +106,6 @@ def test_report_and_trace_predictor_render_from_the_run(golden, tmp_path):
 def test_overlap_benchmark_replays_the_runs_release_trace(tiny_qwen2, golden, tmp_path):
     """perf/overlap.py's recorded workload: the run's own release times, lengths and groups,
     played through the real channel and learner under all three schedules."""
-    sys.path.insert(0, os.path.join(ROOT, "perf"))
     from overlap import HostSetup, RecordedWorkload, cell
     from tsync_mcore.channel.link import realtime_io_permitted
 
@@ -248,7 +161,7 @@ def test_opd_through_the_channel_matches_replayed_sync(tiny_llama, tmp_path):
     # replay balances groups over the ranks by tokens, the channel registers none for OPD,
     # so the FP32 all-reduce rounds differently and Adam turns that into ~2e-6 of the
     # distance moved (Llama: Qwen2's K bias, whose gradient is pure rounding, gives 3e-5).
-    from batchgen import write_opd_batches
+    from tests.helpers.batchgen import write_opd_batches
 
     from tsync_mcore.channel import TurnMsg
     from tsync_mcore.channel.sources import opd_turns_from_json
@@ -322,14 +235,6 @@ def test_bad_sources_over_the_channel_are_rejected_and_change_nothing(tiny_qwen2
         assert what in err, what
 
 
-def register_static(links, v, srcs, schedule=None) -> dict[str, int]:
-    """Register batch v of `srcs` on every rank (static routing; `schedule` overrides the
-    learner's for this batch); returns group → owner."""
-    plan = BatchPlan.from_sources(srcs)
-    for link in links:
-        link.send(RegisterBatch(version=v, objective="grpo", groups=plan.groups, n_turns={},
-                                data_pos=v + 1, routing="static", schedule=schedule))
-    return assign_groups(plan, {}, 2)
 
 
 # batch → its schedule in the rejected-member runs: each schedule's batch with the bad group
@@ -432,8 +337,7 @@ def test_rollout_killed_mid_step_learner_stops_naming_what_it_waited_for(tiny_qw
     proc = start_learner(tiny_qwen2, str(tmp_path), port, extra=["channel.timeout_s=5"])
     t0 = time.time()
     # A separate process plays the rollout and is killed mid-batch 1.
-    script = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'tests')!r});"
-              f"import test_e2e as t, os, time;"
+    script = (f"import tests.helpers.scripted as t, os, time;"
               f"t.scripted_rollout({port}, 2, {str(tmp_path)!r}, stop_after=(1, 3));"
               f"print('READY', flush=True);"
               f"time.sleep(600)")

@@ -1,6 +1,6 @@
 """`python -m tsync_mcore.learner.export`: a run's checkpoint as a Hugging Face directory.
 
-Checkpoints come from real short training runs (tests/workers/export_worker.py): TP=1 in
+Checkpoints come from real short training runs (tests/helpers/workers/export_worker.py): TP=1 in
 this process, TP=2 under torchrun. The reference for the export is the learner itself: its
 Megatron forward's logits on probe tokens and its live HF-named parameters, both taken
 before the checkpoint was read back.
@@ -21,14 +21,13 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from batchgen import write_batches
-from dist_util import run_dist
+from tests.helpers.batchgen import write_batches
+from tests.helpers.dist_util import run_dist
 from tsync_mcore.learner.export import main as export_main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests/workers/export_worker.py")
-sys.path.insert(0, os.path.dirname(WORKER))
-from export_worker import PROBE, train  # noqa: E402
+from tests.helpers.paths import ROOT
+WORKER = os.path.join(ROOT, "tests/helpers/workers/export_worker.py")
+from tests.helpers.workers.export_worker import PROBE, train  # noqa: E402
 
 # vLLM's CPU attention needs head_dim >= 32: 2 heads of 32 (tests/test_rollout.py does too)
 VLLM_TINY = dict(arch="qwen2", vocab_size=300, hidden=64, layers=2, heads=2, kv_heads=1)

@@ -8,7 +8,6 @@ On a GPU node: python -m pytest -q tests/test_gpu.py
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -17,10 +16,9 @@ from safetensors.torch import load_file
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (CI has none; run this file on a GPU node)")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kernel_checks as kc  # noqa: E402
-from batchgen import write_batches  # noqa: E402
-from reference import reference_grad, rel_l2  # noqa: E402
+from tests.helpers import kernel_checks as kc  # noqa: E402
+from tests.helpers.batchgen import write_batches  # noqa: E402
+from tests.helpers.reference import reference_grad, rel_l2  # noqa: E402
 
 FP32_TOL = 1e-5
 ACC_FP32_REL_TOL = 1e-6
@@ -69,7 +67,7 @@ def test_grpo_accumulate_triton_cuda(triton_forced, n, grad_dtype):
 @pytest.fixture(scope="module")
 def cuda_runs(tiny_qwen2, tmp_path_factory):
     """The replay command on one GPU (fp32 and bf16 model), three updates, grads saved."""
-    from test_learner import replay
+    from tests.helpers.replay import replay
 
     d = tmp_path_factory.mktemp("gpu_replay")
     batch = str(d / "batch.jsonl")

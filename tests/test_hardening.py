@@ -19,7 +19,7 @@ from tsync_mcore.channel.sources import (MAX_ABS_REWARD, SourceError, Trajectory
                                  validate_source, validate_turn)
 from tsync_mcore.util.net import free_port as _free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
 
 # (overrides, the key or file the message must name, a word of the reason)
 BAD_CONFIGS = [
@@ -137,7 +137,7 @@ def test_sources_longer_than_the_learner_accepts_are_refused_before_any_work():
 def _worker(hf_dir, out, mode, check):
     p = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-         str(_free_port()), os.path.join(ROOT, "tests/workers/nonfinite_worker.py"), hf_dir,
+         str(_free_port()), os.path.join(ROOT, "tests/helpers/workers/nonfinite_worker.py"), hf_dir,
          str(out), mode, check], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
     rows = [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
@@ -171,7 +171,7 @@ def test_a_non_finite_update_never_steps_and_leaves_no_trace_in_theta_or_adam(ti
 
 def test_replay_of_a_non_finite_update_fails_and_writes_nothing(tiny_qwen2, tmp_path):
     """The replay command used to report rc 0 with grad_norm [NaN] and write the NaN θ."""
-    from batchgen import make_batch
+    from tests.helpers.batchgen import make_batch
     rows = sorted(make_batch(256, n_groups=3, m=3, version=0, seed=2),
                   key=lambda r: r["ready_order"])
     g = rows[0]["group_id"]

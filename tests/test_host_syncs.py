@@ -16,11 +16,11 @@ import re
 import pytest
 import torch
 
-from batchgen import make_batch, make_opd_batch
+from tests.helpers.batchgen import make_batch, make_opd_batch
 from tsync_mcore.observability.ledger.host import HostCounter
 from tsync_mcore.platform import upload
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
 VOCAB = 256
 
 

@@ -13,47 +13,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from batchgen import write_batches
-from reference import reference_grad, rel_l2
+from tests.helpers.batchgen import write_batches
+from tests.helpers.reference import reference_grad, rel_l2
+from tests.helpers.replay import replay_many
 from tsync_mcore.observability import trace
 from tsync_mcore.observability.trace import SourceRecord
-from tsync_mcore.util.net import free_port as _free_port  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
 N_UPDATES = 10
 
 
-def replay(hf_dir, batch, out, nproc=2, *flags):
-    cmd = [sys.executable, "-m", "tsync_mcore.learner.replay", "--model", hf_dir, "--batch", batch,
-           "--out", out, *flags]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), "-m", "tsync_mcore.learner.replay", *cmd[3:]]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, f"replay failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def replay_many(jobs, d, nproc=2):
-    """Several replays in one launch of nproc ranks; jobs: name → the replay command's
-    arguments but --out (DIR/name). Each job is the command's main() with its own Policy and
-    Learner (tests/workers/replay_many_worker.py): only the start-up (interpreter, torch,
-    megatron: most of a small replay's time) is shared. Returns name → {summary, dir}."""
-    argvs = [[*args, "--out", os.path.join(d, name)] for name, args in jobs.items()]
-    path = os.path.join(d, f"jobs_{next(iter(jobs))}.json")
-    with open(path, "w") as f:
-        json.dump(argvs, f)
-    worker = os.path.join(ROOT, "tests/workers/replay_many_worker.py")
-    cmd = [sys.executable, worker, path]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), worker, path]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, f"replays failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    res = json.loads(next(line for line in p.stdout.splitlines()
-                          if line.startswith("RESULT "))[len("RESULT "):])
-    return {name: dict(summary=s, dir=os.path.join(d, name))
-            for name, s in zip(jobs, res["summaries"], strict=True)}
 
 
 
@@ -233,7 +204,7 @@ def test_bf16_runs_close_to_fp32(tiny_qwen2, single_rank):
 
 
 def test_bad_input_rejected_and_theta_untouched(tiny_qwen2):
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/workers/bad_input_worker.py"),
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/helpers/workers/bad_input_worker.py"),
                         tiny_qwen2], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-5000:]
     res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -295,7 +266,7 @@ def test_tensor_parallel_two_ranks_vs_reference(tiny_ckpts, tp2, ckpt):
 
 
 def test_shared_prefix_same_update_fewer_flops(tiny_qwen2):
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/workers/prefix_flops_worker.py"),
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/helpers/workers/prefix_flops_worker.py"),
                         tiny_qwen2], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-5000:]
     res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])

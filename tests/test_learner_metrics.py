@@ -8,14 +8,16 @@ from __future__ import annotations
 import json
 import os
 
+from tests.helpers.paths import WORKERS
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchgen import make_batch
-from dist_util import run_dist
+from tests.helpers.batchgen import make_batch
+from tests.helpers.dist_util import run_dist
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "entropy_worker.py")
+WORKER = os.path.join(WORKERS, "entropy_worker.py")
 VOCAB = 256
 ENT_TOL = 1e-5  # FP32 learner vs FP64 reference
 

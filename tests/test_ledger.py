@@ -28,7 +28,7 @@ from tsync_mcore.observability.ledger import (
 from tsync_mcore.observability.ledger import mfu as mfu_mod
 from tsync_mcore.observability.ledger.__main__ import main as cli_main
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT as REPO_ROOT
 TOL = 0.02  # brief: ledger within 2 % of torch's counter
 SEQ_LENS = [[7], [64], [23, 100]]
 
@@ -62,11 +62,11 @@ def test_train_flops_match_counter_tp1(name, tiny_ckpts, parallel1):
 
 
 def test_train_flops_match_counter_tp2(tiny_ckpts):
-    from dist_util import run_dist
+    from tests.helpers.dist_util import run_dist
 
     ckpts = {n: tiny_ckpts[n] for n in ("qwen3", "llama_tied")}
     cfg = {"tp": 2, "ckpts": ckpts, "seq_lens": [[9], [48, 31]]}
-    ranks = run_dist(["tests/workers/ledger_worker.py", json.dumps(cfg)], nproc=2)
+    ranks = run_dist(["tests/helpers/workers/ledger_worker.py", json.dumps(cfg)], nproc=2)
     assert [r["tp_size"] for r in ranks] == [2, 2]
     for name, path in ckpts.items():
         spec = load_spec(path)

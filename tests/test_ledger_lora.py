@@ -207,13 +207,13 @@ def test_lora_per_rank_equal_counter_tp2(tiny_ckpts):
     replicated adapter products whole (`FlopBreakdown.per_rank`)."""
     import json
 
-    from dist_util import run_dist
+    from tests.helpers.dist_util import run_dist
 
     targets = list(LORA_TARGETS)
     ckpts = {"qwen3": tiny_ckpts["qwen3"]}
     cfg = {"tp": 2, "ckpts": ckpts, "seq_lens": [[9], [48, 31]],
            "lora": {"rank": 4, "targets": targets}}
-    ranks = run_dist(["tests/workers/ledger_worker.py", json.dumps(cfg)], nproc=2)
+    ranks = run_dist(["tests/helpers/workers/ledger_worker.py", json.dumps(cfg)], nproc=2)
     spec = load_spec(ckpts["qwen3"])
     for rank in ranks:
         for r in rank["results"]["qwen3"]:
@@ -233,7 +233,7 @@ def test_lora_update_flops_and_accumulator_size(tiny_qwen2, parallel1):
     """One GRPO update of a LoRA learner (shared prompts and packed passes as configured):
     FlopCounterMode over the whole update equals the ledger's account of its trace, and the
     accumulators are sized to the adapters: P_A elements, bound 4·(2k+1)·P_A bytes."""
-    from batchgen import make_batch
+    from tests.helpers.batchgen import make_batch
     from torch.utils.flop_counter import FlopCounterMode
 
     from tsync_mcore.config import load_config

@@ -318,12 +318,12 @@ def test_update_flops_of_a_moe_source(tiny_qwen3_moe, parallel1, fused):
 def test_ep_rank_flops_equal_counter_on_each_rank(tiny_qwen3_moe):
     """EP = 2 on 2 gloo ranks, a different batch on each: a rank runs attention, router and
     head on its own tokens and its 2 experts on both ranks' tokens routed to them."""
-    from dist_util import run_dist
+    from tests.helpers.dist_util import run_dist
 
     from tsync_mcore.observability.ledger import ep_rank_flops, load_spec
 
     cfg = {"ckpt": tiny_qwen3_moe, "shapes": [[1, 19], [2, 11]]}
-    ranks = run_dist(["tests/workers/ledger_moe_ep_worker.py", json.dumps(cfg)], nproc=2)
+    ranks = run_dist(["tests/helpers/workers/ledger_moe_ep_worker.py", json.dumps(cfg)], nproc=2)
     spec = load_spec(tiny_qwen3_moe)
     assert [r["local_experts"] for r in ranks] == [2, 2]
     lens, routing = [r["seq_lens"] for r in ranks], [r["routing"] for r in ranks]

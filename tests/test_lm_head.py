@@ -12,14 +12,16 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from tests.helpers.paths import WORKERS
+
 import pytest
 import torch
 
-from dist_util import run_dist
+from tests.helpers.dist_util import run_dist
 from tsync_mcore.kernels import fused_lm_head_logprob
 from tsync_mcore.kernels import lm_head
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "lm_head_worker.py")
+WORKER = os.path.join(WORKERS, "lm_head_worker.py")
 _spec = importlib.util.spec_from_file_location("lm_head_worker", WORKER)
 hw = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(hw)
@@ -171,7 +173,7 @@ def test_policy_grads_fused_equal_unfused(tiny_ckpts, parallel1, ckpt):
     """Sources (full sequence) and a span against a prompt's K/V: the same log-probs, and the
     same gradient in the DDP buffers (main_grad of the output weight, or of the tied
     embedding), with the head on and off."""
-    from batchgen import make_batch
+    from tests.helpers.batchgen import make_batch
     from tsync_mcore.model import bridge, span
     rows = make_batch(256, n_groups=2, m=2, seed=4)
     out = {}
@@ -219,7 +221,7 @@ def test_final_hidden_times_weight_is_the_logits(tiny_ckpts, parallel1):
 # --- the learner's update: fused head on equals off ------------------------------------------
 
 def _rel(a: dict, b: dict) -> float:
-    from reference import rel_l2
+    from tests.helpers.reference import rel_l2
     return rel_l2(a, b)
 
 
@@ -231,8 +233,8 @@ def test_replay_update_fused_equals_unfused(tiny_qwen2, tmp_path, objective):
     would also measure rounding noise amplified.)"""
     from safetensors.torch import load_file
 
-    from batchgen import write_batches, write_opd_batches
-    from test_learner import replay_many
+    from tests.helpers.batchgen import write_batches, write_opd_batches
+    from tests.helpers.replay import replay_many
     batch = str(tmp_path / "b.jsonl")
     if objective == "grpo":
         write_batches(batch, 256, n_updates=1, seed=8)
@@ -263,8 +265,8 @@ def test_replay_update_fused_equals_unfused_tp2(tiny_ckpts, tmp_path):
     """TP = 2 (vocab-parallel head, the hidden gradient all-reduced over TP), tied and untied."""
     from safetensors.torch import load_file
 
-    from batchgen import write_batches
-    from test_learner import replay_many
+    from tests.helpers.batchgen import write_batches
+    from tests.helpers.replay import replay_many
     batch = str(tmp_path / "b.jsonl")
     write_batches(batch, 256, n_updates=1, seed=9)
     off = tmp_path / "off.yaml"
@@ -293,7 +295,7 @@ def test_fused_head_peak_memory_below_unfused(tmp_path):
     import subprocess
     import sys
 
-    from dist_util import REPO_ROOT, RESULT_PREFIX
+    from tests.helpers.dist_util import REPO_ROOT, RESULT_PREFIX
     from tsync_mcore.model.tiny import make_tiny_checkpoint
     t, vocab = 4096, 65536
     ckpt = make_tiny_checkpoint(str(tmp_path / "ckpt"), vocab_size=vocab, hidden=16, layers=1,
@@ -310,7 +312,7 @@ def test_fused_head_peak_memory_below_unfused(tmp_path):
         cfg = tmp_path / f"{fused}.yaml"
         cfg.write_text(f"learner:\n  fused_lm_head: {fused}\n  lm_head_chunk: 512\n")
         procs[fused] = subprocess.Popen(
-            [sys.executable, os.path.join(REPO_ROOT, "tests/workers/head_memory_worker.py"),
+            [sys.executable, os.path.join(REPO_ROOT, "tests/helpers/workers/head_memory_worker.py"),
              "--model", ckpt, "--batch", str(batch), "--config", str(cfg),
              "--out", str(tmp_path / fused)],
             cwd=REPO_ROOT, stdout=open(tmp_path / f"{fused}.out", "w"),

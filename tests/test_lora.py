@@ -17,15 +17,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from batchgen import make_batch, make_opd_batch, write_batches, write_opd_batches
-from dist_util import run_dist
-from lora_reference import (ALL_TARGETS, PEFT_DEFAULT_TARGETS, chain_rule_grad, load_peft_model,
+from tests.helpers.batchgen import make_batch, make_opd_batch, write_batches, write_opd_batches
+from tests.helpers.dist_util import run_dist
+from tests.helpers.lora_reference import (ALL_TARGETS, PEFT_DEFAULT_TARGETS, chain_rule_grad, load_peft_model,
                             make_peft_adapter, merge_adapter, read_adapter,
                             reference_lora_grad)
-from reference import reference_grad, reference_opd_grad, rel_l2
+from tests.helpers.reference import reference_grad, reference_opd_grad, rel_l2
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "workers", "lora_worker.py")
+from tests.helpers.paths import ROOT
+WORKER = os.path.join(ROOT, "tests", "helpers", "workers", "lora_worker.py")
 FP32_TOL = 1e-5
 VOCAB = 256
 
@@ -274,7 +274,7 @@ PAIRS = [("grpo_ts_all", "grpo_sync_all"), ("grpo_ts_sub", "grpo_sync_sub"),
 @pytest.fixture(scope="module")
 def replays(adapters, tmp_path_factory):
     """The replays of REPLAY_RUNS in two 2-rank launches (TP = 1 and TP = 2)."""
-    from test_learner import replay_many
+    from tests.helpers.replay import replay_many
 
     d = tmp_path_factory.mktemp("lora_replay")
     grpo, opd = str(d / "grpo.jsonl"), str(d / "opd.jsonl")

@@ -8,21 +8,19 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from batchgen import write_batches
-from dist_util import run_dist
+from tests.helpers.batchgen import write_batches
+from tests.helpers.dist_util import run_dist
 from tsync_mcore.learner.export import ADAPTER_DIR
 from tsync_mcore.learner.export import main as export_main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests/workers/export_worker.py")
-sys.path.insert(0, os.path.dirname(WORKER))
-from export_worker import train  # noqa: E402
+from tests.helpers.paths import ROOT
+WORKER = os.path.join(ROOT, "tests/helpers/workers/export_worker.py")
+from tests.helpers.workers.export_worker import train  # noqa: E402
 
 LORA = {"model.lora.rank": 4, "model.lora.alpha": 8.0,
         "model.lora.targets": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]}

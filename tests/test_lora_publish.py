@@ -1,7 +1,7 @@
 """LoRA runs out of the learner: adapter publication (run.publish_lora: adapter), and
 refused LoRA checkpoints at export (tests/test_lora_export.py checks what export writes).
 
-A real short LoRA run (tests/workers/export_worker.py: 2 updates, TP = 1) starts from a
+A real short LoRA run (tests/helpers/workers/export_worker.py: 2 updates, TP = 1) starts from a
 PEFT adapter with non-zero A and B written by `peft` itself. The references: `peft`
 (`PeftModel.from_pretrained(base, adapter).merge_and_unload()` must give the weights the
 learner publishes merged), and vLLM serving the merged weights (the adapter served as a
@@ -19,13 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from batchgen import write_batches
+from tests.helpers.batchgen import write_batches
 from tsync_mcore.learner.export import main as export_main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests/workers/export_worker.py")
-sys.path.insert(0, os.path.dirname(WORKER))
-from export_worker import train  # noqa: E402
+from tests.helpers.paths import ROOT
+WORKER = os.path.join(ROOT, "tests/helpers/workers/export_worker.py")
+from tests.helpers.workers.export_worker import train  # noqa: E402
 
 # vLLM's CPU attention needs head_dim >= 32 (tests/test_rollout.py)
 VLLM_TINY = dict(arch="qwen2", vocab_size=300, hidden=64, layers=2, heads=2, kv_heads=1)

@@ -183,7 +183,8 @@ def test_bad_schedule_config_names_the_key(sets, key):
 def test_trainer_logs_the_schedule_resumes_it_and_exports_the_final_policy(tiny_qwen2, tmp_path):
     """3 updates, then --resume to 7 (longer than warm-up 2 + decay 4): every update's
     `lr` in metrics.jsonl and in the trace is the schedule's; RUN/hf is the final policy."""
-    from test_e2e import finish, free_port, scripted_rollout, start_learner
+    from tests.helpers.scripted import finish, scripted_rollout, start_learner
+    from tsync_mcore.util.net import free_port
     from tsync_mcore.observability import trace
     from tsync_mcore.learner.export import main as export_main
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 
+from tests.helpers.paths import WORKERS
+
 import pytest
 import torch
 
-from dist_util import run_dist
+from tests.helpers.dist_util import run_dist
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "model_worker.py")
+WORKER = os.path.join(WORKERS, "model_worker.py")
 FP32_TOL = 1e-5
 
 

@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import os
 
+from tests.helpers.paths import WORKERS
+
 import pytest
 import torch
 
-from dist_util import run_dist
-from moe_reference import by_disk_name, grads as hf_grads, load_hf_moe
+from tests.helpers.dist_util import run_dist
+from tests.helpers.moe_reference import by_disk_name, grads as hf_grads, load_hf_moe
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "moe_worker.py")
+WORKER = os.path.join(WORKERS, "moe_worker.py")
 FP32_TOL = 1e-5
 
 
@@ -249,8 +251,8 @@ def test_ep2_logits_grads_and_export(dist_results):
 def moe_replays(tiny_qwen3_moe, tmp_path_factory):
     """GRPO (two updates) and OPD replays on the tiny MoE, 2 data-parallel ranks, one
     launch; GRPO also at EP = 2 over the same ranks, and both with routing replay."""
-    from batchgen import with_routing, write_batches, write_opd_batches, write_rows
-    from test_learner import replay_many
+    from tests.helpers.batchgen import with_routing, write_batches, write_opd_batches, write_rows
+    from tests.helpers.replay import replay_many
 
     d = tmp_path_factory.mktemp("moe_replay")
     batch, opd_batch = str(d / "batch.jsonl"), str(d / "opd.jsonl")
@@ -301,7 +303,7 @@ def test_grpo_replay_streams_the_sync_update(moe_replays, tiny_qwen3_moe):
     grad.safetensors in the checkpoint's on-disk (per-expert) names."""
     from safetensors.torch import load_file
 
-    from reference import reference_grad, rel_l2
+    from tests.helpers.reference import reference_grad, rel_l2
     from tsync_mcore.model import bridge
 
     def grad(name, k):
@@ -333,7 +335,7 @@ def test_ep2_replay_equals_ep1(moe_replays, tiny_qwen3_moe):
     one by one, ranks serve different numbers of passes, so dummies ran."""
     from safetensors.torch import load_file
 
-    from reference import reference_grad, rel_l2
+    from tests.helpers.reference import reference_grad, rel_l2
     from tsync_mcore.observability import trace
 
     def load(name, f):
@@ -368,8 +370,8 @@ def test_ep2_over_four_ranks_reduces_experts_over_expert_dp(moe_replays, tiny_qw
     (DDP and export_grad), lockstep over all four: == EP = 1 on 2 ranks (≤ 1e-6)."""
     from safetensors.torch import load_file
 
-    from reference import rel_l2
-    from test_learner import replay_many
+    from tests.helpers.reference import rel_l2
+    from tests.helpers.replay import replay_many
 
     batch = os.path.join(os.path.dirname(moe_replays["sync"]["dir"]), "batch.jsonl")
     args = ["--model", tiny_qwen3_moe, "--batch", batch, "--lr",
@@ -390,7 +392,7 @@ def test_opd_replay_streams_the_sync_update(moe_replays, tiny_qwen3_moe):
     Eq. 8-9 reference on HF's eager experts (≤ 1e-5)."""
     from safetensors.torch import load_file
 
-    from reference import reference_opd_grad, rel_l2
+    from tests.helpers.reference import reference_opd_grad, rel_l2
 
     def grad(name):
         return load_file(os.path.join(moe_replays[name]["dir"], "grad_0.safetensors"))
@@ -416,7 +418,7 @@ def test_tp2_replays_equal_tp1(moe_replays):
     is the gradient's own."""
     from safetensors.torch import load_file
 
-    from reference import rel_l2
+    from tests.helpers.reference import rel_l2
 
     def grad(name, k=0):
         return load_file(os.path.join(moe_replays[name]["dir"], f"grad_{k}.safetensors"))
@@ -448,7 +450,7 @@ def test_rollout_routing_replay_streams_the_sync_update(moe_replays, tiny_qwen3_
     and far from the learner's own routing."""
     from safetensors.torch import load_file
 
-    from reference import reference_grad, reference_opd_grad, rel_l2
+    from tests.helpers.reference import reference_grad, reference_opd_grad, rel_l2
 
     def grad(name):
         return load_file(os.path.join(moe_replays[name]["dir"], "grad_0.safetensors"))
@@ -474,7 +476,7 @@ def test_learner_routing_replay_equals_own_routing(moe_replays):
     experts of their first forward) is the learner's own routing: == sync, ≤ 1e-6."""
     from safetensors.torch import load_file
 
-    from reference import rel_l2
+    from tests.helpers.reference import rel_l2
 
     def grad(name):
         return load_file(os.path.join(moe_replays[name]["dir"], "grad_0.safetensors"))
@@ -503,10 +505,10 @@ def test_routing_replay_config_refusals(tiny_qwen3_moe, tiny_qwen2):
 def test_trained_checkpoint_exports_to_hf(tiny_qwen3_moe, parallel1, tmp_path):
     """Two real updates at TP=1, checkpointed; `python -m tsync_mcore.learner.export` writes the
     per-expert HF directory, bit for bit the learner's parameters, with its logits in HF."""
-    from batchgen import write_batches
+    from tests.helpers.batchgen import write_batches
     from test_export import _check_against_learner
     from tsync_mcore.learner.export import main as export_main
-    from export_worker import train  # tests/workers, on the path once test_export is imported
+    from tests.helpers.workers.export_worker import train  # tests/workers, on the path once test_export is imported
 
     batch = str(tmp_path / "b.jsonl")
     write_batches(batch, 256, n_updates=2, seed=7)

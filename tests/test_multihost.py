@@ -37,9 +37,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from netns import hosts_or_skip
+from tests.helpers.netns import hosts_or_skip
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
 PY = sys.executable
 
 
@@ -233,7 +233,7 @@ def read_lines(proc) -> queue.Queue:
 def test_learner_node_unplugged_mid_batch_stops_within_the_timeout(hosts, tiny_qwen2, golden,
                                                                    tmp_path):
     run, dist_timeout_s, timeout_s = tmp_path, 15, 15
-    rollout = hosts.popen("rollout", [PY, os.path.join(ROOT, "tests/workers/multihost_rollout.py"),
+    rollout = hosts.popen("rollout", [PY, os.path.join(ROOT, "tests/helpers/workers/multihost_rollout.py"),
                                       hosts.addr["rollout"], "29610", str(run), "2", "1", "3"],
                           cwd=ROOT, env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                           stderr=open(run / "rollout.err", "w"), text=True)
@@ -345,7 +345,7 @@ def test_a_rank_that_does_not_share_run_dir_is_named(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    worker = os.path.join(ROOT, "tests/workers/shared_dir_worker.py")
+    worker = os.path.join(ROOT, "tests/helpers/workers/shared_dir_worker.py")
     procs = []
     for rank in (0, 1):
         e = dict(env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

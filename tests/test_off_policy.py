@@ -21,9 +21,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from batchgen import action_first, make_batch, make_opd_batch
-from reference import advantages, rel_l2
-from test_learner import ROOT, replay
+from tests.helpers.batchgen import action_first, make_batch, make_opd_batch
+from tests.helpers.reference import advantages, rel_l2
+from tests.helpers.paths import ROOT
+from tests.helpers.replay import replay
 from tsync_mcore.observability import trace
 from tsync_mcore.channel.sources import SourceError
 from tsync_mcore.observability.trace import SourceRecord, UpdateRecord

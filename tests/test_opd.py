@@ -9,9 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from batchgen import write_opd_batches
-from reference import reference_opd_grad, rel_l2
-from test_learner import ROOT, replay, replay_many
+from tests.helpers.batchgen import write_opd_batches
+from tests.helpers.reference import reference_opd_grad, rel_l2
+from tests.helpers.paths import ROOT
+from tests.helpers.replay import replay, replay_many
 from tsync_mcore.observability import trace
 from tsync_mcore.observability.trace import DeferredRecord
 
@@ -103,7 +104,7 @@ def test_deferred_replay_is_in_the_trace_and_memory_is_bounded(opd_runs):
 
 
 def test_opd_bad_input_rejected(tiny_qwen2):
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/workers/opd_bad_input_worker.py"),
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/helpers/workers/opd_bad_input_worker.py"),
                         tiny_qwen2], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-5000:]
     res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -136,7 +137,7 @@ def test_opd_tensor_parallel_two_ranks_vs_reference(tiny_ckpts, tmp_path):
 def test_opd_learner_behind_the_rollout_finishes_started_trajectories_first(tiny_qwen2):
     # Handed several turns at once, the learner serves the next turn of the trajectory it
     # just served, then turns continuing started trajectories, and only then starts one.
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/workers/opd_order_worker.py"),
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/helpers/workers/opd_order_worker.py"),
                         tiny_qwen2], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-5000:]
     res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -158,7 +159,7 @@ def test_opd_cost_is_linear_in_turns_recompute_and_retain(tmp_path):
     # 20 turns × 16 tokens on a 4-layer model; FLOPs and memory for both replay modes.
     from tsync_mcore.model.tiny import make_tiny_checkpoint
     hf_dir = make_tiny_checkpoint(str(tmp_path / "q4"), arch="qwen2", layers=4)
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/workers/opd_cost_worker.py"),
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/helpers/workers/opd_cost_worker.py"),
                         hf_dir], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-5000:]
     res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -198,7 +199,7 @@ def _write(path, rows):
 def test_turns_that_begin_with_a_scored_token(tiny_qwen2, tmp_path):
     # "action, then its observation": every turn but the first starts with a scored token,
     # whose log-prob comes from the previous turn's last position.
-    from batchgen import action_first, make_opd_batch
+    from tests.helpers.batchgen import action_first, make_opd_batch
     rows = action_first(make_opd_batch(256, n_traj=4, turns=3, seed=9, zero_scored_traj=False))
     assert sum(r["scored_mask"][e] for r in rows for e in r["turn_ends"][:-1]) == 8
     batch = str(tmp_path / "b.jsonl")

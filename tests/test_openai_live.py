@@ -13,7 +13,7 @@ import pytest
 
 from tsync_mcore.observability import trace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
 
 
 @pytest.mark.timeout(500)

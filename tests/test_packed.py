@@ -193,8 +193,8 @@ def _traj(t, g):
 
 # --- the learner: packed vs one-by-one service ---------------------------------------------
 
-from batchgen import action_first, make_batch, make_opd_batch  # noqa: E402
-from reference import rel_l2  # noqa: E402
+from tests.helpers.batchgen import action_first, make_batch, make_opd_batch  # noqa: E402
+from tests.helpers.reference import rel_l2  # noqa: E402
 from tsync_mcore.observability import trace  # noqa: E402
 from tsync_mcore.channel.sources import (BatchPlan, TrajectorySource,  # noqa: E402
                                  opd_turns_from_json)
@@ -366,9 +366,9 @@ def test_config_key(tmp_path):
 def test_tensor_parallel_two_ranks(tiny_ckpts, tmp_path):
     """TP = 2 (vocab-parallel head and log-prob, every collective once per pass on both
     ranks): packed == one by one, GRPO with shared prompts and OPD, under sync."""
-    from batchgen import write_batches, write_opd_batches
+    from tests.helpers.batchgen import write_batches, write_opd_batches
     from safetensors.torch import load_file
-    from test_learner import replay_many
+    from tests.helpers.replay import replay_many
     hf_dir = tiny_ckpts["qwen3"]
     grpo, opd = str(tmp_path / "grpo.jsonl"), str(tmp_path / "opd.jsonl")
     write_batches(grpo, VOCAB, n_updates=1, seed=4)

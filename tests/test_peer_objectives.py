@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dist_util import REPO_ROOT, run_dist
-from batchgen import write_opd_batches
-from reference import reference_agg_grad, reference_opd_grad, rel_l2
+from tests.helpers.dist_util import REPO_ROOT, run_dist
+from tests.helpers.batchgen import write_opd_batches
+from tests.helpers.reference import reference_agg_grad, reference_opd_grad, rel_l2
 from tsync_mcore.config import ConfigError, load_config
 from tsync_mcore.objectives import ADVANTAGES, group_stats
 from tsync_mcore.learner.replay import main as replay_main
@@ -117,7 +117,7 @@ def runs(tiny_qwen2, tmp_path_factory):
     cases_path.write_text(json.dumps(cases))
     out = d / "out"
     out.mkdir()
-    res = run_dist([os.path.join(REPO_ROOT, "tests/workers/peer_objectives_worker.py"),
+    res = run_dist([os.path.join(REPO_ROOT, "tests/helpers/workers/peer_objectives_worker.py"),
                     tiny_qwen2, str(cases_path), str(out)], nproc=2, timeout=600)
     return dict(rows=rows, hf_dir=tiny_qwen2, out=out, ranks=res, cases=cases)
 

@@ -11,9 +11,8 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
 PERF = os.path.join(ROOT, "perf")
-sys.path.insert(0, PERF)
 
 import check  # noqa: E402
 import kernels  # noqa: E402
@@ -267,8 +266,6 @@ def test_gpu_step_exits_zero_without_gpu(capsys, tmp_path):
 def test_overlap_workload_is_valid_and_follows_the_release_model():
     # The simulator's sources must pass the learner's own validation, arrive within R,
     # and grow with completion time (service ∝ U^γ).
-    import sys
-    sys.path.insert(0, os.path.join(ROOT, "perf"))
     from overlap import Workload
     from tsync_mcore.channel.sources import opd_turns_from_json, validate_source, validate_turn  # noqa: F401
 
@@ -296,8 +293,6 @@ def test_overlap_plan_pairs_schedules_per_draw():
     # Each round: a calibration update of its draw (R = 0), then the three synchronous
     # schedules on the same draw, the order rotated so no schedule always runs first after
     # calibration.
-    import sys
-    sys.path.insert(0, os.path.join(ROOT, "perf"))
     from overlap import plan_steps
 
     schedules = ("sync", "group_ready", "thundersync")
@@ -425,10 +420,8 @@ def test_recorded_opd_release_trace_replays_turns_and_shared_prompts(tmp_path):
     # A hand-written OPD trace (2 groups x 2 trajectories x 2 turns, shared 8-token prompts):
     # turns replay contiguous, at their recorded fraction of R, with the group's prompt.
     import json
-    import sys
-    sys.path.insert(0, os.path.join(ROOT, "perf"))
     from overlap import RecordedWorkload
-    from records import deferred, source
+    from tests.helpers.records import deferred, source
     from tsync_mcore.observability import trace
     from tsync_mcore.channel.sources import validate_turn
 

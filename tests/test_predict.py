@@ -17,7 +17,7 @@ from tsync_mcore.observability.predict import (
     lane_completion_closed_form, main, peak_ratio, predict_update, release_grpo, release_opd,
     replay_lane, speedup_waves, tail_grpo, tail_opd)
 
-from records import deferred, source
+from tests.helpers.records import deferred, source
 from tsync_mcore.observability import trace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

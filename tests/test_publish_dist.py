@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dist_util import REPO_ROOT, run_dist
+from tests.helpers.dist_util import REPO_ROOT, run_dist
 from tsync_mcore.publication import dist as pd
 from tsync_mcore.channel import Ack, Publish
 from tsync_mcore.rollout.engine import EngineThread, RolloutEngine
@@ -137,7 +137,7 @@ def test_dist_from_a_tp2_learner_gathers_per_tensor(rig, ckpts, tmp_path):
     token = secrets.token_hex(8)
     out = {}
     th = threading.Thread(target=lambda: out.update(res=run_dist(
-        [os.path.join(REPO_ROOT, "tests/workers/publish_worker.py"), ckpts[1], "2",
+        [os.path.join(REPO_ROOT, "tests/helpers/workers/publish_worker.py"), ckpts[1], "2",
          "127.0.0.1", str(store.port), "3", token, str(BUCKET)], nproc=2, timeout=240)))
     th.start()
 

@@ -18,13 +18,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchgen import make_batch, make_opd_batch, write_batches, write_opd_batches
+from tests.helpers.batchgen import make_batch, make_opd_batch, write_batches, write_opd_batches
 from tsync_mcore.learner import replay
 from tsync_mcore.learner.replay import OutError, batches_from_lines, check_out, read_batches
 from tsync_mcore.channel.sources import (BatchPlan, SourceError, TrajectorySource, TurnSource,
                                  validate_source, validate_turn)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
 VOCAB = 256
 GRPO = make_batch(VOCAB, n_groups=2, m=3, seed=5)
 OPD = make_opd_batch(VOCAB, n_traj=4, turns=3, seed=5)

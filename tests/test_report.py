@@ -11,7 +11,7 @@ import sys
 import matplotlib.pyplot as plt
 import pytest
 
-from records import source, update
+from tests.helpers.records import source, update
 from tsync_mcore.observability import report
 from tsync_mcore.observability import trace
 

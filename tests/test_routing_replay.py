@@ -268,7 +268,7 @@ def test_policy_logprobs_follow_forced_experts(moe_policy, tiny_qwen3_moe):
     """The whole Megatron model under guided routing — rows given are forced to experts its
     routers would not pick, the last rows route themselves — gives the HF model's
     log-probs under the same routing (hf_forced_routing), FP32 ≤ 1e-5; far from its own."""
-    from moe_reference import load_hf_moe
+    from tests.helpers.moe_reference import load_hf_moe
     from tsync_mcore.model import bridge
     from tsync_mcore.model.routing_replay import guided_routing
     from tsync_mcore.model.tiny_moe import hf_forced_routing, hf_recorded_routing

@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 
-from test_e2e import run_scripted  # golden (conftest.py): the single-run baseline
+from tests.helpers.scripted import run_scripted  # golden (conftest.py): the single-run baseline
 from tsync_mcore.observability import predict
 from tsync_mcore.observability import run_files
 from tsync_mcore.observability import trace

@@ -15,7 +15,7 @@ from tsync_mcore.config import RunConfig
 from tsync_mcore.publication.send import PublishDirError
 from tsync_mcore.util.safe_files import ModelDirError, check_hf_dir
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
 
 
 # --- the publication directory -----------------------------------------------------------

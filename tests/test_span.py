@@ -1,7 +1,7 @@
 """K/V-span forward (tsync_mcore.model.span): exact logits and streamed gradients, TP=1/2, FLOPs.
 
 The streamed gradient (per-span backward + reverse replay with the accumulated K/V adjoints)
-is in tests/workers/span_worker.py, shared with the 2-rank launch.
+is in tests/helpers/workers/span_worker.py, shared with the 2-rank launch.
 """
 
 from __future__ import annotations
@@ -10,13 +10,15 @@ import importlib.util
 import json
 import os
 
+from tests.helpers.paths import WORKERS
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dist_util import run_dist
+from tests.helpers.dist_util import run_dist
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "span_worker.py")
+WORKER = os.path.join(WORKERS, "span_worker.py")
 _spec = importlib.util.spec_from_file_location("span_worker", WORKER)
 sw = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sw)

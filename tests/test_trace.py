@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from records import deferred, source, update
+from tests.helpers.records import deferred, source, update
 from tsync_mcore.observability import trace
 from tsync_mcore.observability.trace import SCHEMA_VERSION, TraceError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
 
 
 def test_every_record_kind_round_trips(tmp_path):

@@ -1,0 +1,8 @@
+"""tsync-mcore: gradient streaming (ThunderSyncRL) on Megatron-Core.
+
+The packages, bottom to top (`LAYERS`): each may import those before it, never those after
+(tests/unit/test_layout.py). docs/design/code-map.md is generated from their docstrings
+(`python -m tsync_mcore.cli.codemap`)."""
+
+LAYERS = ("util", "platform", "kernels", "sandbox", "channel", "model", "objectives", "data",
+          "rewards", "observability", "config", "publication", "learner", "rollout", "cli")

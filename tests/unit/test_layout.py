@@ -1,5 +1,5 @@
 """The package's shape: imports point down the layer list, no import cycles, the kernels
-never answer to `triton_kernels`, and docs/code-map.md is current."""
+never answer to `triton_kernels`, and docs/design/code-map.md is current."""
 
 from __future__ import annotations
 
@@ -10,13 +10,11 @@ import sys
 
 import pytest
 
-from tests.paths import ROOT
+from tests.helpers.paths import ROOT
+from tsync_mcore import LAYERS  # bottom to top: each may import those before it only
+from tsync_mcore.cli import codemap
 
 PKG = os.path.join(ROOT, "tsync_mcore")
-
-# Bottom to top: a package may import those before it, never those after it.
-LAYERS = ["util", "platform", "kernels", "sandbox", "channel", "model", "objectives", "data",
-          "rewards", "observability", "config", "publication", "learner", "rollout", "cli"]
 
 
 def _modules() -> dict[str, str]:
@@ -117,3 +115,8 @@ def test_nothing_answers_to_triton_kernels_from_the_repo_root():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout.strip()
     assert out == "None" or "site-packages" in out, out
+
+
+def test_code_map_is_current():
+    """docs/design/code-map.md is generated from the packages' docstrings."""
+    assert codemap.main(["--check"]) == 0, "run python -m tsync_mcore.cli.codemap"

@@ -3,7 +3,7 @@ interpreter with TRITON_INTERPRET=1), plain torch elsewhere. Importing this pack
 never imports Triton; see ``dispatch`` for how each call picks its backend.
 
 Not named `triton_kernels`: that is the Triton project's kernel library, which vLLM probes
-for at start-up (triton_kernels/README.md).
+for at start-up: any folder of that name on sys.path would answer its probe.
 """
 
 from tsync_mcore.kernels.dispatch import backend_for, triton_usable

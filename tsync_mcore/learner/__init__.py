@@ -4,7 +4,8 @@ process     the learner rank's loop: join the channel, run updates, publish, che
 update      ONE update, top to bottom: begin → accept → serve what the schedule releases
             → barrier → reduce → clip → one optimizer step
 schedule    the readiness queue: release units, their dependencies and release rules
-serving/    how each source kind is served (GRPO trajectories, OPD turns, expert routes)
+serving/    how each source kind is served (GRPO trajectories, OPD turns, expert routes),
+            through a narrow view of the update (serving/view.py)
 accumulators, prefix   FP32 group/batch sums; shared-prompt forwards
 policy      the Megatron model, DDP and optimizer behind one object
 checkpoint, export, replay   save/resume, HF export, the equivalence harness

@@ -428,7 +428,9 @@ class NonFiniteUpdate(RuntimeError):
     """An update's reduced gradient was not finite: the step did not run."""
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The command line (`tsync-replay`, `python -m tsync_mcore.learner.replay`): one
+    `error:` line and exit 2 on bad input, 3 on a non-finite update."""
     try:
         main()
     except (SourceError, ConfigError, OutError, OSError, BadFile) as e:
@@ -438,3 +440,7 @@ if __name__ == "__main__":
         print(f"error: {e}", file=sys.stderr)
         sys.exit(3)
     destroy_parallel()  # clean finish: every rank passed the final barrier
+
+
+if __name__ == "__main__":
+    cli()

@@ -32,6 +32,7 @@ from tsync_mcore.objectives.off_policy import behaviour_at, scored_positions
 from tsync_mcore.platform import upload
 from tsync_mcore.learner.prefix import SharedPrefix, prefix_len
 from tsync_mcore.learner.schedule import Service
+from tsync_mcore.learner.serving.view import UpdateView
 from tsync_mcore.channel.sources import SourceError, TurnSource, validate_turn
 from tsync_mcore.observability.trace import DeferredRecord
 
@@ -86,10 +87,10 @@ class TurnKind:
     announces_rewards = False  # no group statistics: a turn's coefficient is its own
 
     def __init__(self, learner):
-        self.l = learner
+        self.up = UpdateView(learner)  # the update in progress, as far as a kind sees it
 
     def begin(self) -> None:
-        plan = self.l.plan
+        plan = self.up.plan
         self.n_turns = plan.n_turns
         missing = [t for ts in plan.groups.values() for t in ts if t not in self.n_turns]
         if missing:
@@ -106,7 +107,7 @@ class TurnKind:
     # --- checks and completion ------------------------------------------------------------
 
     def validate(self, turn: TurnSource) -> None:
-        validate_turn(turn, self.l.policy.vocab_size, self.l.max_tokens)
+        validate_turn(turn, self.up.policy.vocab_size, self.up.max_tokens)
 
     def check(self, turn: TurnSource) -> None:
         name = f"turn {turn.turn} of trajectory {turn.traj_id!r}"
@@ -114,7 +115,7 @@ class TurnKind:
         if turn.n_turns != n or not 0 <= turn.turn < n:
             raise SourceError(f"{name}: trajectory registered with {n} turns, turn says "
                               f"{turn.turn} of {turn.n_turns}")
-        arrived = self.l.arrived
+        arrived = self.up.arrived
         prev = arrived.get(f"{turn.traj_id}#{turn.turn - 1}")
         nxt = arrived.get(f"{turn.traj_id}#{turn.turn + 1}")
         if turn.turn == 0 and turn.start != 0:
@@ -139,7 +140,7 @@ class TurnKind:
         return self.arrived_units.get(g, 0) == self.units[g]
 
     def announce(self, g: str, rewards: dict[str, float]) -> None:
-        raise SourceError(f"rewards of group {g!r}: the {self.l.cfg.objective} objective has no "
+        raise SourceError(f"rewards of group {g!r}: the {self.up.cfg.objective} objective has no "
                           f"group rewards to announce")
 
     # --- admission ------------------------------------------------------------------------
@@ -151,8 +152,8 @@ class TurnKind:
         """Bytes the group will hold at most, counting its turns that have arrived: every
         kept turn's K/V + adjoint, and its gradient sum while incomplete."""
         g = turn.group_id
-        n = 2 * self.l.kv_per_token * self.kept_tokens.get(g, 0)
-        return n if self.l.queue.is_complete(g) else n + self.l.acc.vector_bytes
+        n = 2 * self.up.kv_per_token * self.kept_tokens.get(g, 0)
+        return n if self.up.queue.is_complete(g) else n + self.up.acc.vector_bytes
 
     def held_bytes(self) -> int:
         return sum(self.kv_group.values())
@@ -169,7 +170,7 @@ class TurnKind:
     def packable(self, turn: TurnSource) -> bool:
         """A scored turn under recompute replay. Unscored turns run to their K/V only, and a
         retained graph of a packed pass would be replayed whole for each of its turns."""
-        return turn.n_scored > 0 and self.l.cfg.opd_replay == "recompute"
+        return turn.n_scored > 0 and self.up.cfg.opd_replay == "recompute"
 
     def pack_tokens(self, turn: TurnSource) -> int:
         return len(turn.tokens) + (1 if turn.turn > 0 and turn.scored_mask[0] else 0)
@@ -178,7 +179,7 @@ class TurnKind:
         """Turns of different trajectories (the queue never packs two of one: a turn runs
         on its predecessor's K/V) in one forward/backward, each against its own context;
         the summed turn losses' gradient is folded once, and each keeps its K/V as leaves."""
-        l = self.l
+        up = self.up
         segments, scored, turns = [], [], []
         for svc in pack:
             turn = svc.source
@@ -189,28 +190,28 @@ class TurnKind:
                     prompt_leaves=detached_leaves(prompt.produced) if prompt else None)
             ctx = self.ctx[turn.traj_id]
             offset, tokens, mask = ctx.span(turn)
-            ids = upload(tokens, torch.long, l.policy.device)
+            ids = upload(tokens, torch.long, up.policy.device)
             segments.append(Segment(ids, offset, ctx.past(turn.turn, offset)))
             scored.append([p for p, m in enumerate(mask) if m])
             turns.append((turn, ctx, offset, mask))
-        with l.routes.forward([(turn.traj_id, offset, len(seg.tokens))
+        with up.routes.forward([(turn.traj_id, offset, len(seg.tokens))
                                for (turn, _, offset, _), seg in zip(turns, segments)]):
-            logps, kvs = l.policy.packed_logprobs(segments, scored)
+            logps, kvs = up.policy.packed_logprobs(segments, scored)
             loss = 0.0
             for (turn, _, offset, mask), pos, student in zip(turns, scored, logps):
                 q = offset - turn.start
                 teacher = upload([turn.teacher_logprobs[q + p] for p in pos], torch.float64,
-                                 l.policy.device)
-                rho = l.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs,
+                                 up.policy.device)
+                rho = up.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs,
                                                                  mask, q))
-                loss = loss + l.objective.turn_loss(student, teacher, rho)
+                loss = loss + up.objective.turn_loss(student, teacher, rho)
             loss.backward()
-        l.fold_direct([svc.group_id for svc in pack], l.policy.grad_buffers(), 1.0)
-        l.policy.zero_grads()
+        up.fold_direct([svc.group_id for svc in pack], up.policy.grad_buffers(), 1.0)
+        up.policy.zero_grads()
         spans = []
         for (turn, ctx, offset, _), seg, kv in zip(turns, segments, kvs):
             kv = self._own(kv, offset, turn)
-            l.saw_kv(kv, len(kv[0]))
+            up.saw_kv(kv, len(kv[0]))
             ctx.turns.append(turn)
             if turn.turn < turn.n_turns - 1:
                 # own storage: a view would keep the whole pass's K/V alive with it
@@ -231,22 +232,22 @@ class TurnKind:
         prompt = self.prompts.pop(g, None)
         if prompt is not None:
             self._free(g, prompt.nbytes)
-        start, cpu0 = self.l.now(), time.thread_time()
+        start, cpu0 = self.up.now(), time.thread_time()
         ran = prompt is not None and prompt.backward_prefix(1.0, 0.0)
         n = len(prompt) if prompt is not None else 0
         del prompt  # its K/V and graph are freed inside the timing
         if ran:
             self._fold(g, "direct")  # the group is complete by now
-            self.l.defer(DeferredRecord(
-                update=self.l.version, rank=self.l.policy.par.rank, work="prefix", group_id=g,
-                traj_id=None, ready=start, start=start, end=self.l.now(),
+            self.up.defer(DeferredRecord(
+                update=self.up.version, rank=self.up.policy.par.rank, work="prefix", group_id=g,
+                traj_id=None, ready=start, start=start, end=self.up.now(),
                 cpu=time.thread_time() - cpu0, spans=[(n, 0)]))
-        if self.l.acc.is_open(g):
-            self.l.acc.close_group(g, 1.0, -1.0)  # batch += the group's gradient sum
-            self.l.committed.add(g)
+        if self.up.acc.is_open(g):
+            self.up.acc.close_group(g, 1.0, -1.0)  # batch += the group's gradient sum
+            self.up.committed.add(g)
 
     def drop(self, g: str) -> None:
-        for t in [t for t, c in self.ctx.items() if self.l.member_of[t] == g]:
+        for t in [t for t, c in self.ctx.items() if self.up.member_of[t] == g]:
             del self.ctx[t]
         self.prompts.pop(g, None)
         self.kv_group.pop(g, None)
@@ -256,40 +257,40 @@ class TurnKind:
     def _run_turn(self, turn: TurnSource, svc: Service) -> tuple[int, int]:
         """Forward the turn on its context, backward its loss, keep its K/V; returns the
         (tokens, context) that ran, for the FLOP ledger."""
-        l = self.l
+        up = self.up
         if turn.turn == 0:
             prompt = self._prompt_for(turn)
             self.ctx[turn.traj_id] = _Context(
                 prompt=prompt, prompt_leaves=detached_leaves(prompt.produced) if prompt else None)
         ctx = self.ctx[turn.traj_id]
         last = turn.turn == turn.n_turns - 1
-        dev = l.policy.device
+        dev = up.policy.device
         offset, tokens, mask = ctx.span(turn)
         ids = upload(tokens, torch.long, dev)
-        with l.routes.forward([(turn.traj_id, offset, len(tokens))]):
-            logits, kv = l.policy.span_forward(ids, offset, ctx.past(turn.turn, offset),
+        with up.routes.forward([(turn.traj_id, offset, len(tokens))]):
+            logits, kv = up.policy.span_forward(ids, offset, ctx.past(turn.turn, offset),
                                                want_logits=turn.n_scored > 0)
             kv = self._own(kv, offset, turn)
-            l.saw_kv(kv, len(kv[0]))
+            up.saw_kv(kv, len(kv[0]))
             if turn.n_scored > 0:
                 at = scored_positions(mask)  # on the host: no device read per turn
                 pos = upload(at, torch.long, dev)
                 q = offset - turn.start
                 teacher = upload([turn.teacher_logprobs[q + p] for p in at], torch.float64,
                                  dev)
-                student = l.policy.scored_logprob(logits, ids, pos)
+                student = up.policy.scored_logprob(logits, ids, pos)
                 # ρ_t from this forward's own log π_θ. Replay never re-scores a token (it
                 # pushes K/V adjoints back only), so the weight is fixed here, once.
-                rho = l.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs,
+                rho = up.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs,
                                                                  mask, q))
-                loss = l.objective.turn_loss(student, teacher, rho)  # N_k: deferred scalar
-                loss.backward(retain_graph=l.cfg.opd_replay == "retain" and not last)
+                loss = up.objective.turn_loss(student, teacher, rho)  # N_k: deferred scalar
+                loss.backward(retain_graph=up.cfg.opd_replay == "retain" and not last)
         if turn.n_scored > 0:
             self._fold(turn.group_id, svc.fold)
         ctx.turns.append(turn)
         if not last:
             self._hold(turn.group_id, ctx.add_leaves(kv))
-            if l.cfg.opd_replay == "retain":
+            if up.cfg.opd_replay == "retain":
                 ctx.kept.append(kv)
         return len(tokens), offset
 
@@ -301,10 +302,10 @@ class TurnKind:
 
     def _replay(self, traj_id: str, svc: Service) -> None:
         """Deferred work: push accumulated K/V adjoints back through earlier turns."""
-        l = self.l
-        start, cpu0 = l.now(), time.thread_time()
+        up = self.up
+        start, cpu0 = up.now(), time.thread_time()
         ctx = self.ctx.pop(traj_id)
-        g = self.l.member_of[traj_id]
+        g = self.up.member_of[traj_id]
         self._free(g, ctx.nbytes)
         spans = []  # (tokens, context) of every turn pushed back through (FLOP ledger)
         for i in reversed(range(len(ctx.leaves))):
@@ -314,12 +315,12 @@ class TurnKind:
             turn = ctx.turns[i]
             offset_i, tokens_i, _ = ctx.span(turn)
             spans.append((len(tokens_i), offset_i))
-            if l.cfg.opd_replay == "retain":
+            if up.cfg.opd_replay == "retain":
                 produced = ctx.kept[i]
             else:
-                ids = upload(tokens_i, torch.long, l.policy.device)
-                with l.routes.forward([(traj_id, offset_i, len(tokens_i))]):
-                    _, produced = l.policy.span_forward(ids, offset_i, ctx.past(i, offset_i),
+                ids = upload(tokens_i, torch.long, up.policy.device)
+                with up.routes.forward([(traj_id, offset_i, len(tokens_i))]):
+                    _, produced = up.policy.span_forward(ids, offset_i, ctx.past(i, offset_i),
                                                         stop_after_kv=True)
                 produced = self._own(produced, offset_i, turn)
             backward_kv(produced, adjoint)
@@ -327,40 +328,40 @@ class TurnKind:
         if ctx.prompt is not None:
             ctx.prompt.fold_direct(1.0, ctx.prompt_leaves)
         del ctx  # the context is freed inside the timing
-        l.defer(DeferredRecord(
-            update=l.version, rank=l.policy.par.rank, work="replay", group_id=g,
-            traj_id=traj_id, ready=start, start=start, end=l.now(),
-            cpu=time.thread_time() - cpu0, spans=spans, replay_mode=l.cfg.opd_replay))
+        up.defer(DeferredRecord(
+            update=up.version, rank=up.policy.par.rank, work="replay", group_id=g,
+            traj_id=traj_id, ready=start, start=start, end=up.now(),
+            cpu=time.thread_time() - cpu0, spans=spans, replay_mode=up.cfg.opd_replay))
 
     def _prompt_for(self, turn: TurnSource) -> SharedPrefix | None:
         """The group's shared prompt (built from its first served turn 0), if this turn
         starts with it. Members' prompt adjoints are summed and pushed back once."""
-        if not self.l.cfg.shared_prefix:
+        if not self.up.cfg.shared_prefix:
             return None
         g = turn.group_id
         if g not in self.prompts:
-            with self.l.routes.forward([(turn.traj_id, 0, prefix_len(turn))]):
-                self.prompts[g] = SharedPrefix.build(self.l.policy, turn, dtype=self.l.acc.dtype)
+            with self.up.routes.forward([(turn.traj_id, 0, prefix_len(turn))]):
+                self.prompts[g] = SharedPrefix.build(self.up.policy, turn, dtype=self.up.acc.dtype)
             if self.prompts[g] is not None:
                 self.prompts[g].owner = turn.traj_id
                 self._hold(g, self.prompts[g].nbytes)
         prompt = self.prompts[g]
         # a member whose prompt was routed to other experts runs it with its own
-        return prompt if prompt is not None and prompt.covers(turn) and self.l.routes.agree(
+        return prompt if prompt is not None and prompt.covers(turn) and self.up.routes.agree(
             prompt.owner, turn.traj_id, len(prompt)) else None
 
     def _fold(self, g: str, fold: str) -> None:
         """The turn's (or replay's) gradient out of the grad buffers: into the batch, or the
         group's own sum while the group can still be dropped."""
-        l = self.l
-        grads = l.policy.grad_buffers()
+        up = self.up
+        grads = up.policy.grad_buffers()
         if fold == "direct":
-            l.fold_direct(g, grads, 1.0)
+            up.fold_direct(g, grads, 1.0)
         else:
-            if not l.acc.is_open(g):
-                l.acc.open_group(g, shift=0.0)
-            l.acc.fold_pair(g, grads, 0.0)  # r − c = 0: G2 alone, the plain sum
-        l.policy.zero_grads()
+            if not up.acc.is_open(g):
+                up.acc.open_group(g, shift=0.0)
+            up.acc.fold_pair(g, grads, 0.0)  # r − c = 0: G2 alone, the plain sum
+        up.policy.zero_grads()
 
     def _hold(self, g: str, n: int) -> None:
         self.kv_group[g] = self.kv_group.get(g, 0) + n

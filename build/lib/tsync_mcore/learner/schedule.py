@@ -1,0 +1,237 @@
+"""When a release unit may be served: release rules, dependencies and admission (docs/learner.md).
+
+A release unit is one source: a GRPO trajectory, or one turn of an OPD trajectory (which
+depends on its trajectory's previous turn: it runs against that turn's K/V). The three
+schedules run the same learner work for every objective and differ only in release time:
+  sync         every unit is released when the whole batch closes, and served in the
+               registered order (groups as registered, their members, each one's turns);
+  group_ready  a group's units are released once the group is *complete*: every unit of
+               it that can still be rejected has arrived and every outcome it needs is
+               known (GRPO: every member's reward; OPD: every member's every turn);
+  thundersync  each unit is released the moment it arrives.
+The asynchronous baselines (one_step_off, fully_async) release like thundersync within their
+batch; what differs is which policy sampled the batch (a lag of 1, or up to
+learner.max_staleness), decided by the rollout and checked at submit.
+
+The queue is work-conserving. Among released units whose dependency is served it prefers,
+in order: the next unit of the trajectory served last (its context is warm), units
+continuing a started trajectory (earliest released first), then the earliest released unit
+that starts one and that admission allows.
+
+Admission: a group is *open* on this rank from the first unit that makes it hold state
+(G1'/G2 or its own gradient sum, a shared prompt's K/V, trajectory contexts) until its last
+unit here has been served and its deferred work has run. At most `k_open` groups are open,
+and with a byte budget a new group is held back while the bytes held by open groups plus
+what it would add exceed the budget — unless nothing is open, so the batch always finishes.
+A unit served once its group is complete needs no group sum: its coefficient is known, so
+it folds straight into the batch accumulator ("direct"); before that it folds into its
+group's own sums ("pair"), which a dropped group discards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Protocol
+
+from tsync_mcore.channel.sources import ASYNC_SCHEDULES, SCHEDULES, SYNC_SCHEDULES, BatchPlan
+
+__all__ = ["ASYNC_SCHEDULES", "SCHEDULES", "SYNC_SCHEDULES"]  # names declared with the wire
+
+Fold = Literal["direct", "pair"]
+
+
+class Unit(Protocol):
+    traj_id: str
+    group_id: str
+
+    @property
+    def index(self) -> int: ...  # its place among its trajectory's units
+
+
+@dataclass(frozen=True)
+class Service:
+    group_id: str
+    source: Unit | None  # None: only finish the group (its outcomes became known later)
+    fold: Fold  # "direct": coefficient known; "pair": into the group's own sums
+    closes_group: bool  # the group was open and is finished after this
+    last_here: bool  # nothing more of this group will be served on this rank
+
+
+class ReadinessQueue:
+    """One rank's queue for one batch.
+
+    `opens(unit)`: would serving it make its (not yet open) group hold state?
+    `fits(unit)`: may a new group open with it under the byte budget? (default: yes)"""
+
+    def __init__(self, schedule: str, plan: BatchPlan, k_open: int,
+                 opens: Callable[[Unit], bool] = lambda u: True,
+                 fits: Callable[[Unit], bool] = lambda u: True):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}")
+        self.schedule, self.plan, self.k_open = schedule, plan, k_open
+        self._opens, self._fits = opens, fits
+        self._complete: set[str] = set()
+        self._open: set[str] = set()
+        self._pending: dict[str, int] = {}  # arrived here, not yet served, per group
+        self._held: list[Unit] = []  # arrived, not yet released
+        # Released units by (trajectory, index), in release order:
+        self._waiting: dict[tuple[str, int], Unit] = {}  # its previous unit not served yet
+        self._continuing: dict[tuple[str, int], Unit] = {}  # servable, index > 0
+        self._starting: dict[tuple[str, int], Unit] = {}  # servable, a trajectory's first
+        self._closable: list[str] = []  # complete, open, nothing of it left to serve
+        self._done: dict[str, int] = {}  # trajectory → units served
+        self._last: str | None = None  # trajectory served last
+
+    @property
+    def open_groups(self) -> int:
+        return len(self._open)
+
+    def is_open(self, g: str) -> bool:
+        return g in self._open
+
+    def is_complete(self, g: str) -> bool:
+        return g in self._complete
+
+    def pending_in(self, g: str) -> int:
+        return self._pending.get(g, 0)
+
+    def pending(self) -> int:
+        return (len(self._held) + len(self._waiting) + len(self._continuing)
+                + len(self._starting) + len(self._closable))
+
+    # --- events ---------------------------------------------------------------------------
+
+    def arrive(self, u: Unit) -> None:
+        g = u.group_id
+        self._pending[g] = self._pending.get(g, 0) + 1
+        if self.schedule in ("thundersync",) + ASYNC_SCHEDULES or (self.schedule == "group_ready"
+                                              and g in self._complete):
+            self._release(u)
+        else:
+            self._held.append(u)
+
+    def complete(self, g: str) -> None:
+        """Group g is complete here: group_ready releases its units."""
+        self._complete.add(g)
+        if self.schedule == "group_ready":
+            for u in [u for u in self._held if u.group_id == g]:
+                self._release(u)
+            self._held = [u for u in self._held if u.group_id != g]
+        if g in self._open and not self._pending.get(g):
+            self._closable.append(g)
+
+    def close(self) -> None:
+        """The batch is closed (everything has arrived): release whatever is held."""
+        held, self._held = self._held, []
+        if self.schedule == "sync":
+            rank = {t: i for i, t in enumerate(t for ts in self.plan.groups.values() for t in ts)}
+            held.sort(key=lambda u: (rank[u.traj_id], u.index))
+        for u in held:
+            self._release(u)
+
+    def drop(self, g: str) -> None:
+        """Group g does not train: forget its units and its open state."""
+        self._held = [u for u in self._held if u.group_id != g]
+        for d in (self._waiting, self._continuing, self._starting):
+            for k in [k for k, u in d.items() if u.group_id == g]:
+                del d[k]
+        self._closable = [x for x in self._closable if x != g]
+        self._pending.pop(g, None)
+        self._open.discard(g)
+        self._complete.discard(g)
+
+    def _release(self, u: Unit) -> None:
+        if u.index == 0:
+            self._starting[_at(u)] = u
+        elif self._done.get(u.traj_id, 0) == u.index:
+            self._continuing[_at(u)] = u
+        else:
+            self._waiting[_at(u)] = u
+
+    # --- what runs next -------------------------------------------------------------------
+
+    def next(self) -> Service | None:
+        """The next piece of work that may run now, or None."""
+        if self._closable:
+            g = self._closable.pop(0)
+            self._open.discard(g)
+            return Service(g, None, "pair", closes_group=True, last_here=True)
+        u = self._choose()
+        return None if u is None else self._take(u)
+
+    def next_pack(self, budget: int, size: Callable[[Unit], int],
+                  packable: Callable[[Unit], bool], may_open: bool = True) -> list[Service]:
+        """The next work as one pass: `next()`, and when that is a direct-fold unit that
+        `packable` accepts, more such units — of other trajectories (a unit needs its
+        trajectory's previous one served), in the order `next()` would give them — while
+        their `size` sums to at most `budget` (the first always runs, however long).
+        `may_open=False`: a unit that would open a group joins no pack (a byte budget
+        estimates each new group against what open groups hold after a pass). Empty: none."""
+        first = self.next()
+        if first is None:
+            return []
+        if first.source is None or first.fold != "direct" or not packable(first.source):
+            return [first]
+        pack, used, trajs = [first], size(first.source), {first.source.traj_id}
+        # groups closed by a unit of this pass still hold their state until it has run
+        closing = {first.group_id} if first.closes_group else set()
+        for u in list(self._continuing.values()) + list(self._starting.values()):
+            if used >= budget:
+                break
+            if u.traj_id in trajs or u.group_id not in self._complete or not packable(u):
+                continue
+            opens = u.group_id not in self._open and self._opens(u)
+            if opens and not (may_open and self._admissible(u)
+                              and len(self._open) + len(closing) < self.k_open):
+                continue
+            n = size(u)
+            if used + n > budget:
+                continue
+            pack.append(self._take(u))
+            if pack[-1].closes_group:
+                closing.add(u.group_id)
+            used += n
+            trajs.add(u.traj_id)
+        return pack
+
+    def _take(self, u: Unit) -> Service:
+        """Serve `u` now: the queue's bookkeeping, and its Service."""
+        g = u.group_id
+        if g not in self._open and self._opens(u):
+            self._open.add(g)
+        self._continuing.pop(_at(u), None)
+        self._starting.pop(_at(u), None)
+        self._pending[g] -= 1
+        t = u.traj_id
+        self._done[t] = u.index + 1
+        self._last = t
+        nxt = self._waiting.pop((t, u.index + 1), None)
+        if nxt is not None:
+            self._continuing[_at(nxt)] = nxt
+        complete = g in self._complete
+        last = complete and self._pending[g] == 0
+        closes = last and g in self._open
+        if closes:
+            self._open.discard(g)
+        return Service(g, u, "direct" if complete else "pair", closes_group=closes,
+                       last_here=last)
+
+    def _choose(self) -> Unit | None:
+        if self._last is not None:
+            u = self._continuing.get((self._last, self._done.get(self._last, 0)))
+            if u is not None:
+                return u
+        if self._continuing:
+            return next(iter(self._continuing.values()))
+        # Earliest released first: an older trajectory is nearer its end, so it holds its
+        # context for less time (preferring an open group's younger members kept more open).
+        return next((u for u in self._starting.values() if self._admissible(u)), None)
+
+    def _admissible(self, u: Unit) -> bool:
+        if u.group_id in self._open or not self._opens(u):
+            return True
+        return len(self._open) < self.k_open and (not self._open or self._fits(u))
+
+
+def _at(u: Unit) -> tuple[str, int]:
+    return u.traj_id, u.index

@@ -1,0 +1,256 @@
+"""Serving GRPO-family sources: whole trajectories, folded into G1'/G2 or the batch.
+
+A trajectory's service is one forward, fused scored log-prob and backward (against its
+group's shared prompt when there is one, `prefix.py`), then a fold: straight into the batch
+with its coefficient A_i/m once its group's rewards are all known ("direct"), otherwise
+into the group's pair around the shift c, its first folded reward ("pair"). When the
+group's last member here has been served the pair is combined, g_G = scale·(G1' − mu·G2)
+(the objective's closure), and the shared prompt is backpropagated once.
+
+Group rewards reach a rank with the members served there, or — balanced routing, members
+on several ranks — in the rollout's GroupRewards announcement.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tsync_mcore.learner.accumulators import f32
+from tsync_mcore.model.packed import Segment
+from tsync_mcore.objectives.off_policy import behaviour_at, weighted_logp_sum
+from tsync_mcore.platform import upload
+from tsync_mcore.learner.prefix import SharedPrefix, prefix_len
+from tsync_mcore.learner.schedule import Service
+from tsync_mcore.channel.sources import SourceError, TrajectorySource, check_reward, validate_source
+from tsync_mcore.observability.trace import DeferredRecord
+
+
+class TrajectoryKind:
+    source_type = TrajectorySource
+    name = "trajectory"  # what its trace records call a source
+    serves_on_arrival = True  # served as handed over: its folds follow the arrival order
+    announces_rewards = True  # GroupRewards carry what members on other ranks scored
+
+    def __init__(self, learner):
+        self.l = learner  # the learner whose parts these are: policy, accumulators, queue
+
+    def begin(self) -> None:
+        self.rewards: dict[str, float] = {}  # every reward known here, served here or not
+        self.announced: set[str] = set()
+        self.prefixes: dict[str, SharedPrefix | None] = {}
+        self.closure: dict[str, tuple[float, float]] = {}  # (scale, mu) of combined pairs
+        self.kv_peak_bytes = 0  # shared prompts' K/V + adjoints held at once
+
+    # --- checks and completion ------------------------------------------------------------
+
+    def validate(self, src: TrajectorySource) -> None:
+        validate_source(src, self.l.policy.vocab_size, self.l.max_tokens)
+
+    def check(self, src: TrajectorySource) -> None:
+        known = self.rewards.get(src.traj_id)
+        if known is not None and known != float(src.reward):
+            raise SourceError(f"trajectory {src.traj_id!r}: reward {float(src.reward)!r}, but "
+                              f"the group's rewards were announced with {known!r}")
+
+    def arrived(self, src: TrajectorySource) -> None:
+        self.rewards[src.traj_id] = float(src.reward)
+
+    def unit_keys(self, traj_id: str) -> list[str]:
+        return [traj_id]
+
+    def complete(self, g: str) -> bool:
+        return all(t in self.rewards for t in self.l.plan.groups[g])
+
+    def announce(self, g: str, rewards: dict[str, float]) -> None:
+        members = self.l.plan.groups.get(g)
+        name = f"rewards of group {g!r}"
+        if members is None:
+            raise SourceError(f"{name}: group is not registered in this batch")
+        if g in self.announced:
+            raise SourceError(f"{name}: duplicate, already announced in this batch")
+        if set(rewards) != set(members):
+            raise SourceError(f"{name}: announced for {sorted(rewards)}, the group registered "
+                              f"{sorted(members)}")
+        for t, r in rewards.items():
+            check_reward(f"{name}, member {t!r}", r)
+            if t in self.rewards and self.rewards[t] != float(r):
+                raise SourceError(f"{name}: {t!r} arrived with reward {self.rewards[t]!r}, "
+                                  f"announced {float(r)!r}")
+        self.announced.add(g)
+        self.rewards.update({t: float(r) for t, r in rewards.items()})
+
+    # --- admission ------------------------------------------------------------------------
+
+    def opens(self, src: TrajectorySource) -> bool:
+        """Serving it makes the group hold a pair, or a prompt shared with members to come."""
+        q = self.l.queue
+        return not q.is_complete(src.group_id) or (self.l.cfg.shared_prefix
+                                                   and q.pending_in(src.group_id) > 1)
+
+    def estimate(self, src: TrajectorySource) -> int:
+        """Bytes the group will hold once open: its pair, and its prompt's K/V + adjoint."""
+        q = self.l.queue
+        n = 0 if q.is_complete(src.group_id) else 2 * self.l.acc.vector_bytes
+        if self.l.cfg.shared_prefix:
+            n += 2 * self.l.kv_per_token * prefix_len(src)
+        return n
+
+    def held_bytes(self) -> int:
+        return sum(p.nbytes for p in self.prefixes.values() if p is not None)
+
+    # --- service --------------------------------------------------------------------------
+
+    def serve(self, svc: Service) -> dict:
+        """One trajectory: backward, fold, and (its group finished) the pair's combine."""
+        src, g, l = svc.source, svc.group_id, self.l
+        span = dict(span_tokens=0, context=0, logits=False)
+        if src.n_scored > 0:
+            acc = l.acc
+            if svc.fold == "pair" and not acc.is_open(g):
+                acc.open_group(g, shift=src.reward)  # c = the group's first folded reward
+            # Token weight 1/L_i (or 1) now; the batch's divisor is the deferred scalar at
+            # close (objectives/token_norm.py).
+            w = l.norm.source_weight(src.n_scored)
+            # model.ep > 1: expert gradients land on the experts' ranks, summed with those of
+            # the sources served there in the same pass, so the coefficient rides in the
+            # loss and the fold adds the buffers as they are (only direct folds run then).
+            coef_in_loss = svc.fold == "direct" and l.policy.ep_size > 1
+            if coef_in_loss:
+                w *= self._coef(src)
+            prefix = self._prefix_for(src) if l.cfg.shared_prefix else None
+            # ρ_t (off-policy correction) per scored token: inside the backward's weights.
+            q = len(prefix) if prefix is not None else 0
+            with l.routes.forward([(src.traj_id, q, src.n_tokens - q)]):
+                if prefix is None:
+                    l.policy.backward_source(list(src.tokens), list(src.scored_mask), w,
+                                             l.off_policy, src.behaviour_logprobs)
+                else:
+                    prefix.backward_continuation(l.policy, src, w, l.off_policy)
+            span = dict(span_tokens=src.n_tokens - q, context=q, logits=True)
+            grads = l.policy.grad_buffers()
+            if svc.fold == "direct":
+                coef = 1.0 if coef_in_loss else self._coef(src)
+                l.fold_direct(g, grads, coef)
+                if prefix is not None:
+                    prefix.fold_direct(coef)
+            else:
+                acc.fold_pair(g, grads, src.reward)
+                if prefix is not None:
+                    prefix.fold_pair(src.reward - acc.shift_of(g))
+            l.policy.zero_grads()
+        if svc.closes_group:
+            self._combine(g)
+        return span
+
+    # --- packed serving (docs/learner.md) -------------------------------------------------
+
+    def packable(self, src: TrajectorySource) -> bool:
+        return src.n_scored > 0  # one without scored tokens runs nothing
+
+    def pack_tokens(self, src: TrajectorySource) -> int:
+        """Tokens it forwards: all of it, or what follows its group's shared prompt."""
+        return src.n_tokens - (prefix_len(src) if self.l.cfg.shared_prefix else 0)
+
+    def serve_pack(self, pack: list[Service]) -> list[dict]:
+        """Direct-fold trajectories in one forward/backward: each one's loss carries its
+        token weight and coefficient (w_i·coef_i, ρ per token), so the gradient is Σ coef_i·
+        ∇loss_i, folded once; a continuation runs against its group's prompt leaves (two
+        members of a group share them, and the leaves sum their coefficient-weighted
+        adjoints, as one-by-one fold_direct(coef_i) calls would)."""
+        l = self.l
+        segments, scored, spans, prefixes = [], [], [], {}
+        for svc in pack:
+            src = svc.source
+            prefix = self._prefix_for(src) if l.cfg.shared_prefix else None
+            q = len(prefix) if prefix is not None else 0
+            if prefix is not None:
+                prefixes[svc.group_id] = prefix
+            ids = upload(src.tokens[q:], torch.long, l.policy.device)
+            segments.append(Segment(ids, q, prefix.leaves if prefix is not None else None))
+            scored.append([t for t, m in enumerate(src.scored_mask[q:]) if m])
+            spans.append(dict(span_tokens=src.n_tokens - q, context=q, logits=True))
+        with l.routes.forward([(svc.source.traj_id, seg.offset, len(seg.tokens))
+                               for svc, seg in zip(pack, segments)]):
+            logps, _ = l.policy.packed_logprobs(segments, scored)
+            loss = 0.0
+            for svc, seg, logp in zip(pack, segments, logps):
+                src = svc.source
+                w = l.norm.source_weight(src.n_scored) * self._coef(src)
+                rho = l.off_policy.weights(logp, behaviour_at(src.behaviour_logprobs,
+                                                              src.scored_mask[seg.offset:],
+                                                              seg.offset))
+                loss = loss - f32(w) * weighted_logp_sum(logp, rho)
+            loss.backward()
+        l.fold_direct([svc.group_id for svc in pack], l.policy.grad_buffers(), 1.0)
+        for prefix in prefixes.values():
+            prefix.fold_direct(1.0)
+        l.policy.zero_grads()
+        for svc in pack:
+            if svc.closes_group:
+                self._combine(svc.group_id)
+        return spans
+
+    def after(self, svc: Service) -> None:
+        pass  # a trajectory leaves no deferred work of its own
+
+    def finish(self, svc: Service) -> None:
+        """The group's last work here: combine its pair (if still open), then one backward
+        through its shared prompt with scale·(A1 − mu·A2) + A."""
+        g = svc.group_id
+        scale, mu = self.closure.pop(g) if g in self.closure else self._combine(g)
+        prefix = self.prefixes.pop(g, None)
+        start, cpu0 = self.l.now(), time.thread_time()
+        ran = prefix is not None and prefix.backward_prefix(scale, mu)
+        n = len(prefix) if prefix is not None else 0
+        del prefix  # its K/V and graph are freed inside the timing
+        if ran:
+            self.l.fold_direct(g, self.l.policy.grad_buffers(), 1.0)
+            self.l.policy.zero_grads()
+            self.l.defer(DeferredRecord(
+                update=self.l.version, rank=self.l.policy.par.rank, work="prefix", group_id=g,
+                traj_id=None, ready=start, start=start, end=self.l.now(),
+                cpu=time.thread_time() - cpu0, spans=[(n, 0)]))
+
+    def _combine(self, g: str) -> tuple[float, float]:
+        """Add the group's pair into the batch; returns (scale, mu) for its prompt."""
+        scale, mu = 1.0, 0.0
+        if self.l.acc.is_open(g):
+            scale, mu = self.l.objective.closure(self._group_rewards(g),
+                                                 self.l.acc.shift_of(g), self.l.cfg.adv_eps,
+                                                 self.l.adv_ddof, self.l.norm.group_mean)
+            self.l.acc.close_group(g, scale, mu)
+            self.l.committed.add(g)
+        self.closure[g] = (scale, mu)
+        return scale, mu
+
+    def drop(self, g: str) -> None:
+        self.prefixes.pop(g, None)
+        self.closure.pop(g, None)
+
+    def _coef(self, src: TrajectorySource) -> float:
+        i = self.l.plan.groups[src.group_id].index(src.traj_id)
+        return self.l.objective.source_coef(self._group_rewards(src.group_id), i,
+                                            self.l.cfg.adv_eps, self.l.adv_ddof,
+                                            self.l.norm.group_mean)
+
+    def _group_rewards(self, g: str) -> list[float]:
+        return [self.rewards[t] for t in self.l.plan.groups[g]]
+
+    def _prefix_for(self, src: TrajectorySource) -> SharedPrefix | None:
+        """The group's shared prompt, computed once on its first scored source."""
+        g = src.group_id
+        if g not in self.prefixes:
+            with self.l.routes.forward([(src.traj_id, 0, prefix_len(src))]):
+                self.prefixes[g] = SharedPrefix.build(self.l.policy, src, dtype=self.l.acc.dtype)
+            if self.prefixes[g] is not None:
+                self.prefixes[g].owner = src.traj_id
+                self.l.saw_kv(self.prefixes[g].produced, len(self.prefixes[g]))
+                self.kv_peak_bytes = max(self.kv_peak_bytes, self.held_bytes())
+        prefix = self.prefixes[g]
+        # a member whose prompt was routed to other experts runs it with its own
+        return prefix if prefix is not None and prefix.covers(src) and self.l.routes.agree(
+            prefix.owner, src.traj_id, len(prefix)) else None
+
+

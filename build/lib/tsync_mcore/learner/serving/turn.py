@@ -1,0 +1,374 @@
+"""Serving OPD sources: turns, each run against its trajectory's earlier K/V.
+
+A turn's forward runs against the K/V of its trajectory's earlier turns (and its group's
+shared prompt), held as detached leaves; its backward gives the turn's own parameter
+gradient and adjoints on that context, accumulated on the leaves' .grad. A turn that
+starts with a scored token starts its span one position earlier: that position's logits
+score it, computed against the context before it (the same function of θ and the earlier
+K/V as in the previous turn, so the chain rule stays exact).
+
+Deferred work: when a trajectory's last turn is served, the earlier turns are replayed in
+reverse order — each recomputed from its own context leaves (or kept, `opd_replay:
+retain`) and backpropagated with the adjoint of the K/V it produced, which adds to the
+adjoints of the turns before it. After the group's last trajectory here, one backward
+through its shared prompt with the members' summed adjoints.
+
+Folds: into the batch once the group is complete (every turn of every member arrived:
+nothing of it can be rejected any more), before that into the group's own gradient sum,
+which a dropped group discards and a finished group adds to the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tsync_mcore.model.packed import Segment
+from tsync_mcore.model.span import (KV, backward_kv, concat_kv, detached_leaves, kv_bytes,
+                                    leaf_adjoints)
+from tsync_mcore.objectives.off_policy import behaviour_at, scored_positions
+from tsync_mcore.platform import upload
+from tsync_mcore.learner.prefix import SharedPrefix, prefix_len
+from tsync_mcore.learner.schedule import Service
+from tsync_mcore.channel.sources import SourceError, TurnSource, validate_turn
+from tsync_mcore.observability.trace import DeferredRecord
+
+
+@dataclass
+class _Context:
+    """A trajectory's served turns: their K/V as leaves (whose .grad is the adjoint)."""
+
+    prompt: SharedPrefix | None = None  # the group's shared prompt, when this one starts with it
+    # This trajectory's own leaves over the prompt K/V (same storage): its adjoint stays
+    # separate, so the group sums per-trajectory adjoints in the accumulator precision.
+    prompt_leaves: list[KV] | None = None
+    turns: list[TurnSource] = field(default_factory=list)
+    leaves: list[list[KV]] = field(default_factory=list)
+    kept: list[list[KV]] = field(default_factory=list)  # graph-attached K/V, retain mode only
+    nbytes: int = 0  # leaves plus their adjoints (same shape) once a later turn consumed them
+
+    def span(self, turn: TurnSource) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """(start, tokens, scored mask) this learner computes for a turn: turn 0 skips the
+        shared prompt, whose K/V come from the group's prefix leaves; a turn that starts
+        with a scored token starts one position earlier (the previous turn's last token)."""
+        if turn.turn == 0:
+            q = len(self.prompt) if self.prompt is not None else 0
+            return turn.start + q, turn.tokens[q:], turn.scored_mask[q:]
+        if turn.scored_mask[0]:
+            prev = self.turns[turn.turn - 1].tokens[-1]
+            return turn.start - 1, (prev, *turn.tokens), (0, *turn.scored_mask)
+        return turn.start, turn.tokens, turn.scored_mask
+
+    def past(self, i: int, offset: int) -> list[KV] | None:
+        """Context K/V leaves of turn i's span (`offset` positions): the shared prompt,
+        then turns 0..i−1, cut to the span's start."""
+        parts = ([self.prompt_leaves] if self.prompt is not None else []) + self.leaves[:i]
+        if not parts:
+            return None
+        kv = concat_kv(parts)
+        n = len(kv[0])
+        return kv if n == offset else [KV(x.k[:offset], x.v[:offset]) for x in kv]
+
+    def add_leaves(self, kv: list[KV]) -> int:
+        """Keep a served turn's K/V as leaves; returns the bytes this adds (× 2: adjoints)."""
+        self.leaves.append(detached_leaves(kv))
+        added = 2 * kv_bytes(kv)
+        self.nbytes += added
+        return added
+
+
+class TurnKind:
+    source_type = TurnSource
+    name = "turn"  # what its trace records call a source
+    serves_on_arrival = False  # the learner chooses among every arrived turn
+    announces_rewards = False  # no group statistics: a turn's coefficient is its own
+
+    def __init__(self, learner):
+        self.l = learner
+
+    def begin(self) -> None:
+        plan = self.l.plan
+        self.n_turns = plan.n_turns
+        missing = [t for ts in plan.groups.values() for t in ts if t not in self.n_turns]
+        if missing:
+            raise SourceError(f"turn sources need every trajectory's turn count; none "
+                              f"registered for {missing[:5]}")
+        self.units = {g: sum(self.n_turns[t] for t in ts) for g, ts in plan.groups.items()}
+        self.arrived_units: dict[str, int] = {}
+        self.ctx: dict[str, _Context] = {}
+        self.prompts: dict[str, SharedPrefix | None] = {}
+        self.kv_group: dict[str, int] = {}  # context leaves + adjoints and prompts held now
+        self.kv_peak_bytes = 0
+        self.kept_tokens: dict[str, int] = {}  # arrived tokens whose K/V a group will keep
+
+    # --- checks and completion ------------------------------------------------------------
+
+    def validate(self, turn: TurnSource) -> None:
+        validate_turn(turn, self.l.policy.vocab_size, self.l.max_tokens)
+
+    def check(self, turn: TurnSource) -> None:
+        name = f"turn {turn.turn} of trajectory {turn.traj_id!r}"
+        n = self.n_turns[turn.traj_id]
+        if turn.n_turns != n or not 0 <= turn.turn < n:
+            raise SourceError(f"{name}: trajectory registered with {n} turns, turn says "
+                              f"{turn.turn} of {turn.n_turns}")
+        arrived = self.l.arrived
+        prev = arrived.get(f"{turn.traj_id}#{turn.turn - 1}")
+        nxt = arrived.get(f"{turn.traj_id}#{turn.turn + 1}")
+        if turn.turn == 0 and turn.start != 0:
+            raise SourceError(f"{name}: the first turn must start at token 0, not {turn.start}")
+        if prev is not None and prev.end != turn.start:
+            raise SourceError(f"{name}: starts at token {turn.start} but turn {prev.turn} "
+                              f"ends at {prev.end}; turn spans must be contiguous")
+        if nxt is not None and turn.end != nxt.start:
+            raise SourceError(f"{name}: ends at token {turn.end} but turn {nxt.turn} starts "
+                              f"at {nxt.start}; turn spans must be contiguous")
+
+    def arrived(self, turn: TurnSource) -> None:
+        g = turn.group_id
+        self.arrived_units[g] = self.arrived_units.get(g, 0) + 1
+        if turn.turn < turn.n_turns - 1:  # a trajectory's last turn keeps no K/V
+            self.kept_tokens[g] = self.kept_tokens.get(g, 0) + len(turn.tokens)
+
+    def unit_keys(self, traj_id: str) -> list[str]:
+        return [f"{traj_id}#{j}" for j in range(self.n_turns[traj_id])]
+
+    def complete(self, g: str) -> bool:
+        return self.arrived_units.get(g, 0) == self.units[g]
+
+    def announce(self, g: str, rewards: dict[str, float]) -> None:
+        raise SourceError(f"rewards of group {g!r}: the {self.l.cfg.objective} objective has no "
+                          f"group rewards to announce")
+
+    # --- admission ------------------------------------------------------------------------
+
+    def opens(self, turn: TurnSource) -> bool:
+        return True  # a context, and until the group is complete its gradient sum
+
+    def estimate(self, turn: TurnSource) -> int:
+        """Bytes the group will hold at most, counting its turns that have arrived: every
+        kept turn's K/V + adjoint, and its gradient sum while incomplete."""
+        g = turn.group_id
+        n = 2 * self.l.kv_per_token * self.kept_tokens.get(g, 0)
+        return n if self.l.queue.is_complete(g) else n + self.l.acc.vector_bytes
+
+    def held_bytes(self) -> int:
+        return sum(self.kv_group.values())
+
+    # --- service --------------------------------------------------------------------------
+
+    def serve(self, svc: Service) -> dict:
+        turn = svc.source
+        n_tokens, offset = self._run_turn(turn, svc)  # its tensors are freed by now: timed too
+        return dict(span_tokens=n_tokens, context=offset, logits=turn.n_scored > 0)
+
+    # --- packed serving (docs/learner.md) -------------------------------------------------
+
+    def packable(self, turn: TurnSource) -> bool:
+        """A scored turn under recompute replay. Unscored turns run to their K/V only, and a
+        retained graph of a packed pass would be replayed whole for each of its turns."""
+        return turn.n_scored > 0 and self.l.cfg.opd_replay == "recompute"
+
+    def pack_tokens(self, turn: TurnSource) -> int:
+        return len(turn.tokens) + (1 if turn.turn > 0 and turn.scored_mask[0] else 0)
+
+    def serve_pack(self, pack: list[Service]) -> list[dict]:
+        """Turns of different trajectories (the queue never packs two of one: a turn runs
+        on its predecessor's K/V) in one forward/backward, each against its own context;
+        the summed turn losses' gradient is folded once, and each keeps its K/V as leaves."""
+        l = self.l
+        segments, scored, turns = [], [], []
+        for svc in pack:
+            turn = svc.source
+            if turn.turn == 0:
+                prompt = self._prompt_for(turn)
+                self.ctx[turn.traj_id] = _Context(
+                    prompt=prompt,
+                    prompt_leaves=detached_leaves(prompt.produced) if prompt else None)
+            ctx = self.ctx[turn.traj_id]
+            offset, tokens, mask = ctx.span(turn)
+            ids = upload(tokens, torch.long, l.policy.device)
+            segments.append(Segment(ids, offset, ctx.past(turn.turn, offset)))
+            scored.append([p for p, m in enumerate(mask) if m])
+            turns.append((turn, ctx, offset, mask))
+        with l.routes.forward([(turn.traj_id, offset, len(seg.tokens))
+                               for (turn, _, offset, _), seg in zip(turns, segments)]):
+            logps, kvs = l.policy.packed_logprobs(segments, scored)
+            loss = 0.0
+            for (turn, _, offset, mask), pos, student in zip(turns, scored, logps):
+                q = offset - turn.start
+                teacher = upload([turn.teacher_logprobs[q + p] for p in pos], torch.float64,
+                                 l.policy.device)
+                rho = l.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs,
+                                                                 mask, q))
+                loss = loss + l.objective.turn_loss(student, teacher, rho)
+            loss.backward()
+        l.fold_direct([svc.group_id for svc in pack], l.policy.grad_buffers(), 1.0)
+        l.policy.zero_grads()
+        spans = []
+        for (turn, ctx, offset, _), seg, kv in zip(turns, segments, kvs):
+            kv = self._own(kv, offset, turn)
+            l.saw_kv(kv, len(kv[0]))
+            ctx.turns.append(turn)
+            if turn.turn < turn.n_turns - 1:
+                # own storage: a view would keep the whole pass's K/V alive with it
+                own = [KV(x.k.detach().clone(), x.v.detach().clone()) for x in kv]
+                self._hold(turn.group_id, ctx.add_leaves(own))
+            spans.append(dict(span_tokens=len(seg.tokens), context=offset, logits=True))
+        return spans
+
+    def after(self, svc: Service) -> None:
+        """Deferred work of a trajectory's last turn: its context replay."""
+        turn = svc.source
+        if turn is not None and turn.turn == turn.n_turns - 1:
+            self._replay(turn.traj_id, svc)
+
+    def finish(self, svc: Service) -> None:
+        """After the group's last trajectory here: its prompt's backward, then its sum."""
+        g = svc.group_id
+        prompt = self.prompts.pop(g, None)
+        if prompt is not None:
+            self._free(g, prompt.nbytes)
+        start, cpu0 = self.l.now(), time.thread_time()
+        ran = prompt is not None and prompt.backward_prefix(1.0, 0.0)
+        n = len(prompt) if prompt is not None else 0
+        del prompt  # its K/V and graph are freed inside the timing
+        if ran:
+            self._fold(g, "direct")  # the group is complete by now
+            self.l.defer(DeferredRecord(
+                update=self.l.version, rank=self.l.policy.par.rank, work="prefix", group_id=g,
+                traj_id=None, ready=start, start=start, end=self.l.now(),
+                cpu=time.thread_time() - cpu0, spans=[(n, 0)]))
+        if self.l.acc.is_open(g):
+            self.l.acc.close_group(g, 1.0, -1.0)  # batch += the group's gradient sum
+            self.l.committed.add(g)
+
+    def drop(self, g: str) -> None:
+        for t in [t for t, c in self.ctx.items() if self.l.member_of[t] == g]:
+            del self.ctx[t]
+        self.prompts.pop(g, None)
+        self.kv_group.pop(g, None)
+
+    # --- one turn -------------------------------------------------------------------------
+
+    def _run_turn(self, turn: TurnSource, svc: Service) -> tuple[int, int]:
+        """Forward the turn on its context, backward its loss, keep its K/V; returns the
+        (tokens, context) that ran, for the FLOP ledger."""
+        l = self.l
+        if turn.turn == 0:
+            prompt = self._prompt_for(turn)
+            self.ctx[turn.traj_id] = _Context(
+                prompt=prompt, prompt_leaves=detached_leaves(prompt.produced) if prompt else None)
+        ctx = self.ctx[turn.traj_id]
+        last = turn.turn == turn.n_turns - 1
+        dev = l.policy.device
+        offset, tokens, mask = ctx.span(turn)
+        ids = upload(tokens, torch.long, dev)
+        with l.routes.forward([(turn.traj_id, offset, len(tokens))]):
+            logits, kv = l.policy.span_forward(ids, offset, ctx.past(turn.turn, offset),
+                                               want_logits=turn.n_scored > 0)
+            kv = self._own(kv, offset, turn)
+            l.saw_kv(kv, len(kv[0]))
+            if turn.n_scored > 0:
+                at = scored_positions(mask)  # on the host: no device read per turn
+                pos = upload(at, torch.long, dev)
+                q = offset - turn.start
+                teacher = upload([turn.teacher_logprobs[q + p] for p in at], torch.float64,
+                                 dev)
+                student = l.policy.scored_logprob(logits, ids, pos)
+                # ρ_t from this forward's own log π_θ. Replay never re-scores a token (it
+                # pushes K/V adjoints back only), so the weight is fixed here, once.
+                rho = l.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs,
+                                                                 mask, q))
+                loss = l.objective.turn_loss(student, teacher, rho)  # N_k: deferred scalar
+                loss.backward(retain_graph=l.cfg.opd_replay == "retain" and not last)
+        if turn.n_scored > 0:
+            self._fold(turn.group_id, svc.fold)
+        ctx.turns.append(turn)
+        if not last:
+            self._hold(turn.group_id, ctx.add_leaves(kv))
+            if l.cfg.opd_replay == "retain":
+                ctx.kept.append(kv)
+        return len(tokens), offset
+
+    @staticmethod
+    def _own(kv: list[KV], offset: int, turn: TurnSource) -> list[KV]:
+        """The K/V of the turn's own positions (a span that started one earlier drops it)."""
+        skip = turn.start - offset if turn.turn > 0 else 0
+        return kv if skip == 0 else [KV(x.k[skip:], x.v[skip:]) for x in kv]
+
+    def _replay(self, traj_id: str, svc: Service) -> None:
+        """Deferred work: push accumulated K/V adjoints back through earlier turns."""
+        l = self.l
+        start, cpu0 = l.now(), time.thread_time()
+        ctx = self.ctx.pop(traj_id)
+        g = self.l.member_of[traj_id]
+        self._free(g, ctx.nbytes)
+        spans = []  # (tokens, context) of every turn pushed back through (FLOP ledger)
+        for i in reversed(range(len(ctx.leaves))):
+            adjoint = leaf_adjoints(ctx.leaves[i])
+            if all(gk is None and gv is None for gk, gv in adjoint):
+                continue  # no later turn had a scored token
+            turn = ctx.turns[i]
+            offset_i, tokens_i, _ = ctx.span(turn)
+            spans.append((len(tokens_i), offset_i))
+            if l.cfg.opd_replay == "retain":
+                produced = ctx.kept[i]
+            else:
+                ids = upload(tokens_i, torch.long, l.policy.device)
+                with l.routes.forward([(traj_id, offset_i, len(tokens_i))]):
+                    _, produced = l.policy.span_forward(ids, offset_i, ctx.past(i, offset_i),
+                                                        stop_after_kv=True)
+                produced = self._own(produced, offset_i, turn)
+            backward_kv(produced, adjoint)
+        self._fold(g, svc.fold)
+        if ctx.prompt is not None:
+            ctx.prompt.fold_direct(1.0, ctx.prompt_leaves)
+        del ctx  # the context is freed inside the timing
+        l.defer(DeferredRecord(
+            update=l.version, rank=l.policy.par.rank, work="replay", group_id=g,
+            traj_id=traj_id, ready=start, start=start, end=l.now(),
+            cpu=time.thread_time() - cpu0, spans=spans, replay_mode=l.cfg.opd_replay))
+
+    def _prompt_for(self, turn: TurnSource) -> SharedPrefix | None:
+        """The group's shared prompt (built from its first served turn 0), if this turn
+        starts with it. Members' prompt adjoints are summed and pushed back once."""
+        if not self.l.cfg.shared_prefix:
+            return None
+        g = turn.group_id
+        if g not in self.prompts:
+            with self.l.routes.forward([(turn.traj_id, 0, prefix_len(turn))]):
+                self.prompts[g] = SharedPrefix.build(self.l.policy, turn, dtype=self.l.acc.dtype)
+            if self.prompts[g] is not None:
+                self.prompts[g].owner = turn.traj_id
+                self._hold(g, self.prompts[g].nbytes)
+        prompt = self.prompts[g]
+        # a member whose prompt was routed to other experts runs it with its own
+        return prompt if prompt is not None and prompt.covers(turn) and self.l.routes.agree(
+            prompt.owner, turn.traj_id, len(prompt)) else None
+
+    def _fold(self, g: str, fold: str) -> None:
+        """The turn's (or replay's) gradient out of the grad buffers: into the batch, or the
+        group's own sum while the group can still be dropped."""
+        l = self.l
+        grads = l.policy.grad_buffers()
+        if fold == "direct":
+            l.fold_direct(g, grads, 1.0)
+        else:
+            if not l.acc.is_open(g):
+                l.acc.open_group(g, shift=0.0)
+            l.acc.fold_pair(g, grads, 0.0)  # r − c = 0: G2 alone, the plain sum
+        l.policy.zero_grads()
+
+    def _hold(self, g: str, n: int) -> None:
+        self.kv_group[g] = self.kv_group.get(g, 0) + n
+        self.kv_peak_bytes = max(self.kv_peak_bytes, self.held_bytes())
+
+    def _free(self, g: str, n: int) -> None:
+        left = self.kv_group.get(g, 0) - n
+        if left:
+            self.kv_group[g] = left
+        else:
+            self.kv_group.pop(g, None)  # the group holds nothing more

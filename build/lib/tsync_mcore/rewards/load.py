@@ -1,0 +1,132 @@
+"""`reward.function` → a callable, checked before the run starts.
+
+Specs: a built-in name (`exact_match`, `math`, `code_tests`), `path/to/file.py:name`
+(relative paths from the working directory) or `package.module:name` (importable).
+Every way a spec can be wrong is one line naming the spec and the problem.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from tsync_mcore.util.safe_files import BadFile
+
+BUILTINS = ("exact_match", "math", "code_tests")
+ARGS = ("prompt", "response", "label", "meta")  # always passed; `messages` too for multi-turn
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+class RewardError(BadFile):
+    """reward.function cannot be used; the message names the spec and why."""
+
+
+def check_spec(spec: str) -> None:
+    """The spec's syntax (ValueError); nothing is imported."""
+    if spec in BUILTINS:
+        return
+    where, colon, name = spec.rpartition(":")
+    if not colon or not where or not name:
+        raise ValueError(f"{spec!r} is neither a built-in ({', '.join(BUILTINS)}) nor "
+                         f"'path/to/file.py:name' or 'package.module:name'")
+    if not name.isidentifier():
+        raise ValueError(f"{spec!r}: {name!r} is not a Python name")
+    if not where.endswith(".py") and not _DOTTED.match(where):
+        raise ValueError(f"{spec!r}: {where!r} is neither a .py file nor a dotted module name")
+
+
+def _import_file(spec: str, path: str):
+    if not os.path.isfile(path):
+        raise RewardError(f"reward.function {spec!r}: no file {path}")
+    real = os.path.realpath(path)
+    mod_name = "tsync_reward_" + hashlib.sha1(real.encode()).hexdigest()[:12]
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    loader_spec = importlib.util.spec_from_file_location(mod_name, real)
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[mod_name] = module  # dataclasses/pickle in the file look themselves up here
+    try:
+        loader_spec.loader.exec_module(module)
+    except BaseException as e:  # its import ran user code: one line, never a traceback
+        del sys.modules[mod_name]
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise RewardError(f"reward.function {spec!r}: importing {path} failed: "
+                          f"{type(e).__name__}: {_first_line(e)}") from None
+    return module
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
+def accepts(fn: Callable, name: str) -> bool:
+    """Whether `fn` takes keyword argument `name` (or **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True  # a builtin or C callable: cannot tell, let the call say
+    return any(p.kind == p.VAR_KEYWORD or (p.name == name and p.kind in
+               (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) for p in params)
+
+
+def load_reward_fn(spec: str, reward_cfg: Any = None) -> Callable[..., Any]:
+    """The callable `spec` names, checked to accept the documented keyword arguments.
+    `reward_cfg` (RewardConfig) configures the built-ins (sandbox limits)."""
+    try:
+        check_spec(spec)
+    except ValueError as e:
+        raise RewardError(f"reward.function {e}") from None
+    if spec in BUILTINS:
+        from tsync_mcore.rewards import builtins
+        from tsync_mcore.rewards.sandbox import SandboxError
+        try:
+            return builtins.make(spec, reward_cfg)
+        except (SandboxError, ImportError) as e:
+            raise RewardError(f"reward.function {spec!r}: {_first_line(e)}") from None
+    where, _, name = spec.rpartition(":")
+    if where.endswith(".py"):
+        module = _import_file(spec, where)
+        place = where
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as e:
+            raise RewardError(f"reward.function {spec!r}: no module {e.name!r} "
+                              f"(is it installed, or on PYTHONPATH?)") from None
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            raise RewardError(f"reward.function {spec!r}: importing {where} failed: "
+                              f"{type(e).__name__}: {_first_line(e)}") from None
+        place = f"module {where}"
+    if not hasattr(module, name):
+        names = sorted(n for n, v in vars(module).items()
+                       if callable(v) and not n.startswith("_"))[:10]
+        raise RewardError(f"reward.function {spec!r}: {place} defines no {name!r} "
+                          f"(callables there: {names})")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise RewardError(f"reward.function {spec!r}: {name} is a {type(fn).__name__}, "
+                          f"not callable")
+    missing = [a for a in ARGS if not accepts(fn, a)]
+    if missing:
+        raise RewardError(f"reward.function {spec!r}: {name} must accept the keyword "
+                          f"arguments {', '.join(ARGS)} (or **kwargs); it lacks "
+                          f"{', '.join(missing)}")
+    return fn
+
+
+def is_async(fn: Callable) -> bool:
+    if isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None))

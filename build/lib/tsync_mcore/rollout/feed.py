@@ -1,0 +1,131 @@
+"""The rollout's dataset side: which row each group trains on, the envs that run a row,
+the rollout-side reward metrics of a batch, and evaluation on data.eval.
+
+Group g of the batch registered at data position p trains on row
+`EpochSampler.index(p + g)` (tsync_mcore.data.sampler), so the checkpointed data_pos
+fixes the prompts of a resumed run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from tsync_mcore.config import Config
+from tsync_mcore.data import DataError, EpochSampler, PromptSet, Row, load_prompts, render_prompt
+from tsync_mcore.rewards import RewardRunner, RewardStats, load_reward_fn
+from tsync_mcore.rewards.call import eval_metrics
+from tsync_mcore.rollout.loop import run_batch
+from tsync_mcore.rollout.dataset_env import SingleTurnEnv
+from tsync_mcore.rollout.envs import SkyRLGymAdapter
+
+
+def _seed(*parts: Any) -> int:
+    """A sampling seed from its parts, stable across processes (str hash is salted)."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+class BatchStats(RewardStats):
+    """RewardStats fed with finished envs (dataset envs carry their RewardResult)."""
+
+    def add(self, env: Any) -> None:  # type: ignore[override]
+        result = getattr(env, "result", None)
+        if result is not None:
+            super().add(result)
+
+
+class DataFeed:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg, self.dc = cfg, cfg.data
+        env = cfg.rollout.env
+        self.skyrl = env.split(":", 1)[1] if env.startswith("skyrl:") else None
+        # SkyRL rows carry their ground truth in reward_spec; a label column is optional.
+        self.train = load_prompts(self.dc.train, self.dc, require_label=self.skyrl is None)
+        self.eval: PromptSet | None = (load_prompts(self.dc.eval, self.dc,
+                                                    require_label=self.skyrl is None)
+                                       if self.dc.eval else None)
+        if self.skyrl is not None:
+            import skyrl_gym  # noqa: F401  (a missing package is named at start)
+            for ps in filter(None, (self.train, self.eval)):
+                if "env_class" in ps.ds.column_names:
+                    other = sorted(set(map(str, ps.ds.unique("env_class"))) - {self.skyrl})
+                    if other:
+                        raise DataError(f"{ps.path}: rows for env_class {other}; this run's "
+                                        f"rollout.env is skyrl:{self.skyrl}")
+        self.runner = None
+        if self.skyrl is None:
+            fn = load_reward_fn(cfg.reward.function, cfg.reward)
+            self.runner = RewardRunner(fn, spec=cfg.reward.function,
+                                       timeout_s=cfg.reward.timeout_s,
+                                       on_error=cfg.reward.on_error)
+        self.sampler = EpochSampler(len(self.train), cfg.seed, self.dc.shuffle)
+        self.tok = None
+
+    def attach(self, tokenizer: Any) -> None:
+        """The tokenizer prompts are rendered with; the first row of each set is rendered
+        now, so a missing chat template stops the run before the first batch."""
+        self.tok = tokenizer
+        for ps in filter(None, (self.train, self.eval)):
+            self._ids(ps, ps.row(0))
+
+    def train_row(self, pos: int) -> int:
+        return self.sampler.index(pos)
+
+    def stats(self) -> BatchStats:
+        return BatchStats()
+
+    def _ids(self, ps: PromptSet, row: Row) -> list[int]:
+        try:
+            ids = render_prompt(self.tok, row, self.dc.system_prompt, self.dc.chat_template)
+        except DataError as e:
+            raise DataError(f"{ps.path} {e}") from None
+        limit = self.cfg.rollout.max_total_tokens
+        if len(ids) >= limit:
+            raise DataError(f"{ps.path} row {row.index}: prompt of {len(ids)} tokens leaves no "
+                            f"room for an answer within rollout.max_total_tokens={limit}")
+        return ids
+
+    def _env(self, ps: PromptSet, index: int, where: str) -> Any:
+        row = ps.row(index)
+        if self.skyrl is not None:
+            self._ids(ps, row)  # the same length check as for dataset prompts
+            return SkyRLGymAdapter.from_row(self.skyrl, self.tok, row,
+                                            system_prompt=self.dc.system_prompt,
+                                            max_turns=self.cfg.rollout.max_turns)
+        return SingleTurnEnv(self.tok, self._ids(ps, row), row, self.runner,
+                             f"{where} ({ps.path} row {index})")
+
+    def train_envs(self, rows: list[int], traj_ids: list[str]) -> list[Any]:
+        return [self._env(self.train, r, f"trajectory {t}") for r, t in zip(rows, traj_ids)]
+
+    async def evaluate(self, engine: Any, version: int, agents: Any = None
+                       ) -> dict[str, float]:
+        """Every eval row (or the first data.eval_max_prompts) × data.eval_n samples with θ
+        as loaded in `engine`: eval/reward_mean, eval/pass@k, eval/reward_errors.
+        `agents(envs, seeds, rows, traj_ids, routes, kwargs)`: who runs them instead of the
+        built-in loop (rollout.agent: openai: the training batches' agents)."""
+        assert self.eval is not None
+        rc, n = self.cfg.rollout, self.dc.eval_n
+        m = min(len(self.eval), self.dc.eval_max_prompts or len(self.eval))
+        index = [(r, j) for r in range(m) for j in range(n)]
+        envs = [self._env(self.eval, r, f"eval sample {j} of θ_{version}") for r, j in index]
+        seeds = [_seed(self.cfg.seed, "eval", version, r, j) for r, j in index]
+        rewards: list[list[float]] = [[] for _ in range(m)]
+        stats = BatchStats()
+        rows = [r for r, _ in index]
+        routes = [f"eval{version}-row{r}" for r in rows]  # a row: one replica
+        kwargs = dict(max_turns=rc.max_turns, max_tokens_per_turn=rc.max_tokens_per_turn,
+                      max_total_tokens=rc.max_total_tokens, temperature=rc.eval_temperature,
+                      step_timeout_s=(self.cfg.reward.timeout_s + 5.0 if self.skyrl is None
+                                      else rc.tool_timeout_s * 2))
+        runs = (agents(envs, seeds, rows, [f"eval{version}-r{r}-s{j}" for r, j in index],
+                       routes, kwargs) if agents is not None else
+                run_batch(engine, envs, seeds=seeds, env_seeds=rows, routes=routes, **kwargs))
+        async for i, res in runs:
+            rewards[index[i][0]].append(res.reward)
+            stats.add(envs[i])
+        out = eval_metrics(rewards, n)
+        out["eval/reward_errors"] = stats.errors
+        out.update({k.replace("reward/", "eval/reward_", 1): v
+                    for k, v in stats.metrics().items() if k != "reward/errors"})
+        return out

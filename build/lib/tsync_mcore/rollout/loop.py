@@ -1,0 +1,254 @@
+"""Multi-turn agent loop: model turn → tool call → observation → next turn, in token ids.
+
+Layout of a trajectory with n turns (a_j: generated action, o_j: observation):
+
+    prompt a_0 | o_0 a_1 | o_1 a_2 | ... | o_{n-2} a_{n-1}
+    turn_ends:  ^end of turn 0  ^turn 1 ...           ^= len(tokens)
+
+Actions are scored (mask 1), prompt and observations are not, so every turn starts with
+unscored tokens (its observation, or the prompt for turn 0), as the learner requires. The
+observation that follows the last action is never appended.
+
+`run_batch` runs many trajectories concurrently on one engine and yields each as it
+finishes: a slow tool call stalls only its own trajectory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from tsync_mcore.rollout.engine import GenOut
+from tsync_mcore.rollout.envs import AgentEnv
+
+# on_turn(turn_index, tokens_so_far, turn_start, turn_end, scored_mask_so_far,
+# logprobs_so_far, token_versions_so_far); may be async.
+T = TypeVar("T")
+TurnCallback = Callable[..., Awaitable[None] | None]
+
+
+@dataclass
+class TrajectoryResult:
+    tokens: list[int]
+    scored_mask: list[int]
+    turn_ends: list[int]  # exclusive end index of each turn
+    reward: float
+    prompt_len: int
+    n_turns: int
+    logprobs: list[float | None]  # sampling log-prob of each scored token, None elsewhere
+    finish_reasons: list[str]  # per turn: "stop", "length"
+    policy_versions: list[int]  # engine weight version that finished each turn
+    # the weight version that sampled each scored token, None elsewhere (a turn cut by an
+    # in-flight swap has two: docs/async.md)
+    token_versions: list[int | None]
+    stop_reason: str  # "done" (env), "max_turns", "max_total_tokens"
+    n_timeouts: int = 0  # tool calls cut by the agent's own step timeout
+    gen_s: float = 0.0  # time awaiting the engine
+    tool_s: float = 0.0  # time awaiting env.step
+    wall_s: float = 0.0
+    t_start: float = 0.0  # time.monotonic() at start / end, to compare trajectories
+    t_end: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_scored(self) -> int:
+        return sum(self.scored_mask)
+
+    def turn_starts(self) -> list[int]:
+        return [0] + self.turn_ends[:-1]
+
+    def to_json(self, traj_id: str, group_id: str, policy_version: int,
+                ready_order: int = 0) -> dict[str, Any]:
+        """One line of the learner's GRPO JSON Lines format (docs/replay.md)."""
+        return {"traj_id": traj_id, "group_id": group_id, "tokens": list(self.tokens),
+                "scored_mask": list(self.scored_mask), "reward": float(self.reward),
+                "ready_order": ready_order, "policy_version": policy_version,
+                "prompt_len": self.prompt_len}
+
+    def to_opd_json(self, traj_id: str, group_id: str, policy_version: int,
+                    teacher_logprobs: Sequence[float | None],
+                    turn_ready_order: Sequence[int]) -> dict[str, Any]:
+        """One line of the learner's OPD format; teacher log-probs aligned with tokens."""
+        return {"traj_id": traj_id, "group_id": group_id, "tokens": list(self.tokens),
+                "scored_mask": list(self.scored_mask),
+                "teacher_logprobs": list(teacher_logprobs), "turn_ends": list(self.turn_ends),
+                "turn_ready_order": list(turn_ready_order), "policy_version": policy_version,
+                "prompt_len": self.prompt_len}
+
+
+class Generator(Protocol):
+    """What the agent needs from an engine (`RolloutEngine`, `ReplicaSet` (which also takes
+    `route=`), or a test double)."""
+
+    async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int,
+                       temperature: float = 1.0, seed: int | None = None) -> GenOut: ...
+
+
+def _turn_seed(seed: int | None, turn: int) -> int | None:
+    # Distinct, reproducible sampling seeds per turn of one trajectory.
+    return None if seed is None else (seed * 1_000_003 + turn) % (2**31 - 1)
+
+
+async def _maybe_await(x: Awaitable[None] | None) -> None:
+    if inspect.isawaitable(x):
+        await x
+
+
+async def run_trajectory(
+    engine: Generator,
+    env: AgentEnv,
+    *,
+    max_turns: int,
+    max_tokens_per_turn: int,
+    max_total_tokens: int,
+    temperature: float = 1.0,
+    seed: int | None = None,
+    env_seed: int | None = None,
+    step_timeout_s: float | None = None,
+    on_turn: TurnCallback | None = None,
+    route: str | None = None,
+) -> TrajectoryResult:
+    """Roll out one episode of `env` with `engine` (anything with `RolloutEngine.generate`).
+
+    `seed` seeds sampling (per turn, derived); `env_seed` (default `seed`, or 0) picks the
+    task: members of a GRPO group share `env_seed` and differ in `seed`. `max_total_tokens`
+    bounds the whole sequence (prompt included): a turn never samples past it, and an
+    observation that would reach it ends the trajectory instead. `step_timeout_s` guards
+    against a hung env: on expiry the env's `timeout_observation` is appended. `route`
+    (optional) goes with every turn's request: an engine with replicas (`ReplicaSet`) sends
+    the requests of one key to one replica, where their prefix is cached.
+    """
+    if max_turns < 1 or max_tokens_per_turn < 1:
+        raise ValueError("max_turns and max_tokens_per_turn must be >= 1")
+    limit = getattr(engine, "max_model_len", None)
+    if limit is not None and max_total_tokens > limit:
+        raise ValueError(f"max_total_tokens={max_total_tokens} exceeds the engine's "
+                         f"max_model_len={limit}")
+    t_start = time.monotonic()
+    prompt = list(env.reset(env_seed if env_seed is not None else (seed or 0)))
+    if not prompt:
+        raise ValueError("env.reset returned an empty prompt")
+    if len(prompt) >= max_total_tokens:
+        raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_total_tokens="
+                         f"{max_total_tokens}")
+    tokens, mask = list(prompt), [0] * len(prompt)
+    logprobs: list[float | None] = [None] * len(prompt)
+    turn_ends: list[int] = []
+    finish: list[str] = []
+    versions: list[int] = []
+    token_versions: list[int | None] = [None] * len(prompt)
+    gen_s = tool_s = 0.0
+    n_timeouts = 0
+    stop_reason = "max_turns"
+    turn_start = 0
+    for turn in range(max_turns):
+        budget = min(max_tokens_per_turn, max_total_tokens - len(tokens))
+        t0 = time.monotonic()
+        out = await engine.generate(tokens, max_tokens=budget, temperature=temperature,
+                                    seed=_turn_seed(seed, turn),
+                                    **({} if route is None else {"route": route}))
+        gen_s += time.monotonic() - t0
+        action = list(out.token_ids)
+        tokens += action
+        mask += [1] * len(action)
+        logprobs += list(out.logprobs)
+        token_versions += list(out.token_versions) or [out.policy_version] * len(action)
+        turn_ends.append(len(tokens))
+        finish.append(out.finish_reason)
+        versions.append(out.policy_version)
+        if on_turn is not None:  # the turn is final now: OPD can score and release it
+            await _maybe_await(on_turn(turn, list(tokens), turn_start, len(tokens), list(mask),
+                                       list(logprobs), list(token_versions)))
+        # The env sees every action, the last one included: the reward may depend on it.
+        obs, done, dt, timed_out = await _step(env, action, step_timeout_s)
+        tool_s += dt
+        n_timeouts += timed_out
+        if done:
+            stop_reason = "done"
+            break
+        if turn == max_turns - 1:
+            break
+        if len(tokens) + len(obs) >= max_total_tokens:
+            # No room to generate after the observation: end at the last action.
+            stop_reason = "max_total_tokens"
+            break
+        if not obs:
+            raise ValueError(f"env returned an empty observation at turn {turn} without done: "
+                             f"the next turn would start with a scored token")
+        turn_start = len(tokens)
+        tokens += obs
+        mask += [0] * len(obs)
+        logprobs += [None] * len(obs)
+        token_versions += [None] * len(obs)
+    t_end = time.monotonic()
+    return TrajectoryResult(
+        tokens=tokens, scored_mask=mask, turn_ends=turn_ends, reward=float(env.reward()),
+        prompt_len=len(prompt), n_turns=len(turn_ends), logprobs=logprobs,
+        finish_reasons=finish, policy_versions=versions, token_versions=token_versions,
+        stop_reason=stop_reason,
+        n_timeouts=n_timeouts, gen_s=gen_s, tool_s=tool_s, wall_s=t_end - t_start,
+        t_start=t_start, t_end=t_end)
+
+
+async def _step(env: AgentEnv, action: list[int], timeout: float | None
+                ) -> tuple[list[int], bool, float, int]:
+    """env.step under the agent's time limit; returns (obs, done, seconds, timed_out)."""
+    t0 = time.monotonic()
+    try:
+        obs, done = await asyncio.wait_for(env.step(action), timeout)
+        timed_out = 0
+    except asyncio.TimeoutError:
+        obs, done = env.timeout_observation(action)
+        timed_out = 1
+    return list(obs), bool(done), time.monotonic() - t0, timed_out
+
+
+async def run_batch(
+    engine: Generator,
+    envs: Sequence[AgentEnv],
+    *,
+    seeds: Sequence[int | None],
+    env_seeds: Sequence[int | None] | None = None,
+    on_turn: Callable[[int], TurnCallback] | None = None,
+    routes: Sequence[str | None] | None = None,
+    **kwargs: Any,
+) -> AsyncIterator[tuple[int, TrajectoryResult]]:
+    """Run `run_trajectory` for every env at once; yield (index, result) in finish order.
+
+    `on_turn(i)` (optional) gives trajectory i's turn callback; `routes[i]` (optional) its
+    route key; other keyword arguments go to `run_trajectory`. A failing trajectory cancels
+    the rest and re-raises.
+    """
+    if any(x is not None and len(x) != len(envs) for x in (env_seeds, routes)) or \
+            len(seeds) != len(envs):
+        raise ValueError("seeds/env_seeds/routes must have one entry per env")
+
+    async def one(i: int) -> tuple[int, TrajectoryResult]:
+        res = await run_trajectory(
+            engine, envs[i], seed=seeds[i],
+            env_seed=None if env_seeds is None else env_seeds[i],
+            on_turn=None if on_turn is None else on_turn(i),
+            route=None if routes is None else routes[i], **kwargs)
+        return i, res
+
+    async for done in as_finished([one(i) for i in range(len(envs))]):
+        yield done
+
+
+async def as_finished(coros: Sequence[Awaitable[T]]) -> AsyncIterator[T]:
+    """Run `coros` at once and yield their results in finish order. A failure re-raises
+    and cancels the rest; so does the caller leaving the iteration early."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        for fut in asyncio.as_completed(tasks):
+            yield await fut
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        # Collect the rest so that no exception goes unretrieved (or lingers as a task).
+        await asyncio.gather(*tasks, return_exceptions=True)

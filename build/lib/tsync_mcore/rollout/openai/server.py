@@ -1,0 +1,622 @@
+"""An OpenAI-compatible HTTP endpoint on the rollout side, for agents written against the
+OpenAI API (docs/agents.md).
+
+    POST /t/<traj>/v1/chat/completions   POST /v1/chat/completions  (X-Tsync-Trajectory: <traj>)
+    POST /t/<traj>/v1/completions        POST /v1/completions       (same header)
+    POST /t/<traj>/v1/reward             POST /v1/trajectories/<traj>/reward   {"reward": x}
+    GET  /t/<traj>/v1/models             GET  /v1/models
+    GET  /t/<traj>/v1/tools              GET  /v1/trajectories/<traj>/tools
+    POST /t/<traj>/v1/tools/<name>       POST /v1/trajectories/<traj>/tools/<name>
+                                                              {"arguments": {...}}
+    POST /t/<traj>/v1/done               POST /v1/trajectories/<traj>/done
+                                         {} | {"reward": x} | {"error": "why"}
+    POST /v1/pool/next                   {"worker": id, "wait_s": s}  (rollout.agent_pool)
+
+Every request belongs to a trajectory the rollout registered (`register`); the agent gets
+`OPENAI_BASE_URL=http://HOST:PORT/t/<traj>/v1`, so an existing agent needs only its base
+URL. Bearer auth with the run's random key (`OPENAI_API_KEY`). The server runs on the
+engine's event loop and calls the same engine (`RolloutEngine` or `ReplicaSet`) as the
+built-in agent loop; each trajectory's `Session` records the exact ids (openai_session).
+
+A trajectory registered with `tools` (a `ToolBox`: rollout.env: terminal, whose box runs in
+the episode's repo) serves them: GET lists their OpenAI schemas (pass them as `tools=`),
+POST runs one call in the episode's sandbox and returns its output for the agent's `tool`
+message. As in the built-in loop, at most `max_calls_per_turn` calls run per model turn;
+later ones return an error text without running. Such a task is scored by its verifier when
+the agent exits, so its reward route answers 409.
+
+`stream: true` answers with Server-Sent Events as OpenAI's (chunks, then `data: [DONE]`),
+but the stream carries the turn once it is sampled: the engine returns whole completions,
+so the chunks (role, content, each tool call, finish reason and the `tsync` object, usage
+with `stream_options.include_usage`) are cut from the response the non-streamed request
+gets, and the record is the same either way. Every error comes before a stream's first
+byte, so it is a plain JSON error with its status.
+
+`stop` strings end sampling at the token that completes one (vLLM's stop check): the
+returned text ends before the earliest stop string, finish_reason "stop"; the record, the
+log-probs and `usage` keep every sampled id, the stop string's too (the next turn closes
+the completion with EOS, as one cut by max_tokens).
+
+Errors are OpenAI's error objects with one-line messages: 400 a request this endpoint does
+not take (n > 1, a history rewrite under `reject`, a budget spent), 401 a wrong key, 404 an
+unknown trajectory, 409 a closed or stale trajectory (its batch's policy is no longer
+served), a second reward or a second done.
+
+`done` ends a trajectory from the agent's side (its reward, or the error that failed it):
+an agent pool's worker (openai_pool, rollout.agent_pool > 0) posts it for each trajectory
+it pulled from /v1/pool/next (200 a handout, 204 none within wait_s, 410 stopping).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tsync_mcore.rollout.openai.session import Session, SessionError, assistant_message
+
+
+ENDED_KEPT = 4096  # forgotten trajectory ids remembered (their late requests: 409)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def _number(body: dict, key: str, default: float | None, lo: float, hi: float,
+            lo_open: bool = False) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+            v < lo or v > hi or (lo_open and v == lo):
+        raise ApiError(400, f"{key} must be a number in {'(' if lo_open else '['}{lo}, {hi}], "
+                            f"got {v!r}", param=key)
+    return float(v)
+
+
+def _int(body: dict, key: str, lo: int = 0) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ApiError(400, f"{key} must be an integer >= {lo}, got {v!r}", param=key)
+    return v
+
+
+MAX_STOP = 4  # stop strings per request, as OpenAI
+
+
+def _stop(body: dict) -> list[str]:
+    """The request's stop strings; "" and [] (sent by some clients) mean none."""
+    stop = body.get("stop")
+    if stop in (None, "", []):
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or \
+            not all(isinstance(x, str) and x for x in stop):
+        raise ApiError(400, f"stop must be a string or a list of up to {MAX_STOP} non-empty "
+                            f"strings, got {stop!r}", param="stop")
+    return stop
+
+
+def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """`text` up to the earliest stop string (excluded); whether one was found."""
+    at = min((i for i in (text.find(x) for x in stop) if i >= 0), default=-1)
+    return (text, False) if at < 0 else (text[:at], True)
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise ApiError(400, f"stream must be a boolean, got {stream!r}", param="stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return bool(stream), False
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true",
+                       param="stream_options")
+    usage = opts.get("include_usage", False) if isinstance(opts, dict) else None
+    if usage not in (True, False):
+        raise ApiError(400, 'stream_options must be {"include_usage": true|false}',
+                       param="stream_options")
+    return True, usage
+
+
+def sse(chunks: list[dict]) -> StreamingResponse:
+    """OpenAI's event stream: one `data:` event per chunk, then `data: [DONE]`."""
+    events = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+    return StreamingResponse(iter(events), media_type="text/event-stream")
+
+
+def chat_chunks(resp: dict, include_usage: bool) -> list[dict]:
+    """A chat.completion as chat.completion.chunk's: role, content, one per tool call, the
+    finish reason with the `tsync` object, then usage (when asked). The log-probs ride on
+    the content chunk (on the last one when there is no content)."""
+    head = {"id": resp["id"], "object": "chat.completion.chunk", "created": resp["created"],
+            "model": resp["model"]}
+    choice, extra = resp["choices"][0], {"usage": None} if include_usage else {}
+    msg, lp = choice["message"], choice["logprobs"]
+
+    def chunk(delta: dict, finish: str | None = None, logprobs: Any = None, **more) -> dict:
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish}], **extra, **more}
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    if msg.get("content"):
+        out.append(chunk({"content": msg["content"]}, logprobs=lp))
+        lp = None
+    for j, call in enumerate(msg.get("tool_calls") or []):
+        out.append(chunk({"tool_calls": [{"index": j, **call}]}))
+    out.append(chunk({}, choice["finish_reason"], lp, tsync=resp["tsync"]))
+    if include_usage:
+        out.append({**head, "choices": [], "usage": resp["usage"]})
+    return out
+
+
+def text_chunks(resp: dict, include_usage: bool) -> list[dict]:
+    """A text_completion as its stream: the text (with its log-probs), the finish reason
+    with the `tsync` object, then usage (when asked)."""
+    head = {k: resp[k] for k in ("id", "object", "created", "model")}
+    choice, extra = resp["choices"][0], {"usage": None} if include_usage else {}
+    out = [{**head, "choices": [{"index": 0, "text": choice["text"],
+                                 "logprobs": choice["logprobs"], "finish_reason": None}],
+            **extra},
+           {**head, "choices": [{"index": 0, "text": "", "logprobs": None,
+                                 "finish_reason": choice["finish_reason"]}],
+            **extra, "tsync": resp["tsync"]}]
+    if include_usage:
+        out.append({**head, "choices": [], "usage": resp["usage"]})
+    return out
+
+
+@dataclass
+class _Tools:
+    """A trajectory's tools: its box, and the calls run in its current model turn."""
+
+    box: Any  # tsync_mcore.sandbox.tools.ToolBox
+    per_turn: int
+    turn: int = 0
+    calls: int = 0
+
+
+class OpenAIServer:
+    """Sessions + the FastAPI app. `register` a trajectory before its agent starts,
+    `close` it when the agent is done; `current_version()` is the policy version the
+    engine serves (a session of another version is stale)."""
+
+    def __init__(self, engine: Any, tokenizer: Any, *, api_key: str, model: str = "tsync",
+                 history: str = "segment", temperature: float = 1.0,
+                 current_version: Callable[[], int] | None = None) -> None:
+        self.engine, self.tok, self.api_key, self.model = engine, tokenizer, api_key, model
+        self.history, self.temperature = history, temperature
+        self.current_version = current_version or (lambda: int(getattr(engine, "version", 0)))
+        self.sessions: dict[str, Session] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.routes: dict[str, str] = {}
+        self.tools: dict[str, _Tools] = {}
+        self.done: dict[str, str | None] = {}  # trajectories whose agent posted done: error
+        self.pool: Any = None  # openai_pool.AgentPool (rollout.agent_pool > 0)
+        self.ended: OrderedDict[str, str] = OrderedDict()  # forgotten trajectories: why (409)
+        self.counts = dict(requests=0, rewrites=0, rejected=0, stale=0, bad=0, tool_calls=0)
+        self.host, self.port = "", 0
+        self._server = self._task = None
+        self.app = self._make_app()
+
+    # --- trajectories -----------------------------------------------------------------
+
+    def register(self, traj_id: str, *, version: int, seed: int | None = None,
+                 route: str | None = None, tools: Any = None, max_calls_per_turn: int = 4,
+                 **limits: int) -> Session:
+        """A new trajectory. `tools`: a ToolBox its agent may call (the task's verifier then
+        fixes its reward: none may be posted)."""
+        if traj_id in self.sessions:
+            raise ValueError(f"trajectory {traj_id} is registered already")
+        self.ended.pop(traj_id, None)
+        s = Session(self.tok, traj_id, version=version, seed=seed, history=self.history,
+                    **limits)
+        self.sessions[traj_id] = s
+        self._locks[traj_id] = asyncio.Lock()
+        if route is not None:
+            self.routes[traj_id] = route
+        if tools is not None:
+            self.tools[traj_id] = _Tools(tools, max_calls_per_turn)
+        return s
+
+    async def settle(self, traj_id: str) -> None:
+        """Wait for the trajectory's request or tool call in flight, if any (after `close`,
+        none starts)."""
+        async with self._locks[traj_id]:
+            pass
+
+    def close(self, traj_id: str, why: str) -> Session:
+        """No more requests for it (they get 409 `why`); the session, for its record."""
+        s = self.sessions[traj_id]
+        s.closed = why
+        return s
+
+    def forget(self, traj_id: str) -> None:
+        s = self.sessions.pop(traj_id, None)
+        if s is not None:  # a late request of its agent: 409 (it ended), not 404
+            self.ended[traj_id] = s.closed or "its agent ended"
+            while len(self.ended) > ENDED_KEPT:
+                self.ended.popitem(last=False)
+        self._locks.pop(traj_id, None)
+        self.routes.pop(traj_id, None)
+        self.tools.pop(traj_id, None)
+        self.done.pop(traj_id, None)
+
+    def base_url(self, traj_id: str) -> str:
+        return f"http://{self.host}:{self.port}/t/{traj_id}/v1"
+
+    def take_metrics(self) -> dict[str, float]:
+        out = {f"rollout/openai_{k}": float(v) for k, v in self.counts.items()}
+        self.counts = {k: 0 for k in self.counts}
+        return out
+
+    def set_reward(self, traj_id: str, value: Any) -> None:
+        s = self._session(traj_id)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value) or abs(value) > 1e6:
+            raise ApiError(400, f"reward must be a finite number with |reward| <= 1e6, "
+                                f"got {value!r}", param="reward")
+        if s.closed:
+            raise ApiError(409, f"trajectory {traj_id} is closed: {s.closed}")
+        if traj_id in self.tools:
+            raise ApiError(409, f"trajectory {traj_id} is scored by its task's verifier when "
+                                f"its agent exits: it takes no posted reward",
+                           kind="conflict_error")
+        if s.reward is not None:
+            raise ApiError(409, f"trajectory {traj_id} has its reward already ({s.reward})")
+        s.reward = float(value)
+
+    def _session(self, traj_id: str | None) -> Session:
+        if not traj_id:
+            raise ApiError(404, "no trajectory: use the base URL /t/<trajectory id>/v1, or "
+                                "send the X-Tsync-Trajectory header")
+        s = self.sessions.get(traj_id)
+        if s is None and traj_id in self.ended:
+            raise ApiError(409, f"trajectory {traj_id} has ended: {self.ended[traj_id]}",
+                           kind="conflict_error")
+        if s is None:
+            raise ApiError(404, f"unknown trajectory {traj_id!r}", kind="not_found_error")
+        return s
+
+    # --- serving ----------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Serve on this event loop; port 0: a free one. Returns (host, port)."""
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.set_inheritable(True)
+        self.host, self.port = host, sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off",
+                                access_log=False)
+        self._server = uvicorn.Server(config)
+        self._server.install_signal_handlers = lambda: None  # older uvicorn
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the start's error
+                raise RuntimeError("the OpenAI endpoint stopped while starting")
+            await asyncio.sleep(0.01)
+        return self.host, self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            try:
+                await asyncio.wait_for(self._task, 10)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+            self._server = None
+
+    def _make_app(self):
+        app = FastAPI(title="tsync-mcore rollout (OpenAI-compatible)", docs_url=None,
+                      redoc_url=None, openapi_url=None)
+
+        def error(e: ApiError) -> JSONResponse:
+            return JSONResponse({"error": {"message": e.message, "type": e.kind,
+                                           "param": e.param, "code": e.status}},
+                                status_code=e.status)
+
+        async def handle(request: Request, fn) -> Response:
+            params = dict(request.path_params)
+            traj_id = params.pop("traj_id", None)
+            try:
+                auth = request.headers.get("authorization", "")
+                if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
+                    raise ApiError(401, "invalid API key (the run's OPENAI_API_KEY, as "
+                                        "'Authorization: Bearer <key>')",
+                                   kind="authentication_error")
+                traj_id = traj_id or request.headers.get("x-tsync-trajectory")
+                if request.method == "GET":
+                    return JSONResponse(await fn(traj_id, None, **params))
+                try:
+                    body = await request.json()
+                except Exception:
+                    raise ApiError(400, "the request body is not JSON") from None
+                if not isinstance(body, dict):
+                    raise ApiError(400, "the request body must be a JSON object")
+                out = await fn(traj_id, body, **params)  # sampled before any byte of a stream
+                return out if isinstance(out, Response) else JSONResponse(out)
+            except ApiError as e:
+                if e.status == 400:
+                    self.counts["bad"] += 1
+                return error(e)
+
+        def bind(fn):
+            async def route(request: Request):
+                return await handle(request, fn)
+            return route
+
+        for prefix in ("/t/{traj_id}/v1", "/v1"):
+            app.post(prefix + "/chat/completions")(bind(self._chat))
+            app.post(prefix + "/completions")(bind(self._completion))
+            app.get(prefix + "/models")(bind(self._models))
+        for prefix in ("/t/{traj_id}/v1", "/v1/trajectories/{traj_id}"):
+            app.post(prefix + "/reward")(bind(self._reward))
+            app.get(prefix + "/tools")(bind(self._tool_list))
+            app.post(prefix + "/tools/{name}")(bind(self._tool_call))
+            app.post(prefix + "/done")(bind(self._done))
+        app.post("/v1/pool/next")(bind(self._pool_next))
+        return app
+
+    async def _models(self, traj_id, body) -> dict:
+        return {"object": "list", "data": [{"id": self.model, "object": "model",
+                                            "created": 0, "owned_by": "tsync-mcore"}]}
+
+    async def _reward(self, traj_id, body) -> dict:
+        if "reward" not in body:
+            raise ApiError(400, 'the body must be {"reward": <number>}', param="reward")
+        self.set_reward(traj_id, body["reward"])
+        return {"trajectory": traj_id, "reward": self.sessions[traj_id].reward}
+
+    async def _done(self, traj_id, body) -> dict:
+        """The agent is done with the trajectory: ok (with the reward it posts, else its
+        task's), or failed with `error`. No more requests are served for it."""
+        s = self._session(traj_id)
+        if traj_id in self.done:
+            raise ApiError(409, f"trajectory {traj_id} is done already", kind="conflict_error")
+        extra = set(body) - {"reward", "error"}
+        if extra or ("reward" in body and "error" in body):
+            raise ApiError(400, 'the body must be {}, {"reward": <number>} or {"error": '
+                                '"<why>"}')
+        error = body.get("error")
+        if "error" in body and not (isinstance(error, str) and error.strip()):
+            raise ApiError(400, "error must be a non-empty string", param="error")
+        if s.closed:
+            raise ApiError(409, f"trajectory {traj_id} is closed: {s.closed}",
+                           kind="conflict_error")
+        if "reward" in body:
+            self.set_reward(traj_id, body["reward"])
+        self.done[traj_id] = error
+        s.closed = f"its agent posted done{'' if error is None else ' (failed)'}"
+        if self.pool is not None:
+            self.pool.finish(traj_id)
+        return {"trajectory": traj_id, "status": "ok" if error is None else "failed"}
+
+    async def _pool_next(self, traj_id, body) -> dict | Response:
+        if self.pool is None:
+            raise ApiError(404, "no agent pool here (rollout.agent_pool: 0 runs one process "
+                                "per trajectory)", kind="not_found_error")
+        handout = await self.pool.next(body)
+        return Response(status_code=204) if handout is None else handout
+
+    def _tools_of(self, traj_id) -> _Tools:
+        self._session(traj_id)
+        t = self.tools.get(traj_id)
+        if t is None:
+            raise ApiError(404, f"trajectory {traj_id} has no tools (rollout.env: terminal "
+                                f"serves them)", kind="not_found_error")
+        return t
+
+    async def _tool_list(self, traj_id, body) -> dict:
+        return {"object": "list", "data": self._tools_of(traj_id).box.schemas()}
+
+    async def _tool_call(self, traj_id, body, name: str) -> dict:
+        """Run one call in the episode's sandbox; bad arguments or an unknown tool are the
+        model's mistakes: an "error: ..." output (200), as in the built-in loop."""
+        t = self._tools_of(traj_id)
+        s = self.sessions[traj_id]
+        args = body.get("arguments", {})
+        if not isinstance(args, (dict, str)):
+            raise ApiError(400, "arguments must be a JSON object or its JSON text",
+                           param="arguments")
+        async with self._locks[traj_id]:
+            if s.closed:
+                raise ApiError(409, f"trajectory {traj_id} is closed: {s.closed}",
+                               kind="conflict_error")
+            if t.turn != s.n_turns:  # a model turn since the last call
+                t.turn, t.calls = s.n_turns, 0
+            t.calls += 1
+            if t.calls > t.per_turn:
+                out = (f"error: at most {t.per_turn} tool calls per turn; this one did not "
+                       f"run")
+            else:
+                out = await t.box.call(name, args)
+                self.counts["tool_calls"] += 1
+        return {"trajectory": traj_id, "name": name, "content": out}
+
+    def _sampling(self, body: dict) -> dict:
+        stream, include_usage = _stream_flags(body)
+        n = _int(body, "n", 1)
+        if n not in (None, 1):
+            raise ApiError(400, f"n must be 1 (one completion per request: each is a turn of "
+                                f"the trajectory), got {n}", param="n")
+        if _int(body, "best_of", 1) not in (None, 1):
+            raise ApiError(400, "best_of must be 1", param="best_of")
+        if body.get("top_logprobs"):
+            raise ApiError(400, "top_logprobs is not supported (logprobs: true gives each "
+                                "sampled token's)", param="top_logprobs")
+        rf = body.get("response_format")
+        if rf not in (None, {"type": "text"}):
+            raise ApiError(400, "response_format is not supported", param="response_format")
+        mt = body.get("max_completion_tokens", body.get("max_tokens"))
+        if mt is not None:
+            mt = _int({"max_tokens": mt}, "max_tokens", 1)
+        return dict(temperature=_number(body, "temperature", self.temperature, 0, 2),
+                    top_p=_number(body, "top_p", 1.0, 0, 1, lo_open=True),
+                    seed=_int(body, "seed"), max_tokens=mt,
+                    logprobs=bool(body.get("logprobs")), stop=_stop(body), stream=stream,
+                    include_usage=include_usage)
+
+    async def _generate(self, s: Session, plan_fn, sp: dict, record):
+        """Plan, sample, check, and `record(pending, out)`, under the trajectory's lock:
+        (pending, GenOut)."""
+        async with self._locks[s.traj_id]:
+            if s.closed:
+                raise ApiError(409, f"trajectory {s.traj_id} is closed: {s.closed}",
+                               kind="conflict_error")
+            now = self.current_version()
+            if now != s.version:
+                self.counts["stale"] += 1
+                raise ApiError(409, f"trajectory {s.traj_id} is stale: it belongs to the batch "
+                                    f"of θ_{s.version}, the engine serves θ_{now}",
+                               kind="conflict_error")
+            rewrites = s.rewrites
+            try:
+                pending = plan_fn(sp["max_tokens"])
+            except SessionError as e:
+                if s.rewrites > rewrites:
+                    self.counts["rewrites"] += 1
+                    self.counts["rejected"] += 1
+                raise ApiError(400, str(e)) from None
+            if pending.rewritten:
+                self.counts["rewrites"] += 1
+            seed = sp["seed"] if sp["seed"] is not None else (
+                s.sampling_seed(0 if pending.new_segment else None))
+            kw = {"route": self.routes[s.traj_id]} if s.traj_id in self.routes and \
+                hasattr(self.engine, "route") else {}
+            if sp["stop"]:
+                kw["stop"] = sp["stop"]
+            try:
+                out = await self.engine.generate(pending.prompt_ids, max_tokens=pending.max_tokens,
+                                                 temperature=sp["temperature"], seed=seed,
+                                                 top_p=sp["top_p"], **kw)
+            except ValueError as e:
+                raise ApiError(400, f"the engine refused the request: {e}") from None
+            versions = list(out.token_versions) or [out.policy_version] * len(out.token_ids)
+            if any(v != s.version for v in versions):
+                # a publication happened while it waited at the engine's gate: never record
+                # tokens of another version under this trajectory
+                self.counts["stale"] += 1
+                raise ApiError(409, f"trajectory {s.traj_id} is stale: θ_{out.policy_version} "
+                                    f"was published while the request waited (its batch is "
+                                    f"θ_{s.version}'s)", kind="conflict_error")
+            self.counts["requests"] += 1
+            record(pending, out)
+            return pending, out
+
+    def _logprob_entries(self, out) -> list[dict]:
+        entries = []
+        for t, lp in zip(out.token_ids, out.logprobs):
+            text = self.tok.decode([t], skip_special_tokens=False)
+            entries.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+                            "top_logprobs": []})
+        return entries
+
+    @staticmethod
+    def _usage(pending, out) -> dict:
+        return {"prompt_tokens": len(pending.prompt_ids),
+                "completion_tokens": len(out.token_ids),
+                "total_tokens": len(pending.prompt_ids) + len(out.token_ids)}
+
+    def _answer_text(self, out, stop: list[str]) -> tuple[str, str]:
+        """The completion's text as returned, and its finish reason: cut before the
+        earliest stop string (the ids keep it: vLLM stops at the token completing it)."""
+        text, cut = cut_at_stop(self.tok.decode(out.token_ids, skip_special_tokens=True), stop)
+        return text, "stop" if cut else out.finish_reason
+
+    def _ext(self, s: Session, out) -> dict:
+        return {"trajectory": s.traj_id, "turn": s.n_turns - 1, "segment": len(s.segments),
+                "policy_version": out.policy_version, "token_ids": list(out.token_ids)}
+
+    async def _chat(self, traj_id, body) -> dict | Response:
+        s = self._session(traj_id)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list", param="messages")
+        tools = body.get("tools") or None
+        if tools is not None and not isinstance(tools, list):
+            raise ApiError(400, "tools must be a list", param="tools")
+        choice = body.get("tool_choice")
+        if choice not in (None, "auto", "none"):
+            raise ApiError(400, "tool_choice must be 'auto' or 'none' (the model decides, in "
+                                "its chat template's format)", param="tool_choice")
+        if body.get("parallel_tool_calls") is False:
+            pass  # the model's text decides; several calls are parsed in order
+        sp = self._sampling(body)
+        answers = []
+
+        def record(pending, out) -> None:
+            text, finish = self._answer_text(out, sp["stop"])
+            answers.append((assistant_message(text, tools is not None and choice != "none",
+                                              s.n_turns), finish))
+            s.commit(pending, out, answers[0][0])
+
+        pending, out = await self._generate(
+            s, lambda mt: s.plan_chat(messages, tools, mt), sp, record)
+        answer, finish = answers[0]
+        if answer.get("tool_calls"):
+            finish = "tool_calls"
+        resp = {"id": f"chatcmpl-{s.traj_id}-{s.n_requests}", "object": "chat.completion",
+                "created": int(time.time()), "model": self.model,
+                "choices": [{"index": 0, "message": answer, "finish_reason": finish,
+                             "logprobs": {"content": self._logprob_entries(out)}
+                             if sp["logprobs"] else None}],
+                "usage": self._usage(pending, out), "tsync": self._ext(s, out)}
+        return sse(chat_chunks(resp, sp["include_usage"])) if sp["stream"] else resp
+
+    async def _completion(self, traj_id, body) -> dict | Response:
+        s = self._session(traj_id)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(self.tok)
+                for t in prompt))):
+            raise ApiError(400, "prompt must be a string or a list of token ids (one prompt)",
+                           param="prompt")
+        if body.get("echo") or body.get("suffix"):
+            raise ApiError(400, "echo and suffix are not supported")
+        sp = self._sampling(body)
+        if body.get("logprobs") not in (None, False, 0, 1, True):
+            raise ApiError(400, "logprobs > 1 (top alternatives) is not supported",
+                           param="logprobs")
+        pending, out = await self._generate(s, lambda mt: s.plan_text(prompt, mt), sp,
+                                            lambda p, o: s.commit(p, o))
+        text, finish = self._answer_text(out, sp["stop"])
+        lp = None
+        if sp["logprobs"]:
+            toks = [self.tok.decode([t], skip_special_tokens=False) for t in out.token_ids]
+            offs, o = [], 0
+            for t in toks:
+                offs.append(o)
+                o += len(t)
+            lp = {"tokens": toks, "token_logprobs": list(out.logprobs), "top_logprobs": None,
+                  "text_offset": offs}
+        resp = {"id": f"cmpl-{s.traj_id}-{s.n_requests}", "object": "text_completion",
+                "created": int(time.time()), "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": lp,
+                             "finish_reason": finish}],
+                "usage": self._usage(pending, out), "tsync": self._ext(s, out)}
+        return sse(text_chunks(resp, sp["include_usage"])) if sp["stream"] else resp

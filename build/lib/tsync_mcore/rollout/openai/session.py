@@ -1,0 +1,405 @@
+"""Token-exact recording of one trajectory served through the OpenAI-compatible endpoint.
+
+An agent speaks messages (or text); the learner trains on token ids. A `Session` keeps,
+per trajectory, the ids the engine saw and sampled: the first request's prompt, every
+sampled completion exactly as vLLM returned it (scored), and between them the ids of the
+messages the agent added (unscored) — never a re-tokenization of text the model wrote.
+
+A chat request *extends* the trajectory when its messages start with the previous
+request's messages followed by the assistant message the server returned (compared by
+role, content and tool calls). Its new ids are then the recorded ids plus the ids of the
+new messages only, laid out exactly as the built-in loop lays out an observation
+(`envs.observation_ids`): the EOS that closes the assistant turn (unless the completion
+already ended with it: one cut by max_tokens or at a stop string did not), then the rest
+of the template's text after the assistant's content, tokenized. Any other request rewrote history: `history="reject"` refuses it
+(`HistoryRewritten`, HTTP 400); `history="segment"` starts a new segment from that
+request's prompt. A trajectory is one GRPO source, so only its last segment is trained;
+earlier segments are kept in the record (and counted), not sent.
+
+A text request (`/v1/completions`) extends when its prompt ids start with the recorded
+ids, or its prompt text starts with the recorded ids decoded (special tokens kept); the
+remainder is tokenized.
+
+Pure: no engine, no server. `plan_*` computes the next prompt without changing the
+session; `commit` records the engine's answer, so a failed generation leaves no trace.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tsync_mcore.sandbox.tools import parse_tool_calls
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_SENTINEL = "\x00TSYNC-ASSISTANT-END\x00"
+
+
+class SessionError(ValueError):
+    """A request this trajectory cannot take (HTTP 400); the message says why, in one line."""
+
+
+class HistoryRewritten(SessionError):
+    """The request's prompt is not a token-exact extension of the trajectory so far."""
+
+
+def _text(content: Any) -> str:
+    """Message content as text: None → "", a list of parts → their text joined."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") == "text":
+                parts.append(str(p.get("text", "")))
+            elif isinstance(p, str):
+                parts.append(p)
+            else:
+                raise SessionError(f"message content part of type "
+                                   f"{p.get('type') if isinstance(p, dict) else type(p).__name__!r}"
+                                   f" is not supported (text only)")
+        return "".join(parts)
+    raise SessionError(f"message content must be a string or a list of text parts, "
+                       f"got {type(content).__name__}")
+
+
+def _args(a: Any) -> Any:
+    if isinstance(a, str):
+        try:
+            return json.loads(a)
+        except json.JSONDecodeError:
+            return a
+    return a
+
+
+def _calls_key(calls: Any) -> tuple:
+    out = []
+    for c in calls or []:
+        fn = c.get("function", c) if isinstance(c, dict) else {}
+        out.append((fn.get("name"), json.dumps(_args(fn.get("arguments")), sort_keys=True)))
+    return tuple(out)
+
+
+def message_key(m: dict[str, Any]) -> tuple:
+    """What makes two messages the same turn: role, content (as text), tool calls (name
+    and arguments, as JSON), the tool call they answer."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise SessionError("every message must be an object with a string 'role'")
+    return (m["role"], _text(m.get("content")), _calls_key(m.get("tool_calls")),
+            m.get("tool_call_id") or "")
+
+
+def render_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A message as the chat template takes it: content as text, tool-call arguments as
+    objects (HF templates dump them)."""
+    out = {k: v for k, v in m.items() if v is not None}
+    out["content"] = _text(m.get("content"))
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{"type": "function", "id": c.get("id", ""),
+                              "function": {"name": c["function"]["name"],
+                                           "arguments": _args(c["function"].get("arguments"))}}
+                             for c in m["tool_calls"]]
+    return out
+
+
+def assistant_message(text: str, with_tools: bool, turn: int) -> dict[str, Any]:
+    """The assistant message the server returns for a completion's text: with tools, the
+    `<tool_call>` blocks become `tool_calls` and `content` is the text outside them
+    (stripped; None when empty). Malformed blocks stay in the content."""
+    if not with_tools:
+        return {"role": "assistant", "content": text}
+    calls, kept = [], []
+
+    def take(match: re.Match) -> str:
+        parsed = parse_tool_calls(match.group(0))
+        if parsed and not parsed[0].error:
+            kept.append(parsed[0])
+            return ""
+        return match.group(0)
+
+    content = _CALL.sub(take, text)
+    for j, c in enumerate(kept):
+        args = c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments)
+        calls.append({"id": f"call_{turn}_{j}", "type": "function",
+                      "function": {"name": c.name, "arguments": args}})
+    if not calls:
+        return {"role": "assistant", "content": text}
+    content = content.strip()
+    return {"role": "assistant", "content": content or None, "tool_calls": calls}
+
+
+@dataclass
+class Pending:
+    """The next turn's prompt, computed but not recorded yet."""
+
+    prompt_ids: list[int]  # the whole prompt the engine gets
+    new_ids: list[int]  # the ids this request adds to the record (all of it on a new segment)
+    new_segment: bool  # the request starts a (new) segment
+    rewritten: bool  # it started one because the history was rewritten
+    messages: list[dict[str, Any]] | None  # chat: the request's messages
+    tools: list[dict[str, Any]] | None
+    max_tokens: int
+
+
+@dataclass
+class Session:
+    tokenizer: Any
+    traj_id: str
+    version: int = 0  # the policy version of the batch it belongs to
+    seed: int | None = None  # sampling seed (per turn derived as the built-in loop does)
+    history: str = "segment"  # "segment" | "reject"
+    max_turns: int = 1 << 30
+    max_tokens_per_turn: int = 1 << 30
+    max_total_tokens: int = 1 << 30
+    tokens: list[int] = field(default_factory=list)
+    scored_mask: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    token_versions: list[int | None] = field(default_factory=list)
+    turn_ends: list[int] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    turns: list[dict[str, Any]] = field(default_factory=list)  # this segment's, for the record
+    segments: list[dict[str, Any]] = field(default_factory=list)  # earlier segments
+    rewrites: int = 0  # requests that rewrote history (started a segment or were refused)
+    n_requests: int = 0  # turns sampled over all segments
+    reward: float | None = None  # posted by the agent
+    closed: str = ""  # why requests are refused now ("" while open)
+    _conv: list[dict[str, Any]] | None = None  # last request's messages + returned answer
+    _text_ok: bool = True  # the record may be extended by a text prompt
+
+    def __post_init__(self) -> None:
+        if self.history not in ("segment", "reject"):
+            raise ValueError(f"history must be 'segment' or 'reject', got {self.history!r}")
+
+    # --- the next prompt --------------------------------------------------------------
+
+    def _render(self, messages: Sequence[dict], tools: list | None, gen: bool) -> str:
+        kw = {"tools": tools} if tools else {}
+        try:
+            return self.tokenizer.apply_chat_template(
+                [render_message(m) for m in messages], add_generation_prompt=gen,
+                tokenize=False, **kw)
+        except SessionError:
+            raise
+        except Exception as e:  # a template error names the message it could not render
+            raise SessionError(f"the chat template cannot render these messages: "
+                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _budget(self, prompt_len: int, max_tokens: int | None) -> int:
+        if len(self.turn_ends) >= self.max_turns:
+            raise SessionError(f"trajectory {self.traj_id} has used its {self.max_turns} "
+                               f"turns (rollout.max_turns)")
+        room = self.max_total_tokens - prompt_len
+        if room <= 0:
+            raise SessionError(f"trajectory {self.traj_id}: the prompt of {prompt_len} tokens "
+                               f"reaches rollout.max_total_tokens={self.max_total_tokens}")
+        b = min(self.max_tokens_per_turn, room)
+        if max_tokens is not None:
+            if max_tokens < 1:
+                raise SessionError(f"max_tokens must be >= 1, got {max_tokens}")
+            b = min(b, max_tokens)
+        return b
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SessionError(f"trajectory {self.traj_id} is closed: {self.closed}")
+
+    def _rewrite(self, why: str) -> None:
+        self.rewrites += 1
+        if self.history == "reject":
+            raise HistoryRewritten(f"trajectory {self.traj_id}: {why}; the prompt is not a "
+                                   f"token-exact extension of the trajectory so far "
+                                   f"(rollout.openai_history: reject)")
+
+    def plan_chat(self, messages: Sequence[dict[str, Any]], tools: list | None = None,
+                  max_tokens: int | None = None) -> Pending:
+        self._check_open()
+        messages = list(messages)
+        if not messages:
+            raise SessionError("messages must not be empty")
+        keys = [message_key(m) for m in messages]
+        if not self.turn_ends:
+            return self._fresh_chat(messages, tools, max_tokens, rewritten=False)
+        why = self._not_extension(keys, tools)
+        if why:
+            self._rewrite(why)
+            return self._fresh_chat(messages, tools, max_tokens, rewritten=True)
+        prev = self._conv
+        P = self._render(prev, tools, gen=False)
+        F = self._render(messages, tools, gen=True)
+        if not F.startswith(P):
+            self._rewrite("the chat template renders the earlier turns differently once "
+                          "these messages follow")
+            return self._fresh_chat(messages, tools, max_tokens, rewritten=True)
+        new = self._after_assistant(prev, tools, F[len(P):])
+        ids = self.tokens + new
+        return Pending(ids, new, False, False, messages, tools, self._budget(len(ids), max_tokens))
+
+    def _not_extension(self, keys: list[tuple], tools: list | None) -> str:
+        if self._conv is None:
+            return "a chat request after a text completion"
+        prev = [message_key(m) for m in self._conv]
+        if len(keys) < len(prev) or keys[:len(prev)] != prev:
+            n = next((i for i, (a, b) in enumerate(zip(keys, prev)) if a != b),
+                     min(len(keys), len(prev)))
+            what = ("the assistant message the server returned" if n == len(prev) - 1
+                    else f"message {n}")
+            return (f"messages[{n}] differs from {what} of the trajectory so far"
+                    if n < len(keys) else
+                    f"the request has {len(keys)} messages, the trajectory so far "
+                    f"{len(prev)}")
+        if (tools or None) != (self._tools or None):
+            return "the request's tools differ from the trajectory's"
+        return ""
+
+    _tools: list | None = None
+
+    def _fresh_chat(self, messages: list, tools: list | None, max_tokens: int | None,
+                    rewritten: bool) -> Pending:
+        ids = self._ids(self._render(messages, tools, gen=True))
+        if not ids:
+            raise SessionError("the messages render to an empty prompt")
+        return Pending(ids, ids, True, rewritten, messages, tools,
+                       self._budget_fresh(len(ids), max_tokens))
+
+    def _budget_fresh(self, prompt_len: int, max_tokens: int | None) -> int:
+        saved = self.turn_ends
+        self.turn_ends = []  # a new segment starts with all its turns
+        try:
+            return self._budget(prompt_len, max_tokens)
+        finally:
+            self.turn_ends = saved
+
+    def _after_assistant(self, prev: list[dict], tools: list | None, suffix: str) -> list[int]:
+        """The ids between the last completion and the next one: the template's text after
+        the assistant's content (its closing, then `suffix`), with the closing EOS as one id
+        — exactly `envs.observation_ids` for the ChatML layout."""
+        probe = list(prev[:-1]) + [{"role": "assistant", "content": _SENTINEL}]
+        R = self._render(probe, tools, gen=False)
+        closing = R[R.rindex(_SENTINEL) + len(_SENTINEL):]
+        tail = closing + suffix
+        tok = self.tokenizer
+        eos, eos_text = tok.eos_token_id, tok.eos_token
+        last = self.tokens[self.turn_ends[-1] - 1]
+        if eos_text and tail.startswith(eos_text):
+            close = [] if last == eos else [eos]
+            return close + self._ids(tail[len(eos_text):])
+        return self._ids(tail)
+
+    def plan_text(self, prompt: str | Sequence[int], max_tokens: int | None = None) -> Pending:
+        self._check_open()
+        if isinstance(prompt, str):
+            if not self.turn_ends:
+                return self._fresh_ids(self._ids(prompt), max_tokens, False)
+            rec = self.tokenizer.decode(self.tokens, skip_special_tokens=False,
+                                        clean_up_tokenization_spaces=False)
+            if not prompt.startswith(rec):
+                self._rewrite("the prompt text does not start with the trajectory's text "
+                              "so far")
+                return self._fresh_ids(self._ids(prompt), max_tokens, True)
+            new = self._ids(prompt[len(rec):])
+        else:
+            ids = [int(t) for t in prompt]
+            if not self.turn_ends:
+                return self._fresh_ids(ids, max_tokens, False)
+            if ids[:len(self.tokens)] != self.tokens:
+                self._rewrite("the prompt ids do not start with the trajectory's ids so far")
+                return self._fresh_ids(ids, max_tokens, True)
+            new = ids[len(self.tokens):]
+        if not new:
+            raise SessionError("the prompt adds no tokens to the trajectory: every turn must "
+                               "start with prompt tokens")
+        ids = self.tokens + new
+        return Pending(ids, new, False, False, None, None, self._budget(len(ids), max_tokens))
+
+    def _fresh_ids(self, ids: list[int], max_tokens: int | None, rewritten: bool) -> Pending:
+        if not ids:
+            raise SessionError("the prompt is empty")
+        return Pending(ids, ids, True, rewritten, None, None,
+                       self._budget_fresh(len(ids), max_tokens))
+
+    # --- recording ----------------------------------------------------------------------
+
+    def sampling_seed(self, turn: int | None = None) -> int | None:
+        """The built-in loop's per-turn seed (agent._turn_seed) for this segment's turn."""
+        from tsync_mcore.rollout.loop import _turn_seed
+
+        return _turn_seed(self.seed, len(self.turn_ends) if turn is None else turn)
+
+    def commit(self, pending: Pending, out: Any, answer: dict[str, Any] | None = None) -> None:
+        """Record the engine's answer (`GenOut`) to `pending`; `answer`: the assistant
+        message returned to a chat request."""
+        if pending.new_segment:
+            if self.turn_ends:
+                self.segments.append(self.segment_record())
+            self.tokens, self.scored_mask, self.logprobs, self.token_versions = [], [], [], []
+            self.turn_ends, self.finish_reasons, self.policy_versions, self.turns = \
+                [], [], [], []
+            self.prompt_len = len(pending.new_ids)
+        action = list(out.token_ids)
+        lps = list(out.logprobs)
+        vers = list(out.token_versions) or [out.policy_version] * len(action)
+        if len(lps) != len(action) or len(vers) != len(action):
+            raise RuntimeError("engine output: token ids, log-probs and versions differ in "
+                               "length")
+        n = len(pending.new_ids)
+        self.tokens += pending.new_ids + action
+        self.scored_mask += [0] * n + [1] * len(action)
+        self.logprobs += [None] * n + lps
+        self.token_versions += [None] * n + vers
+        self.turn_ends.append(len(self.tokens))
+        self.finish_reasons.append(out.finish_reason)
+        self.policy_versions.append(out.policy_version)
+        self.turns.append({"prompt_ids": list(pending.new_ids), "completion_ids": action,
+                           "logprobs": lps, "versions": vers,
+                           "finish_reason": out.finish_reason})
+        self.n_requests += 1
+        if pending.messages is not None:
+            self._conv = list(pending.messages) + [answer or {"role": "assistant",
+                                                              "content": ""}]
+            self._tools = pending.tools
+        else:
+            self._conv = None
+
+    # --- out -------------------------------------------------------------------------------
+
+    @property
+    def n_turns(self) -> int:
+        return len(self.turn_ends)
+
+    def actions(self) -> list[list[int]]:
+        """Each turn's sampled ids (this segment)."""
+        return [t["completion_ids"] for t in self.turns]
+
+    def segment_record(self) -> dict[str, Any]:
+        return {"tokens": list(self.tokens), "scored_mask": list(self.scored_mask),
+                "logprobs": list(self.logprobs), "token_versions": list(self.token_versions),
+                "turn_ends": list(self.turn_ends), "prompt_len": self.prompt_len,
+                "turns": [dict(t) for t in self.turns]}
+
+    def record(self, **extra: Any) -> dict[str, Any]:
+        """One JSON line of RUN/agent/records.jsonl: the trained segment, earlier segments,
+        counts."""
+        return {"traj_id": self.traj_id, "version": self.version, **self.segment_record(),
+                "earlier_segments": list(self.segments), "rewrites": self.rewrites,
+                "requests": self.n_requests, **extra}
+
+    def result(self, reward: float, stop_reason: str, **timing: Any):
+        """The trained segment as the built-in loop's `TrajectoryResult`."""
+        from tsync_mcore.rollout.loop import TrajectoryResult
+
+        return TrajectoryResult(
+            tokens=list(self.tokens), scored_mask=list(self.scored_mask),
+            turn_ends=list(self.turn_ends), reward=float(reward), prompt_len=self.prompt_len,
+            n_turns=len(self.turn_ends), logprobs=list(self.logprobs),
+            finish_reasons=list(self.finish_reasons), policy_versions=list(self.policy_versions),
+            token_versions=list(self.token_versions), stop_reason=stop_reason, **timing)
