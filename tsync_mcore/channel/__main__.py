@@ -10,7 +10,7 @@ from tsync_mcore.channel.wire import schema_table
 
 BEGIN, END = "<!-- wire-table: begin (python -m tsync_mcore.channel --update-docs) -->", \
     "<!-- wire-table: end -->"
-DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "wire.md")
+DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "design", "wire.md")
 
 
 def embedded_table(text: str) -> str:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 from tsync_mcore import config as config_mod
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-REFERENCE = os.path.join(ROOT, "docs", "config.md")
+REFERENCE = os.path.join(ROOT, "docs", "guide", "config.md")
 
 
 @dataclass
