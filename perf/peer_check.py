@@ -1,4 +1,4 @@
-"""verl's own loss code against the learner on one batch (docs/objectives.md, "Against the peers").
+"""verl's own loss code against the learner on one batch (docs/design/objectives.md, "Against the peers").
 
     pip download --no-deps verl==0.9.1 -d /tmp/peers && unzip -q /tmp/peers/verl-*.whl -d /tmp/peers/verl
     PYTHONPATH=/tmp/peers/verl:tests:. python perf/peer_check.py HF_DIR OUT_DIR

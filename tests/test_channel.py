@@ -284,7 +284,7 @@ def test_docs_wire_md_holds_the_generated_table():
         text = f.read()
     assert f"WIRE_VERSION {WIRE_VERSION}" in text
     assert embedded_table(text) == schema_table(), (
-        "docs/wire.md is stale: run python -m tsync_mcore.channel --update-docs")
+        "docs/design/wire.md is stale: run python -m tsync_mcore.channel --update-docs")
     out = subprocess.run([sys.executable, "-m", "tsync_mcore.channel", "--table"], check=True,
                          capture_output=True, text=True, cwd=REPO_ROOT,
                          env=dict(os.environ, PYTHONPATH=REPO_ROOT)).stdout

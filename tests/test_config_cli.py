@@ -37,7 +37,7 @@ def test_reference_is_up_to_date_and_every_key_documented():
     assert not missing, f"config keys without a comment in config.py: {missing}"
     with open(config_doc.REFERENCE, encoding="utf-8") as f:
         assert f.read() == config_doc.reference(), \
-            "docs/config.md is stale: run python -m tsync_mcore.config --reference"
+            "docs/guide/config.md is stale: run python -m tsync_mcore.config --reference"
     # every key of every section is in it, with its default
     text = config_doc.reference()
     for k in config_doc.keys():

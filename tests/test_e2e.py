@@ -169,7 +169,7 @@ def test_opd_through_the_channel_matches_replayed_sync(tiny_llama, tmp_path):
     batch = str(tmp_path / "opd.jsonl")
     rows = write_opd_batches(batch, 256, n_updates=2, seed=5, n_traj=8, turns=3)
     # one turn per pass: FP64 accumulators make the order not matter, but a packed pass's
-    # FP32 gradient depends on which turns arrived together (docs/numerics.md)
+    # FP32 gradient depends on which turns arrived together (docs/design/numerics.md)
     fp64 = ["learner.objective=opd", "learner.accum_dtype=fp64", "learner.max_tokens_per_pass=0"]
     port = free_port()
     proc = start_learner(tiny_llama, str(tmp_path / "run"), port, updates=2, extra=fp64)

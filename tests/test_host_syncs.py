@@ -3,7 +3,7 @@
 The learner serves a batch (GRPO and OPD; sync, group_ready, thundersync; shared prompts on
 and off; behaviour log-probs with TIS, so the off-policy weights run too) under
 `ledger.host.HostCounter`, and no served source may make more synchronising calls than
-docs/learner.md documents. The counter itself is checked against calls it must see (a
+docs/design/learner.md documents. The counter itself is checked against calls it must see (a
 deliberate `.item()` on the serving path among them) and calls it must not.
 """
 
@@ -25,10 +25,10 @@ VOCAB = 256
 
 
 def documented_syncs() -> int:
-    """The number docs/learner.md states (the test fails above it)."""
-    with open(os.path.join(ROOT, "docs", "learner.md")) as f:
+    """The number docs/design/learner.md states (the test fails above it)."""
+    with open(os.path.join(ROOT, "docs", "design", "learner.md")) as f:
         m = re.search(r"synchronising calls per served source: \*\*(\d+)\*\*", f.read(), re.I)
-    assert m, "docs/learner.md no longer states the synchronising calls per served source"
+    assert m, "docs/design/learner.md no longer states the synchronising calls per served source"
     return int(m.group(1))
 
 

@@ -53,7 +53,7 @@ def runs(tiny_qwen2, tmp_path_factory):
                                          "--routing", "balanced"]),
         "group_ready_balanced": (perm, ["--schedule", "group_ready", "--routing", "balanced"]),
         # FP64 accumulators: order independence, with one source per pass (a packed pass's
-        # FP32 gradient depends on its company; docs/numerics.md)
+        # FP32 gradient depends on its company; docs/design/numerics.md)
         "sync_fp64acc": (batch, ["--schedule", "sync", "--accum-dtype", "fp64",
                                  "--max-tokens-per-pass", "0"]),
         "thundersync_perm_fp64acc": (perm, ["--schedule", "thundersync", "--k-open", "1",
@@ -118,7 +118,7 @@ def test_parameter_gap_after_ten_updates_fp32_accumulators(runs):
     # FP32 accumulators: the direction agrees to ~1e-7, but Adam (ε=1e-8) turns summation-
     # order noise in gradients that are mathematically zero (Qwen2's K bias: a shift of all
     # keys of a query leaves the softmax unchanged) into O(lr) steps. Measured 5e-5..8e-5 on
-    # this model (7e-6..8e-6 without the K-bias entries); see docs/numerics.md.
+    # this model (7e-6..8e-6 without the K-bias entries); see docs/design/numerics.md.
     for name in ("group_ready", "thundersync", "thundersync_perm", "thundersync_balanced"):
         assert _gap(runs, name, "sync") <= 2e-4, name
 

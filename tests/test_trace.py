@@ -1,5 +1,5 @@
 """The trace schema: every record kind round-trips, damaged lines are named, the CLIs that
-read traces stop with one line (exit 2), and docs/trace.md shows the schema as it is."""
+read traces stop with one line (exit 2), and docs/design/trace.md shows the schema as it is."""
 
 from __future__ import annotations
 
@@ -125,6 +125,6 @@ def test_cli_stops_on_a_damaged_trace_with_one_line(tmp_path, cli):
 
 
 def test_docs_show_the_generated_field_table():
-    with open(os.path.join(ROOT, "docs", "trace.md")) as f:
+    with open(os.path.join(ROOT, "docs", "design", "trace.md")) as f:
         doc = f.read()
     assert trace.field_table() in doc, "regenerate: python -m tsync_mcore.observability.trace > table"

@@ -34,7 +34,7 @@ RECORDS = [
 
 
 def expected(record: dict) -> dict[str, float]:
-    """The tracker scalars written out by hand from docs/metrics.md (independent of the table)."""
+    """The tracker scalars written out by hand from docs/guide/metrics.md (independent of the table)."""
     out = {"timing_s/step": record["step_wall_time_s"], "timing_s/rollout": record["rollout_time_s"],
            "timing_s/learner_tail": record["learner_tail_s"],
            "timing_s/publish": record["publish_time_s"], "perf/mfu": record["mfu_active"],

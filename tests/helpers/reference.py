@@ -119,7 +119,7 @@ def reference_agg_grad(hf_dir: str, rows: list[dict], objective: str = "grpo",
                        constant: float = 0.0, eps: float = 1e-6) -> dict[str, torch.Tensor]:
     """∇ of the batch objective in the peers' padded form: a [B, T] matrix of per-token terms
     A_i·log π(a_t|h_t) (on-policy, ratio 1), a [B, T] scored mask, and each mode's
-    aggregation of the matrix written out on its own (docs/objectives.md):
+    aggregation of the matrix written out on its own (docs/design/objectives.md):
 
       token_mean               Σ_{i,t} x / Σ mask                    (verl token-mean, TRL dapo)
       seq_mean_token_mean      (1/B) Σ_i Σ_t x_i / L_i               (verl seq-mean-token-mean)

@@ -5,7 +5,7 @@ learner → rollout. `open_rollout_side` listens on the channel address and retu
 per learner rank; each learner rank calls `open_learner_side`. Both need the run's shared
 secret (`channel_secret(cfg)`, secret.py); handshake.py authenticates a join and keys the
 per-message MACs. The messages and their wire fields are declared once in `messages.py`;
-docs/wire.md describes handshake, framing, header, checksums, link semantics and the security
+docs/design/wire.md describes handshake, framing, header, checksums, link semantics and the security
 model, with the layout table generated from the declarations
 (`python -m tsync_mcore.channel --table`). `decode` checks structure only; the learner
 validates content through `tsync_mcore.channel.sources`.

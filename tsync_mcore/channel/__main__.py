@@ -1,5 +1,5 @@
 """`python -m tsync_mcore.channel --table` prints the wire layout table (Markdown);
-`--update-docs [PATH]` rewrites it in docs/wire.md (between the wire-table markers)."""
+`--update-docs [PATH]` rewrites it in docs/design/wire.md (between the wire-table markers)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "design", "wi
 
 
 def embedded_table(text: str) -> str:
-    """The table between the markers of a docs/wire.md text."""
+    """The table between the markers of a docs/design/wire.md text."""
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
     return text[start:end].strip("\n") + "\n"
 
@@ -35,7 +35,7 @@ def main() -> None:
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--table", action="store_true", help="print the wire layout table")
     g.add_argument("--update-docs", nargs="?", const=DOCS, metavar="PATH",
-                   help="rewrite the table in docs/wire.md (or PATH)")
+                   help="rewrite the table in docs/design/wire.md (or PATH)")
     args = ap.parse_args()
     if args.table:
         print(schema_table(), end="")

@@ -12,7 +12,7 @@ made mutual), so a recorded handshake cannot be replayed and neither side can be
 without the secret. The session key HMAC(secret, "session" ‖ transcript) keys one MAC per
 direction; every message carries HMAC-SHA256(direction key, header ‖ body ‖ seq), seq the
 direction's message count, so a tampered, injected, replayed, reordered or reflected message
-fails its check. Nothing is encrypted (see docs/wire.md, "Security model").
+fails its check. Nothing is encrypted (see docs/design/wire.md, "Security model").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each one declares its wire format here, once: the type code, the side that sends it, and
 each field's wire kind (`tsync_mcore.channel.schema`). Adding a field is one line (and a
-WIRE_VERSION bump); docs/wire.md shows the resulting layout (`python -m tsync_mcore.channel
+WIRE_VERSION bump); docs/design/wire.md shows the resulting layout (`python -m tsync_mcore.channel
 --table`). A link rejects a type that comes from the wrong side. Content (vocabulary,
 versions, duplicates, group membership) is the learner's to validate through
 `tsync_mcore.channel.sources`.
@@ -132,8 +132,8 @@ class CloseBatch:
 class Publish:
     """Learner rank 0 → rollout: weights θ_version are at `path` (method "file"), or
     follow over the publication group in `n_buckets` buckets (method "dist"; `delta`:
-    buckets may carry only what changed, docs/publication.md), or θ_version's LoRA adapter
-    is the PEFT directory `path` (method "adapter", docs/lora.md)."""
+    buckets may carry only what changed, docs/design/publication.md), or θ_version's LoRA adapter
+    is the PEFT directory `path` (method "adapter", docs/guide/lora.md)."""
 
     version: int = on_wire(VERSION)
     path: str = on_wire(STR)

@@ -8,7 +8,7 @@
 `message` makes the class a frozen dataclass and records its type code and sending side;
 `on_wire(kind)` is a dataclass field that carries its kind. `wire.py` derives everything
 else from these: encoding, decoding, the structural checks, which side may send what, and
-the table in docs/wire.md. A kind decides where its value travels:
+the table in docs/design/wire.md. A kind decides where its value travels:
 
 - `header`: the policy-version slot of the header (VERSION);
 - `ints` / `floats`: slots of the message's packed int64 / float64 payload (small scalars

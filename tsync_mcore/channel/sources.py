@@ -113,7 +113,7 @@ def _list_of(ok: Callable[[Any], bool], what: str) -> Check:
 _ints = _list_of(_is_int, "integers")
 _logprobs = _list_of(lambda x: x is None or _is_num(x), "numbers or nulls")
 
-# --- routed experts (MoE routing replay, docs/moe-routing.md) ---
+# --- routed experts (MoE routing replay, docs/guide/moe.md#mixture-of-experts-rollout-and-routing-replay) ---
 
 MAX_ROUTED_EXPERTS = 256  # ids travel as one byte each, as vLLM's own record does
 
@@ -255,13 +255,13 @@ class TrajectorySource:
     policy_version: int  # the policy that sampled its scored tokens (the oldest, if several)
     ready_order: int = 0
     prompt_len: int | None = None  # the group's shared prompt length, when the rollout knows it
-    # Off-policy data (docs/async.md). The rollout's sampling log-prob of each token (None
+    # Off-policy data (docs/design/async.md). The rollout's sampling log-prob of each token (None
     # where unscored); () when it sent none. The version that sampled each token, where a
     # weight swap happened mid-trajectory (fully_async); (): every token was policy_version's.
     behaviour_logprobs: tuple[float | None, ...] = ()
     token_versions: tuple[int, ...] = ()
     # MoE: the experts the rollout routed each position to (None: not sent), rows for
-    # positions 0..n_tokens − 2 (docs/moe-routing.md)
+    # positions 0..n_tokens − 2 (docs/guide/moe.md#mixture-of-experts-rollout-and-routing-replay)
     routed_experts: RoutedExperts | None = None
 
     @property

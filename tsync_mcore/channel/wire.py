@@ -4,7 +4,7 @@ Pure functions, no processes: `encode(msg)` gives the tensors a link sends in or
 int64[16] header, then the payloads), `decode(tensors)` checks structure (magic, wire
 version, type, payload count, dtypes, sizes within `Limits`, checksums, the type of each
 value) and rebuilds the dataclass. `check_header` runs the header part alone, so a receiver
-can validate sizes *before* it allocates payload buffers. docs/wire.md describes the format;
+can validate sizes *before* it allocates payload buffers. docs/design/wire.md describes the format;
 its table is `schema_table()` (`python -m tsync_mcore.channel --table`).
 
 A message's payloads, in order: one per array field (declaration order), then `ints`
@@ -346,7 +346,7 @@ def _size(rule: int | str) -> str:
 
 
 def schema_table() -> str:
-    """The wire layout of every message type as Markdown (docs/wire.md embeds it)."""
+    """The wire layout of every message type as Markdown (docs/design/wire.md embeds it)."""
     lines = ["| type | message | direction | payloads, in order |", "|---|---|---|---|"]
     for s in SPECS.values():
         pays = "; ".join(f"{n.split(':')[0]} {str(dt).removeprefix('torch.')}[{_size(r)}]"

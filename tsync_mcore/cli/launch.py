@@ -70,7 +70,7 @@ def stopped(who: str, e: BaseException, run_dir: str) -> int:
 def add_config_args(p, config_default: str | None = None) -> None:
     """--config, --set (repeatable) and --print-config, the same in every launcher."""
     p.add_argument("--config", required=config_default is None, default=config_default,
-                   metavar="YAML", help="the run's config file (keys: docs/config.md)"
+                   metavar="YAML", help="the run's config file (keys: docs/guide/config.md)"
                    + (f"; default {config_default}" if config_default else ""))
     p.add_argument("--set", action="append", nargs="+", default=[], metavar="KEY=VALUE",
                    help="override config keys, e.g. --set run.updates=4 learner.k_open=2; may "
@@ -120,7 +120,7 @@ def resume_version(run_dir: str, who: str = "", nnodes: int = 1) -> int:
     import re
     def refuse(why: str) -> None:
         hint = (f"; all {nnodes} learner nodes resume from the checkpoints in run.dir, so it "
-                f"must be on a filesystem every node shares (docs/multihost.md)"
+                f"must be on a filesystem every node shares (docs/guide/multihost.md)"
                 if nnodes > 1 else " (start a fresh run without --resume)")
         print(f"error: {who + ': ' if who else ''}--resume: {why}{hint}", file=sys.stderr,
               flush=True)
@@ -177,7 +177,7 @@ def learner_env(cfg, env: dict) -> dict:
 
 def rollout_env(cfg, env: dict) -> dict:
     """The rollout's environment: its GPUs, and the interface of the publication group
-    (run.publish_ifname, when the config has it; docs/multihost.md)."""
+    (run.publish_ifname, when the config has it; docs/guide/multihost.md)."""
     return _ifname_env(_gpu_env(env, cfg.launch.rollout_gpus),
                        getattr(cfg.run, "publish_ifname", ""))
 
@@ -210,7 +210,7 @@ def check_publish_reach(cfg, who: str) -> None:
     print(f"error: {who}: run.publish_dir: the rollout (channel.addr {rollout}) is on another "
           f"host, and file publication's default directory is node-local shared memory it "
           f"cannot read: set run.publish_dir to a directory both hosts share, or "
-          f"run.publish: dist (docs/multihost.md)", file=sys.stderr, flush=True)
+          f"run.publish: dist (docs/guide/multihost.md)", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
@@ -271,7 +271,7 @@ def run_job(config: str | None, overrides: list[str], cfg, *, who: str = "run",
     if role == "both" and nnodes > 1:
         print(f"error: {who}: launch.nnodes = {nnodes}: start each host's share itself, "
               f"--role rollout on the rollout host and --role learner --node-rank I on each "
-              f"learner node (docs/multihost.md)", file=sys.stderr, flush=True)
+              f"learner node (docs/guide/multihost.md)", file=sys.stderr, flush=True)
         raise SystemExit(2)
     if not 0 <= node_rank < nnodes:
         print(f"error: {who}: --node-rank {node_rank} is outside [0, launch.nnodes = {nnodes})",

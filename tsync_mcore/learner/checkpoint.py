@@ -563,7 +563,7 @@ def check_shared_run_dir(run_dir: str, par, device, where: str) -> None:
     if not blind:
         return
     need = ("multi-node learners need run.dir on a filesystem every learner node shares "
-            "(checkpoints are written and resumed there; docs/multihost.md)")
+            "(checkpoints are written and resumed there; docs/guide/multihost.md)")
     if not seen:
         raise CheckpointError(f"{where} does not see run.dir {os.path.abspath(run_dir)} as "
                               f"learner rank 0 writes it ({path} is missing or different "

@@ -134,7 +134,7 @@ def _hf_shapes(spec) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj.weight": (spec.ffn, h), "mlp.down_proj.weight": (h, spec.ffn),
         "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
     }
-    # Qwen3-MoE (docs/moe.md): the router, and per expert e the same three projections
+    # Qwen3-MoE (docs/guide/moe.md): the router, and per expert e the same three projections
     per_layer.update({"mlp.gate.weight": (spec.num_experts, h),
                       "mlp.experts.E.gate_proj.weight": (spec.moe_ffn, h),
                       "mlp.experts.E.up_proj.weight": (spec.moe_ffn, h),

@@ -200,7 +200,7 @@ class Policy:
         return span.span_forward(self.ddp, ids, offset, past, want_logits=want_logits,
                                  stop_after_kv=stop_after_kv, fused_head=self.fused_head)
 
-    # --- several sources in one pass (packed serving, docs/learner.md) --------------------
+    # --- several sources in one pass (packed serving, docs/design/learner.md) --------------------
 
     @property
     def packable(self) -> str | None:

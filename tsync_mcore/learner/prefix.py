@@ -1,4 +1,4 @@
-"""Shared-prefix backward for GRPO groups (the ThunderSyncRL paper's appendix I; docs/design.md).
+"""Shared-prefix backward for GRPO groups (the ThunderSyncRL paper's appendix I; docs/design/README.md).
 
 The m trajectories of a group share their prompt. The prompt's forward runs once; each
 continuation runs against the prompt's K/V held as detached leaves, so its backward gives

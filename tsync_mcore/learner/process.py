@@ -7,7 +7,7 @@
 The other ranks need not wait for the acknowledgement: the rollout registers batch k+1
 only after it has reloaded θ_{k+1}, so their next receive is the barrier.
 
-The asynchronous schedules (one_step_off, fully_async; docs/async.md) publish θ_{k+1}
+The asynchronous schedules (one_step_off, fully_async; docs/design/async.md) publish θ_{k+1}
 without waiting: batch k+1 is usually queued already, sampled by an older θ. Rank 0 takes
 the acknowledgements whenever they arrive, in or between batches, each checked against the
 oldest version still unacknowledged; the files of those versions stay until then, and the

@@ -1,17 +1,17 @@
 """Replay recorded batches through the learner: the equivalence harness
-(docs/replay.md; the ThunderSyncRL paper's appendix G).
+(docs/design/replay.md; the ThunderSyncRL paper's appendix G).
 
     python -m tsync_mcore.learner.replay --model HF_DIR --batch FILE.jsonl --objective grpo \
         --schedule thundersync --dtype fp32 --out DIR
     torchrun --nproc-per-node 2 -m tsync_mcore.learner.replay ...   (same flags)
 
-FILE.jsonl holds one trajectory per line (docs/replay.md). Lines are grouped into batches by
+FILE.jsonl holds one trajectory per line (docs/design/replay.md). Lines are grouped into batches by
 `update` (optional; default: `policy_version`, the on-policy case); updates must run
 K, K+1, … from `--start-version K` (default 0; the model is θ_K), and each batch is one
 update. A source with policy_version < update is off-policy: the schedule's lag bound
 applies (0 for sync/group_ready/thundersync, 1 for one_step_off, --max-staleness for
 fully_async) and `--is-correction tis` weights its tokens by its `behaviour_logprobs`
-(docs/async-learner.md). Sources are ingested in `ready_order`. Writes
+(docs/design/async.md#off-policy-correction-and-the-lag-and-mismatch-figures). Sources are ingested in `ready_order`. Writes
 DIR/grad.safetensors (g_k of the last update before clipping, FP32, HF names),
 DIR/params.safetensors (θ after the last step, HF names) and DIR/trace_rank{R}.jsonl, and
 prints a one-line JSON summary on rank 0. With `--lora-adapter PEFT_DIR` the base is frozen
@@ -285,7 +285,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
     p.add_argument("--ep", type=int, default=None,
                    help="model.ep: expert-parallel size (MoE); > 1 serves the ranks in "
-                        "lockstep and needs --no-shared-prefix and static routing (docs/moe.md)")
+                        "lockstep and needs --no-shared-prefix and static routing (docs/guide/moe.md)")
     p.add_argument("--no-shared-prefix", action="store_true",
                    help="learner.shared_prefix false: each trajectory forwards its own prompt")
     p.add_argument("--k-open", type=int, default=None,
@@ -296,7 +296,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "group rewards announced after a group's last member (balanced)")
     p.add_argument("--token-norm", default=None,
                    choices=[*TOKEN_NORMS, *DEPRECATED],
-                   help="per-token weight (docs/objectives.md); 'global' is the deprecated "
+                   help="per-token weight (docs/design/objectives.md); 'global' is the deprecated "
                         "name of group_scaled_token_mean (token_mean for OPD)")
     p.add_argument("--token-norm-constant", type=float, default=None,
                    help="H of --token-norm seq_mean_token_sum_norm")

@@ -1,4 +1,4 @@
-"""When a release unit may be served: release rules, dependencies and admission (docs/learner.md).
+"""When a release unit may be served: release rules, dependencies and admission (docs/design/learner.md).
 
 A release unit is one source: a GRPO trajectory, or one turn of an OPD trajectory (which
 depends on its trajectory's previous turn: it runs against that turn's K/V). The three

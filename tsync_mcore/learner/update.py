@@ -1,4 +1,4 @@
-"""One update of the streaming learner, top to bottom, for every objective (docs/learner.md).
+"""One update of the streaming learner, top to bottom, for every objective (docs/design/learner.md).
 
     begin(plan)       register the batch's groups (and turn counts), how sources reach the
                       DP ranks, and the release schedule
@@ -88,7 +88,7 @@ class Learner:
         if policy.ep_size > 1 and (self.kind.name != "trajectory" or cfg.shared_prefix):
             raise ValueError(f"model.ep {policy.ep_size}: the learner serves expert-parallel "
                              f"ranks in lockstep for GRPO-family objectives with "
-                             f"learner.shared_prefix false only (docs/moe.md)")
+                             f"learner.shared_prefix false only (docs/guide/moe.md)")
         self.acc = GradAccumulators(policy.grad_buffers(), cfg.k_open, cfg.accum,
                                     dtype=ACCUM_DTYPES[cfg.accum_dtype],
                                     per_group=self.objective.group_vectors)
@@ -270,7 +270,7 @@ class Learner:
             return
         # ep > 1: every MoE pass is an all-to-all over the EP group, so DP ranks (EP groups
         # tile them) agree on each step: while any rank has work, each runs one model pass,
-        # a real one or a dummy (docs/moe.md). Every rank calls _drain at the same points
+        # a real one or a dummy (docs/guide/moe.md). Every rank calls _drain at the same points
         # (static routing in the replay harness: each rank is given every source).
         while self.serve_together()[0]:
             pass

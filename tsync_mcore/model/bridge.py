@@ -11,7 +11,7 @@ A small converter of our own (mbridge needs TE and CUDA). Mapping, per decoder l
     gate_proj, up_proj                   mlp.linear_fc1 = [gate; up] per rank       dim 0 each
     down_proj                            mlp.linear_fc2                             dim 1
 
-Qwen3-MoE layers (docs/moe.md) replace the MLP rows with
+Qwen3-MoE layers (docs/guide/moe.md) replace the MLP rows with
 
     mlp.gate (router)                    mlp.router                                 replicated
     mlp.experts.{e}.gate_proj, up_proj   mlp.experts.local_experts.{j}.linear_fc1   expert TP dim 0

@@ -1,4 +1,4 @@
-"""GRPO and its affine-advantage relatives, as scalars on two running sums (docs/design.md).
+"""GRPO and its affine-advantage relatives, as scalars on two running sums (docs/design/README.md).
 
 Every estimator here has advantages A_i = α_G · (r_i − μ_G) with α_G fixed by group
 statistics (GRPO: 1/(σ_G+ε); Dr.GRPO: 1; RLOO: m/(m−1)). The group direction is

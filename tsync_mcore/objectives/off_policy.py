@@ -1,4 +1,4 @@
-"""Off-policy correction and the rollout/learner mismatch (docs/async-learner.md).
+"""Off-policy correction and the rollout/learner mismatch (docs/design/async.md#off-policy-correction-and-the-lag-and-mismatch-figures).
 
 A scored token a_t sampled by the rollout with log-prob log π_b(a_t) (its *behaviour*
 log-prob) trains under truncated importance sampling (TIS, `learner.is_correction: tis`):

@@ -1,4 +1,4 @@
-"""On-policy distillation (docs/opd.md; the paper's Eq. 8–9).
+"""On-policy distillation (docs/design/opd.md; the paper's Eq. 8–9).
 
 A_{j,t} = sg[log π_T(a_t|h_t) − log π_θk(a_t|h_t)]; a turn contributes
 g_j = Σ_t A_{j,t} ∇ log π_θ(a_t|h_t), and g_k = (1/N_k) Σ_j g_j with N_k the global scored-

@@ -21,7 +21,7 @@ also those with no scored token); N_k: their scored tokens, summed over DP ranks
 the same on every rank; N_k is one all-reduce at close. So every mode is exact under every
 schedule and routing: nothing in c depends on which rank or when a member was served.
 A turn source (OPD) trains before its trajectory's L_i is known and has no group
-advantage, so only the modes with w = 1 and no 1/m_G run there. docs/objectives.md maps
+advantage, so only the modes with w = 1 and no 1/m_G run there. docs/design/objectives.md maps
 each mode to verl's `loss_agg_mode` and TRL's `loss_type`.
 """
 

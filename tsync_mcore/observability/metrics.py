@@ -3,7 +3,7 @@
 metrics.jsonl keeps the learner's own flat keys (report, predict and the launchers read them);
 the trackers get the scalar ones under the names verl users know, through TRACKER_NAMES,
 plus every key that already has a '/' in it (e.g. `reward/<extra>`, `eval/pass@k` from the
-rollout). docs/metrics.md documents each row.
+rollout). docs/guide/metrics.md documents each row.
 
 The learner-side statistics (response length, tokens, entropy) are summed per DP rank from
 its trace and the policy's entropy sums, then combined over DP ranks by `reduce_stats`.
@@ -33,7 +33,7 @@ TRACKER_NAMES: dict[str, tuple[str, float]] = {
     "entropy": ("actor/entropy", 1.0),
     "lr": ("actor/lr", 1.0),
     "grad_norm": ("actor/grad_norm", 1.0),
-    # off-policy figures (docs/async-learner.md): the same keys under one prefix
+    # off-policy figures (docs/design/async.md#off-policy-correction-and-the-lag-and-mismatch-figures): the same keys under one prefix
     **{k: (f"off_policy/{k}", 1.0) for k in (
         "policy_lag_mean", "policy_lag_max", "lagged_token_share", "logprob_diff_mean",
         "is_weight_mean", "is_weight_max", "is_weight_min", "is_truncated_share")},

@@ -1,4 +1,4 @@
-"""Speedup predictor (ThunderSyncRL paper §4.4, appendix F; docs/measurement.md).
+"""Speedup predictor (ThunderSyncRL paper §4.4, appendix F; docs/guide/metrics.md#measurement-metrics-traces-mfu-the-speedup-predictor-and-the-report).
 
 Two independent predictors:
 
@@ -7,7 +7,7 @@ Two independent predictors:
   Statically assigned ranks are replayed separately and the latest completion wins. Sync
   releases everything at batch close: ``T_sync = R + L + P`` (Eq. 16), and
   ``S = (1+ρ+κ)/(1+λ+κ) ≤ 2`` (Eq. 16-17).
-* **Asynchronous schedules** (docs/async.md). one_step_off overlaps the learner of batch k
+* **Asynchronous schedules** (docs/design/async.md). one_step_off overlaps the learner of batch k
   with the rollout of batch k+1, so in steady state the step time is the slower pipeline,
   ``T = max(R + reload, L + P)`` (``one_step_off_period``); ``one_step_off_segment`` plays
   a segment's traces through the same lanes as Eq. 14, with each batch's rollout starting
@@ -18,7 +18,7 @@ Two independent predictors:
   OPD Eq. 24, the tail of Eq. 19 and the successive-wave speedup of Eq. 26 with the
   plotting approximation of Eq. 28 (defaults of the paper's appendix F.5).
 
-Names (one meaning each, in the output keys, the flags and docs/measurement.md):
+Names (one meaning each, in the output keys, the flags and docs/guide/metrics.md#measurement-metrics-traces-mfu-the-speedup-predictor-and-the-report):
 
 * ``ratio`` r = R / L: rollout time over learner time (the learner's work of the update, on
   its busiest rank). ``predict trace`` reports it per update and for the steady state
@@ -83,7 +83,7 @@ def replay_lane(jobs: Iterable[Job], R: float, P: float) -> float:
 
 
 def jobs_by_rank(records: Iterable[Record]) -> dict[int, list[Job]]:
-    """Learner jobs per rank from the trace records of one update (docs/trace.md).
+    """Learner jobs per rank from the trace records of one update (docs/design/trace.md).
 
     ``p_j = end - start`` and ``τ_j = ready``. An OPD replay (deferred work, paper appendix F.2
     δ) becomes ready when its trajectory completes, i.e. at the latest ready time of that
@@ -207,7 +207,7 @@ def load_traces(run_dir: str) -> dict[int, list[Record]]:
 
 def infer_step_time(row: dict[str, Any], last_end: float) -> float:
     """Reduction + optimizer time, inferred as ``learner_tail_s`` minus the learner work that
-    remained after the batch closed (docs/measurement.md). With ``step_wall_time_s`` the
+    remained after the batch closed (docs/guide/metrics.md#measurement-metrics-traces-mfu-the-speedup-predictor-and-the-report). With ``step_wall_time_s`` the
     learner clock of rank 0 gives ``t_stepped = wall - publish`` and ``t_closed = t_stepped - tail`` (the
     close's arrival), so the
     step is ``t_stepped - max(t_closed, last_end)``; without it the close is taken at R."""

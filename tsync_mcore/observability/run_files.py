@@ -1,7 +1,7 @@
 """The records a learner appends to its run directory, and what a new start does with them.
 
     RUN/metrics.jsonl          one row per update (rank 0)
-    RUN/traces/rank{R}.jsonl   the learner's trace, per rank (docs/trace.md)
+    RUN/traces/rank{R}.jsonl   the learner's trace, per rank (docs/design/trace.md)
     RUN/nvml_rank{R}.jsonl     the NVML timeline, per rank (GPU only)
     RUN/eval.jsonl             evaluations (the rollout writes them; rank 0 owns the file)
     RUN/tensorboard/           TensorBoard event files (rank 0; a resume purges by step)

@@ -140,7 +140,7 @@ class UpdateRecord:
     # expert-parallel peers' passes could complete (its own gradient dropped, its experts'
     # share of the peers' kept; no source record, so no FLOPs counted)
     dummy_passes: int = 0
-    # Policy lag of the scored tokens that trained (over all ranks; docs/async-learner.md):
+    # Policy lag of the scored tokens that trained (over all ranks; docs/design/async.md#off-policy-correction-and-the-lag-and-mismatch-figures):
     # mean of update − (the version that sampled the token), its max, share with lag > 0
     policy_lag_mean: float = 0.0
     policy_lag_max: int = 0
@@ -262,7 +262,7 @@ def work(records: Iterable[Record]) -> list[SourceRecord | DeferredRecord]:
     return [r for r in records if r.served]
 
 
-# --- the field table of docs/trace.md, generated so that it cannot go stale ---------------
+# --- the field table of docs/design/trace.md, generated so that it cannot go stale ---------------
 
 
 def field_table() -> str:
@@ -301,5 +301,5 @@ def _field_notes(cls) -> dict[str, str]:
     return notes
 
 
-if __name__ == "__main__":  # the table docs/trace.md carries
+if __name__ == "__main__":  # the table docs/design/trace.md carries
     print(field_table())

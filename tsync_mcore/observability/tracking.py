@@ -5,7 +5,7 @@
 In the shape of verl's `verl/utils/tracking.py`: `log(record, step)` and `finish()`, each
 backend imported only when selected. `jsonl` writes the whole record to RUN_DIR/metrics.jsonl
 (the learner's own keys, which report, predict and the launchers read); the others get the
-scalars under verl's names (tsync_mcore.observability.metrics.TRACKER_NAMES, docs/metrics.md).
+scalars under verl's names (tsync_mcore.observability.metrics.TRACKER_NAMES, docs/guide/metrics.md).
 
 Nothing needs a network: W&B runs offline (files under RUN_DIR/wandb, `wandb sync` uploads
 them later) unless WANDB_API_KEY or WANDB_MODE say otherwise; MLflow writes a file store

@@ -1,7 +1,7 @@
 """Megatron-Core 0.16.1 on a CPU-only torch: the few patches that make it run (gloo ranks).
 
 Only ever active without CUDA: `activate()` is a no-op when `torch.cuda.is_available()`.
-The obstacles and their fixes are listed, numbered, in docs/cpu-platform.md; each patch
+The obstacles and their fixes are listed, numbered, in docs/design/cpu-platform.md; each patch
 below names the megatron call sites it covers.
 
 - `torch.cuda.current_device` -> CPU device, `torch.cuda.synchronize` -> no-op (obstacles

@@ -1,5 +1,5 @@
 """Publication over torch.distributed: θ_{k+1} broadcast in buckets from learner rank 0
-straight into every rollout worker (docs/publication.md).
+straight into every rollout worker (docs/design/publication.md).
 
 The group: learner rank 0 is group rank 0 (the broadcaster), each vLLM worker one more
 rank. It is a standalone process group (gloo on CPU, NCCL on GPU) over a TCPStore that the

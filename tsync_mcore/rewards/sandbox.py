@@ -1,5 +1,5 @@
 """Run untrusted Python (a model's answer plus its tests) in a limited subprocess: the
-code_tests reward's front to the general sandbox (tsync_mcore/sandbox/jail.py, docs/tools.md).
+code_tests reward's front to the general sandbox (tsync_mcore/sandbox/jail.py, docs/guide/tools.md).
 
 Each program runs in a fresh temporary directory (its cwd, HOME and TMPDIR, removed
 afterwards) as `python -I` (no PYTHON* variables, no user site) with an environment of
@@ -16,7 +16,7 @@ also runs in a new network namespace (no network) and a pids cgroup of its own (
 bounds its processes and kills setsid escapees); see tsync_mcore/sandbox/jail.py.
 
 Not a security boundary against a determined attacker: no mount namespace or seccomp (the
-program reads world-readable files). docs/data-and-rewards.md says what this does and does
+program reads world-readable files). docs/guide/data-and-rewards.md says what this does and does
 not protect against.
 """
 

@@ -18,7 +18,7 @@ requests go to one replica, every replica loads every publication before the Ack
 A learner that dies or stops surfaces here as PeerGone/ChannelTimeout: the rollout stops
 cleanly with that reason instead of hanging.
 
-The asynchronous schedules (docs/async.md) keep the messages and change when they go:
+The asynchronous schedules (docs/design/async.md) keep the messages and change when they go:
   one_step_off: batch b is sampled with θ_{max(b−1, v0)}. Between batches every Publish
       that has arrived is reloaded and acknowledged; the loop blocks only while the loaded
       version is below b − 1.
@@ -175,7 +175,7 @@ class RolloutDriver:
 
     def _start_openai(self) -> None:
         """rollout.agent: openai: the OpenAI-compatible endpoint on the engine's loop
-        (docs/agents.md), with a random key for this run."""
+        (docs/guide/agents.md), with a random key for this run."""
         import secrets
 
         from tsync_mcore.rollout.openai.processes import AgentCounters

@@ -6,7 +6,7 @@ one need the `if __name__ == "__main__":` guard); `VLLM_ENABLE_V1_MULTIPROCESSIN
 the model executor inside that child instead of a third process (start ~12 s instead of
 ~19 s on 2 cores). Weights reach the child as a path to an HF-named safetensors file
 (tensors sent through `collective_rpc` would arrive as Python lists), a LoRA adapter as a
-PEFT directory vLLM loads itself (`load_adapter`, docs/lora.md).
+PEFT directory vLLM loads itself (`load_adapter`, docs/guide/lora.md).
 
 `EngineThread` owns an event loop in a background thread so that a non-async caller (the
 launcher, pytest) can drive the engine and the agent coroutines: `et.run(coro)`.

@@ -43,7 +43,7 @@ class TrajectoryResult:
     finish_reasons: list[str]  # per turn: "stop", "length"
     policy_versions: list[int]  # engine weight version that finished each turn
     # the weight version that sampled each scored token, None elsewhere (a turn cut by an
-    # in-flight swap has two: docs/async.md)
+    # in-flight swap has two: docs/design/async.md)
     token_versions: list[int | None]
     stop_reason: str  # "done" (env), "max_turns", "max_total_tokens"
     n_timeouts: int = 0  # tool calls cut by the agent's own step timeout
@@ -63,7 +63,7 @@ class TrajectoryResult:
 
     def to_json(self, traj_id: str, group_id: str, policy_version: int,
                 ready_order: int = 0) -> dict[str, Any]:
-        """One line of the learner's GRPO JSON Lines format (docs/replay.md)."""
+        """One line of the learner's GRPO JSON Lines format (docs/design/replay.md)."""
         return {"traj_id": traj_id, "group_id": group_id, "tokens": list(self.tokens),
                 "scored_mask": list(self.scored_mask), "reward": float(self.reward),
                 "ready_order": ready_order, "policy_version": policy_version,

@@ -7,7 +7,7 @@
   starts only while it cannot end up more than `max_staleness` versions behind.
 - `BatchFormer`: fully_async batches from completed groups, in completion order; a group
   too stale for the batch it would join is dropped (counted, never sent).
-docs/async.md describes the protocol these serve.
+docs/design/async.md describes the protocol these serve.
 """
 
 from __future__ import annotations

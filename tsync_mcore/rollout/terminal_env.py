@@ -1,5 +1,5 @@
 """`rollout.env: terminal` — make a failing test pass in a generated repo, with the
-sandboxed bash/python tools (tsync_mcore.sandbox.tools, docs/tools.md).
+sandboxed bash/python tools (tsync_mcore.sandbox.tools, docs/guide/tools.md).
 
 Each episode (`reset(seed)`) writes a small git-less repo into a fresh temporary
 directory: a module with a few functions, one of them buggy (which, and its constants,

@@ -1,4 +1,4 @@
-"""Run untrusted shell commands or Python code in a limited subprocess (docs/tools.md).
+"""Run untrusted shell commands or Python code in a limited subprocess (docs/guide/tools.md).
 
 Each run gets:
 

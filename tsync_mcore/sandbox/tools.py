@@ -12,7 +12,7 @@ or mistyped fields, all give an "error: ..." string the model sees. A box made w
 without one, each call gets a fresh throwaway directory.
 
 In-text tool calls (`parse_tool_calls`) follow the Qwen/Hermes convention:
-`<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>`. docs/tools.md.
+`<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>`. docs/guide/tools.md.
 """
 
 from __future__ import annotations

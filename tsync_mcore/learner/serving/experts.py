@@ -1,5 +1,5 @@
 """Which experts a MoE policy's forwards route each trajectory position to
-(`learner.routing_replay`, docs/moe-routing.md).
+(`learner.routing_replay`, docs/guide/moe.md#mixture-of-experts-rollout-and-routing-replay).
 
 Per trajectory the learner keeps a book of expert ids by position, [positions, MoE layers,
 top-k], −1 where none is known:

@@ -145,7 +145,7 @@ class TrajectoryKind:
             self._combine(g)
         return span
 
-    # --- packed serving (docs/learner.md) -------------------------------------------------
+    # --- packed serving (docs/design/learner.md) -------------------------------------------------
 
     def packable(self, src: TrajectorySource) -> bool:
         return src.n_scored > 0  # one without scored tokens runs nothing

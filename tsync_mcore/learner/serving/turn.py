@@ -165,7 +165,7 @@ class TurnKind:
         n_tokens, offset = self._run_turn(turn, svc)  # its tensors are freed by now: timed too
         return dict(span_tokens=n_tokens, context=offset, logits=turn.n_scored > 0)
 
-    # --- packed serving (docs/learner.md) -------------------------------------------------
+    # --- packed serving (docs/design/learner.md) -------------------------------------------------
 
     def packable(self, turn: TurnSource) -> bool:
         """A scored turn under recompute replay. Unscored turns run to their K/V only, and a

@@ -1,4 +1,4 @@
-"""Measurement layer (docs/measurement.md): learner FLOPs, MFU, NVML timeline, peak memory,
+"""Measurement layer (docs/guide/metrics.md#measurement-metrics-traces-mfu-the-speedup-predictor-and-the-report): learner FLOPs, MFU, NVML timeline, peak memory,
 host cost per served source (ops, synchronising calls, host time: `host.HostCounter`).
 
 Importing this package pulls in neither megatron nor pynvml; `flops.load_spec` and the NVML

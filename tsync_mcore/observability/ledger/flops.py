@@ -1,4 +1,4 @@
-"""Learner model FLOPs from actual tensor shapes (docs/measurement.md), for Qwen2 / Qwen3 / Llama.
+"""Learner model FLOPs from actual tensor shapes (docs/guide/metrics.md#measurement-metrics-traces-mfu-the-speedup-predictor-and-the-report), for Qwen2 / Qwen3 / Llama.
 
 Every counted product is a matmul, 2·m·k·n for (m×k)(k×n); norms, RoPE, softmax, SwiGLU and
 the loss are elementwise and not counted (as `torch.utils.flop_counter` does not). Per layer:

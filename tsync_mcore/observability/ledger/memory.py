@@ -1,4 +1,4 @@
-"""Peak memory per learner rank (docs/measurement.md).
+"""Peak memory per learner rank (docs/guide/metrics.md#measurement-metrics-traces-mfu-the-speedup-predictor-and-the-report).
 
 GPU: `torch.cuda.max_memory_allocated()` after a reset once model + optimizer are resident,
 plus reserved bytes and NVML device memory used (which includes other processes and the CUDA
@@ -67,7 +67,7 @@ class MemoryMeter:
             self.setup_bytes = current_rss_bytes()
 
     def snapshot(self, host_accum_bytes: int | None = None) -> dict:
-        """Metrics dict; `peak_mem_bytes` is docs/measurement.md's figure, this backend."""
+        """Metrics dict; `peak_mem_bytes` is docs/guide/metrics.md#measurement-metrics-traces-mfu-the-speedup-predictor-and-the-report's figure, this backend."""
         out: dict = {"backend": self.device.type, "setup_bytes": self.setup_bytes,
                      "host_accum_bytes": host_accum_bytes}  # fmt: skip
         if not self.on_gpu:

@@ -1,4 +1,4 @@
-"""Trainer active MFU (docs/measurement.md): MFU_k = F_k / (T_step_k · Σ_d P_d).
+"""Trainer active MFU (docs/guide/metrics.md#measurement-metrics-traces-mfu-the-speedup-predictor-and-the-report): MFU_k = F_k / (T_step_k · Σ_d P_d).
 
 P_d is the dense BF16 peak of a learner device, from a table by device name; a config value
 or `TSYNC_PEAK_TFLOPS` overrides it; a CPU run (or an unknown GPU) uses a peak measured once

@@ -1,4 +1,4 @@
-"""Mixture-of-experts shapes and routing counts for the FLOP ledger (docs/measurement.md).
+"""Mixture-of-experts shapes and routing counts for the FLOP ledger (docs/guide/metrics.md#measurement-metrics-traces-mfu-the-speedup-predictor-and-the-report).
 
 `MoeShape` says which layers are MoE and their sizes; `RoutingCounter` records, from a
 forward itself, how many tokens each layer's router dispatched to each expert. The ledger

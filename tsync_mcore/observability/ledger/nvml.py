@@ -1,4 +1,4 @@
-"""NVML sampler per learner GPU (docs/measurement.md): utilization, memory, power, SM clock.
+"""NVML sampler per learner GPU (docs/guide/metrics.md#measurement-metrics-traces-mfu-the-speedup-predictor-and-the-report): utilization, memory, power, SM clock.
 
 A daemon thread samples every `interval_s` onto a timeline; each sample carries both
 `time.perf_counter()` and `time.time()` so it lines up with the release trace. Devices are

@@ -2,7 +2,7 @@
 
 Parameters P of a model against the LoRA adapters' P_A, and what the streaming accumulators
 hold per rank at most: 4·(2k+1)·P bytes for GRPO, 4·(k+1)·P for OPD (FP32, k =
-learner.k_open; docs/numerics.md). Counts come from the shapes alone (no weights read); per
+learner.k_open; docs/design/numerics.md). Counts come from the shapes alone (no weights read); per
 TP rank they follow Megatron's layout: base weights and the embedding sharded by tp, norms
 replicated; of an adapter, A replicated and B sharded on a column-parallel linear (q/k/v,
 gate/up), A sharded and B replicated on a row-parallel one (o, down). DDP's bucket padding

@@ -1,4 +1,4 @@
-"""The rollout's OpenAI-compatible endpoint for outside agents (docs/agents.md).
+"""The rollout's OpenAI-compatible endpoint for outside agents (docs/guide/agents.md).
 
 server      the HTTP app: chat/text completions, tool routes, rewards, pool hand-outs
 session     one trajectory's token-exact record of what the model sampled and was shown

@@ -1,6 +1,6 @@
 """Agent pools (rollout.agent: openai, rollout.agent_pool: N > 0): N long-lived worker
 processes of rollout.agent_command, started once and kept across batches; each pulls
-trajectories from the endpoint (docs/agents.md, "Agent pools"):
+trajectories from the endpoint (docs/guide/agents.md, "Agent pools"):
 
     worker env   TSYNC_POOL_URL=http://HOST:PORT/v1/pool, OPENAI_API_KEY, TSYNC_WORKER_ID
     POST /v1/pool/next {"worker": id, "wait_s": <= 30}

@@ -1,5 +1,5 @@
 """An OpenAI-compatible HTTP endpoint on the rollout side, for agents written against the
-OpenAI API (docs/agents.md).
+OpenAI API (docs/guide/agents.md).
 
     POST /t/<traj>/v1/chat/completions   POST /v1/chat/completions  (X-Tsync-Trajectory: <traj>)
     POST /t/<traj>/v1/completions        POST /v1/completions       (same header)

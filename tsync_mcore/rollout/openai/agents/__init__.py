@@ -1,2 +1,2 @@
 """Agents that run as separate processes against the rollout's OpenAI-compatible endpoint
-(docs/agents.md); `digits` is the demo's."""
+(docs/guide/agents.md); `digits` is the demo's."""

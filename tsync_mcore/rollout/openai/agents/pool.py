@@ -1,5 +1,5 @@
 """Serve an agent pool (rollout.agent_pool > 0) with a one-episode function: the worker loop
-of docs/agents.md ("Agent pools").
+of docs/guide/agents.md ("Agent pools").
 
     from tsync_mcore.rollout.openai.agents import pool
     pool.serve(run)        # run(client: openai.OpenAI, task: dict) -> anything
