@@ -1,9 +1,13 @@
-"""Publication of θ_{k+1}: export HF-named weights where every replica can load them.
+"""Publication of θ_{k+1}, the learner's side: export HF-named weights where every replica
+can load them (docs/publication.md).
 
-On CPU (and single-node GPU runs) the weights go to a safetensors file in shared memory
-(/dev/shm), which the rollout's vLLM worker extension reloads layer by layer. On multi-node
-GPU deployments a bucketed NCCL broadcast would replace the file; the acknowledgement
-protocol around it stays the same.
+run.publish: file writes them to a safetensors file in the publication directory (shared
+memory, /dev/shm, by default), which the rollout's vLLM worker extension reloads layer by
+layer; with run.publish_lora: adapter, a PEFT adapter directory there instead. run.publish:
+dist (the default) hands them to tsync_mcore.publication.dist, which broadcasts them in
+buckets (optionally as deltas) over a gloo/NCCL group straight into the vLLM workers. Either
+way `Publisher` announces a `Publish` on the channel, and the acknowledgement protocol
+around it (tsync_mcore.publication.receive on the rollout) is the same.
 
 Whoever can write the publication directory decides what the replicas load, so it must be
 private: owned by this user, not writable by group or others, not a symlink. By default

@@ -45,11 +45,14 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, DropGroup, GroupRewards, Hello,
-                                 Link, PeerGone, Publish, PublishGroup, RegisterBatch, Rejected, Shutdown,
+from tsync_mcore.channel import (ChannelError, CloseBatch, DropGroup, GroupRewards, Hello,
+                                 Link, Publish, RegisterBatch, Rejected, Shutdown,
                                  TrajectoryMsg, TurnMsg, channel_secret,
                                  open_rollout_side)
-from tsync_mcore.publication import send as publish
+from tsync_mcore.publication import receive, send as publish
+# RolloutStopped and the publication checks live with the rest of the receiving side
+from tsync_mcore.publication.receive import (FINISHED, RolloutStopped,  # noqa: F401
+                                             await_publish, check_publish)
 from tsync_mcore.config import Config
 from tsync_mcore.objectives import OBJECTIVES
 from tsync_mcore.rollout.loop import run_batch
@@ -71,13 +74,6 @@ from tsync_mcore.channel.sources import (BatchPlan, SourceError, TrajectorySourc
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # rollout.dtype → vLLM's name
 # Failures that stop the rollout with their own one-line message (told to the learners)
 STOPS = (RewardFailed, DataError, ReplicaError, AgentPoolDead)
-FINISHED = "learner finished"  # reason prefix of the learner's Shutdown after its last update
-
-
-class RolloutStopped(RuntimeError):
-    """The rollout stopped before the learner finished; the message says why."""
-
-
 class _LearnerFinished(Exception):
     """The learner said it finished (run.updates or run.budget_s): stop wherever we are."""
 
@@ -589,15 +585,14 @@ class RolloutDriver:
         later one that has arrived already waits in self.notices for the next batch: a
         streaming learner often publishes θ_b before batch b starts, and loading it would
         make batch b on-policy, not one step off."""
-        link, publish_dir = self.links[0], publish.resolve_dir(self.cfg.run)
+        link = self.links[0]
         while need is None or self.loaded < need:
             msg = (self.notices.pop(0) if self.notices
                    else link.recv(timeout_s=self.cfg.channel.timeout_s))
             if not isinstance(msg, Publish):
                 self._on_learner_message(msg, -1)
                 continue
-            check_publish(link, msg, self.loaded + 1, publish_dir,
-                          method=publish.method_of(self.cfg.run))
+            self._check_publish(msg)
             self.et.run(self._reload(msg))
 
     def _async_counters(self, dropped: int, partial: int) -> dict[str, float]:
@@ -661,10 +656,8 @@ class RolloutDriver:
         for link in self.links:
             while (msg := link.poll()) is not None:
                 self._on_learner_message(msg, -1)  # Publish → self.notices
-        publish_dir = publish.resolve_dir(self.cfg.run)
         while self.notices:
-            msg = check_publish(self.links[0], self.notices.pop(0), self.loaded + 1, publish_dir,
-                                method=publish.method_of(self.cfg.run))
+            msg = self._check_publish(self.notices.pop(0))
             await self._reload(msg, mode="abort")
 
     async def _group(self, pos: int) -> Group | None:
@@ -773,82 +766,35 @@ class RolloutDriver:
         with open(os.path.join(self.cfg.run.dir, "eval.jsonl"), "a") as f:
             f.write(json.dumps(metrics) + "\n")
 
-    # --- publication ----------------------------------------------------------------------
+    # --- publication (tsync_mcore.publication.receive) ------------------------------------
 
     def _serve_publish(self, version: int, kept: int | None = None) -> int | None:
-        """Wait for θ_version from learner rank 0, reload it, acknowledge; returns the
-        version now served, None once the learner says it finished. A notice for `kept`
-        (the version already loaded) means the learner dropped the batch without stepping
-        (a non-finite gradient): the weights stay, and the next batch is for `kept` again."""
-        msg = await_publish(self.links[0], version, self.cfg.channel.timeout_s,
-                            publish.resolve_dir(self.cfg.run), kept=kept,
-                            method=publish.method_of(self.cfg.run))
-        if msg is None:
-            return None
-        if msg.version == kept:
-            print(f"[rollout] learner dropped the batch of version {kept} (non-finite "
-                  f"gradient); θ_{kept} stays loaded", flush=True)
-            self.links[0].send(Ack(version=kept, ok=True, reload_time_s=0.0))
-            return kept
-        self.et.run(self._reload(msg))
-        return version
+        """receive.serve: wait for θ_version, reload it, acknowledge; the version now served
+        (`kept` again for a dropped batch), None once the learner says it finished."""
+        return receive.serve(self.links[0], version, self.cfg.channel.timeout_s,
+                             publish.resolve_dir(self.cfg.run),
+                             lambda msg: self.et.run(self._reload(msg)), kept=kept,
+                             method=publish.method_of(self.cfg.run))
 
     async def _reload(self, msg: Publish, mode: str = "keep") -> None:
-        """Load θ_msg.version (checked by `await_publish`/`check_publish`) from its file or
-        the publication group, and acknowledge it; a failed reload is told to the learner,
-        which must not go on."""
-        checksum, received = "", 0
-        try:
-            if msg.method == "dist":
-                seconds = await self.engine.receive_weights(msg, mode=mode)
-                checksum = ",".join(self.engine.checksums)
-                received = self.engine.bytes_received
-            elif msg.method == "adapter":
-                seconds = await self.engine.load_adapter(msg.path, mode=mode,
-                                                         version=msg.version)
-            else:
-                seconds = await self.engine.reload_weights(msg.path, mode=mode,
-                                                           version=msg.version)
-        except ReplicaError as e:  # names the replica; every replica must load every version
-            self.links[0].send(Ack(version=msg.version, ok=False, error=str(e)[:4000]))
-            raise RolloutStopped(str(e)) from e
-        except Exception as e:  # tell the learner; it must not train on the old policy
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
-            self.links[0].send(Ack(version=msg.version, ok=False, error=f"reload failed: {why}"))
-            where = msg.path or "the publication group"
-            raise RolloutStopped(f"reload of θ_{msg.version} from {where} failed: {why}") from e
-        self.loaded = msg.version
-        self.swaps += 1  # once per publication, however many replicas loaded it
-        self.links[0].send(Ack(version=msg.version, ok=True, reload_time_s=seconds,
-                               checksum=checksum, bytes_received=received))
+        """receive.reload into every replica, acknowledged; a failed reload is told to the
+        learner (naming the replica) and stops the rollout."""
+        def loaded(version: int) -> None:
+            self.loaded = version
+            self.swaps += 1  # once per publication, however many replicas loaded it
+
+        await receive.reload(self.engine, self.links[0], msg, mode=mode, on_loaded=loaded,
+                             named=(ReplicaError,))
+
+    def _check_publish(self, msg) -> Publish:
+        """A notice taken between or during batches: θ_{loaded+1}, checked."""
+        return check_publish(self.links[0], msg, self.loaded + 1,
+                             publish.resolve_dir(self.cfg.run),
+                             method=publish.method_of(self.cfg.run))
 
     def _open_publish_group(self) -> None:
-        """run.publish: dist: serve the group's rendezvous store at channel.addr, tell
-        learner rank 0 where (and the group's random name), and join every engine worker
-        (group ranks 1..); returns once the learner joined too (rank 0)."""
-        import secrets
-
-        from tsync_mcore.publication import dist as publish_dist
-
-        run, ch = self.cfg.run, self.cfg.channel
-        try:
-            self._publish_store = publish_dist.host_store(ch.addr, run.publish_port,
-                                                          ch.ack_timeout_s)
-        except publish_dist.PublishError as e:
-            raise RolloutStopped(f"run.publish: dist: {e}") from None
-        token = secrets.token_hex(16)
-        world = 1 + int(getattr(self.engine, "publish_ranks", self.rc.tp))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.links[0].send(PublishGroup(port=self._publish_store.port, world=world,
-                                        token=token, backend=backend))
-        try:
-            self.et.run(self.engine.join_publish_group(
-                ch.addr, self._publish_store.port, 1, world, token=token,
-                timeout_s=ch.ack_timeout_s, ifname=run.publish_ifname, backend=backend))
-        except Exception as e:  # the group's own error says who did not come
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise RolloutStopped(f"run.publish: dist: joining the publication group at "
-                                 f"{ch.addr}:{self._publish_store.port} failed: {why}") from None
+        """run.publish: dist: receive.open_group (the learner joins as rank 0)."""
+        self._publish_store = receive.open_group(self.cfg, self.links[0], self.engine, self.et)
 
     def _recv(self, rank: int, kind: type):
         msg = self.links[rank].recv(timeout_s=self.cfg.channel.timeout_s)
@@ -856,78 +802,3 @@ class RolloutDriver:
             raise RolloutStopped(f"expected {kind.__name__} from learner rank {rank}, "
                                  f"got {type(msg).__name__}")
         return msg
-
-
-def await_publish(link: Link, version: int, timeout_s: float, publish_dir: str,
-                  kept: int | None = None, method: str = "file") -> Publish | None:
-    """The Publish of θ_version (or of `kept`, a dropped batch's θ_k again) from learner
-    rank 0's link, checked: its version, and exactly this version's file in the private
-    `publish_dir` (publish.resolve_dir), so a learner can only make the rollout load what the
-    learners publish. None once the learner says it finished; RolloutStopped for anything
-    else (a wrong version or path is told to the learner with a failed Ack)."""
-    try:
-        msg = link.recv(timeout_s=timeout_s)
-        while isinstance(msg, Rejected):  # after the close: the learners agree on it
-            print(f"[rollout] learner rejected {msg.source} of update {msg.version} after "
-                  f"the batch closed: {msg.reason}", flush=True)
-            msg = link.recv(timeout_s=timeout_s)
-    except PeerGone:
-        if (link.peer_shutdown or "").startswith(FINISHED):
-            return None
-        raise
-    if isinstance(msg, Shutdown):
-        if msg.reason.startswith(FINISHED):
-            return None
-        raise RolloutStopped(f"learner shut down: {msg.reason}")
-    return check_publish(link, msg, version, publish_dir, kept, method=method)
-
-
-def check_publish(link: Link, msg, version: int, publish_dir: str,
-                  kept: int | None = None, method: str = "file") -> Publish:
-    """`msg` is the Publish of θ_version (or of `kept`) by this run's `method`: for "file",
-    with exactly that version's file in the private `publish_dir` ("adapter": its PEFT
-    directory there); for "dist", with no path and its buckets announced. Else the learner
-    is told (a failed Ack) and RolloutStopped."""
-    if not isinstance(msg, Publish):
-        raise RolloutStopped(f"expected Publish, got {type(msg).__name__}")
-    if msg.version != version and msg.version != kept:
-        link.send(Ack(version=msg.version, ok=False, error=f"rollout expected version {version}"))
-        raise RolloutStopped(f"learner published version {msg.version}, expected {version}")
-    if msg.method != method:
-        why = (f"learner published θ_{msg.version} by {msg.method}, this rollout runs "
-               f"run.publish: {method} (both must run the same config)")
-        link.send(Ack(version=msg.version, ok=False, error=why))
-        raise RolloutStopped(why)
-    if method == "dist":
-        if msg.path or (msg.n_buckets < 1 and msg.version != kept):
-            why = (f"Publish of θ_{msg.version} by dist with path {msg.path!r} and "
-                   f"{msg.n_buckets} buckets (expected no path and >= 1 bucket)")
-            link.send(Ack(version=msg.version, ok=False, error=why))
-            raise RolloutStopped(why)
-        return msg
-    why = _outside(msg.path, publish_dir)
-    want = (publish.adapter_path_for if method == "adapter" else publish.path_for)(
-        publish_dir, msg.version)
-    if not why and os.path.realpath(msg.path) != os.path.realpath(want):
-        why = (f"learner published {msg.path}, this rollout loads {want} (both must run the "
-               f"same config from the same directory)")
-    if not why:
-        try:
-            publish.check_private_dir(publish_dir)
-        except publish.PublishDirError as e:
-            why = str(e)
-    if why:
-        link.send(Ack(version=msg.version, ok=False, error=why))
-        raise RolloutStopped(why)
-    return msg
-
-
-def _outside(path: str, publish_dir: str) -> str | None:
-    """Why `path` is not a file name under `publish_dir` (realpaths compared), or None."""
-    if not path or "\0" in path:
-        return f"published path {path!r} is not a file name; expected one under run.publish_dir"
-    root, real = os.path.realpath(publish_dir), os.path.realpath(path)
-    if real == root or os.path.commonpath([real, root]) != root:
-        return (f"published path {path!r} resolves to {real}, outside run.publish_dir {root}: "
-                f"refusing to load it")
-    return None
