@@ -33,8 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def start_learner(hf_dir, run_dir, port, updates=2, extra=(), flags=()):
     sets = [f"model.hf_dir={hf_dir}", f"run.dir={run_dir}", f"run.updates={updates}",
-            "run.save_every=1", f"run.publish_dir={run_dir}/publish", f"channel.port={port}",
-            "run.publish=file",  # the scripted rollout reads the published file
+            "run.save_every=1", f"publish.dir={run_dir}/publish", f"channel.port={port}",
+            "publish.method=file",  # the scripted rollout reads the published file
             "channel.timeout_s=20", "channel.ack_timeout_s=20", "optim.lr=1e-4", *extra]
     os.makedirs(run_dir, exist_ok=True)
     # Logs go to files: an unread pipe fills up with warnings and blocks the learner.
@@ -489,7 +489,7 @@ def test_vllm_rollout_two_learner_ranks_few_updates(tmp_path):
         [sys.executable, os.path.join(ROOT, "launch/run.py"), "--config",
          os.path.join(ROOT, "tsync_mcore/cli/demo.yaml"), "--set", f"run.dir={run}",
          f"model.hf_dir={tmp_path}/model", "run.updates=3", "--set", "run.save_every=1",
-         "rollout.groups_per_batch=4", f"run.publish_dir={tmp_path}/publish"],
+         "rollout.groups_per_batch=4", f"publish.dir={tmp_path}/publish"],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]

@@ -1,5 +1,5 @@
 """The rollout's side of publication: await θ_version from learner rank 0, check the
-notice, reload every engine, acknowledge; and, for run.publish: dist, open the
+notice, reload every engine, acknowledge; and, for publish.method: dist, open the
 publication group the learner broadcasts into.
 
 The rollout driver (tsync_mcore.rollout.driver) calls these with what they need: learner
@@ -74,7 +74,7 @@ async def reload(engine, link: Link, msg: Publish, mode: str = "keep",
 
 
 def open_group(cfg, link: Link, engine, et):
-    """run.publish: dist: serve the group's rendezvous store at channel.addr, tell
+    """publish.method: dist: serve the group's rendezvous store at channel.addr, tell
     learner rank 0 (`link`) where (and the group's random name), and join every engine
     worker (group ranks 1..) on the engine thread `et`; returns the store (keep it) once
     the learner joined too (rank 0)."""
@@ -84,11 +84,11 @@ def open_group(cfg, link: Link, engine, et):
 
     from tsync_mcore.publication import dist as publish_dist
 
-    run, ch = cfg.run, cfg.channel
+    pub, ch = cfg.publish, cfg.channel
     try:
-        store = publish_dist.host_store(ch.addr, run.publish_port, ch.ack_timeout_s)
+        store = publish_dist.host_store(ch.addr, pub.port, ch.ack_timeout_s)
     except publish_dist.PublishError as e:
-        raise RolloutStopped(f"run.publish: dist: {e}") from None
+        raise RolloutStopped(f"publish.method: dist: {e}") from None
     token = secrets.token_hex(16)
     world = 1 + int(getattr(engine, "publish_ranks", cfg.rollout.tp))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -96,10 +96,10 @@ def open_group(cfg, link: Link, engine, et):
     try:
         et.run(engine.join_publish_group(
             ch.addr, store.port, 1, world, token=token,
-            timeout_s=ch.ack_timeout_s, ifname=run.publish_ifname, backend=backend))
+            timeout_s=ch.ack_timeout_s, ifname=pub.ifname, backend=backend))
     except Exception as e:  # the group's own error says who did not come
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise RolloutStopped(f"run.publish: dist: joining the publication group at "
+        raise RolloutStopped(f"publish.method: dist: joining the publication group at "
                              f"{ch.addr}:{store.port} failed: {why}") from None
     return store
 
@@ -141,7 +141,7 @@ def check_publish(link: Link, msg, version: int, publish_dir: str,
         raise RolloutStopped(f"learner published version {msg.version}, expected {version}")
     if msg.method != method:
         why = (f"learner published θ_{msg.version} by {msg.method}, this rollout runs "
-               f"run.publish: {method} (both must run the same config)")
+               f"publish.method: {method} (both must run the same config)")
         link.send(Ack(version=msg.version, ok=False, error=why))
         raise RolloutStopped(why)
     if method == "dist":
@@ -171,9 +171,9 @@ def check_publish(link: Link, msg, version: int, publish_dir: str,
 def _outside(path: str, publish_dir: str) -> str | None:
     """Why `path` is not a file name under `publish_dir` (realpaths compared), or None."""
     if not path or "\0" in path:
-        return f"published path {path!r} is not a file name; expected one under run.publish_dir"
+        return f"published path {path!r} is not a file name; expected one under publish.dir"
     root, real = os.path.realpath(publish_dir), os.path.realpath(path)
     if real == root or os.path.commonpath([real, root]) != root:
-        return (f"published path {path!r} resolves to {real}, outside run.publish_dir {root}: "
+        return (f"published path {path!r} resolves to {real}, outside publish.dir {root}: "
                 f"refusing to load it")
     return None

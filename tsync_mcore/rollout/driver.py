@@ -12,7 +12,7 @@ requests go to one replica, every replica loads every publication before the Ack
       each turn to its group's owner the moment the teacher scored it (OPD). A source
       that fails validation here, or that a learner rank rejects (Rejected), drops its
       group: DropGroup → every rank, and nothing more of the group is sent
-      CloseBatch → every rank; wait for Publish(θ_{k+1}) (a path under run.publish_dir, or the
+      CloseBatch → every rank; wait for Publish(θ_{k+1}) (a path under publish.dir, or the
       rollout stops), reload in place, reset the prefix
       cache, Ack. Only then does batch k+1 start.
 A learner that dies or stops surfaces here as PeerGone/ChannelTimeout: the rollout stops
@@ -149,7 +149,7 @@ class RolloutDriver:
                                  dtype=VLLM_DTYPES[self.rc.dtype],  # resolved: auto → model.dtype
                                  tensor_parallel_size=self.rc.tp,
                                  lora_rank=self.cfg.model.lora.rank
-                                 if self.cfg.run.publish_lora == "adapter" else 0,
+                                 if self.cfg.publish.lora == "adapter" else 0,
                                  gpu_memory_utilization=self.rc.gpu_memory_utilization if gpu
                                  else None)
 
@@ -285,7 +285,7 @@ class RolloutDriver:
     def _run(self) -> None:
         hello = self._recv(0, Hello)
         version, data_pos = hello.version, hello.data_pos
-        if self.cfg.run.publish == "dist":
+        if self.cfg.publish.method == "dist":
             self._open_publish_group()
         self._serve_publish(version)
         self.swaps = 0  # θ_start is no swap
@@ -772,9 +772,9 @@ class RolloutDriver:
         """receive.serve: wait for θ_version, reload it, acknowledge; the version now served
         (`kept` again for a dropped batch), None once the learner says it finished."""
         return receive.serve(self.links[0], version, self.cfg.channel.timeout_s,
-                             publish.resolve_dir(self.cfg.run),
+                             publish.resolve_dir(self.cfg.publish, self.cfg.run.dir),
                              lambda msg: self.et.run(self._reload(msg)), kept=kept,
-                             method=publish.method_of(self.cfg.run))
+                             method=publish.method_of(self.cfg.publish))
 
     async def _reload(self, msg: Publish, mode: str = "keep") -> None:
         """receive.reload into every replica, acknowledged; a failed reload is told to the
@@ -789,11 +789,11 @@ class RolloutDriver:
     def _check_publish(self, msg) -> Publish:
         """A notice taken between or during batches: θ_{loaded+1}, checked."""
         return check_publish(self.links[0], msg, self.loaded + 1,
-                             publish.resolve_dir(self.cfg.run),
-                             method=publish.method_of(self.cfg.run))
+                             publish.resolve_dir(self.cfg.publish, self.cfg.run.dir),
+                             method=publish.method_of(self.cfg.publish))
 
     def _open_publish_group(self) -> None:
-        """run.publish: dist: receive.open_group (the learner joins as rank 0)."""
+        """publish.method: dist: receive.open_group (the learner joins as rank 0)."""
         self._publish_store = receive.open_group(self.cfg, self.links[0], self.engine, self.et)
 
     def _recv(self, rank: int, kind: type):
