@@ -6,18 +6,21 @@ one_step_off: batch b is sampled with θ_{max(b−1, v0)} (v0: the version the s
 at), so its rollout may start once batch b−1 has closed and θ_{b−1} is loaded — the learner
 trains batch b−1 meanwhile (verl's one-step-off-policy recipe, slime's --async mode).
 
-fully_async: groups are generated continuously with up to a batch worth in flight; a new
-group starts only while groups started < (loaded − v0 + max_staleness + 1) · groups per
-batch (AReaL's staleness control, areal/core/staleness_manager.py). A batch is the next
-`groups per batch` completed groups in completion order; a group older than max_staleness
-at registration is dropped and counted, never sent. Simplification of the simulator: a
-group is sampled entirely by the version loaded when it started (the real rollout swaps
-weights mid-request and records it per token).
+fully_async: groups are generated continuously with up to a batch worth in flight, paced
+by the rollout's own rule (tsync_mcore.rollout.pacing, which the rollout driver runs): a new
+group starts only while the groups started stay below (loaded − v0 + max_staleness + 1) ·
+groups per batch (`may_start`, AReaL's staleness control), and a batch
+is the next `groups per batch` completed groups in completion order, a group older than
+max_staleness at registration dropped and counted, never sent (`BatchFormer`).
+Simplification of the simulator: a group is sampled entirely by the version loaded when it
+started (the real rollout swaps weights mid-request and records it per token).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from tsync_mcore.rollout.pacing import BatchFormer, may_start
 
 
 def one_step_off_sampler(batch: int, v0: int) -> int:
@@ -32,6 +35,11 @@ class StreamGroup:
     start: float
     end: float
 
+    @property
+    def oldest(self) -> int:
+        """The version that sampled it (what pacing.BatchFormer checks for staleness)."""
+        return self.version
+
 
 @dataclass
 class FullyAsyncStream:
@@ -39,7 +47,8 @@ class FullyAsyncStream:
 
     `duration(i)`: how long group i of the stream takes (its last member's completion
     after its start). Drive it with `start_groups(now)`, `complete_until(now)`,
-    `load(version)` and `take_batch()`."""
+    `load(version)` and `take_batch()`. Completed groups wait in `former` (the rollout's
+    BatchFormer)."""
 
     groups_per_batch: int
     max_staleness: int
@@ -48,24 +57,35 @@ class FullyAsyncStream:
     loaded: int = -1
     started: int = 0
     running: list[StreamGroup] = field(default_factory=list)
-    completed: list[StreamGroup] = field(default_factory=list)
     next_batch: int = -1
-    dropped_stale: int = 0
+    former: BatchFormer | None = None
 
     def __post_init__(self) -> None:
         if self.loaded < 0:
             self.loaded = self.v0
         if self.next_batch < 0:
             self.next_batch = self.v0
+        if self.former is None:
+            self.former = BatchFormer(self.groups_per_batch, self.max_staleness)
 
-    def allowed(self) -> int:
-        """Groups that may have started by now under the staleness bound."""
-        return (self.loaded - self.v0 + self.max_staleness + 1) * self.groups_per_batch
+    @property
+    def completed(self) -> list[StreamGroup]:
+        """Completed groups not yet in a batch, in completion order."""
+        return self.former.ready
+
+    @property
+    def dropped_stale(self) -> int:
+        return self.former.dropped
 
     def start_groups(self, now: float) -> list[StreamGroup]:
-        """Start groups while a slot is free (a batch worth in flight) and the bound allows."""
+        """Start groups while a slot is free (a batch worth in flight) and the bound allows
+        (pacing.may_start). Unlike the rollout, which gives a dropped group's slot back
+        (it counts groups started and not dropped), the simulator counts every group
+        started, as it always has (tests/test_perf_tools.py checks that bound)."""
         new = []
-        while len(self.running) < self.groups_per_batch and self.started < self.allowed():
+        while len(self.running) < self.groups_per_batch and may_start(
+                self.started, self.loaded, self.v0, self.max_staleness,
+                self.groups_per_batch):
             g = StreamGroup(self.started, self.loaded, now, now + self.duration(self.started))
             self.running.append(g)
             new.append(g)
@@ -78,7 +98,8 @@ class FullyAsyncStream:
     def complete_until(self, now: float) -> list[StreamGroup]:
         done = sorted((g for g in self.running if g.end <= now), key=lambda g: (g.end, g.index))
         self.running = [g for g in self.running if g.end > now]
-        self.completed += done
+        for g in done:
+            self.former.add(g)
         return done
 
     def load(self, version: int) -> None:
@@ -90,12 +111,8 @@ class FullyAsyncStream:
     def take_batch(self) -> list[StreamGroup] | None:
         """The next batch's groups (completion order), or None while too few completed.
         Groups too old for this batch are dropped here (counted in dropped_stale)."""
-        k = self.next_batch
-        fresh = [g for g in self.completed if k - g.version <= self.max_staleness]
-        self.dropped_stale += len(self.completed) - len(fresh)
-        self.completed = fresh
-        if len(fresh) < self.groups_per_batch:
+        batch, _stale = self.former.take(self.next_batch)
+        if not batch:
             return None
-        batch, self.completed = fresh[:self.groups_per_batch], fresh[self.groups_per_batch:]
         self.next_batch += 1
         return batch

@@ -335,8 +335,8 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
     os.makedirs(run_dir)
     secret = load_or_create_secret(os.path.join(run_dir, "channel.secret"))  # the learner's too
     sets = [f"model.hf_dir={hf_dir}", f"run.dir={run_dir}", f"run.updates={len(steps)}",
-            "run.save_every=0", f"run.publish_dir={run_dir}/publish", f"channel.port={port}",
-            "run.publish=file",  # the scripted rollout reads the published file
+            "run.save_every=0", f"publish.dir={run_dir}/publish", f"channel.port={port}",
+            "publish.method=file",  # the scripted rollout reads the published file
             f"learner.objective={work.objective}", f"learner.k_open={k_open}",
             "channel.timeout_s=300", f"channel.realtime_io={str(host.realtime_io).lower()}",
             f"learner.max_staleness={max_staleness}",

@@ -1,4 +1,4 @@
-"""vLLM serving a LoRA adapter (run.publish_lora: adapter) against the merged weights.
+"""vLLM serving a LoRA adapter (publish.lora: adapter) against the merged weights.
 
 One engine started with LoRA on, over a random tiny checkpoint and a random PEFT adapter
 (peft's own save, A and B non-zero): the same seeded batch is generated on the base

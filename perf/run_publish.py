@@ -1,10 +1,10 @@
-"""Publication time and bytes per update: run.publish file vs dist vs dist + delta.
+"""Publication time and bytes per update: publish.method file vs dist vs dist + delta.
 
 One vLLM engine (the rollout) and a sender in this process (learner rank 0), on the real
 paths: `file` writes the HF-named safetensors file to /dev/shm as publish.write does and
 the engine reloads it (RolloutEngine.reload_weights); `dist` broadcasts the same tensors
 over the publication group (publish_dist.Sender) while the engine receives them
-(RolloutEngine.receive_weights); `dist+delta` does so with run.publish_delta. Every update
+(RolloutEngine.receive_weights); `dist+delta` does so with publish.delta. Every update
 changes θ as an Adam step of size `--lr` per element would (θ − lr·sign(noise), in the
 publication dtype), so the bf16 share of changed elements is realistic for that lr.
 The time is the learner's: from the start of the publication to the engine's return
@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--lr", type=float, default=1e-6, help="per-element step of an update")
     ap.add_argument("--bucket-mb", type=float, default=64.0)
-    ap.add_argument("--dense", type=float, default=0.25, help="run.publish_delta_dense")
+    ap.add_argument("--dense", type=float, default=0.25, help="publish.delta_dense")
     ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (smoke run)")
     ap.add_argument("--model-dir", default="", help="where the random model is made/reused")

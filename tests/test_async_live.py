@@ -22,7 +22,7 @@ def demo(tmp_path, *sets):
     p = subprocess.run(
         [sys.executable, os.path.join(ROOT, "launch/demo.py"), "--set", f"run.dir={run}",
          f"model.hf_dir={tmp_path}/model", "run.save_every=0", "rollout.groups_per_batch=2",
-         f"run.publish_dir={tmp_path}/publish", *sets],
+         f"publish.dir={tmp_path}/publish", *sets],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
@@ -50,7 +50,7 @@ def test_one_step_off_trains_every_later_batch_on_the_previous_policy(tmp_path):
     # later ones on θ_{k−1}'s: a real policy difference, reported
     assert all(r["logprob_diff_mean"] > 1e-3 for r in rows[1:])
     assert all(r["stale_sources"] == r["trajectories"] for r in rows[1:])
-    # θ went over the publication group (run.publish: dist, the default), every update
+    # θ went over the publication group (publish.method: dist, the default), every update
     assert all(r["publish/method"] == "dist" and r["publish/bytes"] > 0 for r in rows)
 
 

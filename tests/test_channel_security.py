@@ -396,7 +396,7 @@ def test_rollout_loads_only_what_is_under_the_publish_dir(tmp_path):
             learner.send(Publish(1, path))
             with pytest.raises(RolloutStopped) as err:
                 await_publish(rollout, 1, 5, str(pub))
-            assert repr(path) in str(err.value) and "run.publish_dir" in str(err.value)
+            assert repr(path) in str(err.value) and "publish.dir" in str(err.value)
             ack = learner.recv(5)
             assert isinstance(ack, Ack) and not ack.ok and ack.error == str(err.value)
 

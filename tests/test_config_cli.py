@@ -161,6 +161,41 @@ def test_every_config_file_loads_and_resolves():
         assert '"auto"' not in json.dumps(config_mod.to_dict(cfg)), path
 
 
+# --------------------------------------------------------------------------- renamed keys
+
+
+OLD_PUBLISH = {"run.publish": ("file", "method"), "run.publish_dir": ("/tmp/pub", "dir"),
+               "run.publish_bucket_mb": (8, "bucket_mb"), "run.publish_delta": (False, "delta"),
+               "run.publish_delta_dense": (0.5, "delta_dense"),
+               "run.publish_port": (29611, "port"), "run.publish_ifname": ("lo", "ifname"),
+               "run.publish_lora": ("merged", "lora")}
+
+
+def test_old_publish_keys_still_load_as_the_publish_section(tmp_path, capsys):
+    """run.publish and run.publish_* (a YAML file's or --set's) land in publish.*, each
+    with one line naming old → new; the old and the new name at once is one line too."""
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({"run": {k.split(".")[1]: v for k, (v, _) in
+                                            OLD_PUBLISH.items()}}))
+    from_file = load_config(str(path))
+    from_set = load_config(None, {k: v for k, (v, _) in OLD_PUBLISH.items()})
+    for cfg in (from_file, from_set):
+        for value, new in OLD_PUBLISH.values():
+            assert getattr(cfg.publish, new) == value, new
+    err = capsys.readouterr().err.splitlines()
+    for old, (_, new) in OLD_PUBLISH.items():
+        said = [line for line in err if f"'{old}'" in line]
+        assert len(said) == 2 and all(f"'publish.{new}'" in line and "deprecated" in line
+                                      for line in said), (old, err)
+    # --set wins over a file's old name; a file with both names is refused
+    assert load_config(str(path), {"publish.method": "dist"}).publish.method == "dist"
+    path.write_text("run: {publish: file}\npublish: {method: dist}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    assert "'publish.method'" in str(e.value) and "run.publish" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 # --------------------------------------------------------------------------- --set
 
 
@@ -311,7 +346,7 @@ def test_run_with_a_taken_port_stops_both_sides_with_the_rollouts_line(tmp_path)
              os.path.join(ROOT, "tsync_mcore/cli/demo.yaml"), "--keep-port", "--set",
              f"run.dir={tmp_path}/run", f"model.hf_dir={tmp_path}/model",
              f"channel.port={port}", "channel.timeout_s=300", "--set",
-             f"run.publish_dir={tmp_path}/publish"],
+             f"publish.dir={tmp_path}/publish"],
             cwd=ROOT, capture_output=True, text=True, timeout=200)
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert p.returncode == 1, p.stderr[-3000:]

@@ -45,7 +45,7 @@ def score(prompt, response, label, meta, **extra):
 
 def start(config: str, run: str, sets: list[str], resume: bool = False):
     """Rollout launcher + 2 learner ranks under torchrun (see finish)."""
-    sets = [f"run.dir={run}", f"run.publish_dir={run}/publish", f"channel.port={free_port()}",
+    sets = [f"run.dir={run}", f"publish.dir={run}/publish", f"channel.port={free_port()}",
             *sets]
     os.makedirs(run, exist_ok=True)
     common = ["--config", config, "--set", *sets]

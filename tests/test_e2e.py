@@ -393,7 +393,7 @@ def test_vllm_rollout_two_learner_ranks_few_updates(tmp_path):
         [sys.executable, os.path.join(ROOT, "launch/run.py"), "--config",
          os.path.join(ROOT, "tsync_mcore/cli/demo.yaml"), "--set", f"run.dir={run}",
          f"model.hf_dir={tmp_path}/model", "run.updates=3", "--set", "run.save_every=1",
-         "rollout.groups_per_batch=4", f"run.publish_dir={tmp_path}/publish"],
+         "rollout.groups_per_batch=4", f"publish.dir={tmp_path}/publish"],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]

@@ -41,6 +41,15 @@ BAD_CONFIGS = [
     ({"learner.on_nonfinite": "ignore"}, "learner.on_nonfinite", "one of"),
     ({"learner.bogus": 1}, "learner.bogus", "unknown key"),
     ({"rollout.kv_cache_gib": 0}, "rollout.kv_cache_gib", "> 0"),
+    ({"publish.method": "nfs"}, "publish.method", "one of"),
+    ({"publish.bucket_mb": 0}, "publish.bucket_mb", "(0, 16384]"),
+    ({"publish.bucket_mb": "big"}, "publish.bucket_mb", "number"),
+    ({"publish.delta_dense": 1.5}, "publish.delta_dense", "[0, 1]"),
+    ({"publish.delta": True, "publish.method": "file"}, "publish.delta", "dist"),
+    ({"publish.port": 70000}, "publish.port", "TCP port"),
+    ({"publish.lora": "adapter", "publish.method": "dist"}, "publish.lora", "file"),
+    ({"publish.nope": 1}, "publish.nope", "unknown key"),
+    ({"run.publish_port": -1}, "publish.port", "TCP port"),  # the old name: the new one's check
 ]
 
 

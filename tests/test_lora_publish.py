@@ -1,4 +1,4 @@
-"""LoRA runs out of the learner: adapter publication (run.publish_lora: adapter), and
+"""LoRA runs out of the learner: adapter publication (publish.lora: adapter), and
 refused LoRA checkpoints at export (tests/test_lora_export.py checks what export writes).
 
 A real short LoRA run (tests/helpers/workers/export_worker.py: 2 updates, TP = 1) starts from a
@@ -181,17 +181,17 @@ def _spec(base: str):
 
 def test_config_checks_adapter_publication():
     from tsync_mcore.config import ConfigError, load_config
-    ok = load_config(None, {"model.lora.rank": 8, "run.publish": "file",
-                            "run.publish_lora": "adapter"})
+    ok = load_config(None, {"model.lora.rank": 8, "publish.method": "file",
+                            "publish.lora": "adapter"})
     ok.validate()
-    for over, key in (({"run.publish_lora": "adapter", "run.publish": "file"}, "model.lora"),
-                      ({"model.lora.rank": 8, "run.publish_lora": "adapter"}, "run.publish"),
-                      ({"model.lora.rank": 600, "run.publish": "file",
-                        "run.publish_lora": "adapter"}, "rank 512"),
-                      ({"run.publish_lora": "both"}, "must be one of")):
+    for over, key in (({"publish.lora": "adapter", "publish.method": "file"}, "model.lora"),
+                      ({"model.lora.rank": 8, "publish.lora": "adapter"}, "publish.method"),
+                      ({"model.lora.rank": 600, "publish.method": "file",
+                        "publish.lora": "adapter"}, "rank 512"),
+                      ({"publish.lora": "both"}, "must be one of")):
         with pytest.raises(ConfigError) as e:
             load_config(None, over).validate()
-        assert "run.publish_lora" in str(e.value) and key in str(e.value), str(e.value)
+        assert "publish.lora" in str(e.value) and key in str(e.value), str(e.value)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -267,9 +267,9 @@ def test_rollout_checks_adapter_notices(tmp_path):
     from tsync_mcore.config import load_config
     from tsync_mcore.rollout.driver import RolloutStopped, check_publish
 
-    run = load_config(None, {"model.lora.rank": 8, "run.publish": "file",
-                             "run.publish_lora": "adapter"}).run
-    assert publish.method_of(run) == "adapter"
+    cfg = load_config(None, {"model.lora.rank": 8, "publish.method": "file",
+                             "publish.lora": "adapter"}).publish
+    assert publish.method_of(cfg) == "adapter"
     pub = publish.ensure_private_dir(str(tmp_path / "pub"))
 
     class Sent(list):  # the learner's end of the link: what the rollout told it
@@ -302,9 +302,9 @@ def test_demo_publishes_the_adapter_and_vllm_serves_the_learners_policy(tmp_path
     p = subprocess.run(
         [sys.executable, os.path.join(ROOT, "launch/demo.py"), "--set", f"run.dir={run}",
          f"model.hf_dir={tmp_path}/model", "run.updates=2", "run.save_every=0",
-         "rollout.groups_per_batch=4", f"run.publish_dir={tmp_path}/publish",
-         "model.lora.rank=8", "optim.lr=1e-3", "run.publish=file",
-         "run.publish_lora=adapter"],
+         "rollout.groups_per_batch=4", f"publish.dir={tmp_path}/publish",
+         "model.lora.rank=8", "optim.lr=1e-3", "publish.method=file",
+         "publish.lora=adapter"],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]

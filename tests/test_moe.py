@@ -547,7 +547,7 @@ def test_live_run_at_ep2_publishes_checkpoints_and_exports(tmp_path):
          os.path.join(root, "tsync_mcore/cli/demo.yaml"), "--set", f"run.dir={run}",
          f"model.hf_dir={model}", "run.updates=2", "rollout.groups_per_batch=4", "model.ep=2",
          "learner.schedule=group_ready", "learner.shared_prefix=false",
-         "learner.routing_replay=learner", "run.publish=file", f"run.publish_dir={pub}"],
+         "learner.routing_replay=learner", "publish.method=file", f"publish.dir={pub}"],
         cwd=root, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "[config] rollout.routing: auto -> static (model.ep > 1" in p.stdout

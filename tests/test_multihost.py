@@ -45,12 +45,12 @@ PY = sys.executable
 
 def publish_sets(run_dir) -> list[str]:
     """File publication (the single-host reference): a directory every process sees."""
-    return ["run.publish=file", f"run.publish_dir={run_dir}/publish"]
+    return ["publish.method=file", f"publish.dir={run_dir}/publish"]
 
 
 # Across hosts θ travels over the publication group, on the rollout host's veth, into two
 # vLLM replicas (each receives every publication and must acknowledge it).
-ACROSS_HOSTS = ["run.publish=dist", "run.publish_ifname=eth0", "rollout.replicas=2"]
+ACROSS_HOSTS = ["publish.method=dist", "publish.ifname=eth0", "rollout.replicas=2"]
 
 
 @pytest.fixture
@@ -243,7 +243,7 @@ def test_learner_node_unplugged_mid_batch_stops_within_the_timeout(hosts, tiny_q
             f"run.dir={run}", "run.updates=2", "run.save_every=1", "optim.lr=1e-4",
             f"channel.timeout_s={timeout_s}", "channel.join_timeout_s=200",
             "channel.ack_timeout_s=60", *node_sets(hosts, 29610, dist_timeout_s),
-            "run.publish=file", f"run.publish_dir={run}/publish"]  # the scripted rollout reads the file
+            "publish.method=file", f"publish.dir={run}/publish"]  # the scripted rollout reads the file
     procs = start_hosts(hosts, argv, run, roles=("node0", "node1"))
     try:
         assert lines.get(timeout=240) == "PAUSED", open(run / "rollout.err").read()[-3000:]
@@ -325,10 +325,10 @@ def test_node_0_refuses_file_publication_the_rollout_host_cannot_read(tmp_path):
     # default directory (node-local /dev/shm) would be out of its reach
     p = subprocess.run(
         [PY, "launch/run.py", "--config", "tsync_mcore/cli/demo.yaml", "--set", f"run.dir={tmp_path}",
-         "run.publish=file", "channel.addr=192.0.2.1", "launch.nnodes=2",
+         "publish.method=file", "channel.addr=192.0.2.1", "launch.nnodes=2",
          "launch.master_addr=192.0.2.2", "launch.master_port=29500", "--role", "learner", "--node-rank", "0"],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and p.stderr.startswith("error: run: run.publish_dir: the rollout "
+    assert p.returncode == 2 and p.stderr.startswith("error: run: publish.dir: the rollout "
                                                      "(channel.addr 192.0.2.1) is on another host")
     assert not os.path.exists(tmp_path / "logs")  # refused before anything started
 

@@ -33,7 +33,7 @@ def test_demo_through_the_openai_endpoint_trains_the_recorded_ids(tmp_path):
          f"model.hf_dir={tmp_path}/model", "run.updates=2", "rollout.groups_per_batch=4",
          "rollout.group_size=2", "rollout.agent=openai", f"rollout.agent_command={agent}",
          "rollout.agent_timeout_s=20", "rollout.agent_failed_reward=-0.5",
-         f"run.publish_dir={tmp_path}/publish"],
+         f"publish.dir={tmp_path}/publish"],
         cwd=ROOT, capture_output=True, text=True, timeout=480)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
@@ -110,7 +110,7 @@ def test_dataset_task_through_the_endpoint_scores_the_recorded_answer(tmp_path):
          "rollout.group_size=2", "rollout.max_turns=1", "rollout.env=dataset",
          f"data.train={data}", f"reward.function={rw}:score", "rollout.agent=openai",
          f"data.eval={evals}", "run.eval_every=1", "data.eval_n=2", "rollout.agent_pool=2",
-         "data.system_prompt=Answer with digits.", f"run.publish_dir={tmp_path}/publish"],
+         "data.system_prompt=Answer with digits.", f"publish.dir={tmp_path}/publish"],
         cwd=ROOT, capture_output=True, text=True, timeout=480)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]

@@ -1,9 +1,9 @@
-"""Publication over torch.distributed (run.publish: dist) into live vLLM engines.
+"""Publication over torch.distributed (publish.method: dist) into live vLLM engines.
 
 Two RolloutEngines (2 replicas, each one worker) join one publication group with a sender
 in this process (learner rank 0) or in a TP=2 torchrun learner. What an engine holds is read
 back from the vLLM model itself (`param_digest`: its fused, repacked tensors), and compared
-with what a file reload of the same weights (run.publish: file) leaves there.
+with what a file reload of the same weights (publish.method: file) leaves there.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def test_delta_publication_matches_the_full_one_after_every_update(rig, ckpts, t
             assert st.full and st.sparse_buckets == 0
         elif share <= 0.02:
             assert st.sparse_buckets == st.buckets and st.bytes < full_bytes / 2, (v, st)
-        elif share >= 0.3:  # denser than run.publish_delta_dense: buckets go whole
+        elif share >= 0.3:  # denser than publish.delta_dense: buckets go whole
             assert st.sparse_buckets == 0 and st.bytes >= full_bytes
         path = str(tmp_path / f"theta_{v}.safetensors")
         save_file(theta, path)
@@ -196,13 +196,13 @@ def test_delta_publication_matches_the_full_one_after_every_update(rig, ckpts, t
 
 def test_a_drifted_replica_gets_the_whole_model_next(tmp_path):
     """The learner side of the checksum: a mismatched ack makes the next publication whole."""
-    from tsync_mcore.config import RunConfig
+    from tsync_mcore.config import PublishConfig
     from tsync_mcore.publication.send import Publisher
 
     store = pd.host_store("127.0.0.1", 0, 10)
     pg = pd.join_group("127.0.0.1", store.port, 0, 1, token="solo", timeout_s=10)
     theta = {"w": torch.randn(1000), "b": torch.randn(10)}
-    pub = Publisher(RunConfig(publish_delta=True), None,
+    pub = Publisher(PublishConfig(delta=True), None,
                     SimpleNamespace(par=SimpleNamespace(rank=0, tp_size=1)), None, str(tmp_path))
     pub.sender = pd.Sender(pg, pd.params_of(theta.items()), 4096, delta=True)
     for v in (1, 2):

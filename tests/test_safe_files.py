@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tsync_mcore.publication import send as publish
-from tsync_mcore.config import RunConfig
+from tsync_mcore.config import PublishConfig
 from tsync_mcore.publication.send import PublishDirError
 from tsync_mcore.util.safe_files import ModelDirError, check_hf_dir
 
@@ -49,17 +49,16 @@ def test_publish_dir_of_another_user_is_refused(tmp_path):
 
 
 def test_default_publish_dir_is_private_and_per_run(tmp_path, monkeypatch):
-    run = RunConfig(dir=str(tmp_path / "run"))
-    path = publish.resolve_dir(run)
+    path = publish.resolve_dir(PublishConfig(), str(tmp_path / "run"))
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     assert os.path.basename(path).startswith(f"tsync-{os.getuid()}-")
     if base:
         assert os.path.dirname(path) == base
     # the same run dir however it is spelled gives the same directory; another run another
     monkeypatch.chdir(tmp_path)
-    assert publish.resolve_dir(RunConfig(dir="run")) == path
-    assert publish.resolve_dir(RunConfig(dir=str(tmp_path / "other"))) != path
-    assert publish.resolve_dir(RunConfig(dir="run", publish_dir="pub")) == str(tmp_path / "pub")
+    assert publish.resolve_dir(PublishConfig(), "run") == path
+    assert publish.resolve_dir(PublishConfig(), str(tmp_path / "other")) != path
+    assert publish.resolve_dir(PublishConfig(dir="pub"), "run") == str(tmp_path / "pub")
     try:
         publish.ensure_private_dir(path)
         assert stat.S_IMODE(os.lstat(path).st_mode) == 0o700
@@ -103,8 +102,8 @@ def test_learner_refuses_an_open_publish_dir_in_one_line(tiny_qwen2, tmp_path):
     pub = tmp_path / "pub"
     pub.mkdir()
     pub.chmod(0o777)
-    proc = _learner(tiny_qwen2, str(tmp_path / "run"), "run.publish=file",
-                    f"run.publish_dir={pub}")
+    proc = _learner(tiny_qwen2, str(tmp_path / "run"), "publish.method=file",
+                    f"publish.dir={pub}")
     assert proc.returncode == 3, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last == (f"error: learner stopped: publish directory {pub}: writable by group or others "

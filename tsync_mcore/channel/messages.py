@@ -196,7 +196,7 @@ class DropGroup:
 
 @message(code=12, sender=ROLLOUT)
 class PublishGroup:
-    """Rollout → learner rank 0 after its Hello (run.publish: dist): join the publication
+    """Rollout → learner rank 0 after its Hello (publish.method: dist): join the publication
     group as rank 0 through the store at channel.addr:`port`, `world` members in all,
     named `token` in the store."""
 

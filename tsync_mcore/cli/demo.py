@@ -62,7 +62,7 @@ def main() -> None:
                     f"channel.port={free_port()}"]
             teacher_cfg = config_or_exit("demo", args.config, overrides + tcfg)
             run_job(args.config, overrides + tcfg, teacher_cfg, who="demo")
-            make_hf_dir(cfg.model.hf_dir, publish.resolve_dir(teacher_cfg.run), teacher)
+            make_hf_dir(cfg.model.hf_dir, publish.resolve_dir(teacher_cfg.publish, teacher_cfg.run.dir), teacher)
         overrides.append(f"rollout.teacher_dir={teacher}")
         cfg = config_or_exit("demo", args.config, overrides)
     rows = run_job(args.config, overrides, cfg, who="demo", resume=args.resume)

@@ -177,9 +177,9 @@ def learner_env(cfg, env: dict) -> dict:
 
 def rollout_env(cfg, env: dict) -> dict:
     """The rollout's environment: its GPUs, and the interface of the publication group
-    (run.publish_ifname, when the config has it; docs/guide/multihost.md)."""
+    (publish.ifname, when the config has it; docs/guide/multihost.md)."""
     return _ifname_env(_gpu_env(env, cfg.launch.rollout_gpus),
-                       getattr(cfg.run, "publish_ifname", ""))
+                       getattr(getattr(cfg, "publish", None), "ifname", ""))
 
 
 def learner_command(cfg, common: list[str], *, node_rank: int = 0, master_port: int = 0,
@@ -202,15 +202,16 @@ def check_publish_reach(cfg, who: str) -> None:
     the rollout runs on the host that writes it (learner rank 0's, learner node 0). One
     `error:` line and exit 2 otherwise, before anything starts."""
     from tsync_mcore.channel import nodes
-    if getattr(cfg.run, "publish", "file") != "file" or cfg.run.publish_dir:
+    pub = getattr(cfg, "publish", None)
+    if getattr(pub, "method", "file") != "file" or getattr(pub, "dir", ""):
         return
     rollout = cfg.channel.addr
     if nodes.is_local_address(rollout):
         return
-    print(f"error: {who}: run.publish_dir: the rollout (channel.addr {rollout}) is on another "
+    print(f"error: {who}: publish.dir: the rollout (channel.addr {rollout}) is on another "
           f"host, and file publication's default directory is node-local shared memory it "
-          f"cannot read: set run.publish_dir to a directory both hosts share, or "
-          f"run.publish: dist (docs/guide/multihost.md)", file=sys.stderr, flush=True)
+          f"cannot read: set publish.dir to a directory both hosts share, or "
+          f"publish.method: dist (docs/guide/multihost.md)", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
@@ -257,7 +258,7 @@ def run_job(config: str | None, overrides: list[str], cfg, *, who: str = "run",
     or `learner` (learner node `node_rank` of launch.nnodes). Streams one line per update
     where learner rank 0 runs and returns the metrics rows seen (a resumed run's earlier
     rows included). Each side gets its CUDA_VISIBLE_DEVICES from launch.*_gpus and its
-    torch.distributed interface from launch.ifname / run.publish_ifname; logs go to
+    torch.distributed interface from launch.ifname / publish.ifname; logs go to
     RUN/logs. If a side dies the others started here are stopped, and the job ends with
     one `error:` line and exit 1."""
     import json

@@ -262,30 +262,6 @@ class RunConfig:
     dir: str = "runs/default"  # config.yaml, metrics.jsonl, traces, checkpoints
     updates: int = 10  # optimizer steps (one per batch) the run ends after
     save_every: int = 0  # checkpoint every N updates (0: only at the end)
-    # Where θ_{k+1} is written for the replicas; "" (default): a private per-run directory
-    # in /dev/shm derived from the absolute run.dir (publish.resolve_dir).
-    publish_dir: str = ""
-    # How θ_{k+1} reaches the rollout (docs/design/publication.md): dist: broadcast over a
-    # torch.distributed group (gloo on CPU, NCCL on GPU) from learner rank 0 straight into
-    # every vLLM worker; file: a safetensors file in run.publish_dir that each reloads
-    publish: Literal["dist", "file"] = "dist"
-    publish_bucket_mb: float = 64.0  # dist: broadcast θ in buckets of at most this size
-    # dist: send only the elements that changed since the last publication (whole buckets
-    # where more than run.publish_delta_dense of them changed); costs one HF-named copy of
-    # θ in host memory on learner rank 0 and on every rollout worker; acks carry checksums
-    publish_delta: bool = False
-    publish_delta_dense: float = 0.25  # delta: changed fraction above which a bucket goes whole
-    # dist: TCP port of the group's rendezvous store, served by the rollout at
-    # channel.addr; 0: a free port, announced to learner rank 0 over the channel
-    publish_port: int = 0
-    # dist: network interface the group's connections use (GLOO_SOCKET_IFNAME /
-    # NCCL_SOCKET_IFNAME); "": the default route's
-    publish_ifname: str = ""
-    # With model.lora (docs/guide/lora.md, "Publication"): merged: θ = W + (α/r)·B·A in the
-    # served dtype, as for full runs; adapter: the adapter alone, a PEFT directory in
-    # run.publish_dir that vLLM serves as a LoRA request over the base it started from
-    # (needs run.publish: file)
-    publish_lora: Literal["merged", "adapter"] = "merged"
     # Python GC: automatic collection off, one pass after publishing every N updates
     # (0: Python's automatic GC, whose full passes stalled the learner mid-stream)
     gc_every: int = 1
@@ -313,23 +289,55 @@ class RunConfig:
         _check(self.eval_every >= 0, "run.eval_every", f"must be >= 0, got {self.eval_every}")
         _check(self.save_every >= 0, "run.save_every", "must be >= 0")
         _check(self.gc_every >= 0, "run.gc_every", f"must be >= 0, got {self.gc_every}")
-        _check(self.publish in ("dist", "file"), "run.publish",
-               f"must be dist or file, got {self.publish!r}")
-        _check(0 < self.publish_bucket_mb <= 16384, "run.publish_bucket_mb",
-               f"must be in (0, 16384], got {self.publish_bucket_mb}")
-        _check(0.0 <= self.publish_delta_dense <= 1.0, "run.publish_delta_dense",
-               f"must be in [0, 1], got {self.publish_delta_dense}")
-        _check(not self.publish_delta or self.publish == "dist", "run.publish_delta",
-               "needs run.publish: dist")
-        _check(self.publish_lora == "merged" or self.publish == "file", "run.publish_lora",
-               "'adapter' publishes a PEFT directory in run.publish_dir that each replica "
-               "loads: set run.publish: file")
-        _check(0 <= self.publish_port < 65536, "run.publish_port",
-               f"must be a TCP port or 0 (a free one), got {self.publish_port}")
         _check(bool(self.dir), "run.dir", "must not be empty")
         from tsync_mcore.observability.tracking import check_loggers  # the tracking module names the backends
         why = check_loggers(self.loggers)
         _check(why is None, "run.loggers", why or "")
+
+
+@dataclass
+class PublishConfig:
+    """How θ_{k+1} reaches the rollout (docs/design/publication.md); formerly run.publish_*."""
+
+    # How θ_{k+1} reaches the rollout: dist: broadcast over a torch.distributed group (gloo
+    # on CPU, NCCL on GPU) from learner rank 0 straight into every vLLM worker; file: a
+    # safetensors file in publish.dir that each reloads
+    method: Literal["dist", "file"] = "dist"
+    # Where θ_{k+1} is written for the replicas; "" (default): a private per-run directory
+    # in /dev/shm derived from the absolute run.dir (publication.send.resolve_dir).
+    dir: str = ""
+    bucket_mb: float = 64.0  # dist: broadcast θ in buckets of at most this size
+    # dist: send only the elements that changed since the last publication (whole buckets
+    # where more than publish.delta_dense of them changed); costs one HF-named copy of
+    # θ in host memory on learner rank 0 and on every rollout worker; acks carry checksums
+    delta: bool = False
+    delta_dense: float = 0.25  # delta: changed fraction above which a bucket goes whole
+    # dist: TCP port of the group's rendezvous store, served by the rollout at
+    # channel.addr; 0: a free port, announced to learner rank 0 over the channel
+    port: int = 0
+    # dist: network interface the group's connections use (GLOO_SOCKET_IFNAME /
+    # NCCL_SOCKET_IFNAME); "": the default route's
+    ifname: str = ""
+    # With model.lora (docs/guide/lora.md, "Publication"): merged: θ = W + (α/r)·B·A in the
+    # served dtype, as for full runs; adapter: the adapter alone, a PEFT directory in
+    # publish.dir that vLLM serves as a LoRA request over the base it started from
+    # (needs publish.method: file)
+    lora: Literal["merged", "adapter"] = "merged"
+
+    def validate(self) -> None:
+        _check(self.method in ("dist", "file"), "publish.method",
+               f"must be dist or file, got {self.method!r}")
+        _check(0 < self.bucket_mb <= 16384, "publish.bucket_mb",
+               f"must be in (0, 16384], got {self.bucket_mb}")
+        _check(0.0 <= self.delta_dense <= 1.0, "publish.delta_dense",
+               f"must be in [0, 1], got {self.delta_dense}")
+        _check(not self.delta or self.method == "dist", "publish.delta",
+               "needs publish.method: dist")
+        _check(self.lora == "merged" or self.method == "file", "publish.lora",
+               "'adapter' publishes a PEFT directory in publish.dir that each replica "
+               "loads: set publish.method: file")
+        _check(0 <= self.port < 65536, "publish.port",
+               f"must be a TCP port or 0 (a free one), got {self.port}")
 
 
 @dataclass
@@ -633,6 +641,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
     channel: ChannelConfig = field(default_factory=ChannelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
@@ -648,6 +657,7 @@ class Config:
         self.optim.validate()
         self.learner.validate()
         self.run.validate()
+        self.publish.validate()
         self.channel.validate()
         self.rollout.validate()
         self.launch.validate()
@@ -719,14 +729,14 @@ class Config:
                f"passes the lockstep does not match; set it false")
 
     def _check_publish_lora(self) -> None:
-        if self.run.publish_lora != "adapter":
+        if self.publish.lora != "adapter":
             return
         rank = self.model.lora.rank
-        _check(rank > 0 or bool(self.model.lora_init), "run.publish_lora", "'adapter' "
+        _check(rank > 0 or bool(self.model.lora_init), "publish.lora", "'adapter' "
                "publishes the LoRA adapter: set model.lora.rank > 0 or model.lora_init (or "
-               "leave run.publish_lora: merged)")
+               "leave publish.lora: merged)")
         from tsync_mcore.model.lora_spec import VLLM_LORA_RANKS
-        _check(rank <= VLLM_LORA_RANKS[-1], "run.publish_lora", f"'adapter': vLLM serves "
+        _check(rank <= VLLM_LORA_RANKS[-1], "publish.lora", f"'adapter': vLLM serves "
                f"adapters up to rank {VLLM_LORA_RANKS[-1]}, model.lora.rank is {rank}")
 
     def _check_nodes(self) -> None:
@@ -1027,12 +1037,55 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+# Keys that moved, old dotted name → new. The old names still load, in a YAML file and in
+# --set overrides, each with one line on stderr naming old → new (as learner.token_norm's
+# deprecated values are resolved and said).
+RENAMED = {
+    "run.publish": "publish.method",
+    "run.publish_dir": "publish.dir",
+    "run.publish_bucket_mb": "publish.bucket_mb",
+    "run.publish_delta": "publish.delta",
+    "run.publish_delta_dense": "publish.delta_dense",
+    "run.publish_port": "publish.port",
+    "run.publish_ifname": "publish.ifname",
+    "run.publish_lora": "publish.lora",
+}
+
+
+def _deprecated(old: str, new: str, where: str) -> None:
+    print(f"config: '{old}' is deprecated, renamed '{new}' ({where}); the old name still "
+          f"works", file=sys.stderr, flush=True)
+
+
+def _rename_keys(data: dict[str, Any], where: str) -> None:
+    """Move every RENAMED key found in the mapping `data` (a YAML file's) to its new place."""
+    for old, new in RENAMED.items():
+        (old_sec, old_key), (new_sec, new_key) = old.split("."), new.split(".")
+        section = data.get(old_sec)
+        if not isinstance(section, dict) or old_key not in section:
+            continue
+        target = data.setdefault(new_sec, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"config key '{new_sec}': must be a mapping of its keys, got "
+                              f"{type(target).__name__} {str(target)[:80]!r}")
+        if new_key in target:
+            raise ConfigError(f"config key '{new}': set twice in {where}, also by its old "
+                              f"name '{old}'; keep '{new}' only")
+        target[new_key] = section.pop(old_key)
+        _deprecated(old, new, where)
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
                 replay: bool = False) -> Config:
     """Load a YAML file (or defaults) and apply dotted overrides like {"learner.k_open": 2}.
-    `replay`: validate for the replay harness (Config.validate)."""
+    `replay`: validate for the replay harness (Config.validate). Old key names (RENAMED)
+    are moved to their new ones, with one line each."""
     data: dict[str, Any] = _read_yaml(path) if path is not None else {}
+    _rename_keys(data, str(path))
     for dotted, value in (overrides or {}).items():
+        if dotted in RENAMED:
+            _deprecated(dotted, RENAMED[dotted], "--set")
+            dotted = RENAMED[dotted]
         node = data
         *parents, leaf = dotted.split(".")
         for i, p in enumerate(parents):

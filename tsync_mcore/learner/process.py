@@ -96,8 +96,8 @@ class Trainer:
         self.t_ready = 0.0  # the rollout's first acknowledgement: training starts
         self.t_published = 0.0  # the last publication (an async step's period ends there)
         self.finishing = ""  # why the run ends after this update ("": it goes on)
-        self.publish_dir = publish.resolve_dir(cfg.run)
-        if self.par.rank == 0 and cfg.run.publish == "file":
+        self.publish_dir = publish.resolve_dir(cfg.publish, cfg.run.dir)
+        if self.par.rank == 0 and cfg.publish.method == "file":
             try:
                 publish.ensure_private_dir(self.publish_dir)
             except publish.PublishDirError as e:
@@ -123,7 +123,7 @@ class Trainer:
                                       timeout_s=ch.timeout_s, realtime_io=ch.realtime_io,
                                       secret=channel_secret(cfg),
                                       join_timeout_s=ch.join_timeout_s)
-        self.publisher = publish.Publisher(cfg.run, ch, self.policy,
+        self.publisher = publish.Publisher(cfg.publish, ch, self.policy,
                                            self.link if self.par.rank == 0 else None,
                                            self.publish_dir, rollout_dtype=cfg.rollout.dtype)
         # Manual GC (as Megatron's --manual-gc): Python's automatic full passes walk every
@@ -375,7 +375,7 @@ class Trainer:
 
     def _publish(self) -> None:
         """Export θ_version and hand it to the rollout (rank 0 sends the notice and, for
-        run.publish: dist, broadcasts θ over the publication group)."""
+        publish.method: dist, broadcasts θ over the publication group)."""
         try:
             self.publisher.publish(self.version)
         except publish_dist.PublishError as e:
@@ -418,7 +418,7 @@ class Trainer:
         drift = self.publisher.check_ack(ack)
         if drift:
             print(f"[learner] {drift}", file=sys.stderr, flush=True)
-        if self.cfg.run.publish == "file":
+        if self.cfg.publish.method == "file":
             publish.cleanup(self.publish_dir, keep=[self.acked, *self.unacked])
         return self.link.last_arrival
 

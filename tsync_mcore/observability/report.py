@@ -87,7 +87,7 @@ def summarize(run: dict, warmup: int) -> dict:
         "reward_first": run["metrics"][0].get("reward_mean") if run["metrics"] else None,
         "reward_last": rewards[-1] if rewards else None,
         "stale": sum(pick("stale_sources")),
-        # bytes each publication sent (run.publish; docs/design/publication.md), and how
+        # bytes each publication sent (publish.method; docs/design/publication.md), and how
         "publish_bytes": mean(pick("publish/bytes")) if pick("publish/bytes") else None,
         "publish_method": (pick("publish/method") or ["file"])[-1],
     }

@@ -3,7 +3,7 @@ straight into every rollout worker (docs/design/publication.md).
 
 The group: learner rank 0 is group rank 0 (the broadcaster), each vLLM worker one more
 rank. It is a standalone process group (gloo on CPU, NCCL on GPU) over a TCPStore that the
-rollout driver hosts, so neither side's default group (Megatron's, vLLM's) is touched. It
+rollout hosts (receive.open_group), so neither side's default group (Megatron's, vLLM's) is touched. It
 is made once, at the start of a run.
 
 One publication, in order, every piece a broadcast from rank 0:

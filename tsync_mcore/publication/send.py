@@ -1,9 +1,13 @@
-"""Publication of θ_{k+1}: export HF-named weights where every replica can load them.
+"""Publication of θ_{k+1}, the learner's side: export HF-named weights where every replica
+can load them (docs/design/publication.md).
 
-On CPU (and single-node GPU runs) the weights go to a safetensors file in shared memory
-(/dev/shm), which the rollout's vLLM worker extension reloads layer by layer. On multi-node
-GPU deployments a bucketed NCCL broadcast would replace the file; the acknowledgement
-protocol around it stays the same.
+publish.method: file writes them to a safetensors file in the publication directory
+(shared memory, /dev/shm, by default), which the rollout's vLLM worker extension reloads
+layer by layer; with publish.lora: adapter, a PEFT adapter directory there instead.
+publish.method: dist (the default) hands them to tsync_mcore.publication.dist, which broadcasts them in
+buckets (optionally as deltas) over a gloo/NCCL group straight into the vLLM workers. Either
+way `Publisher` announces a `Publish` on the channel, and the acknowledgement protocol
+around it (tsync_mcore.publication.receive on the rollout) is the same.
 
 Whoever can write the publication directory decides what the replicas load, so it must be
 private: owned by this user, not writable by group or others, not a symlink. By default
@@ -31,13 +35,14 @@ class PublishDirError(BadFile):
     """The publication directory is not private to this user; the message says why."""
 
 
-def resolve_dir(run) -> str:
-    """The publication directory of a run (RunConfig): `run.publish_dir`, or when that is
-    empty a per-user, per-run directory in shared memory (the temp dir without /dev/shm)."""
-    if run.publish_dir:
-        return os.path.abspath(run.publish_dir)
+def resolve_dir(pub, run_dir: str) -> str:
+    """The publication directory of a run: `publish.dir` (`pub`, a PublishConfig), or when
+    that is empty a per-user directory in shared memory (the temp dir without /dev/shm) for
+    the run directory `run_dir` (run.dir)."""
+    if pub.dir:
+        return os.path.abspath(pub.dir)
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    tag = hashlib.sha256(os.path.abspath(run.dir).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
     return os.path.join(base, f"tsync-{os.getuid()}-{tag}")
 
 
@@ -100,10 +105,11 @@ def notice(version: int, path: str) -> Publish:
 # --------------------------------------------------------------------------- LoRA adapters
 
 
-def method_of(run) -> str:
-    """What a Publish of this run (RunConfig) says: file, dist, or adapter (a PEFT
-    directory, run.publish_lora: adapter; the config check makes that run.publish: file)."""
-    return "adapter" if run.publish_lora == "adapter" else run.publish
+def method_of(pub) -> str:
+    """What a Publish of this run (`pub`, a PublishConfig) says: file, dist, or adapter (a
+    PEFT directory, publish.lora: adapter; the config check makes that publish.method:
+    file)."""
+    return "adapter" if pub.lora == "adapter" else pub.method
 
 
 def adapter_path_for(publish_dir: str, version: int) -> str:
@@ -111,7 +117,7 @@ def adapter_path_for(publish_dir: str, version: int) -> str:
 
 
 def write_adapter(policy, publish_dir: str, version: int) -> str:
-    """run.publish_lora: adapter. Collective at TP > 1 (`Policy.export_adapter` gathers
+    """publish.lora: adapter. Collective at TP > 1 (`Policy.export_adapter` gathers
     the TP shards); rank 0 writes θ_version's adapter as a PEFT directory (adapter_config
     + adapter_model.safetensors), built beside it and renamed into place, so a replica
     never sees half of one."""
@@ -157,14 +163,14 @@ def cleanup(publish_dir: str, keep: int | Iterable[int]) -> None:
 
 
 class Publisher:
-    """The learner's side of publication (run.publish), for every rank: `publish` is a
+    """The learner's side of publication (publish.method), for every rank: `publish` is a
     collective (the export gathers TP shards); rank 0 sends the notice and, for dist,
     broadcasts θ over the publication group (tsync_mcore.publication.dist), which it joins at
     the first publication. `stats` holds the last publication's metrics."""
 
-    def __init__(self, run, channel, policy, link, publish_dir: str,
+    def __init__(self, pub, channel, policy, link, publish_dir: str,
                  rollout_dtype: str = "") -> None:
-        self.run, self.channel, self.policy = run, channel, policy
+        self.pub, self.channel, self.policy = pub, channel, policy  # pub: PublishConfig
         # dist: θ travels in the rollout's precision (rollout.dtype), which vLLM would cast
         # to anyway: an fp32 learner feeding a bf16 rollout sends half the bytes, and bf16
         # deltas stay sparse
@@ -181,13 +187,13 @@ class Publisher:
         self.stats: dict = {}
 
     def publish(self, version: int) -> None:
-        if self.run.publish_lora == "adapter":
+        if self.pub.lora == "adapter":
             path = write_adapter(self.policy, self.publish_dir, version)
             if self.rank0:
                 self.link.send(Publish(version=version, path=path, method="adapter"))
                 self.stats = {"publish/method": "adapter", "publish/bytes": _tree_bytes(path)}
             return
-        if self.run.publish == "file":
+        if self.pub.method == "file":
             path = write(self.policy, self.publish_dir, version)
             if self.rank0:
                 self.link.send(notice(version, path))
@@ -228,13 +234,13 @@ class Publisher:
 
     def kept_notice(self, version: int) -> Publish:
         """The notice of θ_version again (a dropped batch): nothing to load."""
-        if self.run.publish_lora == "adapter":
+        if self.pub.lora == "adapter":
             return Publish(version=version, path=adapter_path_for(self.publish_dir, version),
                            method="adapter")
-        if self.run.publish == "file":
+        if self.pub.method == "file":
             return notice(version, path_for(self.publish_dir, version))
         return Publish(version=version, path="", method="dist", n_buckets=0,
-                       delta=self.run.publish_delta)
+                       delta=self.pub.delta)
 
     def check_ack(self, ack) -> str:
         """Rank 0, delta: the checksum every rollout worker reports for the version it
@@ -256,10 +262,10 @@ class Publisher:
         from tsync_mcore.publication import dist as publish_dist
         from tsync_mcore.channel import PublishGroup
 
-        ch, run = self.channel, self.run
+        ch, pub = self.channel, self.pub
         msg = self.link.recv(timeout_s=max(ch.ack_timeout_s, ch.timeout_s, ch.join_timeout_s))
         if not isinstance(msg, PublishGroup):
-            raise publish_dist.PublishError(f"run.publish: dist: expected the rollout's "
+            raise publish_dist.PublishError(f"publish.method: dist: expected the rollout's "
                                             f"PublishGroup, got {type(msg).__name__} (does "
                                             f"the rollout run the same config?)")
         if not 0 < msg.port < 65536 or not 2 <= msg.world <= 4096:
@@ -271,7 +277,7 @@ class Publisher:
                                             f"{msg.backend}, this learner {mine}")
         pg = publish_dist.join_group(ch.addr, msg.port, 0, msg.world, token=msg.token,
                                      timeout_s=ch.ack_timeout_s, backend=mine,
-                                     ifname=run.publish_ifname)
-        return publish_dist.Sender(pg, self.params, int(run.publish_bucket_mb * 2**20),
-                                   backend=mine, delta=run.publish_delta,
-                                   dense_frac=run.publish_delta_dense)
+                                     ifname=pub.ifname)
+        return publish_dist.Sender(pg, self.params, int(pub.bucket_mb * 2**20),
+                                   backend=mine, delta=pub.delta,
+                                   dense_frac=pub.delta_dense)

@@ -157,7 +157,7 @@ class RolloutEngine:
         self.publish_ranks = tensor_parallel_size
         self.checksums: list[str] = []
         self.bytes_received = 0
-        # Adapter publication (run.publish_lora: adapter): every request is served with the
+        # Adapter publication (publish.lora: adapter): every request is served with the
         # adapter of the version it was admitted under; None: the weights alone.
         self.lora_rank = lora_rank
         self._lora: Any = None  # vllm LoRARequest of the current version
@@ -311,7 +311,7 @@ class RolloutEngine:
     async def load_adapter(self, path: str, *, mode: Literal["keep", "wait", "abort"] = "keep",
                            version: int | None = None) -> float:
         """Serve every later request with the PEFT adapter directory `path` on the base
-        weights the engine holds (run.publish_lora: adapter); returns seconds taken.
+        weights the engine holds (publish.lora: adapter); returns seconds taken.
 
         The swap is `reload_weights`' (same gate, pause and prefix-cache reset), except
         that "keep" acts as "abort": a vLLM request keeps the adapter it was admitted with,

@@ -1,4 +1,4 @@
-"""A TP learner publishing its θ over the publication group (run.publish: dist).
+"""A TP learner publishing its θ over the publication group (publish.method: dist).
 
 Usage (under torchrun): publish_worker.py HF_DIR TP ADDR PORT WORLD TOKEN BUCKET_BYTES
 Every rank builds the policy from HF_DIR at model.tp=TP and takes its part in the per-tensor

@@ -1,8 +1,0 @@
-"""Rollout side: vLLM generation with in-place weight reload (engine, replicas), environments
-(envs, dataset_env, terminal_env), the built-in agent loop (loop), the data feed and pacing,
-the driver that runs schedules against the channel, and the OpenAI endpoint (openai/).
-
-Imports: anything below learner (util … publication); never learner or cli.
-
-Import the submodules directly; `engine` imports vLLM lazily (only when an engine is built).
-"""

@@ -1,7 +1,0 @@
-"""The rollout's OpenAI-compatible endpoint for outside agents (docs/agents.md).
-
-server      the HTTP app: chat/text completions, tool routes, rewards, pool hand-outs
-session     one trajectory's token-exact record of what the model sampled and was shown
-processes   agents as a process per trajectory; counters; the built-in commands
-pool        long-lived agent workers that pull trajectories
-agents/     the bundled agents (separate programs: they import only agents/)"""
