@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
-from tsync_mcore.util.net import free_port  # noqa: E402
 
 from tests.helpers.paths import ROOT as REPO_ROOT
+from tsync_mcore.util.net import free_port  # noqa: E402
+
 RESULT_PREFIX = "RESULT "
 
 

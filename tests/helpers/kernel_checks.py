@@ -16,7 +16,6 @@ import os
 import sys
 import tempfile
 
-
 import torch  # noqa: E402
 
 T, V = 37, 1000  # V is not a multiple of the interpreter BLOCK_V (128)

@@ -10,8 +10,16 @@ from safetensors.torch import load_file
 
 from tests.helpers.batchgen import make_batch
 from tests.helpers.paths import ROOT
-from tsync_mcore.channel import (Ack, CloseBatch, Hello, Publish, RegisterBatch, TrajectoryMsg,
-                                 load_or_create_secret, open_rollout_side)
+from tsync_mcore.channel import (
+    Ack,
+    CloseBatch,
+    Hello,
+    Publish,
+    RegisterBatch,
+    TrajectoryMsg,
+    load_or_create_secret,
+    open_rollout_side,
+)
 from tsync_mcore.channel.sources import BatchPlan, TrajectorySource, assign_groups
 from tsync_mcore.util.net import free_port
 

@@ -20,15 +20,20 @@ class _NoVllm:
         return None
 
 
-@pytest.fixture(autouse=True)
-def _pure(monkeypatch):
+@pytest.fixture(autouse=True, scope="package")
+def _pure():
+    """Package scope: set up before any module fixture of the lane, so fixtures are held to
+    the promise as well as tests."""
     def refuse(*args, **kwargs):
         raise AssertionError(MOVE.format(what="start no process"))
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
-    monkeypatch.setattr(os, "fork", refuse)
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
     guard = _NoVllm()
-    sys.meta_path.insert(0, guard)
-    yield
-    sys.meta_path.remove(guard)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess.Popen, "__init__", refuse)
+        mp.setattr(os, "fork", refuse)
+        mp.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        sys.meta_path.insert(0, guard)
+        try:
+            yield
+        finally:
+            sys.meta_path.remove(guard)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+
 import pytest
 
 from tests.helpers.paths import ROOT

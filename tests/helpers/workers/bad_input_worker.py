@@ -11,11 +11,10 @@ from dataclasses import replace
 import torch
 
 from tests.helpers.batchgen import make_batch  # noqa: E402
-
-from tsync_mcore.config import load_config  # noqa: E402
-from tsync_mcore.learner.update import Learner  # noqa: E402
-from tsync_mcore.learner.policy import Policy  # noqa: E402
 from tsync_mcore.channel.sources import BatchPlan, SourceError, TrajectorySource  # noqa: E402
+from tsync_mcore.config import load_config  # noqa: E402
+from tsync_mcore.learner.policy import Policy  # noqa: E402
+from tsync_mcore.learner.update import Learner  # noqa: E402
 
 
 def same(a: dict, b: dict) -> bool:

@@ -22,8 +22,18 @@ import time
 import torch.distributed as dist
 
 from tsync_mcore.channel import (
-    Ack, CloseBatch, DropGroup, Hello, Publish, RegisterBatch, Rejected, Shutdown, TrajectoryMsg,
-    TurnMsg, open_learner_side, open_rollout_side,
+    Ack,
+    CloseBatch,
+    DropGroup,
+    Hello,
+    Publish,
+    RegisterBatch,
+    Rejected,
+    Shutdown,
+    TrajectoryMsg,
+    TurnMsg,
+    open_learner_side,
+    open_rollout_side,
 )
 from tsync_mcore.channel.sources import TrajectorySource, TurnSource
 

@@ -15,10 +15,9 @@ import sys
 import torch.distributed as dist
 
 from tests.helpers.dist_util import report  # noqa: E402
-
 from tsync_mcore.config import load_config  # noqa: E402
-from tsync_mcore.model.parallel import init_parallel  # noqa: E402
 from tsync_mcore.learner.policy import Policy  # noqa: E402
+from tsync_mcore.model.parallel import init_parallel  # noqa: E402
 
 
 def main() -> None:

@@ -16,13 +16,13 @@ import torch.distributed as dist
 import yaml
 from safetensors.torch import save_file
 
-from tsync_mcore.learner import checkpoint
+from tsync_mcore.channel.sources import BatchPlan
 from tsync_mcore.config import load_config, to_dict
-from tsync_mcore.learner.update import Learner
-from tsync_mcore.model import bridge
+from tsync_mcore.learner import checkpoint
 from tsync_mcore.learner.policy import Policy
 from tsync_mcore.learner.replay import read_batches
-from tsync_mcore.channel.sources import BatchPlan
+from tsync_mcore.learner.update import Learner
+from tsync_mcore.model import bridge
 
 PROBE = [[3, 17, 42, 9, 120, 77, 5, 200, 31, 64, 2, 99]]  # token ids < every tiny vocab
 

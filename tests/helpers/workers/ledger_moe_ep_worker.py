@@ -15,10 +15,9 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.dist_util import report  # noqa: E402
-
-from tsync_mcore.observability.ledger import RoutingCounter  # noqa: E402
 from tsync_mcore.model import bridge  # noqa: E402
 from tsync_mcore.model.parallel import init_parallel  # noqa: E402
+from tsync_mcore.observability.ledger import RoutingCounter  # noqa: E402
 
 
 def main() -> None:

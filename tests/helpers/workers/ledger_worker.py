@@ -16,9 +16,8 @@ import torch
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from torch.utils.flop_counter import FlopCounterMode
 
-
-from tsync_mcore.observability.ledger.flops import frozen_names  # noqa: E402
 from tsync_mcore.model import bridge  # noqa: E402
+from tsync_mcore.observability.ledger.flops import frozen_names  # noqa: E402
 
 
 def freeze_case(model: torch.nn.Module, spec: bridge.ModelSpec, case: str) -> frozenset[str]:
@@ -96,7 +95,6 @@ def measure_lora(hf_dir: str, seq_lens_list: list[list[int]], rank: int,
 
 def main(cfg: dict) -> None:
     from tests.helpers.dist_util import report
-
     from tsync_mcore.model.parallel import init_parallel
 
     info = init_parallel(tp_size=cfg["tp"])

@@ -9,13 +9,11 @@ with the full-vocab reference. Prints one `RESULT {json}` line per rank.
 
 from __future__ import annotations
 
-
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
 from tests.helpers.dist_util import report  # noqa: E402
-
 from tsync_mcore.kernels import fused_lm_head_logprob  # noqa: E402
 from tsync_mcore.model.parallel import init_parallel  # noqa: E402
 

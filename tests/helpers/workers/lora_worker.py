@@ -20,11 +20,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.dist_util import report  # noqa: E402
-
 from tsync_mcore.config import load_config  # noqa: E402
+from tsync_mcore.learner.policy import Policy  # noqa: E402
 from tsync_mcore.model import bridge  # noqa: E402
 from tsync_mcore.model.parallel import init_parallel  # noqa: E402
-from tsync_mcore.learner.policy import Policy  # noqa: E402
 
 
 def main() -> None:

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 
 from tests.helpers.dist_util import report  # noqa: E402
-
 from tsync_mcore.model import bridge, optimizer  # noqa: E402
 from tsync_mcore.model.parallel import init_parallel  # noqa: E402
 

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.dist_util import report  # noqa: E402
-from tests.helpers.moe_reference import grads as hf_grads, load_hf_moe as _hf  # noqa: E402
-
+from tests.helpers.moe_reference import grads as hf_grads  # noqa: E402
+from tests.helpers.moe_reference import load_hf_moe as _hf
 from tsync_mcore.model import bridge, optimizer  # noqa: E402
 from tsync_mcore.model.parallel import init_parallel  # noqa: E402
 

@@ -14,11 +14,19 @@ import os
 import shutil
 import sys
 
-
 from test_e2e import sources  # noqa: E402  (the golden run's batches)
-from tsync_mcore.channel import (Ack, ChannelError, CloseBatch, Hello, Publish,  # noqa: E402
-                                 RegisterBatch, TrajectoryMsg, load_or_create_secret,
-                                 open_rollout_side)
+
+from tsync_mcore.channel import (  # noqa: E402
+    Ack,
+    ChannelError,
+    CloseBatch,
+    Hello,
+    Publish,
+    RegisterBatch,
+    TrajectoryMsg,
+    load_or_create_secret,
+    open_rollout_side,
+)
 from tsync_mcore.channel.sources import BatchPlan, assign_groups  # noqa: E402
 
 

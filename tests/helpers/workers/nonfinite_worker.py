@@ -14,10 +14,10 @@ from dataclasses import replace
 from safetensors.torch import save_file
 
 from tests.helpers.batchgen import make_batch  # noqa: E402
-from tsync_mcore.config import load_config  # noqa: E402
-from tsync_mcore.learner.update import Learner  # noqa: E402
-from tsync_mcore.learner.policy import Policy  # noqa: E402
 from tsync_mcore.channel.sources import BatchPlan, TrajectorySource  # noqa: E402
+from tsync_mcore.config import load_config  # noqa: E402
+from tsync_mcore.learner.policy import Policy  # noqa: E402
+from tsync_mcore.learner.update import Learner  # noqa: E402
 
 
 def batch(version: int, seed: int, poison: bool = False) -> list[TrajectorySource]:

@@ -5,15 +5,14 @@ import math
 import sys
 from dataclasses import replace
 
+import torch  # noqa: E402
+
 from tests.helpers.batchgen import make_opd_batch  # noqa: E402
 from tests.helpers.reference import rel_l2  # noqa: E402
-
-from tsync_mcore.config import load_config  # noqa: E402
-from tsync_mcore.learner.update import Learner  # noqa: E402
-from tsync_mcore.learner.policy import Policy  # noqa: E402
 from tsync_mcore.channel.sources import BatchPlan, SourceError, opd_turns_from_json  # noqa: E402
-
-import torch  # noqa: E402
+from tsync_mcore.config import load_config  # noqa: E402
+from tsync_mcore.learner.policy import Policy  # noqa: E402
+from tsync_mcore.learner.update import Learner  # noqa: E402
 
 
 def main(hf_dir: str) -> None:

@@ -13,11 +13,11 @@ import sys
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from tsync_mcore.channel.sources import BatchPlan, TurnSource
 from tsync_mcore.config import load_config
+from tsync_mcore.learner.policy import Policy
 from tsync_mcore.learner.update import Learner
 from tsync_mcore.observability.ledger.account import update_flops
-from tsync_mcore.learner.policy import Policy
-from tsync_mcore.channel.sources import BatchPlan, TurnSource
 
 
 class SavedBytes:

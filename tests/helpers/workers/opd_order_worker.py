@@ -12,11 +12,10 @@ from dataclasses import replace
 
 from tests.helpers.batchgen import make_opd_batch  # noqa: E402
 from tests.helpers.reference import rel_l2  # noqa: E402
-
-from tsync_mcore.config import load_config  # noqa: E402
-from tsync_mcore.learner.update import Learner  # noqa: E402
-from tsync_mcore.learner.policy import Policy  # noqa: E402
 from tsync_mcore.channel.sources import BatchPlan, opd_turns_from_json  # noqa: E402
+from tsync_mcore.config import load_config  # noqa: E402
+from tsync_mcore.learner.policy import Policy  # noqa: E402
+from tsync_mcore.learner.update import Learner  # noqa: E402
 
 
 def batch(vocab: int, n_traj: int, seed: int):

@@ -11,11 +11,11 @@ import sys
 
 from safetensors.torch import save_file
 
+from tsync_mcore.channel.sources import BatchPlan
 from tsync_mcore.config import load_config
-from tsync_mcore.learner.update import Learner
 from tsync_mcore.learner.policy import Policy
 from tsync_mcore.learner.replay import _feed, read_batches
-from tsync_mcore.channel.sources import BatchPlan
+from tsync_mcore.learner.update import Learner
 
 
 def main(hf_dir: str, cases_path: str, out: str) -> None:

@@ -7,12 +7,11 @@ import sys
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.helpers.reference import rel_l2  # noqa: E402
-
+from tsync_mcore.channel.sources import BatchPlan, TrajectorySource  # noqa: E402
 from tsync_mcore.config import load_config  # noqa: E402
+from tsync_mcore.learner.policy import Policy  # noqa: E402
 from tsync_mcore.learner.update import Learner  # noqa: E402
 from tsync_mcore.observability.ledger.account import update_flops  # noqa: E402
-from tsync_mcore.learner.policy import Policy  # noqa: E402
-from tsync_mcore.channel.sources import BatchPlan, TrajectorySource  # noqa: E402
 
 
 def batch(vocab: int, n_groups: int = 2, m: int = 8, prompt: int = 32, cont: int = 32):

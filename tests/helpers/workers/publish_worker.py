@@ -10,9 +10,9 @@ import datetime
 import sys
 
 from tests.helpers.dist_util import report  # noqa: E402
-from tsync_mcore.publication import dist as publish_dist
 from tsync_mcore.config import load_config
 from tsync_mcore.learner.policy import Policy
+from tsync_mcore.publication import dist as publish_dist
 
 
 def main(hf_dir, tp, addr, port, world, token, bucket_bytes):

@@ -15,12 +15,12 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from tsync_mcore.learner import checkpoint
+from tsync_mcore.channel.sources import BatchPlan
 from tsync_mcore.config import load_config
-from tsync_mcore.learner.update import Learner
+from tsync_mcore.learner import checkpoint
 from tsync_mcore.learner.policy import Policy
 from tsync_mcore.learner.replay import read_batches
-from tsync_mcore.channel.sources import BatchPlan
+from tsync_mcore.learner.update import Learner
 
 
 def main(hf_dir: str, batch: str, run_dir: str, mode: str, split: int = 2) -> dict:

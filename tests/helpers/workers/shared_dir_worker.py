@@ -10,9 +10,8 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from tsync_mcore.learner import checkpoint
-
 from tsync_mcore.channel import nodes
+from tsync_mcore.learner import checkpoint
 
 
 def main(run_dir: str) -> str:

@@ -22,7 +22,6 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
 from tests.helpers.dist_util import report  # noqa: E402
-
 from tsync_mcore.model import bridge  # noqa: E402
 from tsync_mcore.model.span import KV, concat_kv, detached_leaves, span_forward  # noqa: E402
 

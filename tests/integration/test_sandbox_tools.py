@@ -1,0 +1,284 @@
+"""The general sandbox (tsync_mcore.sandbox.jail), the agents' tools (tsync_mcore.sandbox.tools) and the
+terminal task env (rollout.env: terminal). Fast: no vLLM, no model; a tiny tokenizer.
+
+What must hold: a tool call that loops forever, forks without end, allocates 10 GB, writes
+a huge file or opens a socket is stopped or refused — each returns a result — and the next
+sandbox call works."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from tests.unit.test_sandbox_tools import tok  # noqa: F401  (shared with the unit tests)
+from tsync_mcore.rollout.engine import GenOut
+from tsync_mcore.rollout.envs import observation_ids
+from tsync_mcore.rollout.loop import run_trajectory
+from tsync_mcore.rollout.terminal_env import TerminalConfig, TerminalTaskEnv, _task
+from tsync_mcore.sandbox import jail as sb
+from tsync_mcore.sandbox.tools import ToolBox, format_tool_call
+
+LIM = sb.Limits(timeout_s=5.0, memory_mb=256, nproc=16)
+ROOT = os.geteuid() == 0
+
+
+def next_call_works() -> None:
+    r = sb.run_shell("echo still-here", limits=LIM)
+    assert r.returncode == 0 and r.stdout == "still-here\n", r
+
+
+def gone(pid: int) -> bool:
+    """Not running: no such process, or a zombie that init has not reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_infinite_loop_is_stopped_by_cpu_then_wall():
+    # CPU limit (1 s) well before the wall limit: SIGXCPU
+    r = sb.run_python("while True:\n    pass\n", limits=sb.Limits(timeout_s=20, cpu_s=1))
+    assert r.returncode is not None and r.returncode < 0 and r.limit == "cpu", r
+    assert r.wall_s < 15
+    # a loop that sleeps uses no CPU: the wall timeout kills its group
+    r = sb.run_shell("while true; do sleep 1; done", limits=sb.Limits(timeout_s=2))
+    assert r.timed_out and r.returncode is None and r.limit == "wall", r
+    assert 1.9 < r.wall_s < 10
+    next_call_works()
+
+
+@pytest.mark.parametrize("bomb", ["python", "bash", "python-rlimit-only"])
+def test_fork_bomb_is_stopped_and_leaves_nothing(bomb, monkeypatch):
+    if bomb == "python-rlimit-only":  # no pids cgroup: RLIMIT_NPROC of the user bounds it
+        monkeypatch.setattr(sb, "_CGROUP", [None])
+    t0 = time.monotonic()
+    if bomb.startswith("python"):
+        r = sb.run_python("import os, time\nwhile True:\n    try:\n        os.fork()\n"
+                          "    except OSError:\n        time.sleep(0.01)\n", limits=LIM)
+    else:
+        r = sb.run_shell(":(){ :|:& };:; sleep 30", limits=LIM)
+    assert r.timed_out and time.monotonic() - t0 < 30, r
+    assert r.pids_cgroup == (bomb != "python-rlimit-only")
+    if r.pids_cgroup:  # this run's cgroup held at most nproc processes and is gone
+        assert not [d for d in os.listdir(sb.pids_cgroup_root()) if d.startswith("run-")
+                    and os.path.exists(os.path.join(sb.pids_cgroup_root(), d))
+                    and open(os.path.join(sb.pids_cgroup_root(), d, "cgroup.procs")).read()]
+    next_call_works()
+
+
+def test_10_gb_allocation_is_refused():
+    r = sb.run_python("x = bytearray(10 << 30)\nprint('allocated')\n", limits=LIM)
+    assert r.returncode == 1 and "MemoryError" in r.stderr and "allocated" not in r.stdout
+    assert r.wall_s < 10
+    next_call_works()
+
+
+def test_huge_file_is_stopped_at_fsize():
+    lim = sb.Limits(timeout_s=10, fsize_mb=4)
+    # a shell program dies of SIGXFSZ (the launcher restores its default action)
+    r = sb.run_shell("head -c 1G /dev/zero > big; echo rc=$?; stat -c %s big", limits=lim)
+    assert r.returncode == 0 and "rc=153" in r.stdout  # 128 + SIGXFSZ (25)
+    assert r.stdout.split()[-1] == str(4 << 20), r
+    r = sb.run_shell("exec head -c 1G /dev/zero > big", limits=lim)
+    assert r.limit == "fsize" and r.returncode == -25, r
+    # Python ignores SIGXFSZ: the write fails with EFBIG
+    r = sb.run_python("open('big', 'wb').write(b'x' * (64 << 20))", limits=lim)
+    assert r.returncode == 1 and "File too large" in r.stderr, r
+    # the captured output is bounded too, and cut with a marker
+    r = sb.run_shell("yes | head -c 1M", limits=sb.Limits(max_output=1000))
+    assert r.truncated and r.stdout.endswith(f"[... output truncated: {(1 << 20) - 1000} "
+                                             f"more bytes]")
+    next_call_works()
+
+
+def test_socket_to_the_outside_is_refused():
+    prefix, why = sb.netns_prefix()
+    if not prefix:
+        pytest.skip(f"no network namespace here: {why}")
+    if ROOT:  # as root here, the netns path must be the one in use
+        assert prefix == [sb.UNSHARE, "--net", "--"]
+    prog = ("import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=3)\n"
+            "    print('connected')\nexcept OSError as e:\n    print('refused', e.errno)\n")
+    r = sb.run_python(prog, limits=LIM)
+    assert r.network_isolated and r.stdout.startswith("refused"), r
+    r = sb.run_shell("cat /proc/net/dev | tail -n +3 | cut -d: -f1; "
+                     "exec 3<>/dev/tcp/127.0.0.1/22 && echo open", limits=LIM)
+    assert r.stdout.split() == ["lo"] and "open" not in r.stdout, r  # loopback only, down
+    # "host" keeps the host's network and says so
+    assert not sb.run_shell("true", limits=sb.Limits(network="host")).network_isolated
+    next_call_works()
+
+
+def test_isolation_unavailable_is_said_not_hidden(monkeypatch):
+    monkeypatch.setitem(sb._NETNS, ROOT, ([], "unshare --net not permitted: test"))
+    with pytest.warns(RuntimeWarning, match="WITH network access"):
+        r = sb.run_shell("true", limits=LIM)
+    assert r.returncode == 0 and not r.network_isolated
+    with pytest.raises(sb.SandboxError, match="network isolation required"):
+        sb.run_shell("true", limits=sb.Limits(network="require"))
+
+
+def test_setsid_escapee_secrets_user_and_workdir(tmp_path):
+    r = sb.run_shell("setsid sleep 300 > /dev/null 2>&1 & echo $!", limits=LIM)
+    pid = int(r.stdout.split()[0])
+    if r.pids_cgroup:  # the cgroup kills what left the process group
+        deadline = time.monotonic() + 5
+        while not gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gone(pid)
+    else:
+        os.kill(pid, 9)
+    os.environ["TSYNC_TEST_SECRET"] = "hunter2"
+    try:
+        r = sb.run_shell("env; id -u; pwd", limits=LIM)
+    finally:
+        del os.environ["TSYNC_TEST_SECRET"]
+    assert "hunter2" not in r.stdout and "tsync-sandbox-" in r.stdout
+    if ROOT:
+        assert "\n65534\n" in r.stdout
+    # a persistent working directory keeps files between calls; the template seeds one
+    (tmp_path / "seed.txt").write_text("seeded\n")
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    sb.run_shell("echo one > a.txt", limits=LIM, workdir=str(wd))
+    r = sb.run_shell("cat a.txt; python -c 'print(2)'", limits=LIM, workdir=str(wd))
+    assert r.stdout == "one\n2\n", r
+    assert sb.run_shell("cat seed.txt", limits=LIM, template=str(tmp_path)).stdout == "seeded\n"
+
+
+def test_tool_calls_never_raise_on_bad_model_output():
+    box = ToolBox(LIM)
+    bad = [("bash", "{not json"), ("bash", "[1, 2]"), ("bash", "{}"),
+           ("bash", '{"command": 3}'), ("bash", '{"command": "ls", "rm": "-rf"}'),
+           ("nope", "{}"), (None, None), ("python", '"print(1)"')]
+    for name, args in bad:
+        out = asyncio.run(box.call(name, args))
+        assert isinstance(out, str) and out.startswith("error:"), (name, args, out)
+    assert asyncio.run(box.call("python", '{"code": "print(6 * 7)"}')) == \
+        "exit code: 0\nstdout:\n42"
+    assert box.call_sync("bash", {"command": "exit 3"}) == "exit code: 3"
+    assert "killed: wall time limit" in ToolBox(sb.Limits(timeout_s=1)).call_sync(
+        "bash", {"command": "sleep 10"})
+
+
+def test_tool_calls_do_not_block_the_event_loop():
+    box = ToolBox(LIM)
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        t = asyncio.create_task(ticker())
+        t0 = time.monotonic()
+        outs = await asyncio.gather(*[box.call("bash", {"command": "sleep 1; echo done"})
+                                      for _ in range(2)])
+        t.cancel()
+        return outs, ticks, time.monotonic() - t0
+
+    outs, ticks, wall = asyncio.run(main())
+    assert outs == ["exit code: 0\nstdout:\ndone"] * 2
+    assert ticks >= 5 and wall < 1.9 + 3  # concurrent, and the loop ran meanwhile
+
+
+class ScriptedEngine:
+    """An "agent" that emits the given texts, one per turn (then nothing)."""
+
+    max_model_len = 1 << 16
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts, self.n = tok, list(texts), 0
+
+    async def generate(self, prompt_ids, *, max_tokens, temperature=1.0, seed=None):
+        text = self.texts[self.n] if self.n < len(self.texts) else "done"
+        self.n += 1
+        ids = list(self.tok(text, add_special_tokens=False).input_ids)[:max_tokens - 1]
+        ids.append(self.tok.eos_token_id)
+        return GenOut(ids, [-0.5] * len(ids), "stop", 0)
+
+
+def episode(tok, seed, texts, max_turns=4):
+    env = TerminalTaskEnv(tok, TerminalConfig(max_turns=max_turns), LIM)
+    res = asyncio.run(run_trajectory(ScriptedEngine(tok, texts), env, seed=0, env_seed=seed,
+                                     max_turns=max_turns, max_tokens_per_turn=4096,
+                                     max_total_tokens=60000))
+    return env, res
+
+
+def fix_calls(task):
+    return (format_tool_call("python", {"code": f"open({task.module + '.py'!r}, 'w')"
+                                                f".write({task.fixed!r})"}) +
+            format_tool_call("bash", {"command": f"python test_{task.module}.py"}))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_terminal_env_rewards_a_fix_and_not_a_miss(tok, seed):
+    task = _task(seed)
+    look = format_tool_call("bash", {"command": f"cat {task.module}.py; "
+                                                f"python test_{task.module}.py"})
+    env, res = episode(tok, seed, [look, fix_calls(task), "Fixed."])
+    assert res.reward == 1.0 and res.n_turns == 3 and res.stop_reason == "done"
+    assert env.workdir is None  # the episode's repo is removed once verified
+    text = tok.decode(res.tokens)
+    assert "AssertionError" in text and "all tests passed" in text
+    # wrong: only looks, then stops
+    env, res = episode(tok, seed, [look, "I give up."])
+    assert res.reward == 0.0 and res.n_turns == 2
+    # wrong: edits the visible test to pass, the hidden tests still fail
+    cheat = format_tool_call("bash", {"command": f"echo 'print(1)' > test_{task.module}.py"})
+    assert episode(tok, seed, [cheat, "Done."])[1].reward == 0.0
+    # wrong: a module that exits 0 on import passes nothing
+    plant = format_tool_call("bash", {"command": f"echo 'import os; os._exit(0)' > "
+                                                 f"{task.module}.py"})
+    assert episode(tok, seed, [plant, "Done."])[1].reward == 0.0
+
+
+def test_terminal_env_tasks_and_observations(tok):
+    tasks = {(_task(s).module, _task(s).fixed) for s in range(12)}
+    assert len(tasks) >= 6  # different per seed
+    env = TerminalTaskEnv(tok, TerminalConfig(max_turns=3, max_calls_per_turn=1), LIM)
+    prompt = env.reset(5)
+    assert tok.decode(prompt).rstrip().endswith("<|im_start|>assistant")
+    action = list(tok(format_tool_call("bash", {"command": "echo hi"}) +
+                      format_tool_call("bash", {"command": "echo no"}),
+                      add_special_tokens=False).input_ids)
+    obs, done = asyncio.run(env.step(action))
+    assert not done
+    want = observation_ids(tok, [{"role": "tool", "content": "exit code: 0\nstdout:\nhi"},
+                                 {"role": "tool", "content": "error: at most 1 tool calls "
+                                                             "per turn; this one did not run"}],
+                           action)
+    assert obs == want  # token ids via the chat template
+    # the last turn's calls still run, then the verifier: the fix at max_turns counts
+    obs, done = asyncio.run(env.step(list(tok(fix_calls(env.task)).input_ids)))
+    assert not done
+    obs, done = asyncio.run(env.step(list(tok(fix_calls(env.task)).input_ids)))
+    assert done and obs == [] and env.reward() == 1.0
+    # an episode stopped early (token budget) is verified by reward()
+    env.reset(6)
+    assert env.reward() == 0.0 and env.workdir is None
+
+
+def test_concurrent_terminal_episodes_do_not_interfere(tok):
+    async def main():
+        envs, runs = [], []
+        for seed in range(8):
+            task = _task(seed)
+            env = TerminalTaskEnv(tok, TerminalConfig(max_turns=3), LIM)
+            envs.append(env)
+            runs.append(run_trajectory(ScriptedEngine(tok, [fix_calls(task), "Fixed."]), env,
+                                       seed=0, env_seed=seed, max_turns=3,
+                                       max_tokens_per_turn=4096, max_total_tokens=60000))
+        return await asyncio.gather(*runs)
+
+    t0 = time.monotonic()
+    res = asyncio.run(main())
+    assert [r.reward for r in res] == [1.0] * 8 and time.monotonic() - t0 < 60

@@ -1,0 +1,190 @@
+"""The OpenAI endpoint's per-trajectory recorder (tsync_mcore.rollout.openai.session): no
+engine, the demo model's tokenizer. An agent's conversation must map to exactly the ids the
+built-in agent loop feeds the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tsync_mcore.rollout.engine import GenOut
+from tsync_mcore.rollout.envs import (
+    ToyToolConfig,
+    ToyToolEnv,
+    observation_ids,
+    prompt_ids,
+)
+from tsync_mcore.rollout.loop import run_trajectory
+from tsync_mcore.rollout.openai.session import (
+    HistoryRewritten,
+    Session,
+    SessionError,
+    assistant_message,
+)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from tsync_mcore.model.tiny import DEMO_MODEL, make_tiny_checkpoint
+
+    d = make_tiny_checkpoint(str(tmp_path_factory.mktemp("demo") / "m"), **DEMO_MODEL)
+    return AutoTokenizer.from_pretrained(d)
+
+
+def digits(tok):
+    return sorted(ToyToolEnv(tok).target_ids)
+
+
+class Scripted:
+    """An engine that answers turn i with scripted[i] (log-probs -0.5, version 3)."""
+
+    def __init__(self, scripted):
+        self.scripted, self.prompts = list(scripted), []
+
+    async def generate(self, prompt_ids, *, max_tokens, temperature=1.0, seed=None, **kw):
+        self.prompts.append(list(prompt_ids))
+        ids = self.scripted[len(self.prompts) - 1][:max_tokens]
+        return GenOut(list(ids), [-0.5] * len(ids), "stop", 3, [3] * len(ids))
+
+
+def script(tok):
+    d, eos = digits(tok), tok.eos_token_id
+    return [[d[0], d[1], eos],  # ends with EOS: the observation adds no closing id
+            [d[2], 65, 66, d[3]],  # cut by length: the observation closes it
+            [d[4], eos]]
+
+
+def agent_turns(tok, session, actions, target, with_eos_count=True):
+    """What the demo agent does: task messages, each answer appended, the counter's text."""
+    messages = ToyToolEnv.task_messages(7)
+    n_t = n_a = 0
+    prompts = []
+    for i, a in enumerate(actions):
+        p = session.plan_chat(messages)
+        prompts.append(p.prompt_ids)
+        out = GenOut(list(a), [-0.5] * len(a), "stop", 3, [3] * len(a))
+        answer = assistant_message(tok.decode(a, skip_special_tokens=True), False, i)
+        session.commit(p, out, answer)
+        n_a += len(a)
+        n_t += sum(t in target for t in a)
+        messages = messages + [answer, {"role": "tool",
+                                        "content": ToyToolEnv.tool_text(n_t, n_a)}]
+    return prompts
+
+
+def test_an_agents_conversation_is_the_built_in_loops_ids(tok):
+    actions = script(tok)
+    env = ToyToolEnv(tok, ToyToolConfig(max_turns=3, latency_median_s=1e-4,
+                                        tool_timeout_s=5.0))
+    engine = Scripted(actions)
+    res = asyncio.run(run_trajectory(engine, env, max_turns=3, max_tokens_per_turn=8,
+                                     max_total_tokens=400, seed=5, env_seed=7))
+    s = Session(tok, "t0", seed=5, max_turns=3, max_tokens_per_turn=8, max_total_tokens=400)
+    prompts = agent_turns(tok, s, actions, env.target_ids)
+    assert prompts == engine.prompts  # every turn's prompt, id for id
+    got = s.result(env.reward(), "agent_exit")
+    assert got.tokens == res.tokens
+    assert got.scored_mask == res.scored_mask
+    assert got.turn_ends == res.turn_ends and got.prompt_len == res.prompt_len
+    assert got.logprobs == res.logprobs and got.token_versions == res.token_versions
+    assert s.prompt_len == len(prompt_ids(tok, ToyToolEnv.task_messages(7)))
+    # the second turn's added ids are observation_ids' (EOS already sampled: no closing)
+    obs = observation_ids(tok, [{"role": "tool", "content": "2/3 digits"}], actions[0])
+    assert s.turns[1]["prompt_ids"] == obs
+    assert s.turns[2]["prompt_ids"][0] == tok.eos_token_id  # length-cut turn closed by EOS
+    rec = s.record(reward=1.0)
+    json.dumps(rec)
+    assert rec["rewrites"] == 0 and rec["requests"] == 3
+
+
+def test_a_rewritten_history_is_refused_or_starts_a_segment(tok):
+    actions = script(tok)
+    for mode in ("reject", "segment"):
+        s = Session(tok, "t1", history=mode)
+        messages = ToyToolEnv.task_messages(1)
+        p = s.plan_chat(messages)
+        s.commit(p, GenOut(actions[0], [-1.0] * 3, "stop", 0), {"role": "assistant",
+                                                                "content": "x"})
+        edited = messages + [{"role": "assistant", "content": "something else"},
+                             {"role": "tool", "content": "1/3 digits"}]
+        if mode == "reject":
+            with pytest.raises(HistoryRewritten, match="messages\\[1\\] differs from the "
+                                                       "assistant message"):
+                s.plan_chat(edited)
+            assert s.rewrites == 1 and s.n_turns == 1  # nothing changed
+            continue
+        p = s.plan_chat(edited)
+        assert p.new_segment and p.rewritten
+        s.commit(p, GenOut(actions[2], [-1.0] * 2, "stop", 0))
+        assert s.rewrites == 1 and len(s.segments) == 1 and s.n_turns == 1
+        assert s.prompt_len == len(p.prompt_ids)
+        assert s.tokens == p.prompt_ids + actions[2]
+        # dropping messages is a rewrite too: yet another segment
+        q = s.plan_chat(edited[:1])
+        assert q.new_segment and s.rewrites == 2
+
+
+def test_tool_call_messages_round_trip(tok):
+    tools = [{"type": "function", "function": {"name": "python", "parameters": {}}}]
+    s = Session(tok, "t2")
+    messages = [{"role": "user", "content": "run it"}]
+    p = s.plan_chat(messages, tools=tools)
+    text = 'ok <tool_call>{"name": "python", "arguments": {"code": "1+1"}}</tool_call>'
+    action = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    answer = assistant_message(tok.decode(action, skip_special_tokens=True), True, 0)
+    assert answer["content"] == "ok"
+    call = answer["tool_calls"][0]
+    assert call["function"]["name"] == "python"
+    assert json.loads(call["function"]["arguments"]) == {"code": "1+1"}
+    s.commit(p, GenOut(action, [-0.1] * len(action), "stop", 0), answer)
+    # what the openai client sends back: the message as returned (arguments a string)
+    back = {"role": "assistant", "content": "ok",
+            "tool_calls": [{"id": call["id"], "type": "function",
+                            "function": {"name": "python", "arguments": '{"code":"1+1"}'}}]}
+    result = {"role": "tool", "tool_call_id": call["id"], "content": "2"}
+    q = s.plan_chat(messages + [back, result], tools=tools)
+    assert not q.new_segment
+    assert q.new_ids == observation_ids(tok, [{"role": "tool", "content": "2"}], action)
+    assert q.prompt_ids == s.tokens + q.new_ids
+    # another tool list is another conversation
+    with pytest.raises(HistoryRewritten, match="tools"):
+        Session(tok, "t3", history="reject")._rewrite("the request's tools differ")
+
+
+def test_text_completions_extend_by_ids_or_text(tok):
+    s = Session(tok, "t4", history="reject", max_turns=4)
+    p = s.plan_text("Hello there")
+    s.commit(p, GenOut([65, 66], [-1.0, -1.0], "length", 0))
+    p = s.plan_text(s.tokens + [67])
+    assert p.new_ids == [67]
+    s.commit(p, GenOut([68], [-1.0], "length", 0))
+    text = tok.decode(s.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    p = s.plan_text(text + " more")
+    assert p.new_ids == tok(" more", add_special_tokens=False).input_ids
+    with pytest.raises(SessionError, match="adds no tokens"):
+        s.plan_text(list(s.tokens))
+    with pytest.raises(HistoryRewritten, match="ids do not start"):
+        s.plan_text([1, 2, 3])
+    with pytest.raises(HistoryRewritten, match="chat request after a text completion"):
+        s.plan_chat([{"role": "user", "content": "hi"}])
+
+
+def test_budgets_are_the_built_in_loops(tok):
+    s = Session(tok, "t5", max_turns=1, max_tokens_per_turn=8, max_total_tokens=40)
+    p = s.plan_chat([{"role": "user", "content": "hi"}], max_tokens=100)
+    assert p.max_tokens == 8
+    assert s.plan_chat([{"role": "user", "content": "hi"}], max_tokens=3).max_tokens == 3
+    s.commit(p, GenOut([65], [-1.0], "stop", 0), {"role": "assistant", "content": "A"})
+    with pytest.raises(SessionError, match="used its 1 turns"):
+        s.plan_chat([{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": "A"}, {"role": "user", "content": "b"}])
+    long = Session(tok, "t6", max_total_tokens=5)
+    with pytest.raises(SessionError, match="reaches rollout.max_total_tokens=5"):
+        long.plan_chat([{"role": "user", "content": "a long message " * 5}])
+    s.closed = "its agent exited"
+    with pytest.raises(SessionError, match="closed: its agent exited"):
+        s.plan_text("x")

@@ -1,0 +1,358 @@
+"""Packed serving (docs/design/learner.md, "Packed serving").
+
+1. `model/packed.py`: a packed forward of several segments (some with past K/V) against
+   separate `span_forward` calls, FP64: logits, K/V, parameter gradients and the adjoints on
+   the past leaves, for every attention path that runs on CPU.
+2. The learner: packed vs one-by-one service gives the same update (FP32 ≤ 1e-6) for GRPO
+   (with and without shared prompts) and OPD under every schedule; what packs and what
+   stays one by one; the budget's edge cases; the trace's pass ids and times.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tsync_mcore.channel.sources import BatchPlan, TrajectorySource
+from tsync_mcore.model import bridge
+from tsync_mcore.model.packed import Segment, block_mask, lm_head, packed_forward
+from tsync_mcore.model.span import KV, detached_leaves, span_forward
+
+FP64 = 1e-12
+
+
+def _params_grad(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _segments(vocab: int, model, gen) -> list[tuple[torch.Tensor, int, list[KV] | None]]:
+    """(tokens, offset, past K/V or None): segments without and with context, one token long."""
+    out = []
+    for n, p in ((7, 0), (9, 5), (4, 0), (1, 3), (6, 11)):
+        toks = torch.randint(0, vocab, (n,), generator=gen)
+        past = None
+        if p:
+            with torch.no_grad():
+                ctx = torch.randint(0, vocab, (p,), generator=gen)
+                _, past = span_forward(model, ctx, 0, None, want_logits=False)
+        out.append((toks, p, past))
+    return out
+
+
+def _leaves(past):
+    return None if past is None else detached_leaves(past)
+
+
+@pytest.mark.parametrize("name,attention,path", [
+    ("qwen2", "megatron", "segments"), ("qwen2", "megatron", "block"),
+    ("qwen2", "sdpa", "segments"), ("qwen2", "sdpa", "block"), ("qwen2", "sdpa", "auto"),
+    ("qwen3", "megatron", "segments"), ("qwen2_tied", "megatron", "block")])
+def test_packed_forward_equals_separate_spans_fp64(parallel1, tiny_ckpts, name, attention, path):
+    model, spec = bridge.build_model(tiny_ckpts[name], dtype=torch.float64, attention=attention)
+    gen = torch.Generator().manual_seed(3)
+    segs = _segments(spec.vocab_size, model, gen)
+    coefs = [torch.randn(len(t), spec.vocab_size, generator=gen, dtype=torch.float64)
+             for t, _, _ in segs]
+
+    # One by one: span_forward per segment, each loss backpropagated on its own.
+    ref_logits, ref_kv, ref_adj = [], [], []
+    model.zero_grad(set_to_none=True)
+    for (toks, p, past), c in zip(segs, coefs):
+        leaves = _leaves(past)
+        logits, kv = span_forward(model, toks, p, leaves)
+        kv_coef = sum((x.k * 0.1 + x.v * 0.2).sum() for x in kv)  # K/V feed later spans
+        ((logits * c).sum() + kv_coef).backward()
+        ref_logits.append(logits.detach())
+        ref_kv.append([KV(x.k.detach(), x.v.detach()) for x in kv])
+        ref_adj.append(None if leaves is None else [(x.k.grad, x.v.grad) for x in leaves])
+    ref_grad = _params_grad(model)
+
+    # Packed: one forward, one backward of the summed losses.
+    leaves = [_leaves(past) for _, _, past in segs]
+    out = packed_forward(model, [Segment(t, p, lv) for (t, p, _), lv in zip(segs, leaves)],
+                         attention=path)
+    logits = lm_head(model, out.hidden)
+    loss = 0
+    for i, c in enumerate(coefs):
+        loss = loss + (logits[out.rows(i)] * c).sum()
+        loss = loss + sum((x.k * 0.1 + x.v * 0.2).sum() for x in out.kv[i])
+    loss.backward()
+    grad = _params_grad(model)
+
+    for i in range(len(segs)):
+        assert (logits[out.rows(i)] - ref_logits[i]).abs().max() <= FP64, i
+        for a, b in zip(out.kv[i], ref_kv[i]):
+            assert a.k.shape == b.k.shape and a.k.requires_grad
+            assert (a.k - b.k).abs().max() <= FP64 and (a.v - b.v).abs().max() <= FP64, i
+        if leaves[i] is not None:
+            for x, (gk, gv) in zip(leaves[i], ref_adj[i]):
+                assert (x.k.grad - gk).abs().max() <= FP64 and (x.v.grad - gv).abs().max() <= FP64
+    assert set(grad) == set(ref_grad)
+    for n in grad:
+        scale = max(1.0, ref_grad[n].abs().max().item())
+        assert (grad[n] - ref_grad[n]).abs().max() <= FP64 * scale, n
+
+
+def test_stop_after_kv_and_errors(parallel1, tiny_qwen2):
+    model, spec = bridge.build_model(tiny_qwen2, dtype=torch.float64)
+    a, b = torch.arange(5), torch.arange(5, 12)
+    out = packed_forward(model, [Segment(a, 0), Segment(b, 0)], stop_after_kv=True)
+    assert out.hidden is None and [len(kv[0]) for kv in out.kv] == [5, 7]
+    _, kv_b = span_forward(model, b, 0, None, stop_after_kv=True)
+    assert all(torch.equal(x.k, y.k) for x, y in zip(out.kv[1], kv_b)) or \
+        max((x.k - y.k).abs().max().item() for x, y in zip(out.kv[1], kv_b)) <= FP64
+    with pytest.raises(ValueError, match="segment 1: past is None but offset is 3"):
+        packed_forward(model, [Segment(a, 0), Segment(b, 3)])
+    with pytest.raises(ValueError, match="segment 0: tokens must be a non-empty"):
+        packed_forward(model, [Segment(a[:0], 0)])
+    with pytest.raises(ValueError, match="'varlen' needs CUDA"):
+        packed_forward(model, [Segment(a, 0)], attention="varlen")
+
+
+def test_block_mask_layout():
+    m = block_mask([2, 1], [1, 2])[0, 0]
+    # keys: [p1, a0, a1, p2, p2', b0]; True = masked
+    assert m.tolist() == [[False, False, True, True, True, True],
+                          [False, False, False, True, True, True],
+                          [True, True, True, False, False, False]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen flash attention needs CUDA")
+def test_varlen_path_matches_segments_on_gpu(tiny_qwen2):
+    from tsync_mcore.model.parallel import init_parallel
+    init_parallel(tp_size=1)
+    model, spec = bridge.build_model(tiny_qwen2, dtype=torch.bfloat16, attention="sdpa")
+    gen = torch.Generator().manual_seed(5)
+    segs = _segments(spec.vocab_size, model, gen)  # on the CPU, then moved over
+    model = model.cuda()
+    segs = [(t.cuda(), p, None if past is None else [KV(x.k.cuda(), x.v.cuda()) for x in past])
+            for t, p, past in segs]
+    with torch.no_grad():
+        a = packed_forward(model, [Segment(*s) for s in segs], attention="segments")
+        b = packed_forward(model, [Segment(*s) for s in segs], attention="varlen")
+    assert (a.hidden.float() - b.hidden.float()).abs().max() < 5e-2
+
+
+def test_next_pack_rules():
+    from tsync_mcore.channel.sources import TurnSource
+    from tsync_mcore.learner.schedule import ReadinessQueue
+
+    def turn(t, g, j, n=3):
+        return TurnSource(t, g, j, n, 4 * j, (1, 2, 3, 4), (0, 1, 1, 1),
+                          (None, -1.0, -1.0, -1.0), 0)
+
+    plan = BatchPlan()
+    plan.add_group("A", ["a0", "a1"])
+    plan.add_group("B", ["b0", "b1"])
+    size, yes = (lambda u: 4), (lambda u: True)
+    # sync, OPD-like units: each pass takes at most one turn per trajectory, in order;
+    # k_open 1 holds B back until A has run, the pass that closes A included
+    q = ReadinessQueue("sync", plan, k_open=1)
+    for t, g in (("a0", "A"), ("a1", "A"), ("b0", "B"), ("b1", "B")):
+        for j in range(3):
+            q.arrive(turn(t, g, j))
+    q.complete("A"), q.complete("B")
+    q.close()
+    passes = []
+    while (p := q.next_pack(100, size, yes)):
+        passes.append([(s.source.traj_id, s.source.turn) for s in p])
+    assert all(len({t for t, _ in p}) == len(p) for p in passes)
+    assert passes[0] == [("a0", 0), ("a1", 0)]
+    assert all(len({t[0] for t, _ in p}) == 1 for p in passes)  # one group per pass
+    assert sum(len(p) for p in passes) == 12 and len(passes) == 6
+    # the budget: 2 units of 4 tokens; the first always runs, however long
+    q = ReadinessQueue("sync", plan, k_open=4)
+    for t, g in (("a0", "A"), ("a1", "A"), ("b0", "B"), ("b1", "B")):
+        q.arrive(_traj(t, g))
+    q.complete("A"), q.complete("B")
+    q.close()
+    assert len(q.next_pack(8, size, yes)) == 2
+    assert len(q.next_pack(3, size, yes)) == 1  # longer than the budget: alone
+    assert len(q.next_pack(8, size, lambda u: False)) == 1  # not packable: alone
+    # thundersync: a unit of an incomplete group folds into its pair, never packed
+    q = ReadinessQueue("thundersync", plan, k_open=4)
+    q.arrive(_traj("a0", "A"))
+    q.arrive(_traj("b0", "B"))
+    p = q.next_pack(100, size, yes)
+    assert [(s.source.traj_id, s.fold) for s in p] == [("a0", "pair")]
+    q.arrive(_traj("b1", "B"))
+    q.complete("B")  # B's members are now direct: they share a pass
+    q.arrive(_traj("a1", "A"))
+    p = q.next_pack(100, size, yes)
+    assert [(s.source.traj_id, s.fold) for s in p] == [("b0", "direct"), ("b1", "direct")]
+    assert p[-1].closes_group and p[-1].last_here
+
+
+def _traj(t, g):
+    return TrajectorySource(t, g, (1, 2, 3), (0, 1, 1), 1.0, 0)
+
+
+from tests.helpers.batchgen import action_first, make_batch, make_opd_batch  # noqa: E402
+from tests.helpers.reference import rel_l2  # noqa: E402
+from tsync_mcore.channel.sources import BatchPlan, TrajectorySource, opd_turns_from_json  # noqa: E402
+from tsync_mcore.observability import trace  # noqa: E402
+
+VOCAB = 256
+SCHEDULES = ("sync", "group_ready", "thundersync", "one_step_off", "fully_async")
+
+
+def _learner(hf_dir, par, version=0, **learner):
+    from tsync_mcore.config import load_config
+    from tsync_mcore.learner.policy import Policy
+    from tsync_mcore.learner.update import Learner
+    cfg = load_config(None, {"model.hf_dir": hf_dir, "optim.lr": 1e-5,
+                             **{f"learner.{k}": v for k, v in learner.items()}})
+    return Learner(cfg.learner, Policy(cfg, par=par), policy_version=version)
+
+
+def _update(learner, sources, chunk: int):
+    """Sources handed over `chunk` at a time before the learner serves (a learner behind
+    its rollout: what has arrived meanwhile is servable together); one update."""
+    learner.begin(BatchPlan.from_sources(sources))
+    for i, s in enumerate(sources):
+        learner.submit(s, serve=(i + 1) % chunk == 0)
+    return learner.close(export_grad=True)
+
+
+def _grpo(version=0, update=None, seed=2):
+    rows = sorted(make_batch(VOCAB, n_groups=4, m=3, version=version, seed=seed),
+                  key=lambda r: r["ready_order"])
+    return [TrajectorySource.from_json(r) for r in rows]
+
+
+def _opd(version=0, seed=3, first=False):
+    rows = make_opd_batch(VOCAB, n_traj=6, turns=3, version=version, seed=seed)
+    rows = action_first(rows) if first else rows
+    turns = [t for r in rows for t in opd_turns_from_json(r)]
+    return sorted(turns, key=lambda t: t.ready_order)
+
+
+def _srecs(res):
+    return [r for r in res.trace if isinstance(r, trace.SourceRecord) and r.served]
+
+
+def _spans(res):
+    return sorted((r.traj_id, r.turn, r.span_tokens, r.context, r.logits) for r in _srecs(res))
+
+
+def _check_pass_times(res):
+    """A pass's sources hold consecutive slices of its interval, in pack order."""
+    by_pass: dict[int, list] = {}
+    for r in _srecs(res):
+        if r.pass_id is not None:
+            by_pass.setdefault(r.pass_id, []).append(r)
+    for recs in by_pass.values():
+        assert len(recs) > 1
+        for a, b in zip(recs, recs[1:]):
+            assert a.end == b.start and a.start <= a.end
+    return by_pass
+
+
+def _compare(hf_dir, par, sources, chunk, version=0, **cfg):
+    one = _update(_learner(hf_dir, par, version, max_tokens_per_pass=0, **cfg), sources, chunk)
+    packed = _update(_learner(hf_dir, par, version, **cfg), sources, chunk)
+    err = rel_l2(packed.grad, one.grad)
+    assert _spans(packed) == _spans(one)  # the FLOP ledger reads the same spans
+    assert all(r.pass_id is None for r in _srecs(one))
+    passes = _check_pass_times(packed)
+    assert packed.summary.scored_tokens == one.summary.scored_tokens
+    return err, passes, one, packed
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_grpo_packed_update_equals_one_by_one(tiny_qwen2, parallel1, schedule, shared_prefix):
+    lag = schedule in ("one_step_off", "fully_async")
+    srcs = _grpo(version=0)
+    err, passes, one, packed = _compare(tiny_qwen2, parallel1, srcs, chunk=5,
+                                        version=1 if lag else 0, schedule=schedule,
+                                        shared_prefix=shared_prefix)
+    print(f"GRPO {schedule} prefix={shared_prefix}: {len(passes)} passes, rel L2 {err:.2e}")
+    assert err <= 1e-6
+    assert passes, "nothing was packed"
+    direct = {r.traj_id for r in _srecs(packed) if r.pass_id is not None}
+    assert all(r.fold == "direct" for r in _srecs(packed) if r.traj_id in direct)
+
+
+@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s != "fully_async"])  # GRPO only
+def test_opd_packed_update_equals_one_by_one(tiny_qwen2, parallel1, schedule):
+    lag = schedule in ("one_step_off", "fully_async")
+    srcs = _opd(version=0, first=schedule == "group_ready")
+    err, passes, one, packed = _compare(tiny_qwen2, parallel1, srcs, chunk=6,
+                                        version=1 if lag else 0, schedule=schedule,
+                                        objective="opd")
+    print(f"OPD {schedule}: {len(passes)} passes, rel L2 {err:.2e}")
+    assert err <= 1e-6
+    assert passes, "nothing was packed"
+    for recs in passes.values():  # two turns of one trajectory never share a pass
+        assert len({r.traj_id for r in recs}) == len(recs)
+        assert all(r.logits and r.fold == "direct" for r in recs)
+
+
+def test_off_policy_weights_per_token_in_a_pack(tiny_qwen2, parallel1):
+    """fully_async with TIS: each segment's ρ_t from its own behaviour log-probs."""
+    from tests.helpers.off_policy import CAP, _hf, _with_behaviour
+    rows = _with_behaviour(_hf(tiny_qwen2), make_batch(VOCAB, n_groups=3, m=3, seed=11), seed=3)
+    srcs = [TrajectorySource.from_json(r) for r in sorted(rows, key=lambda r: r["ready_order"])]
+    err, passes, one, packed = _compare(tiny_qwen2, parallel1, srcs, chunk=4, version=1,
+                                        schedule="fully_async", is_correction="tis", is_cap=CAP)
+    assert err <= 1e-6 and passes
+    for f in ("is_weight_mean", "is_truncated_share", "logprob_diff_mean"):
+        assert getattr(packed.summary, f) == pytest.approx(getattr(one.summary, f), rel=1e-5)
+    assert packed.summary.is_truncated_share > 0
+
+
+def test_budget_edges(tiny_qwen2, parallel1):
+    rows = sorted(make_batch(VOCAB, n_groups=4, m=3, seed=2), key=lambda r: r["ready_order"])
+    long = next(r for r in rows if r["group_id"].endswith("g2"))
+    long["tokens"] = long["tokens"] + [7, 8, 9] * 12  # longer than any two others together
+    long["scored_mask"] = long["scored_mask"] + [1, 1, 0] * 12
+    srcs = [TrajectorySource.from_json(r) for r in rows]
+    lens = {s.traj_id: s.n_tokens for s in srcs if s.n_scored}
+    # 0: today's path, one source per forward/backward
+    zero = _update(_learner(tiny_qwen2, parallel1, schedule="sync", shared_prefix=False,
+                            max_tokens_per_pass=0), srcs, chunk=1)
+    assert all(r.pass_id is None for r in _srecs(zero))
+    # every source longer than the budget: each runs alone, the same update
+    tiny = _update(_learner(tiny_qwen2, parallel1, schedule="sync", shared_prefix=False,
+                            max_tokens_per_pass=min(lens.values()) - 1), srcs, chunk=1)
+    assert all(r.pass_id is None for r in _srecs(tiny))
+    assert rel_l2(tiny.grad, zero.grad) == 0.0  # the one-by-one path itself, bit for bit
+    # a budget just below the longest source: it runs alone, the others pack within it
+    longest = max(lens, key=lens.get)
+    budget = lens[longest] - 1
+    mid = _update(_learner(tiny_qwen2, parallel1, schedule="sync", shared_prefix=False,
+                           max_tokens_per_pass=budget), srcs, chunk=1)
+    passes = _check_pass_times(mid)
+    assert passes and rel_l2(mid.grad, zero.grad) <= 1e-6
+    for recs in passes.values():
+        assert sum(lens[r.traj_id] for r in recs) <= budget
+    assert [r.pass_id for r in _srecs(mid) if r.traj_id == longest] == [None]
+
+
+def test_what_stays_one_by_one(tiny_qwen2, parallel1):
+    # OPD with retained graphs: never packed (a pass's graph would be replayed whole)
+    srcs = _opd()
+    res = _update(_learner(tiny_qwen2, parallel1, schedule="sync", objective="opd",
+                           opd_replay="retain"), srcs, chunk=1)
+    assert all(r.pass_id is None for r in _srecs(res))
+    # thundersync served on arrival: GRPO units fold into their group's pair (no pack) but
+    # a group's last member, whose coefficient is then known
+    res = _update(_learner(tiny_qwen2, parallel1, schedule="thundersync"), _grpo(), chunk=1)
+    assert all(r.pass_id is None for r in _srecs(res))
+    # a byte budget: a unit that would open a group joins no pack
+    res = _update(_learner(tiny_qwen2, parallel1, schedule="sync", objective="opd",
+                           max_open_bytes=1), srcs, chunk=1)
+    passes = _check_pass_times(res)
+    assert passes
+    for recs in passes.values():
+        assert len({r.group_id for r in recs}) == 1
+
+
+def test_config_key(tmp_path):
+    from tsync_mcore.config import ConfigError, load_config
+    assert load_config(None, {}).learner.max_tokens_per_pass == 16384
+    with pytest.raises(ConfigError, match="learner.max_tokens_per_pass.*must be >= 0"):
+        load_config(None, {"learner.max_tokens_per_pass": -1})
