@@ -9,15 +9,14 @@ from dataclasses import replace
 
 import torch
 from safetensors.torch import load_file
-from test_e2e import (
+
+from tests.helpers.scripted import (
     finish,
-    free_port,
     register_static,
     rollout_links,
     sources,
     start_learner,
 )
-
 from tsync_mcore.channel import (
     Ack,
     ChannelError,
@@ -27,6 +26,7 @@ from tsync_mcore.channel import (
     Shutdown,
     TrajectoryMsg,
 )
+from tsync_mcore.util.net import free_port
 
 # adv_eps this small lets a group whose rewards differ by 1e-300 overflow its FP32 scale
 POISON = ["learner.adv_eps=1e-300", "learner.check_finite=source"]

@@ -14,7 +14,7 @@ import os
 import shutil
 import sys
 
-from test_e2e import sources  # noqa: E402  (the golden run's batches)
+from tests.helpers.scripted import sources  # the golden run's batches
 
 from tsync_mcore.channel import (  # noqa: E402
     Ack,
