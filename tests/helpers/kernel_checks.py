@@ -1,8 +1,8 @@
 """Kernel checks that need a fresh process; tests/test_kernels.py runs them and asserts.
 
-    TRITON_INTERPRET=1 python tests/kernel_checks.py numerics   # Triton interpreter + torch fallback
-    python tests/kernel_checks.py aot                           # ahead-of-time compile for sm_90
-    python tests/kernel_checks.py no-triton                     # package works with triton unimportable
+    TRITON_INTERPRET=1 python tests/helpers/kernel_checks.py numerics   # Triton interpreter + torch fallback
+    python tests/helpers/kernel_checks.py aot                           # ahead-of-time compile for sm_90
+    python tests/helpers/kernel_checks.py no-triton                     # package works with triton unimportable
 
 Triton reads TRITON_INTERPRET at its first import, and other tests in a pytest process
 may import Triton first, hence the subprocess. Each mode prints one JSON object as the

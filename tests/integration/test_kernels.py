@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-CHECKS = Path(__file__).with_name("kernel_checks.py")
-REPO = CHECKS.parents[1]
+from tests.helpers.paths import ROOT
+
+CHECKS = Path(ROOT) / "tests" / "helpers" / "kernel_checks.py"
+REPO = ROOT
 BACKENDS = ("triton", "torch")  # "triton" runs through the CPU interpreter here
 FP64_TOL = 1e-12
 FP32_TOL = 1e-5
