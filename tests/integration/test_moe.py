@@ -96,7 +96,7 @@ def moe_replays(tiny_qwen3_moe, tmp_path_factory):
                  "ep2_group_ready": [*ep, "--schedule", "group_ready",
                                      "--max-tokens-per-pass", "0"],
                  "ep2_packed": [*ep, "--schedule", "group_ready", "--max-tokens-per-pass", "64"]})
-    # TP = 2 (DP 1): MoE layers without sequence parallelism (model/bridge.py)
+    # TP = 2 (DP 1): MoE layers without sequence parallelism (model/bridge/)
     jobs.update({"tp2_sync": [*grpo, "--schedule", "sync", "--tp", "2"],
                  "tp2_thundersync": [*grpo, "--schedule", "thundersync", "--k-open", "2",
                                      "--tp", "2"],

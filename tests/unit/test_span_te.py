@@ -17,7 +17,7 @@ import torch
 def _skip_reason() -> str | None:
     if not torch.cuda.is_available():
         return "needs a CUDA GPU (CI has none)"
-    from tsync_mcore.model.bridge import _te_available
+    from tsync_mcore.model.bridge.build import _te_available
 
     if not _te_available():
         return "needs an importable transformer_engine (pip install transformer_engine[pytorch])"

@@ -884,7 +884,7 @@ def _check_splits(cfg: Config) -> None:
         _check(not cfg.model.use_lora, "model.lora", f"LoRA on mixture-of-experts layers is "
                f"not supported yet; {where} is a MoE checkpoint")
         if cfg.model.tp > 1:
-            # why: MoE layers run at TP > 1 without sequence parallelism (model/bridge.py),
+            # why: MoE layers run at TP > 1 without sequence parallelism (model/bridge/),
             # with every token reaching its experts on each TP rank; tested at ep 1 and
             # without the load-balancing loss, whose gradient would count each token tp times
             _check(cfg.model.ep == 1, "model.ep", f"{cfg.model.ep} with model.tp "

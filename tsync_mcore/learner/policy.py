@@ -71,7 +71,7 @@ class Policy:
         self._buffer_groups = optimizer.grad_buffer_groups(self.ddp)  # each one's DP reduction
         self._reduced = optimizer.reduced_grad_ranges(self.ddp)  # this rank's part after the reduce
         self._grad_slices = self._map_grad_slices()
-        # MoE at TP > 1 (no sequence parallelism, model/bridge.py): megatron's dispatcher
+        # MoE at TP > 1 (no sequence parallelism, model/bridge/): megatron's dispatcher
         # gathers every TP rank's tokens for the experts, and each rank holds the whole
         # sequence, so each token reaches its experts tp times and their weight gradients
         # come out tp times over; the step takes them back to one.

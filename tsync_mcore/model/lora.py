@@ -2,7 +2,7 @@
 
 PEFT adapts each Hugging Face projection p: y_p = W_p x + s·B_p A_p x, s = α/r (α/√r with
 rsLoRA). Megatron fuses q/k/v into one column-parallel `linear_qkv` (interleaved per query
-group, bridge.py) and gate/up into `linear_fc1`, so one adapter per Megatron linear holds the
+group, model/bridge/) and gate/up into `linear_fc1`, so one adapter per Megatron linear holds the
 PEFT pairs of the projections it fuses and lays their outputs out as the base weight does:
 
     Megatron linear   PEFT projections    A                         B
@@ -21,7 +21,7 @@ Either way replicated adapter parameters get identical, complete gradients on ev
 and sharded ones get their shard's.
 
 The adapter is a child module of the linear (`<linear>.lora`) applied by a forward hook, so
-the base parameter names, the converter (bridge.py) and every forward path (whole
+the base parameter names, the converter (model/bridge/) and every forward path (whole
 sequences, spans, packed passes) are unchanged. The base is frozen: Megatron DDP, the
 optimizer, clipping and the streaming accumulators see the adapter parameters only.
 """
