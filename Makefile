@@ -25,7 +25,8 @@ setup: $(VENV)/.ready
 # the slowest files first (tests/durations.json): the live tests wait on processes and
 # timeouts, so three keep the two cores busy.
 test: setup
-	TSYNC_MULTIHOST=1 $(VPY) -m pytest -q -n 3 --dist loadfile tests
+	$(VPY) -m compileall -q tsync_mcore tests  # bytecode once, not in every process started
+	TSYNC_MULTIHOST=1 $(VPY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
 # The fast inner loop: pure tests only (no subprocess, torchrun, vLLM or network; ≤ 3 min).
 test-unit: setup
@@ -33,7 +34,8 @@ test-unit: setup
 
 # Everything live: launchers, torchrun ranks, vLLM engines, agents, namespaces.
 test-integration: setup
-	TSYNC_MULTIHOST=1 $(VPY) -m pytest -q -n 3 --dist loadfile tests/integration
+	$(VPY) -m compileall -q tsync_mcore tests
+	TSYNC_MULTIHOST=1 $(VPY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests/integration
 
 # The main job: a real GRPO training run on the embedded CPU default (see tsync_mcore/cli/demo.yaml).
 demo: setup
