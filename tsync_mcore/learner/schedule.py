@@ -160,18 +160,25 @@ class ReadinessQueue:
         return None if u is None else self._take(u)
 
     def next_pack(self, budget: int, size: Callable[[Unit], int],
-                  packable: Callable[[Unit], bool], may_open: bool = True) -> list[Service]:
+                  packable: Callable[[Unit], bool], may_open: bool = True,
+                  pairs: bool = False) -> list[Service]:
         """The next work as one pass: `next()`, and when that is a direct-fold unit that
         `packable` accepts, more such units — of other trajectories (a unit needs its
         trajectory's previous one served), in the order `next()` would give them — while
         their `size` sums to at most `budget` (the first always runs, however long).
+        `pairs=True` (a kind whose pair fold is one plain sum per group, OPD's): a
+        pair-fold first unit takes more pair-fold units of its own group, so that the
+        pass's one gradient still belongs to one group's sum.
         `may_open=False`: a unit that would open a group joins no pack (a byte budget
         estimates each new group against what open groups hold after a pass). Empty: none."""
         first = self.next()
         if first is None:
             return []
-        if first.source is None or first.fold != "direct" or not packable(first.source):
+        if first.source is None or not packable(first.source) or not (
+                first.fold == "direct" or pairs):
             return [first]
+        if first.fold == "pair":
+            return self._pair_pack(first, budget, size, packable)
         pack, used, trajs = [first], size(first.source), {first.source.traj_id}
         # groups closed by a unit of this pass still hold their state until it has run
         closing = {first.group_id} if first.closes_group else set()
@@ -190,6 +197,25 @@ class ReadinessQueue:
             pack.append(self._take(u))
             if pack[-1].closes_group:
                 closing.add(u.group_id)
+            used += n
+            trajs.add(u.traj_id)
+        return pack
+
+    def _pair_pack(self, first: Service, budget: int, size: Callable[[Unit], int],
+                   packable: Callable[[Unit], bool]) -> list[Service]:
+        """`first` (pair fold, its group still incomplete and open by now) and more
+        servable units of its group, other trajectories, within `budget`."""
+        g = first.group_id
+        pack, used, trajs = [first], size(first.source), {first.source.traj_id}
+        for u in list(self._continuing.values()) + list(self._starting.values()):
+            if used >= budget:
+                break
+            if u.group_id != g or u.traj_id in trajs or not packable(u):
+                continue
+            n = size(u)
+            if used + n > budget:
+                continue
+            pack.append(self._take(u))  # incomplete group: a pair fold, never a close
             used += n
             trajs.add(u.traj_id)
         return pack

@@ -219,7 +219,8 @@ class Learner:
             svc = self.queue.next()
             return [] if svc is None else [svc]
         return self.queue.next_pack(self.pack_budget, self.kind.pack_tokens,
-                                    self.kind.packable, may_open=not self.cfg.max_open_bytes)
+                                    self.kind.packable, may_open=not self.cfg.max_open_bytes,
+                                    pairs=self.kind.packs_pairs)
 
     def _run(self, units: list[Service]) -> None:
         if len(units) > 1:
@@ -332,8 +333,9 @@ class Learner:
             self._check_finite(g, f"the close of group {g!r} (its shared prompt and sum)")
 
     def _serve_pack(self, pack: list[Service]) -> None:
-        """Direct-fold units of different trajectories in one forward/backward (the
-        gradient is linear in their losses, each carrying its own coefficient), folded once;
+        """Units of different trajectories in one forward/backward (the gradient is linear
+        in their losses, each carrying its own coefficient), folded once — into the batch
+        (direct folds), or into their one group's sum (pair folds, `kind.packs_pairs`);
         then each one's deferred work and group finish as if served alone, in order.
 
         Trace: each source keeps its own span (the pass's FLOPs are the sum of its

@@ -33,6 +33,7 @@ class TrajectoryKind:
     name = "trajectory"  # what its trace records call a source
     serves_on_arrival = True  # served as handed over: its folds follow the arrival order
     announces_rewards = True  # GroupRewards carry what members on other ranks scored
+    packs_pairs = False  # a pair fold is two sums around the shift c: one member per pass
 
     def __init__(self, learner):
         self.up = UpdateView(learner)  # the update in progress, as far as a kind sees it

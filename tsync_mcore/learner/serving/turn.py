@@ -84,6 +84,7 @@ class TurnKind:
     source_type = TurnSource
     name = "turn"  # what its trace records call a source
     serves_on_arrival = False  # the learner chooses among every arrived turn
+    packs_pairs = True  # a pair fold is the group's plain sum: one group's turns pack too
     announces_rewards = False  # no group statistics: a turn's coefficient is its own
 
     def __init__(self, learner):
@@ -178,7 +179,8 @@ class TurnKind:
     def serve_pack(self, pack: list[Service]) -> list[dict]:
         """Turns of different trajectories (the queue never packs two of one: a turn runs
         on its predecessor's K/V) in one forward/backward, each against its own context;
-        the summed turn losses' gradient is folded once, and each keeps its K/V as leaves."""
+        the summed turn losses' gradient is folded once (into the batch, or into the one
+        group's sum while it can still be dropped), and each keeps its K/V as leaves."""
         up = self.up
         segments, scored, turns = [], [], []
         for svc in pack:
@@ -206,8 +208,11 @@ class TurnKind:
                                                                  mask, q))
                 loss = loss + up.objective.turn_loss(student, teacher, rho)
             loss.backward()
-        up.fold_direct([svc.group_id for svc in pack], up.policy.grad_buffers(), 1.0)
-        up.policy.zero_grads()
+        if pack[0].fold == "pair":  # the queue packs pair folds of one group only
+            self._fold(pack[0].group_id, "pair")
+        else:
+            up.fold_direct([svc.group_id for svc in pack], up.policy.grad_buffers(), 1.0)
+            up.policy.zero_grads()
         spans = []
         for (turn, ctx, offset, _), seg, kv in zip(turns, segments, kvs):
             kv = self._own(kv, offset, turn)
