@@ -18,7 +18,7 @@ def pytest_configure(config) -> None:
         config.addinivalue_line("filterwarnings", f"ignore::{cat}:megatron.*")
 
 
-def _multihost_opt_in(config, items) -> None:
+def pytest_collection_modifyitems(config, items) -> None:
     # `multihost` (tests/integration/test_multihost.py: network namespaces, root) is opt-in: `make test`
     # and CI opt in with TSYNC_MULTIHOST=1, a user with `-m multihost`.
     if os.environ.get("TSYNC_MULTIHOST") == "1" or "multihost" in (config.option.markexpr or ""):
@@ -112,18 +112,3 @@ def golden(tiny_qwen2, tmp_path_factory) -> dict:
         tiny_qwen2, run, extra=["run.loggers=[console,jsonl,tensorboard]"])
     assert rc == 0, err[-4000:]
     return dict(published=published, run=run, out=out)
-
-
-def pytest_collection_modifyitems(session, config, items) -> None:
-    _multihost_opt_in(config, items)
-    # Slowest files first (tests/durations.json: seconds per file from a full run; a hint,
-    # not a figure): with pytest-xdist's --dist loadfile the long files start at once and
-    # the short ones fill in, instead of one long file starting last.
-    import json
-    with open(os.path.join(ROOT, "tests", "durations.json")) as f:
-        seconds = json.load(f)
-    rank = {}
-    for i, item in enumerate(items):
-        path = os.path.relpath(str(item.fspath), ROOT)
-        rank.setdefault(path, (-seconds.get(path, 0), i))
-    items.sort(key=lambda it: rank[os.path.relpath(str(it.fspath), ROOT)])

@@ -494,7 +494,12 @@ def test_budget_stops_the_learner_after_the_update_that_spent_it(tiny_qwen2, tmp
                 link.send(RegisterBatch(version=v, objective="grpo", groups=plan.groups,
                                         data_pos=v + 1))
             for s in srcs:
-                links[owner[s.group_id]].send(TrajectoryMsg(s))
+                try:
+                    links[owner[s.group_id]].send(TrajectoryMsg(s))
+                except PeerGone:  # batch 1: the learner may say it finished before all are sent
+                    if v == 0:
+                        raise
+                    break
             if v == 0:
                 for link in links:
                     link.send(CloseBatch(version=v, rollout_time_s=0.1, n_sources=len(srcs)))
