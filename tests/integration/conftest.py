@@ -10,3 +10,12 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.live)
+
+
+@pytest.fixture(scope="module")
+def et():
+    """A module's event-loop thread for in-process vLLM engines (closed with the module)."""
+    from tsync_mcore.rollout.engine import EngineThread
+    loop = EngineThread()
+    yield loop
+    loop.close()

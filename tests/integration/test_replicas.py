@@ -23,7 +23,7 @@ from tests.helpers.links import link_pair
 from tests.integration.test_rollout import shm_copies  # noqa: E402
 from tsync_mcore.channel import Ack, Publish  # noqa: E402
 from tsync_mcore.rollout.driver import RolloutDriver, RolloutStopped  # noqa: E402
-from tsync_mcore.rollout.engine import EngineThread, RolloutEngine  # noqa: E402
+from tsync_mcore.rollout.engine import RolloutEngine  # noqa: E402
 from tsync_mcore.rollout.envs import ToyToolConfig, ToyToolEnv  # noqa: E402
 from tsync_mcore.rollout.loop import run_batch  # noqa: E402
 from tsync_mcore.rollout.replicas import ReplicaError, ReplicaSet, start_replicas  # noqa: E402
@@ -52,13 +52,6 @@ def hf(ckpts):
     from transformers import AutoModelForCausalLM
 
     return [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in ckpts]
-
-
-@pytest.fixture(scope="module")
-def et():
-    loop = EngineThread()
-    yield loop
-    loop.close()
 
 
 @pytest.fixture(scope="module")

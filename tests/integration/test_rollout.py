@@ -27,7 +27,6 @@ from tsync_mcore.channel.sources import (  # noqa: E402
     validate_turn,
 )
 from tsync_mcore.rollout.engine import (  # noqa: E402
-    EngineThread,
     GenOut,
     RolloutEngine,
     TeacherScorer,
@@ -93,13 +92,6 @@ def hf(ckpts):
         m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         out.append(m.requires_grad_(False))
     return out
-
-
-@pytest.fixture(scope="module")
-def et():
-    loop = EngineThread()
-    yield loop
-    loop.close()
 
 
 @pytest.fixture(scope="module")
