@@ -55,14 +55,7 @@ def run_dist(
             f"--- stderr tail ---\n{proc.stderr[-8000:]}\n"
             f"--- stdout tail ---\n{proc.stdout[-3000:]}"
         )
-    # Each RESULT object wherever it starts: ranks share the pipe, and another rank's output
-    # may end up on the same line.
-    decoder, results = json.JSONDecoder(), []
-    for m in re.finditer(re.escape(RESULT_PREFIX), proc.stdout):
-        try:
-            results.append(decoder.raw_decode(proc.stdout, m.end())[0])
-        except json.JSONDecodeError:
-            pass
+    results = parse_results(proc.stdout)
     if len(results) != nproc:
         raise AssertionError(
             f"expected {nproc} RESULT lines, got {len(results)}\n"
@@ -72,11 +65,31 @@ def run_dist(
     return sorted(results, key=lambda r: r.get("rank", 0))
 
 
+def parse_results(stdout: str) -> list:
+    """Every RESULT object in a launch's stdout, wherever it starts: ranks share the pipe, so
+    another rank's output may end up on the same line (under PYTHONUNBUFFERED, print's text
+    and its newline are two writes)."""
+    decoder, results = json.JSONDecoder(), []
+    for m in re.finditer(re.escape(RESULT_PREFIX), stdout):
+        try:
+            results.append(decoder.raw_decode(stdout, m.end())[0])
+        except json.JSONDecodeError:
+            pass
+    return results
+
+
+def emit(obj) -> None:
+    """Worker side: write `RESULT {json}` and its newline in one system call, so ranks that
+    share a pipe cannot split a line (writes up to PIPE_BUF are atomic)."""
+    sys.stdout.flush()
+    data = (RESULT_PREFIX + json.dumps(obj) + "\n").encode()
+    while data:
+        data = data[os.write(sys.stdout.fileno(), data):]
+
+
 def report(result: dict) -> None:
     """Worker side: print this rank's result (with its rank) as one RESULT line."""
-    result = {"rank": int(os.environ.get("RANK", "0")), **result}
-    sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    emit({"rank": int(os.environ.get("RANK", "0")), **result})
 
 
 def exit_now() -> None:

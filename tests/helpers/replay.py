@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+from tests.helpers.dist_util import parse_results
 from tests.helpers.paths import ROOT
 from tsync_mcore.util.net import free_port as _free_port
 
@@ -37,7 +38,6 @@ def replay_many(jobs, d, nproc=2):
                "--master-port", str(_free_port()), worker, path]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, f"replays failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    res = json.loads(next(line for line in p.stdout.splitlines()
-                          if line.startswith("RESULT "))[len("RESULT "):])
+    res = parse_results(p.stdout)[0]
     return {name: dict(summary=s, dir=os.path.join(d, name))
             for name, s in zip(jobs, res["summaries"], strict=True)}

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.helpers.dist_util import REPO_ROOT, free_port
+from tests.helpers.dist_util import REPO_ROOT, free_port, parse_results
 from tsync_mcore.channel import (
     MESSAGES,
     WIRE_VERSION,
@@ -59,9 +59,9 @@ def _spawn(*args) -> subprocess.Popen:
 
 def _finish(proc: subprocess.Popen) -> dict:
     out, err = proc.communicate(timeout=30)
-    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"worker failed (rc {proc.returncode}):\n{err[-3000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    results = parse_results(out)
+    assert proc.returncode == 0 and results, f"worker failed (rc {proc.returncode}):\n{err[-3000:]}"
+    return results[-1]
 
 
 def test_two_process_round_trip_and_latency():

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.batchgen import write_batches
-from tests.helpers.dist_util import run_dist
+from tests.helpers.dist_util import parse_results, run_dist
 from tests.helpers.paths import ROOT
 from tests.unit.test_export import (  # noqa: F401  (shared with the unit tests)
     VLLM_TINY,
@@ -82,8 +82,7 @@ def test_export_serves_in_vllm_with_transformers_greedy_tokens(tp1_run, tmp_path
     proc = subprocess.run([sys.executable, str(script), out, json.dumps(prompts), str(n)],
                           env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(next(line for line in proc.stdout.splitlines()
-                          if line.startswith("RESULT "))[len("RESULT "):])
+    got = parse_results(proc.stdout)[0]
     assert got == want
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers.dist_util import parse_results
 from tests.helpers.paths import ROOT
 from tsync_mcore.util.net import free_port as _free_port
 
@@ -38,7 +39,7 @@ def _worker(hf_dir, out, mode, check):
          str(_free_port()), os.path.join(ROOT, "tests/helpers/workers/nonfinite_worker.py"), hf_dir,
          str(out), mode, check], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
-    rows = [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    rows = parse_results(p.stdout)
     return {r["rank"]: r["results"] for r in rows}
 
 

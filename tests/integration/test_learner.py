@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.batchgen import write_batches
+from tests.helpers.dist_util import parse_results
 from tests.helpers.paths import ROOT
 from tests.helpers.reference import reference_grad, rel_l2
 from tests.helpers.replay import replay_many
@@ -207,7 +208,7 @@ def test_bad_input_rejected_and_theta_untouched(tiny_qwen2):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/helpers/workers/bad_input_worker.py"),
                         tiny_qwen2], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-5000:]
-    res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    res = parse_results(p.stdout)[0]
     errs = res["errors"]
     assert all(v != "NO ERROR" for v in errs.values()), errs
     assert "policy version 3" in errs["wrong_version"]
@@ -269,7 +270,7 @@ def test_shared_prefix_same_update_fewer_flops(tiny_qwen2):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/helpers/workers/prefix_flops_worker.py"),
                         tiny_qwen2], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-5000:]
-    res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    res = parse_results(p.stdout)[0]
     for schedule, r in res.items():
         print(f"shared prefix {schedule}: FLOPs on/off = {r['flops_on']:.3e}/{r['flops_off']:.3e} "
               f"(saving {r['saving']:.1%}), update on vs off rel L2 = {r['rel_l2_on_vs_off']:.2e}")

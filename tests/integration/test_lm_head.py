@@ -107,7 +107,7 @@ def test_fused_head_peak_memory_below_unfused(tmp_path):
     import subprocess
     import sys
 
-    from tests.helpers.dist_util import REPO_ROOT, RESULT_PREFIX
+    from tests.helpers.dist_util import REPO_ROOT, parse_results
     from tsync_mcore.model.tiny import make_tiny_checkpoint
     t, vocab = 4096, 65536
     ckpt = make_tiny_checkpoint(str(tmp_path / "ckpt"), vocab_size=vocab, hidden=16, layers=1,
@@ -135,8 +135,7 @@ def test_fused_head_peak_memory_below_unfused(tmp_path):
         for fused, p in procs.items():
             assert p.wait(timeout=600) == 0, (tmp_path / f"{fused}.err").read_text()[-4000:]
             out = (tmp_path / f"{fused}.out").read_text()
-            line = next(x for x in out.splitlines() if x.startswith(RESULT_PREFIX))
-            res = json.loads(line[len(RESULT_PREFIX):])
+            res = parse_results(out)[0]
             peaks[fused] = (res["peak_rss_bytes"], res["summary"]["head_peak_bytes_per_rank"][0])
     finally:
         for p in procs.values():

@@ -9,6 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.helpers.batchgen import write_opd_batches
+from tests.helpers.dist_util import parse_results
 from tests.helpers.paths import ROOT
 from tests.helpers.reference import reference_opd_grad, rel_l2
 from tests.helpers.replay import replay, replay_many
@@ -106,7 +107,7 @@ def test_opd_bad_input_rejected(tiny_qwen2):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/helpers/workers/opd_bad_input_worker.py"),
                         tiny_qwen2], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-5000:]
-    res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    res = parse_results(p.stdout)[0]
     errs = res["errors"]
     assert all(v != "NO ERROR" for v in errs.values()), errs
     assert "teacher log-prob missing" in errs["teacher_missing"]
@@ -139,7 +140,7 @@ def test_opd_learner_behind_the_rollout_finishes_started_trajectories_first(tiny
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/helpers/workers/opd_order_worker.py"),
                         tiny_qwen2], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-5000:]
-    res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    res = parse_results(p.stdout)[0]
     print(res)
     assert res["nothing_served_on_submit"] and res["first_two"] == [True, True]
     # A0 B0 | C0 A1 B1 arrive: B1 (B was served last), then A1 (started), then C0.
@@ -161,7 +162,7 @@ def test_opd_cost_is_linear_in_turns_recompute_and_retain(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tests/helpers/workers/opd_cost_worker.py"),
                         hf_dir], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-5000:]
-    res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    res = parse_results(p.stdout)[0]
     for mode in ("recompute", "retain"):
         r = res[mode]
         print(f"OPD {mode}: total/plain FLOPs {r['total_over_plain']:.3f}, deferred/plain "

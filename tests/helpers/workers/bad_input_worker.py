@@ -3,7 +3,6 @@
 Run as a script (one process). Prints `RESULT {json}`.
 """
 
-import json
 import math
 import sys
 from dataclasses import replace
@@ -11,6 +10,7 @@ from dataclasses import replace
 import torch
 
 from tests.helpers.batchgen import make_batch  # noqa: E402
+from tests.helpers.dist_util import emit  # noqa: E402
 from tsync_mcore.channel.sources import BatchPlan, SourceError, TrajectorySource  # noqa: E402
 from tsync_mcore.config import load_config  # noqa: E402
 from tsync_mcore.learner.policy import Policy  # noqa: E402
@@ -111,7 +111,7 @@ def main(hf_dir: str) -> None:
         "theta_moved_after_close": not same(theta0, theta1),
         "empty_mask_sources": sum(1 for s in srcs if s.n_scored == 0),
     }
-    print("RESULT " + json.dumps(out), flush=True)
+    emit(out)
 
 
 def _err(fn, *args) -> str:

@@ -15,12 +15,12 @@ Prints `RESULT {json}` when it finishes on its own.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 import torch.distributed as dist
 
+from tests.helpers.dist_util import emit  # noqa: E402
 from tsync_mcore.channel import (
     Ack,
     CloseBatch,
@@ -139,4 +139,4 @@ if __name__ == "__main__":
         out = idle(port)
     else:
         out = idle_rollout(port)
-    print("RESULT " + json.dumps(out), flush=True)
+    emit(out)

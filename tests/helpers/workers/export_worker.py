@@ -16,6 +16,7 @@ import torch.distributed as dist
 import yaml
 from safetensors.torch import save_file
 
+from tests.helpers.dist_util import emit  # noqa: E402
 from tsync_mcore.channel.sources import BatchPlan
 from tsync_mcore.config import load_config, to_dict
 from tsync_mcore.learner import checkpoint
@@ -67,6 +68,5 @@ if __name__ == "__main__":
 
     hf, batch, run, tp, n = sys.argv[1:6]
     extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None  # config overrides
-    print("RESULT " + json.dumps(train(hf, batch, run, int(tp), int(n), overrides=extra)),
-          flush=True)
+    emit(train(hf, batch, run, int(tp), int(n), overrides=extra))
     exit_now()  # the ranks' results are out: skip the interpreter's teardown

@@ -15,7 +15,6 @@ import shutil
 import sys
 
 from tests.helpers.scripted import sources  # the golden run's batches
-
 from tsync_mcore.channel import (  # noqa: E402
     Ack,
     ChannelError,

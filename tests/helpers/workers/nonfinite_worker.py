@@ -6,7 +6,6 @@ adv_eps is 1e-300, so its advantage scale 1/(σ+ε) overflows FP32; clean: A, B 
 writes the final parameters to OUT/params_MODE.safetensors and every rank prints RESULT.
 """
 
-import json
 import os
 import sys
 from dataclasses import replace
@@ -14,6 +13,7 @@ from dataclasses import replace
 from safetensors.torch import save_file
 
 from tests.helpers.batchgen import make_batch  # noqa: E402
+from tests.helpers.dist_util import emit  # noqa: E402
 from tsync_mcore.channel.sources import BatchPlan, TrajectorySource  # noqa: E402
 from tsync_mcore.config import load_config  # noqa: E402
 from tsync_mcore.learner.policy import Policy  # noqa: E402
@@ -52,7 +52,7 @@ def main(hf_dir: str, out: str, mode: str, check: str) -> None:
         params = policy.export_params()
         save_file({k: v.contiguous() for k, v in params.items()},
                   os.path.join(out, f"params_{mode}_{check}.safetensors"))
-    print("RESULT " + json.dumps({"rank": policy.par.rank, "results": results}), flush=True)
+    emit({"rank": policy.par.rank, "results": results})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
 """Feeds an OPD learner bad turns between good ones; reports errors and whether θ moved."""
 
-import json
 import math
 import sys
 from dataclasses import replace
@@ -8,6 +7,7 @@ from dataclasses import replace
 import torch  # noqa: E402
 
 from tests.helpers.batchgen import make_opd_batch  # noqa: E402
+from tests.helpers.dist_util import emit  # noqa: E402
 from tests.helpers.reference import rel_l2  # noqa: E402
 from tsync_mcore.channel.sources import BatchPlan, SourceError, opd_turns_from_json  # noqa: E402
 from tsync_mcore.config import load_config  # noqa: E402
@@ -68,7 +68,7 @@ def main(hf_dir: str) -> None:
         "out_of_order_turn_held_then_served": bool(held and served),
         "grad_equal_to_clean": rel_l2(r_noisy.grad, r_clean.grad),
     }
-    print("RESULT " + json.dumps(out), flush=True)
+    emit(out)
 
 
 def _err(fn, *args) -> str:

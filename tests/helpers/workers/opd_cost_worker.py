@@ -6,13 +6,13 @@ forward+backward over the whole trajectory; peak bytes of activations saved for 
 the context K/V leaves + adjoints.
 """
 
-import json
 import random
 import sys
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from tests.helpers.dist_util import emit  # noqa: E402
 from tsync_mcore.channel.sources import BatchPlan, TurnSource
 from tsync_mcore.config import load_config
 from tsync_mcore.learner.policy import Policy
@@ -95,7 +95,7 @@ def main(hf_dir: str) -> None:
         m["total_over_plain"] = (m["per_turn_flops"] + m["deferred_flops"]) / res["plain_flops"]
         m["deferred_over_plain"] = m["deferred_flops"] / res["plain_flops"]
         res[mode] = m
-    print("RESULT " + json.dumps(res), flush=True)
+    emit(res)
 
 
 if __name__ == "__main__":

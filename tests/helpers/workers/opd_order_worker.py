@@ -6,11 +6,11 @@ scripted arrival pattern, the gradient against a sync learner over the same turn
 K/V peak of a whole batch handed over at once vs served in readiness order.
 """
 
-import json
 import sys
 from dataclasses import replace
 
 from tests.helpers.batchgen import make_opd_batch  # noqa: E402
+from tests.helpers.dist_util import emit  # noqa: E402
 from tests.helpers.reference import rel_l2  # noqa: E402
 from tsync_mcore.channel.sources import BatchPlan, opd_turns_from_json  # noqa: E402
 from tsync_mcore.config import load_config  # noqa: E402
@@ -86,7 +86,7 @@ def main(hf_dir: str) -> None:
         # how often the next service continues the trajectory just served
         res[mode + "_same_next"] = sum(a == b for a, b in zip(trajs, trajs[1:])) / (len(trajs) - 1)
     res["backlog_vs_readiness_grad"] = rel_l2(grads["backlog"], grads["readiness"])
-    print("RESULT " + json.dumps(res), flush=True)
+    emit(res)
 
 
 if __name__ == "__main__":

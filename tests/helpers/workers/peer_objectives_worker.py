@@ -11,6 +11,7 @@ import sys
 
 from safetensors.torch import save_file
 
+from tests.helpers.dist_util import emit  # noqa: E402
 from tsync_mcore.channel.sources import BatchPlan
 from tsync_mcore.config import load_config
 from tsync_mcore.learner.policy import Policy
@@ -41,7 +42,7 @@ def main(hf_dir: str, cases_path: str, out: str) -> None:
         if par.rank == 0:
             save_file({n: v.float().contiguous() for n, v in result.grad.items()},
                       os.path.join(out, f"{case['name']}.safetensors"))
-    print("RESULT " + json.dumps({"rank": par.rank, "cases": res}), flush=True)
+    emit({"rank": par.rank, "cases": res})
 
 
 if __name__ == "__main__":

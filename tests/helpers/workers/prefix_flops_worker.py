@@ -1,11 +1,11 @@
 """Learner FLOPs with and without the shared-prefix backward (groups of 8, prompt = half)."""
 
-import json
 import random
 import sys
 
 from torch.utils.flop_counter import FlopCounterMode
 
+from tests.helpers.dist_util import emit  # noqa: E402
 from tests.helpers.reference import rel_l2  # noqa: E402
 from tsync_mcore.channel.sources import BatchPlan, TrajectorySource  # noqa: E402
 from tsync_mcore.config import load_config  # noqa: E402
@@ -60,7 +60,7 @@ def main(hf_dir: str) -> None:
                              rel_l2_on_vs_off=rel_l2(g_on, g_off),
                              ledger_err_on=out[f"{schedule}_on_ledger_err"],
                              ledger_err_off=out[f"{schedule}_off_ledger_err"])
-    print("RESULT " + json.dumps(res), flush=True)
+    emit(res)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,13 @@ writes each mode's final parameters; `refused` expects the resume to fail on eve
 reports each rank's error instead.
 """
 
-import json
 import os
 import sys
 
 import torch
 from safetensors.torch import save_file
 
+from tests.helpers.dist_util import emit  # noqa: E402
 from tsync_mcore.channel.sources import BatchPlan
 from tsync_mcore.config import load_config
 from tsync_mcore.learner import checkpoint
@@ -63,5 +63,5 @@ if __name__ == "__main__":
 
     results = [main(*sys.argv[1:4], mode) for mode in sys.argv[4].split(",")]
     out = results[0] if len(results) == 1 else {"rank": results[0]["rank"], "modes": results}
-    print("RESULT " + json.dumps(out), flush=True)
+    emit(out)
     exit_now()  # the ranks' results are out: skip the interpreter's teardown
