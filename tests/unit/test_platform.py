@@ -91,3 +91,15 @@ def test_recompute_checkpoint_on_cpu(parallel1):
     torch.manual_seed(0)
     f(x).sum().backward()
     assert torch.equal(g_ckpt, w.grad)  # same dropout mask in the recomputation
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA Megatron's jit_fuser stays as it is")
+def test_megatron_fusions_are_not_compiled_on_a_cpu():
+    """tsync_mcore's import hook (util/megatron_import.py) ran Megatron's disable_jit_fuser()
+    as megatron.core.jit loaded: its fusion functions are plain functions, not torch.compile
+    wrappers (decorating with torch.compile imports inductor in every process)."""
+    import megatron.core.jit as jit
+    from megatron.core.fusions import fused_bias_gelu
+
+    assert jit.jit_fuser is jit.noop_decorator
+    assert type(fused_bias_gelu.bias_gelu).__name__ == "function"
