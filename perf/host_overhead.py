@@ -63,7 +63,8 @@ def serve(l, work, counter=None) -> None:
     try:
         l.begin(plan)
         for _, src in items:
-            l.submit(src, serve=l.serves_on_arrival)
+            # GRPO: each source served as it arrives (one per pass); OPD: every turn first
+            l.submit(src, serve=l.cfg.objective == "grpo")
         l.close()
     finally:
         if watch is not None:

@@ -28,7 +28,9 @@ def start_learner(hf_dir, run_dir, port, updates=2, extra=(), flags=()):
     sets = [f"model.hf_dir={hf_dir}", f"run.dir={run_dir}", f"run.updates={updates}",
             "run.save_every=1", f"publish.dir={run_dir}/publish", f"channel.port={port}",
             "publish.method=file",  # the scripted rollout reads the published file
-            "channel.timeout_s=20", "channel.ack_timeout_s=20", "optim.lr=1e-4", *extra]
+            "channel.timeout_s=20", "channel.ack_timeout_s=20", "optim.lr=1e-4",
+            # runs are compared bit for bit: each source served as it arrives
+            "learner.pack_arrivals=false", *extra]
     os.makedirs(run_dir, exist_ok=True)
     # Logs go to files: an unread pipe fills up with warnings and blocks the learner.
     proc = subprocess.Popen(

@@ -99,7 +99,9 @@ def test_dataset_run_with_user_reward_eval_and_mid_epoch_resume(tmp_path):
     cfg = {
         "model": {"hf_dir": model, "dtype": "fp32"},
         "optim": {"lr": 3.0e-3},
-        "learner": {"objective": "grpo", "schedule": "thundersync", "accum_dtype": "fp64"},
+        # each source served as it arrives: which sources share a pass would depend on timing
+        "learner": {"objective": "grpo", "schedule": "thundersync", "accum_dtype": "fp64",
+                    "pack_arrivals": False},
         "run": {"updates": 4, "save_every": 2, "eval_every": 2, "publish": "file"},
         "channel": {"timeout_s": 300, "ack_timeout_s": 120},
         # static routing: each group is served on a fixed rank. Balanced routing assigns by

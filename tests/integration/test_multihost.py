@@ -241,7 +241,8 @@ def test_learner_node_unplugged_mid_batch_stops_within_the_timeout(hosts, tiny_q
     argv = ["--config", "configs/grpo_cpu_tiny.yaml", "--set", f"model.hf_dir={tiny_qwen2}",
             f"run.dir={run}", "run.updates=2", "run.save_every=1", "optim.lr=1e-4",
             f"channel.timeout_s={timeout_s}", "channel.join_timeout_s=200",
-            "channel.ack_timeout_s=60", *node_sets(hosts, 29610, dist_timeout_s),
+            "channel.ack_timeout_s=60", "learner.pack_arrivals=false",
+            *node_sets(hosts, 29610, dist_timeout_s),
             "publish.method=file", f"publish.dir={run}/publish"]  # the scripted rollout reads the file
     procs = start_hosts(hosts, argv, run, roles=("node0", "node1"))
     try:

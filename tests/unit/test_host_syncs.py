@@ -146,7 +146,8 @@ def serve_batch(learner, counter: HostCounter | None = None, sources: bool = Fal
     try:
         learner.begin(BatchPlan.from_sources(srcs))
         for s in srcs:
-            learner.submit(s, serve=learner.serves_on_arrival)
+            # GRPO: each source served as it arrives (one per pass); OPD: every turn first
+            learner.submit(s, serve=learner.cfg.objective == "grpo")
         res = learner.close()
         return (res, srcs) if sources else res
     finally:

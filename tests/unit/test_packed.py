@@ -272,8 +272,44 @@ def test_grpo_packed_update_equals_one_by_one(tiny_qwen2, parallel1, schedule, s
     print(f"GRPO {schedule} prefix={shared_prefix}: {len(passes)} passes, rel L2 {err:.2e}")
     assert err <= 1e-6
     assert passes, "nothing was packed"
-    direct = {r.traj_id for r in _srecs(packed) if r.pass_id is not None}
-    assert all(r.fold == "direct" for r in _srecs(packed) if r.traj_id in direct)
+    for recs in passes.values():  # into the batch, or into one incomplete group's sums
+        folds = {r.fold for r in recs}
+        assert folds in ({"direct"}, {"pair"}), folds
+        if folds == {"pair"}:
+            assert len({r.group_id for r in recs}) == 1
+
+
+@pytest.mark.parametrize("rewards", ["binary", "real"])
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_grpo_pair_packs_equal_one_by_one(tiny_qwen2, parallel1, rewards, shared_prefix):
+    """thundersync, members of incomplete groups handed over together: they pack per group.
+    Equal rewards (binary, most packs) fold one backward as one member with that reward;
+    different rewards run two backward cotangents over the one forward, (r_i − c) into G1'
+    and 1 into G2. Both equal one member per pass."""
+    rows = sorted(make_batch(VOCAB, n_groups=3, m=4, seed=5), key=lambda r: r["ready_order"])
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r)
+    if rewards == "binary":  # the first three members: all 1, all 0, mixed
+        for members, rs in zip(groups.values(), ([1, 1, 1, 0], [0, 0, 0, 1], [1, 0, 1, 0])):
+            for r, x in zip(members, rs):
+                r["reward"] = float(x)
+    # each group's first three members arrive together, its last one later
+    srcs = [TrajectorySource.from_json(r) for ms in groups.values() for r in ms[:3]]
+    srcs += [TrajectorySource.from_json(ms[3]) for ms in groups.values()]
+    err, passes, one, packed = _compare(tiny_qwen2, parallel1, srcs, chunk=9,
+                                        schedule="thundersync", shared_prefix=shared_prefix)
+    reward = {s.traj_id: s.reward for s in srcs}
+    pair_packs = [recs for recs in passes.values() if recs[0].fold == "pair"]
+    mixed = [p for p in pair_packs if len({reward[r.traj_id] for r in p}) > 1]
+    print(f"GRPO pair packs ({rewards}, prefix={shared_prefix}): "
+          f"{[len(p) for p in pair_packs]}, {len(mixed)} mixed, rel L2 {err:.2e}")
+    assert err <= 1e-6
+    # per group its first three, less the last group's member without scored tokens
+    assert sorted(len(p) for p in pair_packs) == [2, 3, 3]
+    assert all(len({r.group_id for r in p}) == 1 for p in pair_packs)
+    # two cotangents where rewards differ (real: the uniform group 0 is one pass of one)
+    assert len(mixed) == (1 if rewards == "binary" else 2)
 
 
 @pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s != "fully_async"])  # GRPO only

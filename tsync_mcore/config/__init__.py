@@ -182,6 +182,12 @@ class LearnerConfig:
     # runs alone); same update as one by one (docs/design/learner.md). 0: one source per pass.
     # 16384 is verl's default ppo_max_token_len_per_gpu: the packed micro-batch a verl user runs.
     max_tokens_per_pass: int = 16384
+    # The learner takes every source that has arrived before it runs its next pass, so what
+    # arrived while it was busy packs (pair folds of one group included): which sources share
+    # a pass then depends on timing, and two runs agree to FP32 rounding. false: each source
+    # is served as it arrives, in arrival order, so a run repeats bit for bit (slower when
+    # the learner falls behind its rollout).
+    pack_arrivals: bool = True
     # A non-finite reduced gradient never steps (θ and the optimizer stay as they were);
     # "stop" ends the run with the reason, "drop_batch" goes on with the next batch on θ_k.
     on_nonfinite: Literal["stop", "drop_batch"] = "stop"

@@ -126,6 +126,24 @@ class GradAccumulators:
         pair.has_g1 = pair.has_g1 or r != 0.0
         pair.has_g2 = True
 
+    def fold_pair_part(self, group_id: str, grads: list[torch.Tensor], part: str) -> None:
+        """G1' += H (`part="g1"`: H already carries each member's r_i − c, a packed pass's
+        first backward) or G2 += H (`"g2"`: its second) for an open group."""
+        pair = self.open[group_id]
+        if part == "g1":
+            if pair.g1 is None:
+                pair.g1 = self._take()
+                self.peak_bytes = max(self.peak_bytes, self.bytes_allocated)
+            vecs, fresh = pair.g1, not pair.has_g1
+            pair.has_g1 = True
+        elif part == "g2":
+            vecs, fresh = pair.g2, not pair.has_g2
+            pair.has_g2 = True
+        else:
+            raise ValueError(f"part {part!r}: 'g1' or 'g2'")
+        for acc, g in zip(vecs, self._staged(grads)):
+            K.axpy_(acc, g, 1.0, fresh=fresh)
+
     def shift_of(self, group_id: str) -> float:
         return self.open[group_id].shift
 

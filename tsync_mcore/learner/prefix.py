@@ -107,6 +107,17 @@ class SharedPrefix:
             a1.add_(a, alpha=f32(r_minus_c))
             a2.add_(a)
 
+    def fold_pair_part(self, part: str) -> None:
+        """A1 += adj (`part="g1"`: the adjoint already carries each member's r_i − c) or
+        A2 += adj (`"g2"`), as GradAccumulators.fold_pair_part does for the parameters."""
+        adj = self._take_adjoint()
+        if self.a1 is None:
+            self.a1 = [torch.zeros_like(a) for a in adj]
+            self.a2 = [torch.zeros_like(a) for a in adj]
+        self.has_a1 = self.has_a1 or part == "g1"
+        for acc, a in zip(self.a1 if part == "g1" else self.a2, adj):
+            acc.add_(a)
+
     def fold_direct(self, coef: float, leaves: list[KV] | None = None) -> None:
         """A += coef·adj, taking (and clearing) the adjoint on `leaves` (default: own)."""
         adj = self._take_adjoint(leaves)

@@ -245,11 +245,13 @@ class Trainer:
         if self.policy.ep_size > 1:
             close = self._stream_in_lockstep(plan)
         else:
-            serve = self.learner.serves_on_arrival
+            # learner.pack_arrivals: every message already here is handed over before the
+            # next pass, so the learner packs what arrived while it was busy
+            serve = not cfg.learner.pack_arrivals
             while True:
                 msg = self._next_message()
                 if msg is None:
-                    continue  # served one unit
+                    continue  # served one pass
                 close = self._take_message(msg, plan, serve)
                 if close is not None:
                     break
@@ -459,7 +461,7 @@ class Trainer:
                 if msg.version != self.version:
                     raise SourceError(f"GroupRewards for group {msg.group_id!r} of version "
                                       f"{msg.version} during batch {self.version}")
-                self.learner.group_rewards(msg.group_id, msg.rewards)
+                self.learner.group_rewards(msg.group_id, msg.rewards, serve=serve)
             except SourceError as e:
                 self._rejected(None, msg.group_id, str(e))
         elif isinstance(msg, DropGroup):

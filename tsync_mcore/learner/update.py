@@ -195,16 +195,18 @@ class Learner:
         if serve:
             self._drain()
 
-    def group_rewards(self, group_id: str, rewards: dict[str, float]) -> None:
+    def group_rewards(self, group_id: str, rewards: dict[str, float], serve: bool = True) -> None:
         """The rollout's announcement of every reward of a finished group (balanced routing:
-        some members were served on other ranks). Checked against what arrived here."""
+        some members were served on other ranks). Checked against what arrived here.
+        `serve`: as in `submit`."""
         if self.plan is None:
             raise RuntimeError("group_rewards() before begin(): no batch is open")
         if group_id in self.dropped:
             return
         self.kind.announce(group_id, rewards)
         self._maybe_complete(group_id)
-        self._drain()
+        if serve:
+            self._drain()
 
     def serve_next(self) -> bool:
         """Serve the next servable unit (with packing: the next pass, which may hold several
@@ -453,13 +455,6 @@ class Learner:
             return []
         self.drop_group(g, f"{what}: {reason}")
         return [g]
-
-    @property
-    def serves_on_arrival(self) -> bool:
-        """GRPO: serve each source as it is handed over (its folds follow arrival order, a
-        run replays bit for bit); OPD: a caller hands over every arrival first, so the
-        learner chooses among all ready turns."""
-        return self.kind.serves_on_arrival
 
     # --- barrier and step -----------------------------------------------------------------
 

@@ -31,9 +31,8 @@ from tsync_mcore.observability.trace import DeferredRecord
 class TrajectoryKind:
     source_type = TrajectorySource
     name = "trajectory"  # what its trace records call a source
-    serves_on_arrival = True  # served as handed over: its folds follow the arrival order
     announces_rewards = True  # GroupRewards carry what members on other ranks scored
-    packs_pairs = False  # a pair fold is two sums around the shift c: one member per pass
+    packs_pairs = True  # one group's members pack: one backward per distinct sum (≤ 2)
 
     def __init__(self, learner):
         self.up = UpdateView(learner)  # the update in progress, as far as a kind sees it
@@ -156,11 +155,14 @@ class TrajectoryKind:
         return src.n_tokens - (prefix_len(src) if self.up.cfg.shared_prefix else 0)
 
     def serve_pack(self, pack: list[Service]) -> list[dict]:
-        """Direct-fold trajectories in one forward/backward: each one's loss carries its
-        token weight and coefficient (w_i·coef_i, ρ per token), so the gradient is Σ coef_i·
-        ∇loss_i, folded once; a continuation runs against its group's prompt leaves (two
-        members of a group share them, and the leaves sum their coefficient-weighted
-        adjoints, as one-by-one fold_direct(coef_i) calls would)."""
+        """Trajectories in one forward, each against its group's prompt leaves when it has
+        one (two members of a group share them; the leaves sum their adjoints as one-by-one
+        folds would). Direct folds: one backward of Σ w_i·coef_i·loss_i, folded once into
+        the batch. Pair folds (members of one incomplete group, queue.next_pack(pairs=True)):
+        the group needs G1' += Σ (r_i − c)·H_i and G2 += Σ H_i, so one backward of
+        Σ w_i·loss_i folded as one member with reward r when every member has the same r
+        (binary rewards: most packs), else two backward cotangents over the one forward,
+        Σ w_i·(r_i − c)·loss_i into G1' and Σ w_i·loss_i into G2."""
         up = self.up
         segments, scored, spans, prefixes = [], [], [], {}
         for svc in pack:
@@ -173,26 +175,52 @@ class TrajectoryKind:
             segments.append(Segment(ids, q, prefix.leaves if prefix is not None else None))
             scored.append([t for t, m in enumerate(src.scored_mask[q:]) if m])
             spans.append(dict(span_tokens=src.n_tokens - q, context=q, logits=True))
+        pair = pack[0].fold == "pair"  # the queue packs pair folds of one group only
         with up.routes.forward([(svc.source.traj_id, seg.offset, len(seg.tokens))
                                for svc, seg in zip(pack, segments)]):
             logps, _ = up.policy.packed_logprobs(segments, scored)
-            loss = 0.0
+            terms = []  # (Σ_t ρ_t·log π(t), the member's token weight w_i)
             for svc, seg, logp in zip(pack, segments, logps):
                 src = svc.source
-                w = up.norm.source_weight(src.n_scored) * self._coef(src)
                 rho = up.off_policy.weights(logp, behaviour_at(src.behaviour_logprobs,
                                                               src.scored_mask[seg.offset:],
                                                               seg.offset))
-                loss = loss - f32(w) * weighted_logp_sum(logp, rho)
-            loss.backward()
-        up.fold_direct([svc.group_id for svc in pack], up.policy.grad_buffers(), 1.0)
-        for prefix in prefixes.values():
-            prefix.fold_direct(1.0)
-        up.policy.zero_grads()
+                terms.append((weighted_logp_sum(logp, rho), up.norm.source_weight(src.n_scored)))
+            if not pair:
+                _loss(terms, [self._coef(svc.source) for svc in pack]).backward()
+            else:
+                self._pair_backward(pack, terms, prefixes)
+        if not pair:
+            up.fold_direct([svc.group_id for svc in pack], up.policy.grad_buffers(), 1.0)
+            for prefix in prefixes.values():
+                prefix.fold_direct(1.0)
+            up.policy.zero_grads()
         for svc in pack:
             if svc.closes_group:
                 self._combine(svc.group_id)
         return spans
+
+    def _pair_backward(self, pack: list[Service], terms: list, prefixes: dict) -> None:
+        """The backward(s) of a pair pack and their folds into its group's sums."""
+        up, g = self.up, pack[0].group_id
+        if not up.acc.is_open(g):
+            up.acc.open_group(g, shift=pack[0].source.reward)  # c = its first folded reward
+        shift = up.acc.shift_of(g)
+        prefix = prefixes.get(g)
+        rewards = [float(svc.source.reward) for svc in pack]
+        if len(set(rewards)) == 1:  # one cotangent: fold the sum as one member would be
+            _loss(terms, [1.0] * len(pack)).backward()
+            up.acc.fold_pair(g, up.policy.grad_buffers(), rewards[0])
+            if prefix is not None:
+                prefix.fold_pair(rewards[0] - shift)
+            up.policy.zero_grads()
+            return
+        for part, coefs in (("g1", [r - shift for r in rewards]), ("g2", [1.0] * len(pack))):
+            _loss(terms, coefs).backward(retain_graph=part == "g1")
+            up.acc.fold_pair_part(g, up.policy.grad_buffers(), part)
+            if prefix is not None:
+                prefix.fold_pair_part(part)
+            up.policy.zero_grads()
 
     def after(self, svc: Service) -> None:
         pass  # a trajectory leaves no deferred work of its own
@@ -256,3 +284,9 @@ class TrajectoryKind:
             prefix.owner, src.traj_id, len(prefix)) else None
 
 
+def _loss(terms: list[tuple[torch.Tensor, float]], coefs: list[float]) -> torch.Tensor:
+    """−Σ_i f32(w_i·coef_i)·Σ_t ρ_t·log π(t): a pass's loss for one set of coefficients."""
+    loss = 0.0
+    for (logp_sum, w), coef in zip(terms, coefs):
+        loss = loss - f32(w * coef) * logp_sum
+    return loss

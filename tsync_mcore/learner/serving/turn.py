@@ -83,7 +83,6 @@ class _Context:
 class TurnKind:
     source_type = TurnSource
     name = "turn"  # what its trace records call a source
-    serves_on_arrival = False  # the learner chooses among every arrived turn
     packs_pairs = True  # a pair fold is the group's plain sum: one group's turns pack too
     announces_rewards = False  # no group statistics: a turn's coefficient is its own
 
