@@ -119,7 +119,10 @@ def _print(rows: list[dict]) -> None:
               f"{r['schedule']:12s} step {r['step_time_s']:.3f}s  "
               f"speedup {r['speedup_measured']:.2f}x ±{r['speedup_stderr'] or 0:.2f} "
               f"(pred {r['speedup_predicted']:.2f}x, "
-              f"{100 * r['measured_over_predicted']:.0f}%)  tail {r['learner_tail_s']:.3f}s"
+              f"{100 * r['measured_over_predicted']:.0f}%"
+              + (f"; same service {r['speedup_same_service']:.2f}x"
+                 if r.get("speedup_same_service") and r["schedule"] != "sync" else "")
+              + f")  tail {r['learner_tail_s']:.3f}s"
               f"  r_eff {r['ratio_effective']:.2f}  wall/cpu {r['wall_over_cpu']:.3f}"
               + (f"  service/sync {r['service_vs_sync']:.3f} (arriving "
                  f"{r['service_vs_sync_arriving']:.3f})"

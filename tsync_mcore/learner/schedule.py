@@ -171,11 +171,15 @@ class ReadinessQueue:
         pass's one gradient still belongs to one group's sum.
         `may_open=False`: a unit that would open a group joins no pack (a byte budget
         estimates each new group against what open groups hold after a pass). Empty: none."""
-        first = self.next()
-        if first is None:
+        if self._closable:
+            return [self.next()]
+        u = self._choose()
+        if u is None:
             return []
-        if first.source is None or not packable(first.source) or not (
-                first.fold == "direct" or pairs):
+        if pairs and packable(u) and u.group_id not in self._complete:
+            u = self._fuller_pass(u, packable)
+        first = self._take(u)
+        if not packable(first.source) or not (first.fold == "direct" or pairs):
             return [first]
         if first.fold == "pair":
             return self._pair_pack(first, budget, size, packable)
@@ -200,6 +204,27 @@ class ReadinessQueue:
             used += n
             trajs.add(u.traj_id)
         return pack
+
+    def _fuller_pass(self, u: Unit, packable: Callable[[Unit], bool]) -> Unit:
+        """`u` would fold into its incomplete group's sums. If it would run alone there (no
+        servable member of its group beside it) while other work could fill a pass, start
+        from that work instead: a unit of a complete group (direct folds pack across
+        groups), else the first unit of the incomplete group with the most servable units.
+        A learner that keeps up still streams every unit as it arrives (it is alone then);
+        one that fell behind leaves the lone unit for later, when its group's other
+        members, or their rewards, may have arrived and it can share a pass."""
+        ready = [v for v in list(self._continuing.values()) + list(self._starting.values())
+                 if packable(v) and (v.index > 0 or self._admissible(v))]
+        mates = {}
+        for v in ready:
+            mates.setdefault(v.group_id, []).append(v)
+        if len(mates.get(u.group_id, ())) > 1:
+            return u
+        direct = [v for v in ready if v.group_id in self._complete]
+        if direct:
+            return direct[0]
+        fullest = max(mates.values(), key=len, default=[u])
+        return fullest[0] if len(fullest) > 1 else u
 
     def _pair_pack(self, first: Service, budget: int, size: Callable[[Unit], int],
                    packable: Callable[[Unit], bool]) -> list[Service]:
