@@ -18,6 +18,27 @@ def pytest_configure(config) -> None:
         config.addinivalue_line("filterwarnings", f"ignore::{cat}:megatron.*")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """TSYNC_CPU_REPORT=FILE: append each test's CPU seconds (this process and the processes
+    it waited for, setup and teardown included) and wall seconds, to find where the suite's
+    CPU goes (`make test` is CPU-bound on two cores)."""
+    path = os.environ.get("TSYNC_CPU_REPORT")
+    if not path:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu() -> float:
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                     resource.getrusage(resource.RUSAGE_CHILDREN)))
+    c0, t0 = cpu(), time.perf_counter()
+    yield
+    with open(path, "a") as f:
+        f.write(f"{cpu() - c0:.1f}\t{time.perf_counter() - t0:.1f}\t{item.nodeid}\n")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     # `multihost` (tests/integration/test_multihost.py: network namespaces, root) is opt-in: `make test`
     # and CI opt in with TSYNC_MULTIHOST=1, a user with `-m multihost`.
