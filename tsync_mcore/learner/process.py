@@ -248,6 +248,7 @@ class Trainer:
             # learner.pack_arrivals: every message already here is handed over before the
             # next pass, so the learner packs what arrived while it was busy
             serve = not cfg.learner.pack_arrivals
+            self._pass_due, self._handing_since = False, None
             while True:
                 msg = self._next_message()
                 if msg is None:
@@ -517,11 +518,22 @@ class Trainer:
                 stop = e
 
     def _next_message(self):
-        """The next message of the batch, or None after serving one unit: every message
-        already here is handed over before the next unit is served."""
+        """The next message of the batch, or None after serving one pass: the messages that
+        had arrived when the learner turned to the link are handed over before its next
+        pass; one that arrived meanwhile is handed over too, and then a pass runs, so a
+        steady stream of arrivals cannot keep the learner from serving."""
+        if self._pass_due:
+            self._pass_due, self._handing_since = False, None
+            if self.learner.serve_next():
+                return None
         msg = self.link.poll()
         if msg is not None:
+            if self._handing_since is None:
+                self._handing_since = time.perf_counter()
+            elif self.link.last_arrival > self._handing_since:
+                self._pass_due = True
             return msg
+        self._handing_since = None
         if self.learner.serve_next():
             return None
         return self.link.recv(timeout_s=self.cfg.channel.timeout_s)
