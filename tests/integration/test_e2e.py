@@ -383,8 +383,9 @@ def test_learner_rank_dies_rollout_side_stops_instead_of_hanging(tiny_qwen2, tmp
 
 @pytest.mark.timeout(420)
 def test_vllm_rollout_two_learner_ranks_few_updates(tmp_path):
-    """launch/run.py on the demo's config (thundersync): also test_config_cli's launcher
-    checks (one live run for both; launch/demo.py runs live in test_async_live)."""
+    """launch/run.py on the demo's config (thundersync), the rollout and the learner ranks on
+    their own cores: also test_config_cli's launcher checks (one live run for both;
+    launch/demo.py runs live in test_async_live)."""
     from tsync_mcore.model.tiny import DEMO_MODEL, make_tiny_checkpoint
     make_tiny_checkpoint(str(tmp_path / "model"), **DEMO_MODEL)
     run = tmp_path / "run"
@@ -392,9 +393,15 @@ def test_vllm_rollout_two_learner_ranks_few_updates(tmp_path):
         [sys.executable, os.path.join(ROOT, "launch/run.py"), "--config",
          os.path.join(ROOT, "tsync_mcore/cli/demo.yaml"), "--set", f"run.dir={run}",
          f"model.hf_dir={tmp_path}/model", "run.updates=3", "--set", "run.save_every=1",
-         "rollout.groups_per_batch=4", f"publish.dir={tmp_path}/publish"],
+         "rollout.groups_per_batch=4", f"publish.dir={tmp_path}/publish",
+         # each side on its own core (the kernel's view, /proc/self/status, is logged)
+         "launch.rollout_cpus=0", "launch.learner_cpus=1"],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "rollout: on cores 0 (1 threads)" in (run / "logs" / "rollout.log").read_text()
+    err = (run / "logs" / "learner.err").read_text()
+    for rank in (0, 1):  # the two ranks share core 1, one thread each
+        assert f"learner rank {rank}: on cores 1 (1 threads)" in err, err[-2000:]
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [r["policy_version"] for r in rows] == [0, 1, 2]
     assert all(r["stale_sources"] == 0 and r["trajectories"] == 16 for r in rows)

@@ -133,6 +133,39 @@ def test_launch_and_rollout_engine_keys_are_checked():
             load_config(None, overrides)
 
 
+def test_cpu_placement_lists_overlap_and_environment(capsys, monkeypatch):
+    """launch.rollout_cpus / learner_cpus: CPU lists, disjoint when both sides share a host,
+    and each side's environment carries its cores and thread counts."""
+    from tsync_mcore.cli.launch import check_cpu_placement, learner_env, rollout_env
+    from tsync_mcore.util import cpus
+    assert cpus.parse("0-3,8") == [0, 1, 2, 3, 8] and cpus.parse("") == []
+    for bad in ("a", "3-1", "0,,1", "-1", "1-"):
+        assert cpus.parse(bad) is None, bad
+        with pytest.raises(ConfigError, match="'launch.rollout_cpus'"):
+            load_config(None, {"launch.rollout_cpus": bad})
+    cfg = load_config(None, {"launch.rollout_cpus": "0", "launch.learner_cpus": "1-4",
+                             "rollout.n_learners": 2})
+    env = learner_env(cfg, {})
+    assert (env[cpus.ENV], env["OMP_NUM_THREADS"]) == ("1-4", "2")  # 4 cores, 2 ranks
+    env = rollout_env(cfg, {})
+    assert (env[cpus.ENV], env["OMP_NUM_THREADS"], env["VLLM_CPU_OMP_THREADS_BIND"]) == \
+        ("0", "1", "0")
+    assert cpus.ENV not in learner_env(load_config(None, {}), {})  # unset: inherit
+    check_cpu_placement(cfg, "run")
+    overlap = load_config(None, {"launch.rollout_cpus": "0-1", "launch.learner_cpus": "1"})
+    with pytest.raises(SystemExit) as e:
+        check_cpu_placement(overlap, "run")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "share cores [1]" in err, err
+    # a process told to use cores it may not: one line, exit 2
+    monkeypatch.setenv(cpus.ENV, "4095")
+    with pytest.raises(SystemExit) as e:
+        cpus.pin_from_env("rollout")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "cores [4095] are not available" in err and \
+        err.count("\n") == 1, err
+
+
 def test_tensor_parallel_sizes_are_checked_against_the_checkpoint(tiny_qwen2):
     # tiny_qwen2: 4 attention heads, 2 KV heads, vocab 256
     assert load_config(None, {"model.hf_dir": tiny_qwen2, "model.tp": 2,

@@ -6,6 +6,7 @@ import os
 import sys
 import traceback
 
+from tsync_mcore.util import cpus
 from tsync_mcore.util.net import free_port  # noqa: F401  (launchers import it from here)
 from tsync_mcore.util.safe_files import BadFile
 
@@ -170,16 +171,45 @@ def _ifname_env(env: dict, ifname: str) -> dict:
     return dict(env, GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
 
 
+def _cpu_env(env: dict, spec: str, threads_per_process: int, vllm: bool = False) -> dict:
+    """A side's cores (util/cpus.py: each process pins itself to TSYNC_CPUS) and its
+    thread counts: torch's intra-op threads per process, and vLLM's CPU worker threads
+    bound to exactly those cores."""
+    if not spec.strip():
+        return env
+    env = dict(env, **{cpus.ENV: spec, "OMP_NUM_THREADS": str(max(1, threads_per_process))})
+    if vllm:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus.parse(spec)))
+    return env
+
+
 def learner_env(cfg, env: dict) -> dict:
-    """The learner ranks' environment: their GPUs and the interface of their collectives."""
+    """The learner ranks' environment: their GPUs or cores and the interface of their
+    collectives."""
+    per_node = cfg.rollout.n_learners // cfg.launch.nnodes
+    n = len(cpus.parse(cfg.launch.learner_cpus) or [])
+    env = _cpu_env(env, cfg.launch.learner_cpus, n // max(1, per_node))
     return _ifname_env(_gpu_env(env, cfg.launch.learner_gpus), cfg.launch.ifname)
 
 
 def rollout_env(cfg, env: dict) -> dict:
-    """The rollout's environment: its GPUs, and the interface of the publication group
-    (publish.ifname, when the config has it; docs/guide/multihost.md)."""
+    """The rollout's environment: its GPUs or cores, and the interface of the publication
+    group (publish.ifname, when the config has it; docs/guide/multihost.md)."""
+    n = len(cpus.parse(cfg.launch.rollout_cpus) or [])
+    env = _cpu_env(env, cfg.launch.rollout_cpus, n, vllm=True)
     return _ifname_env(_gpu_env(env, cfg.launch.rollout_gpus),
                        getattr(getattr(cfg, "publish", None), "ifname", ""))
+
+
+def check_cpu_placement(cfg, who: str) -> None:
+    """Both sides on this host: their cores must not overlap (one `error:` line, exit 2)."""
+    shared = set(cpus.parse(cfg.launch.learner_cpus) or []) & set(
+        cpus.parse(cfg.launch.rollout_cpus) or [])
+    if shared:
+        print(f"error: {who}: launch.rollout_cpus {cfg.launch.rollout_cpus!r} and "
+              f"launch.learner_cpus {cfg.launch.learner_cpus!r} share cores "
+              f"{sorted(shared)}: give each side its own", file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
 
 def learner_command(cfg, common: list[str], *, node_rank: int = 0, master_port: int = 0,
@@ -280,6 +310,8 @@ def run_job(config: str | None, overrides: list[str], cfg, *, who: str = "run",
         raise SystemExit(2)
     if role == "learner" and node_rank == 0:
         check_publish_reach(cfg, who)  # rank 0 publishes; the rollout must read it
+    if role == "both":
+        check_cpu_placement(cfg, who)
     secret_or_exit(who, cfg)  # one secret for every launcher, created before any starts
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     common = ["--config", config] if config else []

@@ -13,6 +13,10 @@ import sys
 from tsync_mcore.util import quiet
 
 quiet.install()  # first: known-harmless warnings off, here and in vLLM's spawned engine core
+from tsync_mcore.util import cpus  # noqa: E402
+
+# launch.learner_cpus: this rank's threads on the learner's cores, before any pool starts
+cpus.pin_from_env(f"learner rank {os.environ.get('RANK', '0')}")
 from tsync_mcore.channel import nodes  # noqa: E402
 from tsync_mcore.cli.launch import (add_config_args, check_publish_reach,  # noqa: E402
                                 config_from_args, resume_version, say, secret_or_exit, stopped)

@@ -11,6 +11,10 @@ import sys
 from tsync_mcore.util import quiet
 
 quiet.install()  # first: known-harmless warnings off, here and in vLLM's spawned engine core
+from tsync_mcore.util import cpus  # noqa: E402
+
+# launch.rollout_cpus: the rollout's threads (and vLLM's engine process) on its own cores
+cpus.pin_from_env("rollout")
 
 
 def main() -> None:

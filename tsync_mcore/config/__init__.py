@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import yaml
 
+from tsync_mcore.util import cpus
+
 Schedule = Literal["sync", "group_ready", "thundersync", "one_step_off", "fully_async"]
 DType = Literal["fp32", "bf16"]
 TokenNorm = Literal["auto", "trajectory", "token_mean", "seq_mean_token_mean",
@@ -500,6 +502,14 @@ class LaunchConfig:
     learner_gpus: str = ""
     # CUDA_VISIBLE_DEVICES of the rollout (replica i uses the i-th rollout.tp of them)
     rollout_gpus: str = ""
+    # CPU cores of the learner ranks on each learner node, e.g. "1" or "4-7" (Linux CPU
+    # list): every rank's threads are pinned to them and share them (torch threads per rank:
+    # cores / ranks on the node). With launch.rollout_cpus on the same host, the CPU
+    # analogue of separate rollout and learner GPUs. "": the cores this process may use.
+    learner_cpus: str = ""
+    # CPU cores of the rollout (vLLM's engine and threads, the agents, the channel), e.g.
+    # "0"; must not overlap launch.learner_cpus when both sides run on one host
+    rollout_cpus: str = ""
     # Learner nodes (torchrun --nnodes): rollout.n_learners ranks split evenly over them,
     # model.tp ranks of a tensor-parallel group always on one node; data parallelism
     # crosses nodes. Each node runs `launch/run.py --role learner --node-rank I`.
@@ -524,6 +534,9 @@ class LaunchConfig:
             _check(_gpu_list(getattr(self, key)) is not None, f"launch.{key}",
                    f"must be comma-separated GPU indices like '0,1', got "
                    f"{getattr(self, key)!r}")
+        for key in ("learner_cpus", "rollout_cpus"):
+            _check(cpus.parse(getattr(self, key)) is not None, f"launch.{key}",
+                   f"must be a CPU list like '0-3,8', got {getattr(self, key)!r}")
         _check(self.nnodes >= 1, "launch.nnodes", f"must be >= 1, got {self.nnodes}")
         _check(0 <= self.master_port < 65536, "launch.master_port",
                f"must be a TCP port (0: a free one), got {self.master_port}")
