@@ -264,7 +264,7 @@ class BatchWork:
 
     def _step_timeout_s(self) -> float:
         # The dataset env's step is the reward call, limited by reward.timeout_s itself.
-        if self.rc.env == "dataset":
+        if self.rc.env == "dataset" or self.rc.env.startswith("reasoning_gym:"):
             return self.cfg.reward.timeout_s + 5.0
         if self.rc.env == "terminal":  # a turn's tool calls, then (last turn) the verifier
             t = self.cfg.tools

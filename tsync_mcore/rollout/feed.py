@@ -1,5 +1,6 @@
 """The rollout's dataset side: which row each group trains on, the envs that run a row,
-the rollout-side reward metrics of a batch, and evaluation on data.eval.
+the rollout-side reward metrics of a batch, and evaluation on data.eval. A reasoning-gym
+task (rollout.env: reasoning_gym:<task>) is fed the same way, its sets generated at start.
 
 Group g of the batch registered at data position p trains on row
 `EpochSampler.index(p + g)` (tsync_mcore.data.sampler), so the checkpointed data_pos
@@ -11,10 +12,12 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from tsync_mcore.config import Config
+from tsync_mcore.config import Config, ReasoningGymConfig
 from tsync_mcore.data import DataError, EpochSampler, PromptSet, Row, load_prompts, render_prompt
+from tsync_mcore.data.rgym import TaskSet, task_sets
 from tsync_mcore.rewards import RewardRunner, RewardStats, load_reward_fn
 from tsync_mcore.rewards.call import eval_metrics
+from tsync_mcore.rewards.rgym import task_reward
 from tsync_mcore.rollout.loop import run_batch
 from tsync_mcore.rollout.dataset_env import SingleTurnEnv
 from tsync_mcore.rollout.envs import SkyRLGymAdapter
@@ -39,11 +42,24 @@ class DataFeed:
         self.cfg, self.dc = cfg, cfg.data
         env = cfg.rollout.env
         self.skyrl = env.split(":", 1)[1] if env.startswith("skyrl:") else None
+        self.rgym = env.split(":", 1)[1] if env.startswith("reasoning_gym:") else None
+        self.train: PromptSet | TaskSet
+        self.eval: PromptSet | TaskSet | None
+        self.runner: RewardRunner | None = None
+        if self.rgym is not None:
+            self._generate(cfg.reasoning_gym)
+        else:
+            self._load()
+        self.sampler = EpochSampler(len(self.train), cfg.seed, self.dc.shuffle)
+        self.tok = None
+
+    def _load(self) -> None:
+        """data.train / data.eval, and reward.function unless a SkyRL env scores."""
+        cfg = self.cfg
         # SkyRL rows carry their ground truth in reward_spec; a label column is optional.
         self.train = load_prompts(self.dc.train, self.dc, require_label=self.skyrl is None)
-        self.eval: PromptSet | None = (load_prompts(self.dc.eval, self.dc,
-                                                    require_label=self.skyrl is None)
-                                       if self.dc.eval else None)
+        self.eval = (load_prompts(self.dc.eval, self.dc, require_label=self.skyrl is None)
+                     if self.dc.eval else None)
         if self.skyrl is not None:
             import skyrl_gym  # noqa: F401  (a missing package is named at start)
             for ps in filter(None, (self.train, self.eval)):
@@ -52,14 +68,23 @@ class DataFeed:
                     if other:
                         raise DataError(f"{ps.path}: rows for env_class {other}; this run's "
                                         f"rollout.env is skyrl:{self.skyrl}")
-        self.runner = None
-        if self.skyrl is None:
-            fn = load_reward_fn(cfg.reward.function, cfg.reward)
-            self.runner = RewardRunner(fn, spec=cfg.reward.function,
-                                       timeout_s=cfg.reward.timeout_s,
-                                       on_error=cfg.reward.on_error)
-        self.sampler = EpochSampler(len(self.train), cfg.seed, self.dc.shuffle)
-        self.tok = None
+            return
+        fn = load_reward_fn(cfg.reward.function, cfg.reward)
+        self.runner = RewardRunner(fn, spec=cfg.reward.function, timeout_s=cfg.reward.timeout_s,
+                                   on_error=cfg.reward.on_error)
+
+    def _generate(self, rc: ReasoningGymConfig) -> None:
+        """rollout.env: reasoning_gym:<task>: both sets generated now, scored by the task."""
+        self.train, self.eval = task_sets(self.rgym, rc.params, train_seed=rc.train_seed,
+                                          train_size=rc.train_size, eval_seed=rc.eval_seed,
+                                          eval_size=rc.eval_size)
+        if self.eval is not None and self.eval.left_out:
+            print(f"[rollout] reasoning_gym: {self.eval.left_out} of {rc.eval_size} evaluation "
+                  f"questions are also in the training set and were left out", flush=True)
+        self.runner = RewardRunner(task_reward(self.train.dataset, rc.answer_tag),
+                                   spec=f"reasoning_gym:{self.rgym} scorer",
+                                   timeout_s=self.cfg.reward.timeout_s,
+                                   on_error=self.cfg.reward.on_error)
 
     def attach(self, tokenizer: Any) -> None:
         """The tokenizer prompts are rendered with; the first row of each set is rendered
@@ -74,7 +99,7 @@ class DataFeed:
     def stats(self) -> BatchStats:
         return BatchStats()
 
-    def _ids(self, ps: PromptSet, row: Row) -> list[int]:
+    def _ids(self, ps: PromptSet | TaskSet, row: Row) -> list[int]:
         try:
             ids = render_prompt(self.tok, row, self.dc.system_prompt, self.dc.chat_template)
         except DataError as e:
@@ -85,7 +110,7 @@ class DataFeed:
                             f"room for an answer within rollout.max_total_tokens={limit}")
         return ids
 
-    def _env(self, ps: PromptSet, index: int, where: str) -> Any:
+    def _env(self, ps: PromptSet | TaskSet, index: int, where: str) -> Any:
         row = ps.row(index)
         if self.skyrl is not None:
             self._ids(ps, row)  # the same length check as for dataset prompts
