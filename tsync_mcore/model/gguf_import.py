@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 from tsync_mcore.util.safe_files import BadFile, check_hf_dir, read_json_object
 
-__all__ = ["ARCHS", "MARKER", "GGUFImportError", "converted", "import_gguf", "main", "read_gguf",
-           "sha256"]
+__all__ = ["ARCHS", "MARKER", "GGUFImportError", "check_out_dir", "converted", "import_gguf",
+           "main", "read_gguf", "sha256"]
 
 # GGUF architecture -> HF model_type: the dense ones tsync_mcore/model/bridge/spec.py supports.
 # (qwen3moe is left out: transformers fuses its experts, and the tensor check below maps
@@ -156,7 +156,9 @@ def converted(out_dir: str) -> dict | None:
     return marker
 
 
-def _check_out(out: str) -> None:
+def check_out_dir(out: str) -> None:
+    """`out` can be written: absent or an empty directory, not a symlink, under a writable
+    ancestor. Raises GGUFImportError."""
     if os.path.islink(out):
         raise GGUFImportError(f"{out}: is a symlink (name the directory itself)")
     if os.path.exists(out):
@@ -329,7 +331,7 @@ def convert(gguf_path: str, out_dir: str) -> bool:
                               f"({done.get('source')}, sha256 {done['sha256'][:12]}…), not of "
                               f"{gguf_path} (nothing was written)")
     header = read_gguf(gguf_path)
-    _check_out(out_dir)
+    check_out_dir(out_dir)
     _write(gguf_path, header, digest, out_dir)
     return True
 
