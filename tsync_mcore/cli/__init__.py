@@ -1,5 +1,6 @@
-"""Entry points: the launchers (run, learner, rollout, demo) and their shared plumbing
-(launch: config from arguments, one-line errors, process supervision). Each module has a
-`main()` that `[project.scripts]` and the thin `launch/*.py` wrappers call.
+"""Entry points: the launchers (run, learner, rollout, demo), `make real-model`
+(real_model) and their shared plumbing (launch: config from arguments, one-line errors,
+process supervision). Each module has a `main()` that `[project.scripts]`, the thin
+`launch/*.py` wrappers or the Makefile call.
 
 Imports: anything; nothing imports cli."""
