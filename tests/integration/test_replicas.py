@@ -139,7 +139,8 @@ def test_every_replica_loads_every_publication_and_swaps_once(et, rs, hf, weight
     swaps = rs.swaps
 
     async def go():
-        tasks = [asyncio.ensure_future(rs.generate(p, max_tokens=120, seed=700 + i,
+        # long enough to still be decoding when the swap comes, however fast the engine
+        tasks = [asyncio.ensure_future(rs.generate(p, max_tokens=400, seed=700 + i,
                                                    route=f"k{i}"))
                  for i, p in enumerate(PROMPTS[:4])]
         await asyncio.sleep(0.5)  # past their prefill, on both replicas

@@ -151,6 +151,7 @@ def test_cpu_placement_lists_overlap_and_environment(capsys, monkeypatch):
     assert (env[cpus.ENV], env["OMP_NUM_THREADS"], env["VLLM_CPU_OMP_THREADS_BIND"]) == \
         ("0", "1", "0")
     assert cpus.ENV not in learner_env(load_config(None, {}), {})  # unset: inherit
+    assert load_config(None, {"launch.rollout_cpus": 0}).launch.rollout_cpus == "0"  # --set …=0
     check_cpu_placement(cfg, "run")
     overlap = load_config(None, {"launch.rollout_cpus": "0-1", "launch.learner_cpus": "1"})
     with pytest.raises(SystemExit) as e:

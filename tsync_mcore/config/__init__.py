@@ -1059,6 +1059,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         _check(math.isfinite(float(value)), key, f"must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
+        if key.endswith(("_gpus", "_cpus")) and type(value) is int:
+            value = str(value)  # one device: YAML reads `launch.rollout_cpus=0` as the int 0
         _check(isinstance(value, str), key, f"must be a string, got {value!r}")
         return value
     if origin is dict:  # free-form parameters handed on as they are (reasoning_gym.params)
