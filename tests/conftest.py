@@ -124,12 +124,28 @@ def parallel1():
 @pytest.fixture(scope="session")
 def golden(tiny_qwen2, tmp_path_factory) -> dict:
     """One clean live run, shared by every file that reads one (test_e2e, test_run_files,
-    test_learner_metrics): the learner launcher under torchrun (2 ranks, 2 updates, loggers
-    console + jsonl + tensorboard) fed by test_e2e's scripted rollout. Returns the weights
-    published per version, the run directory and the learner's stdout."""
+    test_learner_metrics, test_multihost): the learner launcher under torchrun (2 ranks, 2
+    updates, loggers console + jsonl + tensorboard) fed by test_e2e's scripted rollout.
+    Returns the weights published per version, the run directory and the learner's stdout.
+    Under xdist the first worker that needs it runs it and the others read it (a file lock
+    in the run's shared temporary directory): one launch per `make test`, not one per worker."""
+    from filelock import FileLock
+    from safetensors.torch import load_file, save_file
+
     from tests.helpers.scripted import run_scripted
-    run = str(tmp_path_factory.mktemp("golden"))
-    rc, out, err, published = run_scripted(
-        tiny_qwen2, run, extra=["run.loggers=[console,jsonl,tensorboard]"])
-    assert rc == 0, err[-4000:]
-    return dict(published=published, run=run, out=out)
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "golden"
+    with FileLock(f"{shared}.lock"):
+        if not (shared / "done").exists():
+            run = shared / "run"
+            run.mkdir(parents=True, exist_ok=True)
+            rc, out, err, published = run_scripted(
+                tiny_qwen2, str(run), extra=["run.loggers=[console,jsonl,tensorboard]"])
+            assert rc == 0, err[-4000:]
+            for v, tensors in published.items():
+                save_file(tensors, str(shared / f"published_v{v}.safetensors"))
+            (shared / "out.txt").write_text(out)
+            (shared / "done").touch()
+    published = {int(p.stem.rsplit("_v", 1)[1]): load_file(str(p))
+                 for p in shared.glob("published_v*.safetensors")}
+    return dict(published=published, run=str(shared / "run"), out=(shared / "out.txt").read_text())
