@@ -27,13 +27,12 @@ import hashlib
 import json
 import os
 import shutil
-import stat
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
-from tsync_mcore.util.safe_files import BadFile, check_hf_dir, read_json_object
+from tsync_mcore.util.safe_files import BadFile, check_hf_dir, read_json_object, regular_file
 
 __all__ = ["ARCHS", "MARKER", "GGUFImportError", "check_out_dir", "converted", "import_gguf",
            "main", "read_gguf", "sha256"]
@@ -76,13 +75,9 @@ def _first_line(e: BaseException) -> str:
 def _check_source(path: str) -> os.stat_result:
     """A regular file (a symlink to one is fine) that starts with the GGUF magic bytes."""
     try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise GGUFImportError(f"{path}: missing") from None
-    except OSError as e:
-        raise GGUFImportError(f"{path}: cannot stat ({e.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise GGUFImportError(f"{path}: not a regular file")
+        st = regular_file(path, follow_symlinks=True)
+    except BadFile as e:
+        raise GGUFImportError(str(e)) from None
     try:
         with open(path, "rb") as f:
             head = f.read(len(MAGIC))

@@ -21,10 +21,11 @@ class BadFile(ValueError):
     """A file (or directory) that cannot be used; the message names it and why."""
 
 
-def regular_file(path: str) -> os.stat_result:
-    """lstat of `path`, which must be a regular file (a symlink is not followed)."""
+def regular_file(path: str, follow_symlinks: bool = False) -> os.stat_result:
+    """lstat of `path`, which must be a regular file (a symlink is not followed, unless
+    `follow_symlinks`: then a symlink to a regular file is one)."""
     try:
-        st = os.lstat(path)
+        st = os.stat(path, follow_symlinks=follow_symlinks)
     except FileNotFoundError:
         raise BadFile(f"{path}: missing") from None
     except OSError as e:
