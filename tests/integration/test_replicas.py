@@ -11,6 +11,7 @@ import asyncio
 import os
 import random
 import signal
+import time
 import types
 
 import pytest
@@ -131,19 +132,25 @@ def test_every_replica_loads_every_publication_and_swaps_once(et, rs, hf, weight
     v0 = rs.version
     dt = et.run(rs.reload_weights(weights[1], version=v0 + 1))
     assert [e.version for e in rs.engines] == [v0 + 1] * 2 and dt > 0
+    per_token_s = 0.0
     for e in rs.engines:
-        for p, o in zip(PROMPTS[:3], gen(et, e, PROMPTS[:3], 40)):
+        t0 = time.perf_counter()
+        outs = gen(et, e, PROMPTS[:3], 40)
+        per_token_s = max(per_token_s, (time.perf_counter() - t0) / max(len(o.token_ids)
+                                                                        for o in outs))
+        for p, o in zip(PROMPTS[:3], outs):
             lp = hf_logprobs(hf[1], p + o.token_ids)[len(p):]
             assert float((lp - torch.tensor(o.logprobs, dtype=lp.dtype)).abs().max()) < 1e-4
             assert o.policy_version == v0 + 1
     swaps = rs.swaps
 
     async def go():
-        # long enough to still be decoding when the swap comes, however fast the engine
         tasks = [asyncio.ensure_future(rs.generate(p, max_tokens=400, seed=700 + i,
                                                    route=f"k{i}"))
                  for i, p in enumerate(PROMPTS[:4])]
-        await asyncio.sleep(0.5)  # past their prefill, on both replicas
+        # about a quarter into their 400 tokens at the pace this engine just decoded at
+        # (a fixed wait was too short under load and too long on an idle machine)
+        await asyncio.sleep(max(0.05, 100 * per_token_s))
         await rs.reload_weights(weights[0], mode="abort", version=v0 + 2)
         return await asyncio.gather(*tasks)
 
