@@ -72,7 +72,9 @@ def test_fully_async_bounds_the_lag_drops_stale_groups_and_stops_on_its_budget(t
     counted = [g for g, k in drops if k < n]
     assert sum(r["async/dropped_stale_groups"] for r in rows) == len(counted)
     assert not {g for g, _ in drops} & {e.group_id for e in sources}
+    # every publication is loaded as it comes, counted in the batch it landed in: batch n−1
+    # may close on θ_{n−2}'s samples (max_staleness=1), so at least n−2 by then
+    assert sum(r["async/weight_swaps"] for r in rows) >= n - 2
     # weights swapped mid-request: some sources carry two versions, the learner sees it
-    assert sum(r["async/weight_swaps"] for r in rows) >= n - 1
     assert sum(r["async/partial_sources"] for r in rows) > 0
     assert any(0 < e.lagged_tokens < e.scored_tokens for e in sources)
