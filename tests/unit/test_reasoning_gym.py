@@ -73,6 +73,9 @@ def test_answer_extraction_follows_reasoning_gyms_tags():
     assert extract_answer("7", "answer") is None
     assert extract_answer("  7\n", "") == "7"
     assert extract_answer("<final>42</final>", "final") == "42"
+    assert extract_answer("3 + 4 = 7, so it is -1.5 then 12.", "answer", "last_number") == "12"
+    assert extract_answer("it is -1.5", "", "last_number") == "-1.5"
+    assert extract_answer("none here", "answer", "last_number") is None
 
 
 def test_the_tasks_scorer_through_the_dataset_env(tmp_path, tiny_qwen2, tok):
@@ -103,6 +106,17 @@ def test_the_tasks_scorer_through_the_dataset_env(tmp_path, tiny_qwen2, tok):
     env.reset(seed=0)
     asyncio.run(env.step(tok(f" {feed.train.row(0).label}\n").input_ids))
     assert env.reward() == 1.0
+    # answer_from last_number: the completion's last number, whatever surrounds it
+    cfg.reasoning_gym.answer_from = "last_number"
+    feed = DataFeed(cfg)
+    feed.attach(tok)
+    label = feed.train.row(0).label
+    for text, want in ((f"The answer is {label}.", 1.0), (f"{label} or {int(label) + 1}", 0.0),
+                       ("no number", 0.0)):
+        env = feed.train_envs([0], ["t"])[0]
+        env.reset(seed=0)
+        asyncio.run(env.step(tok(text).input_ids))
+        assert env.reward() == want, text
     # evaluation rows run the same way
     ev = feed._env(feed.eval, 1, "eval sample 0")
     ev.reset(seed=0)

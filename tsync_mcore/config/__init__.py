@@ -651,6 +651,9 @@ class ReasoningGymConfig:
     # the answer scored is the text inside the completion's last <answer_tag>...</answer_tag>
     # (none: no answer, scored 0); "": the whole completion, stripped
     answer_tag: str = "answer"
+    # "last_number": the answer scored is instead the completion's last number ("... is -17."
+    # → "-17"; none: no answer), for a model too small to keep a format (make demo-real's)
+    answer_from: Literal["tag", "last_number"] = "tag"
 
     def validate(self) -> None:
         bad = sorted({"seed", "size"} & set(self.params))

@@ -20,9 +20,13 @@ that starts one and that admission allows.
 
 Admission: a group is *open* on this rank from the first unit that makes it hold state
 (G1'/G2 or its own gradient sum, a shared prompt's K/V, trajectory contexts) until its last
-unit here has been served and its deferred work has run. At most `k_open` groups are open,
-and with a byte budget a new group is held back while the bytes held by open groups plus
-what it would add exceed the budget — unless nothing is open, so the batch always finishes.
+unit here has been served and its deferred work has run. At most `k_open` of the open
+groups hold what costs a parameter vector (a pair, a group's own gradient sum: `capped`);
+a group that only holds activation-sized state (a complete GRPO group's shared prompt K/V)
+is not counted there — the pass it is served in bounds it — so that a packed pass may take
+every complete group. With a byte budget a new group is held back while the bytes held by
+open groups plus what it would add exceed the budget — unless nothing is open, so the
+batch always finishes.
 A unit served once its group is complete needs no group sum: its coefficient is known, so
 it folds straight into the batch accumulator ("direct"); before that it folds into its
 group's own sums ("pair"), which a dropped group discards.
@@ -61,17 +65,20 @@ class ReadinessQueue:
     """One rank's queue for one batch.
 
     `opens(unit)`: would serving it make its (not yet open) group hold state?
+    `capped(unit)`: would that state count against k_open? (default: yes)
     `fits(unit)`: may a new group open with it under the byte budget? (default: yes)"""
 
     def __init__(self, schedule: str, plan: BatchPlan, k_open: int,
                  opens: Callable[[Unit], bool] = lambda u: True,
-                 fits: Callable[[Unit], bool] = lambda u: True):
+                 fits: Callable[[Unit], bool] = lambda u: True,
+                 capped: Callable[[Unit], bool] = lambda u: True):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}")
         self.schedule, self.plan, self.k_open = schedule, plan, k_open
-        self._opens, self._fits = opens, fits
+        self._opens, self._fits, self._capped_by = opens, fits, capped
         self._complete: set[str] = set()
         self._open: set[str] = set()
+        self._capped: set[str] = set()  # open groups that count against k_open
         self._pending: dict[str, int] = {}  # arrived here, not yet served, per group
         self._held: list[Unit] = []  # arrived, not yet released
         # Released units by (trajectory, index), in release order:
@@ -137,7 +144,7 @@ class ReadinessQueue:
                 del d[k]
         self._closable = [x for x in self._closable if x != g]
         self._pending.pop(g, None)
-        self._open.discard(g)
+        self._shut(g)
         self._complete.discard(g)
 
     def _release(self, u: Unit) -> None:
@@ -154,14 +161,14 @@ class ReadinessQueue:
         """The next piece of work that may run now, or None."""
         if self._closable:
             g = self._closable.pop(0)
-            self._open.discard(g)
+            self._shut(g)
             return Service(g, None, "pair", closes_group=True, last_here=True)
         u = self._choose()
         return None if u is None else self._take(u)
 
     def next_pack(self, budget: int, size: Callable[[Unit], int],
                   packable: Callable[[Unit], bool], may_open: bool = True,
-                  pairs: bool = False) -> list[Service]:
+                  pairs: bool = False, may_pair: bool = True) -> list[Service]:
         """The next work as one pass: `next()`, and when that is a direct-fold unit that
         `packable` accepts, more such units — of other trajectories (a unit needs its
         trajectory's previous one served), in the order `next()` would give them — while
@@ -170,7 +177,9 @@ class ReadinessQueue:
         pair-fold first unit takes more pair-fold units of its own group, so that the
         pass's one gradient still belongs to one group's sum.
         `may_open=False`: a unit that would open a group joins no pack (a byte budget
-        estimates each new group against what open groups hold after a pass). Empty: none."""
+        estimates each new group against what open groups hold after a pass).
+        `may_pair=False`: no pass of pair folds now (the caller waits to pack them). Empty:
+        none."""
         if self._closable:
             return [self.next()]
         u = self._choose()
@@ -178,28 +187,33 @@ class ReadinessQueue:
             return []
         if pairs and packable(u) and u.group_id not in self._complete:
             u = self._fuller_pass(u, packable)
+            if not may_pair and u.group_id not in self._complete:
+                return []
+        first_capped = u.group_id in self._capped or (
+            u.group_id not in self._open and self._opens(u) and self._capped_by(u))
         first = self._take(u)
         if not packable(first.source) or not (first.fold == "direct" or pairs):
             return [first]
         if first.fold == "pair":
             return self._pair_pack(first, budget, size, packable)
         pack, used, trajs = [first], size(first.source), {first.source.traj_id}
-        # groups closed by a unit of this pass still hold their state until it has run
-        closing = {first.group_id} if first.closes_group else set()
+        # capped groups closed by a unit of this pass still hold their state until it has run
+        closing = {first.group_id} if first.closes_group and first_capped else set()
         for u in list(self._continuing.values()) + list(self._starting.values()):
             if used >= budget:
                 break
             if u.traj_id in trajs or u.group_id not in self._complete or not packable(u):
                 continue
             opens = u.group_id not in self._open and self._opens(u)
-            if opens and not (may_open and self._admissible(u)
-                              and len(self._open) + len(closing) < self.k_open):
+            if opens and not (may_open and self._admissible(u) and (
+                    not self._capped_by(u) or len(self._capped) + len(closing) < self.k_open)):
                 continue
             n = size(u)
             if used + n > budget:
                 continue
+            capped = u.group_id in self._capped or (opens and self._capped_by(u))
             pack.append(self._take(u))
-            if pack[-1].closes_group:
+            if pack[-1].closes_group and capped:
                 closing.add(u.group_id)
             used += n
             trajs.add(u.traj_id)
@@ -250,6 +264,8 @@ class ReadinessQueue:
         g = u.group_id
         if g not in self._open and self._opens(u):
             self._open.add(g)
+            if self._capped_by(u):
+                self._capped.add(g)
         self._continuing.pop(_at(u), None)
         self._starting.pop(_at(u), None)
         self._pending[g] -= 1
@@ -263,7 +279,7 @@ class ReadinessQueue:
         last = complete and self._pending[g] == 0
         closes = last and g in self._open
         if closes:
-            self._open.discard(g)
+            self._shut(g)
         return Service(g, u, "direct" if complete else "pair", closes_group=closes,
                        last_here=last)
 
@@ -281,7 +297,12 @@ class ReadinessQueue:
     def _admissible(self, u: Unit) -> bool:
         if u.group_id in self._open or not self._opens(u):
             return True
-        return len(self._open) < self.k_open and (not self._open or self._fits(u))
+        return ((not self._capped_by(u) or len(self._capped) < self.k_open)
+                and (not self._open or self._fits(u)))
+
+    def _shut(self, g: str) -> None:
+        self._open.discard(g)
+        self._capped.discard(g)
 
 
 def _at(u: Unit) -> tuple[str, int]:

@@ -106,6 +106,12 @@ class Learner:
                   f"served one by one: {why}", file=sys.stderr, flush=True)
             self.pack_budget = 0
         self.plan: BatchPlan | None = None
+        # Streaming's cost model (learner.pack_arrivals, GRPO): a pair pass costs more than
+        # the same sources in the packed pass after the rollout, so one is worth starting only
+        # if it ends before the last source is expected (the previous batch's last arrival).
+        self.pair_pass_s: float | None = None  # the last pair pass's wall time
+        self.arrivals_end: float | None = None  # the previous batch's last arrival (trace time)
+        self.pairs_held = 0  # times this batch waited to pack instead of a pair pass
 
     # --- register -------------------------------------------------------------------------
 
@@ -130,9 +136,12 @@ class Learner:
         self.max_lag = max_lag(self.cfg, self.schedule)
         self.routing = routing
         self.owner = assign_groups(plan, group_tokens or {}, self.policy.par.dp_size)
+        if getattr(self, "records", None):  # the batch before: when its last source came
+            self.arrivals_end = max(r.ready for r in self.records.values())
         self.plan = plan
         self.queue = ReadinessQueue(self.schedule, plan, self.cfg.k_open,
-                                    opens=self.kind.opens, fits=self._fits)
+                                    opens=self.kind.opens, fits=self._fits,
+                                    capped=self.kind.capped)
         self.member_of = {t: g for g, ts in plan.groups.items() for t in ts}
         self.arrived: dict[str, object] = {}  # by unit key, served here or not
         self.records: dict[str, SourceRecord] = {}  # units given to this rank
@@ -145,6 +154,7 @@ class Learner:
         self.rejected: list[tuple[str, str]] = []  # (source, why), refused here
         self.nonfinite: list[str] = []  # check_finite=source: the unit that broke the sums
         self.open_peak_bytes = 0
+        self.pairs_held = 0
         self.passes = 0  # packed passes run in this batch (SourceRecord.pass_id)
         self.dummy_passes = 0  # ep > 1: passes run only to match other ranks' (no work)
         self.acc.reset()
@@ -220,15 +230,32 @@ class Learner:
         if not self.pack_budget:
             svc = self.queue.next()
             return [] if svc is None else [svc]
-        return self.queue.next_pack(self.pack_budget, self.kind.pack_tokens,
-                                    self.kind.packable, may_open=not self.cfg.max_open_bytes,
-                                    pairs=self.kind.packs_pairs)
+        may_pair = self._pair_pays()
+        units = self.queue.next_pack(self.pack_budget, self.kind.pack_tokens,
+                                     self.kind.packable, may_open=not self.cfg.max_open_bytes,
+                                     pairs=self.kind.packs_pairs, may_pair=may_pair)
+        self.pairs_held += not (units or may_pair)
+        return units
+
+    def _pair_pays(self) -> bool:
+        """May the next pass be a pair pass? Not when a pair pass started now would still
+        run at the time the previous batch's last source arrived: the sources it takes
+        would then delay the packed pass that follows the rollout by more than they save
+        in it. Once that time has passed unmet (a longer rollout), streaming resumes."""
+        if not (self.cfg.pack_arrivals and self.kind.name == "trajectory"
+                and self.pair_pass_s is not None and self.arrivals_end is not None):
+            return True
+        now = self.now()
+        return not (now < self.arrivals_end < now + self.pair_pass_s)
 
     def _run(self, units: list[Service]) -> None:
+        t = time.perf_counter()
         if len(units) > 1:
             self._serve_pack(units)
         elif units:
             self._serve(units[0])  # alone: exactly the one-by-one path
+        if units and units[0].fold == "pair" and units[0].source is not None:
+            self.pair_pass_s = time.perf_counter() - t
 
     def _check(self, src) -> None:
         if self.plan is None:

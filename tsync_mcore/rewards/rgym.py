@@ -3,17 +3,25 @@
 The answer handed to `score_answer` is the text of the completion's last
 `<answer_tag>...</answer_tag>` pair, stripped (reasoning-gym's own `extract_answer`, its
 convention for every task); a completion without one gives None, which the tasks score 0.
-`answer_tag: ""` hands over the whole completion, stripped. The call runs under the
+`answer_tag: ""` hands over the whole completion, stripped; `answer_from: last_number` its
+last number (a sign and decimals kept), or None. The call runs under the
 reward.* rules of any reward function (RewardRunner: timeout_s, on_error).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
 
-def extract_answer(response: str, tag: str) -> str | None:
+LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def extract_answer(response: str, tag: str, answer_from: str = "tag") -> str | None:
+    if answer_from == "last_number":
+        numbers = LAST_NUMBER.findall(response)
+        return numbers[-1] if numbers else None
     if not tag:
         return response.strip()
     from reasoning_gym.utils import extract_answer as last_tagged
@@ -21,13 +29,14 @@ def extract_answer(response: str, tag: str) -> str | None:
     return last_tagged(response, tag_name=tag)
 
 
-def task_reward(dataset: Any, answer_tag: str) -> Callable[..., Any]:
+def task_reward(dataset: Any, answer_tag: str, answer_from: str = "tag") -> Callable[..., Any]:
     """A reward function over the rows of tsync_mcore.data.rgym: the entry the scorer sees
     is rebuilt from the row (question = prompt, answer = label, the rest = meta)."""
 
     def score(*, prompt: Any, response: str, label: Any, meta: dict[str, Any],
               **_: Any) -> Any:
         entry = {"question": prompt, "answer": label, **meta}
-        return dataset.score_answer(answer=extract_answer(response, answer_tag), entry=entry)
+        return dataset.score_answer(answer=extract_answer(response, answer_tag, answer_from),
+                                    entry=entry)
 
     return score

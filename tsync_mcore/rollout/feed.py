@@ -81,7 +81,7 @@ class DataFeed:
         if self.eval is not None and self.eval.left_out:
             print(f"[rollout] reasoning_gym: {self.eval.left_out} of {rc.eval_size} evaluation "
                   f"questions are also in the training set and were left out", flush=True)
-        self.runner = RewardRunner(task_reward(self.train.dataset, rc.answer_tag),
+        self.runner = RewardRunner(task_reward(self.train.dataset, rc.answer_tag, rc.answer_from),
                                    spec=f"reasoning_gym:{self.rgym} scorer",
                                    timeout_s=self.cfg.reward.timeout_s,
                                    on_error=self.cfg.reward.on_error)

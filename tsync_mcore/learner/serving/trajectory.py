@@ -90,6 +90,11 @@ class TrajectoryKind:
         return not q.is_complete(src.group_id) or (self.up.cfg.shared_prefix
                                                    and q.pending_in(src.group_id) > 1)
 
+    def capped(self, src: TrajectorySource) -> bool:
+        """Only a pair counts against k_open: a complete group's prompt K/V is
+        activation-sized, and the pass it is served in bounds it."""
+        return not self.up.queue.is_complete(src.group_id)
+
     def estimate(self, src: TrajectorySource) -> int:
         """Bytes the group will hold once open: its pair, and its prompt's K/V + adjoint."""
         q = self.up.queue

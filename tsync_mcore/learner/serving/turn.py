@@ -148,6 +148,9 @@ class TurnKind:
     def opens(self, turn: TurnSource) -> bool:
         return True  # a context, and until the group is complete its gradient sum
 
+    def capped(self, turn: TurnSource) -> bool:
+        return True  # its trajectories' contexts live across passes, turn after turn
+
     def estimate(self, turn: TurnSource) -> int:
         """Bytes the group will hold at most, counting its turns that have arrived: every
         kept turn's K/V + adjoint, and its gradient sum while incomplete."""
