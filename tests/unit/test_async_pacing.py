@@ -68,10 +68,12 @@ def test_config_refuses_what_fully_async_cannot_do():
 
     with pytest.raises(ConfigError, match=r"'learner.schedule'.*GRPO family.*one_step_off"):
         load_config(None, {"learner.schedule": "fully_async", "learner.objective": "opd"})
+    dataset = {"rollout.env": "dataset", "data.train": "t.jsonl", "data.eval": "e.jsonl",
+               "reward.function": "exact_match"}
     with pytest.raises(ConfigError, match=r"'run.eval_every'.*fully_async"):
-        load_config(None, {"learner.schedule": "fully_async", "run.eval_every": 1,
-                           "rollout.env": "dataset", "data.train": "t.jsonl",
-                           "data.eval": "e.jsonl", "reward.function": "exact_match"})
+        load_config(None, {"learner.schedule": "fully_async", "run.eval_every": 1, **dataset})
+    with pytest.raises(ConfigError, match=r"'run.eval_first'.*fully_async"):
+        load_config(None, {"learner.schedule": "fully_async", "run.eval_first": True, **dataset})
     with pytest.raises(ConfigError, match=r"'run.budget_s'"):
         load_config(None, {"run.budget_s": -1})
     with pytest.raises(ConfigError, match=r"'rollout.max_groups_in_flight'"):

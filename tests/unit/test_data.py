@@ -230,6 +230,7 @@ def test_overlong_prompt_is_named_at_start(tmp_path, tiny_qwen2, tok):
     ({"reward.function": "my file.txt:f"}, "neither a .py file nor a dotted module"),
     ({"reward.on_error": "ignore"}, "'reward.on_error': must be one of"),
     ({"run.eval_every": 2}, "'data.eval': run.eval_every=2"),
+    ({"run.eval_first": True}, "'data.eval': run.eval_first evaluates"),
     ({"data.eval_n": 0}, "'data.eval_n': must be >= 1"),
     ({"rollout.env": "skyrl:gsm8k", "data.train": "x", "reward.function": "math"},
      "'reward.function': skyrl:gsm8k scores episodes itself"),

@@ -286,11 +286,21 @@ class RunConfig:
     # Evaluate θ_k on data.eval every N updates (after its publication is acknowledged,
     # before the next batch: outside the step time); 0: no evaluation.
     eval_every: int = 0
+    # Also evaluate θ_0 before the first batch (a fresh run only; before the learner's first
+    # publication is acknowledged, so in no step time): the start of a learning curve
+    eval_first: bool = False
     # Wall-clock budget: the learner stops after the first update that ends past this many
     # seconds of training (counted from the rollout's first acknowledgement of this
     # process; a resume starts a new budget), then checkpoints, exports and ends the run as
     # after run.updates; 0: off (run.updates only)
     budget_s: float = 0.0
+
+    @property
+    def evaluating(self) -> str:
+        """The key that asks for evaluation, as messages name it ("" when none does)."""
+        if self.eval_every:
+            return f"run.eval_every={self.eval_every}"
+        return "run.eval_first" if self.eval_first else ""
 
     def validate(self) -> None:
         _check(self.updates >= 1, "run.updates", f"must be >= 1, got {self.updates}")
@@ -772,8 +782,8 @@ class Config:
             self.learner.schedule == "fully_async" or self.learner.objective == "opd")),
                "rollout.agent", "'openai' runs whole trajectories per batch: not with "
                "learner.schedule: fully_async or learner.objective: opd")
-        _check(not (self.run.eval_every and self.learner.schedule == "fully_async"),
-               "run.eval_every", "evaluation runs between batches, and fully_async has no "
+        _check(not (self.run.evaluating and self.learner.schedule == "fully_async"),
+               self.run.evaluating.split("=")[0], "evaluation runs between batches, and fully_async has no "
                "'between': use one_step_off or a synchronous schedule to evaluate")
         _check(not (self.learner.objective == "opd" and self.rollout.routing == "balanced"),
                "rollout.routing", "'balanced' is for the GRPO family; OPD routes by group "
@@ -844,9 +854,10 @@ class Config:
         _check(env != "dataset" or bool(self.reward.function), "reward.function",
                "rollout.env='dataset' scores each response with a reward function: set "
                "reward.function (a built-in: exact_match, math, code_tests; or file.py:name)")
-        _check(not self.run.eval_every or bool(self.data.eval), "data.eval",
-               f"run.eval_every={self.run.eval_every} evaluates on a dataset: set data.eval")
-        _check(not self.run.eval_every or env not in ("toy", "terminal"), "run.eval_every",
+        evaluating = self.run.evaluating
+        _check(not evaluating or bool(self.data.eval), "data.eval",
+               f"{evaluating} evaluates on a dataset: set data.eval")
+        _check(not evaluating or env not in ("toy", "terminal"), evaluating.split("=")[0],
                "evaluation runs data.eval's prompts: use rollout.env 'dataset' or 'skyrl:<name>'")
         _check(not (env.startswith("skyrl:") and self.reward.function), "reward.function",
                f"{env} scores episodes itself (its reward_spec); leave reward.function empty")
@@ -862,8 +873,8 @@ class Config:
                    f"generates its questions (reasoning_gym.*): leave data.{key} empty")
         _check(not self.reward.function, "reward.function", f"{env} scores answers with the "
                f"task's own scorer; leave reward.function empty")
-        _check(not self.run.eval_every or self.reasoning_gym.eval_size > 0,
-               "reasoning_gym.eval_size", f"run.eval_every={self.run.eval_every} evaluates "
+        _check(not self.run.evaluating or self.reasoning_gym.eval_size > 0,
+               "reasoning_gym.eval_size", f"{self.run.evaluating} evaluates "
                f"on the task's evaluation set: set reasoning_gym.eval_size > 0")
         _check(self.learner.objective != "opd", "rollout.env",
                f"{env!r} is single-turn GRPO-family; OPD needs a multi-turn env")

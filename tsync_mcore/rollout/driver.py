@@ -269,6 +269,11 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
         version, data_pos = hello.version, hello.data_pos
         if self.cfg.publish.method == "dist":
             self._open_publish_group()
+        if self.cfg.run.eval_first and version == 0 and self.feed is not None:
+            # The engine serves θ_0 from model.hf_dir already; evaluating before the learner's
+            # first publication is acknowledged keeps it out of every step clock (an
+            # asynchronous step counts from that acknowledgement).
+            self._evaluate(version)
         self._serve_publish(version)
         self.swaps = 0  # θ_start is no swap
         if self.schedule == "one_step_off":

@@ -80,7 +80,13 @@ class Schedules:
                                n_sources=n_sources, reward_mean=reward_mean, metrics=metrics)
             for link in self.links:
                 link.send(close)
-        self._catch_up(need=None)  # the learner's last publications, until it finishes
+        # θ_n, the learner's last publication: evaluated once it is loaded, after the last
+        # step's clock stopped (its publication), where a mid-run evaluation would hold the
+        # learner's next publication back
+        self._catch_up(need=self.cfg.run.updates)
+        if self._eval_due(self.loaded):
+            self._evaluate(self.loaded)
+        self._catch_up(need=None)  # until the learner says it finished
 
     def _catch_up(self, need: int | None) -> None:
         """Load (and acknowledge) publications up to θ_need, waiting for them as needed;
