@@ -221,6 +221,18 @@ def test_k_open_caps_pairs_not_shared_prompts():
     q.complete("A")
     assert [s.source.traj_id for s in q.next_pack(100, size, yes)] == ["A1"]
     assert [(s.source.traj_id, s.fold) for s in q.next_pack(100, size, yes)] == [("B0", "pair")]
+    # may_pair=False (the learner's cost model: wait to pack): no pair pass, direct ones run
+    q = queue("thundersync")
+    q.arrive(_traj("A0", "A"))
+    assert q.next_pack(100, size, yes, pairs=True, may_pair=False) == [] and q.pending() == 1
+    q.arrive(_traj("C0", "C")), q.arrive(_traj("C1", "C"))
+    q.complete("C")
+    p = q.next_pack(100, size, yes, pairs=True, may_pair=False)
+    assert [(s.source.traj_id, s.fold) for s in p] == [("C0", "direct"), ("C1", "direct")]
+    q.arrive(_traj("A1", "A"))
+    q.complete("A")  # complete now: its members pack, held or not
+    p = q.next_pack(100, size, yes, pairs=True, may_pair=False)
+    assert [(s.source.traj_id, s.fold) for s in p] == [("A0", "direct"), ("A1", "direct")]
 
 
 def _traj(t, g):
@@ -438,3 +450,21 @@ def test_config_key(tmp_path):
     assert load_config(None, {}).learner.max_tokens_per_pass == 16384
     with pytest.raises(ConfigError, match="learner.max_tokens_per_pass.*must be >= 0"):
         load_config(None, {"learner.max_tokens_per_pass": -1})
+
+
+def test_pair_pass_waits_when_it_would_run_past_the_expected_last_arrival():
+    from types import SimpleNamespace
+
+    from tsync_mcore.learner.update import Learner
+
+    def pays(now, end=6.0, pass_s=1.0, kind="trajectory", pack_arrivals=True):
+        up = SimpleNamespace(cfg=SimpleNamespace(pack_arrivals=pack_arrivals),
+                             kind=SimpleNamespace(name=kind), pair_pass_s=pass_s,
+                             arrivals_end=end, now=lambda: now)
+        return Learner._pair_pays(up)
+
+    assert pays(4.0) and pays(5.0)  # it ends by the time the last source is expected
+    assert not pays(5.5)  # it would still run then: wait and pack
+    assert pays(6.5)  # expected time passed unmet (a longer rollout): stream again
+    assert pays(5.5, pass_s=None) and pays(5.5, end=None)  # nothing measured yet: stream
+    assert pays(5.5, kind="turn") and pays(5.5, pack_arrivals=False)
