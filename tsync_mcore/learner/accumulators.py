@@ -117,7 +117,7 @@ class GradAccumulators:
             self.peak_bytes = max(self.peak_bytes, self.bytes_allocated)
         for j, g in enumerate(self._staged(grads)):
             a2 = pair.g2[j]
-            if pair.has_g1:
+            if pair.has_g1 and r != 0.0:
                 K.accumulate_g1g2_(pair.g1[j], a2, g, r)
                 continue
             if r != 0.0:
@@ -162,6 +162,9 @@ class GradAccumulators:
     def close_group(self, group_id: str, scale: float, mu: float) -> None:
         """batch += scale · (G1' − mu·G2); the vectors return to the pool as they are."""
         pair = self.open.pop(group_id)
+        if scale == 0.0 or not (pair.has_g1 or mu != 0.0):
+            self._release(pair)  # its term is exactly 0: every reward equal to c (G1' = 0)
+            return
         for j, acc in enumerate(self.batch):
             if pair.has_g1:
                 K.combine_group_(acc, pair.g1[j], pair.g2[j], f32(mu), f32(scale))

@@ -130,6 +130,8 @@ class SharedPrefix:
         """Backward through the prompt with scale·(A1 − mu·A2) + A; False if nothing to do."""
         if self.a1 is None and self.ad is None:
             return False
+        if self.ad is None and mu == 0.0 and not self.has_a1:
+            return False  # a uniform group served in pairs only: its share is exactly zero
         flat = []
         for j in range(len(self.a1 if self.a1 is not None else self.ad)):
             g = None
