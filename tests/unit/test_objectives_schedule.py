@@ -285,3 +285,21 @@ def test_stopped_prints_one_line_and_keeps_the_traceback(tmp_path, capsys):
     assert err[0].startswith("error: learner rank 1 stopped: RuntimeError: CUDA out of memory at ")
     assert "Traceback" in open(tmp_path / "logs" / "learner_rank_1.traceback").read()
     assert stopped("rollout", KeyboardInterrupt(), str(tmp_path)) == 130
+
+
+def test_uniform_group_adds_exactly_nothing_and_equal_rewards_fold_into_g2_alone():
+    H = torch.randn(4, 64, dtype=torch.float64)
+    # every reward equal: the group's term is exactly zero, whatever its scale (no NaN)
+    acc = GradAccumulators([torch.full((64,), 3.0)], k_open=1)
+    acc.batch[0].fill_(3.0)
+    acc.open_group("g", shift=1.0)
+    for h in H:
+        acc.fold_pair("g", [h.float()], 1.0)
+    acc.close_group("g", float("inf"), 0.0)
+    assert torch.equal(acc.batch[0], torch.full((64,), 3.0)) and not acc.open
+    # rewards 0, 1, 0, 0 after c = 0: the reward-0 members after G1' exists touch G2 only,
+    # and the sum still equals the textbook group gradient
+    rewards = [0.0, 1.0, 0.0, 0.0]
+    for objective in ("grpo", "dr_grpo"):
+        got = _stream(rewards, H, objective, torch.float64, [0, 1, 2, 3])
+        assert torch.allclose(got, _textbook(rewards, H, objective), rtol=1e-10, atol=1e-12)

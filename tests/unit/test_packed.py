@@ -452,19 +452,21 @@ def test_config_key(tmp_path):
         load_config(None, {"learner.max_tokens_per_pass": -1})
 
 
-def test_pair_pass_waits_when_it_would_run_past_the_expected_last_arrival():
+def test_pair_pass_waits_only_within_its_overhead_of_the_expected_last_arrival():
     from types import SimpleNamespace
 
     from tsync_mcore.learner.update import Learner
 
-    def pays(now, end=6.0, pass_s=1.0, kind="trajectory", pack_arrivals=True):
+    def pays(now, end=6.0, overhead=0.5, kind="trajectory", pack_arrivals=True):
         up = SimpleNamespace(cfg=SimpleNamespace(pack_arrivals=pack_arrivals),
-                             kind=SimpleNamespace(name=kind), pair_pass_s=pass_s,
+                             kind=SimpleNamespace(name=kind), pair_overhead_s=overhead,
                              arrivals_end=end, now=lambda: now)
         return Learner._pair_pays(up)
 
-    assert pays(4.0) and pays(5.0)  # it ends by the time the last source is expected
-    assert not pays(5.5)  # it would still run then: wait and pack
-    assert pays(6.5)  # expected time passed unmet (a longer rollout): stream again
-    assert pays(5.5, pass_s=None) and pays(5.5, end=None)  # nothing measured yet: stream
-    assert pays(5.5, kind="turn") and pays(5.5, pack_arrivals=False)
+    # a pass that overruns the expected end still pays while the overrun is less than
+    # the share of the packed pass it takes away
+    assert pays(4.0) and pays(5.4)
+    assert not pays(5.6)  # within the overhead of the end: wait and pack
+    assert pays(6.5)  # the expected end passed unmet (a longer rollout): stream again
+    assert pays(5.6, overhead=None) and pays(5.6, end=None)  # nothing measured yet: stream
+    assert pays(5.6, kind="turn") and pays(5.6, pack_arrivals=False)

@@ -106,11 +106,12 @@ class Learner:
                   f"served one by one: {why}", file=sys.stderr, flush=True)
             self.pack_budget = 0
         self.plan: BatchPlan | None = None
-        # Streaming's cost model (learner.pack_arrivals, GRPO): a pair pass costs more than
-        # the same sources in the packed pass after the rollout, so one is worth starting only
-        # if it ends before the last source is expected (the previous batch's last arrival).
-        self.pair_pass_s: float | None = None  # the last pair pass's wall time
-        self.arrivals_end: float | None = None  # the previous batch's last arrival (trace time)
+        # Streaming's cost model (learner.pack_arrivals, GRPO; _pair_pays): what a pair pass
+        # costs beyond the same sources' share of a packed pass, and when the previous
+        # batch's last source arrived (trace time).
+        self.pair_overhead_s: float | None = None
+        self.direct_s_per_token: float | None = None  # the last packed direct pass's rate
+        self.arrivals_end: float | None = None
         self.pairs_held = 0  # times this batch waited to pack instead of a pair pass
 
     # --- register -------------------------------------------------------------------------
@@ -238,15 +239,16 @@ class Learner:
         return units
 
     def _pair_pays(self) -> bool:
-        """May the next pass be a pair pass? Not when a pair pass started now would still
-        run at the time the previous batch's last source arrived: the sources it takes
-        would then delay the packed pass that follows the rollout by more than they save
-        in it. Once that time has passed unmet (a longer rollout), streaming resumes."""
+        """May the next pass be a pair pass? A pair pass of p seconds started at t, when the
+        last source is expected at E (the previous batch's), delays the packed pass after
+        the rollout by max(0, t + p − E) and takes its sources' share q out of it: it pays
+        unless t + p − E > q, i.e. unless t is within the pair pass's overhead p − q of E.
+        Once E has passed unmet (a longer rollout), streaming resumes."""
         if not (self.cfg.pack_arrivals and self.kind.name == "trajectory"
-                and self.pair_pass_s is not None and self.arrivals_end is not None):
+                and self.pair_overhead_s is not None and self.arrivals_end is not None):
             return True
         now = self.now()
-        return not (now < self.arrivals_end < now + self.pair_pass_s)
+        return not (self.arrivals_end - self.pair_overhead_s < now < self.arrivals_end)
 
     def _run(self, units: list[Service]) -> None:
         t = time.perf_counter()
@@ -254,8 +256,14 @@ class Learner:
             self._serve_pack(units)
         elif units:
             self._serve(units[0])  # alone: exactly the one-by-one path
-        if units and units[0].fold == "pair" and units[0].source is not None:
-            self.pair_pass_s = time.perf_counter() - t
+        if not units or units[0].source is None:
+            return
+        wall = time.perf_counter() - t
+        tokens = sum(self.kind.pack_tokens(u.source) for u in units if u.source is not None)
+        if units[0].fold == "direct" and len(units) > 1:
+            self.direct_s_per_token = wall / max(tokens, 1)
+        elif units[0].fold == "pair":  # unknown packed rate yet: the whole pass is overhead
+            self.pair_overhead_s = max(0.0, wall - (self.direct_s_per_token or 0.0) * tokens)
 
     def _check(self, src) -> None:
         if self.plan is None:
