@@ -458,7 +458,7 @@ def test_pair_pass_waits_only_within_its_overhead_of_the_expected_last_arrival()
     from tsync_mcore.learner.update import Learner
 
     def pays(now, end=6.0, overhead=0.5, kind="trajectory", pack_arrivals=True):
-        up = SimpleNamespace(cfg=SimpleNamespace(pack_arrivals=pack_arrivals),
+        up = SimpleNamespace(cost_model=pack_arrivals,
                              kind=SimpleNamespace(name=kind), pair_overhead_s=overhead,
                              arrivals_end=end, now=lambda: now)
         return Learner._pair_pays(up)

@@ -88,6 +88,7 @@ class Trainer:
             self.version, self.data_pos = meta["version"], meta["data_pos"]
         self._restart_records(ckpt if resume else None)
         self.learner = Learner(cfg.learner, self.policy, self.version)
+        self.learner.cost_model = cfg.learner.pack_arrivals  # stream or wait: _pair_pays
         self.dropped_in_a_row = 0  # batches skipped for a non-finite gradient, in a row
         # Rank 0's publication ledger: versions published and not yet acknowledged (oldest
         # first), and the version acknowledged last (its file is what a replica reloads).

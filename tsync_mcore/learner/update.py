@@ -109,6 +109,9 @@ class Learner:
         # Streaming's cost model (learner.pack_arrivals, GRPO; _pair_pays): what a pair pass
         # costs beyond the same sources' share of a packed pass, and when the previous
         # batch's last source arrived (trace time).
+        # Off unless the live trainer turns it on (learner.pack_arrivals): replays and tests
+        # that serve a batch twice must not depend on how fast they ran.
+        self.cost_model = False
         self.pair_overhead_s: float | None = None
         self.direct_s_per_token: float | None = None  # the last packed direct pass's rate
         self.arrivals_end: float | None = None
@@ -244,7 +247,7 @@ class Learner:
         the rollout by max(0, t + p − E) and takes its sources' share q out of it: it pays
         unless t + p − E > q, i.e. unless t is within the pair pass's overhead p − q of E.
         Once E has passed unmet (a longer rollout), streaming resumes."""
-        if not (self.cfg.pack_arrivals and self.kind.name == "trajectory"
+        if not (self.cost_model and self.kind.name == "trajectory"
                 and self.pair_overhead_s is not None and self.arrivals_end is not None):
             return True
         now = self.now()
