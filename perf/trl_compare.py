@@ -341,7 +341,9 @@ def evaluate(model_dir: str, rows: list[Any], fn: Any, system_prompt: str,
     from tsync_mcore.rewards.call import parse_result
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # safetensors only: a model directory is untrusted input, and .bin files are pickles
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 use_safetensors=True).eval()
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)

@@ -159,7 +159,8 @@ def train(spec: dict[str, Any], config: Any) -> int:
     data = Dataset.from_list([{"prompt": row_messages(rows[i], dc.system_prompt), "row": i}
                               for i in spec["order"]])
     reward = make_reward(load_reward_fn(spec["reward"]), rows, parse_result)
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
+                                                 use_safetensors=True)
 
     clock = StepClock()
 
