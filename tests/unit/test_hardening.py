@@ -37,6 +37,7 @@ BAD_CONFIGS = [
     ({"learner.on_nonfinite": "ignore"}, "learner.on_nonfinite", "one of"),
     ({"learner.bogus": 1}, "learner.bogus", "unknown key"),
     ({"rollout.kv_cache_gib": 0}, "rollout.kv_cache_gib", "> 0"),
+    ({"rollout.max_num_seqs": 0}, "rollout.max_num_seqs", ">= 1"),
     ({"publish.method": "nfs"}, "publish.method", "one of"),
     ({"publish.bucket_mb": 0}, "publish.bucket_mb", "(0, 16384]"),
     ({"publish.bucket_mb": "big"}, "publish.bucket_mb", "number"),

@@ -421,6 +421,10 @@ class RolloutConfig:
     tool_timeout_s: float = 1.0  # a tool call taking longer fails its turn
     teacher_dir: str = ""  # OPD: the frozen teacher's HF directory
     kv_cache_gib: float = 1.0  # CPU only: vLLM's KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    # Sequences each vLLM engine decodes at once (vLLM's max_num_seqs, verl's
+    # rollout.max_num_seqs); the rest wait their turn, as they do on an engine whose KV
+    # cache holds fewer contexts than a batch has trajectories
+    max_num_seqs: int = 256
     # vLLM weights/activations precision; auto: model.dtype (bf16 for GPU recipes)
     dtype: RolloutDType = "auto"
     tp: int = 1  # vLLM tensor_parallel_size (GPUs of the rollout engine)
@@ -501,6 +505,8 @@ class RolloutConfig:
         _check(self.tool_latency_s >= 0, "rollout.tool_latency_s", "must be >= 0")
         _check(self.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0")
         _check(self.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0")
+        _check(self.max_num_seqs >= 1, "rollout.max_num_seqs",
+               f"must be >= 1, got {self.max_num_seqs}")
         _check(self.tp >= 1, "rollout.tp", f"must be >= 1, got {self.tp}")
         _check(self.replicas >= 1, "rollout.replicas", f"must be >= 1, got {self.replicas}")
         _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",

@@ -127,6 +127,7 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
         def make() -> RolloutEngine:
             return RolloutEngine(self.cfg.model.hf_dir, seed=self.cfg.seed,
                                  kv_cache_gib=self.rc.kv_cache_gib,
+                                 max_num_seqs=self.rc.max_num_seqs,
                                  max_model_len=max(self.rc.max_total_tokens, 64),
                                  dtype=VLLM_DTYPES[self.rc.dtype],  # resolved: auto → model.dtype
                                  tensor_parallel_size=self.rc.tp,
