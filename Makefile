@@ -27,7 +27,7 @@ setup: $(VENV)/.ready
 # only spin and switch (the suite's CPU time drops by a tenth).
 test: setup
 	$(VPY) -m compileall -q tsync_mcore tests  # bytecode once, not in every process started
-	OMP_NUM_THREADS=1 TSYNC_MULTIHOST=1 $(VPY) -m pytest -q -n 3 --dist loadfile tests
+	OMP_NUM_THREADS=1 TSYNC_MULTIHOST=1 $(VPY) -m pytest -q -n 3 --dist loadfile --durations=10 tests
 
 # The fast inner loop: pure tests only (no subprocess, torchrun, vLLM or network; ≤ 3 min).
 test-unit: setup

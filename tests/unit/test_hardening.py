@@ -6,6 +6,7 @@ stay as they were, so the run that skipped it matches the run that never saw it,
 """
 
 import pytest
+import torch
 
 from tsync_mcore.channel.sources import (
     MAX_ABS_REWARD,
@@ -120,3 +121,19 @@ def test_sources_longer_than_the_learner_accepts_are_refused_before_any_work():
     with pytest.raises(SourceError, match="260 tokens"):
         validate_turn(late, vocab_size=256, max_tokens=256)
     validate_source(long, vocab_size=256, max_tokens=300)
+
+
+def test_all_finite_is_exact_for_nan_and_both_infinities_in_any_vector():
+    """The step guard's check (one min/max pass per vector) against torch.isfinite."""
+    from tsync_mcore.learner.policy import all_finite
+    base = [torch.randn(1000), torch.randn(7, dtype=torch.float64), torch.empty(0),
+            torch.randn(33).to(torch.bfloat16)]
+    assert bool(all_finite(base, "cpu")) and bool(all_finite([], "cpu"))
+    big = [torch.full((5,), torch.finfo(torch.float32).max), torch.full((5,), -3e38)]
+    assert bool(all_finite(big, "cpu"))  # extremes are finite: no overflow on the way
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for j in (0, 1, 3):
+            vs = [v.clone() for v in base]
+            vs[j][len(vs[j]) // 2] = bad
+            assert not bool(all_finite(vs, "cpu"))
+            assert bool(all_finite(vs, "cpu")) == all(bool(torch.isfinite(v).all()) for v in vs)

@@ -34,6 +34,17 @@ class StepResult:
     lr: float = 0.0  # the learning rate of this step (applied or not)
 
 
+
+def all_finite(vectors: list[torch.Tensor], device) -> torch.Tensor:
+    """A bool scalar (on `device`): is every element of these vectors finite? Each vector's
+    min and max: NaN propagates to both, ±inf reaches one, so they are finite exactly when
+    every element is. One reduction pass, no vector-sized temporary (a float64 sum, exact
+    too, costs a cast per element: an order of magnitude slower on CPU)."""
+    ends = [x.to(torch.float64) for v in vectors if v.numel() for x in torch.aminmax(v)]
+    if not ends:
+        return torch.ones((), dtype=torch.bool, device=device)
+    return torch.isfinite(torch.stack(ends)).all()
+
 class Policy:
     def __init__(self, cfg: Config, par: ParallelInfo | None = None):
         self.cfg = cfg
@@ -267,24 +278,17 @@ class Policy:
     def reduced_grads_finite(self) -> bool:
         """Collective over every learner rank: is the reduced gradient finite everywhere?
 
-        A float64 sum is non-finite exactly when an element is (fp32 values cannot overflow
-        it), and needs no gradient-sized mask."""
-        bad = torch.zeros((), dtype=torch.float64, device=self.device)
-        for buf, ranges in zip(self._buffers, self._reduced):
-            for a, b in ranges:
-                bad += buf[a:b].sum(dtype=torch.float64)
-        bad = (~torch.isfinite(bad)).to(torch.float64)
+        One min/max pass per range (`all_finite`), no gradient-sized mask."""
+        ok = all_finite([buf[a:b] for buf, ranges in zip(self._buffers, self._reduced)
+                         for a, b in ranges], self.device)
+        bad = (~ok).to(torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad)  # DP and TP ranks skip together, or step together
         return float(bad) == 0.0
 
     def sums_finite(self, vectors: list[torch.Tensor]) -> bool:
-        """This rank only: are these (gradient-sized) vectors finite? One host read (a
-        float64 sum is non-finite exactly when an element is)."""
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for v in vectors:
-            total += v.sum(dtype=torch.float64)
-        return bool(torch.isfinite(total))
+        """This rank only: are these (gradient-sized) vectors finite? One host read."""
+        return bool(all_finite(vectors, self.device))
 
     def dp_sum(self, x: float) -> float:
         """Sum a host scalar over data-parallel ranks (e.g. the global scored-token count)."""

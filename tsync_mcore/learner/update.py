@@ -259,7 +259,7 @@ class Learner:
             self._serve_pack(units)
         elif units:
             self._serve(units[0])  # alone: exactly the one-by-one path
-        if not units or units[0].source is None:
+        if not (self.cost_model and units and units[0].source is not None):
             return
         wall = time.perf_counter() - t
         tokens = sum(self.kind.pack_tokens(u.source) for u in units if u.source is not None)
