@@ -34,7 +34,6 @@ class StepResult:
     lr: float = 0.0  # the learning rate of this step (applied or not)
 
 
-
 def all_finite(vectors: list[torch.Tensor], device) -> torch.Tensor:
     """A bool scalar (on `device`): is every element of these vectors finite? Each vector's
     min and max: NaN propagates to both, ±inf reaches one, so they are finite exactly when
@@ -44,6 +43,7 @@ def all_finite(vectors: list[torch.Tensor], device) -> torch.Tensor:
     if not ends:
         return torch.ones((), dtype=torch.bool, device=device)
     return torch.isfinite(torch.stack(ends)).all()
+
 
 class Policy:
     def __init__(self, cfg: Config, par: ParallelInfo | None = None):
