@@ -103,3 +103,26 @@ def test_megatron_fusions_are_not_compiled_on_a_cpu():
 
     assert jit.jit_fuser is jit.noop_decorator
     assert type(fused_bias_gelu.bias_gelu).__name__ == "function"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA Megatron imports wandb as it is")
+def test_megatron_logging_modules_load_without_wandb_on_a_cpu(monkeypatch):
+    """The same hook runs Megatron's timers (and its inference engine's modules) with
+    `import wandb` failing, so they take their own `except ImportError` branch; the hook
+    leaves the import system as it was afterwards (a run's wandb tracker imports it then)."""
+    import importlib
+    import importlib.machinery
+    import sys
+
+    from tsync_mcore.util import megatron_import
+
+    name = "megatron.core.timers"
+    spec = importlib.machinery.PathFinder.find_spec(name, importlib.import_module("megatron.core").__path__)
+    for mod in [m for m in sys.modules if m == "wandb" or m.startswith("wandb.")]:
+        monkeypatch.delitem(sys.modules, mod)  # as in a process that has not imported it
+    spec.loader = megatron_import._OnCpu(spec.loader, name)
+    module = importlib.util.module_from_spec(spec)  # a fresh copy, not registered
+    spec.loader.exec_module(module)
+    assert module.wandb is None and "wandb" not in sys.modules
+    assert not any(isinstance(f, megatron_import._NoWandb) for f in sys.meta_path)
+    assert importlib.util.find_spec("wandb") is not None  # still importable
