@@ -21,8 +21,9 @@ def pytest_configure(config) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """TSYNC_CPU_REPORT=FILE: append each test's CPU seconds (this process and the processes
-    it waited for, setup and teardown included) and wall seconds, to find where the suite's
-    CPU goes (`make test` is CPU-bound on two cores)."""
+    it waited for, setup and teardown included), wall seconds, the test's id and the epoch
+    second it ended, to find where the suite's CPU goes and when (`make test` is CPU-bound
+    on two cores)."""
     path = os.environ.get("TSYNC_CPU_REPORT")
     if not path:
         yield
@@ -36,7 +37,7 @@ def pytest_runtest_protocol(item, nextitem):
     c0, t0 = cpu(), time.perf_counter()
     yield
     with open(path, "a") as f:
-        f.write(f"{cpu() - c0:.1f}\t{time.perf_counter() - t0:.1f}\t{item.nodeid}\n")
+        f.write(f"{cpu() - c0:.1f}\t{time.perf_counter() - t0:.1f}\t{item.nodeid}\t{time.time():.0f}\n")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
