@@ -388,7 +388,6 @@ def test_learner_rank_dies_rollout_side_stops_instead_of_hanging(tiny_qwen2, tmp
     proc.wait(timeout=30)
 
 
-@pytest.mark.timeout(420)
 def test_async_learner_publishes_without_waiting_and_takes_late_acks(tiny_qwen2, golden,
                                                                      tmp_path):
     """one_step_off's learner loop against a scripted rollout that acknowledges late: update
