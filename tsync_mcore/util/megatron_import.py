@@ -12,8 +12,7 @@ run, before any fusion module reads `jit_fuser`, it calls Megatron's own
 The same hook keeps Megatron's inference engine and timers from importing wandb (their
 optional metrics logger, which no part of this project uses) where CUDA is absent: those
 modules import it inside `try/except ImportError`, and it costs about half a second per
-process. Our own
-tracker imports wandb when a run selects it, unaffected.
+process. Our own tracker imports wandb when a run selects it, unaffected.
 """
 
 from __future__ import annotations
@@ -39,7 +38,8 @@ class _NoWandb(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name, path, target=None):
         if name == "wandb" or name.startswith("wandb."):
-            raise ImportError("wandb is not imported by megatron's inference engine here")
+            raise ImportError("wandb: not loaded for Megatron's own loggers on a CPU "
+                              "(tsync_mcore/util/megatron_import.py)")
         return None
 
 
