@@ -464,16 +464,15 @@ def test_budget_stops_the_learner_after_the_update_that_spent_it(tiny_qwen2, tmp
             srcs = sources(v)
             plan = BatchPlan.from_sources(srcs)
             owner = assign_groups(plan, {}, 2)
-            for link in links:
-                link.send(RegisterBatch(version=v, objective="grpo", groups=plan.groups,
-                                        data_pos=v + 1))
-            for s in srcs:
-                try:
+            try:
+                for link in links:
+                    link.send(RegisterBatch(version=v, objective="grpo", groups=plan.groups,
+                                            data_pos=v + 1))
+                for s in srcs:
                     links[owner[s.group_id]].send(TrajectoryMsg(s))
-                except PeerGone:  # batch 1: the learner may say it finished before all are sent
-                    if v == 0:
-                        raise
-                    break
+            except PeerGone:  # batch 1: the learner may say it finished before all is sent
+                if v == 0:
+                    raise
             if v == 0:
                 for link in links:
                     link.send(CloseBatch(version=v, rollout_time_s=0.1, n_sources=len(srcs)))

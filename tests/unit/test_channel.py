@@ -528,3 +528,24 @@ def test_rendezvous_failures_are_named():
         open_learner_side("127.0.0.1", port, 0, 2, timeout_s=5, secret=cw.SECRET)
     th.join()
     assert isinstance(box.get("err"), ChannelTimeout) and "learner rank 0" in str(box["err"])
+
+
+def test_free_port_is_below_the_ephemeral_range_and_not_seeded():
+    """util/net.free_port draws outside the range where connect() and bind(0) take ports
+    (so no outgoing connection takes it before the caller binds), from the OS's entropy
+    (two processes that seed `random` alike draw different ports), and the port binds."""
+    import random
+    import socket
+
+    from tsync_mcore.util import net
+
+    low = net._ephemeral_low()
+    random.seed(0)
+    first = [net.free_port() for _ in range(8)]
+    random.seed(0)
+    again = [net.free_port() for _ in range(8)]
+    assert first != again
+    for port in first + again:
+        assert net._LOW <= port < min(net._HIGH, low)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", first[0]))
