@@ -329,6 +329,25 @@ def test_grpo_packed_update_equals_one_by_one(tiny_qwen2, parallel1, schedule, s
             assert len({r.group_id for r in recs}) == 1
 
 
+@pytest.mark.parametrize("accum_dtype", ["fp32", "fp64"])
+def test_sync_folds_the_grad_buffers_once_per_update(tiny_qwen2, parallel1, accum_dtype):
+    """A direct pass and the shared prompts after it all carry coefficient 1: their gradient
+    stays in the grad buffers and one fold takes it (FP32 accumulators); FP64 ones fold each
+    backward as it comes. The update equals the one-by-one learner's, which folds per source."""
+    srcs = _grpo()
+    one = _update(_learner(tiny_qwen2, parallel1, schedule="sync", max_tokens_per_pass=0,
+                           accum_dtype=accum_dtype), srcs, chunk=len(srcs))
+    learner = _learner(tiny_qwen2, parallel1, schedule="sync", accum_dtype=accum_dtype)
+    folds = []
+    fold = learner.acc.fold_direct
+    learner.acc.fold_direct = lambda grads, coef: (folds.append(coef), fold(grads, coef))
+    packed = _update(learner, srcs, chunk=len(srcs))
+    prompts = sum(1 for r in packed.trace if getattr(r, "work", None) == "prefix")
+    assert len(_check_pass_times(packed)) == 1 and prompts == 4  # one pass, 4 group prompts
+    assert folds == ([1.0] if accum_dtype == "fp32" else [1.0] * (1 + prompts))
+    assert rel_l2(packed.grad, one.grad) <= 1e-6
+
+
 @pytest.mark.parametrize("rewards", ["binary", "real"])
 @pytest.mark.parametrize("shared_prefix", [True, False])
 def test_grpo_pair_packs_equal_one_by_one(tiny_qwen2, parallel1, rewards, shared_prefix):

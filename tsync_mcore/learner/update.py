@@ -161,6 +161,7 @@ class Learner:
         self.pairs_held = 0
         self.passes = 0  # packed passes run in this batch (SourceRecord.pass_id)
         self.dummy_passes = 0  # ep > 1: passes run only to match other ranks' (no work)
+        self.unfolded = False  # the grad buffers hold gradient already in the batch (fold_later)
         self.acc.reset()
         self.routes.begin()
         self.off_policy.reset()  # an aborted batch's mismatch is not this one's
@@ -337,6 +338,7 @@ class Learner:
     def _dummy_pass(self) -> None:
         """A pass with nothing to serve; the gradient the peers' tokens left on this rank's
         experts joins the batch (their coefficients are in their losses)."""
+        self.flush_grads()  # the dummy pass zeroes the dense buffers
         self.policy.dummy_pass()
         self.fold_direct([], self.policy.grad_buffers(), 1.0)
         self.policy.zero_grads()
@@ -416,6 +418,8 @@ class Learner:
     def _check_finite(self, g: str, what: str) -> None:
         """learner.check_finite=source: name the first unit after which the sums this rank
         holds are not finite (checking once per source costs one pass over them)."""
+        if self.cfg.check_finite == "source":
+            self.flush_grads()
         if self.cfg.check_finite == "source" and not self.nonfinite \
                 and not self.policy.sums_finite(self.acc.holding(g)):
             self.nonfinite.append(what)
@@ -425,8 +429,32 @@ class Learner:
     def fold_direct(self, g: str | list[str], grads: list[torch.Tensor], coef: float) -> None:
         """batch += coef·grads: once there, the group (every group of a packed pass) cannot
         be taken out of the update."""
+        if self.unfolded:  # the buffers also hold gradient of coefficient 1 (fold_later)
+            assert coef == 1.0, "fold_direct with a coefficient over unfolded gradient"
+            self.unfolded = False  # folded now with the rest; the caller zeroes the buffers
         self.acc.fold_direct(grads, coef)
         self.committed.update([g] if isinstance(g, str) else g)
+
+    def fold_later(self, g: str | list[str]) -> None:
+        """batch += the grad buffers, left in them: the next backward of coefficient 1 (the
+        next direct pass, a group's shared prompt) adds to them and one fold takes the sum
+        (sync: one fold per update instead of one per pass and per group). Whatever needs
+        clean buffers calls `flush_grads` before its backward: a lone source's fold with its
+        own coefficient and a pair pass (TrajectoryKind, the only kind that folds later), a
+        per-source finite check, an EP dummy pass, the step. FP64 accumulators fold each
+        backward as it comes."""
+        self.committed.update([g] if isinstance(g, str) else g)
+        if self.acc.dtype != self.policy.grad_buffers()[0].dtype:
+            self.flush_grads(force=True)
+            return
+        self.unfolded = True
+
+    def flush_grads(self, force: bool = False) -> None:
+        """Fold what `fold_later` left in the grad buffers into the batch; zero them."""
+        if self.unfolded or force:
+            self.acc.fold_direct(self.policy.grad_buffers(), 1.0)
+            self.policy.zero_grads()
+            self.unfolded = False
 
     def defer(self, rec: DeferredRecord) -> None:
         self.trace.append(rec)
@@ -519,6 +547,7 @@ class Learner:
                               f"({n_bad} problems over all ranks); on this rank: {problems}")
         self.queue.close()
         self._drain()
+        self.flush_grads()
         assert self.queue.pending() == 0 and not self.acc.open, "batch closed with work left"
 
         scored = int(self.policy.dp_sum(sum(self.scored.values())))
@@ -607,6 +636,7 @@ class Learner:
         """Drop the open batch without touching θ (e.g. after a rejected close)."""
         self.acc.reset()
         self.policy.zero_grads()
+        self.unfolded = False
         if self.plan is not None:
             self.kind.begin()  # frees every context and prompt
             self.routes.begin()

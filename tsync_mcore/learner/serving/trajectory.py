@@ -113,6 +113,7 @@ class TrajectoryKind:
         src, g, up = svc.source, svc.group_id, self.up
         span = dict(span_tokens=0, context=0, logits=False)
         if src.n_scored > 0:
+            up.flush_grads()  # its fold takes the buffers with its own coefficient
             acc = up.acc
             if svc.fold == "pair" and not acc.is_open(g):
                 acc.open_group(g, shift=src.reward)  # c = the group's first folded reward
@@ -196,10 +197,9 @@ class TrajectoryKind:
             else:
                 self._pair_backward(pack, terms, prefixes)
         if not pair:
-            up.fold_direct([svc.group_id for svc in pack], up.policy.grad_buffers(), 1.0)
+            up.fold_later([svc.group_id for svc in pack])  # folded with what follows
             for prefix in prefixes.values():
                 prefix.fold_direct(1.0)
-            up.policy.zero_grads()
         for svc in pack:
             if svc.closes_group:
                 self._combine(svc.group_id)
@@ -208,6 +208,7 @@ class TrajectoryKind:
     def _pair_backward(self, pack: list[Service], terms: list, prefixes: dict) -> None:
         """The backward(s) of a pair pack and their folds into its group's sums."""
         up, g = self.up, pack[0].group_id
+        up.flush_grads()  # the buffers go into the group's sums, not the batch
         if not up.acc.is_open(g):
             up.acc.open_group(g, shift=pack[0].source.reward)  # c = its first folded reward
         shift = up.acc.shift_of(g)
@@ -241,8 +242,7 @@ class TrajectoryKind:
         n = len(prefix) if prefix is not None else 0
         del prefix  # its K/V and graph are freed inside the timing
         if ran:
-            self.up.fold_direct(g, self.up.policy.grad_buffers(), 1.0)
-            self.up.policy.zero_grads()
+            self.up.fold_later(g)
             self.up.defer(DeferredRecord(
                 update=self.up.version, rank=self.up.policy.par.rank, work="prefix", group_id=g,
                 traj_id=None, ready=start, start=start, end=self.up.now(),

@@ -11,7 +11,7 @@ SEEN = frozenset({
     # the batch being served (set when it begins)
     "version", "plan", "queue", "member_of", "arrived", "committed",
     # what a kind calls back: folds into the batch, deferred trace records, K/V sizes, clock
-    "fold_direct", "defer", "saw_kv", "now",
+    "fold_direct", "fold_later", "flush_grads", "defer", "saw_kv", "now",
 })
 
 
