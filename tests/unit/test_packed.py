@@ -333,7 +333,8 @@ def test_grpo_packed_update_equals_one_by_one(tiny_qwen2, parallel1, schedule, s
 def test_sync_folds_the_grad_buffers_once_per_update(tiny_qwen2, parallel1, accum_dtype):
     """A direct pass and the shared prompts after it all carry coefficient 1: their gradient
     stays in the grad buffers and one fold takes it (FP32 accumulators); FP64 ones fold each
-    backward as it comes. The update equals the one-by-one learner's, which folds per source."""
+    backward as it comes. The prompts of the groups the pass closes run as one packed forward
+    and one backward. The update equals the one-by-one learner's (per source and prompt)."""
     srcs = _grpo()
     one = _update(_learner(tiny_qwen2, parallel1, schedule="sync", max_tokens_per_pass=0,
                            accum_dtype=accum_dtype), srcs, chunk=len(srcs))
@@ -342,9 +343,14 @@ def test_sync_folds_the_grad_buffers_once_per_update(tiny_qwen2, parallel1, accu
     fold = learner.acc.fold_direct
     learner.acc.fold_direct = lambda grads, coef: (folds.append(coef), fold(grads, coef))
     packed = _update(learner, srcs, chunk=len(srcs))
-    prompts = sum(1 for r in packed.trace if getattr(r, "work", None) == "prefix")
-    assert len(_check_pass_times(packed)) == 1 and prompts == 4  # one pass, 4 group prompts
-    assert folds == ([1.0] if accum_dtype == "fp32" else [1.0] * (1 + prompts))
+    prompts = [r for r in packed.trace if getattr(r, "work", None) == "prefix"]
+    # one pass; the prompts of the groups it closes forwarded together and backpropagated
+    # as one (a group whose unscored member is served after the pass closes on its own)
+    assert len(_check_pass_times(packed)) == 1 and max(len(r.spans) for r in prompts) >= 2
+    contexts = {r.group_id: r.context for r in _srecs(packed) if r.context}
+    assert sorted(n for r in prompts for n, _ in r.spans) == sorted(contexts.values())
+    assert len(contexts) == 4
+    assert folds == ([1.0] if accum_dtype == "fp32" else [1.0] * (1 + len(prompts)))
     assert rel_l2(packed.grad, one.grad) <= 1e-6
 
 

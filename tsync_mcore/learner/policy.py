@@ -218,6 +218,11 @@ class Policy:
         """None when the model can run packed forwards (model/packed.py), else why not."""
         return packed.supported(self.ddp)
 
+    def packed_kv(self, segments: list[packed.Segment]) -> list[list[span.KV]]:
+        """One packed forward of `segments` up to the last layer's K/V (graph-attached),
+        per segment and layer: the shared prompts of several groups at once."""
+        return packed.packed_forward(self.ddp, segments, stop_after_kv=True).kv
+
     def packed_logprobs(self, segments: list[packed.Segment], scored: list[list[int]]
                         ) -> tuple[list[torch.Tensor], list[list[span.KV]]]:
         """One packed forward of `segments`: per segment, log π of its tokens at positions

@@ -13,6 +13,11 @@ prompt is (`prompt_len`), otherwise the first served member's tokens up to the p
 before its first scored token (that position's logits score the first action token, so it
 belongs to the continuation). Members that do not start with the same tokens fall back to a plain
 full-sequence backward, which is exact too.
+
+Groups that close in the same packed pass (sync, and whatever streaming serves complete)
+forward their prompts in one packed pass too (`SharedPrefix.build_many`): their K/V are
+views of one graph, so their backwards run as one (`PrefixBatch`) when the last of them
+closes — one pass of the prompts' rows through the weights instead of one per group.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from tsync_mcore.learner.accumulators import f32
+from tsync_mcore.model.packed import Segment
 from tsync_mcore.model.span import KV, backward_kv, detached_leaves, kv_bytes
 from tsync_mcore.objectives.off_policy import (OffPolicy, behaviour_at,
                                                weighted_logp_sum)
@@ -36,9 +42,34 @@ def prefix_len(src) -> int:
     return max(0, src.scored_mask.index(1) - 1) if 1 in src.scored_mask else 0
 
 
+class PrefixBatch:
+    """Prompts forwarded in one packed pass: each one's K/V cotangents wait here until the
+    last of them closes, then one backward takes them all (the packed graph runs once)."""
+
+    def __init__(self, n: int):
+        self.waiting = n
+        self.outs: list[KV] = []
+        self.adjoints: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.lengths: list[int] = []
+
+    def close(self, produced: list[KV] | None = None, adjoint: list | None = None) -> list[int]:
+        """One prompt's share (None: nothing to push). Returns the lengths of the prompts
+        the joint backward ran through once the last one closed, else []."""
+        if adjoint is not None:
+            self.outs += produced
+            self.adjoints += adjoint
+            self.lengths.append(len(produced[0]))
+        self.waiting -= 1
+        if self.waiting > 0:
+            return []
+        ran = backward_kv(self.outs, self.adjoints)
+        lengths, self.outs, self.adjoints, self.lengths = self.lengths, [], [], []
+        return lengths if ran else []
+
+
 class SharedPrefix:
     def __init__(self, tokens: tuple[int, ...], produced: list[KV], leaves: list[KV],
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, batch: PrefixBatch | None = None):
         self.tokens = tokens
         self.dtype = dtype  # the learner's accumulator precision (FP32, or FP64)
         self.produced = produced  # graph-attached prompt K/V, kept until group close
@@ -48,6 +79,7 @@ class SharedPrefix:
         self.has_a1 = False  # a folded reward differed from the shift (else A1 = 0 exactly)
         self.ad: list[torch.Tensor] | None = None  # Σ coef_i·adj_i of members with A_i known
         self.owner: str | None = None  # the trajectory it was forwarded for (its MoE routing)
+        self.batch = batch  # the prompts forwarded with it, when packed (their backward is one)
 
     @classmethod
     def build(cls, policy, src: TrajectorySource,
@@ -60,6 +92,28 @@ class SharedPrefix:
         if produced[0].k.dtype == torch.float64:
             dtype = torch.float64
         return cls(tuple(src.tokens[:q]), produced, detached_leaves(produced), dtype)
+
+    @classmethod
+    def build_many(cls, policy, srcs: list[TrajectorySource],
+                   dtype: torch.dtype = torch.float32) -> list["SharedPrefix | None"]:
+        """The prompts of `srcs` (one per group) in one packed forward, as `build` each."""
+        qs = [prefix_len(s) for s in srcs]
+        idx = [i for i, q in enumerate(qs) if q >= 1]
+        out: list[SharedPrefix | None] = [None] * len(srcs)
+        if len(idx) < 2:
+            for i in idx:
+                out[i] = cls.build(policy, srcs[i], dtype)
+            return out
+        segs = [Segment(upload(srcs[i].tokens[:qs[i]], torch.long, policy.device), 0)
+                for i in idx]
+        kv = policy.packed_kv(segs)
+        if kv[0][0].k.dtype == torch.float64:
+            dtype = torch.float64
+        batch = PrefixBatch(len(idx))
+        for i, produced in zip(idx, kv):
+            out[i] = cls(tuple(srcs[i].tokens[:qs[i]]), produced, detached_leaves(produced),
+                         dtype, batch)
+        return out
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -126,12 +180,29 @@ class SharedPrefix:
         for ad, a in zip(self.ad, adj):
             ad.add_(a, alpha=f32(coef))
 
-    def backward_prefix(self, scale: float, mu: float) -> bool:
-        """Backward through the prompt with scale·(A1 − mu·A2) + A; False if nothing to do."""
+    def backward_prefix(self, scale: float, mu: float) -> list[int]:
+        """Backward through the prompt with scale·(A1 − mu·A2) + A. Returns the lengths of
+        the prompts a backward ran through: [] when nothing ran (nothing to do, or a packed
+        prompt's share waits for the last of its batch), every share of its batch when it
+        was the last."""
+        adjoint = self._prompt_adjoint(scale, mu)
+        if self.batch is not None:
+            batch, self.batch = self.batch, None
+            return batch.close(self.produced, adjoint)
+        return [len(self)] if adjoint is not None and backward_kv(self.produced, adjoint) \
+            else []
+
+    def release(self) -> None:
+        """Leave without a backward (a dropped group): its batch stops waiting for it."""
+        if self.batch is not None:
+            batch, self.batch = self.batch, None
+            batch.close()
+
+    def _prompt_adjoint(self, scale: float, mu: float) -> list | None:
         if self.a1 is None and self.ad is None:
-            return False
+            return None
         if self.ad is None and mu == 0.0 and not self.has_a1:
-            return False  # a uniform group served in pairs only: its share is exactly zero
+            return None  # a uniform group served in pairs only: its share is exactly zero
         flat = []
         for j in range(len(self.a1 if self.a1 is not None else self.ad)):
             g = None
@@ -145,4 +216,4 @@ class SharedPrefix:
             if self.ad is not None:
                 g = self.ad[j] if g is None else g + self.ad[j]
             flat.append(g)
-        return backward_kv(self.produced, [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)])
+        return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]

@@ -170,6 +170,8 @@ class TrajectoryKind:
         (binary rewards: most packs), else two backward cotangents over the one forward,
         Σ w_i·(r_i − c)·loss_i into G1' and Σ w_i·loss_i into G2."""
         up = self.up
+        if up.cfg.shared_prefix:
+            self._build_closing_prefixes(pack)
         segments, scored, spans, prefixes = [], [], [], {}
         for svc in pack:
             src = svc.source
@@ -233,20 +235,20 @@ class TrajectoryKind:
 
     def finish(self, svc: Service) -> None:
         """The group's last work here: combine its pair (if still open), then one backward
-        through its shared prompt with scale·(A1 − mu·A2) + A."""
+        through its shared prompt with scale·(A1 − mu·A2) + A (prompts forwarded in one
+        packed pass: one backward when the last of them closes, recorded with its group)."""
         g = svc.group_id
         scale, mu = self.closure.pop(g) if g in self.closure else self._combine(g)
         prefix = self.prefixes.pop(g, None)
         start, cpu0 = self.up.now(), time.thread_time()
-        ran = prefix is not None and prefix.backward_prefix(scale, mu)
-        n = len(prefix) if prefix is not None else 0
+        ran = prefix.backward_prefix(scale, mu) if prefix is not None else []
         del prefix  # its K/V and graph are freed inside the timing
         if ran:
             self.up.fold_later(g)
             self.up.defer(DeferredRecord(
                 update=self.up.version, rank=self.up.policy.par.rank, work="prefix", group_id=g,
                 traj_id=None, ready=start, start=start, end=self.up.now(),
-                cpu=time.thread_time() - cpu0, spans=[(n, 0)]))
+                cpu=time.thread_time() - cpu0, spans=[(n, 0) for n in ran]))
 
     def _combine(self, g: str) -> tuple[float, float]:
         """Add the group's pair into the batch; returns (scale, mu) for its prompt."""
@@ -261,7 +263,9 @@ class TrajectoryKind:
         return scale, mu
 
     def drop(self, g: str) -> None:
-        self.prefixes.pop(g, None)
+        prefix = self.prefixes.pop(g, None)
+        if prefix is not None:
+            prefix.release()
         self.closure.pop(g, None)
 
     def _coef(self, src: TrajectorySource) -> float:
@@ -273,16 +277,38 @@ class TrajectoryKind:
     def _group_rewards(self, g: str) -> list[float]:
         return [self.rewards[t] for t in self.up.plan.groups[g]]
 
+    def _build_closing_prefixes(self, pack: list[Service]) -> None:
+        """The prompts of the groups this pass closes, not forwarded yet: one packed forward
+        (their backwards then run as one when the last of them closes, right after the
+        pass). A group that stays open past the pass builds its own when first served."""
+        closing = {svc.group_id for svc in pack if svc.last_here}
+        first: dict[str, TrajectorySource] = {}
+        for svc in pack:
+            g = svc.group_id
+            if g in closing and g not in self.prefixes and g not in first:
+                first[g] = svc.source
+        if len(first) < 2:
+            return
+        srcs = list(first.values())
+        with self.up.routes.forward([(s.traj_id, 0, prefix_len(s)) for s in srcs]):
+            built = SharedPrefix.build_many(self.up.policy, srcs, dtype=self.up.acc.dtype)
+        for (g, src), prefix in zip(first.items(), built):
+            self._keep_prefix(g, src, prefix)
+
+    def _keep_prefix(self, g: str, src: TrajectorySource, prefix: SharedPrefix | None) -> None:
+        self.prefixes[g] = prefix
+        if prefix is not None:
+            prefix.owner = src.traj_id
+            self.up.saw_kv(prefix.produced, len(prefix))
+            self.kv_peak_bytes = max(self.kv_peak_bytes, self.held_bytes())
+
     def _prefix_for(self, src: TrajectorySource) -> SharedPrefix | None:
         """The group's shared prompt, computed once on its first scored source."""
         g = src.group_id
         if g not in self.prefixes:
             with self.up.routes.forward([(src.traj_id, 0, prefix_len(src))]):
-                self.prefixes[g] = SharedPrefix.build(self.up.policy, src, dtype=self.up.acc.dtype)
-            if self.prefixes[g] is not None:
-                self.prefixes[g].owner = src.traj_id
-                self.up.saw_kv(self.prefixes[g].produced, len(self.prefixes[g]))
-                self.kv_peak_bytes = max(self.kv_peak_bytes, self.held_bytes())
+                self._keep_prefix(g, src, SharedPrefix.build(self.up.policy, src,
+                                                             dtype=self.up.acc.dtype))
         prefix = self.prefixes[g]
         # a member whose prompt was routed to other experts runs it with its own
         return prefix if prefix is not None and prefix.covers(src) and self.up.routes.agree(
