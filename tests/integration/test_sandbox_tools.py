@@ -282,3 +282,20 @@ def test_concurrent_terminal_episodes_do_not_interfere(tok):
     t0 = time.monotonic()
     res = asyncio.run(main())
     assert [r.reward for r in res] == [1.0] * 8 and time.monotonic() - t0 < 60
+
+
+def test_model_text_that_cannot_reach_a_program_is_the_tools_own_error():
+    """A NUL byte in a command (execve would cut it there) or a lone surrogate in code, stdin
+    or a command (not encodable) is the tool's error text, exit status 2, nothing started (the python tool first probes its interpreter)."""
+    from tsync_mcore.sandbox import jail
+
+    cases = [
+        (lambda: jail.run_shell("echo a\x00b"), "argument 4 of the command contains a NUL"),
+        (lambda: jail.run_shell("echo \ud800"), "lone surrogate '\\ud800' at character 5"),
+        (lambda: jail.run_python("print('\ud800')"), "file 'prog.py' is not valid Unicode"),
+        (lambda: jail.run_python("print(1)", stdin="\udfff"), "the stdin is not valid Unicode"),
+    ]
+    for call, why in cases:
+        r = call()
+        assert (r.returncode, r.stdout, r.wall_s) == (2, "", 0.0)
+        assert r.stderr.startswith("error: ") and why in r.stderr and r.stderr.count("\n") == 1

@@ -18,7 +18,7 @@ from tsync_mcore import config as config_mod
 from tsync_mcore.channel import ChannelError, ChannelTimeout, open_rollout_side
 from tsync_mcore.channel.link import connect_learner
 from tsync_mcore.cli import launch
-from tsync_mcore.config import ConfigError, load_config, resolve
+from tsync_mcore.config import ConfigError, load_config, parse_overrides, resolve
 from tsync_mcore.config import reference as config_doc
 from tsync_mcore.util.net import free_port  # noqa: E402
 
@@ -367,3 +367,45 @@ def test_resume_keeps_the_metrics_rows_up_to_the_checkpoint(tmp_path):
     v = launch.resume_version(str(tmp_path))
     assert v == 2
     assert launch._metrics_before(str(tmp_path / "metrics.jsonl"), v) == rows[:2]
+
+
+def test_config_and_data_files_that_are_not_plain_files_are_one_line(tmp_path):
+    """A FIFO is refused without waiting for a writer, a huge or deeply nested file without a
+    traceback, and no refusal quotes the file (a config pointed at a secret)."""
+    from tsync_mcore.data.load import DataError, load_prompts
+
+    fifo = tmp_path / "cfg.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=r"cfg.yaml: not a regular file$"):
+        load_config(str(fifo))
+    secret = tmp_path / "shadow"
+    secret.write_text("root:$6$SECRETHASH:19000:0:99999:7:::\nbin:*:19000::::::\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(secret))
+    assert "SECRETHASH" not in str(e.value) and "\n" not in str(e.value)
+    colon = tmp_path / "colon.yaml"
+    colon.write_text("model: {hf_dir: x}\n  bad: [SECRETHASH\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(colon))
+    assert "SECRETHASH" not in str(e.value) and "colon.yaml:" in str(e.value)
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("model: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match="deep.yaml: nested too deeply"):
+        load_config(str(deep))
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * (2 << 20) + "\n")
+    with pytest.raises(ConfigError, match="big.yaml: larger than"):
+        load_config(str(big))
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config(None, parse_overrides([f"model.hf_dir={'[' * 100_000}"]))
+    data = tmp_path / "train.jsonl"
+    os.mkfifo(data)
+    cfg = load_config(None, {"model.hf_dir": str(tmp_path)})
+    with pytest.raises(DataError, match=r"train.jsonl: not a regular file$"):
+        load_prompts(str(data), cfg.data)
+
+
+@pytest.mark.parametrize("key", ["tools.user", "reward.sandbox_user"])
+def test_a_sandbox_user_may_not_be_root(key):
+    with pytest.raises(ConfigError, match=rf"'{key}'.*root \(uid 0\)"):
+        load_config(None, {"model.hf_dir": "/nonexistent", key: "root"})

@@ -36,6 +36,13 @@ def test_parse_tool_calls():
     assert calls[0].name == "bash" and calls[0].arguments == {"command": "ls"}
     assert calls[1].error.startswith("error:") and calls[2].error.startswith("error:")
     assert parse_tool_calls("no calls here") == []
+    # 5,000-deep JSON (Python's recursion limit) is the model's error, not a RecursionError
+    deep = "[" * 5000 + "]" * 5000
+    call, = parse_tool_calls(f"<tool_call>{deep}</tool_call>")
+    assert call.error == "error: tool call is nested too deeply"
+    from tsync_mcore.sandbox.tools import _check_args
+    assert _check_args("bash", '{"command": ' + deep + "}") == \
+        "error: bash: arguments are nested too deeply"
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +72,4 @@ def test_terminal_env_from_config_and_the_driver_hook(tok):
         with pytest.raises(ConfigError):
             c = load_config(None, {"rollout": {"env": "terminal"}, **bad})
             c.validate()
+

@@ -16,6 +16,7 @@ import math
 import os
 import re
 import socket
+import stat
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -638,6 +639,7 @@ class RewardConfig:
         _check(self.sandbox_timeout_s > 0, "reward.sandbox_timeout_s", "must be > 0")
         _check(self.sandbox_memory_mb >= 64, "reward.sandbox_memory_mb",
                f"must be >= 64, got {self.sandbox_memory_mb}")
+        _check_not_root(self.sandbox_user, "reward.sandbox_user")
         _check(self.sandbox_nproc >= 1, "reward.sandbox_nproc", "must be >= 1")
         if self.function:
             from tsync_mcore.rewards.load import check_spec  # the spec's syntax, not its file
@@ -725,6 +727,7 @@ class ToolsConfig:
         _check(self.max_output_chars >= 100, "tools.max_output_chars", "must be >= 100")
         _check(self.max_calls_per_turn >= 1, "tools.max_calls_per_turn", "must be >= 1")
         _check(self.verify_timeout_s > 0, "tools.verify_timeout_s", "must be > 0")
+        _check_not_root(self.user, "tools.user")
 
 
 @dataclass
@@ -1094,6 +1097,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"config key '{key}': unsupported type {tp}")
 
 
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """Build dataclass `cls` from a mapping, naming the dotted key of any error."""
     if not isinstance(data, dict):
@@ -1104,6 +1110,12 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
+            if not (isinstance(key, str) and _NAME.fullmatch(key)):
+                # not quoted: a config pointed at some other file (a secret) must not print it
+                n = len(key) if isinstance(key, str) else len(repr(key))
+                raise ConfigError(f"config key under '{prefix.rstrip('.') or '<root>'}': a "
+                                  f"{n}-character key that is no config name (is this a "
+                                  f"config file?); allowed: {sorted(names)}")
             where = f"{prefix}{key}"
             raise ConfigError(f"config key '{where}': unknown key (allowed: {sorted(names)})")
     kwargs = {}
@@ -1116,6 +1128,19 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+def _check_not_root(user: str, key: str) -> None:
+    """A sandbox user with uid 0 would run the model's code as root: limits such as
+    RLIMIT_NPROC do not bind it, and it can undo every other bound."""
+    import pwd
+
+    try:
+        uid = pwd.getpwnam(user).pw_uid
+    except KeyError:
+        uid = None  # unknown here: the sandbox says so when it starts
+    _check(user != "root" and uid != 0, key,
+           f"{user!r} is root (uid 0); the sandbox must drop to an unprivileged user")
+
+
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     """`KEY=VALUE` command-line overrides; each VALUE is read as YAML (`4`, `true`, `1e-6`)."""
     out: dict[str, Any] = {}
@@ -1126,24 +1151,42 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                               f"learner.k_open=2")
         try:
             out[key] = yaml.safe_load(value)
+        except RecursionError:
+            raise ConfigError(f"override {key}: value nested too deeply") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: value is not YAML "
                               f"({str(e).splitlines()[0]})") from None
     return out
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; more is not one
+
+
 def _read_yaml(path: str | Path) -> dict[str, Any]:
+    """A config file's mapping. Only a regular file is read (a FIFO or device would block
+    or never end), at most MAX_CONFIG_BYTES, and no error quotes its content (a config
+    pointed at a secret must not print it)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        # O_NONBLOCK: a FIFO does not wait for a writer before fstat refuses it
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         raise ConfigError(f"config file {path}: cannot read ({e.strerror or e})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"config file {path}: not a regular file")
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path}: larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        data = yaml.safe_load(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise ConfigError(f"config file {path}: not UTF-8 text") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path}: nested too deeply to be a config") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f":{mark.line + 1}" if mark is not None else ""
-        why = getattr(e, "problem", None) or str(e).splitlines()[0]
+        why = getattr(e, "problem", None) or type(e).__name__
         raise ConfigError(f"config file {path}{at}: not valid YAML ({why})") from None
     if data is None:
         return {}

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from tsync_mcore.util.safe_files import BadFile
+from tsync_mcore.util.safe_files import BadFile, regular_file
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -79,6 +79,11 @@ def _read(path: str):
 
     datasets.disable_progress_bars()
     fmt = _format(path)
+    if fmt != "disk":
+        try:
+            regular_file(path, follow_symlinks=True)  # a FIFO or device would block the reader
+        except BadFile as e:
+            raise DataError(str(e)) from None
     try:
         if fmt == "disk":
             ds = datasets.load_from_disk(path, keep_in_memory=False)

@@ -318,6 +318,23 @@ def _read(path: str, limit: int) -> tuple[str, bool]:
     return text, False
 
 
+def _unrunnable(argv: Sequence[str], stdin: str, files: Mapping[str, str] | None) -> str | None:
+    """Why text the model wrote cannot be handed to a program: a NUL byte in an argument
+    (execve ends it there), or a lone surrogate anywhere (not encodable as UTF-8)."""
+    for i, a in enumerate(argv):
+        if isinstance(a, str) and "\x00" in a:
+            return f"argument {i} of the command contains a NUL byte"
+    texts = [("argument", a) for a in argv if isinstance(a, str)]
+    texts += [("stdin", stdin)] + [(f"file {n!r}", t) for n, t in (files or {}).items()]
+    for what, text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return (f"the {what} is not valid Unicode (a lone surrogate "
+                    f"{text[e.start]!r} at character {e.start})")
+    return None
+
+
 def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
         workdir: str | None = None, template: str | None = None,
         files: Mapping[str, str] | None = None) -> Result:
@@ -327,6 +344,9 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
     `argv` becomes a path in it (it is the working directory unless `workdir` is given)."""
     if not argv:
         raise SandboxError("sandbox: empty command")
+    why = _unrunnable(argv, stdin, files)
+    if why:  # what the model wrote cannot reach a program: its own error, exit status 2
+        return Result(2, "", f"error: {why}\n", False, None, 0.0, False, False, False)
     ids = _ids(limits.user)
     prefix: list[str] = []
     isolated = False

@@ -103,6 +103,8 @@ def _check_args(name: str, arguments: Any) -> dict[str, str] | str:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as e:
             return f"error: {name}: arguments are not valid JSON ({e.msg} at position {e.pos})"
+        except RecursionError:
+            return f"error: {name}: arguments are nested too deeply"
     if not isinstance(arguments, dict):
         return (f"error: {name}: arguments must be a JSON object, got "
                 f"{type(arguments).__name__}")
@@ -192,6 +194,9 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             obj = json.loads(body.strip())
         except json.JSONDecodeError as e:
             calls.append(ToolCall("", body, f"error: tool call is not valid JSON ({e.msg})"))
+            continue
+        except RecursionError:
+            calls.append(ToolCall("", body, "error: tool call is nested too deeply"))
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             calls.append(ToolCall("", obj, 'error: a tool call must be {"name": ..., '

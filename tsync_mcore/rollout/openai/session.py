@@ -72,7 +72,7 @@ def _args(a: Any) -> Any:
     if isinstance(a, str):
         try:
             return json.loads(a)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return a
     return a
 
