@@ -188,3 +188,13 @@ def test_budgets_are_the_built_in_loops(tok):
     s.closed = "its agent exited"
     with pytest.raises(SessionError, match="closed: its agent exited"):
         s.plan_text("x")
+
+
+def test_a_lone_surrogate_is_a_400_line_not_a_tokenizer_error(tok):
+    """JSON can carry "\\ud800"; no tokenizer takes a lone surrogate (HF raises TypeError)."""
+    s = Session(tok, "t7")
+    with pytest.raises(SessionError, match=r"not valid Unicode \(a lone surrogate '\\ud800'"):
+        s.plan_chat([{"role": "user", "content": "a\ud800b"}])
+    with pytest.raises(SessionError, match="not valid Unicode"):
+        s.plan_text("x\udfff")
+    assert s.plan_chat([{"role": "user", "content": "ab"}]).max_tokens >= 1  # still usable

@@ -192,6 +192,11 @@ class Session:
                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
     def _ids(self, text: str) -> list[int]:
+        try:
+            text.encode("utf-8")  # JSON may carry a lone surrogate ("\\ud800"); no tokenizer takes it
+        except UnicodeEncodeError as e:
+            raise SessionError(f"the messages are not valid Unicode (a lone surrogate "
+                               f"{text[e.start]!r} in the rendered prompt)") from None
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def _budget(self, prompt_len: int, max_tokens: int | None) -> int:
