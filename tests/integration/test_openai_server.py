@@ -556,8 +556,9 @@ def test_agent_processes_ok_crashed_hung(et, tok, tmp_path):
 
 
 def readme_agent(tmp_path) -> str:
-    """The README's complete example agent, as printed there."""
-    text = open(os.path.join(ROOT, "README.md")).read()
+    """The agents guide's complete example agent with the episode's tools, as printed there
+    (the README links it)."""
+    text = open(os.path.join(ROOT, "docs", "guide", "agents.md")).read()
     code = text.split("```python\n# my_agent.py\n", 1)[1].split("```", 1)[0]
     path = tmp_path / "my_agent.py"
     path.write_text(code)
@@ -569,7 +570,7 @@ def readme_agent(tmp_path) -> str:
 def test_terminal_task_through_the_endpoint_runs_tools_in_the_episode_repo(et, tok, tmp_path,
                                                                            agent):
     """rollout.env: terminal behind the endpoint: a function-calling agent (the bundled
-    tsync_mcore.rollout.openai.agents.terminal, and the README's example) runs the model's tool calls
+    tsync_mcore.rollout.openai.agents.terminal, and the guide's example) runs the model's tool calls
     through the tool route in its episode's sandboxed repo (at most max_calls_per_turn per
     model turn), and the verifier scores the repo the calls left: the episode whose model
     wrote the fix gets 1.0, the one that only ran the failing test 0.0; the verified task
