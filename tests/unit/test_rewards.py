@@ -3,6 +3,7 @@ under both reward.on_error modes, pass@k, and the built-ins (math-verify, code s
 
 import asyncio
 import math
+import sys
 import textwrap
 import time
 
@@ -119,10 +120,30 @@ def _raises(**kw):
     raise KeyError("answer")
 
 
+def _exits(**kw):
+    sys.exit(3)
+
+
+def _interrupts(**kw):
+    raise KeyboardInterrupt
+
+
+async def _async_blocks(**kw):
+    time.sleep(2)  # blocks whatever loop it runs on: not the rollout's
+
+
+async def _async_exits(**kw):
+    sys.exit("bye")
+
+
 @pytest.mark.parametrize("fn, why", [
     (_sleepy, r"timed out after 0.3s"),
     (_async_sleepy, r"timed out after 0.3s"),
     (_raises, r"raised KeyError: 'answer'"),
+    (_exits, r"raised SystemExit: 3"),
+    (_interrupts, r"raised KeyboardInterrupt"),
+    (_async_blocks, r"timed out after 0.3s"),
+    (_async_exits, r"raised SystemExit: bye"),
     (lambda **kw: "1.0", r"reward is str '1.0', not a number"),
     (lambda **kw: float("nan"), r"reward is nan, not finite"),
     (lambda **kw: {"score": 1.0}, r"mapping without 'reward'"),

@@ -7,7 +7,6 @@ Every way a spec can be wrong is one line naming the spec and the problem.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib
 import importlib.util
@@ -123,10 +122,3 @@ def load_reward_fn(spec: str, reward_cfg: Any = None) -> Callable[..., Any]:
                           f"arguments {', '.join(ARGS)} (or **kwargs); it lacks "
                           f"{', '.join(missing)}")
     return fn
-
-
-def is_async(fn: Callable) -> bool:
-    if isinstance(fn, functools.partial):
-        fn = fn.func
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None))
