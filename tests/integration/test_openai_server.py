@@ -887,3 +887,36 @@ def test_agent_pool_protocol(et, tok, tmp_path):
         et.run(server.stop())
     assert out["p"].reward == 0.5 and out["p"].extra["agent_status"] == "ok"
     assert out["q"].reward == -1.0 and out["q"].extra["agent_status"] == "failed"
+
+
+def test_bodies_past_the_bounds_are_one_line_4xx_and_the_server_goes_on(et, tok):
+    """413 past max_body_bytes (by Content-Length, or counted while a chunked body streams
+    in), 400 past max_messages, for deep or broken JSON; then the trajectory is served."""
+    engine = Scripted(script_for(tok))
+    server = serve(et, engine, tok, max_body_bytes=4096, max_messages=8)
+    try:
+        server.register("t0", version=3, seed=1, **LIMITS)
+        url = f"http://127.0.0.1:{server.port}/t/t0/v1/chat/completions"
+        auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        msgs = [{"role": "user", "content": "hi"}]
+
+        def post(content, **kw):
+            r = httpx.post(url, content=content, headers=auth, timeout=30, **kw)
+            return r.status_code, r.json()["error"]["message"]
+
+        big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]})
+        assert post(big) == (413, "request body larger than 4096 bytes")
+
+        def chunks():  # no Content-Length: the size is counted as it arrives
+            for _ in range(10):
+                yield b" " * 1000
+        assert post(chunks()) == (413, "request body larger than 4096 bytes")
+        many = json.dumps({"model": "m", "messages": msgs * 9})
+        assert post(many) == (400, "9 messages, more than this endpoint takes (8)")
+        assert post("[" * 2000 + "]" * 2000) == (400, "the request body is nested too deeply")
+        assert post(b"\xff{") == (400, "the request body is not JSON")
+        assert engine.prompts == []  # nothing reached the engine
+        r = client(server, "t0").chat.completions.create(model="m", messages=msgs)
+        assert r.choices[0].message.role == "assistant"
+    finally:
+        et.run(server.stop())

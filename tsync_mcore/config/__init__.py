@@ -470,9 +470,15 @@ class RolloutConfig:
     # agent rewrote history): "segment" (start a new segment; only the last one is trained)
     # or "reject" (HTTP 400); both counted (rollout/openai_rewrites)
     openai_history: Literal["segment", "reject"] = "segment"
+    openai_max_body_mb: float = 8.0  # the endpoint's largest request body (HTTP 413 past it)
+    openai_max_messages: int = 4096  # messages in one chat request (HTTP 400 past it)
 
     def validate(self) -> None:
         _check(self.n_learners >= 1, "rollout.n_learners", "must be >= 1")
+        _check(self.openai_max_body_mb > 0, "rollout.openai_max_body_mb",
+               f"must be > 0, got {self.openai_max_body_mb}")
+        _check(self.openai_max_messages >= 1, "rollout.openai_max_messages",
+               f"must be >= 1, got {self.openai_max_messages}")
         _check(self.agent_timeout_s > 0, "rollout.agent_timeout_s",
                f"must be > 0, got {self.agent_timeout_s}")
         _check(self.agent_concurrency >= 0, "rollout.agent_concurrency",

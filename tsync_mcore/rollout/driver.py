@@ -163,7 +163,9 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
         self.oai = OpenAIServer(self.engine, self.tok, api_key=secrets.token_urlsafe(24),
                                 model=os.path.basename(os.path.normpath(self.cfg.model.hf_dir)),
                                 history=self.rc.openai_history, temperature=self.rc.temperature,
-                                current_version=lambda: self.loaded)
+                                current_version=lambda: self.loaded,
+                                max_body_bytes=int(self.rc.openai_max_body_mb * (1 << 20)),
+                                max_messages=self.rc.openai_max_messages)
         self.agent_counters = AgentCounters()
         host, _, port = self.rc.serve_openai.rpartition(":")
         try:

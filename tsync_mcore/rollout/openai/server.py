@@ -65,6 +65,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tsync_mcore.rollout.openai.session import Session, SessionError, assistant_message
 
+MAX_BODY_BYTES = 8 << 20  # a request body: a long conversation fits, a flood does not
+MAX_MESSAGES = 4096  # messages in one chat request
+
+
+def _connection_cap() -> int:
+    """Connections served at once: half the open-file limit, at most 4096."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(64, min(4096, (soft if soft > 0 else 1024) // 2))
+
 
 ENDED_KEPT = 4096  # forgotten trajectory ids remembered (their late requests: 409)
 
@@ -202,8 +213,12 @@ class OpenAIServer:
 
     def __init__(self, engine: Any, tokenizer: Any, *, api_key: str, model: str = "tsync",
                  history: str = "segment", temperature: float = 1.0,
-                 current_version: Callable[[], int] | None = None) -> None:
+                 current_version: Callable[[], int] | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES, max_messages: int = MAX_MESSAGES,
+                 max_connections: int = 0) -> None:
         self.engine, self.tok, self.api_key, self.model = engine, tokenizer, api_key, model
+        self.max_body_bytes, self.max_messages = max_body_bytes, max_messages
+        self.max_connections = max_connections or _connection_cap()
         self.history, self.temperature = history, temperature
         self.current_version = current_version or (lambda: int(getattr(engine, "version", 0)))
         self.sessions: dict[str, Session] = {}
@@ -308,8 +323,11 @@ class OpenAIServer:
         sock.bind((host, port))
         sock.set_inheritable(True)
         self.host, self.port = host, sock.getsockname()[1]
+        # Connections past the cap get 503 (below the descriptor limit, so tool calls and
+        # agent processes keep theirs); an idle keep-alive connection closes after 5 s.
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off",
-                                access_log=False)
+                                access_log=False, limit_concurrency=self.max_connections,
+                                timeout_keep_alive=5)
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # older uvicorn
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
@@ -328,6 +346,30 @@ class OpenAIServer:
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 self._task.cancel()
             self._server = None
+
+    async def _read_json(self, request: Request) -> Any:
+        """The body, at most max_body_bytes (413 past it, before the rest is read), parsed
+        off the event loop when large (a 10 MB body would hold every agent's requests)."""
+        limit = self.max_body_bytes
+        too_big = ApiError(413, f"request body larger than {limit} bytes",
+                           kind="invalid_request_error")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            return json.loads(raw) if size < (64 << 10) else await asyncio.to_thread(
+                json.loads, raw)
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply") from None
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
+            raise ApiError(400, "the request body is not JSON") from None
 
     def _make_app(self):
         app = FastAPI(title="tsync-mcore rollout (OpenAI-compatible)", docs_url=None,
@@ -350,12 +392,13 @@ class OpenAIServer:
                 traj_id = traj_id or request.headers.get("x-tsync-trajectory")
                 if request.method == "GET":
                     return JSONResponse(await fn(traj_id, None, **params))
-                try:
-                    body = await request.json()
-                except Exception:
-                    raise ApiError(400, "the request body is not JSON") from None
+                body = await self._read_json(request)
                 if not isinstance(body, dict):
                     raise ApiError(400, "the request body must be a JSON object")
+                msgs = body.get("messages")
+                if isinstance(msgs, list) and len(msgs) > self.max_messages:
+                    raise ApiError(400, f"{len(msgs)} messages, more than this endpoint takes "
+                                        f"({self.max_messages})", param="messages")
                 out = await fn(traj_id, body, **params)  # sampled before any byte of a stream
                 return out if isinstance(out, Response) else JSONResponse(out)
             except ApiError as e:
