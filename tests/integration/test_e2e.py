@@ -89,6 +89,8 @@ def test_clean_run_publishes_every_version_and_writes_metrics(golden):
     p0, p2 = golden["published"][0], golden["published"][2]
     assert any(not torch.equal(p0[k], p2[k]) for k in p0)
     assert os.path.exists(os.path.join(golden["run"], "checkpoints", "step_2", "meta.json"))
+    # only the run's user enters its directory (the sandboxed tools run as another one)
+    assert os.stat(golden["run"]).st_mode & 0o777 == 0o700
 
 
 def test_report_and_trace_predictor_render_from_the_run(golden, tmp_path):

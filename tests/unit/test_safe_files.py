@@ -152,3 +152,18 @@ def test_index_naming_a_file_outside_the_dir_is_refused(model_copy):
     json.dump(wm, open(index, "w"))
     with pytest.raises(ModelDirError, match=f"{index}: weight_map must map"):
         check_hf_dir(d)
+
+
+def test_private_dir_is_created_0700_and_an_open_one_of_ours_tightened(tmp_path):
+    import stat as st
+
+    from tsync_mcore.util.safe_files import private_dir
+
+    fresh = tmp_path / "a" / "run"
+    assert private_dir(str(fresh)) == str(fresh)
+    assert st.S_IMODE(os.stat(fresh).st_mode) == 0o700
+    opened = tmp_path / "open"
+    opened.mkdir()
+    os.chmod(opened, 0o755)
+    private_dir(str(opened))
+    assert st.S_IMODE(os.stat(opened).st_mode) == 0o700

@@ -20,6 +20,7 @@ quiet.install()  # first: known-harmless warnings off, here and in vLLM's spawne
 from tsync_mcore.publication import send as publish
 from tsync_mcore.cli.launch import (add_config_args, config_from_args, config_or_exit, free_port,
                                 resume_version, run_job)
+from tsync_mcore.util.safe_files import private_dir
 
 DEMO_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo.yaml")
 
@@ -39,7 +40,7 @@ def main() -> None:
     elif os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")):
         print(f"starting afresh in {cfg.run.dir}: the earlier run's metrics and traces are "
               f"replaced (--resume continues it)", flush=True)
-    os.makedirs(cfg.run.dir, exist_ok=True)
+    private_dir(cfg.run.dir)
     if not os.path.exists(os.path.join(cfg.model.hf_dir, "config.json")):
         from tsync_mcore.model.tiny import DEMO_MODEL, make_tiny_checkpoint
         print(f"creating a tiny Qwen2 checkpoint + tokenizer in {cfg.model.hf_dir}", flush=True)

@@ -8,7 +8,7 @@ import traceback
 
 from tsync_mcore.util import cpus
 from tsync_mcore.util.net import free_port  # noqa: F401  (launchers import it from here)
-from tsync_mcore.util.safe_files import BadFile
+from tsync_mcore.util.safe_files import BadFile, private_dir
 
 
 def config_or_exit(who: str, path: str | None, overrides: list[str]):
@@ -317,7 +317,7 @@ def run_job(config: str | None, overrides: list[str], cfg, *, who: str = "run",
     common = ["--config", config] if config else []
     if overrides:
         common += ["--set", *overrides]
-    log_dir = os.path.join(cfg.run.dir, "logs")
+    log_dir = os.path.join(private_dir(cfg.run.dir), "logs")
     os.makedirs(log_dir, exist_ok=True)
     metrics_path = os.path.join(cfg.run.dir, "metrics.jsonl")
     rows: list[dict] = []

@@ -36,8 +36,8 @@ from safetensors.torch import save_file
 from tsync_mcore.model import optimizer
 from tsync_mcore.platform import cpu
 from tsync_mcore.learner.policy import Policy
-from tsync_mcore.util.safe_files import (BadFile, read_json_object, read_safetensors, regular_file,
-                                    safetensors_header)
+from tsync_mcore.util.safe_files import (BadFile, private_dir, read_json_object,
+                                         read_safetensors, regular_file, safetensors_header)
 
 FORMAT = "tsync-checkpoint/1"
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")  # torch Adam's per-parameter state
@@ -547,7 +547,7 @@ def check_shared_run_dir(run_dir: str, par, device, where: str) -> None:
     token = os.urandom(16).hex().encode() if par.rank == 0 else b"0" * 32
     path = os.path.join(run_dir, ".learner_nodes")
     if par.rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
+        private_dir(run_dir)
         _write_private(path, token.decode())
     t = torch.frombuffer(bytearray(token), dtype=torch.uint8).to(device)
     dist.broadcast(t, src=0)

@@ -50,7 +50,7 @@ from tsync_mcore.observability.ledger.nvml import NvmlSampler
 from tsync_mcore.model.parallel import all_gather_json
 from tsync_mcore.observability.metrics import local_stats, off_policy_metrics, reduce_stats, throughput
 from tsync_mcore.learner.policy import Policy
-from tsync_mcore.util.safe_files import BadFile
+from tsync_mcore.util.safe_files import BadFile, private_dir
 from tsync_mcore.learner.schedule import ASYNC_SCHEDULES
 from tsync_mcore.channel.sources import BatchPlan, SourceError
 from tsync_mcore.observability.tracking import Tracker, TrackingError
@@ -104,7 +104,7 @@ class Trainer:
             except publish.PublishDirError as e:
                 raise LearnerStopped(str(e)) from None
         if self.par.rank == 0:
-            os.makedirs(cfg.run.dir, exist_ok=True)
+            private_dir(cfg.run.dir)
             with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
         self.tracker = None  # rank 0: metrics.jsonl and the run.loggers backends

@@ -9,6 +9,7 @@ import time
 
 from tsync_mcore.publication.receive import RolloutStopped
 from tsync_mcore.rollout.batch import STOPS, _Batch
+from tsync_mcore.util.safe_files import private_dir
 
 
 class Evaluation:
@@ -43,6 +44,6 @@ class Evaluation:
         metrics["eval/policy_version"] = version
         self.pending_metrics = metrics
         print(f"[rollout] eval θ_{version}: " + json.dumps(metrics), flush=True)
-        os.makedirs(self.cfg.run.dir, exist_ok=True)
+        private_dir(self.cfg.run.dir)
         with open(os.path.join(self.cfg.run.dir, "eval.jsonl"), "a") as f:
             f.write(json.dumps(metrics) + "\n")

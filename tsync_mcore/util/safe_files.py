@@ -35,6 +35,17 @@ def regular_file(path: str, follow_symlinks: bool = False) -> os.stat_result:
     return st
 
 
+def private_dir(path: str) -> str:
+    """`path` as a directory only its owner can enter (0700): created so, or tightened when
+    this user owns it. The run directory holds the channel secret's neighbours, logs,
+    records and weights; the sandboxed tools run as another user and must not read them."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+    return path
+
+
 def read_json(path: str, *, follow_symlinks: bool = True, max_bytes: int = MAX_JSON_BYTES) -> Any:
     """Parsed JSON of a small file; a broken, huge or unreadable one is a `BadFile`."""
     if not follow_symlinks:
