@@ -920,3 +920,26 @@ def test_bodies_past_the_bounds_are_one_line_4xx_and_the_server_goes_on(et, tok)
         assert r.choices[0].message.role == "assistant"
     finally:
         et.run(server.stop())
+
+
+def test_an_agent_process_sees_a_minimal_environment(et, tmp_path, monkeypatch):
+    """No tracker or cloud key of the rollout reaches an agent: PATH and friends, the
+    variables rollout.agent_env names, and its own endpoint, key and task."""
+    import sys
+
+    from tsync_mcore.rollout.openai.pool import agent_env
+    from tsync_mcore.rollout.openai.processes import run_agent
+
+    monkeypatch.setenv("WANDB_API_KEY", "secret-wandb")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret-aws")
+    monkeypatch.setenv("HF_HOME", "/data/hf")
+    out = tmp_path / "env.json"
+    dump = f"import json, os; json.dump(dict(os.environ), open({str(out)!r}, 'w'))"
+    cmd = f"{sys.executable} -c \"{dump}\""
+    env = agent_env(["HF_HOME"], OPENAI_API_KEY="k", TSYNC_TASK="{}")
+    status, code = et.run(run_agent(cmd, env, 30, str(tmp_path / "agent.log")))
+    assert code == 0, (tmp_path / "agent.log").read_text()
+    seen = json.loads(out.read_text())
+    assert "WANDB_API_KEY" not in seen and "AWS_SECRET_ACCESS_KEY" not in seen
+    assert seen["HF_HOME"] == "/data/hf" and seen["OPENAI_API_KEY"] == "k"
+    assert seen["PATH"] == os.environ["PATH"]

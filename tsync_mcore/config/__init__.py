@@ -470,6 +470,10 @@ class RolloutConfig:
     # agent rewrote history): "segment" (start a new segment; only the last one is trained)
     # or "reject" (HTTP 400); both counted (rollout/openai_rewrites)
     openai_history: Literal["segment", "reject"] = "segment"
+    # agent processes see only PATH, HOME, locale, TMPDIR, PYTHONPATH, VIRTUAL_ENV and TLS
+    # variables of the rollout's environment (rollout/openai/pool.py AGENT_ENV), plus
+    # the variables named here (e.g. [HF_HOME]); never the tracker or cloud keys by default
+    agent_env: list[str] = field(default_factory=list)
     openai_max_body_mb: float = 8.0  # the endpoint's largest request body (HTTP 413 past it)
     openai_max_messages: int = 4096  # messages in one chat request (HTTP 400 past it)
 

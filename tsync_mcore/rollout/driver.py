@@ -223,14 +223,15 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
         if rc.agent_pool and self.pool is None:  # started with the first batch, kept
             self.pool = AgentPool(self.oai, command=command, size=rc.agent_pool,
                                   run_dir=self.cfg.run.dir, timeout_s=rc.agent_timeout_s,
-                                  counters=self.agent_counters)
+                                  counters=self.agent_counters, pass_env=rc.agent_env)
         return run_agents(self.oai, traj_ids=batch.traj_ids, group_of=batch.group_of,
                           tasks=tasks, seeds=batch.seeds, version=self.loaded, limits=limits,
                           command=command, pool=self.pool, timeout_s=rc.agent_timeout_s,
                           failed_reward=rc.agent_failed_reward,
                           concurrency=rc.agent_concurrency, task_reward=task_reward,
                           run_dir=self.cfg.run.dir, counters=self.agent_counters, tools=tools,
-                          max_calls_per_turn=self.cfg.tools.max_calls_per_turn)
+                          max_calls_per_turn=self.cfg.tools.max_calls_per_turn,
+                          pass_env=rc.agent_env)
 
     # --- the loop -------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ import os
 import signal
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,22 @@ MAX_WAIT_S = 30.0  # the longest long-poll of /v1/pool/next
 FAST_EXIT_S = 5.0  # a worker ending this soon after its start, without work: a failed start
 CRASH_LOOP = 3  # failed starts in a row after which a slot is not restarted
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this
+
+
+# What an agent process inherits of the rollout's environment: enough to find and run a
+# program and speak TLS. Nothing else (tracker keys, cloud credentials, the run's settings);
+# rollout.agent_env names more to pass on.
+AGENT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR",
+             "TERM", "PYTHONPATH", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED",
+             "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE")
+
+
+def agent_env(extra: Sequence[str] = (), **values: str) -> dict[str, str]:
+    """The environment of an agent process: AGENT_ENV and `extra` as the rollout has them,
+    then `values` (its endpoint, key and task)."""
+    env = {k: os.environ[k] for k in (*AGENT_ENV, *extra) if k in os.environ}
+    env.update(values)
+    return env
 
 
 class AgentPoolDead(RuntimeError):
@@ -76,8 +93,9 @@ class AgentPool:
     timeout passes. Start with `start()` (idempotent), end with `stop()`."""
 
     def __init__(self, server: Any, *, command: str, size: int, run_dir: str,
-                 timeout_s: float, counters: Any = None) -> None:
+                 timeout_s: float, counters: Any = None, pass_env: Sequence[str] = ()) -> None:
         self.server, self.command, self.timeout_s = server, command, timeout_s
+        self.pass_env = tuple(pass_env)
         self.counters = counters
         self.dir = os.path.join(run_dir, "agent", "pool")
         self.slots = [_Slot(k, os.path.join(self.dir, f"worker{k}.log")) for k in range(size)]
@@ -254,10 +272,8 @@ class AgentPool:
     async def _spawn(self, slot: _Slot) -> None:
         slot.life += 1
         slot.polled = slot.got_work = False
-        env = {**os.environ, "TSYNC_POOL_URL": self.url, "OPENAI_API_KEY": self.server.api_key,
-               "TSYNC_WORKER_ID": slot.worker_id}
-        for k in ("OPENAI_BASE_URL", "TSYNC_TASK", "TSYNC_TRAJECTORY_ID", "TSYNC_TOOLS_URL"):
-            env.pop(k, None)
+        env = agent_env(self.pass_env, TSYNC_POOL_URL=self.url,
+                        OPENAI_API_KEY=self.server.api_key, TSYNC_WORKER_ID=slot.worker_id)
         with open(slot.log, "ab") as log:
             log.write(f"[pool] worker {slot.worker_id} starts: {self.command}\n".encode())
             log.flush()

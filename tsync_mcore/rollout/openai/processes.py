@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from tsync_mcore.rollout.loop import TrajectoryResult, as_finished
-from tsync_mcore.rollout.openai.pool import AgentPool
+from tsync_mcore.rollout.openai.pool import AgentPool, agent_env
 from tsync_mcore.rollout.openai.server import OpenAIServer
 
 DEFAULT_COMMAND = f"{shlex.quote(sys.executable)} -m tsync_mcore.rollout.openai.agents.digits"
@@ -113,12 +113,14 @@ async def run_agents(
     tools: Sequence[Any] | None = None,
     max_calls_per_turn: int = 4,
     pool: AgentPool | None = None,
+    pass_env: Sequence[str] = (),
 ) -> AsyncIterator[tuple[int, TrajectoryResult]]:
     """Run every trajectory by an agent; yield (index, result) as each one ends. Without
     `pool` one process of `command` per trajectory, with it a handout to the pool's
     long-lived workers (`command` is then the pool's). `task_reward(i, actions)` is
     trajectory i's reward from its sampled actions when the agent posted none. `tools[i]`:
-    trajectory i's ToolBox (or None), served to its agent."""
+    trajectory i's ToolBox (or None), served to its agent. An agent process sees only
+    `agent_env(pass_env)` of the rollout's environment."""
     sem = asyncio.Semaphore(concurrency or len(traj_ids) or 1)
     agent_dir = os.path.join(run_dir, "agent")
     os.makedirs(agent_dir, exist_ok=True)
@@ -133,9 +135,9 @@ async def run_agents(
     async def process(i: int, task: dict[str, Any]) -> tuple[str, int | None, str]:
         """Trajectory i by its own process, the task in its environment."""
         tid = traj_ids[i]
-        env = {**os.environ, "OPENAI_BASE_URL": server.base_url(tid),
-               "OPENAI_API_KEY": server.api_key, "TSYNC_TRAJECTORY_ID": tid,
-               "TSYNC_GROUP_ID": group_of[i], "TSYNC_TASK": json.dumps(task)}
+        env = agent_env(pass_env, OPENAI_BASE_URL=server.base_url(tid),
+                        OPENAI_API_KEY=server.api_key, TSYNC_TRAJECTORY_ID=tid,
+                        TSYNC_GROUP_ID=group_of[i], TSYNC_TASK=json.dumps(task))
         if "tools" in task:
             env["TSYNC_TOOLS_URL"] = server.base_url(tid) + "/tools"
         log = os.path.join(agent_dir, "logs", f"{tid}.log")
