@@ -943,3 +943,44 @@ def test_an_agent_process_sees_a_minimal_environment(et, tmp_path, monkeypatch):
     assert "WANDB_API_KEY" not in seen and "AWS_SECRET_ACCESS_KEY" not in seen
     assert seen["HF_HOME"] == "/data/hf" and seen["OPENAI_API_KEY"] == "k"
     assert seen["PATH"] == os.environ["PATH"]
+
+
+def test_each_trajectory_and_worker_key_serves_its_own_only(et, tok):
+    """A trajectory's key samples, rewards and ends that trajectory only (by path or by
+    header), and stops working once it is forgotten; a pool worker's key serves
+    /v1/pool/next for that worker only; neither is the run's key."""
+    engine = Scripted(script_for(tok))
+    server = serve(et, engine, tok)
+    try:
+        server.register("a", version=3, seed=1, **LIMITS)
+        server.register("b", version=3, seed=2, **LIMITS)
+        ka, kb = server.trajectory_key("a"), server.trajectory_key("b")
+        assert len({ka, kb, KEY}) == 3
+        msgs = [{"role": "user", "content": "hi"}]
+        mine = openai.OpenAI(base_url=server.base_url("a"), api_key=ka, max_retries=0)
+        assert mine.chat.completions.create(model="m", messages=msgs).choices
+        other = openai.OpenAI(base_url=server.base_url("b"), api_key=ka, max_retries=0)
+        with pytest.raises(openai.AuthenticationError, match="its own trajectory only"):
+            other.chat.completions.create(model="m", messages=msgs)
+        base = f"http://127.0.0.1:{server.port}"
+        for url, body, hdr in [(f"{base}/t/b/v1/reward", {"reward": 1e6}, {}),
+                               (f"{base}/t/b/v1/done", {"error": "x"}, {}),
+                               (f"{base}/v1/chat/completions", {"messages": msgs},
+                                {"X-Tsync-Trajectory": "b"}),
+                               (f"{base}/v1/pool/next", {"worker": "w0"}, {})]:
+            r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {ka}", **hdr})
+            assert r.status_code == 401, (url, r.text)
+        assert server.sessions["b"].reward is None and "b" not in server.done
+        wk = server.new_worker_key("w0")
+        r = httpx.post(f"{base}/v1/pool/next", json={"worker": "w1"},
+                       headers={"Authorization": f"Bearer {wk}"})
+        assert r.status_code == 403 and "belongs to worker 'w0'" in r.text
+        r = httpx.post(f"{base}/t/a/v1/reward", json={"reward": 1},
+                       headers={"Authorization": f"Bearer {wk}"})
+        assert r.status_code == 401
+        server.forget("a")
+        r = httpx.post(f"{base}/t/a/v1/reward", json={"reward": 1},
+                       headers={"Authorization": f"Bearer {ka}"})
+        assert r.status_code == 401
+    finally:
+        et.run(server.stop())

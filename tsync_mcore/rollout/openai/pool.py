@@ -4,7 +4,8 @@ trajectories from the endpoint (docs/guide/agents.md, "Agent pools"):
 
     worker env   TSYNC_POOL_URL=http://HOST:PORT/v1/pool, OPENAI_API_KEY, TSYNC_WORKER_ID
     POST /v1/pool/next {"worker": id, "wait_s": <= 30}
-        200 {"trajectory", "base_url", "task" (+ "tools_url")}: a trajectory to run
+        200 {"trajectory", "base_url", "api_key", "task" (+ "tools_url")}: a trajectory
+            to run, with its own key (the worker's key serves /v1/pool/next only)
         204 nothing came within wait_s (poll again);  410 the rollout is stopping (exit)
     POST /t/<id>/v1/done  {} | {"reward": x} | {"error": "why"}: the trajectory ends
 
@@ -273,7 +274,8 @@ class AgentPool:
         slot.life += 1
         slot.polled = slot.got_work = False
         env = agent_env(self.pass_env, TSYNC_POOL_URL=self.url,
-                        OPENAI_API_KEY=self.server.api_key, TSYNC_WORKER_ID=slot.worker_id)
+                        OPENAI_API_KEY=self.server.new_worker_key(slot.worker_id),
+                        TSYNC_WORKER_ID=slot.worker_id)
         with open(slot.log, "ab") as log:
             log.write(f"[pool] worker {slot.worker_id} starts: {self.command}\n".encode())
             log.flush()

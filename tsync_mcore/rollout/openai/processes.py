@@ -136,7 +136,7 @@ async def run_agents(
         """Trajectory i by its own process, the task in its environment."""
         tid = traj_ids[i]
         env = agent_env(pass_env, OPENAI_BASE_URL=server.base_url(tid),
-                        OPENAI_API_KEY=server.api_key, TSYNC_TRAJECTORY_ID=tid,
+                        OPENAI_API_KEY=server.trajectory_key(tid), TSYNC_TRAJECTORY_ID=tid,
                         TSYNC_GROUP_ID=group_of[i], TSYNC_TASK=json.dumps(task))
         if "tools" in task:
             env["TSYNC_TOOLS_URL"] = server.base_url(tid) + "/tools"
@@ -147,7 +147,8 @@ async def run_agents(
     async def handout(i: int, task: dict[str, Any]) -> tuple[str, int | None, str]:
         """Trajectory i handed to a pool worker (the same content, as JSON)."""
         tid = traj_ids[i]
-        h = {"trajectory": tid, "base_url": server.base_url(tid), "task": task}
+        h = {"trajectory": tid, "base_url": server.base_url(tid),
+             "api_key": server.trajectory_key(tid), "task": task}
         if "tools" in task:
             h["tools_url"] = server.base_url(tid) + "/tools"
         return await pool.run(tid, h, timeout_s)

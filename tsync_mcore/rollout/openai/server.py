@@ -53,6 +53,7 @@ import asyncio
 import hmac
 import json
 import math
+import secrets
 import socket
 import time
 from collections import OrderedDict
@@ -222,6 +223,11 @@ class OpenAIServer:
         self.history, self.temperature = history, temperature
         self.current_version = current_version or (lambda: int(getattr(engine, "version", 0)))
         self.sessions: dict[str, Session] = {}
+        # Agents never get api_key (the rollout's own): each trajectory's agent gets a key
+        # of its own, valid for its routes while it is registered, and each pool worker one
+        # for /v1/pool/next (and the trajectories' keys in its handouts).
+        self.traj_keys: dict[str, str] = {}
+        self.worker_keys: dict[str, str] = {}  # worker id -> its current life's key
         self._locks: dict[str, asyncio.Lock] = {}
         self.routes: dict[str, str] = {}
         self.tools: dict[str, _Tools] = {}
@@ -246,6 +252,7 @@ class OpenAIServer:
         s = Session(self.tok, traj_id, version=version, seed=seed, history=self.history,
                     **limits)
         self.sessions[traj_id] = s
+        self.traj_keys[traj_id] = secrets.token_urlsafe(24)
         self._locks[traj_id] = asyncio.Lock()
         if route is not None:
             self.routes[traj_id] = route
@@ -272,12 +279,38 @@ class OpenAIServer:
             while len(self.ended) > ENDED_KEPT:
                 self.ended.popitem(last=False)
         self._locks.pop(traj_id, None)
+        self.traj_keys.pop(traj_id, None)
         self.routes.pop(traj_id, None)
         self.tools.pop(traj_id, None)
         self.done.pop(traj_id, None)
 
     def base_url(self, traj_id: str) -> str:
         return f"http://{self.host}:{self.port}/t/{traj_id}/v1"
+
+    def trajectory_key(self, traj_id: str) -> str:
+        """The key its agent authenticates with: valid for this trajectory only."""
+        return self.traj_keys[traj_id]
+
+    def new_worker_key(self, worker_id: str) -> str:
+        """A fresh key for a pool worker's new life (the previous life's stops working)."""
+        self.worker_keys[worker_id] = secrets.token_urlsafe(24)
+        return self.worker_keys[worker_id]
+
+    def _caller(self, token: str, traj_id: str | None) -> str:
+        """Who holds `token`: "run" (the rollout's own key), "trajectory" (the key of
+        `traj_id`), "worker:<id>"; else 401."""
+        def same(key: str | None) -> bool:
+            return key is not None and hmac.compare_digest(token.encode(), key.encode())
+        if same(self.api_key):
+            return "run"
+        if traj_id is not None and same(self.traj_keys.get(traj_id)):
+            return "trajectory"
+        for worker, key in self.worker_keys.items():
+            if same(key):
+                return f"worker:{worker}"
+        raise ApiError(401, "invalid API key (this trajectory's OPENAI_API_KEY, as "
+                            "'Authorization: Bearer <key>'; a key serves its own trajectory "
+                            "only)", kind="authentication_error")
 
     def take_metrics(self) -> dict[str, float]:
         out = {f"rollout/openai_{k}": float(v) for k, v in self.counts.items()}
@@ -385,11 +418,14 @@ class OpenAIServer:
             traj_id = params.pop("traj_id", None)
             try:
                 auth = request.headers.get("authorization", "")
-                if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
-                    raise ApiError(401, "invalid API key (the run's OPENAI_API_KEY, as "
-                                        "'Authorization: Bearer <key>')",
-                                   kind="authentication_error")
+                token = auth[7:] if auth.startswith("Bearer ") else ""
                 traj_id = traj_id or request.headers.get("x-tsync-trajectory")
+                caller = self._caller(token, traj_id)
+                pool = fn == self._pool_next
+                if caller.startswith("worker:") != pool and caller != "run":
+                    raise ApiError(401, "invalid API key for this route (a trajectory's key "
+                                        "serves its trajectory, a pool worker's key "
+                                        "/v1/pool/next)", kind="authentication_error")
                 if request.method == "GET":
                     return JSONResponse(await fn(traj_id, None, **params))
                 body = await self._read_json(request)
@@ -399,6 +435,9 @@ class OpenAIServer:
                 if isinstance(msgs, list) and len(msgs) > self.max_messages:
                     raise ApiError(400, f"{len(msgs)} messages, more than this endpoint takes "
                                         f"({self.max_messages})", param="messages")
+                if pool and caller != "run" and body.get("worker") != caller[7:]:
+                    raise ApiError(403, f"this key belongs to worker {caller[7:]!r}, not "
+                                        f"{body.get('worker')!r}", kind="permission_error")
                 out = await fn(traj_id, body, **params)  # sampled before any byte of a stream
                 return out if isinstance(out, Response) else JSONResponse(out)
             except ApiError as e:

@@ -193,7 +193,7 @@ class Session:
 
     def _ids(self, text: str) -> list[int]:
         try:
-            text.encode("utf-8")  # JSON may carry a lone surrogate ("\\ud800"); no tokenizer takes it
+            text.encode("utf-8")  # JSON may carry a lone surrogate; no tokenizer takes it
         except UnicodeEncodeError as e:
             raise SessionError(f"the messages are not valid Unicode (a lone surrogate "
                                f"{text[e.start]!r} in the rendered prompt)") from None

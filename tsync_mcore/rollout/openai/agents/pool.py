@@ -7,9 +7,10 @@ of docs/guide/agents.md ("Agent pools").
 
 Loop: POST $TSYNC_POOL_URL/next {"worker": $TSYNC_WORKER_ID, "wait_s": 30} — 204: poll
 again; 410: the rollout is stopping, return; 200: a handout {"trajectory", "base_url",
-"task" (+ "tools_url")} — then run(openai.OpenAI(base_url=handout["base_url"]), task) and
-POST <base_url>/done: {} when it returned, {"error": "<exception>"} when it raised (the
-trajectory is failed). One trajectory at a time; an async worker may hold several.
+"api_key", "task" (+ "tools_url")} — then run(openai.OpenAI(base_url=handout["base_url"],
+api_key=handout["api_key"]), task) and POST <base_url>/done (with that key): {} when it
+returned, {"error": "<exception>"} when it raised (the trajectory is failed). One
+trajectory at a time; an async worker may hold several.
 """
 
 from __future__ import annotations
@@ -41,13 +42,14 @@ def serve(run_fn: Callable[[openai.OpenAI, dict[str, Any]], Any]) -> int:
         r.raise_for_status()  # 401/404: not a worker of this rollout; exit non-zero
         h = r.json()
         body: dict[str, Any] = {}
-        with openai.OpenAI(base_url=h["base_url"], api_key=key) as client:
+        with openai.OpenAI(base_url=h["base_url"], api_key=h["api_key"]) as client:
             try:
                 run_fn(client, h["task"])
             except Exception as e:
                 traceback.print_exc(file=sys.stderr)
                 body = {"error": f"{type(e).__name__}: {e}"[:2000]}
-        http.post(f"{h['base_url']}/done", json=body)  # 409: it had timed out already
+        httpx.post(f"{h['base_url']}/done", json=body, timeout=30,  # 409: timed out already
+                   headers={"Authorization": f"Bearer {h['api_key']}"})
 
 
 def main(run_fn: Callable[[openai.OpenAI, dict[str, Any]], Any]) -> int:
