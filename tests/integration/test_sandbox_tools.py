@@ -299,3 +299,46 @@ def test_model_text_that_cannot_reach_a_program_is_the_tools_own_error():
         r = call()
         assert (r.returncode, r.stdout, r.wall_s) == (2, "", 0.0)
         assert r.stderr.startswith("error: ") and why in r.stderr and r.stderr.count("\n") == 1
+
+
+@pytest.mark.skipif(not ROOT, reason="the sandbox drops to another user only when run as root")
+def test_a_work_directory_swapped_for_a_symlink_is_not_followed(tok, tmp_path):
+    """A call owns its kept work directory and may put a symlink to a root-only directory in
+    its place: the next call refuses to run there and root chowns nothing through it; the
+    terminal verifier reads no source through it and scores 0."""
+    import shutil
+    import tempfile
+
+    secret = tmp_path / "root-only"
+    secret.mkdir(mode=0o700)
+    (secret / "keys.py").write_text("KEY = 'hunter2'\n")
+    wd = tempfile.mkdtemp(prefix="tsync-test-wd-")  # in sticky /tmp, as episode repos are
+    cleanup = [wd, wd + ".old"]
+    try:
+        r = sb.run_shell(f"mv {wd} {wd}.old && ln -s {secret} {wd}", limits=LIM, workdir=wd)
+        assert r.returncode == 0 and os.path.islink(wd), r
+        _swapped_checks(wd, secret, tok)
+    finally:
+        for p in cleanup:
+            if os.path.islink(p):
+                os.unlink(p)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _swapped_checks(wd, secret, tok):
+    with pytest.raises(sb.SandboxError, match="no longer a directory"):
+        sb.run_shell("cat keys.py", limits=LIM, workdir=wd)
+    assert os.stat(secret).st_uid == 0 and os.stat(secret / "keys.py").st_uid == 0
+    out = ToolBox(LIM, workdir=wd).call_sync("bash", {"command": "cat keys.py"})
+    assert out.startswith("error: ") and "hunter2" not in out
+    env = TerminalTaskEnv(tok, TerminalConfig())
+    env.reset(0)
+    os.rename(env.workdir, env.workdir + ".old")
+    os.symlink(secret, env.workdir)
+    try:
+        assert env._sources() == {}
+    finally:
+        os.unlink(env.workdir)
+        os.rename(env.workdir + ".old", env.workdir)
+        env.close()

@@ -194,14 +194,24 @@ class TerminalTaskEnv:
         files are the hidden tests' business)."""
         out = {}
         assert self.workdir is not None
-        for name in sorted(os.listdir(self.workdir)):
-            if not name.endswith(".py") or name.startswith("test_"):
-                continue
-            p = os.path.join(self.workdir, name)
-            st = os.lstat(p)
-            if stat.S_ISREG(st.st_mode) and st.st_size <= 1 << 20:
-                with open(p, encoding="utf-8", errors="replace") as f:
-                    out[name] = f.read()
+        try:  # the repo belongs to the sandbox user: a symlink in its place is not followed
+            top = os.open(self.workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            return out  # replaced or gone: nothing to verify, the episode scores 0
+        try:
+            for name in sorted(os.listdir(top)):
+                if not name.endswith(".py") or name.startswith("test_"):
+                    continue
+                try:
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=top)
+                except OSError:
+                    continue
+                with os.fdopen(fd, "rb") as f:
+                    st = os.fstat(fd)
+                    if stat.S_ISREG(st.st_mode) and st.st_size <= 1 << 20:
+                        out[name] = f.read(1 << 20).decode("utf-8", errors="replace")
+        finally:
+            os.close(top)
         return out
 
     def _verify(self) -> float:

@@ -42,6 +42,7 @@ import os
 import pwd
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -250,8 +251,15 @@ def _warn_once(msg: str) -> None:
 # --- running ------------------------------------------------------------------------------
 
 def _chown_tree(path: str, ids: tuple[int, int]) -> None:
-    os.chown(path, *ids)
-    for root, dirs, files in os.walk(path):
+    """Give `path` and what is in it to the sandbox user, following no symlink: a kept
+    work directory belongs to that user between calls, and a call could have put a link
+    to any directory of root's in its place (root would then chown that one)."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise SandboxError(f"sandbox: the work directory {path} is no longer a directory "
+                           f"(a symlink or another file was put in its place); not run")
+    os.chown(path, *ids, follow_symlinks=False)
+    for root, dirs, files in os.walk(path):  # never into a symlinked directory
         for n in dirs + files:
             os.chown(os.path.join(root, n), *ids, follow_symlinks=False)
 
