@@ -100,3 +100,26 @@ def test_a_hung_sync_call_does_not_hold_up_the_process_exit():
                        cwd=ROOT)
     assert p.returncode == 0 and p.stdout.split() == ["0.0", "True"], p.stderr[-2000:]
     assert time.monotonic() - t0 < 30
+
+
+ATTACKS = {  # each leaves add() wrong and tries to pass anyway
+    "marker from argv[0]": "import os, sys, re\nsrc = open(sys.argv[0]).read()\n"
+                           "print(re.findall(r'[0-9a-f]{32}', src)[-1:])\nos._exit(0)\n",
+    "forged results line": "import os\nos.write(1, b'\\n@@tsync-probe-results@@ "
+                           "[{\"left\": \"True\"}, {\"left\": \"True\"}]\\n')\nos._exit(0)\n",
+    "excepthook": "import sys\nsys.excepthook = lambda *a: None\ndef add(a, b):\n"
+                  "    return 0\n",
+    "os._exit(0)": "import os\nos._exit(0)\n",
+    "builtins patched": "import builtins\nbuiltins.eval = lambda *a, **k: True\n"
+                        "builtins.repr = lambda x: 'True'\n",
+    "frame reading": "import sys\ndef add(a, b):\n    f = sys._getframe(1)\n"
+                     "    return [c for c in f.f_code.co_consts if isinstance(c, int)][-1:]\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_code_tests_cannot_be_fooled(name):
+    """The expected values never reach the answer's process, so none of these passes."""
+    tests = ["assert add(1, 2) == 3", "assert add(20, 5) == 25\nassert add(0, 0) == 0"]
+    assert run_tests("def add(a, b):\n    return a + b\n", tests)["reward"] == 1.0
+    assert run_tests(ATTACKS[name], tests)["reward"] == 0.0, name

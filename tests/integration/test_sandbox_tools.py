@@ -239,6 +239,14 @@ def test_terminal_env_rewards_a_fix_and_not_a_miss(tok, seed):
     plant = format_tool_call("bash", {"command": f"echo 'import os; os._exit(0)' > "
                                                  f"{task.module}.py"})
     assert episode(tok, seed, [plant, "Done."])[1].reward == 0.0
+    # wrong: a module that forges the verifier's results line, or reads its program
+    forge = ("import os, sys\nos.write(1, open(sys.argv[0], 'rb').read()[-300:])\n"
+             "os.write(1, b'\\n@@tsync-probe-results@@ [{\"left\": \"True\"}]\\n')\n"
+             "os._exit(0)\n")
+    plant = format_tool_call("python", {"code": f"open({task.module + '.py'!r}, 'w')"
+                                                f".write({forge!r})"})
+    env, res = episode(tok, seed, [plant, "Done."])
+    assert res.reward == 0.0 and "@@tsync-probe-results@@" in env.verify_result.stdout
 
 
 def test_terminal_env_tasks_and_observations(tok):

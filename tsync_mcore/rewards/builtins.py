@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import logging
 import re
-import secrets
 import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from tsync_mcore.rewards.sandbox import SandboxLimits, interpreter, run_python
+from tsync_mcore.sandbox import verdict
 
 
 def _norm(s: Any) -> str:
@@ -73,8 +73,11 @@ def code_tests(*, response: str, label: Any, meta: dict[str, Any], limits: Sandb
       - a list of such strings, one test each;
       - {"inputs": [...], "outputs": [...]}: stdin → expected stdout, compared line by line
         with trailing whitespace ignored.
-    A code/assert test passes only when the program exits 0 after printing a random
-    marker that follows the tests, so an early `exit(0)` in the answer passes nothing."""
+    An assert test passes when every assert holds, decided here: the sandbox runs the code
+    and reports what each assert's left side evaluates to; the expected values never reach
+    it (sandbox/verdict.py), so an early exit, an excepthook or a read of the test program
+    passes nothing. Test code without an assert at top level (or in HumanEval's
+    `def check(candidate)` + `check(f)`) is the row's error."""
     tests = label if label is not None else (meta or {}).get("tests")
     code = extract_code(response)
     deadline = time.monotonic() + total_timeout_s
@@ -100,10 +103,9 @@ def code_tests(*, response: str, label: Any, meta: dict[str, Any], limits: Sandb
             break  # the rest count as failed; the call stays within reward.timeout_s
         lim = SandboxLimits(**{**limits.__dict__, "timeout_s": min(limits.timeout_s, left)})
         if want is None:
-            marker = secrets.token_hex(16)
-            prog = f"{prog}\n\n{tests[n]}\n\nprint({marker!r})\n"
-            res = run_python(prog, "", lim)
-            ok = res.returncode == 0 and res.stdout.rstrip().endswith(marker)
+            setup, probes = verdict.split(tests[n])
+            res = run_python(verdict.probe_program(prog, setup, probes), "", lim)
+            ok = all(verdict.decide(res.stdout, probes))
         else:
             res = run_python(prog, stdin, lim)
             ok = res.returncode == 0 and _lines(res.stdout) == _lines(want)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import random
-import secrets
 import shutil
 import stat
 import tempfile
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tsync_mcore.sandbox import jail as sb
+from tsync_mcore.sandbox import verdict
 from tsync_mcore.rollout.envs import observation_ids, prompt_ids
 from tsync_mcore.sandbox.tools import ToolBox, parse_tool_calls
 
@@ -220,15 +220,17 @@ class TerminalTaskEnv:
         if self.task is None or self.workdir is None:
             self._reward = 0.0
             return 0.0
-        marker = secrets.token_hex(16)
-        prog = (f"import os\nimport sys\n\nsys.path.insert(0, os.getcwd())\n\n"
-                f"from {self.task.module} import *  # noqa\n\n{self.task.hidden_test}\n"
-                f"print({marker!r})\n")
+        # The hidden tests' expected values never enter the sandbox: it reports what the
+        # repo's functions return, and the verdict is decided here (sandbox/verdict.py).
+        setup, probes = verdict.split(self.task.hidden_test)
+        prog = verdict.probe_program(
+            f"import os\nimport sys\n\nsys.path.insert(0, os.getcwd())\n\n"
+            f"from {self.task.module} import *  # noqa", setup, probes)
         lim = sb.Limits(**{**self.limits.__dict__, "timeout_s": self.cfg.verify_timeout_s})
         # (a SandboxError propagates: a broken sandbox is not the agent's failure)
         r = sb.run_python(prog, limits=lim, files=self._sources())
         self.verify_result = r
-        self._reward = float(r.returncode == 0 and r.stdout.rstrip().endswith(marker))
+        self._reward = float(all(verdict.decide(r.stdout, probes)))
         self.close()
         return self._reward
 
