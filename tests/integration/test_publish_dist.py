@@ -49,22 +49,47 @@ def rig(ckpts):
     et.close()
 
 
-def open_group(et, engines, timeout_s=30.0):
-    """A store here, learner rank 0 in a thread, the engines' workers as ranks 1, 2."""
+def open_group(et, engines, timeout_s=30.0, key=None, rank0_key=None):
+    """A store here, learner rank 0 in a thread, the engines' workers as ranks 1, 2;
+    `key`: the engines' group key, `rank0_key` rank 0's (default: the same)."""
     store = pd.host_store("127.0.0.1", 0, timeout_s)
     token, world, out = secrets.token_hex(8), 1 + len(engines), {}
-    th = threading.Thread(target=lambda: out.update(pg=pd.join_group(
-        "127.0.0.1", store.port, 0, world, token=token, timeout_s=timeout_s)))
+
+    def rank0():
+        try:
+            out["pg"] = pd.join_group("127.0.0.1", store.port, 0, world, token=token,
+                                      timeout_s=timeout_s, key=rank0_key or key)
+        except pd.PublishError as e:
+            out["error"] = e
+    th = threading.Thread(target=rank0)
     th.start()
 
     async def join():
         return await asyncio.gather(*[e.join_publish_group(
-            "127.0.0.1", store.port, 1 + i, world, token=token, timeout_s=timeout_s)
-            for i, e in enumerate(engines)])
+            "127.0.0.1", store.port, 1 + i, world, token=token, timeout_s=timeout_s,
+            key=key.hex() if key else "") for i, e in enumerate(engines)])
 
-    assert et.run(join()) == [[1], [2]]
-    th.join()
+    try:
+        assert et.run(join()) == [[1], [2]]
+    finally:
+        th.join()
+    if "error" in out:
+        raise out["error"]
     return out["pg"], store
+
+
+def test_a_member_without_the_runs_secret_is_refused_before_any_weight(rig, ckpts):
+    """The store is open to any local process and lists the group's token: one that joins
+    as rank 0 first, without the run's secret, fails the handshake on every engine worker
+    (named, one line) and no tensor is loaded; members holding the key form the group."""
+    et, engines = rig
+    before = digests(et, engines)
+    key = pd.group_key(b"s" * 32, "t")
+    with pytest.raises(Exception, match=r"rank\(s\) \[0\] did not prove the run's secret"):
+        open_group(et, engines, timeout_s=20, key=key, rank0_key=pd.group_key(b"x" * 32, "t"))
+    assert digests(et, engines) == before
+    pg, _store = open_group(et, engines, timeout_s=20, key=key)
+    assert pg is not None
 
 
 def receive_all(et, engines, msg):

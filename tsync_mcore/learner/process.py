@@ -126,7 +126,8 @@ class Trainer:
                                       join_timeout_s=ch.join_timeout_s)
         self.publisher = publish.Publisher(cfg.publish, ch, self.policy,
                                            self.link if self.par.rank == 0 else None,
-                                           self.publish_dir, rollout_dtype=cfg.rollout.dtype)
+                                           self.publish_dir, rollout_dtype=cfg.rollout.dtype,
+                                           secret=channel_secret(cfg))
         # Manual GC (as Megatron's --manual-gc): Python's automatic full passes walk every
         # object of the model and its imports and hold the GIL meanwhile, 200-380 ms here,
         # mid-stream: the serving thread and the channel reader both stop. Set-up's objects

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import hmac
+import os
 import json
 import math
 import zlib
@@ -193,11 +195,20 @@ def host_store(addr: str, port: int, timeout_s: float):
         raise PublishError(f"publication store at {addr}:{port}: {e}") from None
 
 
+def group_key(secret: bytes, token: str) -> bytes:
+    """The key the members of publication group `token` prove they hold: derived from the
+    run's channel secret, which only the learners and the rollout read."""
+    return hmac.new(secret, b"tsync-publish-group\0" + token.encode(), hashlib.sha256).digest()
+
+
 def join_group(addr: str, port: int, rank: int, world: int, *, token: str, timeout_s: float,
-               backend: str = "gloo", ifname: str = ""):
+               backend: str = "gloo", ifname: str = "", key: bytes | None = None):
     """This process's member of the publication group (blocks until all `world` joined).
     `token` names the group in the store: only peers told it over the authenticated
-    channel find it. `ifname`: the network interface the group binds to ("": default)."""
+    channel find it. `ifname`: the network interface the group binds to ("": default).
+    `key` (`group_key`): every member then proves it holds the run's secret before any
+    tensor moves; a member that cannot is named in a PublishError (the store itself is
+    open to any local process, so the token alone proves nothing)."""
     from torch.distributed import PrefixStore, TCPStore
 
     if not 0 <= rank < world:
@@ -230,12 +241,45 @@ def join_group(addr: str, port: int, rank: int, world: int, *, token: str, timeo
         # A first collective: every member is connected once this returns.
         flag = torch.ones(1, dtype=torch.int64, device=_device(backend))
         _bcast(pg, flag)
+        if key is not None:
+            _authenticate(pg, rank, world, key, _device(backend))
     except PublishError:
         raise
     except Exception as e:  # noqa: BLE001 — c10d's message says what failed
         raise PublishError(f"publication group at {addr}:{port} (rank {rank} of {world}): "
                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     return pg
+
+
+def _authenticate(pg, rank: int, world: int, key: bytes, device: torch.device) -> None:
+    """Each member sends a fresh nonce; then each sends HMAC(key, all nonces, its rank).
+    A member whose MAC is wrong (it lacks the run's secret, or replays another session's)
+    is named, and nothing more is sent or loaded on this side."""
+    nonce = torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8).to(device)
+    nonces = _all_gather(pg, nonce, world)
+    transcript = b"".join(bytes(t.cpu().tolist()) for t in nonces)
+
+    def mac(r: int) -> bytes:
+        return hmac.new(key, transcript + r.to_bytes(4, "big"), hashlib.sha256).digest()
+
+    mine = torch.frombuffer(bytearray(mac(rank)), dtype=torch.uint8).to(device)
+    macs = _all_gather(pg, mine, world)
+    bad = [r for r in range(world) if r != rank
+           and not hmac.compare_digest(bytes(macs[r].cpu().tolist()), mac(r))]
+    if bad:
+        raise PublishError(f"publication group: rank(s) {bad} did not prove the run's "
+                           f"secret (a process outside the run joined the group?); "
+                           f"nothing is loaded")
+
+
+def _all_gather(pg, t: torch.Tensor, world: int) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(world)]
+    try:
+        pg.allgather([out], [t]).wait()
+    except Exception as e:  # noqa: BLE001 — a peer gone or the group's timeout
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PublishError(f"publication group handshake failed: {msg}") from None
+    return out
 
 
 def _device(backend: str) -> torch.device:

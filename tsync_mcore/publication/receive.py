@@ -82,6 +82,7 @@ def open_group(cfg, link: Link, engine, et):
 
     import torch
 
+    from tsync_mcore.channel import channel_secret
     from tsync_mcore.publication import dist as publish_dist
 
     pub, ch = cfg.publish, cfg.channel
@@ -96,7 +97,8 @@ def open_group(cfg, link: Link, engine, et):
     try:
         et.run(engine.join_publish_group(
             ch.addr, store.port, 1, world, token=token,
-            timeout_s=ch.ack_timeout_s, ifname=pub.ifname, backend=backend))
+            timeout_s=ch.ack_timeout_s, ifname=pub.ifname, backend=backend,
+            key=publish_dist.group_key(channel_secret(cfg), token).hex()))
     except Exception as e:  # the group's own error says who did not come
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise RolloutStopped(f"publish.method: dist: joining the publication group at "

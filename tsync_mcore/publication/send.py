@@ -169,8 +169,9 @@ class Publisher:
     the first publication. `stats` holds the last publication's metrics."""
 
     def __init__(self, pub, channel, policy, link, publish_dir: str,
-                 rollout_dtype: str = "") -> None:
+                 rollout_dtype: str = "", secret: bytes | None = None) -> None:
         self.pub, self.channel, self.policy = pub, channel, policy  # pub: PublishConfig
+        self.secret = secret  # the run's channel secret: dist members prove they hold it
         # dist: θ travels in the rollout's precision (rollout.dtype), which vLLM would cast
         # to anyway: an fp32 learner feeding a bf16 rollout sends half the bytes, and bf16
         # deltas stay sparse
@@ -275,9 +276,10 @@ class Publisher:
         if msg.backend != mine:
             raise publish_dist.PublishError(f"publication group: the rollout uses "
                                             f"{msg.backend}, this learner {mine}")
+        key = publish_dist.group_key(self.secret, msg.token) if self.secret else None
         pg = publish_dist.join_group(ch.addr, msg.port, 0, msg.world, token=msg.token,
                                      timeout_s=ch.ack_timeout_s, backend=mine,
-                                     ifname=pub.ifname)
+                                     ifname=pub.ifname, key=key)
         return publish_dist.Sender(pg, self.params, int(pub.bucket_mb * 2**20),
                                    backend=mine, delta=pub.delta,
                                    dense_frac=pub.delta_dense)

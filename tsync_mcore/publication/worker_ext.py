@@ -48,7 +48,7 @@ class ReloadExtension:
 
     def tsync_join_publish_group(self, addr: str, port: int, rank: int, world: int,
                                  token: str, timeout_s: float, ifname: str = "",
-                                 backend: str = "") -> int:
+                                 backend: str = "", key: str = "") -> int:
         """Join the publication group as `rank` + this worker's rank in its engine (blocks
         until every member joined); returns the group rank taken."""
         import torch
@@ -58,7 +58,7 @@ class ReloadExtension:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         me = rank + int(getattr(self, "rank", 0))
         pg = join_group(addr, port, me, world, token=token, timeout_s=timeout_s,
-                        backend=backend, ifname=ifname)
+                        backend=backend, ifname=ifname, key=bytes.fromhex(key) if key else None)
         self._tsync_receiver = Receiver(pg, self._tsync_known_shapes(), backend)
         return me
 

@@ -350,14 +350,15 @@ class RolloutEngine:
 
     async def join_publish_group(self, addr: str, port: int, rank: int, world: int, *,
                                  token: str = "", timeout_s: float = 120.0,
-                                 ifname: str = "", backend: str = "") -> list[int]:
+                                 ifname: str = "", backend: str = "", key: str = "") -> list[int]:
         """Join the publication group (tsync_mcore.publication.dist): this engine's workers
         take ranks `rank`, `rank` + 1, ... (one per vLLM worker; one on CPU). A collective:
         returns once the learner and every other member joined; the group ranks taken.
-        `backend`: gloo or nccl; "": nccl on GPU, gloo on CPU."""
+        `backend`: gloo or nccl; "": nccl on GPU, gloo on CPU. `key`: the group key (hex,
+        publication.dist.group_key) every member proves it holds ("": no proof)."""
         ranks = await self._live().collective_rpc(
             "tsync_join_publish_group",
-            args=(addr, port, rank, world, token, timeout_s, ifname, backend))
+            args=(addr, port, rank, world, token, timeout_s, ifname, backend, key))
         return list(ranks)
 
     async def receive_weights(self, msg, *, mode: Literal["keep", "wait", "abort"] = "keep"
