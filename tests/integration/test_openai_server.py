@@ -9,6 +9,8 @@ import asyncio
 import json
 import math
 import os
+import threading
+import time
 
 import httpx
 import openai
@@ -982,5 +984,33 @@ def test_each_trajectory_and_worker_key_serves_its_own_only(et, tok):
         r = httpx.post(f"{base}/t/a/v1/reward", json={"reward": 1},
                        headers={"Authorization": f"Bearer {ka}"})
         assert r.status_code == 401
+    finally:
+        et.run(server.stop())
+
+
+def test_a_long_conversation_is_tokenized_off_the_event_loop(et, tok):
+    """While one trajectory's multi-megabyte prompt is rendered and tokenized, another
+    trajectory's request is served (it finishes first)."""
+    engine = Scripted(script_for(tok) * 2)
+    server = serve(et, engine, tok)
+    try:
+        server.register("big", version=3, seed=1, max_turns=3, max_tokens_per_turn=8,
+                        max_total_tokens=10 ** 8)
+        server.register("small", version=3, seed=2, **LIMITS)
+        done = {}
+
+        def ask(tid, text):
+            c = openai.OpenAI(base_url=server.base_url(tid), api_key=KEY, max_retries=0,
+                              timeout=120)
+            c.chat.completions.create(model="m", messages=[{"role": "user", "content": text}])
+            done[tid] = time.monotonic()
+
+        big = threading.Thread(target=ask, args=("big", "word " * 600_000))
+        big.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        ask("small", "hi")
+        big.join()
+        assert done["small"] < done["big"], (done["small"] - t0, done["big"] - t0)
     finally:
         et.run(server.stop())

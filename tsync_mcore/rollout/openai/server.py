@@ -576,7 +576,10 @@ class OpenAIServer:
                                kind="conflict_error")
             rewrites = s.rewrites
             try:
-                pending = plan_fn(sp["max_tokens"])
+                # rendering and tokenizing a long conversation takes seconds: in a worker
+                # thread, so the loop serves every other agent meanwhile (this
+                # trajectory's lock keeps its session to this request)
+                pending = await asyncio.to_thread(plan_fn, sp["max_tokens"])
             except SessionError as e:
                 if s.rewrites > rewrites:
                     self.counts["rewrites"] += 1
