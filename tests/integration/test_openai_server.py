@@ -989,7 +989,7 @@ def test_each_trajectory_and_worker_key_serves_its_own_only(et, tok):
 
 
 def test_a_long_conversation_is_tokenized_off_the_event_loop(et, tok):
-    """While one trajectory's multi-megabyte prompt is rendered and tokenized, another
+    """While one trajectory's long prompt (750 kB) is rendered and tokenized, another
     trajectory's request is served (it finishes first)."""
     engine = Scripted(script_for(tok) * 2)
     server = serve(et, engine, tok)
@@ -1005,9 +1005,9 @@ def test_a_long_conversation_is_tokenized_off_the_event_loop(et, tok):
             c.chat.completions.create(model="m", messages=[{"role": "user", "content": text}])
             done[tid] = time.monotonic()
 
-        big = threading.Thread(target=ask, args=("big", "word " * 600_000))
+        big = threading.Thread(target=ask, args=("big", "word " * 150_000))
         big.start()
-        time.sleep(0.5)
+        time.sleep(0.2)
         t0 = time.monotonic()
         ask("small", "hi")
         big.join()
