@@ -51,6 +51,7 @@ def _same(a: dict, b: dict) -> bool:
 def saved(request, tiny_qwen2, parallel1, tmp_path_factory):
     """A policy stepped twice after saving at step 1: (policy, run dir, snapshot at step 1)."""
     policy = _policy(tiny_qwen2, parallel1, request.param)
+    assert not policy.sharded  # one data-parallel rank: nothing to shard, either way
     run = str(tmp_path_factory.mktemp("run"))
     _step(policy, 0)
     checkpoint.save(run, policy, version=1, data_pos=1)

@@ -15,7 +15,8 @@ import torch
 
 from tsync_mcore.channel.sources import BatchPlan, TrajectorySource
 from tsync_mcore.model import bridge
-from tsync_mcore.model.packed import Segment, block_mask, lm_head, packed_forward
+from tsync_mcore.model.packed import (Segment, batch_layout, block_mask, lm_head,
+                                       packed_forward)
 from tsync_mcore.model.span import KV, detached_leaves, span_forward
 
 FP64 = 1e-12
@@ -28,7 +29,8 @@ def _params_grad(model) -> dict[str, torch.Tensor]:
 
 
 def _segments(vocab: int, model, gen) -> list[tuple[torch.Tensor, int, list[KV] | None]]:
-    """(tokens, offset, past K/V or None): segments without and with context, one token long."""
+    """(tokens, offset, past K/V or None): segments without and with context, one token long,
+    and two more after the last one's past (the same object: a group's shared prompt)."""
     out = []
     for n, p in ((7, 0), (9, 5), (4, 0), (1, 3), (6, 11)):
         toks = torch.randint(0, vocab, (n,), generator=gen)
@@ -38,17 +40,23 @@ def _segments(vocab: int, model, gen) -> list[tuple[torch.Tensor, int, list[KV] 
                 ctx = torch.randint(0, vocab, (p,), generator=gen)
                 _, past = span_forward(model, ctx, 0, None, want_logits=False)
         out.append((toks, p, past))
+    for n in (3, 5):
+        out.append((torch.randint(0, vocab, (n,), generator=gen), 11, out[-1][2]))
     return out
 
 
-def _leaves(past):
-    return None if past is None else detached_leaves(past)
+def _leaves(past, made: dict):
+    """Detached leaves of `past`, one set per past object (shared pasts stay shared)."""
+    if past is None:
+        return None
+    return made.setdefault(id(past), detached_leaves(past))
 
 
 @pytest.mark.parametrize("name,attention,path", [
     ("qwen2", "megatron", "segments"), ("qwen2", "megatron", "block"),
-    ("qwen2", "sdpa", "segments"), ("qwen2", "sdpa", "block"), ("qwen2", "sdpa", "auto"),
-    ("qwen3", "megatron", "segments"), ("qwen2_tied", "megatron", "block")])
+    ("qwen2", "megatron", "batched"), ("qwen2", "sdpa", "segments"), ("qwen2", "sdpa", "block"),
+    ("qwen2", "sdpa", "batched"), ("qwen2", "sdpa", "auto"), ("qwen3", "megatron", "segments"),
+    ("qwen3", "sdpa", "batched"), ("qwen2_tied", "megatron", "block")])
 def test_packed_forward_equals_separate_spans_fp64(parallel1, tiny_ckpts, name, attention, path):
     model, spec = bridge.build_model(tiny_ckpts[name], dtype=torch.float64, attention=attention)
     gen = torch.Generator().manual_seed(3)
@@ -57,20 +65,22 @@ def test_packed_forward_equals_separate_spans_fp64(parallel1, tiny_ckpts, name, 
              for t, _, _ in segs]
 
     # One by one: span_forward per segment, each loss backpropagated on its own.
-    ref_logits, ref_kv, ref_adj = [], [], []
+    ref_logits, ref_kv, ref_leaves = [], [], {}
     model.zero_grad(set_to_none=True)
     for (toks, p, past), c in zip(segs, coefs):
-        leaves = _leaves(past)
+        leaves = _leaves(past, ref_leaves)
         logits, kv = span_forward(model, toks, p, leaves)
         kv_coef = sum((x.k * 0.1 + x.v * 0.2).sum() for x in kv)  # K/V feed later spans
         ((logits * c).sum() + kv_coef).backward()
         ref_logits.append(logits.detach())
         ref_kv.append([KV(x.k.detach(), x.v.detach()) for x in kv])
-        ref_adj.append(None if leaves is None else [(x.k.grad, x.v.grad) for x in leaves])
+    ref_adj = [None if past is None else [(x.k.grad, x.v.grad) for x in ref_leaves[id(past)]]
+               for _, _, past in segs]  # a shared past's adjoint sums its segments'
     ref_grad = _params_grad(model)
 
     # Packed: one forward, one backward of the summed losses.
-    leaves = [_leaves(past) for _, _, past in segs]
+    made: dict = {}
+    leaves = [_leaves(past, made) for _, _, past in segs]
     out = packed_forward(model, [Segment(t, p, lv) for (t, p, _), lv in zip(segs, leaves)],
                          attention=path)
     logits = lm_head(model, out.hidden)
@@ -109,6 +119,23 @@ def test_stop_after_kv_and_errors(parallel1, tiny_qwen2):
         packed_forward(model, [Segment(a[:0], 0)])
     with pytest.raises(ValueError, match="'varlen' needs CUDA"):
         packed_forward(model, [Segment(a, 0)], attention="varlen")
+
+
+def test_batch_layout_shares_a_past_once():
+    a, b, c = torch.arange(2), torch.arange(3), torch.arange(1)
+    past = [KV(torch.zeros(2, 1, 1, 1), torch.zeros(2, 1, 1, 1))]
+    segs = [Segment(a, 0), Segment(b, 2, past), Segment(c, 2, past)]
+    lay = batch_layout(segs, [0, 2, 5], [2, 3, 1])
+    assert lay.shape == (2, 4, 6) and lay.pasts == [1]
+    # row 1's keys: the past (pool rows 6, 7) once, then b's and c's own rows
+    assert lay.k_index.view(6, 2)[:, 1].tolist() == [6, 7, 2, 3, 4, 5]
+    m = lay.mask[1, 0]  # True = masked; c's query (t = 3) sees the past and itself only
+    assert m.tolist() == [[False, False, False, True, True, True],
+                          [False, False, False, False, True, True],
+                          [False, False, False, False, False, True],
+                          [False, False, True, True, True, False]]
+    assert lay.mask[0, 0, 2:].tolist() == [[False] + [True] * 5] * 2  # padding: key 0 only
+    assert lay.row_slot.tolist() == [0, 2, 1, 3, 5, 7]
 
 
 def test_block_mask_layout():

@@ -61,14 +61,17 @@ class Policy:
             self.lora, init = _lora_spec(cfg, self.spec)
             lora.attach(self.model, self.spec, self.lora, init=init, seed=cfg.seed)
         self.attention_mode = bridge.attention_mode(self.model)  # what the FLOP ledger counts
-        self.ddp = optimizer.wrap_ddp(self.model, use_distributed_optimizer=cfg.optim.distributed)
         o = cfg.optim
+        # One data-parallel rank has nothing to shard: the distributed optimizer would still
+        # reduce-scatter the gradient and all-gather θ through the collective each step.
+        self.sharded = o.distributed and self.par.world_size > self.par.tp_size
+        self.ddp = optimizer.wrap_ddp(self.model, use_distributed_optimizer=self.sharded)
         # constant: Megatron's constant style keeps max_lr; min_lr = lr says so in its state
         min_lr = o.lr if o.lr_schedule == "constant" else o.min_lr
         self.optimizer = optimizer.build_optimizer(
             self.ddp, lr=o.lr, min_lr=min_lr, betas=(o.beta1, o.beta2), eps=o.eps,
             weight_decay=o.weight_decay, clip_grad=o.clip_grad,
-            use_distributed_optimizer=o.distributed, bf16=cfg.model.dtype == "bf16")
+            use_distributed_optimizer=self.sharded, bf16=cfg.model.dtype == "bf16")
         # One scheduler step per applied update (a skipped update leaves it, as θ and Adam).
         self.scheduler = optimizer.build_scheduler(
             self.optimizer, lr=o.lr, min_lr=min_lr, style=o.lr_schedule,

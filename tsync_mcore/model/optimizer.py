@@ -135,7 +135,24 @@ def build_optimizer(
     )
     # why: optimizer construction creates device='cuda' tensors and checks torch.cuda types.
     with cpu.cuda_redirect():
-        return get_megatron_optimizer(config, [ddp])
+        optimizer = get_megatron_optimizer(config, [ddp])
+    _fuse_cpu_adam(optimizer)
+    return optimizer
+
+
+def _fuse_cpu_adam(optimizer: MegatronOptimizer) -> None:
+    """torch's fused AdamW for main params on the CPU: Megatron builds torch's AdamW with its
+    default (foreach), several passes over every state tensor; the fused kernel makes one
+    (perf/README, "optimizer"). Same update up to FP32 rounding."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.AdamW):
+            continue
+        params = [p for g in inner.param_groups for p in g["params"]]
+        if params and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params):
+            inner.defaults.update(fused=True, foreach=False)
+            for group in inner.param_groups:
+                group.update(fused=True, foreach=False)
 
 
 def build_scheduler(

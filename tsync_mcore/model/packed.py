@@ -15,11 +15,19 @@ That is block-diagonal attention, done one of three ways (`attention=`):
   "block"     one call over the concatenated keys [past_1, k_1, past_2, k_2, ...] with a
               bool block mask [1, 1, N, K] (True = masked), as megatron's
               DotProductAttention takes it: exact, but it scores all N×K pairs.
+  "batched"   one call per layer over a padded batch: segments that share one past object
+              (a group's completions after its prompt) form one row of the batch, whose
+              keys are that past once and then the segments' own tokens, under a bool
+              mask built once per pass; others are a row each. Scores only within a row,
+              so a handful of kernel calls and index copies replace one call, one key
+              concatenation and one mask per segment per layer — what dominates on a CPU
+              (local core attention: it needs an explicit mask).
   "varlen"    CUDA with SDPAttention in fp16/bf16: torch's flash varlen kernel over the
               same concatenated keys with cu_seqlens for queries and keys and causal
               bottom-right alignment (a segment's queries end at its last key): one call,
               only the segments' own pairs.
-  "auto"      varlen where it applies, else segments.
+  "auto"      varlen where it applies, else batched for several segments on SDPAttention,
+              else segments.
 
 Returned: the final-normed hidden states [N, 1, h] (None with `stop_after_kv`) and each
 segment's K/V per layer, attached to the graph (views of the packed tensors). `lm_head`
@@ -47,9 +55,9 @@ from tsync_mcore.model.span import KV, _check_supported, _span_attention, span_m
 from tsync_mcore.platform import upload
 
 __all__ = ["ATTENTION_PATHS", "Segment", "Packed", "packed_forward", "lm_head", "block_mask",
-           "supported"]
+           "batch_layout", "supported"]
 
-ATTENTION_PATHS = ("auto", "segments", "block", "varlen")
+ATTENTION_PATHS = ("auto", "segments", "batched", "block", "varlen")
 
 
 @dataclass
@@ -91,6 +99,77 @@ def block_mask(lengths: list[int], pasts: list[int], device=None) -> Tensor:
     return mask[None, None]
 
 
+@dataclass
+class BatchLayout:
+    """The "batched" path's padded layout, built once per pass (slots are s-major: slot
+    t·B + b is query (key) t of batch row b)."""
+
+    q_index: Tensor  # [maxq·B] packed row of each query slot (padding: row 0)
+    k_index: Tensor  # [maxk·B] row of each key slot in [own keys; pasts' keys] (padding: 0)
+    row_slot: Tensor  # [N] the query slot of each packed row
+    mask: Tensor  # [B, 1, maxq, maxk] megatron bool, True = masked
+    pasts: list[int]  # segments whose past joins the key pool, in pool order
+    shape: tuple[int, int, int]  # B, maxq, maxk
+
+
+def batch_layout(segs: list[Segment], starts: list[int], lengths: list[int],
+                 device=None) -> BatchLayout:
+    """Rows of the padded batch: segments sharing one past object share a row (the past's
+    keys once, then each segment's own keys); every other segment is a row of its own."""
+    rows: dict[int, list[int]] = {}
+    for i, s in enumerate(segs):
+        rows.setdefault(id(s.past) if s.past is not None else -1 - i, []).append(i)
+    n_rows, pool, pasts = len(rows), sum(lengths), []
+    q_rows, k_rows, masks = [], [], []
+    for members in rows.values():
+        head = segs[members[0]]
+        past_keys = []
+        if head.past is not None:
+            past_keys = list(range(pool, pool + head.offset))
+            pool += head.offset
+            pasts.append(members[0])
+        qs, ks, allowed = [], list(past_keys), []
+        for m in members:
+            own0 = len(ks)
+            ks.extend(range(starts[m], starts[m] + lengths[m]))
+            for t in range(lengths[m]):
+                qs.append(starts[m] + t)
+                allowed.append((len(past_keys), own0, own0 + t + 1))
+        q_rows.append(qs)
+        k_rows.append(ks)
+        masks.append(allowed)
+    maxq, maxk = max(map(len, q_rows)), max(map(len, k_rows))
+    q_index = torch.zeros(maxq, n_rows, dtype=torch.long)
+    k_index = torch.zeros(maxk, n_rows, dtype=torch.long)
+    row_slot = torch.zeros(sum(lengths), dtype=torch.long)
+    mask = torch.ones(n_rows, 1, maxq, maxk, dtype=torch.bool)
+    mask[:, :, :, 0] = False  # padding queries see one key: no all-masked (NaN) softmax row
+    for b, (qs, ks, allowed) in enumerate(zip(q_rows, k_rows, masks)):
+        q_index[:len(qs), b] = torch.tensor(qs)
+        k_index[:len(ks), b] = torch.tensor(ks)
+        for t, (n_past, lo, hi) in enumerate(allowed):
+            row_slot[qs[t]] = t * n_rows + b
+            mask[b, 0, t, :n_past] = False
+            mask[b, 0, t, n_past:] = True
+            mask[b, 0, t, lo:hi] = False
+    on = lambda x: x if device is None or torch.device(device).type == "cpu" \
+        else upload(x.tolist(), x.dtype, torch.device(device))  # noqa: E731
+    return BatchLayout(on(q_index.flatten()), on(k_index.flatten()), on(row_slot), on(mask),
+                       pasts, (n_rows, maxq, maxk))
+
+
+def _attend_batched(sa, q: Tensor, k: Tensor, v: Tensor, segs: list[Segment],
+                    lay: BatchLayout, layer: int) -> Tensor:
+    n_rows, maxq, maxk = lay.shape
+    keys = torch.cat([k, *(segs[i].past[layer].k for i in lay.pasts)])
+    values = torch.cat([v, *(segs[i].past[layer].v for i in lay.pasts)])
+    pad = lambda x, index, n: x.index_select(0, index).view(n, n_rows, *x.shape[2:])  # noqa
+    out = sa.core_attention(pad(q, lay.q_index, maxq), pad(keys, lay.k_index, maxk),
+                            pad(values, lay.k_index, maxk), lay.mask,
+                            attn_mask_type=sa.attn_mask_type)  # [maxq, B, np·hn]
+    return out.reshape(maxq * n_rows, -1).index_select(0, lay.row_slot)[:, None]
+
+
 def _varlen_ok(core, q: Tensor) -> bool:
     if not (q.is_cuda and isinstance(core, SDPAttention)
             and q.dtype in (torch.float16, torch.bfloat16)):
@@ -102,12 +181,25 @@ def _varlen_ok(core, q: Tensor) -> bool:
     return True
 
 
+def _path(core, q: Tensor, segs: list[Segment], path: str) -> str:
+    if path != "auto":
+        return path
+    if _varlen_ok(core, q):
+        return "varlen"
+    # SDPA only: megatron's core materialises every score anyway, and its executed FLOPs
+    # are the ledger's (padding would add to them)
+    return "batched" if isinstance(core, SDPAttention) and len(segs) > 1 else "segments"
+
+
 def _attend(sa, q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], starts: list[int],
-            lengths: list[int], layer: int, path: str) -> Tensor:
+            lengths: list[int], layer: int, path: str, lay: BatchLayout | None) -> Tensor:
     """Block-diagonal core attention of the packed q/k/v [N, 1, heads, hn] -> [N, 1, np·hn]."""
     core = sa.core_attention
-    if path == "auto":
-        path = "varlen" if _varlen_ok(core, q) else "segments"
+    if path == "batched":
+        if not isinstance(core, (SDPAttention, DotProductAttention)):
+            raise ValueError(f"attention path 'batched' needs a local core attention (an "
+                             f"explicit mask), not {type(core).__name__}")
+        return _attend_batched(sa, q, k, v, segs, lay, layer)
     pasts = [s.past[layer] if s.past is not None else None for s in segs]
     if path == "segments":  # each segment exactly as span_forward attends (TE cores too)
         out = []
@@ -175,6 +267,8 @@ def packed_forward(model: torch.nn.Module, segments: list[Segment], *, attention
     # Each row's RoPE angle at its own position: rotary_pos_emb(n, offset) per segment.
     freqs = torch.cat([gpt.rotary_pos_emb(s.tokens.numel(), offset=s.offset) for s in segments])
     kv: list[list[KV]] = [[] for _ in segments]
+    path = _path(layers[0].self_attention.core_attention, x, segments, attention)
+    lay = batch_layout(segments, starts, lengths, x.device) if path == "batched" else None
     for i, layer in enumerate(layers):
         sa = layer.self_attention
         residual = x
@@ -187,7 +281,7 @@ def packed_forward(model: torch.nn.Module, segments: list[Segment], *, attention
         if stop_after_kv and i == len(layers) - 1:
             return Packed(None, kv, starts)
         q = rope_utils.apply_rotary_pos_emb(q, freqs, **rope)
-        ctx = _attend(sa, q, k, v, segments, starts, lengths, i, attention)
+        ctx = _attend(sa, q, k, v, segments, starts, lengths, i, path, lay)
         x = layer.self_attn_bda(layer.training, cfg.bias_dropout_fusion)(
             sa.linear_proj(ctx), residual, layer.hidden_dropout)
         mlp = layer.mlp(layer.pre_mlp_layernorm(x))
