@@ -134,16 +134,29 @@ def test_isolation_unavailable_is_said_not_hidden(monkeypatch):
         sb.run_shell("true", limits=sb.Limits(network="require"))
 
 
+def _host_pids(marker: str) -> list[int]:
+    """Host pids whose command line holds `marker` (a sandbox's pids are its namespace's)."""
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if marker.encode() in f.read() and not gone(int(d)):
+                    out.append(int(d))
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or not a process
+    return out
+
+
 def test_setsid_escapee_secrets_user_and_workdir(tmp_path):
-    r = sb.run_shell("setsid sleep 300 > /dev/null 2>&1 & echo $!", limits=LIM)
-    pid = int(r.stdout.split()[0])
-    if r.pids_cgroup:  # the cgroup kills what left the process group
+    marker = f"{300 + os.getpid() % 1000}.5"
+    r = sb.run_shell(f"setsid sleep {marker} > /dev/null 2>&1 & echo $!", limits=LIM)
+    if r.pids_cgroup or r.fs_isolated:  # the cgroup, or the PID namespace's end, kills it
         deadline = time.monotonic() + 5
-        while not gone(pid) and time.monotonic() < deadline:
+        while _host_pids(f"sleep\0{marker}") and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert gone(pid)
+        assert not _host_pids(f"sleep\0{marker}")
     else:
-        os.kill(pid, 9)
+        os.kill(int(r.stdout.split()[0]), 9)
     os.environ["TSYNC_TEST_SECRET"] = "hunter2"
     try:
         r = sb.run_shell("env; id -u; pwd", limits=LIM)
@@ -336,9 +349,17 @@ def test_a_work_directory_swapped_for_a_symlink_is_not_followed(tok, tmp_path):
     wd = tempfile.mkdtemp(prefix="tsync-test-wd-")  # in sticky /tmp, as episode repos are
     cleanup = [wd, wd + ".old"]
     try:
-        r = sb.run_shell(f"mv {wd} {wd}.old && ln -s {secret} {wd}", limits=LIM, workdir=wd)
+        swap = f"mv {wd} {wd}.old && ln -s {secret} {wd}"
+        if not sb.fs_isolation():  # in its mount namespace the call cannot reach the host's
+            r = sb.run_shell(swap, limits=LIM, workdir=wd)  # /tmp: the directory stays
+            assert r.fs_isolated and r.returncode != 0 and os.path.isdir(wd), r
+            assert not os.path.islink(wd) and not os.path.exists(wd + ".old")
+        # without namespaces (isolation: none, or a host that permits none) root follows
+        # no link the call left
+        lim = sb.Limits(**{**LIM.__dict__, "isolation": "none"})
+        r = sb.run_shell(swap, limits=lim, workdir=wd)
         assert r.returncode == 0 and os.path.islink(wd), r
-        _swapped_checks(wd, secret, tok)
+        _swapped_checks(wd, secret, tok, lim)
     finally:
         for p in cleanup:
             if os.path.islink(p):
@@ -347,11 +368,11 @@ def test_a_work_directory_swapped_for_a_symlink_is_not_followed(tok, tmp_path):
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def _swapped_checks(wd, secret, tok):
+def _swapped_checks(wd, secret, tok, lim):
     with pytest.raises(sb.SandboxError, match="no longer a directory"):
-        sb.run_shell("cat keys.py", limits=LIM, workdir=wd)
+        sb.run_shell("cat keys.py", limits=lim, workdir=wd)
     assert os.stat(secret).st_uid == 0 and os.stat(secret / "keys.py").st_uid == 0
-    out = ToolBox(LIM, workdir=wd).call_sync("bash", {"command": "cat keys.py"})
+    out = ToolBox(lim, workdir=wd).call_sync("bash", {"command": "cat keys.py"})
     assert out.startswith("error: ") and "hunter2" not in out
     env = TerminalTaskEnv(tok, TerminalConfig())
     env.reset(0)
@@ -363,3 +384,67 @@ def _swapped_checks(wd, secret, tok):
         os.unlink(env.workdir)
         os.rename(env.workdir + ".old", env.workdir)
         env.close()
+
+
+@pytest.mark.skipif(not ROOT, reason="mount, PID and IPC namespaces are made as root")
+def test_a_call_sees_a_read_only_system_a_private_bounded_tmp_and_its_own_processes():
+    """In its namespaces a call writes nothing of the host but its own directories, sees
+    no other episode's directory nor the host's /tmp, fills at most its private /tmp (bytes
+    and inodes), sees only its own processes, and runs under its episode's own uid."""
+    import shutil
+    import tempfile
+
+    assert sb.fs_isolation() == ""  # root here: the namespaces must be made
+    canary = tempfile.mkdtemp(prefix="tsync-canary-", dir="/")  # outside /tmp: visible
+    os.chmod(canary, 0o777)  # world-writable, and still untouched: the mount is read-only
+    with open(os.path.join(canary, "file"), "w") as f:
+        f.write("keep\n")
+    mine, other = (tempfile.mkdtemp(prefix="tsync-test-wd-") for _ in range(2))
+    lim = sb.Limits(**{**LIM.__dict__, "uid_base": 1 << 24, "tmp_mb": 4, "tmp_inodes": 64})
+    prog = (f"ls -a /tmp; echo ---; "
+            f"for p in /etc/passwd {canary}/file {canary}/new /usr/tsync-x /var/tmp/../x; do "
+            f"(echo x >> $p) 2>/dev/null && echo wrote $p; done; "
+            f"rm {canary}/file 2>/dev/null && echo removed; ls {other} 2>/dev/null && echo seen; "
+            f"cat {canary}/file; "
+            f"echo pids $(ls /proc | grep -c '^[0-9]'); "
+            f"for n in mnt pid ipc net; do readlink /proc/self/ns/$n; done; "
+            f"for i in 1 2 3 4 5 6; do head -c 1000000 /dev/zero > /tmp/b$i || "
+            f"{{ echo tmp-full; break; }}; done 2>/dev/null; rm -f /tmp/b*; "
+            f"for i in $(seq 1 100); do : > /dev/shm/f$i || {{ echo inodes-full; break; }}; "
+            f"done 2>/dev/null; echo mine > ./ok && cat ./ok; id -u")
+    try:
+        r = sb.run_shell(prog, limits=lim, workdir=mine)
+        listing, rest = r.stdout.split("---\n")
+        assert r.returncode == 0 and r.fs_isolated, r
+        # the host's /tmp is not there: only this call's run directory and work directory
+        assert sorted(listing.split()) == sorted(
+            [".", "..", os.path.basename(mine), *[x for x in listing.split()
+                                                  if x.startswith("tsync-sandbox-")]])
+        lines = rest.split("\n")
+        assert not [x for x in lines if x.startswith(("wrote", "removed", "seen"))], r.stdout
+        assert lines[0] == "keep"  # readable (the system is visible), not writable
+        assert int(lines[1].split()[1]) <= 6  # PID 1, the shell, its subshell, ls, grep
+        host = [os.readlink(f"/proc/self/ns/{n}") for n in ("mnt", "pid", "ipc", "net")]
+        assert all(a != b for a, b in zip(lines[2:6], host)), (lines[2:6], host)
+        assert "tmp-full" in lines and "inodes-full" in lines and "mine" in lines
+        uid = int(lines[-2])
+        assert (1 << 24) <= uid < (1 << 24) + sb.UID_SPAN and os.stat(mine).st_uid == uid
+        with open(os.path.join(canary, "file")) as f:
+            assert f.read() == "keep\n" and os.listdir(canary) == ["file"]
+        # the episode keeps its uid; another episode (and a call without one) gets another
+        again = sb.run_shell("id -u", limits=lim, workdir=mine)
+        there = sb.run_shell("id -u", limits=lim, workdir=other)
+        assert int(again.stdout) == uid and int(there.stdout) != uid
+        next_call_works()
+    finally:
+        for d in (canary, mine, other):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def test_filesystem_isolation_unavailable_is_said_not_hidden(monkeypatch):
+    monkeypatch.setattr(sb, "_FS_NS", ["not running as root (test)"])
+    with pytest.warns(RuntimeWarning, match="WITHOUT mount/PID/IPC namespaces"):
+        r = sb.run_shell("true", limits=LIM)
+    assert r.returncode == 0 and not r.fs_isolated
+    with pytest.raises(sb.SandboxError, match="filesystem isolation required but not running"):
+        sb.run_shell("true", limits=sb.Limits(isolation="require"))

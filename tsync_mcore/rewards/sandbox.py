@@ -10,13 +10,14 @@ RLIMIT_CPU (CPU seconds), RLIMIT_AS (address space), RLIMIT_NPROC (processes of 
 RLIMIT_FSIZE (bytes per written file; bounds the captured output too), RLIMIT_NOFILE,
 RLIMIT_CORE = 0. The wall-time limit kills the whole process group (SIGKILL), and the
 group is killed after a normal exit too, so background children do not outlive it.
-Run as root, the program runs as `reward.sandbox_user` (nobody): RLIMIT_NPROC does not
-bind root, and root could read the run's secret and checkpoints. Where Linux permits, it
-also runs in a new network namespace (no network) and a pids cgroup of its own (which
-bounds its processes and kills setsid escapees); see tsync_mcore/sandbox/jail.py.
+Run as root, the program runs under a uid of its own (none of the host's; `uid_base`),
+never root: RLIMIT_NPROC does not bind root, and root could read the run's secret and
+checkpoints. Where Linux permits, it also runs in new network, mount, PID and IPC
+namespaces (no network, the system read-only, a private bounded /tmp) and a pids cgroup of
+its own; see tsync_mcore/sandbox/jail.py.
 
-Not a security boundary against a determined attacker: no mount namespace or seccomp (the
-program reads world-readable files). docs/guide/data-and-rewards.md says what this does and does
+Not a security boundary against a determined attacker: no seccomp, a shared kernel (the
+program reads world-readable files of the read-only system). docs/guide/data-and-rewards.md says what this does and does
 not protect against.
 """
 
@@ -39,11 +40,13 @@ class SandboxLimits:
     nofile: int = 64
     user: str = "nobody"  # dropped to when running as root ("" keeps root)
     python: str = ""  # "" : this interpreter, or the system python3 the user can run
+    uid_base: int = 1 << 24  # run as root: each program under a uid of its own (0: `user`)
 
     def general(self, max_output: int = 1 << 16) -> _sb.Limits:
         return _sb.Limits(timeout_s=self.timeout_s, memory_mb=self.memory_mb,
                           nproc=self.nproc, fsize_mb=self.fsize_mb, nofile=self.nofile,
-                          user=self.user, python=self.python, max_output=max_output)
+                          user=self.user, python=self.python, max_output=max_output,
+                          uid_base=self.uid_base)
 
 
 @dataclass(frozen=True)

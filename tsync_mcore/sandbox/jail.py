@@ -28,8 +28,16 @@ Each run gets:
   RLIMIT_NPROC alone, which counts all processes of the sandbox user — shared by every
   concurrent sandbox (and anything else running as nobody).
 
-Not a security boundary against a determined attacker: no mount/PID namespace, seccomp or
-filesystem isolation (a program reads what `nobody` may read: world-readable files).
+* run as root (`isolation`, probed once): mount, PID and IPC namespaces. The program sees
+  every mount read-only, a private tmpfs on /tmp (/var/tmp and /dev/shm are the same one)
+  bounded in bytes and inodes, and on it only its own run directory and work directory,
+  bound back writable through descriptors opened before /tmp was covered (so no path the
+  program could have swapped is followed); /proc shows its own PID namespace, whose PID 1
+  is the launcher: when it exits, the kernel kills whatever is left. With `uid_base` every
+  run has a uid of its own (a kept work directory keeps its episode's).
+
+Not a security boundary against a determined attacker: no seccomp, the kernel is shared,
+and a program reads what any user may read of the (read-only) system.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import functools
 import json
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import stat
@@ -52,10 +61,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 UNSHARE = "/usr/bin/unshare"
+UID_SPAN = 1 << 20  # per-run uids: uid_base + [0, UID_SPAN)
 TRUNCATED = "\n[... output truncated: {n} more bytes]"
 
-# Runs as the process group leader (in the new network namespace when there is one):
-# joins the pids cgroup, sets the limits, drops privileges, execs the program.
+# Runs as the process group leader (in the new namespaces when there are): joins the pids
+# cgroup; in a mount + PID namespace it builds the program's view of the filesystem (every
+# mount read-only, a private size- and inode-bounded tmpfs on /tmp, /var/tmp and /dev/shm,
+# the run's directories bound back writable through descriptors opened before, a /proc
+# of the new PID namespace), stays as its PID 1 (reaping; its exit kills what is left)
+# and forks the program; then sets the limits, drops privileges and execs the program.
 _LAUNCHER = """\
 import json, os, resource, signal, sys
 a = json.loads(sys.argv[1])
@@ -67,6 +81,47 @@ signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
 if a["cgroup"]:
     with open(a["cgroup"], "w") as f:
         f.write(str(os.getpid()))
+if a["ns"]:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    RO, NOSUID, NODEV, NOEXEC, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+    def mount(src, tgt, fs, flags, data=None):
+        enc = lambda x: x.encode() if x else None
+        if libc.mount(enc(src), enc(tgt), enc(fs), flags, enc(data)) != 0:
+            e = ctypes.get_errno()
+            sys.stderr.write(f"sandbox: cannot mount {tgt}: {os.strerror(e)}\\n")
+            os._exit(125)
+    keep = [(d, os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)) for d in a["keep"]]
+    mount(None, "/", None, REC | PRIVATE)
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            x = line.split()
+            points.append((x[4].encode().decode("unicode_escape"), x[5].split(",")))
+    flag = {"nosuid": NOSUID, "nodev": NODEV, "noexec": NOEXEC}
+    for point, opts in points:
+        if os.path.lexists(point):
+            mount(None, point, None, REMOUNT | BIND | RO | sum(flag.get(o, 0) for o in opts))
+    mount("tmpfs", "/tmp", "tmpfs", NOSUID | NODEV, a["tmpfs"])
+    for d in ("/var/tmp", "/dev/shm"):
+        if os.path.isdir(d) and not os.path.islink(d):
+            mount("/tmp", d, None, BIND)
+    for d, fd in sorted(keep, key=lambda x: len(x[0])):
+        os.makedirs(d, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}", d, None, BIND)
+        mount(None, d, None, REMOUNT | BIND | NOSUID | NODEV)
+        os.close(fd)
+    mount("proc", "/proc", "proc", NOSUID | NODEV | NOEXEC)
+    os.chdir(a["cwd"])  # the working directory through its new (writable) mount
+    child = os.fork()
+    if child:
+        while True:
+            pid, status = os.wait()
+            if pid == child:
+                break
+        os.write(a["status_fd"], str(status).encode())
+        os._exit(0)
+    os.close(a["status_fd"])
 for r, v in ((resource.RLIMIT_CPU, (a["cpu"], a["cpu"] + 1)),
              (resource.RLIMIT_AS, (a["mem"], a["mem"])),
              (resource.RLIMIT_NPROC, (a["nproc"], a["nproc"])),
@@ -111,11 +166,25 @@ class Limits:
     # is shared by concurrent sandboxes: this is their sum's bound)
     nproc_user: int = 512
     max_output: int = 1 << 16  # bytes of stdout and of stderr kept (then a marker)
+    # "isolate": mount, PID and IPC namespaces where permitted (root), else on with a
+    # warning; "require": SandboxError where not permitted; "none": the host's view
+    isolation: str = "isolate"
+    tmp_mb: int = 64  # the private /tmp (also /var/tmp, /dev/shm): bytes
+    tmp_inodes: int = 4096  # ... and files
+    # run as root: each run's own uid (a kept work directory keeps the one it got), drawn
+    # from [uid_base, uid_base + UID_SPAN); 0: every run as `user`
+    uid_base: int = 0
 
     def __post_init__(self) -> None:
         if self.network not in ("isolate", "require", "host"):
             raise ValueError(f"network must be 'isolate', 'require' or 'host', "
                              f"got {self.network!r}")
+        if self.isolation not in ("isolate", "require", "none"):
+            raise ValueError(f"isolation must be 'isolate', 'require' or 'none', "
+                             f"got {self.isolation!r}")
+        if self.uid_base and not 1000 <= self.uid_base <= (1 << 31) - UID_SPAN:
+            raise ValueError(f"uid_base must be 0 or in [1000, 2^31 - {UID_SPAN}], "
+                             f"got {self.uid_base}")
 
 
 @dataclass(frozen=True)
@@ -129,6 +198,8 @@ class Result:
     truncated: bool  # stdout or stderr was cut at max_output
     network_isolated: bool
     pids_cgroup: bool  # a pids cgroup of its own bounded and cleaned up the run
+    fs_isolated: bool = False  # mount, PID and IPC namespaces (read-only system, private /tmp)
+    uid: int | None = None  # the uid the program ran as (None: this process's)
 
     @property
     def ok(self) -> bool:
@@ -208,6 +279,34 @@ def netns_prefix(as_root: bool | None = None) -> tuple[list[str], str]:
     return _NETNS[as_root]
 
 
+_FS_NS: list[str] = []
+NS_FLAGS = ["--mount", "--pid", "--ipc", "--fork"]
+
+
+def fs_isolation() -> str:
+    """Why a run cannot get mount, PID and IPC namespaces here ("" : it can), probed once
+    with a real run: only root can (a user namespace's root may not remount the host's
+    mounts read-only with their locked flags)."""
+    if not _FS_NS:
+        why = ""
+        if os.geteuid() != 0:
+            why = "not running as root"
+        elif not os.access(UNSHARE, os.X_OK):
+            why = f"{UNSHARE} not found"
+        else:
+            try:
+                r = run(["/bin/sh", "-c", "touch /etc/.tsync-probe 2>/dev/null; ls /proc"],
+                        limits=Limits(user="", network="host", isolation="require"),
+                        _probe=True)
+                pids = [x for x in r.stdout.split() if x.isdigit()]
+                if r.returncode != 0 or os.path.exists("/etc/.tsync-probe") or len(pids) > 3:
+                    why = f"the namespaces did not hold: {(r.stderr or r.stdout)[:200]!r}"
+            except (OSError, SandboxError) as e:
+                why = f"unshare {' '.join(NS_FLAGS)} failed: {e}"
+        _FS_NS.append(why)
+    return _FS_NS[0]
+
+
 _CGROUP: list[str | None] = []
 _CG_PARENT = "tsync-sandbox"
 
@@ -262,6 +361,18 @@ def _chown_tree(path: str, ids: tuple[int, int]) -> None:
     for root, dirs, files in os.walk(path):  # never into a symlinked directory
         for n in dirs + files:
             os.chown(os.path.join(root, n), *ids, follow_symlinks=False)
+
+
+def _run_ids(workdir: str | None, base: int) -> tuple[int, int]:
+    """This run's uid and gid: a kept work directory's, once it has one of the range (its
+    episode's), else a fresh one. A run's files are its own: no other episode's program
+    may write them, and RLIMIT_NPROC counts this run's processes alone."""
+    if workdir:
+        uid = os.lstat(workdir).st_uid
+        if base <= uid < base + UID_SPAN:
+            return uid, uid
+    uid = base + secrets.randbelow(UID_SPAN)
+    return uid, uid
 
 
 def _make_cgroup(root: str, nproc: int) -> str | None:
@@ -345,7 +456,7 @@ def _unrunnable(argv: Sequence[str], stdin: str, files: Mapping[str, str] | None
 
 def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
         workdir: str | None = None, template: str | None = None,
-        files: Mapping[str, str] | None = None) -> Result:
+        files: Mapping[str, str] | None = None, _probe: bool = False) -> Result:
     """Run `argv` in the sandbox. The working directory is `workdir` (kept; made the sandbox
     user's) or a fresh temporary one seeded from `template` (removed). `files` (name ->
     text) are written into the run's temporary directory first; an `InRun` name in
@@ -365,6 +476,18 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
             if limits.network == "require":
                 raise SandboxError(f"sandbox: network isolation required but {why}")
             _warn_once(f"sandbox runs WITH network access: {why}")
+    fs_ns = False
+    if limits.isolation != "none":
+        why = "" if _probe else fs_isolation()
+        fs_ns = not why
+        if why:
+            if limits.isolation == "require":
+                raise SandboxError(f"sandbox: filesystem isolation required but {why}")
+            _warn_once(f"sandbox runs WITHOUT mount/PID/IPC namespaces: {why}")
+        elif not prefix:
+            prefix = [UNSHARE, *NS_FLAGS, "--"]
+        else:
+            prefix = [*prefix[:-1], *NS_FLAGS, "--"]
     cg_root = pids_cgroup_root()
     exe = interpreter(limits)
     launcher_python = sys.executable  # runs as the caller (root) before the drop
@@ -383,6 +506,8 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
             with open(os.path.join(rundir, name), "w", encoding="utf-8") as f:
                 f.write(text)
         cwd = workdir or rundir
+        if ids is not None and limits.uid_base:
+            ids = _run_ids(workdir, limits.uid_base)
         if ids is not None:
             _chown_tree(rundir, ids)
             if workdir:
@@ -394,7 +519,10 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
             mem=limits.memory_mb << 20, fsize=limits.fsize_mb << 20, nofile=limits.nofile,
             nproc=limits.nproc_user if cg else limits.nproc,
             cgroup=os.path.join(cg, "cgroup.procs") if cg else "",
-            uid=ids[0] if ids else None, gid=ids[1] if ids else None)
+            uid=ids[0] if ids else None, gid=ids[1] if ids else None, ns=fs_ns,
+            keep=[rundir, *([os.path.abspath(workdir)] if workdir else [])], cwd=cwd,
+            tmpfs=f"size={limits.tmp_mb}m,nr_inodes={limits.tmp_inodes},mode=1777",
+            status_fd=-1)
         env = {"PATH": f"{bindir}:/usr/local/bin:/usr/bin:/bin", "HOME": rundir, "TMPDIR": rundir,
                "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
         out_path, err_path = os.path.join(io, "stdout"), os.path.join(io, "stderr")
@@ -402,6 +530,11 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
         with open(in_path, "w", encoding="utf-8") as f:
             f.write(stdin)
         timed_out = False
+        status_r = status_w = -1
+        if fs_ns:  # PID 1 of the namespace reports the program's wait status here
+            status_r, status_w = os.pipe()
+            os.set_blocking(status_r, False)
+            args["status_fd"] = status_w
         try:
             with open(in_path, "rb") as fin, open(out_path, "wb") as fout, \
                     open(err_path, "wb") as ferr:
@@ -410,9 +543,13 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
                         [*prefix, launcher_python, "-I", "-S", "-c", _LAUNCHER,
                          json.dumps(args)],
                         cwd=cwd, env=env, stdin=fin, stdout=fout, stderr=ferr,
-                        start_new_session=True, close_fds=True)
+                        start_new_session=True, close_fds=True,
+                        pass_fds=(status_w,) if fs_ns else ())
                 except OSError as e:
                     raise SandboxError(f"sandbox: cannot start {argv[0]}: {e}") from None
+                finally:
+                    if status_w >= 0:
+                        os.close(status_w)
                 try:
                     proc.wait(timeout=limits.timeout_s)
                 except subprocess.TimeoutExpired:
@@ -425,15 +562,25 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
         finally:
             if cg:
                 _kill_cgroup(cg)
+            status = b""
+            if status_r >= 0:
+                try:
+                    status = os.read(status_r, 64)
+                except BlockingIOError:  # nobody wrote it (killed at the wall timeout)
+                    pass
+                os.close(status_r)
         wall = time.monotonic() - t0
         out, t1 = _read(out_path, limits.max_output)
         err, t2 = _read(err_path, limits.max_output)
     rc = None if timed_out else proc.returncode
+    if rc is not None and status:
+        rc = os.waitstatus_to_exitcode(int(status))
     limit = ("wall" if timed_out else
              "cpu" if rc == -signal.SIGXCPU or (rc == -signal.SIGKILL and
                                                 _cpu_killed(args["cpu"], wall)) else
              "fsize" if rc == -signal.SIGXFSZ else None)
-    return Result(rc, out, err, timed_out, limit, wall, t1 or t2, isolated, cg is not None)
+    return Result(rc, out, err, timed_out, limit, wall, t1 or t2, isolated, cg is not None,
+                  fs_ns, ids[0] if ids else None)
 
 
 def _cpu_killed(cpu_s: int, wall_s: float) -> bool:
