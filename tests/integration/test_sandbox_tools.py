@@ -374,7 +374,7 @@ def _swapped_checks(wd, secret, tok, lim):
     assert os.stat(secret).st_uid == 0 and os.stat(secret / "keys.py").st_uid == 0
     out = ToolBox(lim, workdir=wd).call_sync("bash", {"command": "cat keys.py"})
     assert out.startswith("error: ") and "hunter2" not in out
-    env = TerminalTaskEnv(tok, TerminalConfig())
+    env = TerminalTaskEnv(tok, TerminalConfig(), limits=lim)
     env.reset(0)
     os.rename(env.workdir, env.workdir + ".old")
     os.symlink(secret, env.workdir)
@@ -400,7 +400,7 @@ def test_a_call_sees_a_read_only_system_a_private_bounded_tmp_and_its_own_proces
     with open(os.path.join(canary, "file"), "w") as f:
         f.write("keep\n")
     mine, other = (tempfile.mkdtemp(prefix="tsync-test-wd-") for _ in range(2))
-    lim = sb.Limits(**{**LIM.__dict__, "uid_base": 1 << 24, "tmp_mb": 4, "tmp_inodes": 64})
+    lim = sb.Limits(**{**LIM.__dict__, "uid_base": 1 << 24, "disk_mb": 4, "disk_inodes": 64})
     prog = (f"ls -a /tmp; echo ---; "
             f"for p in /etc/passwd {canary}/file {canary}/new /usr/tsync-x /var/tmp/../x; do "
             f"(echo x >> $p) 2>/dev/null && echo wrote $p; done; "
@@ -448,3 +448,24 @@ def test_filesystem_isolation_unavailable_is_said_not_hidden(monkeypatch):
     assert r.returncode == 0 and not r.fs_isolated
     with pytest.raises(sb.SandboxError, match="filesystem isolation required but not running"):
         sb.run_shell("true", limits=sb.Limits(isolation="require"))
+
+
+@pytest.mark.skipif(not ROOT, reason="an episode's tmpfs is mounted as root")
+def test_an_episode_repo_is_bounded_in_bytes_and_files(tok):
+    """The terminal task's repo is a tmpfs of its own: its calls fill at most disk_mb and
+    disk_inodes, the episode goes on, and closing it leaves no mount and no directory."""
+    lim = sb.Limits(**{**LIM.__dict__, "disk_mb": 2, "disk_inodes": 32, "uid_base": 1 << 24})
+    env = TerminalTaskEnv(tok, TerminalConfig(), limits=lim)
+    env.reset(0)
+    wd = env.workdir
+    try:
+        assert os.path.ismount(wd)
+        r = sb.run_shell("head -c 3000000 /dev/zero > big; echo $?; for i in $(seq 1 50); do "
+                         ": > f$i || { echo full at $i; break; }; done 2>/dev/null; rm -f big f*",
+                         limits=lim, workdir=wd)
+        assert r.stdout.split("\n")[0] != "0" and "full at" in r.stdout, r
+        out = env.box.call_sync("bash", {"command": "ls | wc -l"})
+        assert out.startswith("exit code: 0")  # the episode's next call works
+    finally:
+        env.close()
+    assert not os.path.exists(wd)

@@ -728,8 +728,8 @@ class ToolsConfig:
     # a private /tmp, only the episode's directories writable; else a warning; "require":
     # fail where not permitted; "none": the host's view of the filesystem
     isolation: Literal["isolate", "require", "none"] = "isolate"
-    tmp_mb: int = 64  # one call's private /tmp (/var/tmp, /dev/shm): bytes ...
-    tmp_inodes: int = 4096  # ... and files
+    disk_mb: int = 64  # run as root: each call's private /tmp, and each episode's repo (a
+    disk_inodes: int = 4096  # tmpfs of its own): bytes and files
     # run as root: each episode (each call without one) runs under a uid of its own drawn
     # from [uid_base, uid_base + 2^20), none of the host's; 0: every call as `user`
     uid_base: int = 1 << 24
@@ -747,8 +747,9 @@ class ToolsConfig:
         _check(self.max_calls_per_turn >= 1, "tools.max_calls_per_turn", "must be >= 1")
         _check(self.verify_timeout_s > 0, "tools.verify_timeout_s", "must be > 0")
         _check_not_root(self.user, "tools.user")
-        _check(self.tmp_mb >= 1, "tools.tmp_mb", f"must be >= 1, got {self.tmp_mb}")
-        _check(self.tmp_inodes >= 16, "tools.tmp_inodes", f"must be >= 16, got {self.tmp_inodes}")
+        _check(self.disk_mb >= 1, "tools.disk_mb", f"must be >= 1, got {self.disk_mb}")
+        _check(self.disk_inodes >= 16, "tools.disk_inodes",
+               f"must be >= 16, got {self.disk_inodes}")
         _check(self.uid_base == 0 or 1000 <= self.uid_base <= (1 << 31) - (1 << 20),
                "tools.uid_base", f"must be 0 or in [1000, 2^31 - 2^20], got {self.uid_base}")
 

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import stat
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,7 +132,8 @@ class TerminalTaskEnv:
         OpenAI endpoint's agents get these; `reset` is their ids for the built-in loop."""
         self.close()
         self.task = _task(seed)
-        self.workdir = tempfile.mkdtemp(prefix="tsync-terminal-")
+        # a tmpfs of its own under the namespaces: the episode's bytes and files are bounded
+        self.workdir = sb.episode_dir(self.limits, prefix="tsync-terminal-")
         for name, text in self.task.files.items():
             with open(os.path.join(self.workdir, name), "w", encoding="utf-8") as f:
                 f.write(text)
@@ -184,7 +183,7 @@ class TerminalTaskEnv:
 
     def close(self) -> None:
         if self.workdir is not None:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            sb.remove_episode_dir(self.workdir)
             self.workdir = None
 
     # --- verifier --------------------------------------------------------------------------

@@ -169,8 +169,8 @@ class Limits:
     # "isolate": mount, PID and IPC namespaces where permitted (root), else on with a
     # warning; "require": SandboxError where not permitted; "none": the host's view
     isolation: str = "isolate"
-    tmp_mb: int = 64  # the private /tmp (also /var/tmp, /dev/shm): bytes
-    tmp_inodes: int = 4096  # ... and files
+    disk_mb: int = 64  # the private /tmp (also /var/tmp, /dev/shm) and an episode_dir: bytes
+    disk_inodes: int = 4096  # ... and files
     # run as root: each run's own uid (a kept work directory keeps the one it got), drawn
     # from [uid_base, uid_base + UID_SPAN); 0: every run as `user`
     uid_base: int = 0
@@ -375,6 +375,37 @@ def _run_ids(workdir: str | None, base: int) -> tuple[int, int]:
     return uid, uid
 
 
+def _mount_call(*args) -> int:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn, rest = args[0], args[1:]
+    rc = getattr(libc, fn)(*[a.encode() if isinstance(a, str) else a for a in rest])
+    return 0 if rc == 0 else ctypes.get_errno()
+
+
+def episode_dir(limits: Limits, prefix: str = "tsync-episode-") -> str:
+    """A kept work directory for one episode (a terminal task's repo). Where the sandbox
+    makes namespaces (root), a tmpfs of its own bounded by `disk_mb` / `disk_inodes`, so
+    what the episode's calls write is bounded in bytes and files; else a plain temporary
+    directory. `remove_episode_dir` undoes either."""
+    d = tempfile.mkdtemp(prefix=prefix)
+    if limits.isolation != "none" and not fs_isolation():
+        opts = f"size={limits.disk_mb}m,nr_inodes={limits.disk_inodes},mode=0700"
+        err = _mount_call("mount", "tmpfs", d, "tmpfs", 2 | 4, opts)  # nosuid, nodev
+        if err:
+            os.rmdir(d)
+            raise SandboxError(f"sandbox: cannot mount the episode's tmpfs on {d}: "
+                               f"{os.strerror(err)}")
+    return d
+
+
+def remove_episode_dir(path: str) -> None:
+    """Remove an `episode_dir` (its tmpfs detached first, whatever it holds)."""
+    if os.path.ismount(path):
+        _mount_call("umount2", path, 2)  # MNT_DETACH
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _make_cgroup(root: str, nproc: int) -> str | None:
     d = tempfile.mkdtemp(prefix="run-", dir=root)
     try:
@@ -521,7 +552,7 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
             cgroup=os.path.join(cg, "cgroup.procs") if cg else "",
             uid=ids[0] if ids else None, gid=ids[1] if ids else None, ns=fs_ns,
             keep=[rundir, *([os.path.abspath(workdir)] if workdir else [])], cwd=cwd,
-            tmpfs=f"size={limits.tmp_mb}m,nr_inodes={limits.tmp_inodes},mode=1777",
+            tmpfs=f"size={limits.disk_mb}m,nr_inodes={limits.disk_inodes},mode=1777",
             status_fd=-1)
         env = {"PATH": f"{bindir}:/usr/local/bin:/usr/bin:/bin", "HOME": rundir, "TMPDIR": rundir,
                "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}

@@ -74,7 +74,7 @@ def limits_from_config(tc: Any) -> sb.Limits:
     return sb.Limits(timeout_s=tc.timeout_s, memory_mb=tc.memory_mb, nproc=tc.nproc,
                      fsize_mb=tc.fsize_mb, user=tc.user, python=tc.python,
                      network=tc.network, max_output=tc.max_output_chars,
-                     isolation=tc.isolation, tmp_mb=tc.tmp_mb, tmp_inodes=tc.tmp_inodes,
+                     isolation=tc.isolation, disk_mb=tc.disk_mb, disk_inodes=tc.disk_inodes,
                      uid_base=tc.uid_base)
 
 
