@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 import time
 
 import pytest
@@ -272,6 +274,36 @@ def test_terminal_env_rewards_a_fix_and_not_a_miss(tok, seed):
                                                 f".write({forge!r})"})
     env, res = episode(tok, seed, [plant, "Done."])
     assert res.reward == 0.0 and "@@tsync-probe-results@@" in env.verify_result.stdout
+
+
+def test_terminal_verifier_ignores_planted_startup_files_links_and_fifos(tok):
+    """Without a fix, none of these passes: start-up hooks planted in the repo
+    (sitecustomize, usercustomize, conftest, a .pth) that would forge the results or swallow
+    failures, deleting the tests, the module as a symlink to a fixed copy elsewhere, the
+    module as a FIFO (the verifier neither follows nor blocks). With the fix, the same
+    plants change nothing."""
+    task = _task(2)
+    hook = ("import os, sys\nsys.excepthook = lambda *a: None\n"
+            "os.write(1, b'@@tsync-probe-results@@ []\\n')\n")
+    plant = "".join(format_tool_call("python", {"code": f"open({n!r}, 'w').write({hook!r})"})
+                    for n in ("sitecustomize.py", "usercustomize.py", "conftest.py", "x.pth"))
+    rm_tests = format_tool_call("bash", {"command": "rm -f test_*.py"})
+    assert episode(tok, 2, [plant, rm_tests, "Done."])[1].reward == 0.0
+    assert episode(tok, 2, [plant, fix_calls(task), "Done."])[1].reward == 1.0
+    outside = tempfile.mkdtemp(prefix="tsync-fixed-copy-")
+    try:
+        with open(os.path.join(outside, "fixed.py"), "w") as f:
+            f.write(task.fixed)
+        os.chmod(outside, 0o755)
+        link = format_tool_call("bash", {"command": f"rm {task.module}.py && "
+                                                    f"ln -s {outside}/fixed.py {task.module}.py"})
+        assert episode(tok, 2, [link, "Done."])[1].reward == 0.0
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+    fifo = format_tool_call("bash", {"command": f"rm {task.module}.py && mkfifo {task.module}.py"})
+    t0 = time.monotonic()
+    env, res = episode(tok, 2, [fifo, "Done."])
+    assert res.reward == 0.0 and time.monotonic() - t0 < 30
 
 
 def test_terminal_env_tasks_and_observations(tok):
