@@ -215,12 +215,24 @@ def test_skyrl_gsm8k_multi_turn_gets_its_row(tmp_path, tiny_qwen2, tok):
 
 def test_overlong_prompt_is_named_at_start(tmp_path, tiny_qwen2, tok):
     from tsync_mcore.rollout.feed import DataFeed
-    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "word " * 200, "label": "x"}])
+    # the last of 50 rows: every row is rendered at start, not only the first
+    rows = [{"prompt": f"what is {i}?", "label": "x"} for i in range(49)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows + [{"prompt": "word " * 200, "label": "x"}])
     cfg = feed_cfg(tmp_path, tiny_qwen2, **{"rollout.env": "dataset", "data.train": data,
                                             "reward.function": "exact_match"})
     feed = DataFeed(cfg)
-    with pytest.raises(DataError, match=r"row 0: prompt of \d+ tokens leaves no room"):
+    with pytest.raises(DataError, match=r"d.jsonl row 49: prompt of \d+ tokens leaves no room"):
         feed.attach(tok)
+
+
+def test_jsonl_labels_keep_the_type_they_have_in_the_file(tmp_path):
+    """Arrow unifies a column's types ("4" among numbers became 4); the reward gets the
+    file's own value."""
+    labels = ["4", 5, [1, 2], {"a": "07"}, 2.5, True, "05"]
+    rows = [{"prompt": f"q{i}", "label": v} for i, v in enumerate(labels)]
+    ps = PromptSet(write_jsonl(tmp_path / "d.jsonl", rows), "prompt", "label")
+    got = [ps.row(i).label for i in range(len(labels))]
+    assert got == labels and [type(x) for x in got] == [type(x) for x in labels]
 
 
 @pytest.mark.parametrize("sets, match", [

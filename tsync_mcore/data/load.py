@@ -52,8 +52,11 @@ def _format(path: str) -> str:
                     f"directory written by datasets' save_to_disk)")
 
 
-def _check_jsonl(path: str) -> None:
-    """Every line one JSON object: the datasets reader would name neither line nor cause."""
+def _check_jsonl(path: str, label_parts: list[str]) -> list[Any] | None:
+    """Every line one JSON object: the datasets reader would name neither line nor cause.
+    Returns each row's label as the file has it (Arrow unifies a column's types: a "4" among
+    numbers would become 4), or None without a label key."""
+    labels: list[Any] | None = [] if label_parts else None
     try:
         f = open(path, encoding="utf-8")
     except OSError as e:
@@ -70,11 +73,15 @@ def _check_jsonl(path: str) -> None:
                 if not isinstance(obj, dict):
                     raise DataError(f"{path}:{n}: each line must be a JSON object, got "
                                     f"{type(obj).__name__}")
+                if labels is not None:
+                    labels.append(_dig(obj, label_parts)[1])
         except UnicodeDecodeError:
             raise DataError(f"{path}: not UTF-8 text") from None
+    return labels
 
 
-def _read(path: str):
+def _read(path: str, label_parts: list[str]):
+    """(the dataset, the labels as a JSONL file has them or None)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -84,12 +91,13 @@ def _read(path: str):
             regular_file(path, follow_symlinks=True)  # a FIFO or device would block the reader
         except BadFile as e:
             raise DataError(str(e)) from None
+    labels = None
     try:
         if fmt == "disk":
             ds = datasets.load_from_disk(path, keep_in_memory=False)
         else:
             if fmt == "json" and path.lower().endswith(".jsonl"):
-                _check_jsonl(path)
+                labels = _check_jsonl(path, label_parts)
             ds = datasets.load_dataset(fmt, data_files=path, split="train")
     except DataError:
         raise
@@ -98,7 +106,9 @@ def _read(path: str):
         raise DataError(f"{path}: cannot read as {fmt} ({type(e).__name__}: {first})") from None
     if not isinstance(ds, datasets.Dataset):
         raise DataError(f"{path}: holds {type(ds).__name__}, expected one dataset split")
-    return ds
+    if labels is not None and len(labels) != len(ds):
+        labels = None  # (blank lines aside, rows are lines; otherwise Arrow's values)
+    return ds, labels
 
 
 def _dig(value: Any, parts: list[str]) -> tuple[bool, Any]:
@@ -137,9 +147,9 @@ class PromptSet:
         if not os.path.exists(path):
             raise DataError(f"{path}: no such file or directory")
         self.path = path
-        self.ds = _read(path)
         self.prompt_key = prompt_key
         self.label_parts = label_key.split(".") if label_key else []
+        self.ds, self.labels = _read(path, self.label_parts)
         cols = list(self.ds.column_names)
         if len(self.ds) == 0:
             raise DataError(f"{path}: the dataset has no rows")
@@ -182,7 +192,8 @@ class PromptSet:
         prompt = ex[self.prompt_key]
         if isinstance(prompt, list):  # Arrow unifies message structs: drop absent fields
             prompt = [{k: v for k, v in m.items() if v is not None} for m in prompt]
-        label = _dig(ex, self.label_parts)[1] if self.label_parts else None
+        label = (None if not self.label_parts else self.labels[int(i)]
+                 if self.labels is not None else _dig(ex, self.label_parts)[1])
         return Row(index=int(i), prompt=prompt, label=label,
                    meta={c: ex[c] for c in self.meta_cols})
 

@@ -87,11 +87,14 @@ class DataFeed:
                                    on_error=self.cfg.reward.on_error)
 
     def attach(self, tokenizer: Any) -> None:
-        """The tokenizer prompts are rendered with; the first row of each set is rendered
-        now, so a missing chat template stops the run before the first batch."""
+        """The tokenizer prompts are rendered with. Every row of each set is rendered now:
+        a missing chat template, or a prompt that leaves no room for an answer within
+        rollout.max_total_tokens, stops the run before the first batch (naming the row),
+        not when the sampler reaches it hours later."""
         self.tok = tokenizer
         for ps in filter(None, (self.train, self.eval)):
-            self._ids(ps, ps.row(0))
+            for i in range(len(ps)):
+                self._ids(ps, ps.row(i))
 
     def train_row(self, pos: int) -> int:
         return self.sampler.index(pos)
