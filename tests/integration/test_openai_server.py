@@ -1014,3 +1014,53 @@ def test_a_long_conversation_is_tokenized_off_the_event_loop(et, tok):
         assert done["small"] < done["big"], (done["small"] - t0, done["big"] - t0)
     finally:
         et.run(server.stop())
+
+
+def test_silent_slow_header_and_slow_body_connections_are_cut(et, tok):
+    """A connection that sends nothing, or its request line and headers a byte at a time,
+    is closed at read_timeout_s; a body trickled in is HTTP 408; the next request works."""
+    import socket
+
+    engine = Scripted(script_for(tok))
+    server = serve(et, engine, tok, read_timeout_s=1.0)
+    try:
+        server.register("t0", version=3, seed=1, **LIMITS)
+
+        def closed_within(s: socket.socket, send: bytes, limit_s: float) -> bool:
+            """Sent a byte every 50 ms, the server closes (or answers 408) in time."""
+            t0 = time.monotonic()
+            s.settimeout(limit_s)
+            try:
+                for b in send:
+                    s.sendall(bytes([b]))
+                    time.sleep(0.05)
+                    if time.monotonic() - t0 > limit_s:
+                        return False
+                data = s.recv(4096)
+            except (BrokenPipeError, ConnectionResetError):
+                data = b""  # closed while we were still sending
+            except socket.timeout:
+                return False
+            return (data == b"" or data.startswith(b"HTTP/1.1 408")) and \
+                time.monotonic() - t0 < limit_s
+
+        silent = socket.create_connection(("127.0.0.1", server.port))
+        assert closed_within(silent, b"", 3.0)
+        slow = socket.create_connection(("127.0.0.1", server.port))
+        head = (f"POST /t/t0/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                f"Authorization: Bearer {KEY}\r\n" + "X-Pad: y\r\n" * 20).encode()
+        assert closed_within(slow, head, 3.0)
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        trickle = socket.create_connection(("127.0.0.1", server.port))
+        trickle.sendall((f"POST /t/t0/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n").encode())
+        assert closed_within(trickle, body.encode(), 4.0)
+        for s in (silent, slow, trickle):
+            s.close()
+        assert engine.prompts == []
+        r = client(server, "t0").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}])
+        assert r.choices[0].message.role == "assistant"
+    finally:
+        et.run(server.stop())

@@ -476,6 +476,9 @@ class RolloutConfig:
     agent_env: list[str] = field(default_factory=list)
     openai_max_body_mb: float = 8.0  # the endpoint's largest request body (HTTP 413 past it)
     openai_max_messages: int = 4096  # messages in one chat request (HTTP 400 past it)
+    # a request's headers, and then its body, must each arrive within this (a slow or
+    # silent connection is closed; a slow body is HTTP 408)
+    openai_read_timeout_s: float = 30.0
 
     def validate(self) -> None:
         _check(self.n_learners >= 1, "rollout.n_learners", "must be >= 1")
@@ -483,6 +486,8 @@ class RolloutConfig:
                f"must be > 0, got {self.openai_max_body_mb}")
         _check(self.openai_max_messages >= 1, "rollout.openai_max_messages",
                f"must be >= 1, got {self.openai_max_messages}")
+        _check(self.openai_read_timeout_s > 0, "rollout.openai_read_timeout_s",
+               f"must be > 0, got {self.openai_read_timeout_s}")
         _check(self.agent_timeout_s > 0, "rollout.agent_timeout_s",
                f"must be > 0, got {self.agent_timeout_s}")
         _check(self.agent_concurrency >= 0, "rollout.agent_concurrency",

@@ -165,7 +165,8 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
                                 history=self.rc.openai_history, temperature=self.rc.temperature,
                                 current_version=lambda: self.loaded,
                                 max_body_bytes=int(self.rc.openai_max_body_mb * (1 << 20)),
-                                max_messages=self.rc.openai_max_messages)
+                                max_messages=self.rc.openai_max_messages,
+                                read_timeout_s=self.rc.openai_read_timeout_s)
         self.agent_counters = AgentCounters()
         host, _, port = self.rc.serve_openai.rpartition(":")
         try:

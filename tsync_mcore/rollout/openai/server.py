@@ -68,6 +68,7 @@ from tsync_mcore.rollout.openai.session import Session, SessionError, assistant_
 
 MAX_BODY_BYTES = 8 << 20  # a request body: a long conversation fits, a flood does not
 MAX_MESSAGES = 4096  # messages in one chat request
+READ_TIMEOUT_S = 30.0  # a request's headers, then its body, each arrive within this
 
 
 def _connection_cap() -> int:
@@ -207,6 +208,42 @@ class _Tools:
     calls: int = 0
 
 
+def _header_deadline_protocol(timeout_s: float):
+    """uvicorn's h11 protocol with a deadline for each request's headers: uvicorn closes an
+    idle keep-alive connection, but one that sends a partial request line or headers
+    slowly (or nothing after connecting) would hold its descriptor for ever."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadline(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self.loop.call_later(timeout_s, self._expire)
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()  # still no complete request line and headers
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()  # the next request's headers (uvicorn's keep-alive timer too)
+
+        def connection_lost(self, exc) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+    return HeaderDeadline
+
+
 class OpenAIServer:
     """Sessions + the FastAPI app. `register` a trajectory before its agent starts,
     `close` it when the agent is done; `current_version()` is the policy version the
@@ -216,9 +253,10 @@ class OpenAIServer:
                  history: str = "segment", temperature: float = 1.0,
                  current_version: Callable[[], int] | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES, max_messages: int = MAX_MESSAGES,
-                 max_connections: int = 0) -> None:
+                 max_connections: int = 0, read_timeout_s: float = READ_TIMEOUT_S) -> None:
         self.engine, self.tok, self.api_key, self.model = engine, tokenizer, api_key, model
         self.max_body_bytes, self.max_messages = max_body_bytes, max_messages
+        self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections or _connection_cap()
         self.history, self.temperature = history, temperature
         self.current_version = current_version or (lambda: int(getattr(engine, "version", 0)))
@@ -360,7 +398,8 @@ class OpenAIServer:
         # agent processes keep theirs); an idle keep-alive connection closes after 5 s.
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off",
                                 access_log=False, limit_concurrency=self.max_connections,
-                                timeout_keep_alive=5)
+                                timeout_keep_alive=5,
+                                http=_header_deadline_protocol(self.read_timeout_s))
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # older uvicorn
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
@@ -390,11 +429,20 @@ class OpenAIServer:
         if declared.isdigit() and int(declared) > limit:
             raise too_big
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                chunks.append(chunk)
+
+        try:  # a body trickled in byte by byte would hold its connection for ever
+            await asyncio.wait_for(read(), self.read_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"request body not received within {self.read_timeout_s:g} s",
+                           kind="invalid_request_error") from None
         raw = b"".join(chunks)
         try:
             return json.loads(raw) if size < (64 << 10) else await asyncio.to_thread(
