@@ -9,13 +9,16 @@ with what a file reload of the same weights (publish.method: file) leaves there.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import secrets
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.dist_util import REPO_ROOT, run_dist
@@ -75,7 +78,7 @@ def open_group(et, engines, timeout_s=30.0, key=None, rank0_key=None):
         th.join()
     if "error" in out:
         raise out["error"]
-    return out["pg"], store
+    return out["pg"], (store, pd.Seal(store))  # sealed, as the rollout does once formed
 
 
 def test_a_member_without_the_runs_secret_is_refused_before_any_weight(rig, ckpts):
@@ -88,8 +91,19 @@ def test_a_member_without_the_runs_secret_is_refused_before_any_weight(rig, ckpt
     with pytest.raises(Exception, match=r"rank\(s\) \[0\] did not prove the run's secret"):
         open_group(et, engines, timeout_s=20, key=key, rank0_key=pd.group_key(b"x" * 32, "t"))
     assert digests(et, engines) == before
-    pg, _store = open_group(et, engines, timeout_s=20, key=key)
+    pg, (store, seal) = open_group(et, engines, timeout_s=20, key=key)
     assert pg is not None
+    # formed: the store is emptied and kept empty, so an outsider lists nothing (not the
+    # token) and a value it parks there is gone within the sweep period
+    outsider = TCPStore("127.0.0.1", store.port, is_master=False,
+                        timeout=datetime.timedelta(seconds=5))
+    assert outsider.list_keys() == []
+    outsider.set("flood", b"x" * (7 << 20))
+    deadline = time.monotonic() + 5
+    while outsider.list_keys() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert outsider.list_keys() == [] and seal.deleted >= 1
+    digests(et, engines)  # the engines go on
 
 
 def receive_all(et, engines, msg):

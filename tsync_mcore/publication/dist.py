@@ -29,9 +29,12 @@ import hmac
 import os
 import json
 import math
+import threading
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+
+import threading
 
 import torch
 
@@ -193,6 +196,33 @@ def host_store(addr: str, port: int, timeout_s: float):
                         timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as e:  # noqa: BLE001 — the OS error names the problem
         raise PublishError(f"publication store at {addr}:{port}: {e}") from None
+
+
+class Seal:
+    """The rendezvous store emptied once the group has formed, and kept empty: nothing
+    needs it after that, and it has no authentication, so any local process could list
+    the group's token or park values in the host's memory. Every key is deleted now, and
+    whatever is set later within `period_s` (`deleted` counts those)."""
+
+    def __init__(self, store, period_s: float = 0.2) -> None:
+        self.store, self.period_s = store, period_s
+        self.deleted = 0
+        self._stop = threading.Event()
+        for k in store.list_keys():  # the group's own keys, before this returns
+            store.delete_key(k)
+        threading.Thread(target=self._sweep, name="tsync-store-seal", daemon=True).start()
+
+    def _sweep(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                for k in self.store.list_keys():
+                    self.store.delete_key(k)
+                    self.deleted += 1
+            except Exception:  # noqa: BLE001 — the store is going away with the run
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def group_key(secret: bytes, token: str) -> bytes:

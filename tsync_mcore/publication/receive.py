@@ -76,8 +76,8 @@ async def reload(engine, link: Link, msg: Publish, mode: str = "keep",
 def open_group(cfg, link: Link, engine, et):
     """publish.method: dist: serve the group's rendezvous store at channel.addr, tell
     learner rank 0 (`link`) where (and the group's random name), and join every engine
-    worker (group ranks 1..) on the engine thread `et`; returns the store (keep it) once
-    the learner joined too (rank 0)."""
+    worker (group ranks 1..) on the engine thread `et`; once the learner joined too (rank
+    0), returns the store and its Seal (keep both)."""
     import secrets
 
     import torch
@@ -103,7 +103,8 @@ def open_group(cfg, link: Link, engine, et):
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise RolloutStopped(f"publish.method: dist: joining the publication group at "
                              f"{ch.addr}:{store.port} failed: {why}") from None
-    return store
+    # formed and authenticated: nothing left to list, nothing to park there
+    return store, publish_dist.Seal(store)
 
 
 def await_publish(link: Link, version: int, timeout_s: float, publish_dir: str,

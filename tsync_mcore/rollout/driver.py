@@ -337,6 +337,7 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
     def _open_publish_group(self) -> None:
         """publish.method: dist: receive.open_group (the learner joins as rank 0)."""
         self._publish_store = receive.open_group(self.cfg, self.links[0], self.engine, self.et)
+        # (the store and its Seal: kept for the run)
 
     def _recv(self, rank: int, kind: type):
         msg = self.links[rank].recv(timeout_s=self.cfg.channel.timeout_s)
