@@ -337,3 +337,79 @@ def test_own_behaviour_gives_weights_of_one_and_reports_the_mismatch(tiny_qwen2,
     assert rel_l2(on.grad, plain.grad) <= 1e-5  # the correction is (numerically) inert
     # No behaviour log-probs: no mismatch figures.
     assert plain.summary.mismatch_tokens == 0 and plain.summary.is_weight_mean is None
+
+
+# --- mismatch guards beyond TIS: masked IS, sequence-level TIS/MIS, rejection --------------
+
+def _guard_weights(lp: list[float], b: list[float], mode: str, low: float,
+                   cap: float) -> list[float]:
+    """ρ of one sequence's scored tokens, written out with floats (docs/design/objectives.md)."""
+    r = [math.exp(x - y) for x, y in zip(lp, b)]
+    if mode == "mis":
+        return [x if low <= x <= cap else 0.0 for x in r]
+    g = math.exp(sum(x - y for x, y in zip(lp, b)) / len(lp))
+    keep = low <= g <= cap
+    return {"seq_tis": [min(g, cap)] * len(r), "seq_mis": [g if keep else 0.0] * len(r),
+            "seq_reject": [1.0 if keep else 0.0] * len(r)}[mode]
+
+
+def reference_grpo_guard(model, rows, mode, low, cap) -> tuple[dict, int, int]:
+    """J = (1/n_groups) Σ_G (1/m) Σ_i A_i (1/L_i) Σ_t ρ_t log π_θ(a_t) with the guard's ρ
+    (a dropped token keeps its place in L_i); also (tokens dropped, tokens truncated)."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r)
+    J, dropped, cut = torch.zeros((), dtype=torch.float64), 0, 0
+    for members in groups.values():
+        adv = advantages(torch.tensor([r["reward"] for r in members], dtype=torch.float64),
+                         "grpo")
+        for a, r in zip(adv, members):
+            at = [t for t in range(1, len(r["tokens"])) if r["scored_mask"][t]]
+            if not at:
+                continue
+            lp = _token_logp(model, r["tokens"])
+            scored = torch.stack([lp[t - 1] for t in at])
+            b = [r["behaviour_logprobs"][t] for t in at]
+            rho = _guard_weights(scored.tolist(), b, mode, low, cap)
+            dropped += sum(x == 0.0 for x in rho) if mode != "seq_tis" else 0
+            if mode == "seq_tis":
+                cut += len(at) * (math.exp(sum(x - y for x, y in zip(scored.tolist(), b))
+                                           / len(at)) > cap)
+            J = J + a / (len(groups) * len(members) * len(at)) * \
+                (torch.tensor(rho, dtype=torch.float64) * scored).sum()
+    return _grads(model, J), dropped, cut
+
+
+@pytest.mark.parametrize("mode,low,cap", [("mis", 0.6, CAP), ("seq_tis", 0.0, 1.15),
+                                          ("seq_mis", 0.9, 1.15), ("seq_reject", 0.9, 1.15)])
+def test_mismatch_guards_stream_exactly_and_match_the_fp64_reference(
+        tiny_qwen2, parallel1, off_policy_runs, mode, low, cap):
+    """Each guard's weights are fixed at the source's arrival: thundersync (shared prompts,
+    k_open 1) equals sync, and both the FP64 reference written out per sequence; the
+    dropped / truncated shares are the reference's counts."""
+    rows = _with_behaviour(off_policy_runs["model"],
+                           make_batch(VOCAB, n_groups=4, m=3, version=0, seed=17), seed=5)
+    srcs = _sources(rows)
+    kw = dict(is_correction=mode, is_cap=cap, is_low=low)
+    sync = _update(_learner(tiny_qwen2, parallel1, schedule="sync", shared_prefix=False, **kw),
+                   srcs)
+    ts = _update(_learner(tiny_qwen2, parallel1, schedule="thundersync", k_open=1, **kw), srcs)
+    ref, dropped, cut = reference_grpo_guard(off_policy_runs["model"], rows, mode, low, cap)
+    err_sync, err_ref = rel_l2(ts.grad, sync.grad), rel_l2(ts.grad, ref)
+    u = ts.summary
+    print(f"{mode} [{low}, {cap}]: thundersync vs sync {err_sync:.2e}, vs FP64 {err_ref:.2e}, "
+          f"dropped {u.is_dropped_share:.0%}, truncated {u.is_truncated_share:.0%}")
+    assert err_sync <= 1e-6 and err_ref <= 1e-5
+    n = u.mismatch_tokens
+    assert n == u.scored_tokens and u.is_dropped_share == pytest.approx(dropped / n)
+    assert (u.is_truncated_share == pytest.approx(cut / n)) if mode == "seq_tis" else \
+        0 < dropped < n  # the guard acted on some tokens and not on all
+    if mode == "seq_tis":
+        assert 0 < cut < n
+
+
+def test_sequence_guards_are_refused_for_opd():
+    from tsync_mcore.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match="'seq_mis' weights a whole sequence"):
+        load_config(None, {"learner.objective": "opd", "learner.is_correction": "seq_mis"})
+    load_config(None, {"learner.objective": "opd", "learner.is_correction": "mis"})

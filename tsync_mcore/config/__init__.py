@@ -149,11 +149,14 @@ class LearnerConfig:
     # fully_async: a source whose oldest scored token is more than this many updates behind
     # is dropped (and counted), never trained on; one_step_off's lag is 1 by construction
     max_staleness: int = 1
-    # off-policy correction: "tis" weights each scored token by min(π_θ/π_behaviour, is_cap)
-    # with the rollout's sampling log-probs (truncated importance sampling); "none" trains
-    # the same surrogate on every schedule (the paper's comparison)
-    is_correction: Literal["none", "tis"] = "none"
-    is_cap: float = 2.0  # C in min(π_θ/π_behaviour, C)
+    # off-policy correction with the rollout's sampling log-probs, r = π_θ/π_behaviour
+    # (docs/design/objectives.md): "tis" weights each scored token by min(r, is_cap); "mis"
+    # by r, or 0 outside [is_low, is_cap]; "seq_tis" / "seq_mis" / "seq_reject" the same
+    # with the sequence's geometric-mean ratio (GRPO); "none" trains the same surrogate on
+    # every schedule (the paper's comparison)
+    is_correction: Literal["none", "tis", "mis", "seq_tis", "seq_mis", "seq_reject"] = "none"
+    is_cap: float = 2.0  # C: the upper bound (tis, seq_tis truncate at it; the rest drop above)
+    is_low: float = 0.0  # mis, seq_mis, seq_reject: ratios below this drop out (0: none)
     k_open: int = 4  # admission cap: groups per rank holding G1/G2 at once
     accum: AccumPlacement = "device"  # "host": pinned host memory for large models
     # fp64 doubles accumulator memory (8(2k+1)P bytes) but makes the update independent of
@@ -230,6 +233,11 @@ class LearnerConfig:
         _check(self.max_staleness >= 1, "learner.max_staleness",
                f"must be >= 1, got {self.max_staleness}")
         _check(self.is_cap >= 1, "learner.is_cap", f"must be >= 1, got {self.is_cap}")
+        _check(0 <= self.is_low <= 1, "learner.is_low", f"must be in [0, 1], got {self.is_low}")
+        _check(not (self.is_correction.startswith("seq_") and self.objective == "opd"),
+               "learner.is_correction", f"'{self.is_correction}' weights a whole sequence by "
+               f"its geometric-mean ratio, which needs all its scored tokens at once; OPD "
+               f"trains each turn as it is scored (use tis or mis)")
         _check(self.lm_head_chunk > 0, "learner.lm_head_chunk",
                f"must be > 0 (tokens per chunk of the fused LM head), got {self.lm_head_chunk}")
         _check(self.schedule in ("sync", "group_ready", "thundersync")
@@ -733,8 +741,9 @@ class ToolsConfig:
     # a private /tmp, only the episode's directories writable; else a warning; "require":
     # fail where not permitted; "none": the host's view of the filesystem
     isolation: Literal["isolate", "require", "none"] = "isolate"
-    disk_mb: int = 64  # run as root: each call's private /tmp, and each episode's repo (a
-    disk_inodes: int = 4096  # tmpfs of its own): bytes and files
+    # run as root: bytes of each call's private /tmp and of each episode's repo (a tmpfs)
+    disk_mb: int = 64
+    disk_inodes: int = 4096  # files of each call's private /tmp and of each episode's repo
     # run as root: each episode (each call without one) runs under a uid of its own drawn
     # from [uid_base, uid_base + 2^20), none of the host's; 0: every call as `user`
     uid_base: int = 1 << 24

@@ -62,9 +62,9 @@ class Policy:
             lora.attach(self.model, self.spec, self.lora, init=init, seed=cfg.seed)
         self.attention_mode = bridge.attention_mode(self.model)  # what the FLOP ledger counts
         o = cfg.optim
-        # One data-parallel rank has nothing to shard: the distributed optimizer would still
+        # A single process has nothing to shard: the distributed optimizer would still
         # reduce-scatter the gradient and all-gather θ through the collective each step.
-        self.sharded = o.distributed and self.par.world_size > self.par.tp_size
+        self.sharded = o.distributed and self.par.world_size > 1
         self.ddp = optimizer.wrap_ddp(self.model, use_distributed_optimizer=self.sharded)
         # constant: Megatron's constant style keeps max_lr; min_lr = lr says so in its state
         min_lr = o.lr if o.lr_schedule == "constant" else o.min_lr
@@ -247,6 +247,11 @@ class Policy:
 
     def zero_grads(self) -> None:
         self.ddp.zero_grad_buffer()
+        if not self.sharded:
+            # Megatron's plain optimizer points each param.grad at its main_grad for the
+            # step; left there, autograd would accumulate the next backward into the buffer
+            # a second time (through param.grad) besides DDP's hook
+            self.optimizer.zero_grad(set_to_none=True)
 
     # --- the barrier ----------------------------------------------------------------------
 

@@ -274,8 +274,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="learner.max_staleness: fully_async's lag bound")
     p.add_argument("--is-correction", default=None, choices=list(CORRECTIONS),
                    help="learner.is_correction: tis weights each scored token by "
-                        "min(π_θ/π_behaviour, --is-cap) from its behaviour_logprobs")
+                        "min(π_θ/π_behaviour, --is-cap) from its behaviour_logprobs; mis, "
+                        "seq_tis, seq_mis, seq_reject as docs/design/objectives.md")
     p.add_argument("--is-cap", type=float, default=None, help="learner.is_cap")
+    p.add_argument("--is-low", type=float, default=None, help="learner.is_low")
     p.add_argument("--start-version", type=int, default=0,
                    help="the policy version of --model: the first update is this one "
                         "(default 0); e.g. 1 to replay update 1 of a one_step_off run")
@@ -345,6 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
                      ("learner.max_staleness", args.max_staleness),
                      ("learner.is_correction", args.is_correction),
                      ("learner.is_cap", args.is_cap),
+                     ("learner.is_low", args.is_low),
                      ("learner.max_tokens_per_pass", args.max_tokens_per_pass),
                      ("learner.routing_replay", args.routing_replay),
                      ("optim.lr", args.lr), ("seed", args.seed),

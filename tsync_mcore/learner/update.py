@@ -96,7 +96,8 @@ class Learner:
         # Longest source accepted: the model's positions, or less (learner.max_tokens).
         self.max_tokens = min(policy.spec.max_position, cfg.max_tokens or policy.spec.max_position)
         # learner.is_correction/is_cap, and the mismatch sums of the sources served since close
-        self.off_policy = OffPolicy(cfg.is_correction, cfg.is_cap, policy.device)
+        self.off_policy = OffPolicy(cfg.is_correction, cfg.is_cap, policy.device,
+                                    low=cfg.is_low)
         # Packed serving (learner.max_tokens_per_pass): direct-fold units run together in
         # one forward/backward; 0 (or a model that cannot run packed forwards): one by one.
         self.pack_budget = cfg.max_tokens_per_pass

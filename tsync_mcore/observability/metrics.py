@@ -36,7 +36,8 @@ TRACKER_NAMES: dict[str, tuple[str, float]] = {
     # off-policy figures (docs/design/async.md#off-policy-correction-and-the-lag-and-mismatch-figures): the same keys under one prefix
     **{k: (f"off_policy/{k}", 1.0) for k in (
         "policy_lag_mean", "policy_lag_max", "lagged_token_share", "logprob_diff_mean",
-        "is_weight_mean", "is_weight_max", "is_weight_min", "is_truncated_share")},
+        "is_weight_mean", "is_weight_max", "is_weight_min", "is_truncated_share",
+        "is_dropped_share")},
 }
 
 
@@ -108,7 +109,7 @@ def reduce_stats(rows: Iterable[list[float]]) -> dict:
 # UpdateRecord carries them (reduced over DP ranks by the learner's close).
 OFF_POLICY_FIELDS = ("policy_lag_mean", "policy_lag_max", "lagged_token_share",
                      "mismatch_tokens", "logprob_diff_mean", "is_weight_mean", "is_weight_max",
-                     "is_weight_min", "is_truncated_share")
+                     "is_weight_min", "is_truncated_share", "is_dropped_share")
 
 
 def off_policy_metrics(update: UpdateRecord) -> dict:

@@ -152,7 +152,8 @@ class UpdateRecord:
     is_weight_mean: float | None = None  # mean of π_θ/π_behaviour (before truncation)
     is_weight_max: float | None = None
     is_weight_min: float | None = None
-    is_truncated_share: float | None = None  # share with π_θ/π_behaviour > learner.is_cap
+    is_truncated_share: float | None = None  # share whose weight the cap truncated
+    is_dropped_share: float | None = None  # share the guard gave weight 0 (mis, seq_*)
     kind: Literal["update"] = "update"  # fixed per class
 
     @property

@@ -4,7 +4,7 @@ talking to the rollout's OpenAI-compatible endpoint (openai_server), with the en
 address and its trajectory id in its environment:
 
     OPENAI_BASE_URL      http://HOST:PORT/t/<trajectory id>/v1
-    OPENAI_API_KEY       the run's random key (the endpoint checks it)
+    OPENAI_API_KEY       this trajectory's own key (valid for its routes, while it is open)
     TSYNC_TRAJECTORY_ID  the trajectory id;  TSYNC_GROUP_ID  its GRPO group
     TSYNC_TASK           the task as JSON: {"messages": [...], "max_turns", "max_tokens_per_turn",
                          "temperature", "model"} (+ "tools": their OpenAI schemas)
