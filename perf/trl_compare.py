@@ -12,7 +12,8 @@ reward function, group size, batch, completion length, temperature, optimizer an
    adds trl (and whatever trl needs that is missing) and never a second torch.
 2. TRL runs in that venv (perf/trl_runner.py): one optimizer step per batch of
    groups × group-size completions, generated at once with transformers (no vLLM),
-   num_iterations 1, no KL, constant LR, FP32 on CPU. Per update: the wall time from the
+   num_iterations 1, no KL, constant LR, FP32 on CPU (BF16 autocast when tsync-mcore runs
+   model.dtype=bf16: both sides then train in BF16). Per update: the wall time from the
    trainer's step begin to its step end, and the batch's reward mean.
 3. tsync-mcore runs `launch/run.py` on the same settings (the config is written to
    OUT/tsync.yaml; --tsync-set adds overrides, which the TRL side follows too where they
@@ -104,7 +105,8 @@ def check_comparable(cfg: Any) -> None:
         (oc.lr_schedule == "constant" and oc.warmup_updates == 0, "optim.lr_schedule",
          "the comparison runs a constant LR without warm-up"),
         (not cfg.model.use_lora, "model.lora", "the comparison trains every weight"),
-        (cfg.model.dtype == "fp32", "model.dtype", "the comparison runs FP32"),
+        (cfg.model.dtype in ("fp32", "bf16"), "model.dtype",
+         "the comparison runs fp32, or bf16 on both sides"),
         (rc.env == "dataset", "rollout.env", "TRL gets data.train's rows: use dataset"),
         (cfg.data.chat_template, "data.chat_template",
          "TRL's prompts are chat messages: set true"),
@@ -116,8 +118,9 @@ def check_comparable(cfg: Any) -> None:
             raise CompareError(f"{key}: {why}")
 
 
-def grpo_kwargs(cfg: Any, out_dir: str) -> dict[str, Any]:
-    """GRPOConfig's keyword arguments for the work tsync-mcore's `cfg` describes."""
+def grpo_kwargs(cfg: Any, out_dir: str, precision: str = "") -> dict[str, Any]:
+    """GRPOConfig's keyword arguments for the work tsync-mcore's `cfg` describes;
+    `precision` (fp32 | bf16) sets TRL's own ("": as tsync-mcore's model.dtype)."""
     check_comparable(cfg)
     rc, oc = cfg.rollout, cfg.optim
     batch = rc.groups_per_batch * rc.group_size
@@ -136,8 +139,10 @@ def grpo_kwargs(cfg: Any, out_dir: str) -> dict[str, Any]:
         learning_rate=oc.lr, lr_scheduler_type="constant", warmup_steps=0,
         adam_beta1=oc.beta1, adam_beta2=oc.beta2, adam_epsilon=oc.eps,
         weight_decay=oc.weight_decay, max_grad_norm=oc.clip_grad,
-        # FP32 on the CPU; TRL's defaults (bf16, gradient checkpointing) are for GPUs
-        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, use_vllm=False,
+        # the precision tsync-mcore's model.dtype names (TRL: FP32 weights, BF16 autocast
+        # for bf16, as its Trainer runs it); no gradient checkpointing, no vLLM
+        use_cpu=True, bf16=(precision or cfg.model.dtype) == "bf16", fp16=False,
+        gradient_checkpointing=False, use_vllm=False,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True)
 
 
@@ -287,12 +292,13 @@ def _fresh(path: str) -> str:
     return path
 
 
-def run_trl(py: str, cfg: Any, order: list[int], out: str) -> dict[str, Any]:
+def run_trl(py: str, cfg: Any, order: list[int], out: str,
+            precision: str = "") -> dict[str, Any]:
     out = _fresh(out)
     spec = {"model": cfg.model.hf_dir, "train": cfg.data.train, "order": order,
             "prompt_key": cfg.data.prompt_key, "label_key": cfg.data.label_key,
             "system_prompt": cfg.data.system_prompt, "reward": cfg.reward.function,
-            "out": out, "grpo": grpo_kwargs(cfg, out)}
+            "out": out, "grpo": grpo_kwargs(cfg, out, precision)}
     path = os.path.join(out, "spec.json")
     with open(path, "w") as f:
         json.dump(spec, f, indent=1)
@@ -397,6 +403,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="no TRL run (its part of an earlier OUT/result.json is kept)")
     p.add_argument("--skip-tsync", action="store_true",
                    help="no tsync-mcore run (its part of an earlier OUT/result.json is kept)")
+    p.add_argument("--trl-precision", choices=("", "fp32", "bf16"), default="",
+                   help="TRL's precision (bf16: FP32 weights under BF16 autocast); default: "
+                        "tsync-mcore's model.dtype")
     p.add_argument("--tsync-schedule", choices=ON_POLICY, default="thundersync")
     p.add_argument("--tsync-placement", choices=("split", "shared"), default="split",
                    help="split: rollout and learner on disjoint halves of the cores "
@@ -493,7 +502,10 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "learner": {k: getattr(cfg.learner, k) for k in
                     ("objective", "schedule", "token_norm", "adv_std", "adv_eps")},
         "launch": {"rollout_cpus": cfg.launch.rollout_cpus,
-                   "learner_cpus": cfg.launch.learner_cpus}}}
+                   "learner_cpus": cfg.launch.learner_cpus},
+        # tsync-mcore's learner and rollout precision, and TRL's (BF16: autocast)
+        "precision": {"tsync_learner": cfg.model.dtype, "tsync_rollout": cfg.rollout.dtype,
+                      "trl": args.trl_precision or cfg.model.dtype}}}
     # the rows tsync-mcore's rollout visits: group g of batch k is data position k·G + g
     sampler = EpochSampler(len(train), cfg.seed, cfg.data.shuffle)
     order = [sampler.index(p) for p in range(cfg.run.updates * cfg.rollout.groups_per_batch)]
@@ -506,7 +518,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             result["trl"] = old["trl"]
     else:
         py = ensure_venv(args.venv, args.find_links)
-        result["trl"] = run_trl(py, cfg, order, os.path.join(args.out, "trl"))
+        result["trl"] = run_trl(py, cfg, order, os.path.join(args.out, "trl"),
+                                args.trl_precision)
     if args.skip_tsync:
         if "tsync" in old:
             result["tsync"] = old["tsync"]

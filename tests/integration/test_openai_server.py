@@ -1069,6 +1069,9 @@ def test_silent_slow_header_and_slow_body_connections_are_cut(et, tok):
 HOSTILE_AGENT = r'''
 import json, os, sys
 import httpx
+agent = [sys.executable, "-m", "tsync_mcore.rollout.openai.agents.terminal"]
+if os.environ["TSYNC_TRAJECTORY_ID"] != "evil":  # the honest episode's agent
+    os.execv(sys.executable, agent)
 base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
 root = base.split("/t/")[0]
 msg = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -1080,8 +1083,9 @@ tries = {"reward": ("/t/victim/v1/reward", {"reward": 1e6}, {}),
 out = {k: httpx.post(root + p, json=b, headers={"Authorization": f"Bearer {key}", **h},
                      timeout=10).status_code for k, (p, b, h) in tries.items()}
 out["secrets_in_env"] = sorted(k for k in os.environ if "SECRET" in k or "WANDB" in k)
-print("HOSTILE " + json.dumps(out), flush=True)
-os.execv(sys.executable, [sys.executable, "-m", "tsync_mcore.rollout.openai.agents.terminal"])
+with open(json.loads(os.environ["TSYNC_TASK"])["report"], "w") as f:
+    json.dump(out, f)
+os.execv(sys.executable, agent)
 '''
 
 
@@ -1149,7 +1153,8 @@ def test_a_hostile_agent_and_model_on_the_terminal_task_through_the_endpoint(
         out = {}
         async for i, res in run_agents(
                 server, traj_ids=["victim", "evil"], group_of=["g", "g"],
-                tasks=[{"messages": m, "model": "m", "temperature": 1.0, **limits}
+                tasks=[{"messages": m, "model": "m", "temperature": 1.0,
+                        "report": str(tmp_path / "hostile.json"), **limits}
                        for m in msgs], seeds=[1, 2], version=3, limits=limits,
                 command=f"{sys.executable} {agent}", timeout_s=60, failed_reward=-1.0,
                 concurrency=0, task_reward=lambda i, actions: envs[i].verify(),
@@ -1167,9 +1172,7 @@ def test_a_hostile_agent_and_model_on_the_terminal_task_through_the_endpoint(
         left = sorted(os.listdir(canary))
         shutil.rmtree(canary, ignore_errors=True)
     assert kept == "keep\n" and left == ["keep"]  # the canary directory is untouched
-    logs = {t: (tmp_path / "agent" / "logs" / f"{t}.log").read_text() for t in ("evil",)}
-    hostile = json.loads(next(line for line in logs["evil"].splitlines()
-                              if line.startswith("HOSTILE "))[len("HOSTILE "):])
+    hostile = json.loads((tmp_path / "hostile.json").read_text())
     assert hostile == {"reward": 401, "done": 401, "chat": 401, "tools": 401, "pool": 401,
                        "secrets_in_env": []}, hostile
     assert out[0].reward == 1.0 and out[1].reward == 0.0, (out[0].reward, out[1].reward)
