@@ -504,7 +504,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "launch": {"rollout_cpus": cfg.launch.rollout_cpus,
                    "learner_cpus": cfg.launch.learner_cpus},
         # tsync-mcore's learner and rollout precision, and TRL's (BF16: autocast)
-        "precision": {"tsync_learner": cfg.model.dtype, "tsync_rollout": cfg.rollout.dtype,
+        "precision": {"tsync_learner": cfg.model.dtype, "tsync_autocast": cfg.model.autocast,
+                      "tsync_rollout": cfg.rollout.dtype,
                       "trl": args.trl_precision or cfg.model.dtype}}}
     # the rows tsync-mcore's rollout visits: group g of batch k is data position k·G + g
     sampler = EpochSampler(len(train), cfg.seed, cfg.data.shuffle)

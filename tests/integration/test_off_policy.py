@@ -380,32 +380,48 @@ def reference_grpo_guard(model, rows, mode, low, cap) -> tuple[dict, int, int]:
     return _grads(model, J), dropped, cut
 
 
-@pytest.mark.parametrize("mode,low,cap", [("mis", 0.6, CAP), ("seq_tis", 0.0, 1.15),
-                                          ("seq_mis", 0.9, 1.15), ("seq_reject", 0.9, 1.15)])
+GUARDS = [("mis", 0.6, CAP), ("seq_tis", 0.0, 1.15), ("seq_mis", 0.9, 1.15),
+          ("seq_reject", 0.9, 1.15)]
+
+
 def test_mismatch_guards_stream_exactly_and_match_the_fp64_reference(
-        tiny_qwen2, parallel1, off_policy_runs, mode, low, cap):
+        tiny_qwen2, parallel1, off_policy_runs):
     """Each guard's weights are fixed at the source's arrival: thundersync (shared prompts,
     k_open 1) equals sync, and both the FP64 reference written out per sequence; the
-    dropped / truncated shares are the reference's counts."""
+    dropped / truncated shares are the reference's counts. (One learner per schedule for
+    every guard: at lr 1e-30 the step leaves θ as it was.)"""
+    from tsync_mcore.objectives.off_policy import OffPolicy
     rows = _with_behaviour(off_policy_runs["model"],
                            make_batch(VOCAB, n_groups=4, m=3, version=0, seed=17), seed=5)
-    srcs = _sources(rows)
-    kw = dict(is_correction=mode, is_cap=cap, is_low=low)
-    sync = _update(_learner(tiny_qwen2, parallel1, schedule="sync", shared_prefix=False, **kw),
-                   srcs)
-    ts = _update(_learner(tiny_qwen2, parallel1, schedule="thundersync", k_open=1, **kw), srcs)
-    ref, dropped, cut = reference_grpo_guard(off_policy_runs["model"], rows, mode, low, cap)
-    err_sync, err_ref = rel_l2(ts.grad, sync.grad), rel_l2(ts.grad, ref)
-    u = ts.summary
-    print(f"{mode} [{low}, {cap}]: thundersync vs sync {err_sync:.2e}, vs FP64 {err_ref:.2e}, "
-          f"dropped {u.is_dropped_share:.0%}, truncated {u.is_truncated_share:.0%}")
-    assert err_sync <= 1e-6 and err_ref <= 1e-5
-    n = u.mismatch_tokens
-    assert n == u.scored_tokens and u.is_dropped_share == pytest.approx(dropped / n)
-    assert (u.is_truncated_share == pytest.approx(cut / n)) if mode == "seq_tis" else \
-        0 < dropped < n  # the guard acted on some tokens and not on all
-    if mode == "seq_tis":
-        assert 0 < cut < n
+    from tsync_mcore.config import load_config
+    from tsync_mcore.learner.policy import Policy
+    from tsync_mcore.learner.update import Learner
+
+    def learner(**kw):
+        cfg = load_config(None, {"model.hf_dir": tiny_qwen2, "optim.lr": 1e-30,
+                                 **{f"learner.{k}": v for k, v in kw.items()}})
+        return Learner(cfg.learner, Policy(cfg, par=parallel1))
+    learners = {"sync": learner(schedule="sync", shared_prefix=False),
+                "ts": learner(schedule="thundersync", k_open=1)}
+    for k, (mode, low, cap) in enumerate(GUARDS):
+        srcs = _sources([dict(r, policy_version=k) for r in rows])  # update k's samples
+        res = {}
+        for name, ln in learners.items():
+            ln.off_policy = OffPolicy(mode, cap, ln.policy.device, low=low)
+            res[name] = _update(ln, srcs)
+        ref, dropped, cut = reference_grpo_guard(off_policy_runs["model"], rows, mode, low, cap)
+        err_sync, err_ref = rel_l2(res["ts"].grad, res["sync"].grad), rel_l2(res["ts"].grad, ref)
+        u = res["ts"].summary
+        print(f"{mode} [{low}, {cap}]: thundersync vs sync {err_sync:.2e}, vs FP64 "
+              f"{err_ref:.2e}, dropped {u.is_dropped_share:.0%}, truncated "
+              f"{u.is_truncated_share:.0%}")
+        assert err_sync <= 1e-6 and err_ref <= 1e-5, mode
+        n = u.mismatch_tokens
+        assert n == u.scored_tokens and u.is_dropped_share == pytest.approx(dropped / n)
+        if mode == "seq_tis":
+            assert u.is_truncated_share == pytest.approx(cut / n) and 0 < cut < n
+        else:  # the guard acted on some tokens and not on all
+            assert 0 < dropped < n, mode
 
 
 def test_sequence_guards_are_refused_for_opd():

@@ -128,7 +128,9 @@ def test_launch_and_rollout_engine_keys_are_checked():
                            ({"rollout.tp": 0}, "rollout.tp"),
                            ({"rollout.gpu_memory_utilization": 1.5},
                             "rollout.gpu_memory_utilization"),
-                           ({"rollout.dtype": "fp16"}, "rollout.dtype")]:
+                           ({"rollout.dtype": "fp16"}, "rollout.dtype"),
+                           ({"model.dtype": "bf16", "model.autocast": "bf16"},
+                            "model.autocast")]:
         with pytest.raises(ConfigError, match=f"'{key}'"):
             load_config(None, overrides)
 

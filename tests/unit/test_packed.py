@@ -522,3 +522,27 @@ def test_pair_pass_waits_only_within_its_overhead_of_the_expected_last_arrival()
     assert pays(6.5)  # the expected end passed unmet (a longer rollout): stream again
     assert pays(5.6, overhead=None) and pays(5.6, end=None)  # nothing measured yet: stream
     assert pays(5.6, kind="turn") and pays(5.6, pack_arrivals=False)
+
+
+def test_autocast_learner_keeps_fp32_weights_and_lands_near_the_fp32_update(tiny_qwen2,
+                                                                           parallel1):
+    """model.autocast: bf16 runs the transformer's products in BF16 from the FP32 weights
+    (packed passes, shared prompts, the fused LM head in FP32): the weights, grad buffers
+    and exported gradient stay FP32, and the gradient is the FP32 learner's up to BF16
+    rounding — not equal to it (the products did run in BF16)."""
+    from tsync_mcore.config import load_config
+    from tsync_mcore.learner.policy import Policy
+    from tsync_mcore.learner.update import Learner
+
+    srcs, grads = _grpo(), {}
+    for ac in ("none", "bf16"):
+        cfg = load_config(None, {"model.hf_dir": tiny_qwen2, "model.attention": "sdpa",
+                                 "model.autocast": ac, "optim.lr": 1e-5})
+        policy = Policy(cfg, par=parallel1)
+        res = _update(Learner(cfg.learner, policy), srcs, chunk=4)
+        assert all(p.dtype == torch.float32 for p in policy.model.parameters())
+        assert all(b.dtype == torch.float32 for b in policy.grad_buffers())
+        grads[ac] = res.grad
+    assert all(g.dtype == torch.float32 for g in grads["bf16"].values())
+    err = rel_l2(grads["bf16"], grads["none"])
+    assert 1e-5 < err < 5e-2, err

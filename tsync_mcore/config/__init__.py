@@ -72,6 +72,10 @@ class ModelConfig:
 
     hf_dir: str = ""  # Hugging Face checkpoint directory (Qwen2/Qwen3/Qwen3-MoE/Llama)
     dtype: DType = "fp32"  # student forward/backward precision; grads accumulate in FP32
+    # "bf16": with dtype fp32, the learner's transformer runs under torch.autocast (BF16
+    # matrix products from the FP32 weights, as TRL's and Hugging Face's bf16=True); the
+    # LM head and the log-probs stay FP32, every update lands on the FP32 weights
+    autocast: Literal["none", "bf16"] = "none"
     tp: int = 1  # tensor-parallel size; data-parallel size = world size / tp
     # expert-parallel size (MoE checkpoints): each MoE layer's experts split over this many
     # data-parallel ranks, tokens reach them by all-to-all (docs/guide/moe.md)
@@ -91,6 +95,8 @@ class ModelConfig:
 
     def validate(self) -> None:
         _check(self.tp >= 1, "model.tp", f"must be >= 1, got {self.tp}")
+        _check(self.autocast == "none" or self.dtype == "fp32", "model.autocast",
+               f"autocasts FP32 weights; model.dtype is {self.dtype} (set fp32, or autocast none)")
         _check(self.ep >= 1, "model.ep", f"must be >= 1, got {self.ep}")
         _check(0 <= self.moe_aux_loss_coeff < float("inf"), "model.moe_aux_loss_coeff",
                f"must be a finite number >= 0, got {self.moe_aux_loss_coeff}")

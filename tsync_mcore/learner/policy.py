@@ -8,6 +8,7 @@ direction into the buffers, distributed reduction, global-norm clip, one optimiz
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -98,6 +99,10 @@ class Policy:
         # learner.fused_lm_head: sources and spans hand the scorer final hidden states, not
         # logits (kernels/lm_head.py); its estimated peak bytes since take_head_peak().
         self.fused_head = cfg.learner.fused_lm_head
+        # model.autocast: the transformer's forward (and so its backward) in BF16 products
+        # from the FP32 weights; the LM head and log-probs are computed outside it, in FP32
+        self._autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) \
+            if cfg.model.autocast == "bf16" else nullcontext
         self.head_chunk = cfg.learner.lm_head_chunk
         self._head_peak = 0
 
@@ -139,11 +144,12 @@ class Policy:
         # built on the host and copied asynchronously (no per-source sync)
         ids = upload(tokens, torch.long, self.device)
         pos = self.positions(scored_mask)
-        if self.fused_head:
-            head = bridge.final_hidden(self.ddp, ids[None])
-            out = replace(head, hidden=head.hidden[0])  # [S, H]
-        else:
-            out = bridge.logits(self.ddp, ids[None])[0]  # [S, V_local]
+        with self._autocast():
+            if self.fused_head:
+                head = bridge.final_hidden(self.ddp, ids[None])
+                out = replace(head, hidden=head.hidden[0].float())  # [S, H]
+            else:
+                out = bridge.logits(self.ddp, ids[None])[0].float()  # [S, V_local]
         logp = self.scored_logprob(out, ids, pos)
         rho = off_policy.weights(logp, behaviour_at(behaviour, scored_mask)) if off_policy \
             else None
@@ -178,14 +184,15 @@ class Policy:
         The same pass adds the entropy of π(· | ids[:pos]) at each scored position to the
         sums `take_entropy` returns (no gradient; its TP partials share the SUM collective)."""
         if isinstance(out, bridge.HeadInput):
-            hidden = out.hidden[pos - 1]
+            hidden = out.hidden[pos - 1].float()  # (model.autocast: FP32 from here on)
             logp, ent = K.fused_lm_head_logprob(
                 hidden, out.weight, ids[pos], vocab_start=self.vocab_start,
                 tp_group=self._tp_group, chunk=self.head_chunk, with_entropy=True)
             peak = lm_head.peak_bytes(len(pos), hidden.shape[-1], self.vocab_local,
                                       self.head_chunk, hidden.dtype)
         else:
-            logp, ent = K.scored_logprob(out[pos - 1], ids[pos], vocab_start=self.vocab_start,
+            logp, ent = K.scored_logprob(out[pos - 1].float(), ids[pos],
+                                         vocab_start=self.vocab_start,
                                          tp_group=self._tp_group, with_entropy=True)
             peak = lm_head.unfused_peak_bytes(out.shape[0], len(pos), self.vocab_local,
                                               out.dtype)
@@ -211,8 +218,10 @@ class Policy:
         """Forward of tokens at offset.. against context K/V (per-turn OPD, shared prefixes).
 
         Its output (logits, or the fused head's `bridge.HeadInput`) goes to `scored_logprob`."""
-        return span.span_forward(self.ddp, ids, offset, past, want_logits=want_logits,
-                                 stop_after_kv=stop_after_kv, fused_head=self.fused_head)
+        with self._autocast():
+            out = span.span_forward(self.ddp, ids, offset, past, want_logits=want_logits,
+                                    stop_after_kv=stop_after_kv, fused_head=self.fused_head)
+        return out
 
     # --- several sources in one pass (packed serving, docs/design/learner.md) --------------------
 
@@ -224,7 +233,8 @@ class Policy:
     def packed_kv(self, segments: list[packed.Segment]) -> list[list[span.KV]]:
         """One packed forward of `segments` up to the last layer's K/V (graph-attached),
         per segment and layer: the shared prompts of several groups at once."""
-        return packed.packed_forward(self.ddp, segments, stop_after_kv=True).kv
+        with self._autocast():
+            return packed.packed_forward(self.ddp, segments, stop_after_kv=True).kv
 
     def packed_logprobs(self, segments: list[packed.Segment], scored: list[list[int]]
                         ) -> tuple[list[torch.Tensor], list[list[span.KV]]]:
@@ -232,13 +242,15 @@ class Policy:
         `scored[i]` (indices into the segment, each ≥ 1: scored from the row before, with
         the graph), and its K/V per layer (graph-attached). The caller sums the segments'
         losses and backpropagates once; the gradient is the sum of the one-by-one ones."""
-        out = packed.packed_forward(self.ddp, segments)
+        with self._autocast():
+            out = packed.packed_forward(self.ddp, segments)
         ids = torch.cat([s.tokens for s in segments])
         pos = upload([a + p for a, ps in zip(out.starts, scored) for p in ps], torch.long,
                      self.device)
         # the LM head: fused (only the scored rows, chunk by chunk), or the output layer
-        head = bridge.head_input(self.ddp, out.hidden[:, 0]) if self.fused_head \
-            else packed.lm_head(self.ddp, out.hidden)
+        hidden = out.hidden.float()
+        head = bridge.head_input(self.ddp, hidden[:, 0]) if self.fused_head \
+            else packed.lm_head(self.ddp, hidden)
         logp = self.scored_logprob(head, ids, pos)
         return list(logp.split([len(ps) for ps in scored])), out.kv
 

@@ -48,7 +48,33 @@ def activate() -> None:
     _patch_rng()
     _patch_causal_masks()
     _patch_moe_alltoall()
+    _patch_linear_autocast()
     _active = True
+
+
+def _patch_linear_autocast() -> None:
+    """Megatron decorates its linear autograd Functions with CUDA's custom_fwd/custom_bwd:
+    their backward restores CUDA's autocast state, not the CPU's, so under
+    torch.autocast("cpu") (model.autocast) the backward would multiply BF16 gradients by
+    FP32 weights. Record the CPU autocast state in forward and restore it in backward."""
+    from megatron.core.tensor_parallel import layers
+
+    for cls in (layers.LinearWithGradAccumulationAndAsyncCommunication,
+                layers.LinearWithFrozenWeight):
+        fwd, bwd = cls.forward, cls.backward
+
+        def forward(ctx, *args, _fwd=fwd, **kwargs):
+            ctx.cpu_autocast = torch.get_autocast_dtype("cpu") \
+                if torch.is_autocast_enabled("cpu") else None
+            return _fwd(ctx, *args, **kwargs)
+
+        def backward(ctx, *grads, _bwd=bwd):
+            if getattr(ctx, "cpu_autocast", None) is None:
+                return _bwd(ctx, *grads)
+            with torch.autocast("cpu", dtype=ctx.cpu_autocast):
+                return _bwd(ctx, *grads)
+
+        cls.forward, cls.backward = staticmethod(forward), staticmethod(backward)
 
 
 # --------------------------------------------------------------------------- device queries
