@@ -101,8 +101,9 @@ class Policy:
         self.fused_head = cfg.learner.fused_lm_head
         # model.autocast: the transformer's forward (and so its backward) in BF16 products
         # from the FP32 weights; the LM head and log-probs are computed outside it, in FP32
+        self.autocasts = cfg.model.autocast == "bf16"
         self._autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) \
-            if cfg.model.autocast == "bf16" else nullcontext
+            if self.autocasts else nullcontext
         self.head_chunk = cfg.learner.lm_head_chunk
         self._head_peak = 0
 
@@ -147,9 +148,9 @@ class Policy:
         with self._autocast():
             if self.fused_head:
                 head = bridge.final_hidden(self.ddp, ids[None])
-                out = replace(head, hidden=head.hidden[0].float())  # [S, H]
+                out = replace(head, hidden=head.hidden[0])  # [S, H]
             else:
-                out = bridge.logits(self.ddp, ids[None])[0].float()  # [S, V_local]
+                out = bridge.logits(self.ddp, ids[None])[0]  # [S, V_local]
         logp = self.scored_logprob(out, ids, pos)
         rho = off_policy.weights(logp, behaviour_at(behaviour, scored_mask)) if off_policy \
             else None
@@ -184,14 +185,16 @@ class Policy:
         The same pass adds the entropy of π(· | ids[:pos]) at each scored position to the
         sums `take_entropy` returns (no gradient; its TP partials share the SUM collective)."""
         if isinstance(out, bridge.HeadInput):
-            hidden = out.hidden[pos - 1].float()  # (model.autocast: FP32 from here on)
+            # (model.autocast: BF16 hidden states meet the FP32 output weight in FP32)
+            hidden = out.hidden[pos - 1].to(out.weight.dtype)
             logp, ent = K.fused_lm_head_logprob(
                 hidden, out.weight, ids[pos], vocab_start=self.vocab_start,
                 tp_group=self._tp_group, chunk=self.head_chunk, with_entropy=True)
             peak = lm_head.peak_bytes(len(pos), hidden.shape[-1], self.vocab_local,
                                       self.head_chunk, hidden.dtype)
         else:
-            logp, ent = K.scored_logprob(out[pos - 1].float(), ids[pos],
+            rows = out[pos - 1].float() if self.autocasts else out[pos - 1]
+            logp, ent = K.scored_logprob(rows, ids[pos],
                                          vocab_start=self.vocab_start,
                                          tp_group=self._tp_group, with_entropy=True)
             peak = lm_head.unfused_peak_bytes(out.shape[0], len(pos), self.vocab_local,
@@ -248,7 +251,7 @@ class Policy:
         pos = upload([a + p for a, ps in zip(out.starts, scored) for p in ps], torch.long,
                      self.device)
         # the LM head: fused (only the scored rows, chunk by chunk), or the output layer
-        hidden = out.hidden.float()
+        hidden = out.hidden.float() if self.autocasts else out.hidden
         head = bridge.head_input(self.ddp, hidden[:, 0]) if self.fused_head \
             else packed.lm_head(self.ddp, hidden)
         logp = self.scored_logprob(head, ids, pos)
