@@ -79,6 +79,20 @@ def serve(et, engine, tok, **kw) -> OpenAIServer:
     return server
 
 
+class ByPrompt:
+    """A scripted engine: the answer `answer(prompt text)` gives, then EOS."""
+    version = 3
+
+    def __init__(self, tok, answer):
+        self.tok, self.answer = tok, answer
+
+    async def generate(self, prompt_ids, *, max_tokens, seed=None, **kw):
+        tok = self.tok
+        ids = tok(self.answer(tok.decode(prompt_ids)), add_special_tokens=False).input_ids
+        ids = (ids + [tok.eos_token_id])[:max_tokens]
+        return GenOut(ids, [-0.5] * len(ids), "stop", 3, [3] * len(ids))
+
+
 def client(server, tid, key=KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url(tid), api_key=key, max_retries=0)
 
@@ -599,16 +613,7 @@ def test_terminal_task_through_the_endpoint_runs_tools_in_the_episode_repo(et, t
                     format_tool_call("bash", {"command": "touch second"}))
         return run_test if n_tool == 2 else "Done."
 
-    class ByPrompt:
-        version = 3
-
-        async def generate(self, prompt_ids, *, max_tokens, seed=None, **kw):
-            text = answer(tok.decode(prompt_ids))
-            ids = (tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id])
-            return GenOut(ids[:max_tokens], [-0.5] * min(len(ids), max_tokens), "stop", 3,
-                          [3] * min(len(ids), max_tokens))
-
-    server = serve(et, ByPrompt(), tok)
+    server = serve(et, ByPrompt(tok, answer), tok)
     envs = [TerminalTaskEnv(tok, TerminalConfig(max_turns=4)) for _ in seeds]
     limits = dict(max_turns=4, max_tokens_per_turn=1500, max_total_tokens=12000)
     msgs = [env.start(s) for env, s in zip(envs, seeds)]
@@ -1135,18 +1140,9 @@ def test_a_hostile_agent_and_model_on_the_terminal_task_through_the_endpoint(
                            for c in attacks[n_tool:n_tool + 2])
         return "Done."
 
-    class ByPrompt:
-        version = 3
-
-        async def generate(self, prompt_ids, *, max_tokens, seed=None, **kw):
-            text = answer(tok.decode(prompt_ids))
-            ids = (tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id])
-            return GenOut(ids[:max_tokens], [-0.5] * min(len(ids), max_tokens), "stop", 3,
-                          [3] * min(len(ids), max_tokens))
-
     agent = tmp_path / "hostile_agent.py"
     agent.write_text(HOSTILE_AGENT)
-    server = serve(et, ByPrompt(), tok)
+    server = serve(et, ByPrompt(tok, answer), tok)
     limits = dict(max_turns=3, max_tokens_per_turn=1500, max_total_tokens=12000)
 
     async def go():
