@@ -604,7 +604,7 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
         out, t1 = _read(out_path, limits.max_output)
         err, t2 = _read(err_path, limits.max_output)
     rc = None if timed_out else proc.returncode
-    if rc is not None and status:
+    if rc is not None and status.isdigit():  # PID 1's report (only root held that pipe)
         rc = os.waitstatus_to_exitcode(int(status))
     limit = ("wall" if timed_out else
              "cpu" if rc == -signal.SIGXCPU or (rc == -signal.SIGKILL and
