@@ -63,6 +63,16 @@ def _entropy_reference(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * torch.where(torch.isneginf(logp), 0.0, logp)).sum(dim=-1)
 
 
+def _entropy_grad_reference(logits, targets, grad_logp, grad_ent) -> torch.Tensor:
+    """FP64 autograd dL/dlogits for L = sum(grad_logp * logp + grad_ent * entropy)."""
+    x = logits.detach().double().requires_grad_()
+    logsm = torch.log_softmax(x, dim=-1)
+    logp = logsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ent = -(logsm.exp() * torch.where(torch.isneginf(logsm), 0.0, logsm)).sum(dim=-1)
+    (logp * grad_logp.double() + ent * grad_ent.double()).sum().backward()
+    return torch.nan_to_num(x.grad)
+
+
 def _check_scored_logprob(out: dict) -> None:
     import tsync_mcore.kernels as tk
 
@@ -81,12 +91,22 @@ def _check_scored_logprob(out: dict) -> None:
         if dtype == torch.bfloat16:
             # bf16 grads are rounded on store: judge them in bf16 ulps of the rounded reference.
             out[f"bwd_ulp_{name}"] = _bf16_ulps(x.grad, ref_grad)
-        # with_entropy: the same logp, and the entropy from the same pass, with no gradient.
+        # with_entropy: the same logp, and the entropy from the same pass; unused, it leaves
+        # the gradient bit for bit; used (an entropy bonus), its gradient joins the logp's.
         y = logits.clone().requires_grad_()
         logp2, ent = tk.scored_logprob(y, targets, with_entropy=True)
-        out[f"ent_logp_same_{name}"] = float(torch.equal(logp2.detach(), logp.detach()))
-        out[f"ent_no_grad_{name}"] = float(not ent.requires_grad and ent.dtype == out_dtype)
+        (logp2 * grad_logp).sum().backward()
+        out[f"ent_logp_same_{name}"] = float(torch.equal(logp2.detach(), logp.detach())
+                                             and torch.equal(y.grad, x.grad))
+        out[f"ent_dtype_ok_{name}"] = float(ent.requires_grad and ent.dtype == out_dtype)
         out[f"ent_err_{name}"] = _max_abs(ent, _entropy_reference(logits))
+        if dtype != torch.bfloat16:
+            grad_ent = torch.randn(T, dtype=out_dtype, generator=torch.Generator().manual_seed(8))
+            z = logits.clone().requires_grad_()
+            logp3, ent3 = tk.scored_logprob(z, targets, with_entropy=True)
+            (logp3 * grad_logp + ent3 * grad_ent).sum().backward()
+            out[f"ent_bwd_err_{name}"] = _max_abs(
+                z.grad, _entropy_grad_reference(logits, targets, grad_logp, grad_ent))
 
     # [..., V] input that is not contiguous, flattened and reshaped back by the wrapper.
     gen = torch.Generator().manual_seed(2)
@@ -118,6 +138,13 @@ def _check_vocab_parallel(out: dict) -> None:
         grads = [tk.scored_logprob_backward(shard, targets, start, lse, grad_logp) for start, shard in shards]
         out[f"tp_sim_fwd_err_{name}"] = _max_abs(tgt - lse, ref_logp)
         out[f"tp_sim_bwd_err_{name}"] = _max_abs(torch.cat(grads, dim=1), ref_grad)
+        # the entropy's gradient per shard from the global lse and H: no collective
+        grad_ent = torch.randn(T, dtype=DTYPES[name], generator=torch.Generator().manual_seed(9))
+        ent = tk.combine_entropy(ent_parts)
+        grads = [tk.scored_logprob_backward(shard, targets, start, lse, grad_logp, grad_ent=grad_ent,
+                                            ent=ent) for start, shard in shards]
+        out[f"tp_sim_ent_bwd_err_{name}"] = _max_abs(
+            torch.cat(grads, dim=1), _entropy_grad_reference(logits, targets, grad_logp, grad_ent))
 
 
 def _check_accumulate(out: dict) -> None:
@@ -174,8 +201,11 @@ def _tp_worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
         shard = logits[:, start:stop].clone().requires_grad_()
         logp = tk.scored_logprob(shard, targets, vocab_start=start, tp_group=group)
         (logp * grad_logp).sum().backward()
-        _, ent = tk.scored_logprob(shard.detach(), targets, vocab_start=start, tp_group=group, with_entropy=True)
-        results[backend] = {"logp": logp.detach(), "grad": shard.grad, "ent": ent, "start": start, "stop": stop}
+        both = logits[:, start:stop].clone().requires_grad_()
+        _, ent = tk.scored_logprob(both, targets, vocab_start=start, tp_group=group, with_entropy=True)
+        (ent * grad_logp.flip(0)).sum().backward()  # the entropy's gradient alone
+        results[backend] = {"logp": logp.detach(), "grad": shard.grad, "ent": ent.detach(),
+                            "ent_grad": both.grad, "start": start, "stop": stop}
     torch.save(results, os.path.join(result_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -196,6 +226,9 @@ def _check_tp_gloo(out: dict) -> None:
         out[f"{backend}:tp_gloo_fwd_err_fp64"] = max(_max_abs(r["logp"], ref_logp) for r in res)
         out[f"{backend}:tp_gloo_bwd_err_fp64"] = _max_abs(torch.cat([r["grad"] for r in res], dim=1), ref_grad)
         out[f"{backend}:tp_gloo_ent_err_fp64"] = max(_max_abs(r["ent"], _entropy_reference(logits)) for r in res)
+        ent_ref = _entropy_grad_reference(logits, targets, torch.zeros_like(grad_logp), grad_logp.flip(0))
+        out[f"{backend}:tp_gloo_ent_bwd_err_fp64"] = _max_abs(
+            torch.cat([r["ent_grad"] for r in res], dim=1), ent_ref)
 
 
 def _check_lm_head(out: dict) -> None:
@@ -277,13 +310,15 @@ def aot() -> dict:
         bwd_sig = {
             "logits_ptr": f"*{logits_ty}", "targets_ptr": "*i64", "lse_ptr": f"*{acc_ty}",
             "grad_logp_ptr": f"*{acc_ty}", "grad_logits_ptr": f"*{logits_ty}",
+            "grad_ent_ptr": f"*{acc_ty}", "ent_ptr": f"*{acc_ty}",
             "n_cols": "i32", "stride_row": "i32", "grad_stride_row": "i32", "vocab_start": "i32",
-            "BLOCK_V": "constexpr",
+            "BLOCK_V": "constexpr", "ENTROPY": "constexpr",
         }
         for ent in (False, True):
             variants[f"scored_logprob_fwd_{logits_ty}{'_entropy' * ent}"] = (
                 lp_k.scored_logprob_fwd_kernel, fwd_sig, dict(lp, ENTROPY=ent), lp_k.GPU_NUM_WARPS)
-        variants[f"scored_logprob_bwd_{logits_ty}"] = (lp_k.scored_logprob_bwd_kernel, bwd_sig, lp, lp_k.GPU_NUM_WARPS)
+            variants[f"scored_logprob_bwd_{logits_ty}{'_entropy' * ent}"] = (
+                lp_k.scored_logprob_bwd_kernel, bwd_sig, dict(lp, ENTROPY=ent), lp_k.GPU_NUM_WARPS)
     for acc_ty, grad_ty in (("fp32", "bf16"), ("fp32", "fp32"), ("fp64", "bf16")):
         sig = {"g1_ptr": f"*{acc_ty}", "g2_ptr": f"*{acc_ty}", "grad_ptr": f"*{grad_ty}", "r": "fp64",
                "n_elements": "i64", "BLOCK": "constexpr"}

@@ -120,16 +120,20 @@ def test_vocab_parallel_gloo_two_ranks(checks, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype,tol", [("fp64", FP64_TOL), ("fp32", FP32_TOL), ("bf16", FP32_TOL)])
 def test_entropy_matches_reference(checks, backend, dtype, tol):
-    """The scored tokens' entropy (a metric) from the log-prob pass vs FP64 full softmax:
-    unsharded, two shards combined, and two gloo ranks (every rank holds the full value)."""
+    """The scored tokens' entropy from the log-prob pass vs FP64 full softmax, and its
+    gradient (an entropy bonus) joined to the log-prob's: unsharded, two shards combined,
+    and two gloo ranks (every rank holds the full value, each its columns' gradient)."""
     res = _result(checks, "numerics")
     assert res[f"{backend}:ent_logp_same_{dtype}"] == 1.0
-    assert res[f"{backend}:ent_no_grad_{dtype}"] == 1.0
+    assert res[f"{backend}:ent_dtype_ok_{dtype}"] == 1.0
     assert res[f"{backend}:ent_err_{dtype}"] <= tol
     if dtype != "bf16":
+        assert res[f"{backend}:ent_bwd_err_{dtype}"] <= tol
         assert res[f"{backend}:tp_sim_ent_err_{dtype}"] <= tol
+        assert res[f"{backend}:tp_sim_ent_bwd_err_{dtype}"] <= tol
     if dtype == "fp64":
         assert res[f"{backend}:tp_gloo_ent_err_fp64"] <= FP64_TOL
+        assert res[f"{backend}:tp_gloo_ent_bwd_err_fp64"] <= FP64_TOL
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -25,14 +25,18 @@ _spec.loader.exec_module(hw)
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 
 
-def reference(hidden, weight, targets, grad):
-    """FP64: logp, entropy, d(Σ grad·logp)/d hidden and / d weight, from the full logits."""
+def reference(hidden, weight, targets, grad, grad_ent=None):
+    """FP64: logp, entropy, d(Σ grad·logp [+ grad_ent·entropy])/d hidden and / d weight,
+    from the full logits."""
     h = hidden.detach().double().requires_grad_()
     w = weight.detach().double().requires_grad_()
     logsm = torch.log_softmax(h @ w.t(), dim=-1)
     logp = logsm.gather(1, targets[:, None].clamp(0, w.shape[0] - 1))[:, 0]
-    (logp * grad.double()).sum().backward()
     ent = -(logsm.exp() * logsm).sum(-1)
+    loss = (logp * grad.double()).sum()
+    if grad_ent is not None:
+        loss = loss + (ent * grad_ent.double()).sum()
+    loss.backward()
     return logp.detach(), ent.detach(), h.grad, w.grad
 
 
@@ -41,25 +45,29 @@ def err(got, ref) -> float:
     return ((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
 
 
-def fused(hidden, weight, targets, grad, chunk):
+def fused(hidden, weight, targets, grad, chunk, grad_ent=None):
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
     logp, ent = fused_lm_head_logprob(h, w, targets, chunk=chunk, with_entropy=True)
-    (logp * grad).sum().backward()
-    return logp, ent, h.grad, w.grad
+    loss = (logp * grad).sum()
+    if grad_ent is not None:  # an entropy bonus: its gradient in the same chunked backward
+        loss = loss + (ent * grad_ent).sum()
+    loss.backward()
+    return logp.detach(), ent.detach(), h.grad, w.grad
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("chunk", [1, 10, 37, 1024])  # 10 does not divide T = 37
-def test_matches_fp64_reference(dtype, chunk):
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_matches_fp64_reference(dtype, chunk, with_entropy):
     hidden, weight, targets, grad = hw.problem(dtype)
-    logp, ent, gh, gw = fused(hidden, weight, targets, grad, chunk)
+    grad_ent = grad.flip(0) if with_entropy else None
+    logp, ent, gh, gw = fused(hidden, weight, targets, grad, chunk, grad_ent)
     assert logp.dtype == ent.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    assert not ent.requires_grad
-    ref = reference(hidden, weight, targets, grad)
+    ref = reference(hidden, weight, targets, grad, grad_ent)
     for name, got, want in zip(("logp", "entropy", "grad_h", "grad_w"), (logp, ent, gh, gw), ref):
         e = err(got, want)
-        print(f"{dtype} chunk {chunk} {name}: {e:.1e}")
+        print(f"{dtype} chunk {chunk} entropy grad {with_entropy} {name}: {e:.1e}")
         assert e <= TOL[dtype], (name, e)
 
 

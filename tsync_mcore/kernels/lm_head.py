@@ -71,15 +71,17 @@ class _FusedLMHead(torch.autograd.Function):
             lse, tgt_sum, ent = _all_reduce(LogprobPartials(m, s, tgt, w), tp_group)
         else:
             (lse, tgt_sum), ent = _finish(m, s, tgt), (_entropy(s, w) if with_entropy else None)
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.vocab_start, ctx.chunk = vocab_start, chunk
         ent = ent if ent is not None else lse.new_empty(0)
-        ctx.mark_non_differentiable(ent)  # a metric
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.vocab_start, ctx.chunk = vocab_start, chunk
+        ctx.set_materialize_grads(False)  # an unused entropy (a metric) costs nothing
         return tgt_sum - lse, ent
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_ent):
-        hidden, weight, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_ent):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
         need_h, need_w = ctx.needs_input_grad[:2]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = None
@@ -87,8 +89,10 @@ class _FusedLMHead(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device)
         for a, b in _chunks(hidden.shape[0], ctx.chunk):
             h = hidden[a:b]
-            dlogits = scored_logprob_backward(h @ weight.t(), targets[a:b], ctx.vocab_start,
-                                              lse[a:b], grad_logp[a:b])
+            dlogits = scored_logprob_backward(
+                h @ weight.t(), targets[a:b], ctx.vocab_start, lse[a:b], grad_logp[a:b],
+                grad_ent=None if grad_ent is None else grad_ent[a:b],
+                ent=None if grad_ent is None else ent[a:b])
             if grad_h is not None:
                 torch.mm(dlogits, weight, out=grad_h[a:b])
             if grad_w is not None:
@@ -117,7 +121,7 @@ def fused_lm_head_logprob(
     ``hidden`` [T, H] (final-normed), ``weight`` [V_local, H] (this rank's vocab rows from
     ``vocab_start``), ``targets`` [T] global ids. Returns [T] in fp32 (fp64 for fp64 inputs),
     identical on every rank of ``tp_group``; with ``with_entropy``, ``(logp, entropy)``
-    (entropy without gradient). Targets outside the vocab get −lse, as in ``scored_logprob``.
+    (the entropy differentiable, as in ``scored_logprob``). Targets outside the vocab get −lse, as in ``scored_logprob``.
     The gradient w.r.t. ``hidden`` is this rank's vocab shard's part (see the module doc).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:

@@ -10,6 +10,9 @@ On request (``with_entropy``) the same pass also gives the entropy of the row's 
 H = -sum p log p, with one more partial per shard, w = sum exp(logit - m) * (logit - m):
 rescaled to the global max M it combines as W = sum e^(m - M) * (w + (m - M) * s), and
 H = log S - W / S (both terms >= 0, so no cancellation). w rides in the same SUM collective.
+The entropy is differentiable (an entropy bonus): dH/dlogit_j = -p_j (logit_j - lse + H),
+from the global lse and H, so its backward needs no collective either and joins the log-prob's
+in one pass over the logits.
 """
 
 from __future__ import annotations
@@ -100,7 +103,8 @@ def _partials_torch(
 
 
 def _backward_torch(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, lse: torch.Tensor, grad_logp: torch.Tensor
+    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, lse: torch.Tensor, grad_logp: torch.Tensor,
+    grad_ent: torch.Tensor | None = None, ent: torch.Tensor | None = None,
 ) -> torch.Tensor:
     n_rows, n_cols = logits.shape
     acc = lse.dtype
@@ -110,14 +114,24 @@ def _backward_torch(
     step = _chunk_cols(n_rows, n_cols)
     for start in range(0, n_cols, step):
         # g·(0 − p) off the target column (the same IEEE value as g·(onehot − p) there)
-        p = (logits[:, start : start + step].to(acc) - lse[:, None]).exp_()
-        grad[:, start : start + step] = p.mul_(g).neg_()
+        x = logits[:, start : start + step].to(acc)
+        p = (x - lse[:, None]).exp_()
+        if grad_ent is None:
+            grad[:, start : start + step] = p.mul_(g).neg_()
+        else:  # − p·(g + g_H·(x − lse + H))
+            lp = x - lse[:, None]  # log p; −inf logits (p = 0) contribute 0, not 0·(−inf)
+            d = lp.masked_fill_(torch.isneginf(lp), 0.0).add_(ent[:, None]).mul_(grad_ent[:, None])
+            grad[:, start : start + step] = p.mul_(d.add_(g)).neg_()
     # The target column: g·(1 − p), in the accumulation dtype and rounded once, as a one-hot
     # formula would give it, without building a [T, V] comparison (rows whose target is on
     # another shard keep their value).
     rows = torch.arange(n_rows, device=logits.device)
     cols = local.clamp(0, max(n_cols - 1, 0))
-    val = g[:, 0] * (1 - torch.exp(logits[rows, cols].to(acc) - lse))
+    x = logits[rows, cols].to(acc)
+    val = g[:, 0] * (1 - torch.exp(x - lse))
+    if grad_ent is not None:
+        lp = x - lse
+        val = val - grad_ent * torch.exp(lp) * (torch.where(torch.isneginf(lp), 0.0, lp) + ent)
     grad[rows, cols] = torch.where(owned, val.to(grad.dtype), grad[rows, cols])
     return grad
 
@@ -153,17 +167,23 @@ def scored_logprob_backward(
     grad_logp: torch.Tensor,
     *,
     block_v: int | None = None,
+    grad_ent: torch.Tensor | None = None,
+    ent: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """dL/dlogits of one shard: ``grad_logp[t] * (onehot(a_t) - exp(logits - lse[t]))``, logits dtype."""
+    """dL/dlogits of one shard: ``grad_logp[t] * (onehot(a_t) - exp(logits - lse[t]))``, logits dtype;
+    with ``grad_ent`` (and the rows' entropy ``ent``) also ``- grad_ent[t] * p * (logits - lse[t] + H[t])``."""
     logits = logits.contiguous()
     targets = targets.to(torch.int64).contiguous()
-    lse = lse.to(_acc_dtype(logits.dtype)).contiguous()
+    acc = _acc_dtype(logits.dtype)
+    lse = lse.to(acc).contiguous()
     grad_logp = grad_logp.contiguous()
+    if grad_ent is not None:
+        grad_ent, ent = grad_ent.to(acc).contiguous(), ent.to(acc).contiguous()
     if backend_for(logits) == "torch":
-        return _backward_torch(logits, targets, vocab_start, lse, grad_logp)
+        return _backward_torch(logits, targets, vocab_start, lse, grad_logp, grad_ent, ent)
     from tsync_mcore.kernels import scored_logprob_kernels as kernels
 
-    return kernels.backward(logits, targets, vocab_start, lse, grad_logp, block_v)
+    return kernels.backward(logits, targets, vocab_start, lse, grad_logp, block_v, grad_ent, ent)
 
 
 def _finish(m_max: torch.Tensor, s_sum: torch.Tensor, tgt_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,18 +261,21 @@ class _ScoredLogprob(torch.autograd.Function):
         else:
             lse, tgt = _finish(part.m, part.s, part.tgt)
             ent = _entropy(part.s, part.w) if with_entropy else None
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.vocab_start = vocab_start
         ent = ent if ent is not None else lse.new_empty(0)
-        ctx.mark_non_differentiable(ent)  # a metric: no gradient flows through it
+        ctx.save_for_backward(logits, targets, lse, ent)
+        ctx.vocab_start = vocab_start
+        ctx.set_materialize_grads(False)  # an unused entropy (a metric) costs nothing
         return tgt - lse, ent
 
     @staticmethod
-    def backward(ctx, grad_logp: torch.Tensor, _grad_ent) -> tuple[torch.Tensor | None, None, None, None, None]:
+    def backward(ctx, grad_logp, grad_ent) -> tuple[torch.Tensor | None, None, None, None, None]:
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        logits, targets, lse = ctx.saved_tensors
-        grad = scored_logprob_backward(logits, targets, ctx.vocab_start, lse, grad_logp)
+        logits, targets, lse, ent = ctx.saved_tensors
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        grad = scored_logprob_backward(logits, targets, ctx.vocab_start, lse, grad_logp,
+                                       grad_ent=grad_ent, ent=ent if grad_ent is not None else None)
         return grad, None, None, None, None
 
 
@@ -272,7 +295,8 @@ def scored_logprob(
     an ignore index) get logp = -lse; mask them downstream.
 
     ``with_entropy``: returns ``(logp, entropy)``, the entropy of each row's full-vocab
-    distribution from the same pass (same shape and dtype, no gradient).
+    distribution from the same pass (same shape and dtype, differentiable: an entropy bonus's
+    gradient joins the log-prob's in the backward's one pass).
     """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree")

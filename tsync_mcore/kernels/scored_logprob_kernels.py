@@ -75,13 +75,17 @@ def scored_logprob_bwd_kernel(
     lse_ptr,
     grad_logp_ptr,
     grad_logits_ptr,
+    grad_ent_ptr,
+    ent_ptr,
     n_cols,
     stride_row,
     grad_stride_row,
     vocab_start,
     BLOCK_V: tl.constexpr,
+    ENTROPY: tl.constexpr,
 ):
-    """Grid (rows, vocab chunks): grad = grad_logp * (onehot(target) - softmax)."""
+    """Grid (rows, vocab chunks): grad = grad_logp * (onehot(target) - softmax); ENTROPY:
+    also the entropy's term, - grad_ent * p * (x - lse + H)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     acc_ty = lse_ptr.dtype.element_ty
@@ -94,7 +98,12 @@ def scored_logprob_bwd_kernel(
     local = tl.load(targets_ptr + row) - vocab_start
 
     onehot = tl.where(offs == local, 1.0, 0.0).to(acc_ty)
-    grad = g * (onehot - tl.exp(x - lse))
+    p = tl.exp(x - lse)
+    grad = g * (onehot - p)
+    if ENTROPY:
+        ge = tl.load(grad_ent_ptr + row).to(acc_ty)
+        h = tl.load(ent_ptr + row).to(acc_ty)
+        grad = grad - ge * p * (tl.where(p > 0, x - lse, 0.0) + h)  # p = 0: no 0·(−inf)
     out_ty = grad_logits_ptr.dtype.element_ty
     tl.store(grad_logits_ptr + row * grad_stride_row + offs, grad.to(out_ty), mask=mask)
 
@@ -134,8 +143,11 @@ def backward(
     lse: torch.Tensor,
     grad_logp: torch.Tensor,
     block_v: int | None = None,
+    grad_ent: torch.Tensor | None = None,
+    ent: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """grad wrt a row-major ``[T, V]`` logits shard, in the logits dtype."""
+    """grad wrt a row-major ``[T, V]`` logits shard, in the logits dtype (with the entropy's
+    term when ``grad_ent`` is given)."""
     n_rows, n_cols = logits.shape
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     if n_rows == 0 or n_cols == 0:
@@ -144,7 +156,8 @@ def backward(
     # Rows on grid axis 0: it allows 2**31 - 1 programs, axis 1 only 65535.
     grid = (n_rows, triton.cdiv(n_cols, bv))
     scored_logprob_bwd_kernel[grid](
-        logits, targets, lse, grad_logp, grad, n_cols, logits.stride(0), grad.stride(0), vocab_start,
-        BLOCK_V=bv, num_warps=GPU_NUM_WARPS,
+        logits, targets, lse, grad_logp, grad, lse if grad_ent is None else grad_ent,
+        lse if ent is None else ent, n_cols, logits.stride(0), grad.stride(0), vocab_start,
+        BLOCK_V=bv, ENTROPY=grad_ent is not None, num_warps=GPU_NUM_WARPS,
     )
     return grad

@@ -200,7 +200,7 @@ class Policy:
             peak = lm_head.unfused_peak_bytes(out.shape[0], len(pos), self.vocab_local,
                                               out.dtype)
         self._head_peak = max(self._head_peak, peak)
-        self._entropy_sum += ent.sum(dtype=torch.float64)
+        self._entropy_sum += ent.detach().sum(dtype=torch.float64)
         self._entropy_tokens += ent.numel()
         return logp
 

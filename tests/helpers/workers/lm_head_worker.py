@@ -44,7 +44,7 @@ def main() -> None:
         logp, ent = fused_lm_head_logprob(copy_to_tensor_model_parallel_region(h, group=group),
                                           w, targets, start, group, chunk=CHUNK,
                                           with_entropy=True)
-        (logp * grad).sum().backward()
+        (logp * grad + ent * grad.flip(0)).sum().backward()  # with an entropy bonus's term
         out[name] = {"logp": logp.tolist(), "ent": ent.tolist(), "grad_h": h.grad.tolist(),
                      "grad_w": w.grad.tolist()}
     for r in range(par.world_size):  # one rank at a time: long lines on a shared pipe interleave
