@@ -163,6 +163,18 @@ class LearnerConfig:
     is_correction: Literal["none", "tis", "mis", "seq_tis", "seq_mis", "seq_reject"] = "none"
     is_cap: float = 2.0  # C: the upper bound (tis, seq_tis truncate at it; the rest drop above)
     is_low: float = 0.0  # mis, seq_mis, seq_reject: ratios below this drop out (0: none)
+    # KL to a reference policy, β·Σ_t k(log π_θ − log π_ref), and the entropy bonus −η·Σ_t H_t,
+    # weighted per token as the policy term (docs/design/objectives.md#kl-and-entropy).
+    # kl_estimator: k1, abs, k2, k3, or k1+/k3+ (k2's gradient); verl's kl_loss_type names
+    # (kl, mse, low_var_kl) are accepted and mapped. 0: off (no reference model is built).
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    # The KL term's reference: "initial" (model.hf_dir as loaded; with LoRA, the frozen base
+    # with the adapters off: no second copy) or a Hugging Face directory of the same vocabulary.
+    reference: str = "initial"
+    # Refresh the reference from θ every N updates (slime's ref_update_interval); 0: never.
+    reference_update_every: int = 0
     k_open: int = 4  # admission cap: groups per rank holding G1/G2 at once
     accum: AccumPlacement = "device"  # "host": pinned host memory for large models
     # fp64 doubles accumulator memory (8(2k+1)P bytes) but makes the update independent of
@@ -244,6 +256,7 @@ class LearnerConfig:
                "learner.is_correction", f"'{self.is_correction}' weights a whole sequence by "
                f"its geometric-mean ratio, which needs all its scored tokens at once; OPD "
                f"trains each turn as it is scored (use tis or mis)")
+        self._validate_regularizers()
         _check(self.lm_head_chunk > 0, "learner.lm_head_chunk",
                f"must be > 0 (tokens per chunk of the fused LM head), got {self.lm_head_chunk}")
         _check(self.schedule in ("sync", "group_ready", "thundersync")
@@ -251,6 +264,21 @@ class LearnerConfig:
                f"'drop_batch' needs a synchronous schedule: under '{self.schedule}' the rollout "
                f"has already sampled later batches from the weights a dropped batch keeps")
         self._validate_token_norm(OBJECTIVES[self.objective])
+
+    def _validate_regularizers(self) -> None:
+        from tsync_mcore.objectives.regularizers import KL_ESTIMATORS, VERL_KL
+        _check(self.kl_estimator in VERL_KL, "learner.kl_estimator",
+               f"must be one of {list(KL_ESTIMATORS)} (or verl's kl, mse, low_var_kl), got "
+               f"{self.kl_estimator!r}")
+        self.kl_estimator = VERL_KL[self.kl_estimator]
+        for key in ("kl_coef", "entropy_coef"):
+            v = getattr(self, key)
+            _check(math.isfinite(v) and v >= 0, f"learner.{key}",
+                   f"must be a finite number >= 0 (0: off), got {v}")
+        _check(self.reference_update_every >= 0, "learner.reference_update_every",
+               f"must be >= 0 (0: never), got {self.reference_update_every}")
+        _check(bool(self.reference), "learner.reference",
+               "must be 'initial' or a Hugging Face directory")
 
     def _validate_token_norm(self, objective) -> None:
         from tsync_mcore.objectives.token_norm import (AUTO, DEPRECATED, TOKEN_NORMS,
@@ -823,6 +851,7 @@ class Config:
                "rollout does not record yet; use 'learner' or 'off' (replay files may carry "
                "routed_experts for 'rollout')")
         self._check_publish_lora()
+        self._check_reference()
         decay = self.optim.decay_updates or self.run.updates
         _check(self.optim.warmup_updates < decay, "optim.warmup_updates",
                f"must be < optim.decay_updates (0: run.updates), here {decay}, got "
@@ -841,6 +870,25 @@ class Config:
         _check(not (self.learner.objective == "opd" and self.rollout.routing == "balanced"),
                "rollout.routing", "'balanced' is for the GRPO family; OPD routes by group "
                "(a trajectory's turns and its group's shared prompt stay on one rank)")
+
+    def _check_reference(self) -> None:
+        """learner.kl_coef > 0 builds a reference (learner/reference.py); what it cannot be."""
+        ln = self.learner
+        if not ln.kl_coef:
+            return
+        _check(ln.objective != "opd", "learner.kl_coef", "> 0 with objective 'opd': its "
+               "advantage is already the log-ratio to the teacher, and a reference log-prob per "
+               "turn would need a reference forward over the turn's whole context; use "
+               "entropy_coef, or a GRPO-family objective")
+        _check(self.model.ep == 1, "learner.kl_coef", f"> 0 with model.ep = {self.model.ep}: "
+               f"the reference's forwards would need their own lockstep over the EP group; "
+               f"use model.ep 1")
+        _check(not (self.model.use_lora and ln.reference_update_every),
+               "learner.reference_update_every", "with LoRA the reference stays the frozen "
+               "base (or the directory named) and is not refreshed from θ; set it 0")
+        if ln.reference != "initial":
+            _check(os.path.isdir(ln.reference), "learner.reference",
+                   f"{ln.reference!r} is not 'initial' or a directory")
 
     def _check_expert_parallel(self, replay: bool) -> None:
         """model.ep > 1: every MoE forward and backward is an all-to-all over the EP group,

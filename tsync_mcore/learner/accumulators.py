@@ -5,7 +5,8 @@ Each accumulator is a list of flat tensors shaped like Megatron's DDP grad buffe
 is complete holds G2 = Σ H_i and, once a folded reward differs from its shift c, G1' =
 Σ (r_i − c) H_i (an objective without group statistics only ever holds G2, its plain sum).
 At most `k_open` groups are open, so accumulator memory never exceeds 4·(v·k+1)·P bytes per
-rank (P = gradient elements on this rank, v = 2 vectors per group, or 1). Vectors are pooled
+rank (P = gradient elements on this rank, v = 2 vectors per group, or 1; one more
+with a KL or entropy term). Vectors are pooled
 and reused across groups. Placement "host" keeps them in (pinned, on GPU machines) host
 memory for large models.
 
@@ -44,11 +45,17 @@ class _Pair:
     g1: list[torch.Tensor] | None = None  # Σ (r_i − c) H_i, taken from the pool when needed
     has_g1: bool = False  # False: G1' = 0 (buffer holds a previous group's data)
     has_g2: bool = False
+    g3: list[torch.Tensor] | None = None  # Σ R_i: the regularisers' sum (coefficient 1)
+
+    @property
+    def held(self) -> int:
+        return 1 + (self.g1 is not None) + (self.g3 is not None)
 
 
 class GradAccumulators:
     """`per_group`: vectors a group may hold while open (2: G1'/G2 of an affine advantage;
-    1: the plain sum of an objective whose coefficients need no group statistics)."""
+    1: the plain sum of an objective whose coefficients need no group statistics; one more
+    with a KL or entropy term: its sum G3, which joins the batch with coefficient 1)."""
 
     def __init__(self, like: list[torch.Tensor], k_open: int, placement: str = "device",
                  dtype: torch.dtype = torch.float32, per_group: int = 2):
@@ -78,7 +85,7 @@ class GradAccumulators:
     @property
     def bytes_allocated(self) -> int:
         """Bytes held by the batch accumulator, open groups' vectors and pooled vectors."""
-        held = sum(1 + (p.g1 is not None) for p in self.open.values())
+        held = sum(p.held for p in self.open.values())
         return (1 + held + len(self._free)) * self.vector_bytes
 
     @property
@@ -87,7 +94,7 @@ class GradAccumulators:
 
     def group_bytes(self, group_id: str) -> int:
         p = self.open.get(group_id)
-        return 0 if p is None else (1 + (p.g1 is not None)) * self.vector_bytes
+        return 0 if p is None else p.held * self.vector_bytes
 
     def _staged(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         # Host placement: bring the device gradient over once per fold.
@@ -144,6 +151,17 @@ class GradAccumulators:
         for acc, g in zip(vecs, self._staged(grads)):
             K.axpy_(acc, g, 1.0, fresh=fresh)
 
+    def fold_aux(self, group_id: str, grads: list[torch.Tensor]) -> None:
+        """G3 += H for an open group: the gradient of its members' KL/entropy terms, whose
+        coefficients are fixed already, kept apart until the group is known to train."""
+        pair = self.open[group_id]
+        fresh = pair.g3 is None
+        if fresh:
+            pair.g3 = self._take()
+            self.peak_bytes = max(self.peak_bytes, self.bytes_allocated)
+        for acc, g in zip(pair.g3, self._staged(grads)):
+            K.axpy_(acc, g, 1.0, fresh=fresh)
+
     def shift_of(self, group_id: str) -> float:
         return self.open[group_id].shift
 
@@ -153,15 +171,18 @@ class GradAccumulators:
         out = list(self.batch)
         p = self.open.get(group_id)
         if p is not None:
-            out += (p.g2 if p.has_g2 else []) + (p.g1 if p.has_g1 else [])
+            out += (p.g2 if p.has_g2 else []) + (p.g1 if p.has_g1 else []) + (p.g3 or [])
         return out
 
     def is_open(self, group_id: str) -> bool:
         return group_id in self.open
 
     def close_group(self, group_id: str, scale: float, mu: float) -> None:
-        """batch += scale · (G1' − mu·G2); the vectors return to the pool as they are."""
+        """batch += scale · (G1' − mu·G2) + G3; the vectors return to the pool as they are."""
         pair = self.open.pop(group_id)
+        if pair.g3 is not None:
+            for acc, g3 in zip(self.batch, pair.g3):
+                K.axpy_(acc, g3, 1.0)
         if scale == 0.0 or not (pair.has_g1 or mu != 0.0):
             self._release(pair)  # its term is exactly 0: every reward equal to c (G1' = 0)
             return
@@ -182,6 +203,8 @@ class GradAccumulators:
         self._free.append(pair.g2)
         if pair.g1 is not None:
             self._free.append(pair.g1)
+        if pair.g3 is not None:
+            self._free.append(pair.g3)
 
     def reset(self) -> None:
         """Start a new batch (or abandon a failed one): everything back to zero."""

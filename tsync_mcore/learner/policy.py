@@ -142,6 +142,16 @@ class Policy:
 
         ρ_t = 1, or the truncated IS weight from the source's `behaviour` log-probs (one per
         token) when `off_policy` corrects (objectives/off_policy.py)."""
+        logp = self.forward_source(tokens, scored_mask)
+        rho = off_policy.weights(logp, behaviour_at(behaviour, scored_mask)) if off_policy \
+            else None
+        (-weight * weighted_logp_sum(logp, rho)).backward()
+        return logp.detach().sum()
+
+    def forward_source(self, tokens: list[int], scored_mask: list[int],
+                       with_entropy: bool = False):
+        """log π_θ of the scored tokens (and with `with_entropy` their entropies), with the
+        graph: the caller's loss backpropagates through them."""
         # built on the host and copied asynchronously (no per-source sync)
         ids = upload(tokens, torch.long, self.device)
         pos = self.positions(scored_mask)
@@ -151,11 +161,7 @@ class Policy:
                 out = replace(head, hidden=head.hidden[0])  # [S, H]
             else:
                 out = bridge.logits(self.ddp, ids[None])[0]  # [S, V_local]
-        logp = self.scored_logprob(out, ids, pos)
-        rho = off_policy.weights(logp, behaviour_at(behaviour, scored_mask)) if off_policy \
-            else None
-        (-weight * weighted_logp_sum(logp, rho)).backward()
-        return logp.detach().sum()
+        return self.scored_logprob(out, ids, pos, with_entropy=with_entropy)
 
     def dummy_pass(self) -> None:
         """A forward + backward of two tokens with loss weight 0: at ep > 1 it makes the
@@ -177,13 +183,14 @@ class Policy:
         return upload(scored_positions(scored_mask), torch.long, self.device)
 
     def scored_logprob(self, out: torch.Tensor | bridge.HeadInput, ids: torch.Tensor,
-                       pos: torch.Tensor):
+                       pos: torch.Tensor, with_entropy: bool = False):
         """log π(ids[pos] | ids[:pos]) from position pos − 1's output (vocab-parallel safe):
         logits [S, V_local], or with the fused head the final hidden states [S, H] and the
         output weight (`bridge.HeadInput`), scored chunk by chunk without the logits.
 
         The same pass adds the entropy of π(· | ids[:pos]) at each scored position to the
-        sums `take_entropy` returns (no gradient; its TP partials share the SUM collective)."""
+        sums `take_entropy` returns (its TP partials share the SUM collective); with
+        `with_entropy` it returns (logp, entropy), the entropy differentiable (a bonus)."""
         if isinstance(out, bridge.HeadInput):
             # (model.autocast: BF16 hidden states meet the FP32 output weight in FP32)
             hidden = out.hidden[pos - 1].to(out.weight.dtype)
@@ -202,7 +209,7 @@ class Policy:
         self._head_peak = max(self._head_peak, peak)
         self._entropy_sum += ent.detach().sum(dtype=torch.float64)
         self._entropy_tokens += ent.numel()
-        return logp
+        return (logp, ent) if with_entropy else logp
 
     def take_head_peak(self) -> int:
         """The LM head's estimated peak bytes (per call, max) since the last call, and reset."""
@@ -239,12 +246,13 @@ class Policy:
         with self._autocast():
             return packed.packed_forward(self.ddp, segments, stop_after_kv=True).kv
 
-    def packed_logprobs(self, segments: list[packed.Segment], scored: list[list[int]]
-                        ) -> tuple[list[torch.Tensor], list[list[span.KV]]]:
+    def packed_logprobs(self, segments: list[packed.Segment], scored: list[list[int]],
+                        with_entropy: bool = False):
         """One packed forward of `segments`: per segment, log π of its tokens at positions
         `scored[i]` (indices into the segment, each ≥ 1: scored from the row before, with
         the graph), and its K/V per layer (graph-attached). The caller sums the segments'
-        losses and backpropagates once; the gradient is the sum of the one-by-one ones."""
+        losses and backpropagates once; the gradient is the sum of the one-by-one ones.
+        `with_entropy`: (log-probs, entropies, K/V), each per segment."""
         with self._autocast():
             out = packed.packed_forward(self.ddp, segments)
         ids = torch.cat([s.tokens for s in segments])
@@ -254,8 +262,12 @@ class Policy:
         hidden = out.hidden.float() if self.autocasts else out.hidden
         head = bridge.head_input(self.ddp, hidden[:, 0]) if self.fused_head \
             else packed.lm_head(self.ddp, hidden)
+        sizes = [len(ps) for ps in scored]
+        if with_entropy:
+            logp, ent = self.scored_logprob(head, ids, pos, with_entropy=True)
+            return list(logp.split(sizes)), list(ent.split(sizes)), out.kv
         logp = self.scored_logprob(head, ids, pos)
-        return list(logp.split([len(ps) for ps in scored])), out.kv
+        return list(logp.split(sizes)), out.kv
 
     def grad_buffers(self) -> list[torch.Tensor]:
         return self._buffers

@@ -128,16 +128,24 @@ class SharedPrefix:
         return (len(src.tokens) > q and tuple(src.tokens[:q]) == self.tokens
                 and not any(src.scored_mask[:q + 1]))
 
-    def backward_continuation(self, policy, src: TrajectorySource, weight: float,
-                              off_policy: OffPolicy | None = None) -> None:
-        """grads += ∇[−w Σ ρ_t log π] of the continuation; leaves.grad = its boundary
-        adjoint. The prompt has no scored token (`covers`), so every ρ_t is the
-        continuation's, and the adjoint carries them into the prompt's backward."""
+    def forward_continuation(self, policy, src: TrajectorySource, with_entropy: bool = False):
+        """log π of the continuation's scored tokens (and their entropies), with the graph
+        back to the parameters and the prompt's leaves: a backward of a loss on them adds
+        to the grad buffers and leaves the boundary adjoint on the leaves. The prompt has
+        no scored token (`covers`), so these are all of the source's scored tokens."""
         q = len(self.tokens)
         ids = upload(src.tokens[q:], torch.long, policy.device)
         pos = policy.positions(src.scored_mask[q:])
         out, _ = policy.span_forward(ids, q, self.leaves)  # logits, or the fused head's input
-        logp = policy.scored_logprob(out, ids, pos)
+        return policy.scored_logprob(out, ids, pos, with_entropy=with_entropy)
+
+    def backward_continuation(self, policy, src: TrajectorySource, weight: float,
+                              off_policy: OffPolicy | None = None) -> None:
+        """grads += ∇[−w Σ ρ_t log π] of the continuation; leaves.grad = its boundary
+        adjoint (every ρ_t is the continuation's: the adjoint carries them into the
+        prompt's backward)."""
+        q = len(self.tokens)
+        logp = self.forward_continuation(policy, src)
         rho = off_policy.weights(logp, behaviour_at(src.behaviour_logprobs,
                                                     src.scored_mask[q:], q)) if off_policy else None
         (-weight * weighted_logp_sum(logp, rho)).backward()

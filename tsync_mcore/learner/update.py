@@ -35,6 +35,9 @@ from tsync_mcore.model.span import KV, kv_bytes
 from tsync_mcore.objectives import OBJECTIVES
 from tsync_mcore.objectives.grpo import STD_DDOF
 from tsync_mcore.objectives.off_policy import OffPolicy, mismatch
+from tsync_mcore.objectives.regularizers import Regularizer
+from tsync_mcore.learner.accumulators import f32
+from tsync_mcore.learner.reference import Reference
 from tsync_mcore.objectives.token_norm import TOKEN_NORMS
 from tsync_mcore.learner.policy import Policy
 from tsync_mcore.learner.schedule import ASYNC_SCHEDULES, ReadinessQueue, Service
@@ -89,9 +92,17 @@ class Learner:
             raise ValueError(f"model.ep {policy.ep_size}: the learner serves expert-parallel "
                              f"ranks in lockstep for GRPO-family objectives with "
                              f"learner.shared_prefix false only (docs/guide/moe.md)")
+        # KL to the reference and the entropy bonus (objectives/regularizers.py): the
+        # reference model is built only when the KL term is on
+        self.reg = Regularizer(cfg.kl_coef, cfg.kl_estimator, cfg.entropy_coef)
+        self.reference = Reference(policy.cfg, policy) if self.reg.needs_reference else None
+        self._kl = torch.zeros((), dtype=torch.float64, device=policy.device)
+        self._kl_tokens = 0
+        # a group held open keeps its members' regularisers apart (G3) when pairs fold
+        aux_vectors = int(self.reg.active and self.objective.group_vectors == 2)
         self.acc = GradAccumulators(policy.grad_buffers(), cfg.k_open, cfg.accum,
                                     dtype=ACCUM_DTYPES[cfg.accum_dtype],
-                                    per_group=self.objective.group_vectors)
+                                    per_group=self.objective.group_vectors + aux_vectors)
         self.kv_per_token = 0  # K/V bytes of one token on this rank, once a forward showed it
         # Longest source accepted: the model's positions, or less (learner.max_tokens).
         self.max_tokens = min(policy.spec.max_position, cfg.max_tokens or policy.spec.max_position)
@@ -166,6 +177,10 @@ class Learner:
         self.acc.reset()
         self.routes.begin()
         self.off_policy.reset()  # an aborted batch's mismatch is not this one's
+        self._kl.zero_()
+        self._kl_tokens = 0
+        if self.reference is not None:
+            self.reference.take_tokens()
         try:
             self.kind.begin()
         except SourceError:
@@ -365,6 +380,7 @@ class Learner:
             rec.span_tokens, rec.context, rec.logits = (span["span_tokens"], span["context"],
                                                         span["logits"])
             rec.fused_head = rec.logits and self.policy.fused_head
+            rec.reference_tokens = self._reference_tokens(src)
             self.trace.append(rec)
             self.scored[g] = self.scored.get(g, 0) + src.n_scored
             self.lag_sums[src.key] = self._lag(src)[0]
@@ -402,6 +418,7 @@ class Learner:
             rec.span_tokens, rec.context, rec.logits = (span["span_tokens"], span["context"],
                                                         span["logits"])
             rec.fused_head = rec.logits and self.policy.fused_head
+            rec.reference_tokens = self._reference_tokens(src)
             rec.pass_id = self.passes
             self.trace.append(rec)
             self.scored[g] = self.scored.get(g, 0) + src.n_scored
@@ -415,6 +432,10 @@ class Learner:
             if svc.last_here:
                 self.kind.finish(svc)
                 self._check_finite(g, f"the close of group {g!r} (its shared prompt and sum)")
+
+    def _reference_tokens(self, src) -> int:
+        """What the reference forwarded for a served source: all of it, when it scores."""
+        return len(src.tokens) if self.reference is not None and src.n_scored else 0
 
     def _check_finite(self, g: str, what: str) -> None:
         """learner.check_finite=source: name the first unit after which the sums this rank
@@ -456,6 +477,22 @@ class Learner:
             self.acc.fold_direct(self.policy.grad_buffers(), 1.0)
             self.policy.zero_grads()
             self.unfolded = False
+
+    def regularizer(self, tokens, scored_mask, offset: int, logp: torch.Tensor,
+                    entropy: torch.Tensor, weight: float) -> torch.Tensor | None:
+        """weight·R for one source's scored tokens (objectives/regularizers.py), with the
+        graph; None when neither term is on. `weight`: the part of the token coefficient
+        known at arrival (w(L_i), and 1/m_G when the norm keeps the group mean). Its KL
+        sum goes to the update's `kl_mean`."""
+        if not self.reg.active:
+            return None
+        ref = None
+        if self.reference is not None:
+            ref = self.reference.logprobs(tokens, scored_mask, offset)
+        r, kl = self.reg.loss(logp, entropy, ref)
+        self._kl += kl
+        self._kl_tokens += logp.numel()
+        return f32(weight) * r
 
     def defer(self, rec: DeferredRecord) -> None:
         self.trace.append(rec)
@@ -560,6 +597,7 @@ class Learner:
         # The accumulator holds the descent direction −Σ_G g_G; one step per batch.
         step = self.policy.apply_and_step(self.acc.batch, scale, export_grad=export_grad)
         lag = self._lag_figures(dropped_anywhere, scored)
+        reg = self._regularizer_figures(dropped_anywhere)
         summary = UpdateRecord(
             update=self.version, rank=self.policy.par.rank, objective=self.cfg.objective,
             schedule=self.schedule, n_groups=n_groups,
@@ -572,11 +610,13 @@ class Learner:
             kv_peak_bytes=self.kind.kv_peak_bytes,
             head_peak_bytes=self.policy.take_head_peak(), grad_norm=step.grad_norm,
             lr=step.lr, ok=step.ok, nonfinite_sources=list(self.nonfinite),
-            dummy_passes=self.dummy_passes, **lag)
+            dummy_passes=self.dummy_passes, **lag, **reg)
         self.trace.append(summary)
         result = UpdateResult(summary=summary, grad=step.grad, trace=self.trace)
         if step.ok:  # a skipped step leaves θ_k, so the next batch is again for version k
             self.version += 1
+            if self.reference is not None:
+                self.reference.refresh(self.version)
         self.plan = None
         return result
 
@@ -597,6 +637,18 @@ class Learner:
         return dict(policy_lag_mean=s[0] / scored if scored else 0.0, policy_lag_max=int(mx[0]),
                     lagged_token_share=s[1] / scored if scored else 0.0,
                     **mismatch(s[3:], mx[1:], int(s[2])).means())
+
+    def _regularizer_figures(self, dropped: list[str]) -> dict:
+        """The KL estimator's mean over the scored tokens served with it (over DP ranks),
+        the reference's bytes on this rank. A group dropped after some of its members ran
+        still counts their tokens here (what was computed, not what trained)."""
+        if not self.reg.active:
+            return {}
+        s = self.policy.dp_sum_vector([float(self._kl), float(self._kl_tokens)])
+        out = dict(kl_mean=s[0] / s[1] if s[1] and self.reg.kl_coef else None)
+        if self.reference is not None:
+            out["reference_bytes"] = self.reference.nbytes
+        return out
 
     def _incomplete(self) -> list[str]:
         """What keeps this batch from closing, as seen from this rank (a collective)."""

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -198,7 +199,27 @@ _SITE_OF_KIND = {"qkv": "self_attention.linear_qkv", "fc1": "mlp.linear_fc1",
                  "row": "self_attention.linear_proj"}
 
 
+_BASE_ONLY: set[int] = set()  # id() of adapted linears forwarding without their adapter
+
+
+@contextmanager
+def base_only(model):
+    """Forwards of `model` inside run its frozen base alone (the adapters skipped): the KL
+    term's reference policy with LoRA, without a second copy of the weights."""
+    from tsync_mcore.model.bridge import unwrap
+    for _, _, mod in _sites(unwrap(model)):
+        if isinstance(getattr(mod, "lora", None), LoraAdapter):
+            _BASE_ONLY.add(id(mod))
+    try:
+        yield
+    finally:
+        for _, _, mod in _sites(unwrap(model)):
+            _BASE_ONLY.discard(id(mod))
+
+
 def _hook(module, args, kwargs, output):
+    if id(module) in _BASE_ONLY:
+        return output
     x = args[0] if args else kwargs.get("input_", kwargs.get("input"))
     out, bias = output[0], output[1:]
     return (_ContiguousGrad.apply(out) + module.lora(_normed_input(module, x)), *bias)

@@ -31,6 +31,7 @@ TRACKER_NAMES: dict[str, tuple[str, float]] = {
     "response_length_max": ("response_length/max", 1.0),
     "response_length_min": ("response_length/min", 1.0),
     "entropy": ("actor/entropy", 1.0),
+    "kl_mean": ("actor/kl", 1.0),  # learner.kl_coef > 0 (verl: actor/kl_loss)
     "lr": ("actor/lr", 1.0),
     "grad_norm": ("actor/grad_norm", 1.0),
     # off-policy figures (docs/design/async.md#off-policy-correction-and-the-lag-and-mismatch-figures): the same keys under one prefix
@@ -114,8 +115,8 @@ OFF_POLICY_FIELDS = ("policy_lag_mean", "policy_lag_max", "lagged_token_share",
 
 def off_policy_metrics(update: UpdateRecord) -> dict:
     """metrics.jsonl keys of the update's lag and mismatch figures (None: no token had a
-    behaviour log-prob)."""
-    return {k: getattr(update, k) for k in OFF_POLICY_FIELDS}
+    behaviour log-prob), and its KL to the reference (learner.kl_coef > 0)."""
+    return {**{k: getattr(update, k) for k in OFF_POLICY_FIELDS}, "kl_mean": update.kl_mean}
 
 
 def throughput(tokens: int, step_s: float, n_devices: int) -> float | None:

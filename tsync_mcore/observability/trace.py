@@ -78,6 +78,8 @@ class SourceRecord:
     # sha256 of the source's tokens and scored mask as this rank received them
     # (tokens_digest): compared with the rollout's records (RUN/agent/records.jsonl)
     tokens_sha256: str | None = None
+    # tokens the KL term's reference model forwarded for it (no backward; learner.kl_coef)
+    reference_tokens: int = 0
     kind: Literal["source"] = "source"  # fixed per class
 
     @property
@@ -154,6 +156,9 @@ class UpdateRecord:
     is_weight_min: float | None = None
     is_truncated_share: float | None = None  # share whose weight the cap truncated
     is_dropped_share: float | None = None  # share the guard gave weight 0 (mis, seq_*)
+    # learner.kl_coef > 0: the KL estimator's mean over the scored tokens served (actor/kl)
+    kl_mean: float | None = None
+    reference_bytes: int = 0  # the KL term's reference model weights on this rank (0: none or the LoRA base)
     kind: Literal["update"] = "update"  # fixed per class
 
     @property

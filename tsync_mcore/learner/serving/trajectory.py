@@ -109,7 +109,11 @@ class TrajectoryKind:
     # --- service --------------------------------------------------------------------------
 
     def serve(self, svc: Service) -> dict:
-        """One trajectory: backward, fold, and (its group finished) the pair's combine."""
+        """One trajectory: backward, fold, and (its group finished) the pair's combine.
+
+        With a KL or entropy term (R_i, objectives/regularizers.py) a direct fold puts the
+        coefficient in the loss and backpropagates both at once; a pair fold backpropagates
+        R_i on its own (a second cotangent over the same forward) into the group's G3."""
         src, g, up = svc.source, svc.group_id, self.up
         span = dict(span_tokens=0, context=0, logits=False)
         if src.n_scored > 0:
@@ -120,21 +124,19 @@ class TrajectoryKind:
             # Token weight 1/L_i (or 1) now; the batch's divisor is the deferred scalar at
             # close (objectives/token_norm.py).
             w = up.norm.source_weight(src.n_scored)
+            aux_w = w * self._group_mean(g)  # R_i's coefficient, known at arrival
             # model.ep > 1: expert gradients land on the experts' ranks, summed with those of
             # the sources served there in the same pass, so the coefficient rides in the
             # loss and the fold adds the buffers as they are (only direct folds run then).
-            coef_in_loss = svc.fold == "direct" and up.policy.ep_size > 1
+            # A regulariser on a direct fold rides in the same loss.
+            coef_in_loss = svc.fold == "direct" and (up.policy.ep_size > 1 or up.reg.active)
             if coef_in_loss:
                 w *= self._coef(src)
             prefix = self._prefix_for(src) if up.cfg.shared_prefix else None
             # ρ_t (off-policy correction) per scored token: inside the backward's weights.
             q = len(prefix) if prefix is not None else 0
             with up.routes.forward([(src.traj_id, q, src.n_tokens - q)]):
-                if prefix is None:
-                    up.policy.backward_source(list(src.tokens), list(src.scored_mask), w,
-                                             up.off_policy, src.behaviour_logprobs)
-                else:
-                    prefix.backward_continuation(up.policy, src, w, up.off_policy)
+                aux = self._backward(src, prefix, q, w, aux_w, svc.fold)
             span = dict(span_tokens=src.n_tokens - q, context=q, logits=True)
             grads = up.policy.grad_buffers()
             if svc.fold == "direct":
@@ -146,10 +148,47 @@ class TrajectoryKind:
                 acc.fold_pair(g, grads, src.reward)
                 if prefix is not None:
                     prefix.fold_pair(src.reward - acc.shift_of(g))
+                if aux is not None:  # R_i alone, into G3 (its prompt share into A)
+                    up.policy.zero_grads()
+                    aux.backward()
+                    acc.fold_aux(g, grads)
+                    if prefix is not None:
+                        prefix.fold_direct(1.0)
             up.policy.zero_grads()
         if svc.closes_group:
             self._combine(g)
         return span
+
+    def _backward(self, src: TrajectorySource, prefix, q: int, w: float, aux_w: float,
+                  fold: str) -> torch.Tensor | None:
+        """The source's forward and backward of −w·Σ_t ρ_t log π (+ aux_w·R_i on a direct
+        fold); returns R_i's loss, graph kept, when a pair fold must backpropagate it apart."""
+        up = self.up
+        if not up.reg.active:  # exactly the path without regularisers
+            if prefix is None:
+                up.policy.backward_source(list(src.tokens), list(src.scored_mask), w,
+                                         up.off_policy, src.behaviour_logprobs)
+            else:
+                prefix.backward_continuation(up.policy, src, w, up.off_policy)
+            return None
+        if prefix is None:
+            logp, ent = up.policy.forward_source(list(src.tokens), list(src.scored_mask),
+                                                 with_entropy=True)
+        else:
+            logp, ent = prefix.forward_continuation(up.policy, src, with_entropy=True)
+        rho = up.off_policy.weights(logp, behaviour_at(src.behaviour_logprobs,
+                                                      src.scored_mask[q:], q))
+        pg = -f32(w) * weighted_logp_sum(logp, rho)
+        aux = up.regularizer(src.tokens, src.scored_mask, q, logp, ent, aux_w)
+        if fold == "direct":
+            (pg + aux).backward()
+            return None
+        pg.backward(retain_graph=True)
+        return aux
+
+    def _group_mean(self, g: str) -> float:
+        """1/m_G when the token norm keeps the group mean (R_i's share of it), else 1."""
+        return 1.0 / len(self.up.plan.groups[g]) if self.up.norm.group_mean else 1.0
 
     # --- packed serving (docs/design/learner.md) -------------------------------------------------
 
@@ -186,18 +225,27 @@ class TrajectoryKind:
         pair = pack[0].fold == "pair"  # the queue packs pair folds of one group only
         with up.routes.forward([(svc.source.traj_id, seg.offset, len(seg.tokens))
                                for svc, seg in zip(pack, segments)]):
-            logps, _ = up.policy.packed_logprobs(segments, scored)
+            reg = up.reg.active
+            out = up.policy.packed_logprobs(segments, scored, with_entropy=reg)
+            logps, ents = out[0], (out[1] if reg else [None] * len(pack))
             terms = []  # (Σ_t ρ_t·log π(t), the member's token weight w_i)
-            for svc, seg, logp in zip(pack, segments, logps):
+            aux = None  # Σ_i R_i with their coefficients (KL / entropy terms)
+            for svc, seg, logp, ent in zip(pack, segments, logps, ents):
                 src = svc.source
                 rho = up.off_policy.weights(logp, behaviour_at(src.behaviour_logprobs,
                                                               src.scored_mask[seg.offset:],
                                                               seg.offset))
-                terms.append((weighted_logp_sum(logp, rho), up.norm.source_weight(src.n_scored)))
+                w = up.norm.source_weight(src.n_scored)
+                terms.append((weighted_logp_sum(logp, rho), w))
+                if reg:
+                    r = up.regularizer(src.tokens, src.scored_mask, seg.offset, logp, ent,
+                                       w * self._group_mean(svc.group_id))
+                    aux = r if aux is None else aux + r
             if not pair:
-                _loss(terms, [self._coef(svc.source) for svc in pack]).backward()
+                loss = _loss(terms, [self._coef(svc.source) for svc in pack])
+                (loss if aux is None else loss + aux).backward()
             else:
-                self._pair_backward(pack, terms, prefixes)
+                self._pair_backward(pack, terms, prefixes, aux)
         if not pair:
             up.fold_later([svc.group_id for svc in pack])  # folded with what follows
             for prefix in prefixes.values():
@@ -207,8 +255,22 @@ class TrajectoryKind:
                 self._combine(svc.group_id)
         return spans
 
-    def _pair_backward(self, pack: list[Service], terms: list, prefixes: dict) -> None:
-        """The backward(s) of a pair pack and their folds into its group's sums."""
+    def _pair_backward(self, pack: list[Service], terms: list, prefixes: dict,
+                       aux: torch.Tensor | None = None) -> None:
+        """The backward(s) of a pair pack and their folds into its group's sums; `aux`
+        (Σ R_i), when given, last and on its own into G3 (and the prompt's A)."""
+        up, g = self.up, pack[0].group_id
+        self._pair_parts(pack, terms, prefixes, keep=aux is not None)
+        if aux is not None:
+            aux.backward()
+            up.acc.fold_aux(g, up.policy.grad_buffers())
+            if prefixes.get(g) is not None:
+                prefixes[g].fold_direct(1.0)
+            up.policy.zero_grads()
+
+    def _pair_parts(self, pack: list[Service], terms: list, prefixes: dict,
+                    keep: bool) -> None:
+        """G1'/G2 of a pair pack; `keep`: the graph stays for one more backward."""
         up, g = self.up, pack[0].group_id
         up.flush_grads()  # the buffers go into the group's sums, not the batch
         if not up.acc.is_open(g):
@@ -217,14 +279,14 @@ class TrajectoryKind:
         prefix = prefixes.get(g)
         rewards = [float(svc.source.reward) for svc in pack]
         if len(set(rewards)) == 1:  # one cotangent: fold the sum as one member would be
-            _loss(terms, [1.0] * len(pack)).backward()
+            _loss(terms, [1.0] * len(pack)).backward(retain_graph=keep)
             up.acc.fold_pair(g, up.policy.grad_buffers(), rewards[0])
             if prefix is not None:
                 prefix.fold_pair(rewards[0] - shift)
             up.policy.zero_grads()
             return
         for part, coefs in (("g1", [r - shift for r in rewards]), ("g2", [1.0] * len(pack))):
-            _loss(terms, coefs).backward(retain_graph=part == "g1")
+            _loss(terms, coefs).backward(retain_graph=part == "g1" or keep)
             up.acc.fold_pair_part(g, up.policy.grad_buffers(), part)
             if prefix is not None:
                 prefix.fold_pair_part(part)

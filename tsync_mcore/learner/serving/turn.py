@@ -200,15 +200,20 @@ class TurnKind:
             turns.append((turn, ctx, offset, mask))
         with up.routes.forward([(turn.traj_id, offset, len(seg.tokens))
                                for (turn, _, offset, _), seg in zip(turns, segments)]):
-            logps, kvs = up.policy.packed_logprobs(segments, scored)
+            reg = up.reg.active
+            out = up.policy.packed_logprobs(segments, scored, with_entropy=reg)
+            logps, kvs = out[0], out[-1]
+            ents = out[1] if reg else [None] * len(pack)
             loss = 0.0
-            for (turn, _, offset, mask), pos, student in zip(turns, scored, logps):
+            for (turn, _, offset, mask), pos, student, ent in zip(turns, scored, logps, ents):
                 q = offset - turn.start
                 teacher = upload([turn.teacher_logprobs[q + p] for p in pos], torch.float64,
                                  up.policy.device)
                 rho = up.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs,
                                                                  mask, q))
                 loss = loss + up.objective.turn_loss(student, teacher, rho)
+                if reg:  # the entropy bonus, weight 1 (token_mean's 1/N_k at close)
+                    loss = loss + up.regularizer(None, mask, 0, student, ent, 1.0)
             loss.backward()
         if pack[0].fold == "pair":  # the queue packs pair folds of one group only
             self._fold(pack[0].group_id, "pair")
@@ -285,12 +290,14 @@ class TurnKind:
                 q = offset - turn.start
                 teacher = upload([turn.teacher_logprobs[q + p] for p in at], torch.float64,
                                  dev)
-                student = up.policy.scored_logprob(logits, ids, pos)
+                student, ent = up.policy.scored_logprob(logits, ids, pos, with_entropy=True)
                 # ρ_t from this forward's own log π_θ. Replay never re-scores a token (it
                 # pushes K/V adjoints back only), so the weight is fixed here, once.
                 rho = up.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs,
                                                                  mask, q))
                 loss = up.objective.turn_loss(student, teacher, rho)  # N_k: deferred scalar
+                if up.reg.active:  # the entropy bonus, weight 1 (token_mean's 1/N_k at close)
+                    loss = loss + up.regularizer(None, mask, 0, student, ent, 1.0)
                 loss.backward(retain_graph=up.cfg.opd_replay == "retain" and not last)
         if turn.n_scored > 0:
             self._fold(turn.group_id, svc.fold)

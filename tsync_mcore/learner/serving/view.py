@@ -6,12 +6,14 @@ from __future__ import annotations
 
 SEEN = frozenset({
     # the learner's parts, fixed for its life
-    "cfg", "policy", "acc", "routes", "off_policy", "objective", "norm", "adv_ddof",
+    "cfg", "policy", "acc", "routes", "off_policy", "reg", "objective", "norm", "adv_ddof",
     "max_tokens", "kv_per_token",
     # the batch being served (set when it begins)
     "version", "plan", "queue", "member_of", "arrived", "committed",
     # what a kind calls back: folds into the batch, deferred trace records, K/V sizes, clock
     "fold_direct", "fold_later", "flush_grads", "defer", "saw_kv", "now",
+    # a source's KL/entropy term with its reference log-probs (objectives/regularizers.py)
+    "regularizer",
 })
 
 

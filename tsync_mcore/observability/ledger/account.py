@@ -4,7 +4,9 @@ Every record of served work carries the span it executed (tsync_mcore.observabil
 `span_tokens` after `context` tokens of K/V (a whole trajectory, a continuation after a
 shared prompt, an OPD turn), and deferred work's `spans`: a shared prompt's backward at
 group close (forward to the last K/V and backward, no logits) and OPD replays (pushed back
-through, recomputed or retained). Recomputation is reported separately and not credited:
+through, recomputed or retained). The KL term's reference model forwards a source's
+`reference_tokens` (forward FLOPs only; with LoRA the base alone, adapters off).
+Recomputation is reported separately and not credited:
 OPD context recompute, and the fused LM head's recompute of the scored positions' logits
 in its backward (a source with `fused_head` projects only those positions to the vocabulary).
 """
@@ -45,6 +47,11 @@ def update_flops(spec, records: Iterable[Record], attention: str = "full",
                     k: {**v, "backward": 0} for k, v in f.by_component.items()})
                 continue
             head = r.scored_tokens if r.fused_head and r.scored_tokens else None
+            if r.reference_tokens:  # the KL term's reference: a forward, no backward
+                f = span_flops(spec, r.reference_tokens, 0, logits_positions=head, attention=a,
+                               moe=moe)
+                total = total + FlopBreakdown(f.forward, 0, 0, {
+                    k: {**v, "backward": 0} for k, v in f.by_component.items()})
             total = total + span_flops(spec, r.span_tokens, r.context, logits_positions=head,
                                        context_grad=r.context > 0, attention=a, lora=lora, moe=moe)
             if head:
