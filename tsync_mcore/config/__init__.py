@@ -167,9 +167,9 @@ class LearnerConfig:
     # weighted per token as the policy term (docs/design/objectives.md#kl-and-entropy).
     # kl_estimator: k1, abs, k2, k3, or k1+/k3+ (k2's gradient); verl's kl_loss_type names
     # (kl, mse, low_var_kl) are accepted and mapped. 0: off (no reference model is built).
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
+    kl_coef: float = 0.0  # β
+    kl_estimator: str = "k3"  # k: k3 is verl's low_var_kl
+    entropy_coef: float = 0.0  # η (verl's entropy_coeff)
     # The KL term's reference: "initial" (model.hf_dir as loaded; with LoRA, the frozen base
     # with the adapters off: no second copy) or a Hugging Face directory of the same vocabulary.
     reference: str = "initial"

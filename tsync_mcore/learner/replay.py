@@ -403,6 +403,8 @@ def main(argv: list[str] | None = None) -> dict:
         "accum_peak_bytes": max(r.accum_peak_bytes for r in done),
         "accum_bound_bytes": done[0].accum_bound_bytes,
         "accum_params": done[0].accum_params,
+        "kl_mean": [r.kl_mean for r in done],
+        "reference_bytes_per_rank": _gather(done[0].reference_bytes),
         "kv_peak_bytes_per_rank": _gather(max(r.kv_peak_bytes for r in done)),
         "head_peak_bytes_per_rank": _gather(max(r.head_peak_bytes for r in done)),
         "accum_peak_bytes_per_rank": _gather(max(r.accum_peak_bytes for r in done)),
