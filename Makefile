@@ -28,6 +28,9 @@ $(VENV)/.ready: requirements.txt pyproject.toml
 	@echo "uv pip uninstall torchvision torchaudio torchcodec"; $(UV_FROM_PIP); \
 	$(UV) uninstall -q torchvision torchaudio torchcodec || true
 	@echo "uv pip install --no-deps -e ."; $(UV_FROM_PIP); $(UV) install -q --no-deps -e .
+	# matplotlib (reasoning-gym imports it) lists the system fonts with fc-list on its
+	# first import: done here once, not inside a unit test (which may start no process)
+	$(VPY) -c "import matplotlib.font_manager"
 	touch $@
 
 setup: $(VENV)/.ready
