@@ -163,6 +163,10 @@ class LearnerConfig:
     is_correction: Literal["none", "tis", "mis", "seq_tis", "seq_mis", "seq_reject"] = "none"
     is_cap: float = 2.0  # C: the upper bound (tis, seq_tis truncate at it; the rest drop above)
     is_low: float = 0.0  # mis, seq_mis, seq_reject: ratios below this drop out (0: none)
+    # DAPO dynamic sampling: "zero_std" drops a group whose rewards are all equal when its
+    # last reward is known (its advantage is zero; nothing of it trains, and n_groups, N_k
+    # and the token norms count only the groups that do); see rollout.max_oversample
+    filter_groups: Literal["none", "zero_std"] = "none"
     # KL to a reference policy, β·Σ_t k(log π_θ − log π_ref), and the entropy bonus −η·Σ_t H_t,
     # weighted per token as the policy term (docs/design/objectives.md#kl-and-entropy).
     # kl_estimator: k1, abs, k2, k3, or k1+/k3+ (k2's gradient); verl's kl_loss_type names
@@ -483,6 +487,10 @@ class RolloutConfig:
     # fully_async: groups generated at once at most (0: groups_per_batch); AReaL's staleness
     # bound (learner.max_staleness) may hold fewer back (docs/design/async.md)
     max_groups_in_flight: int = 0
+    # DAPO dynamic sampling (learner.filter_groups: zero_std): up to this many reserve groups
+    # per batch, each started when a group ends with uniform rewards, so the batch keeps
+    # groups_per_batch informative groups (rollout/oversample.py); 0: none
+    max_oversample: int = 0
     # Who runs the trajectories (docs/guide/agents.md): "builtin" (the agent loop in this
     # process) or "openai" (rollout.agent_command, one process per trajectory or a pool of
     # them (agent_pool), talking to the OpenAI-compatible endpoint at rollout.serve_openai;
@@ -545,6 +553,8 @@ class RolloutConfig:
                self.env.startswith("reasoning_gym:"), "rollout.env",
                f"rollout.agent: openai runs rollout.env: toy, dataset, terminal or "
                f"reasoning_gym:<task>, got {self.env!r}")
+        _check(self.max_oversample >= 0, "rollout.max_oversample",
+               f"must be >= 0 (0: no reserve groups), got {self.max_oversample}")
         _check(self.max_groups_in_flight >= 0, "rollout.max_groups_in_flight",
                f"must be >= 0 (0: groups_per_batch), got {self.max_groups_in_flight}")
         _check(self.groups_per_batch >= 1, "rollout.groups_per_batch", "must be >= 1")
@@ -690,6 +700,13 @@ class RewardConfig:
     # Interpreter of the test programs ("": this one's, or when the sandbox user cannot run
     # it, the system python3)
     sandbox_python: str = ""
+    # DAPO's overlong shaping: a response of L generated tokens longer than
+    # overlong_max_len − overlong_buffer adds −(L − (max_len − buffer))/buffer·overlong_penalty
+    # to its reward (verl's reward_model.overlong_buffer); 0: off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0  # verl's overlong_buffer.penalty_factor
+    # the response budget L_max; 0: rollout.max_tokens_per_turn × rollout.max_turns
+    overlong_max_len: int = 0
 
     def validate(self) -> None:
         _check(self.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {self.timeout_s}")
@@ -698,6 +715,13 @@ class RewardConfig:
                f"must be >= 64, got {self.sandbox_memory_mb}")
         _check_not_root(self.sandbox_user, "reward.sandbox_user")
         _check(self.sandbox_nproc >= 1, "reward.sandbox_nproc", "must be >= 1")
+        _check(self.overlong_buffer >= 0, "reward.overlong_buffer",
+               f"must be >= 0 (0: off), got {self.overlong_buffer}")
+        _check(math.isfinite(self.overlong_penalty) and self.overlong_penalty >= 0,
+               "reward.overlong_penalty", f"must be a finite number >= 0, got "
+               f"{self.overlong_penalty}")
+        _check(self.overlong_max_len >= 0, "reward.overlong_max_len",
+               f"must be >= 0 (0: the rollout's budget), got {self.overlong_max_len}")
         if self.function:
             from tsync_mcore.rewards.load import check_spec  # the spec's syntax, not its file
             try:
@@ -852,6 +876,12 @@ class Config:
                "routed_experts for 'rollout')")
         self._check_publish_lora()
         self._check_reference()
+        self._check_dynamic_sampling()
+        rw = self.reward
+        budget = rw.overlong_max_len or self.rollout.max_tokens_per_turn * self.rollout.max_turns
+        _check(not rw.overlong_buffer or rw.overlong_buffer < budget, "reward.overlong_buffer",
+               f"{rw.overlong_buffer} must be < the response budget {budget} "
+               f"(reward.overlong_max_len, or rollout.max_tokens_per_turn × max_turns)")
         decay = self.optim.decay_updates or self.run.updates
         _check(self.optim.warmup_updates < decay, "optim.warmup_updates",
                f"must be < optim.decay_updates (0: run.updates), here {decay}, got "
@@ -870,6 +900,21 @@ class Config:
         _check(not (self.learner.objective == "opd" and self.rollout.routing == "balanced"),
                "rollout.routing", "'balanced' is for the GRPO family; OPD routes by group "
                "(a trajectory's turns and its group's shared prompt stay on one rank)")
+
+    def _check_dynamic_sampling(self) -> None:
+        ln, rc = self.learner, self.rollout
+        _check(ln.filter_groups == "none" or ln.objective != "opd", "learner.filter_groups",
+               "'zero_std' filters GRPO groups by their rewards; OPD's turns have none")
+        if not rc.max_oversample:
+            return
+        _check(ln.filter_groups == "zero_std", "rollout.max_oversample",
+               f"{rc.max_oversample} reserve groups replace filtered ones; set "
+               f"learner.filter_groups: zero_std")
+        _check(ln.schedule != "fully_async", "rollout.max_oversample", "fully_async forms "
+               "batches from groups as they complete; its uniform groups are filtered by "
+               "learner.filter_groups alone (set max_oversample 0)")
+        _check(rc.agent != "openai", "rollout.max_oversample", "reserve groups start on "
+               "demand in the built-in agent loop only; with rollout.agent: openai set it 0")
 
     def _check_reference(self) -> None:
         """learner.kl_coef > 0 builds a reference (learner/reference.py); what it cannot be."""

@@ -42,7 +42,7 @@ from tsync_mcore.channel import (Ack, ChannelError, ChannelTimeout, CloseBatch, 
                                  RegisterBatch, Rejected, Shutdown, TrajectoryMsg, TurnMsg,
                                  channel_secret, open_learner_side)
 from tsync_mcore.config import Config, to_dict
-from tsync_mcore.learner.update import Learner
+from tsync_mcore.learner.update import FILTERED, Learner
 from tsync_mcore.observability.ledger.account import update_flops
 from tsync_mcore.observability.ledger.memory import MemoryMeter
 from tsync_mcore.observability.ledger.mfu import detect_peak, mfu_active
@@ -320,6 +320,7 @@ class Trainer:
             gc_s=self.gc_s, reward_mean=close.reward_mean,
             trajectories=sum(len(ts) for ts in plan.groups.values()),
             n_groups=done.n_groups, dropped_groups=done.dropped_groups,
+            filtered_groups=sum(r == FILTERED for r in done.dropped_groups.values()),
             scored_tokens=done.scored_tokens, stale_sources=n_stale,
             **off_policy_metrics(done),  # lag and mismatch, already over all DP ranks
             rejected_sources=n_rejected,

@@ -47,6 +47,8 @@ from tsync_mcore.channel.sources import BatchPlan, SourceError, assign_groups, c
 from tsync_mcore.observability.trace import DeferredRecord, Record, SourceRecord, UpdateRecord, tokens_digest
 
 ACCUM_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+# why a group left the update under learner.filter_groups (UpdateRecord.dropped_groups)
+FILTERED = "uniform rewards (learner.filter_groups: zero_std)"
 # model.ep > 1: the schedules that serve a source only once its group's rewards are known
 EP_SCHEDULES = ("sync", "group_ready")
 
@@ -319,7 +321,17 @@ class Learner:
 
     def _maybe_complete(self, g: str) -> None:
         if g not in self.dropped and not self.queue.is_complete(g) and self.kind.complete(g):
+            if self._filtered(g):  # DAPO dynamic sampling: before anything of it is committed
+                self.drop_group(g, FILTERED)
+                return
             self.queue.complete(g)
+
+    def _filtered(self, g: str) -> bool:
+        """learner.filter_groups zero_std: every reward of the complete group `g` equal."""
+        if self.cfg.filter_groups != "zero_std":
+            return False
+        rewards = [self.kind.rewards[t] for t in self.plan.groups[g]]
+        return all(r == rewards[0] for r in rewards)
 
     def _drain(self) -> None:
         if self.policy.ep_size == 1:

@@ -32,6 +32,7 @@ TRACKER_NAMES: dict[str, tuple[str, float]] = {
     "response_length_min": ("response_length/min", 1.0),
     "entropy": ("actor/entropy", 1.0),
     "kl_mean": ("actor/kl", 1.0),  # learner.kl_coef > 0 (verl: actor/kl_loss)
+    "filtered_groups": ("batch/filtered_groups", 1.0),  # learner.filter_groups
     "lr": ("actor/lr", 1.0),
     "grad_norm": ("actor/grad_norm", 1.0),
     # off-policy figures (docs/design/async.md#off-policy-correction-and-the-lag-and-mismatch-figures): the same keys under one prefix

@@ -19,6 +19,7 @@ from tsync_mcore.publication.receive import FINISHED, RolloutStopped
 from tsync_mcore.rewards import RewardFailed
 from tsync_mcore.rollout.envs import SkyRLGymAdapter, ToyToolConfig, ToyToolEnv
 from tsync_mcore.rollout.openai.pool import AgentPoolDead
+from tsync_mcore.rollout.oversample import Oversampling
 from tsync_mcore.rollout.pacing import span_off_policy
 from tsync_mcore.rollout.replicas import ReplicaError
 
@@ -48,7 +49,8 @@ class BatchWork:
     def _plan(self, version: int, data_pos: int) -> _Batch:
         groups, env_seeds, seeds, traj_ids, group_of = {}, [], [], [], []
         rows = [] if self.feed is not None else None
-        for g in range(self.rc.groups_per_batch):
+        # dynamic sampling: the reserve groups after the batch's own (rollout/oversample.py)
+        for g in range(self.rc.groups_per_batch + self.rc.max_oversample):
             gid = f"v{version}-g{g}"
             members = [f"{gid}-t{i}" for i in range(self.rc.group_size)]
             groups[gid] = members
@@ -94,12 +96,13 @@ class BatchWork:
         prompt = [{"role": "user", "content": "Solve the task step by step."}]
         return [SkyRLGymAdapter.from_registry(name, self.tok, prompt) for _ in range(n)]
 
-    def _drop(self, version: int, gid: str, reason: str) -> None:
+    def _drop(self, version: int, gid: str, reason: str, quiet: bool = False) -> None:
         """Group `gid` leaves update `version`: every learner rank is told, once."""
         if gid in self.dropped:
             return
         self.dropped[gid] = reason
-        print(f"[rollout] dropped group {gid} of update {version}: {reason}", flush=True)
+        if not quiet:
+            print(f"[rollout] dropped group {gid} of update {version}: {reason}", flush=True)
         for link in self.links:
             link.send(DropGroup(version=version, group_id=gid, reason=reason[:2000]))
 
@@ -207,6 +210,7 @@ class BatchWork:
             return release
 
         rewards = []
+        self.overlong = 0  # responses the overlong shaping penalised, this batch
         kwargs = dict(max_turns=self.rc.max_turns, max_tokens_per_turn=self.rc.max_tokens_per_turn,
                       max_total_tokens=self.rc.max_total_tokens, temperature=self.rc.temperature,
                       step_timeout_s=self._step_timeout_s())
@@ -215,30 +219,21 @@ class BatchWork:
         # A group's members share their prompt: one replica serves the whole group.
         if self.turns:
             kwargs["on_turn"] = on_turn
+        over = None
+        if self.rc.max_oversample:  # dynamic sampling: reserves start as groups are filtered
+            over = Oversampling(batch.groups, self.rc.groups_per_batch)
+            kwargs["gate"] = lambda i: over.gate(batch.group_of[i])
         async for i, res in self._agents(batch, envs, kwargs):
-            if not res.n_turns:  # an agent that failed before its first request
-                self._drop(batch.version, batch.group_of[i],
-                           f"trajectory {batch.traj_ids[i]}: its agent "
-                           f"{res.extra.get('agent_status', 'ended')} before any request")
+            if res is None:  # a reserve group never started
                 continue
-            rewards.append(res.reward)
-            if stats is not None:
-                stats.add(envs[i])
-            gid = batch.group_of[i]
-            self._take_rejections(batch.version)
-            if self.turns:
-                if res.n_turns != self.rc.max_turns:  # its turn count was registered up front
-                    self._drop(batch.version, gid,
-                               f"OPD trajectory {batch.traj_ids[i]} ended after {res.n_turns} "
-                               f"of {self.rc.max_turns} registered turns ({res.stop_reason}); "
-                               f"raise rollout.max_total_tokens so every trajectory runs all "
-                               f"its turns")
-                continue
-            src = self._trajectory(batch.traj_ids[i], gid, res, order)
-            if not self._checked(batch.version, src):
-                continue
-            order += 1
-            self._send_trajectory(batch.version, src, owners, router)
+            sent = self._finished(batch, envs, stats, i, res, order, owners, router, rewards)
+            order += sent is not None
+            if over is not None:
+                over.member_done(batch.group_of[i], sent)
+        if over is not None:
+            for g in over.unused():
+                self._drop(batch.version, g, "reserve group not needed (dynamic sampling)",
+                           quiet=True)
         self._take_rejections(batch.version)
         ok = [r for r in rewards if isinstance(r, (int, float)) and math.isfinite(r)]
         reward_mean = sum(ok) / len(ok) if ok else None
@@ -246,10 +241,55 @@ class BatchWork:
             print(f"[rollout] {stats.errors} reward errors in update {batch.version}, scored 0; "
                   f"first: {stats.first_error}", flush=True)
         metrics = stats.metrics() if stats is not None else {}
+        if over is not None:
+            metrics.update(over.metrics())
+        if self.cfg.reward.overlong_buffer:
+            metrics["reward/overlong_share"] = self.overlong / max(len(rewards), 1)
         if self.oai is not None:
             metrics.update(self.oai.take_metrics())
             metrics.update(self.agent_counters.take())
         return order, reward_mean, metrics
+
+    def _finished(self, batch: _Batch, envs, stats, i: int, res, order: int, owners,
+                  router, rewards: list) -> float | None:
+        """Trajectory i ended: checked, shaped and sent (GRPO), or its group dropped.
+        Returns the reward it was sent with (None: nothing was sent)."""
+        if not res.n_turns:  # an agent that failed before its first request
+            self._drop(batch.version, batch.group_of[i],
+                       f"trajectory {batch.traj_ids[i]}: its agent "
+                       f"{res.extra.get('agent_status', 'ended')} before any request")
+            return None
+        res.reward = self._shaped(res)
+        rewards.append(res.reward)
+        if stats is not None:
+            stats.add(envs[i])
+        gid = batch.group_of[i]
+        self._take_rejections(batch.version)
+        if self.turns:
+            if res.n_turns != self.rc.max_turns:  # its turn count was registered up front
+                self._drop(batch.version, gid,
+                           f"OPD trajectory {batch.traj_ids[i]} ended after {res.n_turns} "
+                           f"of {self.rc.max_turns} registered turns ({res.stop_reason}); "
+                           f"raise rollout.max_total_tokens so every trajectory runs all "
+                           f"its turns")
+            return None
+        src = self._trajectory(batch.traj_ids[i], gid, res, order)
+        if not self._checked(batch.version, src):
+            return None
+        self._send_trajectory(batch.version, src, owners, router)
+        return res.reward
+
+    def _shaped(self, res) -> float:
+        """The reward with DAPO's overlong shaping (reward.overlong_buffer): a response of L
+        generated tokens past L_max − buffer loses (L − (L_max − buffer))/buffer·penalty."""
+        rw = self.cfg.reward
+        if not rw.overlong_buffer or not isinstance(res.reward, (int, float)):
+            return res.reward
+        budget = rw.overlong_max_len or self.rc.max_tokens_per_turn * self.rc.max_turns
+        exceed = sum(res.scored_mask) - (budget - rw.overlong_buffer)
+        penalty = min(-exceed / rw.overlong_buffer * rw.overlong_penalty, 0.0)
+        self.overlong = getattr(self, "overlong", 0) + (penalty < 0)
+        return res.reward + penalty
 
     def _trajectory(self, traj_id: str, gid: str, res, order: int) -> TrajectorySource:
         """A finished trajectory as a source: its sampling log-probs, and the versions

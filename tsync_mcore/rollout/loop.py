@@ -215,19 +215,24 @@ async def run_batch(
     env_seeds: Sequence[int | None] | None = None,
     on_turn: Callable[[int], TurnCallback] | None = None,
     routes: Sequence[str | None] | None = None,
+    gate: Callable[[int], Awaitable[bool]] | None = None,
     **kwargs: Any,
-) -> AsyncIterator[tuple[int, TrajectoryResult]]:
+) -> AsyncIterator[tuple[int, TrajectoryResult | None]]:
     """Run `run_trajectory` for every env at once; yield (index, result) in finish order.
 
     `on_turn(i)` (optional) gives trajectory i's turn callback; `routes[i]` (optional) its
-    route key; other keyword arguments go to `run_trajectory`. A failing trajectory cancels
-    the rest and re-raises.
+    route key; `gate(i)` (optional) is awaited before trajectory i starts, and False skips
+    it (yielded with result None: dynamic sampling's reserves, rollout/oversample.py);
+    other keyword arguments go to `run_trajectory`. A failing trajectory cancels the rest
+    and re-raises.
     """
     if any(x is not None and len(x) != len(envs) for x in (env_seeds, routes)) or \
             len(seeds) != len(envs):
         raise ValueError("seeds/env_seeds/routes must have one entry per env")
 
-    async def one(i: int) -> tuple[int, TrajectoryResult]:
+    async def one(i: int) -> tuple[int, TrajectoryResult | None]:
+        if gate is not None and not await gate(i):
+            return i, None
         res = await run_trajectory(
             engine, envs[i], seed=seeds[i],
             env_seed=None if env_seeds is None else env_seeds[i],

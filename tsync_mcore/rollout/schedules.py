@@ -35,7 +35,7 @@ class Schedules:
         once θ_{k+1} is loaded and acknowledged (θ_k again when the learner dropped batch k)."""
         while version < self.cfg.run.updates:
             batch = self._plan(version, data_pos)
-            data_pos += self.rc.groups_per_batch
+            data_pos += len(batch.groups)  # with dynamic sampling's reserves
             self._register(version, batch.groups, data_pos, self._n_turns(batch))
             t0 = time.perf_counter()
             try:
@@ -66,7 +66,7 @@ class Schedules:
             if self.swaps and self._eval_due(self.loaded):
                 self._evaluate(self.loaded)
             batch = self._plan(b, data_pos)
-            data_pos += self.rc.groups_per_batch
+            data_pos += len(batch.groups)  # with dynamic sampling's reserves
             self._register(b, batch.groups, data_pos, self._n_turns(batch))
             t0 = time.perf_counter()
             try:
@@ -185,6 +185,7 @@ class Schedules:
                                       routes=[gid] * m, **kwargs):
             if stats is not None:
                 stats.add(envs[i])
+            res.reward = self._shaped(res)  # reward.overlong_buffer
             src = self._trajectory(tids[i], gid, res, 0)
             try:
                 validate_source(src, self.vocab_size, self.max_tokens)
