@@ -278,6 +278,20 @@ class TrajectorySource:
 
     index = 0  # a trajectory is one release unit
 
+    def to_json(self) -> dict:
+        """Its GRPO JSON Lines record (what `from_json` reads: a replay file's line)."""
+        obj = dict(traj_id=self.traj_id, group_id=self.group_id, tokens=list(self.tokens),
+                   scored_mask=list(self.scored_mask), reward=float(self.reward),
+                   policy_version=self.policy_version, ready_order=self.ready_order,
+                   prompt_len=self.prompt_len)
+        if self.behaviour_logprobs:
+            obj["behaviour_logprobs"] = list(self.behaviour_logprobs)
+        if self.token_versions:
+            obj["token_versions"] = list(self.token_versions)
+        if self.routed_experts is not None:
+            obj["routed_experts"] = self.routed_experts.array.tolist()
+        return obj
+
     @classmethod
     def from_json(cls, obj: dict) -> "TrajectorySource":
         """One GRPO JSON Lines record; a wrong key set or field type is a SourceError.

@@ -341,6 +341,10 @@ class RunConfig:
     # process; a resume starts a new budget), then checkpoints, exports and ends the run as
     # after run.updates; 0: off (run.updates only)
     budget_s: float = 0.0
+    # Each learner rank (TP rank 0) appends every GRPO trajectory it receives to
+    # <run.dir>/sources/rank<r>.jsonl, a replay file (its `update` on each line): what the
+    # run trained can be replayed (python -m tsync_mcore.learner.replay) and audited
+    save_sources: bool = False
 
     @property
     def evaluating(self) -> str:
@@ -903,6 +907,8 @@ class Config:
 
     def _check_dynamic_sampling(self) -> None:
         ln, rc = self.learner, self.rollout
+        _check(not (self.run.save_sources and ln.objective == "opd"), "run.save_sources",
+               "saves GRPO trajectories; OPD's turns are not saved")
         _check(ln.filter_groups == "none" or ln.objective != "opd", "learner.filter_groups",
                "'zero_std' filters GRPO groups by their rewards; OPD's turns have none")
         if not rc.max_oversample:

@@ -456,6 +456,8 @@ class Trainer:
         if isinstance(msg, Ack):  # async: a replica loaded an earlier publication
             self._take_ack(msg)
         elif isinstance(msg, (TrajectoryMsg, TurnMsg)):
+            if self.cfg.run.save_sources and self.par.tp_rank == 0:
+                self._save_source(msg.source)
             try:
                 self.learner.submit(msg.source, arrived=self.link.last_arrival, serve=serve)
             except SourceError as e:  # never trained on; its group leaves the update
@@ -609,6 +611,13 @@ class Trainer:
             with open(os.path.join(self.cfg.run.dir, f"nvml_rank{self.par.rank}.jsonl"), "a") as f:
                 for x in samples:
                     f.write(json.dumps(x) + "\n")
+
+    def _save_source(self, src) -> None:
+        """run.save_sources: the trajectory as received, a line of a replay file."""
+        path = os.path.join(self.cfg.run.dir, "sources", f"rank{self.par.rank}.jsonl")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps({"update": self.version, **src.to_json()}) + "\n")
 
     def _write_trace(self, records: list) -> None:
         path = os.path.join(self.cfg.run.dir, "traces", f"rank{self.par.rank}.jsonl")

