@@ -314,7 +314,7 @@ def test_tp2_replay_streams_kl_entropy_and_mis_exactly(tiny_qwen2, ref_dir, grpo
                                                        tmp_path):
     """At TP = 2 (vocab-parallel log-probs, entropies and reference), one launch: KL k3
     (configured by verl's name) + entropy + masked IS; LoRA with the base as reference;
-    OPD with the entropy bonus. Each: thundersync equals sync and its FP64 reference; each
+    OPD with the entropy bonus; dynamic sampling (two uniform groups) with KL. Each: thundersync equals sync and its FP64 reference; each
     TP rank holds half the reference's weights (none with LoRA)."""
     import json
 
@@ -331,12 +331,21 @@ def test_tp2_replay_streams_kl_entropy_and_mis_exactly(tiny_qwen2, ref_dir, grpo
                        f"  entropy_coef: 0.05\n  reference: {ref_dir}\n  is_correction: mis\n"
                        f"  is_low: {LOW}\n  is_cap: {CAP}\n",
                "lora": "learner:\n  kl_coef: 0.5\n  entropy_coef: 0.05\n",
-               "opd": "learner:\n  entropy_coef: 0.1\n"}
+               "opd": "learner:\n  entropy_coef: 0.1\n",
+               "filter": "learner:\n  filter_groups: zero_std\n  kl_coef: 0.3\n"
+                         f"  reference: {ref_dir}\n"}
+    # dynamic sampling's batch: two uniform groups, dropped at their close
+    uniform = [dict(r, reward=1.0 if r["group_id"].endswith("g2") else r["reward"])
+               for r in make_batch(VOCAB, n_groups=5, m=3, version=0, seed=23)]
+    filtered = tmp_path / "filter.jsonl"
+    filtered.write_text("".join(json.dumps(dict(r, update=0)) + "\n" for r in uniform))
+    kept = [r for r in uniform if not r["group_id"].endswith(("g0", "g2"))]
     jobs = {}
     for name, text in configs.items():
         (tmp_path / f"{name}.yaml").write_text(text)
         common = ["--model", tiny_qwen2, "--tp", "2", "--config", str(tmp_path / f"{name}.yaml"),
-                  "--lr", "1e-5", "--batch", str(opd if name == "opd" else batch)]
+                  "--lr", "1e-5",
+                  "--batch", str({"opd": opd, "filter": filtered}.get(name, batch))]
         common += {"lora": ["--lora-adapter", ad], "opd": ["--objective", "opd"]}.get(name, [])
         jobs[f"{name}_sync"] = [*common, "--schedule", "sync"]
         jobs[f"{name}_ts"] = [*common, "--schedule", "thundersync", "--k-open", "1"]
@@ -348,7 +357,8 @@ def test_tp2_replay_streams_kl_entropy_and_mis_exactly(tiny_qwen2, ref_dir, grpo
                                         ent_coef=0.05, guard=(LOW, CAP)),
             "lora": adapter_grad(peft_model, _objective_value(
                 peft_model, model, grpo_rows, kl_coef=0.5, est="k3", ent_coef=0.05)),
-            "opd": reference_opd_entropy(_hf(tiny_qwen2), opd_rows, 0.1)}
+            "opd": reference_opd_entropy(_hf(tiny_qwen2), opd_rows, 0.1),
+            "filter": reference_objective(model, ref_model, kept, kl_coef=0.3)}
     for name, ref in refs.items():
         err_sync = rel_l2(grads[f"{name}_ts"], grads[f"{name}_sync"])
         err_ref = rel_l2(grads[f"{name}_ts"], ref)
@@ -360,6 +370,8 @@ def test_tp2_replay_streams_kl_entropy_and_mis_exactly(tiny_qwen2, ref_dir, grpo
     n_params = sum(p.numel() for p in ref_model.parameters())
     assert 4 * n_params / 2 < s["reference_bytes_per_rank"][0] < 4 * n_params
     assert runs["lora_ts"]["summary"]["reference_bytes_per_rank"] == [0, 0]
+    assert runs["filter_ts"]["summary"]["scored_tokens"] == [
+        sum(sum(r["scored_mask"]) for r in kept)]
 
 
 # --- the reference's refresh and what is refused -----------------------------------------
