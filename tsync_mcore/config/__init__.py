@@ -179,6 +179,13 @@ class LearnerConfig:
     reference: str = "initial"
     # Refresh the reference from θ every N updates (slime's ref_update_interval); 0: never.
     reference_update_every: int = 0
+    # PPO mini-batches (verl's ppo_mini_batch_size = batch / minibatches): the batch's groups
+    # split in registration order, one optimizer step each; mini-batch 1 streams, the rest
+    # run after the previous step with the clipped ratio against θ_k (objectives/ppo.py)
+    minibatches: int = 1
+    clip_low: float = 0.2  # ε_low (verl clip_ratio_low)
+    clip_high: float = 0.2  # ε_high (verl clip_ratio_high; DAPO's clip-higher: 0.28)
+    clip_dual: float = 3.0  # dual-clip bound c for negative advantages (verl clip_ratio_c); 0: off
     k_open: int = 4  # admission cap: groups per rank holding G1/G2 at once
     accum: AccumPlacement = "device"  # "host": pinned host memory for large models
     # fp64 doubles accumulator memory (8(2k+1)P bytes) but makes the update independent of
@@ -279,6 +286,22 @@ class LearnerConfig:
             v = getattr(self, key)
             _check(math.isfinite(v) and v >= 0, f"learner.{key}",
                    f"must be a finite number >= 0 (0: off), got {v}")
+        _check(self.minibatches >= 1, "learner.minibatches",
+               f"must be >= 1, got {self.minibatches}")
+        _check(0 < self.clip_low < 1, "learner.clip_low", f"must be in (0, 1), got "
+               f"{self.clip_low}")
+        _check(math.isfinite(self.clip_high) and self.clip_high > 0, "learner.clip_high",
+               f"must be a finite number > 0, got {self.clip_high}")
+        _check(self.clip_dual == 0 or (math.isfinite(self.clip_dual) and self.clip_dual > 1),
+               "learner.clip_dual", f"must be > 1 (or 0: off), got {self.clip_dual}")
+        _check(self.minibatches == 1 or self.objective != "opd", "learner.minibatches",
+               "> 1 splits GRPO groups into PPO mini-batches; OPD's turns stream with the "
+               "teacher's advantages (use 1)")
+        _check(self.minibatches == 1 or self.schedule in ("sync", "group_ready",
+                                                          "thundersync"),
+               "learner.minibatches", f"> 1 with schedule '{self.schedule}': the old "
+               f"log-probs are θ_k's, computed as sources arrive before any step; use a "
+               f"synchronous schedule")
         _check(self.reference_update_every >= 0, "learner.reference_update_every",
                f"must be >= 0 (0: never), got {self.reference_update_every}")
         _check(bool(self.reference), "learner.reference",
@@ -961,6 +984,9 @@ class Config:
                f"'{self.learner.schedule}' with model.ep = {ep}: only sync and group_ready "
                f"serve every source once its group's rewards are known (a direct fold: the "
                f"coefficient in the loss), which expert gradients landing on other ranks need")
+        _check(self.learner.minibatches == 1, "learner.minibatches", f"> 1 with model.ep = "
+               f"{ep}: mini-batches 2..m run one source at a time after close, passes the "
+               f"lockstep does not match; use 1")
         _check(self.model.moe_aux_loss_coeff == 0, "model.moe_aux_loss_coeff", f"> 0 with "
                f"model.ep = {ep}: its gradient does not scale with the source coefficient "
                f"that rides in the loss at ep > 1, so the update would not be ep 1's; use 0")

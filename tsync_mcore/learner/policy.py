@@ -283,8 +283,10 @@ class Policy:
     # --- the barrier ----------------------------------------------------------------------
 
     def apply_and_step(self, descent: list[torch.Tensor], scale: float,
-                       export_grad: bool = False) -> StepResult:
-        """Buffers ← scale·descent, reduce over data-parallel ranks, clip, one step."""
+                       export_grad: bool = False, schedule_step: bool = True) -> StepResult:
+        """Buffers ← scale·descent, reduce over data-parallel ranks, clip, one step.
+        `schedule_step`: the LR schedule advances (once per update: not after a PPO
+        mini-batch that is not the update's last)."""
         lr = self.lr
         for buf, acc in zip(self._buffers, descent):
             buf.copy_(acc.mul_(scale))  # scale in the accumulator's precision; it is reset next batch
@@ -310,7 +312,7 @@ class Policy:
             self.zero_grads()
             return StepResult(ok=False, grad_norm=float("nan"), grad=grad, lr=lr)
         ok, grad_norm = optimizer.optimizer_step(self.optimizer)
-        if ok:
+        if ok and schedule_step:
             self.scheduler.step(1)
         self.zero_grads()
         return StepResult(ok=ok, grad_norm=grad_norm, grad=grad, lr=lr)

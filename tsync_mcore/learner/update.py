@@ -38,6 +38,7 @@ from tsync_mcore.objectives.off_policy import OffPolicy, mismatch
 from tsync_mcore.objectives.regularizers import Regularizer
 from tsync_mcore.learner.accumulators import f32
 from tsync_mcore.learner.reference import Reference
+from tsync_mcore.learner.minibatch import MiniBatches
 from tsync_mcore.objectives.token_norm import TOKEN_NORMS
 from tsync_mcore.learner.policy import Policy
 from tsync_mcore.learner.schedule import ASYNC_SCHEDULES, ReadinessQueue, Service
@@ -58,6 +59,8 @@ class UpdateResult:
     summary: UpdateRecord  # what the update did on this rank (also the trace's last record)
     grad: dict[str, torch.Tensor] | None  # g_k, HF names, when asked for
     trace: list[Record] = field(default_factory=list)
+    # learner.minibatches > 1: each mini-batch step's g (the first is `grad`), when asked
+    minibatch_grads: list = field(default_factory=list)
 
     @property
     def policy_version(self) -> int:  # the version the batch was sampled from (θ_k)
@@ -157,8 +160,12 @@ class Learner:
         if getattr(self, "records", None):  # the batch before: when its last source came
             self.arrivals_end = max(r.ready for r in self.records.values())
         self.plan = plan
-        self.queue = ReadinessQueue(self.schedule, plan, self.cfg.k_open,
-                                    opens=self.kind.opens, fits=self._fits,
+        # learner.minibatches > 1: the queue streams mini-batch 1; the later ones wait for
+        # close (learner/minibatch.py)
+        self.mb = MiniBatches(self, plan, self.cfg.minibatches) \
+            if self.cfg.minibatches > 1 else None
+        self.queue = ReadinessQueue(self.schedule, plan if self.mb is None else self.mb.first,
+                                    self.cfg.k_open, opens=self.kind.opens, fits=self._fits,
                                     capped=self.kind.capped)
         self.member_of = {t: g for g, ts in plan.groups.items() for t in ts}
         self.arrived: dict[str, object] = {}  # by unit key, served here or not
@@ -214,8 +221,10 @@ class Learner:
         if g in self.dropped:
             return  # a member of a group that left the update: nothing of it trains
         if self.routing == "balanced" or self.owner[g] == self.policy.par.dp_rank:
-            self.routes.arrived(src)  # served here: its experts are booked here
-            self.queue.arrive(src)
+            later = self.mb is not None and g in self.mb.later
+            if not later:
+                self.routes.arrived(src)  # served here: its experts are booked here
+                self.queue.arrive(src)
             self.records[src.key] = SourceRecord(
                 update=self.version, rank=self.policy.par.rank,
                 source=self.kind.name, traj_id=src.traj_id,
@@ -224,6 +233,8 @@ class Learner:
                 lagged_tokens=self._lag(src)[1],
                 ready=self.now() if arrived is None else arrived - self.t0,
                 tokens_sha256=tokens_digest(src.tokens, src.scored_mask))
+            if later:  # its old log-probs now, its service after mini-batch 1's step
+                self.mb.hold(src)
         self._maybe_complete(g)
         if serve:
             self._drain()
@@ -324,7 +335,8 @@ class Learner:
             if self._filtered(g):  # DAPO dynamic sampling: before anything of it is committed
                 self.drop_group(g, FILTERED)
                 return
-            self.queue.complete(g)
+            if self.mb is None or g not in self.mb.later:
+                self.queue.complete(g)
 
     def _filtered(self, g: str) -> bool:
         """learner.filter_groups zero_std: every reward of the complete group `g` equal."""
@@ -606,15 +618,25 @@ class Learner:
         assert self.queue.pending() == 0 and not self.acc.open, "batch closed with work left"
 
         scored = int(self.policy.dp_sum(sum(self.scored.values())))
-        n_groups = len(groups) - len(dropped_anywhere)
-        n_trajectories = sum(len(ts) for g, ts in self.plan.groups.items()
-                             if g not in dropped_anywhere)
+        first = groups if self.mb is None else self.mb.parts[0]  # what the queue served
+        kept = [g for g in first if g not in dropped_anywhere]
+        n_groups = len(kept)
+        n_trajectories = sum(len(self.plan.groups[g]) for g in kept)
         scale = self.norm.batch_scale(n_groups, n_trajectories, scored,
                                       self.cfg.token_norm_constant)
-        # The accumulator holds the descent direction −Σ_G g_G; one step per batch.
-        step = self.policy.apply_and_step(self.acc.batch, scale, export_grad=export_grad)
+        # The accumulator holds the descent direction −Σ_G g_G; one step per batch (per
+        # mini-batch with learner.minibatches > 1: the later ones follow here).
+        step = self.policy.apply_and_step(self.acc.batch, scale, export_grad=export_grad,
+                                          schedule_step=self.mb is None)
+        steps, self.minibatch_tokens = [step], []
+        if self.mb is not None and step.ok:
+            steps += self.mb.run(export_grad, set(dropped_anywhere))
+            n_groups = len(groups) - len(dropped_anywhere)
+            scored += sum(self.minibatch_tokens)
+        last = steps[-1]
         lag = self._lag_figures(dropped_anywhere, scored)
         reg = self._regularizer_figures(dropped_anywhere)
+        ppo = self.mb.stats.means() if self.mb is not None else {}
         summary = UpdateRecord(
             update=self.version, rank=self.policy.par.rank, objective=self.cfg.objective,
             schedule=self.schedule, n_groups=n_groups,
@@ -625,13 +647,15 @@ class Learner:
             accum_params=self.acc.numel,
             open_peak_bytes=self.open_peak_bytes,
             kv_peak_bytes=self.kind.kv_peak_bytes,
-            head_peak_bytes=self.policy.take_head_peak(), grad_norm=step.grad_norm,
-            lr=step.lr, ok=step.ok, nonfinite_sources=list(self.nonfinite),
-            dummy_passes=self.dummy_passes, **lag, **reg)
+            head_peak_bytes=self.policy.take_head_peak(), grad_norm=last.grad_norm,
+            lr=last.lr, ok=all(s.ok for s in steps), nonfinite_sources=list(self.nonfinite),
+            dummy_passes=self.dummy_passes, minibatch_steps=sum(s.ok for s in steps),
+            **lag, **reg, **ppo)
         self.trace.append(summary)
-        result = UpdateResult(summary=summary, grad=step.grad, trace=self.trace)
+        result = UpdateResult(summary=summary, grad=step.grad, trace=self.trace,
+                              minibatch_grads=[s.grad for s in steps])
         if step.ok:  # a skipped step leaves θ_k, so the next batch is again for version k
-            self.version += 1
+            self.version += 1  # (mini-batch 1's step applied: θ moved, later ones or not)
             if self.reference is not None:
                 self.reference.refresh(self.version)
         self.plan = None

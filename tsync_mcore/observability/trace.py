@@ -80,6 +80,11 @@ class SourceRecord:
     tokens_sha256: str | None = None
     # tokens the KL term's reference model forwarded for it (no backward; learner.kl_coef)
     reference_tokens: int = 0
+    # learner.minibatches > 1: its PPO mini-batch (1: streamed; 2..m: served at close after
+    # the previous mini-batch's step) and the tokens forwarded at arrival, without a
+    # backward, for its old log-probs (mini-batches 2..m)
+    minibatch: int = 1
+    old_logprob_tokens: int = 0
     kind: Literal["source"] = "source"  # fixed per class
 
     @property
@@ -159,6 +164,12 @@ class UpdateRecord:
     # learner.kl_coef > 0: the KL estimator's mean over the scored tokens served (actor/kl)
     kl_mean: float | None = None
     reference_bytes: int = 0  # the KL term's reference model weights on this rank (0: none or the LoRA base)
+    minibatch_steps: int = 1  # optimizer steps applied (learner.minibatches)
+    # PPO mini-batches 2..m: share of scored tokens whose ratio clip (dual clip) was binding,
+    # mean log π_θk − log π_θ (verl actor/pg_clipfrac, pg_clipfrac_lower, ppo_kl)
+    pg_clipfrac: float | None = None
+    pg_clipfrac_lower: float | None = None
+    ppo_kl: float | None = None
     kind: Literal["update"] = "update"  # fixed per class
 
     @property

@@ -330,6 +330,12 @@ class TrajectoryKind:
             prefix.release()
         self.closure.pop(g, None)
 
+    def advantage(self, src: TrajectorySource) -> float:
+        """A_i of a source whose group's rewards are all known (PPO mini-batches 2..m)."""
+        i = self.up.plan.groups[src.group_id].index(src.traj_id)
+        return self.up.objective.advantages(self._group_rewards(src.group_id),
+                                            self.up.cfg.adv_eps, self.up.adv_ddof)[i]
+
     def _coef(self, src: TrajectorySource) -> float:
         i = self.up.plan.groups[src.group_id].index(src.traj_id)
         return self.up.objective.source_coef(self._group_rewards(src.group_id), i,

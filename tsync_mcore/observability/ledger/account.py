@@ -5,7 +5,8 @@ Every record of served work carries the span it executed (tsync_mcore.observabil
 shared prompt, an OPD turn), and deferred work's `spans`: a shared prompt's backward at
 group close (forward to the last K/V and backward, no logits) and OPD replays (pushed back
 through, recomputed or retained). The KL term's reference model forwards a source's
-`reference_tokens` (forward FLOPs only; with LoRA the base alone, adapters off).
+`reference_tokens` (forward FLOPs only; with LoRA the base alone, adapters off), and PPO's
+old log-probs `old_logprob_tokens` (forward only).
 Recomputation is reported separately and not credited:
 OPD context recompute, and the fused LM head's recompute of the scored positions' logits
 in its backward (a source with `fused_head` projects only those positions to the vocabulary).
@@ -47,11 +48,13 @@ def update_flops(spec, records: Iterable[Record], attention: str = "full",
                     k: {**v, "backward": 0} for k, v in f.by_component.items()})
                 continue
             head = r.scored_tokens if r.fused_head and r.scored_tokens else None
-            if r.reference_tokens:  # the KL term's reference: a forward, no backward
-                f = span_flops(spec, r.reference_tokens, 0, logits_positions=head, attention=a,
-                               moe=moe)
-                total = total + FlopBreakdown(f.forward, 0, 0, {
-                    k: {**v, "backward": 0} for k, v in f.by_component.items()})
+            # the KL term's reference, PPO's old log-probs: forwards without a backward
+            for n, lo in ((r.reference_tokens, None), (r.old_logprob_tokens, lora)):
+                if n:
+                    f = span_flops(spec, n, 0, logits_positions=head, attention=a, lora=lo,
+                                   moe=moe)
+                    total = total + FlopBreakdown(f.forward, 0, 0, {
+                        k: {**v, "backward": 0} for k, v in f.by_component.items()})
             total = total + span_flops(spec, r.span_tokens, r.context, logits_positions=head,
                                        context_grad=r.context > 0, attention=a, lora=lora, moe=moe)
             if head:

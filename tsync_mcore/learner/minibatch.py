@@ -1,0 +1,133 @@
+"""PPO mini-batch steps (`learner.minibatches` m > 1; objectives/ppo.py has the math).
+
+The batch's groups split into m mini-batches in registration order (as verl splits a batch
+into ppo_mini_batch_size pieces without shuffling). Mini-batch 1 is the update's streamed
+part: the queue, the group sums and the deferred scalar run on its groups exactly as a
+batch of them would. A source of a later mini-batch is checked when it arrives and its
+log-probs under θ_k computed there by a forward without a graph (the old log-probs of
+PPO's ratio, and the mismatch guard's weights from them); at close, after mini-batch 1's
+step, each later mini-batch is served — one forward and backward per source under the
+current θ, the clipped loss, its own deferred scalar over its groups — and stepped.
+Nothing but mini-batch 1 depends on arrival order, so the update sequence is synchronous
+PPO's with the same mini-batches.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tsync_mcore.channel.sources import BatchPlan
+from tsync_mcore.learner.accumulators import f32
+from tsync_mcore.objectives.off_policy import behaviour_at, weighted_logp_sum
+from tsync_mcore.objectives.ppo import Clip, ClipStats
+
+
+def split(plan: BatchPlan, m: int) -> list[list[str]]:
+    """The plan's groups in m contiguous mini-batches of registration order, sizes
+    differing by one at most (the first ones larger)."""
+    groups = list(plan.groups)
+    q, r = divmod(len(groups), m)
+    out, at = [], 0
+    for j in range(m):
+        n = q + (j < r)
+        out.append(groups[at:at + n])
+        at += n
+    return out
+
+
+class MiniBatches:
+    def __init__(self, learner, plan: BatchPlan, m: int):
+        self.ln = learner
+        self.parts = split(plan, m)
+        self.later = {g for part in self.parts[1:] for g in part}
+        self.first = BatchPlan(groups={g: plan.groups[g] for g in self.parts[0]},
+                               n_turns=plan.n_turns)
+        self.held: dict[str, object] = {}  # later sources given to this rank, by key
+        self.old: dict[str, torch.Tensor] = {}  # their log π_θk, scored tokens
+        self.rho: dict[str, torch.Tensor | None] = {}  # their guard weights (None: 1)
+        cfg = learner.cfg
+        self.clip = Clip(cfg.clip_low, cfg.clip_high, cfg.clip_dual)
+        self.stats = ClipStats()
+        self.grads: list[dict[str, torch.Tensor] | None] = []  # per step, when asked
+
+    def hold(self, src) -> None:
+        """A later mini-batch's source given to this rank: its old log-probs now, under θ_k
+        (no step has run before close), without a graph."""
+        ln = self.ln
+        self.held[src.key] = src
+        if src.n_scored == 0:
+            return
+        with torch.no_grad():
+            old = ln.policy.forward_source(list(src.tokens), list(src.scored_mask))
+        self.old[src.key] = old
+        self.rho[src.key] = ln.off_policy.weights(
+            old, behaviour_at(src.behaviour_logprobs, src.scored_mask))
+        ln.records[src.key].old_logprob_tokens = len(src.tokens)
+
+    def run(self, export_grad: bool, dropped: set[str]) -> list:
+        """Mini-batches 2..m, each served under the θ its predecessor's step left and
+        stepped; returns their StepResults (a step that failed ends the update there)."""
+        steps = []
+        for j, part in enumerate(self.parts[1:], start=2):
+            step = self._one(j, [g for g in part if g not in dropped], export_grad)
+            steps.append(step)
+            if not step.ok:
+                break
+        return steps
+
+    def _one(self, j: int, groups: list[str], export_grad: bool):
+        ln = self.ln
+        ln.acc.reset()
+        scored = 0
+        for g in groups:
+            for t in ln.plan.groups[g]:
+                src = self.held.get(t)
+                if src is not None:
+                    scored += self._serve(src, j)
+        ln.acc.fold_direct(ln.policy.grad_buffers(), 1.0)
+        ln.policy.zero_grads()
+        n_scored = int(ln.policy.dp_sum(scored))
+        n_traj = sum(len(ln.plan.groups[g]) for g in groups)
+        scale = ln.norm.batch_scale(len(groups), n_traj, n_scored, ln.cfg.token_norm_constant)
+        last = j == len(self.parts)
+        step = ln.policy.apply_and_step(ln.acc.batch, scale, export_grad=export_grad,
+                                        schedule_step=last)
+        self.grads.append(step.grad)
+        ln.minibatch_tokens.append(n_scored)
+        return step
+
+    def _serve(self, src, j: int) -> int:
+        """One source of mini-batch j: forward under the current θ, the clipped loss (and
+        its KL/entropy term), backward into the grad buffers. Returns its scored tokens."""
+        ln = self.ln
+        rec = ln.records[src.key]
+        rec.start, cpu0 = ln.now(), time.thread_time()
+        if src.n_scored:
+            reg = ln.reg.active
+            out = ln.policy.forward_source(list(src.tokens), list(src.scored_mask),
+                                           with_entropy=reg)
+            logp, ent = out if reg else (out, None)
+            g = src.group_id
+            adv = ln.kind.advantage(src)
+            w = ln.norm.source_weight(src.n_scored) * (
+                1.0 / len(ln.plan.groups[g]) if ln.norm.group_mean else 1.0)
+            losses, cut, lower = self.clip.token_losses(logp, self.old[src.key], adv)
+            loss = f32(w) * weighted_logp_sum(losses, self.rho[src.key])
+            aux = ln.regularizer(src.tokens, src.scored_mask, 0, logp, ent, w) if reg else None
+            (loss if aux is None else loss + aux).backward()
+            s = self.stats
+            s.tokens += src.n_scored
+            s.clipped += int(cut.sum())
+            s.clipped_lower += int(lower.sum())
+            s.kl_sum += float((self.old[src.key] - logp.detach()).sum())
+            ln.scored[g] = ln.scored.get(g, 0) + src.n_scored
+        ln.lag_sums[src.key] = ln._lag(src)[0]
+        rec.end, rec.cpu = ln.now(), time.thread_time() - cpu0
+        rec.fold, rec.minibatch = "direct", j
+        rec.span_tokens, rec.logits = src.n_tokens, src.n_scored > 0
+        rec.fused_head = rec.logits and ln.policy.fused_head
+        rec.reference_tokens = ln._reference_tokens(src)
+        ln.trace.append(rec)
+        return src.n_scored
