@@ -4,7 +4,9 @@
     PYTHONPATH=/tmp/peers/verl:tests:. python perf/peer_check.py HF_DIR OUT_DIR
 
 Runs the learner (2 DP ranks, thundersync, balanced routing, adv_std unbiased) for each of
-token_mean / seq_mean_token_mean / seq_mean_token_sum_norm, then takes verl 0.9.1's
+token_mean / seq_mean_token_mean / seq_mean_token_sum_norm, and once configured like
+verl's use_kl_loss (low_var_kl), entropy_coeff, clip_ratio_low/high with two PPO
+mini-batches (`regularizers_and_ppo`), then takes verl 0.9.1's
 `compute_grpo_outcome_advantage` and `agg_loss` (verl/trainer/ppo/core_algos.py) on the
 same batch — FP64 per-token log-probs of the HF model, rewards in FP64 and in FP32 — and
 prints the relative L2 distance of the gradients. verl is not a dependency: the packages
@@ -124,5 +126,106 @@ def main(hf: str, out: str) -> None:
                   f"rel L2 = {rel_l2(got, ref):.2e}", flush=True)
 
 
+class _VerlActorConfig:
+    """What compute_policy_loss_vanilla reads of verl's ActorConfig."""
+
+    def __init__(self, low, high, c, n_tokens, n_rows):
+        self.clip_ratio, self.clip_ratio_low, self.clip_ratio_high = low, low, high
+        self.clip_ratio_c = c
+        self.global_batch_info = dict(dp_size=1, batch_num_tokens=n_tokens,
+                                      global_batch_size=n_rows, loss_scale_factor=None)
+
+    def get(self, key, default=None):
+        return getattr(self, key, default)
+
+
+def regularizers_and_ppo(hf: str, out: str) -> None:
+    """verl configured with use_kl_loss, kl_loss_type low_var_kl, entropy_coeff,
+    clip_ratio_low/high and two PPO mini-batches (loss_agg_mode token-mean) against the
+    learner's two steps on the same batch (thundersync, 2 DP ranks, balanced routing):
+    each step's gradient from verl's compute_policy_loss_vanilla, kl_penalty and agg_loss,
+    at the θ the learner's first step left, old log-probs θ_k's."""
+    import verl.trainer.ppo.core_algos as verl
+    from tests.helpers.reference import rel_l2
+    from tests.helpers.replay import replay
+    from test_peer_objectives import _rows, _write
+    from tsync_mcore.channel.sources import BatchPlan, TrajectorySource
+    from tsync_mcore.learner.minibatch import split
+
+    beta, eta, low, high, c = 0.2, 0.01, 0.2, 0.28, 3.0
+    rows = _rows(256, [("mixed", 3), ("mixed", 4), ("mixed", 3), ("large", 3)], seed=11)
+    batch = _write(os.path.join(out, "ppo.jsonl"), rows)
+    ref_dir = os.path.join(out, "ref")  # θ_0 perturbed: a reference the KL term pulls to
+    ref_model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in ref_model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+    ref_model.save_pretrained(ref_dir)
+    cfg = os.path.join(out, "ppo.yaml")
+    with open(cfg, "w") as f:
+        f.write(f"learner:\n  kl_coef: {beta}\n  kl_estimator: low_var_kl\n"
+                f"  entropy_coef: {eta}\n  reference: {ref_dir}\n  token_norm: token_mean\n"
+                f"  adv_std: unbiased\n  minibatches: 2\n  clip_low: {low}\n"
+                f"  clip_high: {high}\n  clip_dual: {c}\n  k_open: 2\n"
+                f"optim:\n  lr: 1.0\n  eps: 1.0\n")
+    run = os.path.join(out, "ppo_run")
+    replay(hf, batch, run, 2, "--config", cfg, "--routing", "balanced", "--save-grads", "all")
+
+    def model_at(state=None):
+        m = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float64)
+        m.get_input_embeddings().padding_idx = None
+        if state is not None:
+            m.load_state_dict({k: v.double() for k, v in state.items()}, strict=False)
+        return m
+
+    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float64)
+    theta_k = model_at()
+    T = max(len(r["tokens"]) for r in rows) - 1
+
+    def padded(model, r, grad=True):
+        ids = torch.tensor(r["tokens"])
+        with torch.set_grad_enabled(grad):
+            logsm = torch.log_softmax(model(ids[None]).logits[0, :-1], -1)
+        lp = logsm.gather(1, ids[1:, None])[:, 0]
+        ent = -(logsm.exp() * logsm).sum(-1)
+        pad = T - lp.numel()
+        return torch.nn.functional.pad(lp, (0, pad)), torch.nn.functional.pad(ent, (0, pad))
+
+    srcs = sorted((TrajectorySource.from_json(dict(r)) for r in rows),
+                  key=lambda s: s.ready_order)
+    parts = split(BatchPlan.from_sources(srcs), 2)
+    index = np.array([r["group_id"] for r in rows], dtype=object)
+    rew = torch.zeros(len(rows), T, dtype=torch.float64)
+    rew[:, -1] = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
+    adv_all, _ = verl.compute_grpo_outcome_advantage(rew, torch.ones_like(rew), index)
+    for j, part in enumerate(parts, start=1):
+        at = model_at(None if j == 1 else
+                      load_file(os.path.join(run, f"params_0_mb{j - 1}.safetensors")))
+        sel = [i for i, r in enumerate(rows) if r["group_id"] in part]
+        lp, ent = zip(*(padded(at, rows[i]) for i in sel))
+        old = torch.stack([padded(theta_k, rows[i], grad=False)[0] for i in sel])
+        ref_lp = torch.stack([padded(ref, rows[i], grad=False)[0] for i in sel])
+        lp, ent = torch.stack(lp), torch.stack(ent)
+        mask = torch.zeros(len(sel), T, dtype=torch.float64)
+        for k, i in enumerate(sel):
+            m = rows[i]["scored_mask"][1:]
+            mask[k, :len(m)] = torch.tensor(m, dtype=torch.float64)
+        conf = _VerlActorConfig(low, high, c, mask.sum(), len(sel))
+        pg, _ = verl.compute_policy_loss_vanilla(old, lp, adv_all[sel], mask, "token-mean", conf)
+        info = conf.global_batch_info
+        loss = (pg - eta * verl.agg_loss(ent, mask, "token-mean", **info)
+                + beta * verl.agg_loss(verl.kl_penalty(lp, ref_lp, "low_var_kl"), mask,
+                                       "token-mean", **info))
+        params = list(at.named_parameters())
+        g = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+        want = {n: -(x if x is not None else torch.zeros_like(p)) for (n, p), x in zip(params, g)}
+        got = load_file(os.path.join(run, "grad_0.safetensors" if j == 1
+                                     else f"grad_0_mb{j}.safetensors"))
+        print(f"verl use_kl_loss low_var_kl + entropy_coeff + clip_ratio_low/high, mini-batch "
+              f"{j} of 2 vs learner: rel L2 = {rel_l2(got, want):.2e}", flush=True)
+
+
 if __name__ == "__main__":
     main(*sys.argv[1:3])
+    regularizers_and_ppo(*sys.argv[1:3])

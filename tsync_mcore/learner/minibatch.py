@@ -50,7 +50,7 @@ class MiniBatches:
         cfg = learner.cfg
         self.clip = Clip(cfg.clip_low, cfg.clip_high, cfg.clip_dual)
         self.stats = ClipStats()
-        self.grads: list[dict[str, torch.Tensor] | None] = []  # per step, when asked
+        self.params: list[dict[str, torch.Tensor]] = []  # θ before steps 2..m, when asked
 
     def hold(self, src) -> None:
         """A later mini-batch's source given to this rank: its old log-probs now, under θ_k
@@ -71,6 +71,9 @@ class MiniBatches:
         stepped; returns their StepResults (a step that failed ends the update there)."""
         steps = []
         for j, part in enumerate(self.parts[1:], start=2):
+            if export_grad:  # where this step's gradient is taken (a collective at TP > 1)
+                self.params.append({k: v.detach().float().clone()
+                                    for k, v in self.ln.policy.export_params().items()})
             step = self._one(j, [g for g in part if g not in dropped], export_grad)
             steps.append(step)
             if not step.ok:
@@ -94,7 +97,6 @@ class MiniBatches:
         last = j == len(self.parts)
         step = ln.policy.apply_and_step(ln.acc.batch, scale, export_grad=export_grad,
                                         schedule_step=last)
-        self.grads.append(step.grad)
         ln.minibatch_tokens.append(n_scored)
         return step
 

@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 from tsync_mcore.observability import trace
 from tsync_mcore.config import ConfigError, load_config
 from tsync_mcore.learner.update import Learner, max_lag
-from tsync_mcore.observability.metrics import OFF_POLICY_FIELDS
+from tsync_mcore.observability.metrics import OFF_POLICY_FIELDS, UPDATE_EXTRAS
 from tsync_mcore.model.parallel import destroy_parallel
 from tsync_mcore.objectives import OBJECTIVES
 from tsync_mcore.objectives.grpo import STD_DDOF
@@ -203,7 +203,8 @@ class OutError(ValueError):
     """The output location cannot take the run's outputs."""
 
 
-OUT_FILES = re.compile(r"grad(_\d+)?\.safetensors|params\.safetensors|trace_rank\d+\.jsonl")
+OUT_FILES = re.compile(r"grad(_\d+(_mb\d+)?)?\.safetensors|params(_\d+_mb\d+)?\.safetensors"
+                       r"|trace_rank\d+\.jsonl")
 
 
 def check_out(out: str) -> None:
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
         "accum_peak_bytes": max(r.accum_peak_bytes for r in done),
         "accum_bound_bytes": done[0].accum_bound_bytes,
         "accum_params": done[0].accum_params,
-        "kl_mean": [r.kl_mean for r in done],
+        **{k: [getattr(r, k) for r in done] for k in UPDATE_EXTRAS},
         "reference_bytes_per_rank": _gather(done[0].reference_bytes),
         "kv_peak_bytes_per_rank": _gather(max(r.kv_peak_bytes for r in done)),
         "head_peak_bytes_per_rank": _gather(max(r.head_peak_bytes for r in done)),
@@ -420,6 +421,14 @@ def main(argv: list[str] | None = None) -> dict:
                 grad = {n: v.float().contiguous() for n, v in r.grad.items()}
                 if args.save_grads == "all":
                     save_file(grad, os.path.join(args.out, f"grad_{k}.safetensors"))
+                    # learner.minibatches > 1: each step's g, and θ after each step but
+                    # the last (where the next step's gradient was taken)
+                    for j, g in enumerate(r.minibatch_grads[1:], start=2):
+                        save_file({n: v.float().contiguous() for n, v in g.items()},
+                                  os.path.join(args.out, f"grad_{k}_mb{j}.safetensors"))
+                    for j, p in enumerate(r.minibatch_params, start=1):
+                        save_file({n: v.contiguous() for n, v in p.items()},
+                                  os.path.join(args.out, f"params_{k}_mb{j}.safetensors"))
         save_file(grad, os.path.join(args.out, "grad.safetensors"))
         save_file({k: v.contiguous() for k, v in params.items()},
                   os.path.join(args.out, "params.safetensors"))

@@ -61,6 +61,7 @@ class UpdateResult:
     trace: list[Record] = field(default_factory=list)
     # learner.minibatches > 1: each mini-batch step's g (the first is `grad`), when asked
     minibatch_grads: list = field(default_factory=list)
+    minibatch_params: list = field(default_factory=list)  # θ after each step but the last
 
     @property
     def policy_version(self) -> int:  # the version the batch was sampled from (θ_k)
@@ -653,7 +654,8 @@ class Learner:
             **lag, **reg, **ppo)
         self.trace.append(summary)
         result = UpdateResult(summary=summary, grad=step.grad, trace=self.trace,
-                              minibatch_grads=[s.grad for s in steps])
+                              minibatch_grads=[s.grad for s in steps],
+                              minibatch_params=self.mb.params if self.mb is not None else [])
         if step.ok:  # a skipped step leaves θ_k, so the next batch is again for version k
             self.version += 1  # (mini-batch 1's step applied: θ moved, later ones or not)
             if self.reference is not None:
@@ -724,7 +726,14 @@ class Learner:
     def _unannounced(self) -> list[str]:
         """Balanced routing: groups served partly here whose rewards are not all known."""
         here = {r.group_id for r in self.records.values()}  # groups with units given here
-        return [g for g in here if g not in self.dropped and not self.queue.is_complete(g)]
+        return [g for g in here if g not in self.dropped and not self._complete(g)]
+
+    def _complete(self, g: str) -> bool:
+        """Every reward of group `g` known here (a later PPO mini-batch's group never
+        enters the queue)."""
+        if self.mb is not None and g in self.mb.later:
+            return self.kind.complete(g)
+        return self.queue.is_complete(g)
 
     def abort(self) -> None:
         """Drop the open batch without touching θ (e.g. after a rejected close)."""

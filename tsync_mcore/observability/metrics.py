@@ -33,6 +33,10 @@ TRACKER_NAMES: dict[str, tuple[str, float]] = {
     "entropy": ("actor/entropy", 1.0),
     "kl_mean": ("actor/kl", 1.0),  # learner.kl_coef > 0 (verl: actor/kl_loss)
     "filtered_groups": ("batch/filtered_groups", 1.0),  # learner.filter_groups
+    # learner.minibatches > 1: verl's names
+    "pg_clipfrac": ("actor/pg_clipfrac", 1.0),
+    "pg_clipfrac_lower": ("actor/pg_clipfrac_lower", 1.0),
+    "ppo_kl": ("actor/ppo_kl", 1.0),
     "lr": ("actor/lr", 1.0),
     "grad_norm": ("actor/grad_norm", 1.0),
     # off-policy figures (docs/design/async.md#off-policy-correction-and-the-lag-and-mismatch-figures): the same keys under one prefix
@@ -116,8 +120,13 @@ OFF_POLICY_FIELDS = ("policy_lag_mean", "policy_lag_max", "lagged_token_share",
 
 def off_policy_metrics(update: UpdateRecord) -> dict:
     """metrics.jsonl keys of the update's lag and mismatch figures (None: no token had a
-    behaviour log-prob), and its KL to the reference (learner.kl_coef > 0)."""
-    return {**{k: getattr(update, k) for k in OFF_POLICY_FIELDS}, "kl_mean": update.kl_mean}
+    behaviour log-prob), its KL to the reference (learner.kl_coef > 0) and its PPO
+    mini-batch figures (learner.minibatches > 1)."""
+    return {**{k: getattr(update, k) for k in OFF_POLICY_FIELDS + UPDATE_EXTRAS}}
+
+
+# The learner's other per-update figures that metrics.jsonl carries as they are
+UPDATE_EXTRAS = ("kl_mean", "minibatch_steps", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
 
 
 def throughput(tokens: int, step_s: float, n_devices: int) -> float | None:
