@@ -315,9 +315,11 @@ class HostSetup:
 def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio: float, rounds: int,
              warmup: int = 1, k_open: int | None = None, host: HostSetup = HostSetup(),
              routing: str = "balanced", schedules: tuple[str, ...] = SCHEDULES,
-             max_staleness: int = 1, max_tokens_per_pass: int = PACK_DEFAULT) -> list[dict]:
+             max_staleness: int = 1, max_tokens_per_pass: int = PACK_DEFAULT,
+             minibatches: int = 1) -> list[dict]:
     """Launch 2 learner ranks, play the cell's updates, return the metrics rows (each with
-    the Step that produced it, its R and the simulator's release lag).
+    the Step that produced it, its R and the simulator's release lag). `minibatches`:
+    learner.minibatches, PPO mini-batch steps per update (every schedule of the cell).
 
     k_open defaults to every group a rank can hold (under balanced routing, any group of
     the batch): a tighter cap holds back sources of new groups until open ones close,
@@ -342,7 +344,8 @@ def run_cell(hf_dir: str, run_dir: str, work: Workload | RecordedWorkload, ratio
             f"learner.max_staleness={max_staleness}",
             # packed serving: the sync baseline packs its sources into micro-batches as a
             # verl/slime learner does, so every speedup is over that baseline
-            f"learner.max_tokens_per_pass={max_tokens_per_pass}"]
+            f"learner.max_tokens_per_pass={max_tokens_per_pass}",
+            f"learner.minibatches={minibatches}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")  # one core per learner rank
     learner = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -789,7 +792,7 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
          rounds: int, warmup: int = 1, host: HostSetup = HostSetup(), routing: str = "balanced",
          recorded: RecordedWorkload | None = None, schedules: tuple[str, ...] = SCHEDULES,
          max_staleness: int = 1, max_tokens_per_pass: int = PACK_DEFAULT,
-         **workload) -> list[dict]:
+         minibatches: int = 1, **workload) -> list[dict]:
     """The schedules at one (objective, ratio, batch), paired round by round.
     `workload`: other Workload fields (lengths, group size, turns); `recorded`: replay a
     real run's release trace instead (its objective and batch override the arguments)."""
@@ -799,10 +802,11 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
         work = Workload(objective=objective, batch=batch, **workload)
     schedules = tuple(s for s in SCHEDULES if s in schedules)  # sync first: speedups over it
     tag = "-recorded" if recorded is not None else ""
-    d = os.path.join(out_dir, f"{objective}-r{ratio}-b{batch}{tag}")
+    mb = f"-m{minibatches}" if minibatches > 1 else ""
+    d = os.path.join(out_dir, f"{objective}-r{ratio}-b{batch}{tag}{mb}")
     played = run_cell(hf_dir, d, work, ratio, rounds, warmup, host=host, routing=routing,
                       schedules=schedules, max_staleness=max_staleness,
-                      max_tokens_per_pass=max_tokens_per_pass)
+                      max_tokens_per_pass=max_tokens_per_pass, minibatches=minibatches)
     rows = [r for r in played if not r["calibration"] and not r["warmup"] and r["steady"]]
     pred = {u["update"]: u for u in predict.analyze_run(d, warmup=0)["updates"]}
     entries = trace.read_run(d)
@@ -842,6 +846,7 @@ def cell(hf_dir: str, out_dir: str, objective: str, ratio: float, batch: int,
             objective=objective, schedule=schedule, ratio=ratio, batch=batch, rounds=rounds,
             routing=routing if objective == "grpo" else "static",
             max_tokens_per_pass=max_tokens_per_pass,  # 0: one source per pass
+            minibatches=minibatches,  # PPO mini-batch steps per update
             packed_share=_packed_share(entries, set(ups)),
             workload="recorded" if recorded is not None else "model",
             R_s=mean(r["R_s"] for r in mine), L_s=L_sync,

@@ -43,6 +43,9 @@ def main() -> None:
                    help="learner.max_tokens_per_pass: sources packed per forward/backward "
                         f"(default {PACK_DEFAULT}: sync packs its micro-batches like verl/slime; "
                         "0: one source per pass)")
+    p.add_argument("--minibatches", default="1",
+                   help="comma list of learner.minibatches (PPO mini-batch steps per update; "
+                        "one cell each, e.g. 1,2,4: what streaming still saves at m > 1)")
     p.add_argument("--routing", default="balanced", choices=["balanced", "static"],
                    help="GRPO: trajectory → least-loaded rank (default) or group → fixed rank")
     p.add_argument("--trace-token-scale", type=float, default=1.0,
@@ -86,6 +89,10 @@ def main() -> None:
     else:
         jobs = [dict(objective=o, batch=b, ratio=r)
                 for o in args.objectives.split(",") for b in batches for r in ratios]
+    mbs = [int(x) for x in args.minibatches.split(",") if x]
+    if any(m < 1 for m in mbs) or (max(mbs) > 1 and "opd" in {j["objective"] for j in jobs}):
+        p.error("--minibatches: integers >= 1; more than 1 for GRPO only (--objectives grpo)")
+    jobs = [dict(job, minibatches=m) for job in jobs for m in mbs]
     realtime = not args.no_realtime_io and realtime_io_permitted()
     if not args.no_realtime_io and not realtime:
         print("note: SCHED_FIFO not permitted here (CAP_SYS_NICE); the simulator and channel "
@@ -115,7 +122,7 @@ def main() -> None:
 
 def _print(rows: list[dict]) -> None:
     for r in rows:
-        print(f"{r['objective']:4s} r={r['ratio']:<4} B={r['batch']:<3} "
+        print(f"{r['objective']:4s} r={r['ratio']:<4} B={r['batch']:<3} m={r['minibatches']} "
               f"{r['schedule']:12s} step {r['step_time_s']:.3f}s  "
               f"speedup {r['speedup_measured']:.2f}x ±{r['speedup_stderr'] or 0:.2f} "
               f"(pred {r['speedup_predicted']:.2f}x, "

@@ -22,6 +22,7 @@ from tsync_mcore.channel.sources import BatchPlan
 from tsync_mcore.learner.accumulators import f32
 from tsync_mcore.objectives.off_policy import behaviour_at, weighted_logp_sum
 from tsync_mcore.objectives.ppo import Clip, ClipStats
+from tsync_mcore.observability.trace import DeferredRecord
 
 
 def split(plan: BatchPlan, m: int) -> list[list[str]]:
@@ -59,12 +60,17 @@ class MiniBatches:
         self.held[src.key] = src
         if src.n_scored == 0:
             return
+        start, cpu0 = ln.now(), time.thread_time()
         with torch.no_grad():
             old = ln.policy.forward_source(list(src.tokens), list(src.scored_mask))
         self.old[src.key] = old
         self.rho[src.key] = ln.off_policy.weights(
             old, behaviour_at(src.behaviour_logprobs, src.scored_mask))
-        ln.records[src.key].old_logprob_tokens = len(src.tokens)
+        rec = ln.records[src.key]
+        rec.old_logprob_tokens = len(src.tokens)
+        ln.defer(DeferredRecord(update=ln.version, rank=ln.policy.par.rank, work="old_logprob",
+                                group_id=src.group_id, traj_id=src.traj_id, ready=rec.ready,
+                                start=start, end=ln.now(), cpu=time.thread_time() - cpu0))
 
     def run(self, export_grad: bool, dropped: set[str]) -> list:
         """Mini-batches 2..m, each served under the θ its predecessor's step left and

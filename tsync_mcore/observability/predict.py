@@ -112,7 +112,8 @@ def _ratio(x: float, R: float) -> float | None:
     return x / R if R > 0 else None
 
 
-def predict_update(records: Iterable[Record], R: float, P: float) -> dict[str, Any]:
+def predict_update(records: Iterable[Record], R: float, P: float,
+                   step_s: float = 0.0) -> dict[str, Any]:
     """Predicted ThunderSyncRL and Sync step times of one update from its trace (Eq. 14-17).
 
     Each rank is its own lane (F.4: a pooled rate can miss a slow rank); the latest endpoint
@@ -121,20 +122,34 @@ def predict_update(records: Iterable[Record], R: float, P: float) -> dict[str, A
     stamps readiness on receipt, which waits while it serves an earlier job) delays the
     ThunderSyncRL lane only through Eq. 14 and is available to Sync at close, as R is by
     definition the last rollout event (F.1). Returns the times, ``ratio = R/L``, ``ρ = L/R``, ``κ = P/R``,
-    ``λ = [c_n - R]_+/R`` and ``S = T_sync/T = (1+ρ+κ)/(1+λ+κ) ≤ 2`` (Eq. 16-17)."""
-    lanes = jobs_by_rank(records)
+    ``λ = [c_n - R]_+/R`` and ``S = T_sync/T = (1+ρ+κ)/(1+λ+κ) ≤ 2`` (Eq. 16-17).
+
+    PPO mini-batches (learner.minibatches m > 1): Eq. 14 covers mini-batch 1 (and the later
+    sources' old-log-prob forwards, served as they arrive); mini-batches 2..m run after it
+    on every schedule, each after an optimizer step of `step_s`: both times gain
+    ``Σ_{j≥2} (step_s + L_j)``, L_j the busiest rank's service of mini-batch j."""
+    records = list(records)
+    later: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for r in trace.sources(records):
+        if r.minibatch > 1 and r.served:
+            later[r.minibatch][r.rank] += max(0.0, r.end - r.start)
+    lanes = jobs_by_rank(r for r in records
+                         if not (isinstance(r, trace.SourceRecord) and r.minibatch > 1))
     ends = {r: lane_completion(js) for r, js in lanes.items()}
     loads = {r: sum(p for _, p in js) for r, js in lanes.items()}
     c_n = max(ends.values(), default=0.0)
-    L = max(loads.values(), default=0.0)
-    t_ts = max(R, c_n) + P
-    t_sync = R + L + P
+    L_first = max(loads.values(), default=0.0)
+    tail_mb = sum(step_s + max(by_rank.values()) for by_rank in later.values())
+    L = L_first + sum(max(by_rank.values()) for by_rank in later.values())
+    t_ts = max(R, c_n) + tail_mb + P
+    t_sync = R + L_first + tail_mb + P
     slow = max(ends, key=lambda r: ends[r]) if ends else None
     return dict(
         T_thundersync=t_ts, T_sync=t_sync, speedup=t_sync / t_ts if t_ts > 0 else None,
         R=R, P=P, L=L, L_total=sum(loads.values()), c_n=c_n, tail_s=max(0.0, c_n - R),
         ratio=R / L if L > 0 else None, rho=_ratio(L, R), kappa=_ratio(P, R), lam=_ratio(max(0.0, c_n - R), R),
         n_jobs=sum(len(js) for js in lanes.values()), ranks=sorted(lanes), slow_rank=slow,
+        minibatch_tail_s=tail_mb,
         lane_end={str(r): c for r, c in ends.items()},
         lane_load={str(r): x for r, x in loads.items()})
 
@@ -257,7 +272,7 @@ def analyze_run(run_dir: str, warmup: int = 1, suffix: str = "full") -> dict[str
         timed = {**row, "step_wall_time_s": None, "rollout_time_s": last_ready} \
             if schedule in ASYNC else row
         step_s = infer_step_time(timed, last_end) if suffix == "full" else 0.0
-        pred = predict_update(records, R, publish + step_s)
+        pred = predict_update(records, R, publish + step_s, step_s=step_s)
         pred["T_async"] = one_step_off_period(R, pred["L"], pred["P"])
         measured = row.get("step_wall_time_s")
         own = {"thundersync": pred["T_thundersync"], "sync": pred["T_sync"],

@@ -96,7 +96,9 @@ class SourceRecord:
 class DeferredRecord:
     update: int
     rank: int
-    work: Literal["replay", "prefix"]  # an OPD context replay or a shared prompt's backward
+    # an OPD context replay, a shared prompt's backward, or a later PPO mini-batch source's
+    # forward at arrival for its old log-probs (its FLOPs are on its SourceRecord)
+    work: Literal["replay", "prefix", "old_logprob"]
     group_id: str
     traj_id: str | None  # replay: the trajectory whose context is replayed
     ready: float  # when it could run: when the sources it belongs to were served

@@ -34,6 +34,8 @@ def update_flops(spec, records: Iterable[Record], attention: str = "full",
             for n, ctx in r.spans:
                 total = total + replay_flops(spec, n, ctx, mode=r.replay_mode or "recompute",
                                              attention=a, lora=lora, moe=moe)
+        elif isinstance(r, DeferredRecord) and r.work == "old_logprob":
+            continue  # counted with its source (SourceRecord.old_logprob_tokens)
         elif isinstance(r, DeferredRecord):  # prefix
             for n, ctx in r.spans:
                 total = total + span_flops(spec, n, ctx, logits_positions=0, attention=a,
