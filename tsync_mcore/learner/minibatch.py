@@ -20,6 +20,8 @@ import torch
 
 from tsync_mcore.channel.sources import BatchPlan
 from tsync_mcore.learner.accumulators import f32
+from tsync_mcore.model.packed import Segment
+from tsync_mcore.platform import upload
 from tsync_mcore.objectives.off_policy import behaviour_at, weighted_logp_sum
 from tsync_mcore.objectives.ppo import Clip, ClipStats
 from tsync_mcore.observability.trace import DeferredRecord
@@ -51,6 +53,8 @@ class MiniBatches:
         cfg = learner.cfg
         self.clip = Clip(cfg.clip_low, cfg.clip_high, cfg.clip_dual)
         self.stats = ClipStats()
+        # Σ clipped, Σ clipped by the dual bound, Σ (log π_θk − log π_θ): on the device
+        self._sums = torch.zeros(3, dtype=torch.float64, device=learner.policy.device)
         self.params: list[dict[str, torch.Tensor]] = []  # θ before steps 2..m, when asked
 
     def hold(self, src) -> None:
@@ -89,12 +93,11 @@ class MiniBatches:
     def _one(self, j: int, groups: list[str], export_grad: bool):
         ln = self.ln
         ln.acc.reset()
-        scored = 0
-        for g in groups:
-            for t in ln.plan.groups[g]:
-                src = self.held.get(t)
-                if src is not None:
-                    scored += self._serve(src, j)
+        srcs = [ln.plan.groups[g] for g in groups]
+        srcs = [self.held[t] for ts in srcs for t in ts if t in self.held]
+        for pack in self._passes(srcs):
+            self._serve(pack, j)
+        scored = sum(s.n_scored for s in srcs)
         ln.acc.fold_direct(ln.policy.grad_buffers(), 1.0)
         ln.policy.zero_grads()
         n_scored = int(ln.policy.dp_sum(scored))
@@ -106,36 +109,77 @@ class MiniBatches:
         ln.minibatch_tokens.append(n_scored)
         return step
 
-    def _serve(self, src, j: int) -> int:
-        """One source of mini-batch j: forward under the current θ, the clipped loss (and
-        its KL/entropy term), backward into the grad buffers. Returns its scored tokens."""
+    def _passes(self, srcs: list) -> list[list]:
+        """Sources with scored tokens in packed passes of up to learner.max_tokens_per_pass
+        tokens (as mini-batch 1's direct folds and a peer's micro-batches), in order; one
+        per pass when packing is off; the rest (nothing to score) alone."""
+        budget = self.ln.pack_budget
+        out, cur, n = [], [], 0
+        for src in srcs:
+            if not src.n_scored or not budget:
+                out.append([src])
+                continue
+            if cur and n + src.n_tokens > budget:
+                out.append(cur)
+                cur, n = [], 0
+            cur.append(src)
+            n += src.n_tokens
+        return out + ([cur] if cur else [])
+
+    def _serve(self, pack: list, j: int) -> None:
+        """Sources of mini-batch j in one forward under the current θ: the clipped loss (and
+        the KL/entropy term) of each, one backward into the grad buffers."""
         ln = self.ln
-        rec = ln.records[src.key]
-        rec.start, cpu0 = ln.now(), time.thread_time()
-        if src.n_scored:
+        start, cpu0 = ln.now(), time.thread_time()
+        if pack[0].n_scored:
             reg = ln.reg.active
-            out = ln.policy.forward_source(list(src.tokens), list(src.scored_mask),
-                                           with_entropy=reg)
-            logp, ent = out if reg else (out, None)
-            g = src.group_id
-            adv = ln.kind.advantage(src)
-            w = ln.norm.source_weight(src.n_scored) * (
-                1.0 / len(ln.plan.groups[g]) if ln.norm.group_mean else 1.0)
-            losses, cut, lower = self.clip.token_losses(logp, self.old[src.key], adv)
-            loss = f32(w) * weighted_logp_sum(losses, self.rho[src.key])
-            aux = ln.regularizer(src.tokens, src.scored_mask, 0, logp, ent, w) if reg else None
-            (loss if aux is None else loss + aux).backward()
-            s = self.stats
-            s.tokens += src.n_scored
-            s.clipped += int(cut.sum())
-            s.clipped_lower += int(lower.sum())
-            s.kl_sum += float((self.old[src.key] - logp.detach()).sum())
-            ln.scored[g] = ln.scored.get(g, 0) + src.n_scored
-        ln.lag_sums[src.key] = ln._lag(src)[0]
-        rec.end, rec.cpu = ln.now(), time.thread_time() - cpu0
-        rec.fold, rec.minibatch = "direct", j
-        rec.span_tokens, rec.logits = src.n_tokens, src.n_scored > 0
-        rec.fused_head = rec.logits and ln.policy.fused_head
-        rec.reference_tokens = ln._reference_tokens(src)
-        ln.trace.append(rec)
-        return src.n_scored
+            segments = [Segment(upload(s.tokens, torch.long, ln.policy.device), 0, None)
+                        for s in pack]
+            scored = [[t for t, m in enumerate(s.scored_mask) if m] for s in pack]
+            out = ln.policy.packed_logprobs(segments, scored, with_entropy=reg)
+            logps, ents = out[0], (out[1] if reg else [None] * len(pack))
+            loss = 0.0
+            for src, logp, ent in zip(pack, logps, ents):
+                g = src.group_id
+                adv = ln.kind.advantage(src)
+                w = ln.norm.source_weight(src.n_scored) * (
+                    1.0 / len(ln.plan.groups[g]) if ln.norm.group_mean else 1.0)
+                old = self.old[src.key]
+                losses, cut, lower = self.clip.token_losses(logp, old, adv)
+                loss = loss + f32(w) * weighted_logp_sum(losses, self.rho[src.key])
+                if reg:
+                    loss = loss + ln.regularizer(src.tokens, src.scored_mask, 0, logp, ent, w)
+                self._count(cut, lower, old - logp.detach())
+                ln.scored[g] = ln.scored.get(g, 0) + src.n_scored
+            loss.backward()
+        end, cpu = ln.now(), time.thread_time() - cpu0
+        total = sum(s.n_tokens for s in pack) or 1
+        t = start
+        ln.passes += len(pack) > 1
+        for src in pack:  # the pass's time split over its sources by tokens
+            share = src.n_tokens / total
+            rec = ln.records[src.key]
+            rec.start, rec.end, rec.cpu = t, t + (end - start) * share, cpu * share
+            t = rec.end
+            rec.fold, rec.minibatch = "direct", j
+            rec.span_tokens, rec.logits = src.n_tokens, src.n_scored > 0
+            rec.fused_head = rec.logits and ln.policy.fused_head
+            rec.reference_tokens = ln._reference_tokens(src)
+            rec.pass_id = ln.passes if len(pack) > 1 else None
+            ln.lag_sums[src.key] = ln._lag(src)[0]
+            ln.trace.append(rec)
+
+    def _count(self, cut, lower, neg_kl) -> None:
+        s = self.stats
+        s.tokens += cut.numel()
+        self._sums += torch.stack([cut.sum(dtype=torch.float64),
+                                   lower.sum(dtype=torch.float64),
+                                   neg_kl.sum(dtype=torch.float64)])
+
+    def figures(self) -> dict:
+        """The update's clip figures (one host read), summed over DP ranks."""
+        s = self.stats
+        tot = self.ln.policy.dp_sum_vector([float(s.tokens), *self._sums.tolist()])
+        s.tokens, s.clipped, s.clipped_lower, s.kl_sum = int(tot[0]), int(tot[1]), \
+            int(tot[2]), tot[3]
+        return s.means()

@@ -9,13 +9,15 @@ forward, so a streamed source needs nothing the rollout did not send. Three kind
     <HF dir>         another checkpoint of the same vocabulary (an SFT model, say)
 
 `learner.reference_update_every` N copies θ into it after every N-th applied update (slime's
-`ref_update_interval`); a resumed run refreshes it from the θ it resumes from when that is
-not θ_0. Its bytes and the tokens it forwards are reported (UpdateRecord.reference_bytes,
+`ref_update_interval`). A checkpoint does not hold the reference: a run resumed at update v
+takes θ_v, which is the reference an uninterrupted run holds when N divides v (otherwise
+θ_{N·⌊v/N⌋} is gone, and it says so). Its bytes and the tokens it forwards are reported (UpdateRecord.reference_bytes,
 SourceRecord.reference_tokens; the ledger counts them as forward FLOPs).
 """
 
 from __future__ import annotations
 
+import sys
 from contextlib import nullcontext
 
 import torch
@@ -83,6 +85,16 @@ class Reference:
             return False
         self.copy_policy()
         return True
+
+    def resume(self, version: int) -> None:
+        """A run resumed at `version` with a refreshed reference (see the module doc)."""
+        if self.model is None:
+            return
+        self.copy_policy()
+        if version % self.every:
+            print(f"learner: resumed at update {version}: the reference is θ_{version}, not "
+                  f"θ_{self.every * (version // self.every)} of the last refresh (checkpoints "
+                  f"do not hold it)", file=sys.stderr, flush=True)
 
     @torch.no_grad()
     def copy_policy(self) -> None:

@@ -102,6 +102,8 @@ class Learner:
         # reference model is built only when the KL term is on
         self.reg = Regularizer(cfg.kl_coef, cfg.kl_estimator, cfg.entropy_coef)
         self.reference = Reference(policy.cfg, policy) if self.reg.needs_reference else None
+        if self.reference is not None and self.reference.every and policy_version:
+            self.reference.resume(policy_version)
         self._kl = torch.zeros((), dtype=torch.float64, device=policy.device)
         self._kl_tokens = 0
         # a group held open keeps its members' regularisers apart (G3) when pairs fold
@@ -637,7 +639,7 @@ class Learner:
         last = steps[-1]
         lag = self._lag_figures(dropped_anywhere, scored)
         reg = self._regularizer_figures(dropped_anywhere)
-        ppo = self.mb.stats.means() if self.mb is not None else {}
+        ppo = self.mb.figures() if self.mb is not None else {}
         summary = UpdateRecord(
             update=self.version, rank=self.policy.par.rank, objective=self.cfg.objective,
             schedule=self.schedule, n_groups=n_groups,
