@@ -382,3 +382,21 @@ def test_analyze_run_one_step_off_rows(tmp_path) -> None:
     assert u["step_s"] == pytest.approx(0.0) and u["P"] == pytest.approx(0.5)
     assert u["T_async"] == pytest.approx(4.0)
     assert u["prediction_error_pct"] == pytest.approx(100.0 * (4.0 - 3.0) / 3.0)
+
+
+def test_ppo_minibatches_follow_the_streamed_one_after_a_step_each() -> None:
+    """m = 3: Eq. 14 covers mini-batch 1 and the later sources' old-log-prob forwards (served
+    on arrival); mini-batches 2 and 3 run after it on both schedules, each after a step:
+    T = max(R, c_1) + Σ_j (s + L_j) + P, T_sync = R + L_1 + Σ_j (s + L_j) + P."""
+    e = [source(rank=0, ready=1.0, start=1.0, end=2.0),  # mini-batch 1
+         source(rank=1, ready=2.0, start=2.0, end=3.5),
+         deferred(rank=0, work="old_logprob", ready=2.5, start=2.5, end=2.75, traj_id="u"),
+         source(rank=0, ready=2.5, start=6.0, end=7.0, minibatch=2, traj_id="u"),
+         source(rank=1, ready=3.0, start=6.0, end=6.5, minibatch=2, traj_id="v"),
+         source(rank=0, ready=4.0, start=7.5, end=8.0, minibatch=3, traj_id="w")]
+    pred = predict_update(e, R=4.0, P=0.5, step_s=0.25)
+    tail = (0.25 + 1.0) + (0.25 + 0.5)  # mini-batch 2's busiest rank, then 3's
+    assert pred["minibatch_tail_s"] == pytest.approx(tail)
+    assert pred["T_thundersync"] == pytest.approx(max(4.0, 3.5) + tail + 0.5)
+    assert pred["T_sync"] == pytest.approx(4.0 + 1.5 + tail + 0.5)  # L_1: rank 1's 1.5
+    assert pred["L"] == pytest.approx(1.5 + 1.0 + 0.5)

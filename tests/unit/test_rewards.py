@@ -196,3 +196,25 @@ def test_exact_match():
 ])
 def test_math_builtin_uses_math_verify_equivalence(response, label, want):
     assert math_answer(response=response, label=label) == want
+
+
+def test_overlong_shaping_is_dapos_soft_penalty():
+    """reward.overlong_buffer: verl's DAPO reward manager's formula, written out here:
+    min(−(L − (L_max − b))/b · f, 0) added to the reward; L the generated tokens."""
+    from types import SimpleNamespace
+
+    from tsync_mcore.config import RewardConfig, RolloutConfig
+    from tsync_mcore.rollout.batch import BatchWork
+    rc = RolloutConfig(max_tokens_per_turn=32, max_turns=2)  # L_max = 64
+    work = SimpleNamespace(cfg=SimpleNamespace(reward=RewardConfig(
+        overlong_buffer=16, overlong_penalty=0.5)), rc=rc)
+    shaped = lambda n, r=1.0: BatchWork._shaped(  # noqa: E731
+        work, SimpleNamespace(reward=r, scored_mask=[0] * 5 + [1] * n))
+    assert shaped(48) == 1.0 and shaped(10) == 1.0  # within L_max − b: untouched
+    assert shaped(56) == pytest.approx(1.0 - (56 - 48) / 16 * 0.5)
+    assert shaped(64, r=0.0) == pytest.approx(-0.5)  # at the budget: the whole penalty
+    assert work.overlong == 2
+    work.cfg.reward.overlong_max_len = 100  # an explicit budget
+    assert shaped(90) == pytest.approx(1.0 - (90 - 84) / 16 * 0.5)
+    work.cfg.reward.overlong_buffer = 0  # off
+    assert shaped(10**4) == 1.0
