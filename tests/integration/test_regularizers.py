@@ -314,7 +314,8 @@ def test_tp2_replay_streams_kl_entropy_and_mis_exactly(tiny_qwen2, ref_dir, grpo
                                                        tmp_path):
     """At TP = 2 (vocab-parallel log-probs, entropies and reference), one launch: KL k3
     (configured by verl's name) + entropy + masked IS; LoRA with the base as reference;
-    OPD with the entropy bonus; dynamic sampling (two uniform groups) with KL. Each: thundersync equals sync and its FP64 reference; each
+    OPD with the entropy bonus; dynamic sampling (two uniform groups) with KL; two PPO
+    mini-batches with clip-higher, a binding dual clip and entropy. Each: thundersync equals sync and its FP64 reference; each
     TP rank holds half the reference's weights (none with LoRA)."""
     import json
 
@@ -333,7 +334,9 @@ def test_tp2_replay_streams_kl_entropy_and_mis_exactly(tiny_qwen2, ref_dir, grpo
                "lora": "learner:\n  kl_coef: 0.5\n  entropy_coef: 0.05\n",
                "opd": "learner:\n  entropy_coef: 0.1\n",
                "filter": "learner:\n  filter_groups: zero_std\n  kl_coef: 0.3\n"
-                         f"  reference: {ref_dir}\n"}
+                         f"  reference: {ref_dir}\n",
+               "ppo": "learner:\n  minibatches: 2\n  clip_high: 0.28\n  clip_dual: 1.05\n"
+                      "  entropy_coef: 0.05\noptim:\n  eps: 1.0\n"}
     # dynamic sampling's batch: two uniform groups, dropped at their close
     uniform = [dict(r, reward=1.0 if r["group_id"].endswith("g2") else r["reward"])
                for r in make_batch(VOCAB, n_groups=5, m=3, version=0, seed=23)]
@@ -344,7 +347,7 @@ def test_tp2_replay_streams_kl_entropy_and_mis_exactly(tiny_qwen2, ref_dir, grpo
     for name, text in configs.items():
         (tmp_path / f"{name}.yaml").write_text(text)
         common = ["--model", tiny_qwen2, "--tp", "2", "--config", str(tmp_path / f"{name}.yaml"),
-                  "--lr", "1e-5",
+                  "--lr", "1.0" if name == "ppo" else "1e-5", "--save-grads", "all",
                   "--batch", str({"opd": opd, "filter": filtered}.get(name, batch))]
         common += {"lora": ["--lora-adapter", ad], "opd": ["--objective", "opd"]}.get(name, [])
         jobs[f"{name}_sync"] = [*common, "--schedule", "sync"]
@@ -359,6 +362,29 @@ def test_tp2_replay_streams_kl_entropy_and_mis_exactly(tiny_qwen2, ref_dir, grpo
                 peft_model, model, grpo_rows, kl_coef=0.5, est="k3", ent_coef=0.05)),
             "opd": reference_opd_entropy(_hf(tiny_qwen2), opd_rows, 0.1),
             "filter": reference_objective(model, ref_model, kept, kl_coef=0.3)}
+    # PPO, two mini-batches: step 1 streamed; step 2 at the θ step 1 left (each run's own)
+    from tests.integration.test_ppo_minibatches import _objective
+    from tsync_mcore.channel.sources import BatchPlan
+    from tsync_mcore.learner.minibatch import split
+    parts = split(BatchPlan.from_sources(_sources(grpo_rows)), 2)
+    clip = (0.2, 0.28, 1.05)
+    refs["ppo"] = _objective(model, model, None, [r for r in grpo_rows if r["group_id"]
+                                                  in parts[0]], clip=clip, ent=0.05)
+    for run in ("ppo_sync", "ppo_ts"):
+        at = _hf(tiny_qwen2)
+        at.load_state_dict({k: v.double() for k, v in load_file(os.path.join(
+            runs[run]["dir"], "params_0_mb1.safetensors")).items()}, strict=False)
+        want = _objective(at, model, None, [r for r in grpo_rows if r["group_id"] in parts[1]],
+                          clip=clip, ent=0.05)
+        got = load_file(os.path.join(runs[run]["dir"], "grad_0_mb2.safetensors"))
+        err = rel_l2(got, want)
+        print(f"TP=2 ppo mini-batch 2 ({run}) vs FP64 at its θ: {err:.2e}")
+        assert err <= 1e-5
+    err = rel_l2(load_file(os.path.join(runs["ppo_ts"]["dir"], "grad_0_mb2.safetensors")),
+                 load_file(os.path.join(runs["ppo_sync"]["dir"], "grad_0_mb2.safetensors")))
+    print(f"TP=2 ppo mini-batch 2: thundersync vs sync {err:.2e}")
+    assert err <= 1e-5  # its θ carries step 1's FP32 rounding (test_ppo_minibatches.py)
+    assert runs["ppo_ts"]["summary"]["pg_clipfrac_lower"][0] > 0
     for name, ref in refs.items():
         err_sync = rel_l2(grads[f"{name}_ts"], grads[f"{name}_sync"])
         err_ref = rel_l2(grads[f"{name}_ts"], ref)

@@ -5,7 +5,8 @@ into ppo_mini_batch_size pieces without shuffling). Mini-batch 1 is the update's
 part: the queue, the group sums and the deferred scalar run on its groups exactly as a
 batch of them would. A source of a later mini-batch is checked when it arrives and its
 log-probs under θ_k computed there by a forward without a graph (the old log-probs of
-PPO's ratio, and the mismatch guard's weights from them); at close, after mini-batch 1's
+PPO's ratio, and the mismatch guard's weights from them; under sync at close, before the
+first step, as a synchronous trainer's separate log-prob pass); at close, after mini-batch 1's
 step, each later mini-batch is served — one forward and backward per source under the
 current θ, the clipped loss, its own deferred scalar over its groups — and stepped.
 Nothing but mini-batch 1 depends on arrival order, so the update sequence is synchronous
@@ -48,6 +49,7 @@ class MiniBatches:
         self.first = BatchPlan(groups={g: plan.groups[g] for g in self.parts[0]},
                                n_turns=plan.n_turns)
         self.held: dict[str, object] = {}  # later sources given to this rank, by key
+        self.pending: list = []  # sync: held sources whose old log-probs wait for close
         self.old: dict[str, torch.Tensor] = {}  # their log π_θk, scored tokens
         self.rho: dict[str, torch.Tensor | None] = {}  # their guard weights (None: 1)
         cfg = learner.cfg
@@ -59,18 +61,31 @@ class MiniBatches:
 
     def hold(self, src) -> None:
         """A later mini-batch's source given to this rank: its old log-probs now, under θ_k
-        (no step has run before close), without a graph."""
-        ln = self.ln
+        (no step runs before close), without a graph — or, under sync, at close (as a
+        synchronous trainer computes them after the rollout: verl's compute_log_prob)."""
         self.held[src.key] = src
         if src.n_scored == 0:
             return
+        if self.ln.schedule == "sync":
+            self.pending.append(src)
+            return
+        self._old_logprob(src)
+
+    def prepare(self) -> None:
+        """At close, before the first step: the old log-probs sync left for now."""
+        for src in self.pending:
+            self._old_logprob(src)
+        self.pending = []
+
+    def _old_logprob(self, src) -> None:
+        ln = self.ln
+        rec = ln.records[src.key]
         start, cpu0 = ln.now(), time.thread_time()
         with torch.no_grad():
             old = ln.policy.forward_source(list(src.tokens), list(src.scored_mask))
         self.old[src.key] = old
         self.rho[src.key] = ln.off_policy.weights(
             old, behaviour_at(src.behaviour_logprobs, src.scored_mask))
-        rec = ln.records[src.key]
         rec.old_logprob_tokens = len(src.tokens)
         ln.defer(DeferredRecord(update=ln.version, rank=ln.policy.par.rank, work="old_logprob",
                                 group_id=src.group_id, traj_id=src.traj_id, ready=rec.ready,

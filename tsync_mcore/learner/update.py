@@ -629,6 +629,8 @@ class Learner:
                                       self.cfg.token_norm_constant)
         # The accumulator holds the descent direction −Σ_G g_G; one step per batch (per
         # mini-batch with learner.minibatches > 1: the later ones follow here).
+        if self.mb is not None:
+            self.mb.prepare()  # θ_k's log-probs of what is still without them (sync)
         step = self.policy.apply_and_step(self.acc.batch, scale, export_grad=export_grad,
                                           schedule_step=self.mb is None)
         steps, self.minibatch_tokens = [step], []
