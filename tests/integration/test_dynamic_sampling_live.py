@@ -50,7 +50,7 @@ def test_dynamic_sampling_keeps_the_batch_informative_and_trains_as_sync(tmp_pat
         "optim": {"lr": 3.0e-3},
         "learner": {"objective": "grpo", "schedule": "thundersync", "accum_dtype": "fp64",
                     "pack_arrivals": False, "k_open": 2, "filter_groups": "zero_std"},
-        "run": {"updates": 2, "publish": "file", "save_sources": True, "export_hf": False},
+        "run": {"updates": 1, "publish": "file", "save_sources": True, "export_hf": False},
         "channel": {"timeout_s": 300, "ack_timeout_s": 120},
         "rollout": {"n_learners": 2, "env": "dataset", "groups_per_batch": 2, "group_size": 3,
                     "max_oversample": 6, "routing": "static", "max_tokens_per_turn": 8,
@@ -66,16 +66,16 @@ def test_dynamic_sampling_keeps_the_batch_informative_and_trains_as_sync(tmp_pat
     launch(config, run, ["run.loggers=[jsonl]"])
 
     rows = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1]
     for r in rows:  # the batch size kept in informative groups, what it took counted
         reasons = list(r["dropped_groups"].values())
         assert r["n_groups"] == 2 and r["rollout/informative_groups"] == 2
         assert r["filtered_groups"] == reasons.count(FILTERED) == r["rollout/oversampled_groups"]
         assert reasons.count("reserve group not needed (dynamic sampling)") == \
             6 - r["filtered_groups"]
-    assert sum(r["filtered_groups"] for r in rows) >= 1
+    assert rows[0]["filtered_groups"] >= 1  # the seed's row order puts easy rows first
 
-    # what the learners received, replayed under sync with the same filter: the same θ_2
+    # what the learners received, replayed under sync with the same filter: the same θ_1
     lines = sorted((json.loads(line) for name in os.listdir(f"{run}/sources")
                     for line in open(f"{run}/sources/{name}")),
                    key=lambda o: (o["update"], o["ready_order"]))
@@ -86,7 +86,7 @@ def test_dynamic_sampling_keeps_the_batch_informative_and_trains_as_sync(tmp_pat
     out = replay(model, str(batch), str(tmp_path / "replay"), 2, "--config", config,
                  "--schedule", "sync")
     want = load_file(os.path.join(out["out"], "params.safetensors"))
-    theta = load_file(f"{run}/publish/policy_v2.safetensors")
+    theta = load_file(f"{run}/publish/policy_v1.safetensors")
     theta0 = load_file(os.path.join(model, "model.safetensors"))
     moved = sum(float(((want[k].double() - theta0[k].double()) ** 2).sum()) for k in want) ** 0.5
     gap = sum(float(((theta[k].double() - want[k].double()) ** 2).sum()) for k in want) ** 0.5

@@ -126,7 +126,8 @@ def off_policy_metrics(update: UpdateRecord) -> dict:
 
 
 # The learner's other per-update figures that metrics.jsonl carries as they are
-UPDATE_EXTRAS = ("kl_mean", "minibatch_steps", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+UPDATE_EXTRAS = ("kl_mean", "reference_bytes", "minibatch_steps", "pg_clipfrac",
+                 "pg_clipfrac_lower", "ppo_kl")
 
 
 def throughput(tokens: int, step_s: float, n_devices: int) -> float | None:
