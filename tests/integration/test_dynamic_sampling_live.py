@@ -3,8 +3,9 @@ rows always score 1 (uniform groups) while the others' rewards vary.
 
 Each batch registers its 2 groups and 6 reserves; every filtered group starts a reserve,
 so each update trains exactly 2 informative groups, counts what it filtered and the
-reserves it sampled, and drops the reserves it did not need; and the run's θ equals the replay of what the learners received
-(run.save_sources) under the synchronous schedule with the same filter.
+reserves it sampled, and drops the reserves it did not need; and the run's θ equals the
+sync update (one rank, in this process) on what the learners received
+(run.save_sources), with the same filter.
 """
 
 import json
@@ -16,7 +17,6 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.helpers.replay import replay
 from tests.integration.test_data_live import launch
 from tsync_mcore.learner.update import FILTERED
 
@@ -34,7 +34,7 @@ def score(prompt, response, label, meta, **extra):
 
 
 @pytest.mark.timeout(900)
-def test_dynamic_sampling_keeps_the_batch_informative_and_trains_as_sync(tmp_path):
+def test_dynamic_sampling_keeps_the_batch_informative_and_trains_as_sync(tmp_path, parallel1):
     from tsync_mcore.model.tiny import make_tiny_checkpoint
     model = str(tmp_path / "model")
     # Llama: no K bias, whose gradient is pure FP32 rounding (the replay's ranks own other
@@ -81,15 +81,24 @@ def test_dynamic_sampling_keeps_the_batch_informative_and_trains_as_sync(tmp_pat
                    key=lambda o: (o["update"], o["ready_order"]))
     # every started group was sent whole: the 2 that trained and the ones filtered
     assert len(lines) == sum(3 * (2 + r["filtered_groups"]) for r in rows)
-    batch = tmp_path / "received.jsonl"
-    batch.write_text("".join(json.dumps(o) + "\n" for o in lines))
-    out = replay(model, str(batch), str(tmp_path / "replay"), 2, "--config", config,
-                 "--schedule", "sync")
-    want = load_file(os.path.join(out["out"], "params.safetensors"))
+    # in this process, one rank (no launch): the run's config, sync, FP64 sums
+    from tsync_mcore.channel.sources import BatchPlan, TrajectorySource
+    from tsync_mcore.config import load_config
+    from tsync_mcore.learner.policy import Policy
+    from tsync_mcore.learner.update import Learner
+    sync = load_config(config, {"learner.schedule": "sync"})
+    learner = Learner(sync.learner, Policy(sync, par=parallel1))
+    srcs = [TrajectorySource.from_json({k: v for k, v in o.items() if k != "update"})
+            for o in lines]
+    learner.begin(BatchPlan.from_sources(srcs))
+    for src in srcs:
+        learner.submit(src)
+    done = learner.close().summary
+    want = {k: v.double() for k, v in learner.policy.export_params().items()}
     theta = load_file(f"{run}/publish/policy_v1.safetensors")
     theta0 = load_file(os.path.join(model, "model.safetensors"))
-    moved = sum(float(((want[k].double() - theta0[k].double()) ** 2).sum()) for k in want) ** 0.5
-    gap = sum(float(((theta[k].double() - want[k].double()) ** 2).sum()) for k in want) ** 0.5
+    moved = sum(float(((want[k] - theta0[k].double()) ** 2).sum()) for k in want) ** 0.5
+    gap = sum(float(((theta[k].double() - want[k]) ** 2).sum()) for k in want) ** 0.5
     print(f"dynamic sampling live vs replayed sync: gap / moved = {gap / moved:.2e}")
     assert moved > 0 and gap / moved <= 1e-5
-    assert out["scored_tokens"] == [r["scored_tokens"] for r in rows]
+    assert done.scored_tokens == rows[0]["scored_tokens"] and done.n_groups == 2

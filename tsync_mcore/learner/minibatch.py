@@ -148,11 +148,17 @@ class MiniBatches:
         start, cpu0 = ln.now(), time.thread_time()
         if pack[0].n_scored:
             reg = ln.reg.active
-            segments = [Segment(upload(s.tokens, torch.long, ln.policy.device), 0, None)
-                        for s in pack]
-            scored = [[t for t, m in enumerate(s.scored_mask) if m] for s in pack]
-            out = ln.policy.packed_logprobs(segments, scored, with_entropy=reg)
-            logps, ents = out[0], (out[1] if reg else [None] * len(pack))
+            if ln.pack_budget:  # one packed forward
+                segments = [Segment(upload(s.tokens, torch.long, ln.policy.device), 0, None)
+                            for s in pack]
+                scored = [[t for t, m in enumerate(s.scored_mask) if m] for s in pack]
+                out = ln.policy.packed_logprobs(segments, scored, with_entropy=reg)
+                logps, ents = out[0], (out[1] if reg else [None] * len(pack))
+            else:  # a model that cannot run packed forwards, or packing off: alone
+                (src,) = pack
+                out = ln.policy.forward_source(list(src.tokens), list(src.scored_mask),
+                                               with_entropy=reg)
+                logps, ents = ([out[0]], [out[1]]) if reg else ([out], [None])
             loss = 0.0
             for src, logp, ent in zip(pack, logps, ents):
                 g = src.group_id
