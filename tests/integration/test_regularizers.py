@@ -46,10 +46,10 @@ def _k(x: torch.Tensor, est: str) -> torch.Tensor:
     return (d.exp() - d - 1).clamp(-10, 10)
 
 
-def reference_objective(model, ref_model, rows, *, kl_coef=0.0, est="k3", ent_coef=0.0,
-                        guard=None) -> dict:
-    """∇ of J = (1/n_groups) Σ_G (1/m) Σ_i (1/L_i) Σ_t [A_i ρ_t lp_t − β k_t + η H_t]
-    in FP64 (token_norm trajectory, GRPO advantages; ρ_t masked IS when `guard`)."""
+def objective(model, ref_model, rows, *, kl_coef=0.0, est="k3", ent_coef=0.0,
+              guard=None) -> torch.Tensor:
+    """J = (1/n_groups) Σ_G (1/m) Σ_i (1/L_i) Σ_t [A_i ρ_t lp_t − β k_t + η H_t] in FP64
+    (token_norm trajectory, GRPO advantages; ρ_t masked IS when `guard`), with the graph."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
         groups.setdefault(r["group_id"], []).append(r)
@@ -62,7 +62,7 @@ def reference_objective(model, ref_model, rows, *, kl_coef=0.0, est="k3", ent_co
             if not at:
                 continue
             ids = torch.tensor(r["tokens"])
-            logsm = torch.log_softmax(model(ids[None]).logits[0, :-1], dim=-1)
+            logsm = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1], dim=-1)
             idx = torch.tensor(at) - 1
             lp = logsm[idx, ids[at]]
             rho = torch.ones_like(lp)
@@ -80,6 +80,12 @@ def reference_objective(model, ref_model, rows, *, kl_coef=0.0, est="k3", ent_co
                 p = logsm[idx].exp()
                 term = term + ent_coef * -(p * logsm[idx]).sum(-1)
             J = J + term.sum() / (len(groups) * len(members) * len(at))
+    return J
+
+
+def reference_objective(model, ref_model, rows, **terms) -> dict:
+    """∇ of `objective` with respect to every parameter of `model`."""
+    J = objective(model, ref_model, rows, **terms)
     params = list(model.named_parameters())
     grads = torch.autograd.grad(J, [p for _, p in params], allow_unused=True)
     return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params, grads)}
@@ -258,39 +264,13 @@ def test_lora_reference_is_the_base_with_the_adapters_off(tiny_qwen2, parallel1,
     peft_model = load_peft_model(tiny_qwen2, ad)
     base = _hf(tiny_qwen2)
     # the FP64 objective on the peft model, its π_ref the separately loaded base
-    J = _objective_value(peft_model, base, grpo_rows, kl_coef=0.5, est="k3", ent_coef=0.05)
+    J = objective(peft_model, base, grpo_rows, kl_coef=0.5, est="k3", ent_coef=0.05)
     ref = adapter_grad(peft_model, J)
     err_sync, err_ref = rel_l2(res["ts"].grad, res["sync"].grad), rel_l2(res["ts"].grad, ref)
     print(f"LoRA, reference = base: thundersync vs sync {err_sync:.2e}, vs FP64 HF + peft "
           f"{err_ref:.2e}, actor/kl {res['ts'].summary.kl_mean:.4f}")
     assert err_sync <= 1e-6 and err_ref <= 1e-5
     assert res["ts"].summary.reference_bytes == 0 and res["ts"].summary.kl_mean > 1e-4
-
-
-def _objective_value(model, ref_model, rows, *, kl_coef, est, ent_coef) -> torch.Tensor:
-    """reference_objective's J itself (for a model whose trainable parameters are not all
-    of its parameters: the caller differentiates)."""
-    groups: dict[str, list[dict]] = {}
-    for r in rows:
-        groups.setdefault(r["group_id"], []).append(r)
-    J = torch.zeros((), dtype=torch.float64)
-    for members in groups.values():
-        adv = advantages(torch.tensor([r["reward"] for r in members], dtype=torch.float64),
-                         "grpo")
-        for a, r in zip(adv, members):
-            at = [t for t in range(1, len(r["tokens"])) if r["scored_mask"][t]]
-            if not at:
-                continue
-            ids = torch.tensor(r["tokens"])
-            idx = torch.tensor(at) - 1
-            logsm = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1], dim=-1)
-            lp = logsm[idx, ids[at]]
-            with torch.no_grad():
-                ref = torch.log_softmax(ref_model(ids[None]).logits[0, :-1], -1)[idx, ids[at]]
-            ent = -(logsm[idx].exp() * logsm[idx]).sum(-1)
-            term = a * lp - kl_coef * _k(lp - ref, est) + ent_coef * ent
-            J = J + term.sum() / (len(groups) * len(members) * len(at))
-    return J
 
 
 def test_opd_entropy_bonus_streams_exactly(tiny_qwen2, parallel1):
@@ -358,7 +338,7 @@ def test_tp2_replay_streams_kl_entropy_and_mis_exactly(tiny_qwen2, ref_dir, grpo
     peft_model = load_peft_model(tiny_qwen2, ad)
     refs = {"full": reference_objective(model, ref_model, grpo_rows, kl_coef=0.3, est="k3",
                                         ent_coef=0.05, guard=(LOW, CAP)),
-            "lora": adapter_grad(peft_model, _objective_value(
+            "lora": adapter_grad(peft_model, objective(
                 peft_model, model, grpo_rows, kl_coef=0.5, est="k3", ent_coef=0.05)),
             "opd": reference_opd_entropy(_hf(tiny_qwen2), opd_rows, 0.1),
             "filter": reference_objective(model, ref_model, kept, kl_coef=0.3)}
