@@ -169,3 +169,17 @@ def reference_agg_grad(hf_dir: str, rows: list[dict], objective: str = "grpo",
     params = list(model.named_parameters())
     grads = torch.autograd.grad(J, [p for _, p in params], allow_unused=True)
     return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params, grads)}
+
+
+def grpo_members(rows: list[dict]):
+    """(A_i, row, 1/(n_groups·m_G)) for every member of every group of `rows`, in first-
+    appearance order: GRPO advantages and the trajectory norm's group weights of the FP64
+    references written per sequence."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r)
+    for members in groups.values():
+        adv = advantages(torch.tensor([r["reward"] for r in members], dtype=torch.float64),
+                         "grpo")
+        for a, r in zip(adv.tolist(), members):
+            yield a, r, 1.0 / (len(groups) * len(members))

@@ -16,7 +16,7 @@ import torch
 
 from tests.helpers.batchgen import make_batch
 from tests.helpers.off_policy import _hf, _with_behaviour
-from tests.helpers.reference import advantages, rel_l2
+from tests.helpers.reference import grpo_members, rel_l2
 from tests.integration.test_regularizers import (CAP, LOW, VOCAB, _k, _learner, _sources,
                                                  _update)
 
@@ -28,38 +28,32 @@ def _objective(model, old_model, ref_model, rows, *, clip, kl=0.0, ent=0.0, guar
     """J = (1/n_groups) Σ_G (1/m) Σ_i (1/L_i) Σ_t [ρ_t·obj_t − β k_t + η H_t] with PPO's
     clipped objective obj_t = min(r·A, clip(r)·A), for A < 0 floored at c·A (dual)."""
     low, high, dual = clip
-    groups: dict[str, list[dict]] = {}
-    for r in rows:
-        groups.setdefault(r["group_id"], []).append(r)
     J = torch.zeros((), dtype=torch.float64)
-    for members in groups.values():
-        adv = advantages(torch.tensor([r["reward"] for r in members], dtype=torch.float64),
-                         "grpo")
-        for a, r in zip(adv.tolist(), members):
-            at = [t for t in range(1, len(r["tokens"])) if r["scored_mask"][t]]
-            if not at:
-                continue
-            ids, idx = torch.tensor(r["tokens"]), torch.tensor(at) - 1
-            logsm = torch.log_softmax(model(ids[None]).logits[0, :-1], dim=-1)
-            lp = logsm[idx, ids[at]]
+    for a, r, wg in grpo_members(rows):
+        at = [t for t in range(1, len(r["tokens"])) if r["scored_mask"][t]]
+        if not at:
+            continue
+        ids, idx = torch.tensor(r["tokens"]), torch.tensor(at) - 1
+        logsm = torch.log_softmax(model(ids[None]).logits[0, :-1], dim=-1)
+        lp = logsm[idx, ids[at]]
+        with torch.no_grad():
+            old = torch.log_softmax(old_model(ids[None]).logits[0, :-1], -1)[idx, ids[at]]
+        ratio = torch.exp(lp - old)
+        obj = torch.minimum(ratio * a, ratio.clamp(1 - low, 1 + high) * a)
+        if a < 0 and dual:
+            obj = torch.maximum(obj, torch.full_like(obj, dual * a))
+        if guard is not None:
+            b = torch.tensor([r["behaviour_logprobs"][t] for t in at], dtype=torch.float64)
+            w = (old - b).exp()
+            obj = obj * torch.where((w >= guard[0]) & (w <= guard[1]), w, 0.0)
+        term = obj
+        if kl:
             with torch.no_grad():
-                old = torch.log_softmax(old_model(ids[None]).logits[0, :-1], -1)[idx, ids[at]]
-            ratio = torch.exp(lp - old)
-            obj = torch.minimum(ratio * a, ratio.clamp(1 - low, 1 + high) * a)
-            if a < 0 and dual:
-                obj = torch.maximum(obj, torch.full_like(obj, dual * a))
-            if guard is not None:
-                b = torch.tensor([r["behaviour_logprobs"][t] for t in at], dtype=torch.float64)
-                w = (old - b).exp()
-                obj = obj * torch.where((w >= guard[0]) & (w <= guard[1]), w, 0.0)
-            term = obj
-            if kl:
-                with torch.no_grad():
-                    ref = torch.log_softmax(ref_model(ids[None]).logits[0, :-1], -1)[idx, ids[at]]
-                term = term - kl * _k(lp - ref, "k3")
-            if ent:
-                term = term + ent * -(logsm[idx].exp() * logsm[idx]).sum(-1)
-            J = J + term.sum() / (len(groups) * len(members) * len(at))
+                ref = torch.log_softmax(ref_model(ids[None]).logits[0, :-1], -1)[idx, ids[at]]
+            term = term - kl * _k(lp - ref, "k3")
+        if ent:
+            term = term + ent * -(logsm[idx].exp() * logsm[idx]).sum(-1)
+        J = J + wg * term.sum() / len(at)
     params = list(model.named_parameters())
     grads = torch.autograd.grad(J, [p for _, p in params], allow_unused=True)
     return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params, grads)}

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.batchgen import make_batch
 from tests.helpers.off_policy import _hf, _with_behaviour
-from tests.helpers.reference import advantages, rel_l2
+from tests.helpers.reference import grpo_members, rel_l2
 
 VOCAB = 256
 LOW, CAP = 0.6, 2.0  # masked IS bounds (the guard drops some tokens, not all)
@@ -50,36 +50,30 @@ def objective(model, ref_model, rows, *, kl_coef=0.0, est="k3", ent_coef=0.0,
               guard=None) -> torch.Tensor:
     """J = (1/n_groups) Σ_G (1/m) Σ_i (1/L_i) Σ_t [A_i ρ_t lp_t − β k_t + η H_t] in FP64
     (token_norm trajectory, GRPO advantages; ρ_t masked IS when `guard`), with the graph."""
-    groups: dict[str, list[dict]] = {}
-    for r in rows:
-        groups.setdefault(r["group_id"], []).append(r)
     J = torch.zeros((), dtype=torch.float64)
-    for members in groups.values():
-        adv = advantages(torch.tensor([r["reward"] for r in members], dtype=torch.float64),
-                         "grpo")
-        for a, r in zip(adv, members):
-            at = [t for t in range(1, len(r["tokens"])) if r["scored_mask"][t]]
-            if not at:
-                continue
-            ids = torch.tensor(r["tokens"])
-            logsm = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1], dim=-1)
-            idx = torch.tensor(at) - 1
-            lp = logsm[idx, ids[at]]
-            rho = torch.ones_like(lp)
-            if guard is not None:
-                b = torch.tensor([r["behaviour_logprobs"][t] for t in at], dtype=torch.float64)
-                ratio = (lp.detach() - b).exp()
-                rho = torch.where((ratio >= guard[0]) & (ratio <= guard[1]), ratio, 0.0)
-            term = a * rho * lp
-            if kl_coef:
-                with torch.no_grad():
-                    ref_lp = torch.log_softmax(ref_model(ids[None]).logits[0, :-1],
-                                               dim=-1)[idx, ids[at]]
-                term = term - kl_coef * _k(lp - ref_lp, est)
-            if ent_coef:
-                p = logsm[idx].exp()
-                term = term + ent_coef * -(p * logsm[idx]).sum(-1)
-            J = J + term.sum() / (len(groups) * len(members) * len(at))
+    for a, r, wg in grpo_members(rows):
+        at = [t for t in range(1, len(r["tokens"])) if r["scored_mask"][t]]
+        if not at:
+            continue
+        ids = torch.tensor(r["tokens"])
+        logsm = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1], dim=-1)
+        idx = torch.tensor(at) - 1
+        lp = logsm[idx, ids[at]]
+        rho = torch.ones_like(lp)
+        if guard is not None:
+            b = torch.tensor([r["behaviour_logprobs"][t] for t in at], dtype=torch.float64)
+            ratio = (lp.detach() - b).exp()
+            rho = torch.where((ratio >= guard[0]) & (ratio <= guard[1]), ratio, 0.0)
+        term = a * rho * lp
+        if kl_coef:
+            with torch.no_grad():
+                ref_lp = torch.log_softmax(ref_model(ids[None]).logits[0, :-1],
+                                           dim=-1)[idx, ids[at]]
+            term = term - kl_coef * _k(lp - ref_lp, est)
+        if ent_coef:
+            p = logsm[idx].exp()
+            term = term + ent_coef * -(p * logsm[idx]).sum(-1)
+        J = J + wg * term.sum() / len(at)
     return J
 
 
