@@ -85,6 +85,9 @@ class SourceRecord:
     # backward, for its old log-probs (mini-batches 2..m)
     minibatch: int = 1
     old_logprob_tokens: int = 0
+    # a trajectory cut into several segments (history rewrites): this source's segment
+    # index; None: the trajectory is one sequence
+    segment: int | None = None
     kind: Literal["source"] = "source"  # fixed per class
 
     @property

@@ -53,10 +53,23 @@ class TrajectoryResult:
     t_start: float = 0.0  # time.monotonic() at start / end, to compare trajectories
     t_end: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    # Segments before this one, when the history was rewritten mid-episode (the OpenAI
+    # endpoint's records: tokens, scored_mask, logprobs, token_versions, prompt_len, ...);
+    # the fields above are the last segment's. Every segment trains.
+    earlier: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def n_scored(self) -> int:
-        return sum(self.scored_mask)
+        """Scored tokens of the whole trajectory, every segment."""
+        return sum(self.scored_mask) + sum(sum(s["scored_mask"]) for s in self.earlier)
+
+    def segments(self) -> list[dict[str, Any]]:
+        """Every segment, first to last, as {tokens, scored_mask, logprobs, token_versions,
+        prompt_len}."""
+        last = dict(tokens=self.tokens, scored_mask=self.scored_mask, logprobs=self.logprobs,
+                    token_versions=self.token_versions, prompt_len=self.prompt_len)
+        keys = tuple(last)
+        return [{k: s[k] for k in keys} for s in self.earlier] + [last]
 
     def turn_starts(self) -> list[int]:
         return [0] + self.turn_ends[:-1]

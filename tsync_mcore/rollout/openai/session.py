@@ -13,8 +13,8 @@ new messages only, laid out exactly as the built-in loop lays out an observation
 already ended with it: one cut by max_tokens or at a stop string did not), then the rest
 of the template's text after the assistant's content, tokenized. Any other request rewrote history: `history="reject"` refuses it
 (`HistoryRewritten`, HTTP 400); `history="segment"` starts a new segment from that
-request's prompt. A trajectory is one GRPO source, so only its last segment is trained;
-earlier segments are kept in the record (and counted), not sent.
+request's prompt. Every segment trains: each is sent as a source of its own with the
+trajectory's reward (`TrajectorySource.segment`), and the record lists the earlier ones.
 
 A text request (`/v1/completions`) extends when its prompt ids start with the recorded
 ids, or its prompt text starts with the recorded ids decoded (special tokens kept); the
@@ -399,7 +399,8 @@ class Session:
                 "requests": self.n_requests, **extra}
 
     def result(self, reward: float, stop_reason: str, **timing: Any):
-        """The trained segment as the built-in loop's `TrajectoryResult`."""
+        """The trajectory as the built-in loop's `TrajectoryResult`: the last segment, and
+        the earlier ones in `earlier`."""
         from tsync_mcore.rollout.loop import TrajectoryResult
 
         return TrajectoryResult(
@@ -407,4 +408,5 @@ class Session:
             turn_ends=list(self.turn_ends), reward=float(reward), prompt_len=self.prompt_len,
             n_turns=len(self.turn_ends), logprobs=list(self.logprobs),
             finish_reasons=list(self.finish_reasons), policy_versions=list(self.policy_versions),
-            token_versions=list(self.token_versions), stop_reason=stop_reason, **timing)
+            token_versions=list(self.token_versions), stop_reason=stop_reason,
+            earlier=[dict(seg) for seg in self.segments], **timing)
