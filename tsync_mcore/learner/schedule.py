@@ -232,7 +232,7 @@ class ReadinessQueue:
         one that fell behind leaves the lone unit for later, when its group's other
         members, or their rewards, may have arrived and it can share a pass."""
         ready = [v for v in list(self._continuing.values()) + list(self._starting.values())
-                 if packable(v) and (v.index > 0 or self._admissible(v))]
+                 if packable(v) and ((v.index > 0 and v.chained) or self._admissible(v))]
         mates = {}
         for v in ready:
             mates.setdefault(v.group_id, []).append(v)
