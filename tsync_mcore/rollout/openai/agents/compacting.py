@@ -4,9 +4,11 @@ client only).
     OPENAI_BASE_URL=... OPENAI_API_KEY=... TSYNC_TASK='{"messages": [...], ...}' \
     python -m tsync_mcore.rollout.openai.agents.compacting
 
-Turn 1 asks the task. Turn 2 appends the answer and a user follow-up: under a chat template
-that drops earlier turns' reasoning (Qwen3's) the prompt no longer extends what the model
-saw, so the endpoint starts a new segment. Turn 3 compacts: the conversation is replaced by
+Turn 1 asks the task, with Qwen3's non-thinking switch (`chat_template_kwargs`
+{"enable_thinking": false}: the prompt ends in an empty think block; templates without the
+switch ignore it). Turn 2 appends the answer and a user follow-up: Qwen3's template drops
+the earlier answer's think block, so the prompt no longer extends what the model saw and
+the endpoint starts a new segment. Turn 3 compacts: the conversation is replaced by
 the task's system message and a user message summarising the answers so far, as context
 compaction or a hand-off to a sub-agent does: another segment under any template. Later
 turns alternate follow-ups and compactions. Every segment trains (docs/guide/agents.md,
@@ -37,7 +39,8 @@ def run(client: openai.OpenAI, task: dict[str, Any]) -> list[dict[str, Any]]:
             r = client.chat.completions.create(
                 model=task.get("model", "tsync"), messages=messages,
                 max_tokens=task.get("max_tokens_per_turn"),
-                temperature=task.get("temperature", 1.0))
+                temperature=task.get("temperature", 1.0),
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         except openai.BadRequestError as e:  # e.g. the trajectory's budget is spent
             print(f"[agent] turn {turn}: {e.message}", file=sys.stderr)
             break
