@@ -271,3 +271,33 @@ def test_qwen3s_non_thinking_prompt_is_rewritten_by_the_next_query(tok):
                 {f"k{i}": 1 for i in range(17)}):
         with pytest.raises(ApiError, match="chat_template_kwargs"):
             _template_kwargs({"chat_template_kwargs": bad})
+
+
+def test_the_built_in_loop_renders_turns_with_the_chat_template(tok):
+    """rollout.render: template. With a template that extends (the demo's ChatML) the loop
+    feeds the engine the very ids the token loop does; with Qwen3's non-thinking prompt each
+    tool turn drops the empty think block the model saw, so every turn is a segment of its
+    own, each prompt the template's rendering of the conversation, every sampled id kept."""
+    from tsync_mcore.rollout.loop import run_rendered
+
+    def env():
+        return ToyToolEnv(tok, ToyToolConfig(max_turns=3, latency_median_s=1e-4,
+                                             tool_timeout_s=5.0))
+    kw = dict(max_turns=3, max_tokens_per_turn=8, max_total_tokens=400, seed=5, env_seed=7)
+    tokens_engine, rendered_engine = Scripted(script(tok)), Scripted(script(tok))
+    want = asyncio.run(run_trajectory(tokens_engine, env(), **kw))
+    got = asyncio.run(run_rendered(rendered_engine, env(), tokenizer=tok, **kw))
+    assert rendered_engine.prompts == tokens_engine.prompts
+    assert (got.tokens, got.scored_mask, got.turn_ends, got.earlier) == \
+        (want.tokens, want.scored_mask, want.turn_ends, [])
+    assert got.reward == want.reward and got.stop_reason == want.stop_reason
+
+    q = _qwen3(tok)
+    engine = Scripted(script(q))
+    res = asyncio.run(run_rendered(engine, ToyToolEnv(q, ToyToolConfig(
+        max_turns=3, latency_median_s=1e-4, tool_timeout_s=5.0)), tokenizer=q,
+        template_kwargs={"enable_thinking": False}, **kw))
+    assert len(res.earlier) == 2  # three turns, three segments
+    for p, seg in zip(engine.prompts, res.segments()):
+        assert seg["tokens"][:len(p)] == p and q.decode(p).endswith("<think>\n\n</think>\n\n")
+    assert res.n_scored == sum(len(a[:8]) for a in script(q))

@@ -217,7 +217,7 @@ class BatchWork:
         self.overlong = 0  # responses the overlong shaping penalised, this batch
         kwargs = dict(max_turns=self.rc.max_turns, max_tokens_per_turn=self.rc.max_tokens_per_turn,
                       max_total_tokens=self.rc.max_total_tokens, temperature=self.rc.temperature,
-                      step_timeout_s=self._step_timeout_s())
+                      step_timeout_s=self._step_timeout_s(), **self._render_kwargs())
         envs = self._envs(batch)
         stats = self.feed.stats() if self.feed is not None else None
         # A group's members share their prompt: one replica serves the whole group.
@@ -319,6 +319,13 @@ class BatchWork:
                 behaviour_logprobs=behaviour, token_versions=versions, segment=j,
                 n_segments=n, trajectory_scored=total if n > 1 else None))
         return out
+
+    def _render_kwargs(self) -> dict:
+        """rollout.render: template: the built-in loop renders each turn with the chat
+        template (loop.run_rendered)."""
+        if self.rc.render != "template":
+            return {}
+        return dict(tokenizer=self.tok, template_kwargs=dict(self.rc.chat_template_kwargs))
 
     def _step_timeout_s(self) -> float:
         # The dataset env's step is the reward call, limited by reward.timeout_s itself.

@@ -179,7 +179,7 @@ class Schedules:
         envs = self._envs(_Batch(0, {}, [], [], tids, [gid] * m, rows), salt=pos)
         kwargs = dict(max_turns=self.rc.max_turns, max_tokens_per_turn=self.rc.max_tokens_per_turn,
                       max_total_tokens=self.rc.max_total_tokens, temperature=self.rc.temperature,
-                      step_timeout_s=self._step_timeout_s())
+                      step_timeout_s=self._step_timeout_s(), **self._render_kwargs())
         members, stats = [], self.feed.stats() if self.feed is not None else None
         async for i, res in run_batch(self.engine, envs, seeds=seeds, env_seeds=[pos] * m,
                                       routes=[gid] * m, **kwargs):
