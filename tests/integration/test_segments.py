@@ -247,3 +247,27 @@ def test_replay_lines_carry_segments(tmp_path, rows):
     lone = TrajectorySource.from_json({**seg.to_json(), "trajectory_scored": None})
     with pytest.raises(SourceError, match="without trajectory_scored"):
         validate_source(lone, VOCAB)
+
+
+def test_segments_on_two_ranks_balanced_static_and_tp(tiny_qwen2, rows, tmp_path):
+    """One launch of 2 ranks: balanced routing (each trajectory's segments to one rank,
+    the group's rewards announced after its last member's last segment) under thundersync,
+    static routing under sync, and TP = 2 under thundersync: every gradient equals the FP64
+    reference."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.replay import replay_many
+    batch = tmp_path / "segments.jsonl"
+    batch.write_text("".join(json.dumps(dict(r, update=0)) + "\n" for r in rows))
+    common = ["--model", tiny_qwen2, "--batch", str(batch), "--lr", "1e-5"]
+    jobs = {"balanced_ts": [*common, "--routing", "balanced", "--schedule", "thundersync",
+                            "--k-open", "1"],
+            "static_sync": [*common, "--schedule", "sync"],
+            "tp2_ts": [*common, "--tp", "2", "--schedule", "thundersync", "--k-open", "1"]}
+    runs = replay_many(jobs, str(tmp_path), nproc=2)
+    ref = reference(_hf(tiny_qwen2), rows, "trajectory")
+    grads = {n: load_file(f"{r['dir']}/grad.safetensors") for n, r in runs.items()}
+    errs = {n: rel_l2(g, ref) for n, g in grads.items()}
+    print("segments on 2 ranks vs FP64: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+    assert max(errs.values()) <= 1e-5, errs
+    assert rel_l2(grads["balanced_ts"], grads["static_sync"]) <= 1e-6
