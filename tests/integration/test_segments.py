@@ -155,6 +155,13 @@ def test_every_segment_trains_streamed_exactly_and_matches_fp64(tiny_qwen2, rows
                 e = served[x["traj_id"], x.get("segment") if "segment" in x else None]
                 assert e.tokens_sha256 == tokens_digest(x["tokens"], x["scored_mask"])
     ts = res["ts"].trace
+    # response lengths (metrics): a trajectory's every segment, its tokens and scored ones
+    from tsync_mcore.observability.metrics import trajectory_lengths
+    lengths = trajectory_lengths(res["sync"].trace)
+    for t in {x["traj_id"] for x in rows}:
+        mine = [x for x in rows if x["traj_id"] == t]
+        assert lengths[t] == (sum(sum(x["scored_mask"]) for x in mine),
+                              sum(len(x["tokens"]) for x in mine)), t
     # the streamed path really ran: pair folds before a group's last segment arrived, and
     # later segments that start with the group's prompt ran against it
     assert any(getattr(e, "fold", None) == "pair" and e.segment is not None for e in ts)

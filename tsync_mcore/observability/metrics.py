@@ -75,14 +75,20 @@ def trajectory_lengths(records: Iterable[Record],
                        dropped: Iterable[str] = ()) -> dict[str, tuple[int, int]]:
     """traj_id → (scored tokens, tokens) of the trajectories served here and trained on.
 
-    A GRPO trajectory is one source; an OPD trajectory's turns are summed. Tokens is the
-    furthest position forwarded (context + span: prompt and response, shared prompt too)."""
+    A GRPO trajectory is one source, or one per segment (a rewritten history: summed); an
+    OPD trajectory's turns are summed. Tokens is the furthest position forwarded (context +
+    span: prompt and response, shared prompt too), summed over segments."""
     left_out = set(dropped)
-    out: dict[str, tuple[int, int]] = {}
+    parts: dict[tuple[str, int | None], tuple[int, int]] = {}
     for r in records:
         if isinstance(r, SourceRecord) and r.served and r.group_id not in left_out:
-            scored, tokens = out.get(r.traj_id, (0, 0))
-            out[r.traj_id] = (scored + r.scored_tokens, max(tokens, r.context + r.span_tokens))
+            key = (r.traj_id, r.segment)
+            scored, tokens = parts.get(key, (0, 0))
+            parts[key] = (scored + r.scored_tokens, max(tokens, r.context + r.span_tokens))
+    out: dict[str, tuple[int, int]] = {}
+    for (t, _), (scored, tokens) in parts.items():
+        s0, t0 = out.get(t, (0, 0))
+        out[t] = (s0 + scored, t0 + tokens)
     return out
 
 
