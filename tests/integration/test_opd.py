@@ -177,15 +177,44 @@ def test_opd_cost_is_linear_in_turns_recompute_and_retain(tmp_path):
     assert res["retain"]["saved_peak_bytes"] > 5 * res["recompute"]["saved_peak_bytes"]
 
 
-def test_opd_shared_prompt_same_update(tiny_qwen2, tmp_path):
-    batch = str(tmp_path / "b.jsonl")
-    write_opd_batches(batch, 256, n_updates=1, seed=6, n_traj=4, group_size=4, prompt_len=10)
-    off = tmp_path / "off.yaml"
+@pytest.fixture(scope="module")
+def one_rank_replays(tiny_qwen2, tmp_path_factory):
+    """The one-rank replays of the tests below in one process (each job its own Policy and
+    Learner, see replay_many): shared prompt on/off, the action-first batch's retain run,
+    and admission's unconstrained, k_open = 1 and group_ready runs. Returns the runs, the
+    action-first batch (rows, file) and the admission runs' arguments."""
+    from tests.helpers.batchgen import action_first, make_opd_batch
+    d = tmp_path_factory.mktemp("one_rank")
+    shared = str(d / "shared.jsonl")
+    write_opd_batches(shared, 256, n_updates=1, seed=6, n_traj=4, group_size=4, prompt_len=10)
+    off = d / "off.yaml"
     off.write_text("learner:\n  shared_prefix: false\n")
-    common = ["--model", tiny_qwen2, "--batch", batch, "--objective", "opd"]
-    replay_many({"on": common, "off": [*common, "--config", str(off)]}, str(tmp_path), nproc=1)
-    err = rel_l2(load_file(str(tmp_path / "on" / "grad.safetensors")),
-                 load_file(str(tmp_path / "off" / "grad.safetensors")))
+    sp = ["--model", tiny_qwen2, "--batch", shared, "--objective", "opd"]
+    # "action, then its observation": every turn but the first starts with a scored token
+    rows = action_first(make_opd_batch(256, n_traj=4, turns=3, seed=9, zero_scored_traj=False))
+    af = str(d / "action_first.jsonl")
+    _write(af, rows)
+    # admission: 8 trajectories in 4 groups of 2
+    adm = str(d / "admission.jsonl")
+    write_opd_batches(adm, 256, n_updates=1, seed=3, n_traj=8, turns=3)
+    common = ["--model", tiny_qwen2, "--batch", adm, "--objective", "opd", "--accum-dtype",
+              "fp64"]
+    runs = replay_many({
+        "sp_on": sp, "sp_off": [*sp, "--config", str(off)],
+        "af_retain": ["--model", tiny_qwen2, "--batch", af, "--objective", "opd",
+                      "--save-grads", "all", "--opd-replay", "retain"],
+        "adm_free": common, "adm_one": [*common, "--k-open", "1"],
+        "adm_solo": [*common, "--k-open", "1", "--schedule", "group_ready"]}, str(d), nproc=1)
+    return dict(runs=runs, action_first=(rows, af), admission=common)
+
+
+def _grad_of(run) -> dict:
+    return load_file(os.path.join(run["dir"], "grad.safetensors"))
+
+
+def test_opd_shared_prompt_same_update(one_rank_replays):
+    runs = one_rank_replays["runs"]
+    err = rel_l2(_grad_of(runs["sp_on"]), _grad_of(runs["sp_off"]))
     print(f"OPD shared prompt on vs off: {err:.2e}")
     assert err <= 1e-6
 
@@ -196,20 +225,16 @@ def _write(path, rows):
             f.write(json.dumps(r) + "\n")
 
 
-def test_turns_that_begin_with_a_scored_token(tiny_qwen2, tmp_path):
+def test_turns_that_begin_with_a_scored_token(tiny_qwen2, one_rank_replays, tmp_path):
     # "action, then its observation": every turn but the first starts with a scored token,
     # whose log-prob comes from the previous turn's last position.
-    from tests.helpers.batchgen import action_first, make_opd_batch
-    rows = action_first(make_opd_batch(256, n_traj=4, turns=3, seed=9, zero_scored_traj=False))
+    rows, batch = one_rank_replays["action_first"]
     assert sum(r["scored_mask"][e] for r in rows for e in r["turn_ends"][:-1]) == 8
-    batch = str(tmp_path / "b.jsonl")
-    _write(batch, rows)
     common = ["--model", tiny_qwen2, "--batch", batch, "--objective", "opd", "--save-grads", "all"]
     runs = replay_many({"sync": [*common, "--schedule", "sync"],
                         "thundersync": [*common, "--schedule", "thundersync"]}, str(tmp_path))
-    runs.update(replay_many({"retain": [*common, "--opd-replay", "retain"]}, str(tmp_path),
-                            nproc=1))
-    grads = {n: load_file(str(tmp_path / n / "grad.safetensors")) for n in runs}
+    runs["retain"] = one_rank_replays["runs"]["af_retain"]  # one rank, --opd-replay retain
+    grads = {n: _grad_of(r) for n, r in runs.items()}
     ref = reference_opd_grad(tiny_qwen2, rows)
     for name in ("thundersync", "retain"):
         err = rel_l2(grads[name], grads["sync"])
@@ -221,16 +246,11 @@ def test_turns_that_begin_with_a_scored_token(tiny_qwen2, tmp_path):
         assert err <= 1e-5
 
 
-def test_opd_admission_k_open_and_byte_budget(tiny_qwen2, tmp_path):
+def test_opd_admission_k_open_and_byte_budget(one_rank_replays, tmp_path):
     # 8 trajectories in 4 groups of 2. k_open = 1: one group holds contexts at a time; a
     # byte budget of what one group needs does the same; the update does not change.
-    batch = str(tmp_path / "b.jsonl")
-    write_opd_batches(batch, 256, n_updates=1, seed=3, n_traj=8, turns=3)
-    common = ["--model", tiny_qwen2, "--batch", batch, "--objective", "opd", "--accum-dtype",
-              "fp64"]
-    first = replay_many({  # one process for these three, one for the two budget runs
-        "free": common, "one": [*common, "--k-open", "1"],
-        "solo": [*common, "--k-open", "1", "--schedule", "group_ready"]}, str(tmp_path), nproc=1)
+    common = one_rank_replays["admission"]
+    first = {n: one_rank_replays["runs"][f"adm_{n}"] for n in ("free", "one", "solo")}
     free, one, solo = (first[n]["summary"] for n in ("free", "one", "solo"))
     assert free["open_groups_peak_per_rank"][0] > 1
     assert one["open_groups_peak_per_rank"] == [1] and one["open_bound"].startswith("k_open=1")
@@ -248,9 +268,11 @@ def test_opd_admission_k_open_and_byte_budget(tiny_qwen2, tmp_path):
     for s, r in runs.items():
         # a second group never opens next to one holding the budget
         assert r["open_groups_peak_per_rank"] == [1], (s, r)
-    ref = load_file(str(tmp_path / "free" / "grad.safetensors"))
-    for name in ("one", "solo", "b_group_ready", "b_thundersync"):
-        err = rel_l2(load_file(str(tmp_path / name / "grad.safetensors")), ref)
+    ref = _grad_of(first["free"])
+    for name, run in [("one", first["one"]), ("solo", first["solo"]),
+                      *((f"b_{s}", {"dir": str(tmp_path / f"b_{s}")})
+                        for s in ("group_ready", "thundersync"))]:
+        err = rel_l2(_grad_of(run), ref)
         print(f"OPD admission {name} vs unconstrained: {err:.2e}")
         # FP64 sums, but packed passes (the default) hold different turns under each
         # admission, and a pass's FP32 gradient depends on its company (docs/design/numerics.md)

@@ -4,9 +4,10 @@ Each term's gradient is fixed when its source arrives: thundersync (pair folds, 
 prompts, packed pair passes) equals sync, and both equal an independent FP64 reference
 written per sequence on the Hugging Face model — the KL estimators from their formulas,
 the entropy from the full softmax — alone and combined with masked IS; at TP = 1 in
-process and TP = 2 through the replay command; the LoRA reference is the base with the
-adapters off; OPD's entropy bonus; the figures (actor/kl, reference bytes and tokens, the
-ledger's reference FLOPs) and the refusals.
+process and TP = 2 through the replay command (one 2-rank launch, which also replays PPO
+over 2 DP ranks); the LoRA reference is the base with the adapters off; OPD's entropy
+bonus; the figures (actor/kl, reference bytes and tokens, the ledger's reference FLOPs)
+and the refusals.
 """
 
 from __future__ import annotations
@@ -282,20 +283,19 @@ def test_opd_entropy_bonus_streams_exactly(tiny_qwen2, parallel1):
     assert err_sync <= 1e-6 and err_ref <= 1e-5
 
 
-# --- TP = 2 through the replay command --------------------------------------------------
+# --- 2 ranks through the replay command: TP = 2, and PPO over 2 DP ranks ----------------
 
-def test_tp2_replay_streams_kl_entropy_and_mis_exactly(tiny_qwen2, ref_dir, grpo_rows,
-                                                       tmp_path):
-    """At TP = 2 (vocab-parallel log-probs, entropies and reference), one launch: KL k3
-    (configured by verl's name) + entropy + masked IS; LoRA with the base as reference;
-    OPD with the entropy bonus; dynamic sampling (two uniform groups) with KL; two PPO
-    mini-batches with clip-higher, a binding dual clip and entropy. Each: thundersync equals sync and its FP64 reference; each
-    TP rank holds half the reference's weights (none with LoRA)."""
+@pytest.fixture(scope="module")
+def two_rank_replays(tiny_qwen2, ref_dir, grpo_rows, tmp_path_factory):
+    """One launch of 2 ranks for every replay below (each job its own Policy and Learner,
+    see replay_many): the TP = 2 jobs and PPO's mini-batches over 2 DP ranks (tp 1).
+    Returns (runs, adapter dir, OPD rows, kept rows of the filtered batch)."""
     import json
 
     from tests.helpers.batchgen import action_first, make_opd_batch
-    from tests.helpers.lora_reference import adapter_grad, load_peft_model, make_peft_adapter
+    from tests.helpers.lora_reference import make_peft_adapter
     from tests.helpers.replay import replay_many
+    tmp_path = tmp_path_factory.mktemp("two_ranks")
     batch = tmp_path / "b.jsonl"
     batch.write_text("".join(json.dumps(dict(r, update=0)) + "\n" for r in grpo_rows))
     opd_rows = action_first(make_opd_batch(VOCAB, n_traj=4, turns=3, version=0, seed=4))
@@ -326,7 +326,29 @@ def test_tp2_replay_streams_kl_entropy_and_mis_exactly(tiny_qwen2, ref_dir, grpo
         common += {"lora": ["--lora-adapter", ad], "opd": ["--objective", "opd"]}.get(name, [])
         jobs[f"{name}_sync"] = [*common, "--schedule", "sync"]
         jobs[f"{name}_ts"] = [*common, "--schedule", "thundersync", "--k-open", "1"]
-    runs = replay_many(jobs, str(tmp_path), nproc=2)
+    # PPO over 2 DP ranks (test_two_dp_ranks_balanced_routing_replay)
+    dp_batch = tmp_path / "dp2.jsonl"
+    dp_batch.write_text("".join(json.dumps(dict(r, update=0)) + "\n"
+                                for r in make_batch(VOCAB, n_groups=4, m=3, version=0, seed=29)))
+    (tmp_path / "dp2_ppo.yaml").write_text(
+        "learner:\n  minibatches: 2\n  clip_high: 0.28\noptim:\n  eps: 1.0\n")
+    common = ["--model", tiny_qwen2, "--batch", str(dp_batch), "--config",
+              str(tmp_path / "dp2_ppo.yaml"), "--lr", "1.0", "--save-grads", "all"]
+    jobs["dp2_sync"] = [*common, "--schedule", "sync"]
+    jobs["dp2_balanced"] = [*common, "--routing", "balanced", "--k-open", "1"]
+    return replay_many(jobs, str(tmp_path), nproc=2), ad, opd_rows, kept
+
+
+def test_tp2_replay_streams_kl_entropy_and_mis_exactly(tiny_qwen2, ref_dir, grpo_rows,
+                                                       two_rank_replays):
+    """At TP = 2 (vocab-parallel log-probs, entropies and reference), one launch: KL k3
+    (configured by verl's name) + entropy + masked IS; LoRA with the base as reference;
+    OPD with the entropy bonus; dynamic sampling (two uniform groups) with KL; two PPO
+    mini-batches with clip-higher, a binding dual clip and entropy. Each: thundersync equals sync and its FP64 reference; each
+    TP rank holds half the reference's weights (none with LoRA)."""
+    from tests.helpers.lora_reference import adapter_grad, load_peft_model
+    runs, ad, opd_rows, kept = two_rank_replays
+    runs = {n: r for n, r in runs.items() if not n.startswith("dp2_")}
     grads = {n: load_file(os.path.join(r["dir"], "grad.safetensors")) for n, r in runs.items()}
     model, ref_model = _hf(tiny_qwen2), _hf(ref_dir)
     peft_model = load_peft_model(tiny_qwen2, ad)
@@ -372,6 +394,30 @@ def test_tp2_replay_streams_kl_entropy_and_mis_exactly(tiny_qwen2, ref_dir, grpo
     assert runs["lora_ts"]["summary"]["reference_bytes_per_rank"] == [0, 0]
     assert runs["filter_ts"]["summary"]["scored_tokens"] == [
         sum(sum(r["scored_mask"]) for r in kept)]
+
+
+def test_two_dp_ranks_balanced_routing_replay(tiny_qwen2, two_rank_replays):
+    """PPO mini-batches (test_ppo_minibatches.py) over 2 DP ranks through the replay
+    command: balanced routing (a later mini-batch's group split over the ranks, its rewards
+    announced) streamed equals static routing under sync, step by step, θ between the steps
+    included."""
+    runs = two_rank_replays[0]
+    theta0 = load_file(os.path.join(tiny_qwen2, "model.safetensors"))
+    for name, tol in (("grad_0", 1e-6), ("grad_0_mb2", 1e-5), ("params_0_mb1", 1e-6),
+                      ("params", 1e-6)):
+        a, b = (load_file(os.path.join(runs[r]["dir"], f"{name}.safetensors"))
+                for r in ("dp2_balanced", "dp2_sync"))
+        if name.startswith("grad"):  # step 2's carries step 1's rounding
+            err = rel_l2(a, b)
+        else:  # θ: the gap relative to how far sync moved it
+            gap = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in b)
+            moved = sum(float(((b[k].double() - theta0[k].double()) ** 2).sum()) for k in b)
+            err = (gap / moved) ** 0.5
+        print(f"2 DP ranks, balanced thundersync vs static sync, {name}: {err:.2e}")
+        assert err <= tol, name
+    s = runs["dp2_balanced"]["summary"]
+    assert s["minibatch_steps"] == [2] and s["pg_clipfrac"][0] > 0
+    assert runs["dp2_balanced"]["summary"]["dp"] == 2 and runs["dp2_sync"]["summary"]["tp"] == 1
 
 
 # --- the reference's refresh and what is refused -----------------------------------------

@@ -11,18 +11,37 @@ model, with the layout table generated from the declarations
 validates content through `tsync_mcore.channel.sources`.
 """
 
-from tsync_mcore.channel import schema
-from tsync_mcore.channel.errors import ChannelError, ChannelTimeout, PeerGone
-from tsync_mcore.channel.link import Link, Prepared, open_learner_side, open_rollout_side
-from tsync_mcore.channel.messages import (
-    LEARNER_SENDS, MESSAGES, ROLLOUT_SENDS, Ack, CloseBatch, DropGroup, GroupRewards, Hello,
-    Message, Publish, PublishGroup, RegisterBatch, Rejected, Shutdown, TrajectoryMsg, TurnMsg,
-)
-from tsync_mcore.channel.secret import channel_secret, load_or_create_secret, secret_path
-from tsync_mcore.channel.wire import (
-    DEFAULT_LIMITS, MAGIC, WIRE_VERSION, Limits, MsgType, check_header, check_header_values,
-    decode, decode_arrays, encode, schema_table,
-)
+import importlib
+
+# name -> the submodule that holds it. Loaded on first use (PEP 562): the launchers import
+# nodes, secret and errors to check their arguments, and link, schema and wire import torch.
+_WHERE = {
+    **dict.fromkeys(("ChannelError", "ChannelTimeout", "PeerGone"), "errors"),
+    **dict.fromkeys(("Link", "Prepared", "open_learner_side", "open_rollout_side"), "link"),
+    **dict.fromkeys((
+        "LEARNER_SENDS", "MESSAGES", "ROLLOUT_SENDS", "Ack", "CloseBatch", "DropGroup",
+        "GroupRewards", "Hello", "Message", "Publish", "PublishGroup", "RegisterBatch",
+        "Rejected", "Shutdown", "TrajectoryMsg", "TurnMsg"), "messages"),
+    **dict.fromkeys(("channel_secret", "load_or_create_secret", "secret_path"), "secret"),
+    **dict.fromkeys((
+        "DEFAULT_LIMITS", "MAGIC", "WIRE_VERSION", "Limits", "MsgType", "check_header",
+        "check_header_values", "decode", "decode_arrays", "encode", "schema_table"), "wire"),
+}
+
+
+def __getattr__(name: str):
+    if name == "schema":
+        return importlib.import_module(f"{__name__}.schema")
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "schema",

@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 
-from tsync_mcore.channel.wire import schema_table
-
 BEGIN, END = "<!-- wire-table: begin (python -m tsync_mcore.channel --update-docs) -->", \
     "<!-- wire-table: end -->"
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "design", "wire.md")
@@ -23,6 +21,7 @@ def update_docs(path: str = DOCS) -> bool:
     """Write the current table into `path`; whether it changed."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
+    from tsync_mcore.channel.wire import schema_table  # torch: after the path is read
     new = (text[:text.index(BEGIN) + len(BEGIN)] + "\n" + schema_table() + text[text.index(END):])
     if new != text:
         with open(path, "w", encoding="utf-8") as f:
@@ -38,6 +37,7 @@ def main() -> None:
                    help="rewrite the table in docs/design/wire.md (or PATH)")
     args = ap.parse_args()
     if args.table:
+        from tsync_mcore.channel.wire import schema_table
         print(schema_table(), end="")
     else:
         try:

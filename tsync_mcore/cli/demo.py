@@ -17,7 +17,6 @@ import time
 from tsync_mcore.util import quiet
 
 quiet.install()  # first: known-harmless warnings off, here and in vLLM's spawned engine core
-from tsync_mcore.publication import send as publish
 from tsync_mcore.cli.launch import (add_config_args, config_from_args, config_or_exit, free_port,
                                 resume_version, run_job)
 from tsync_mcore.util.safe_files import private_dir
@@ -63,6 +62,7 @@ def main() -> None:
                     f"channel.port={free_port()}"]
             teacher_cfg = config_or_exit("demo", args.config, overrides + tcfg)
             run_job(args.config, overrides + tcfg, teacher_cfg, who="demo")
+            from tsync_mcore.publication import send as publish  # torch: when it is needed
             make_hf_dir(cfg.model.hf_dir, publish.resolve_dir(teacher_cfg.publish, teacher_cfg.run.dir), teacher)
         overrides.append(f"rollout.teacher_dir={teacher}")
         cfg = config_or_exit("demo", args.config, overrides)

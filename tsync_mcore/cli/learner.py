@@ -20,6 +20,7 @@ cpus.pin_from_env(f"learner rank {os.environ.get('RANK', '0')}")
 from tsync_mcore.channel import nodes  # noqa: E402
 from tsync_mcore.cli.launch import (add_config_args, check_publish_reach,  # noqa: E402
                                 config_from_args, resume_version, say, secret_or_exit, stopped)
+from tsync_mcore.util.safe_files import BadFile, check_hf_dir  # noqa: E402
 
 
 def main() -> None:
@@ -38,6 +39,11 @@ def main() -> None:
         # one line and exit 2 if nothing to resume; a node that does not share run.dir
         # says so here, by name
         resume_version(cfg.run.dir, who, cfg.launch.nnodes)
+    try:  # a missing model is named before torch and Megatron load (seconds per rank)
+        check_hf_dir(cfg.model.hf_dir)
+    except BadFile as e:
+        say(f"error: {who}: {e}")
+        sys.exit(2)
     if rank == "0":
         check_publish_reach(cfg, who)  # rank 0 writes θ where the rollout must read it
     secret_or_exit("learner", cfg)  # the run's channel secret: created here if no launcher did

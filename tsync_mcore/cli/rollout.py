@@ -24,6 +24,12 @@ def main() -> None:
     add_config_args(p)
     args = p.parse_args()
     cfg = config_from_args("rollout", args)
+    from tsync_mcore.util.safe_files import BadFile, check_hf_dir
+    try:  # a missing model is named before vLLM and torch load (the driver checks it again)
+        check_hf_dir(cfg.model.hf_dir)
+    except BadFile as e:
+        print(f"error: rollout: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     secret_or_exit("rollout", cfg)  # the run's channel secret: created here if no launcher did
     from tsync_mcore.channel import ChannelError
     from tsync_mcore.rollout.driver import RolloutDriver, RolloutStopped

@@ -9,7 +9,10 @@ its derivative is kept.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: config validation imports OBJECTIVES without torch
+    import torch
 
 
 class Distillation:

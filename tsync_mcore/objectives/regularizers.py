@@ -32,8 +32,10 @@ rollout_is_weights multiply only the policy loss).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch in the functions: config validation reads the names without it
+    import torch
 
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3", "k1+", "k3+")
 # verl's kl_loss_type names → ours (slime's --kl-loss-type uses k1/k2/k3/low_var_kl too)
@@ -52,6 +54,7 @@ def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.
     elif base == "k2":
         value = 0.5 * x.square()
     elif base == "k3":
+        import torch
         d = torch.clamp(-x, min=-20.0, max=20.0)  # log π_ref − log π_θ, clamped as verl
         value = torch.clamp(torch.exp(d) - d - 1.0, min=-10.0, max=10.0)
     else:
@@ -82,6 +85,7 @@ class Regularizer:
              ref: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(R = Σ_t β·k_t − η·H_t with the graph, Σ_t k_t detached) over one source's scored
         tokens (R in the log-probs' dtype; the KL sum in float64, for the metric)."""
+        import torch
         r = logp.new_zeros(())
         kl_sum = torch.zeros((), dtype=torch.float64, device=logp.device)
         if self.kl_coef:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import os
 import stat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError, safe_open  # Rust, no torch: the launchers' checks
+
+if TYPE_CHECKING:  # torch only where tensors are read: a launcher checks paths without it
+    import torch
 
 MAX_JSON_BYTES = 16 << 20  # config.json / meta.json / index files are small
 

@@ -128,6 +128,8 @@ _TE_NORM_ALIASES = {
 
 def load_spec(hf_dir: str) -> "ModelSpec":
     """ModelSpec of a Hugging Face checkpoint dir (`bridge.load_hf_config`)."""
+    from tsync_mcore.util.safe_files import hf_config
+    hf_config(hf_dir)  # a missing dir or config.json is named before Megatron's import
     from tsync_mcore.model.bridge import load_hf_config
 
     return load_hf_config(hf_dir)

@@ -17,8 +17,10 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch where a model is counted: the ledger's CLI names a bad --model first
+    import torch
 
 __all__ = ["MoeShape", "RoutingCounter", "check_routing", "load_moe"]
 
@@ -115,6 +117,7 @@ class RoutingCounter:
     """
 
     def __init__(self, model: torch.nn.Module):
+        import torch
         self._routers: dict[int, torch.nn.Module] = {}
         for name, mod in model.named_modules():
             m = _ROUTER_NAME.search(name)
@@ -130,6 +133,8 @@ class RoutingCounter:
         return tuple(sorted(self._routers))
 
     def _hook(self, layer: int, experts: int):
+        import torch
+
         def record(_mod, _args, out) -> None:
             decision = out[-1] if isinstance(out, tuple) else out
             if decision.is_floating_point():  # e.g. a router that returns logits only
@@ -158,6 +163,7 @@ class RoutingCounter:
 
     def counts(self) -> list[list[int]]:
         """One row per MoE layer that ran, in layer order (one host sync)."""
+        import torch
         ran = [i for i in self.layers if i in self._acc]
         if not ran:
             return []
