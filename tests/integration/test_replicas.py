@@ -209,6 +209,45 @@ def test_a_failing_replica_stops_the_step_naming_it(et, rs, weights, tmp_path):
     assert driver.loaded == v  # no acknowledgement of a subset
 
 
+def test_a_dead_replica_is_not_restarted_past_the_limit(et, rs):
+    """Replica 1 died above, in a set that allows no restart: a request routed there stops
+    the run in one line naming it and why, and so does every later call."""
+    key = next(f"k{i}" for i in range(4) if rs.route(f"k{i}") == 1)
+    want = (r"^rollout replica 1 of 2: engine core (\(pid \d+\) )?died \(.*\); not "
+            r"restarted: rollout.max_replica_restarts=0$")
+    for route in (key, None):  # None: replica 0, alive, but the run must stop
+        with pytest.raises(ReplicaError, match=want) as e:
+            gen(et, rs, PROMPTS[:1], 0, route=route)
+        assert "\n" not in str(e.value)
+    assert rs.restarts == 0 and rs.take_metrics()["rollout/replica_restarts"] == 0
+
+
+def test_a_replica_that_fails_its_restart_stops_the_run(et, rs, tmp_path):
+    """The same engines in a set that restarts with an engine that cannot start (its
+    checkpoint is gone): the request that found replica 1 dead is re-run on replica 0
+    (or, if the restart failed first, stops); the failed restart stops the next
+    publication in one line naming the replica."""
+    missing = str(tmp_path / "gone")
+    alive = ReplicaSet(rs.engines, make=lambda i: RolloutEngine(missing), max_restarts=2)
+
+    async def two():  # the first request takes replica 0, the second replica 1
+        return await asyncio.gather(
+            alive.generate(PROMPTS[0], max_tokens=8, seed=1, route="a"),
+            alive.generate(PROMPTS[1], max_tokens=8, seed=2, route="b"))
+
+    try:
+        outs, during = et.run(two(), timeout=120), None
+        assert [len(o.token_ids) for o in outs] == [8, 8]
+    except ReplicaError as e:
+        during = str(e)
+    assert alive.restarts == 1 and alive.take_metrics()["rollout/replica_restarts"] == 1
+    assert alive.route("b") == 0  # its key was forgotten: picked again, among the living
+    with pytest.raises(ReplicaError, match=r"^rollout replica 1 of 2: failed again during "
+                                           r"its restart \(start\): ") as e:
+        et.run(alive.reload_weights(str(tmp_path / "x.safetensors")), timeout=120)
+    assert "\n" not in str(e.value) and during in (None, str(e.value))
+
+
 def test_replicas_config_is_checked():
     from tsync_mcore.config import ConfigError, load_config
 
@@ -217,7 +256,12 @@ def test_replicas_config_is_checked():
     assert ok.rollout.replicas == 2 and load_config(None, {}).rollout.replicas == 1
     for overrides, key in [({"rollout.replicas": 0}, "rollout.replicas"),
                            ({"rollout.replicas": 2, "rollout.tp": 2,
-                             "launch.rollout_gpus": "0,1,2"}, "launch.rollout_gpus")]:
+                             "launch.rollout_gpus": "0,1,2"}, "launch.rollout_gpus"),
+                           ({"rollout.max_replica_restarts": -1},
+                            "rollout.max_replica_restarts"),
+                           ({"rollout.replica_hang_s": -1.0}, "rollout.replica_hang_s"),
+                           ({"rollout.replica_hang_s": float("inf")},
+                            "rollout.replica_hang_s")]:
         with pytest.raises(ConfigError, match=f"'{key}'"):
             load_config(None, overrides)
 
