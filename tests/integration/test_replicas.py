@@ -1,7 +1,8 @@
 """rollout.replicas: two vLLM engines behind one driver (tsync_mcore.rollout.replicas).
 
-One ReplicaSet of two engines serves the module (two engine-core processes to start);
-its last in-process test kills replica 1. The whole path with two replicas runs live in
+One ReplicaSet of two engines serves the module (two engine-core processes to start); its
+last in-process tests kill replica 1 and restart it (a third engine start) in sets over
+the same engines. The whole path with two replicas runs live in
 tests/test_multihost.py (the rollout host serves two replicas over dist publication).
 """
 
@@ -27,7 +28,8 @@ from tsync_mcore.rollout.driver import RolloutDriver, RolloutStopped  # noqa: E4
 from tsync_mcore.rollout.engine import RolloutEngine  # noqa: E402
 from tsync_mcore.rollout.envs import ToyToolConfig, ToyToolEnv  # noqa: E402
 from tsync_mcore.rollout.loop import run_batch  # noqa: E402
-from tsync_mcore.rollout.replicas import ReplicaError, ReplicaSet, start_replicas  # noqa: E402
+from tsync_mcore.rollout.replicas import (ReplicaError, ReplicaSet,  # noqa: E402
+                                          engine_core_pids, start_replicas)
 
 TINY = dict(arch="qwen2", vocab_size=300, hidden=64, layers=2, heads=2, kv_heads=1)
 PROMPTS = [[1, 87, 85, 260, 201], [5, 6, 7, 8, 9, 10, 11], [1, 67, 85], [40, 41, 42],
@@ -246,6 +248,39 @@ def test_a_replica_that_fails_its_restart_stops_the_run(et, rs, tmp_path):
                                            r"its restart \(start\): ") as e:
         et.run(alive.reload_weights(str(tmp_path / "x.safetensors")), timeout=120)
     assert "\n" not in str(e.value) and during in (None, str(e.value))
+
+
+def test_a_replica_dead_at_a_publication_is_restarted_with_it(et, rs, ckpts, hf, weights,
+                                                             capsys):
+    """Replica 1 is gone (killed above, then stopped by the failed restart): a set that may
+    restart it once loads the next publication into replica 0 and into a fresh replica 1,
+    checked against replica 0's weights; both then sample the same under the new version.
+    Killed again, it is past the limit: one line naming it."""
+    again = ReplicaSet(rs.engines, max_restarts=1,
+                       make=lambda i: RolloutEngine(ckpts[0], max_model_len=512, seed=0))
+    v = max(e.version for e in rs.engines) + 1
+    try:
+        et.run(again.reload_weights(weights[1], version=v), timeout=300)
+        assert again.restarts == 1 and again.engines[1] is not rs.engines[1]
+        assert [e.version for e in again.engines] == [v, v] and again.version == v
+        said = capsys.readouterr().out  # checked against replica 0 before it served
+        assert f"rollout replica 1 of 2: restarted with θ_{v} in " in said
+        assert "not checked" not in said
+        outs = [gen(et, e, PROMPTS[:2], 900) for e in again.engines]
+        assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+        for p, o in zip(PROMPTS, outs[1]):  # the new weights, not the checkpoint it started
+            lp = hf_logprobs(hf[1], p + o.token_ids)[len(p):]
+            assert float((lp - torch.tensor(o.logprobs, dtype=lp.dtype)).abs().max()) < 1e-4
+        for pid in engine_core_pids(again.engines[1]):
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ReplicaError, match=r"^rollout replica 1 of 2: engine core .*died "
+                                               r"\(.*\); not restarted: 1 restarts in this "
+                                               r"run already \(rollout.max_replica_restarts="
+                                               r"1\)$"):
+            gen(et, again, PROMPTS[:2], 0, route=None)  # one request on each replica
+    finally:
+        if again.engines[1] is not rs.engines[1]:
+            et.run(again.engines[1].aclose())
 
 
 def test_replicas_config_is_checked():

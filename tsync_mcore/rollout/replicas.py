@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -59,6 +60,12 @@ class ReplicaError(RuntimeError):
     """A replica failed; the message names it ("rollout replica i of N: ...")."""
 
 
+def _say(line: str) -> None:
+    """One log line in one write (an engine core shares the stream)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 class _Died(Exception):
     """The replica a request was on was declared dead: re-issue the request."""
 
@@ -75,6 +82,8 @@ def engine_core_pids(engine: Any) -> list[int]:
 def _engine_dead(engine: Any, err: BaseException) -> str | None:
     """Why `err` from `engine` means its engine core is gone (None: it does not)."""
     llm = getattr(engine, "_llm", None)
+    if getattr(engine, "_closed", False):
+        return f"engine stopped ({_one_line(err)})"
     if type(err).__name__ == "EngineDeadError" or bool(getattr(llm, "errored", False)):
         return f"engine core died ({_one_line(err)})"
     for pid in engine_core_pids(engine):
@@ -233,14 +242,13 @@ class ReplicaSet:
                            f"restarts need publish.method: file")
             _kill(engine)
         if self._fatal is not None:
-            print(f"[rollout] {self._fatal}", flush=True)
+            _say(f"[rollout] {self._fatal}")
             for ev in self._dead:  # every request waiting anywhere raises it
                 ev.set()
             return
         self.restarts += 1
-        print(f"[rollout] {self._name(i)}: {why}, {outstanding} requests in flight; "
-              f"restarting it (restart {self.restarts} of at most {self.max_restarts})",
-              flush=True)
+        _say(f"[rollout] {self._name(i)}: {why}, {outstanding} requests in flight; "
+             f"restarting it (restart {self.restarts} of at most {self.max_restarts})")
         self._restarting[i] = asyncio.ensure_future(self._restart(i, engine))
 
     async def _restart(self, i: int, old: Any) -> None:
@@ -253,7 +261,15 @@ class ReplicaSet:
         try:
             async with self._pub_lock:  # no publication while it loads the current θ
                 t0 = time.perf_counter()
-                new = self._make(i)  # holds the loop while vLLM starts (as at the start)
+                # in a thread: the other replicas go on serving (vLLM starts an engine's
+                # output tasks on the first request's loop when built outside one)
+                starting = asyncio.get_running_loop().run_in_executor(None, self._make, i)
+                try:
+                    new = await asyncio.shield(starting)
+                except asyncio.CancelledError:  # aclose: the engine is stopped once up
+                    starting.add_done_callback(
+                        lambda f: f.cancelled() or f.exception() or _stop(f.result()))
+                    raise
                 cur = self._current
                 if cur is not None:
                     method, path, version = cur
@@ -264,9 +280,8 @@ class ReplicaSet:
                         await new.reload_weights(path, version=version)
                     step = f"weights check of θ_{version}"
                     await self._check_weights(i, new, version)
-                print(f"[rollout] {self._name(i)}: restarted with θ_"
-                      f"{cur[2] if cur else new.version} in "
-                      f"{time.perf_counter() - t0:.1f} s", flush=True)
+                _say(f"[rollout] {self._name(i)}: restarted with θ_"
+                     f"{cur[2] if cur else new.version} in {time.perf_counter() - t0:.1f} s")
         except asyncio.CancelledError:
             if new is not None:
                 _kill(new)
@@ -274,7 +289,7 @@ class ReplicaSet:
         except Exception as e:
             self._fatal = (f"{self._name(i)}: failed again during its restart ({step}): "
                            f"{_one_line(e)}")
-            print(f"[rollout] {self._fatal}", flush=True)
+            _say(f"[rollout] {self._fatal}")
             if new is not None:
                 _kill(new)
                 with contextlib.suppress(Exception):
@@ -296,8 +311,8 @@ class ReplicaSet:
                  if j != i and self._restarting[j] is None and not self._dead[j].is_set()
                  and e.version == version]
         if not peers:
-            print(f"[rollout] {self._name(i)}: no live replica serves θ_{version}: its "
-                  f"weights are not checked", flush=True)
+            _say(f"[rollout] {self._name(i)}: no live replica serves θ_{version}: its "
+                 f"weights are not checked")
             return
         mine, theirs = await asyncio.gather(new.param_digest(),
                                             self.engines[peers[0]].param_digest())
@@ -369,9 +384,22 @@ class ReplicaSet:
             finally:
                 self._publishing = False
                 self._progress = [time.monotonic()] * len(self.engines)
-            if current is not None and not any(isinstance(r, BaseException)
-                                               for r in results):
+            failed = {i: r for i, r in enumerate(results) if isinstance(r, BaseException)}
+            dead = {i: _engine_dead(self.engines[i], r) for i, r in failed.items()
+                    if self._make is not None and not isinstance(r, asyncio.CancelledError)}
+            # Replicas whose engine died are restarted with this publication, checked
+            # against the others that loaded it, if the limit allows (else: as below).
+            revive = (current is not None and current[0] != "dist" and failed
+                      and len(failed) < len(self.engines) and len(dead) == len(failed)
+                      and all(dead.values())
+                      and self.restarts + len(failed) <= self.max_restarts)
+            if current is not None and (not failed or revive):
                 self._current = current
+        if revive:
+            for i, why in dead.items():
+                self._declare_dead(i, self.engines[i], f"{why} during the {what}")
+            await self._settled()
+            return [0.0 if i in failed else r for i, r in enumerate(results)]
         for i, r in enumerate(results):
             if isinstance(r, asyncio.CancelledError):
                 raise r
@@ -523,6 +551,13 @@ def _kill(engine: Any) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def _stop(engine: Any) -> None:
+    """Kill and shut down an engine nobody will use (a restart cancelled mid-start)."""
+    _kill(engine)
+    with contextlib.suppress(Exception):
+        engine.shutdown()
+
+
 def start_replicas(n: int, make: Callable[[], RolloutEngine], tp: int = 1, *,
                    max_restarts: int = 0, hang_s: float = 0.0) -> ReplicaSet:
     """Start n engines one after another with `make()` (on the loop that will drive them);
@@ -533,8 +568,8 @@ def start_replicas(n: int, make: Callable[[], RolloutEngine], tp: int = 1, *,
     def start(i: int) -> RolloutEngine:
         with replica_devices(i, tp, n):
             engine = make()
-        print(f"[rollout] rollout replica {i} of {n}: engine core pid "
-              f"{','.join(map(str, engine_core_pids(engine)))}", flush=True)
+        _say(f"[rollout] rollout replica {i} of {n}: engine core pid "
+             f"{','.join(map(str, engine_core_pids(engine)))}")
         return engine
 
     try:
