@@ -26,9 +26,11 @@ whose engine core dies under a request, or that finishes no request for
 SIGKILLed, its route keys are forgotten, and every request it held is re-issued, whole and
 with its own seed, on a live replica (the restarted one included) — the requests of a step
 are thus all sampled by the version that step was registered with. Meanwhile a fresh engine
-starts, loads the current θ (the last publication file or adapter), and serves only once
-its weights' digest equals a live replica's. A publication waits for a restart in progress
-(both hold `_pub_lock`), so the restart loads what every other replica serves. The run
+starts (in a thread, so the others go on serving), loads the current θ (the last
+publication file or adapter), and serves only once its weights' digest equals a live
+replica's. A publication waits for a restart in progress (both hold `_pub_lock`), so the
+restart loads what every other replica serves; a replica a publication finds dead is
+restarted with that publication. The run
 stops, in one line naming the replica, on a restart past the limit, a replica that dies
 during its own restart, or a restart under publish.method: dist (a torch.distributed group
 takes no new member; the learner would have to re-form it).
