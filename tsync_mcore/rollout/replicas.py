@@ -30,10 +30,10 @@ starts (in a thread, so the others go on serving), loads the current θ (the las
 publication file or adapter), and serves only once its weights' digest equals a live
 replica's. A publication waits for a restart in progress (both hold `_pub_lock`), so the
 restart loads what every other replica serves; a replica a publication finds dead is
-restarted with that publication. The run
-stops, in one line naming the replica, on a restart past the limit, a replica that dies
-during its own restart, or a restart under publish.method: dist (a torch.distributed group
-takes no new member; the learner would have to re-form it).
+restarted with that publication. The run stops, in one line naming the replica, on a
+restart past the limit, a replica that dies during its own restart, or a restart under
+publish.method: dist (a torch.distributed group takes no new member; the learner would
+have to re-form it).
 """
 
 from __future__ import annotations
