@@ -1,7 +1,8 @@
 """rollout.replicas: two vLLM engines behind one driver (tsync_mcore.rollout.replicas).
 
-One ReplicaSet of two engines serves the module (two engine-core processes to start);
-its last in-process test kills replica 1. The whole path with two replicas runs live in
+One ReplicaSet of two engines serves the module (two engine-core processes to start); its
+last in-process tests kill replica 1 and restart it (a third engine start) in sets over
+the same engines. The whole path with two replicas runs live in
 tests/test_multihost.py (the rollout host serves two replicas over dist publication).
 """
 
@@ -27,7 +28,8 @@ from tsync_mcore.rollout.driver import RolloutDriver, RolloutStopped  # noqa: E4
 from tsync_mcore.rollout.engine import RolloutEngine  # noqa: E402
 from tsync_mcore.rollout.envs import ToyToolConfig, ToyToolEnv  # noqa: E402
 from tsync_mcore.rollout.loop import run_batch  # noqa: E402
-from tsync_mcore.rollout.replicas import ReplicaError, ReplicaSet, start_replicas  # noqa: E402
+from tsync_mcore.rollout.replicas import (ReplicaError, ReplicaSet,  # noqa: E402
+                                          engine_core_pids, start_replicas)
 
 TINY = dict(arch="qwen2", vocab_size=300, hidden=64, layers=2, heads=2, kv_heads=1)
 PROMPTS = [[1, 87, 85, 260, 201], [5, 6, 7, 8, 9, 10, 11], [1, 67, 85], [40, 41, 42],
@@ -209,6 +211,78 @@ def test_a_failing_replica_stops_the_step_naming_it(et, rs, weights, tmp_path):
     assert driver.loaded == v  # no acknowledgement of a subset
 
 
+def test_a_dead_replica_is_not_restarted_past_the_limit(et, rs):
+    """Replica 1 died above, in a set that allows no restart: a request routed there stops
+    the run in one line naming it and why, and so does every later call."""
+    key = next(f"k{i}" for i in range(4) if rs.route(f"k{i}") == 1)
+    want = (r"^rollout replica 1 of 2: engine core (\(pid \d+\) )?died \(.*\); not "
+            r"restarted: rollout.max_replica_restarts=0$")
+    for route in (key, None):  # None: replica 0, alive, but the run must stop
+        with pytest.raises(ReplicaError, match=want) as e:
+            gen(et, rs, PROMPTS[:1], 0, route=route)
+        assert "\n" not in str(e.value)
+    assert rs.restarts == 0 and rs.take_metrics()["rollout/replica_restarts"] == 0
+
+
+def test_a_replica_that_fails_its_restart_stops_the_run(et, rs, tmp_path):
+    """The same engines in a set that restarts with an engine that cannot start (its
+    checkpoint is gone): the request that found replica 1 dead is re-run on replica 0
+    (or, if the restart failed first, stops); the failed restart stops the next
+    publication in one line naming the replica."""
+    missing = str(tmp_path / "gone")
+    alive = ReplicaSet(rs.engines, make=lambda i: RolloutEngine(missing), max_restarts=2)
+
+    async def two():  # the first request takes replica 0, the second replica 1
+        return await asyncio.gather(
+            alive.generate(PROMPTS[0], max_tokens=8, seed=1, route="a"),
+            alive.generate(PROMPTS[1], max_tokens=8, seed=2, route="b"))
+
+    try:
+        outs, during = et.run(two(), timeout=120), None
+        assert [len(o.token_ids) for o in outs] == [8, 8]
+    except ReplicaError as e:
+        during = str(e)
+    assert alive.restarts == 1 and alive.take_metrics()["rollout/replica_restarts"] == 1
+    assert alive.route("b") == 0  # its key was forgotten: picked again, among the living
+    with pytest.raises(ReplicaError, match=r"^rollout replica 1 of 2: failed again during "
+                                           r"its restart \(start\): ") as e:
+        et.run(alive.reload_weights(str(tmp_path / "x.safetensors")), timeout=120)
+    assert "\n" not in str(e.value) and during in (None, str(e.value))
+
+
+def test_a_replica_dead_at_a_publication_is_restarted_with_it(et, rs, ckpts, hf, weights,
+                                                             capsys):
+    """Replica 1 is gone (killed above, then stopped by the failed restart): a set that may
+    restart it once loads the next publication into replica 0 and into a fresh replica 1,
+    checked against replica 0's weights; both then sample the same under the new version.
+    Killed again, it is past the limit: one line naming it."""
+    again = ReplicaSet(rs.engines, max_restarts=1,
+                       make=lambda i: RolloutEngine(ckpts[0], max_model_len=512, seed=0))
+    v = max(e.version for e in rs.engines) + 1
+    try:
+        et.run(again.reload_weights(weights[1], version=v), timeout=300)
+        assert again.restarts == 1 and again.engines[1] is not rs.engines[1]
+        assert [e.version for e in again.engines] == [v, v] and again.version == v
+        said = capsys.readouterr().out  # checked against replica 0 before it served
+        assert f"rollout replica 1 of 2: restarted with θ_{v} in " in said
+        assert "not checked" not in said
+        outs = [gen(et, e, PROMPTS[:2], 900) for e in again.engines]
+        assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+        for p, o in zip(PROMPTS, outs[1]):  # the new weights, not the checkpoint it started
+            lp = hf_logprobs(hf[1], p + o.token_ids)[len(p):]
+            assert float((lp - torch.tensor(o.logprobs, dtype=lp.dtype)).abs().max()) < 1e-4
+        for pid in engine_core_pids(again.engines[1]):
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ReplicaError, match=r"^rollout replica 1 of 2: engine core .*died "
+                                               r"\(.*\); not restarted: 1 restarts in this "
+                                               r"run already \(rollout.max_replica_restarts="
+                                               r"1\)$"):
+            gen(et, again, PROMPTS[:2], 0, route=None)  # one request on each replica
+    finally:
+        if again.engines[1] is not rs.engines[1]:
+            et.run(again.engines[1].aclose())
+
+
 def test_replicas_config_is_checked():
     from tsync_mcore.config import ConfigError, load_config
 
@@ -217,7 +291,12 @@ def test_replicas_config_is_checked():
     assert ok.rollout.replicas == 2 and load_config(None, {}).rollout.replicas == 1
     for overrides, key in [({"rollout.replicas": 0}, "rollout.replicas"),
                            ({"rollout.replicas": 2, "rollout.tp": 2,
-                             "launch.rollout_gpus": "0,1,2"}, "launch.rollout_gpus")]:
+                             "launch.rollout_gpus": "0,1,2"}, "launch.rollout_gpus"),
+                           ({"rollout.max_replica_restarts": -1},
+                            "rollout.max_replica_restarts"),
+                           ({"rollout.replica_hang_s": -1.0}, "rollout.replica_hang_s"),
+                           ({"rollout.replica_hang_s": float("inf")},
+                            "rollout.replica_hang_s")]:
         with pytest.raises(ConfigError, match=f"'{key}'"):
             load_config(None, overrides)
 

@@ -506,6 +506,13 @@ class RolloutConfig:
     # on CPU its own kv_cache_gib); a group's requests stay on one replica, new groups go to
     # the least busy one; every replica loads every publication (docs/guide/running.md#rollout-replicas)
     replicas: int = 1
+    # Replica restarts (docs/guide/running.md#replica-restarts): a replica whose engine core
+    # dies or hangs is killed, restarted with the current θ and its requests re-run; a
+    # restart past this many in the run stops it (0: a replica that dies stops the run)
+    max_replica_restarts: int = 3
+    # a replica that finishes no request for this many seconds while it has some
+    # outstanding is hung (then restarted as a dead one); 0: no hang check
+    replica_hang_s: float = 600.0
     # GPU only: fraction of each rollout GPU's memory vLLM may take (weights + KV cache)
     gpu_memory_utilization: float = 0.9
     # Which learner rank serves a finished trajectory (tsync_mcore.channel.routing). auto: GRPO
@@ -623,6 +630,13 @@ class RolloutConfig:
                or not (v is None or isinstance(v, (bool, int, float, str)))]
         _check(not bad, "rollout.chat_template_kwargs", f"must map template variable names "
                f"to booleans, numbers, strings or null; {bad[:3]} do not")
+        _check(self.max_replica_restarts >= 0, "rollout.max_replica_restarts",
+               f"must be >= 0 (0: a replica that dies stops the run), got "
+               f"{self.max_replica_restarts}")
+        _check(math.isfinite(self.replica_hang_s) and self.replica_hang_s >= 0,
+               "rollout.replica_hang_s",
+               f"must be a finite number of seconds >= 0 (0: no hang check), got "
+               f"{self.replica_hang_s}")
         _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
                f"must be in (0, 1], got {self.gpu_memory_utilization}")
 

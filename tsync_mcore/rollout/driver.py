@@ -141,7 +141,9 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
         if note:  # a warning: vLLM's own start fails later if it truly does not fit
             print(f"[rollout] warning: {note}", flush=True)
         try:
-            engine = start_replicas(self.rc.replicas, make, tp=self.rc.tp)
+            engine = start_replicas(self.rc.replicas, make, tp=self.rc.tp,
+                                    max_restarts=self.rc.max_replica_restarts,
+                                    hang_s=self.rc.replica_hang_s)
         except ReplicaError as e:
             raise RolloutStopped(str(e)) from e
         try:
@@ -323,6 +325,7 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
         learner (naming the replica) and stops the rollout."""
         def loaded(version: int) -> None:
             self.loaded = version
+            print(f"[rollout] serving θ_{version}", flush=True)
             self.swaps += 1  # once per publication, however many replicas loaded it
 
         await receive.reload(self.engine, self.links[0], msg, mode=mode, on_loaded=loaded,
