@@ -732,7 +732,7 @@ class JudgeConfig:
     parser: Literal["regex", "choices"] = "regex"
     pattern: str = r"Score:\s*([-+]?\d+(?:\.\d+)?)"  # regex: one group, a decimal number
     score_min: float = 0.0  # regex: a score outside [score_min, score_max] is a parse failure
-    score_max: float = 10.0
+    score_max: float = 10.0  # regex: the top of the judge's scale
     normalize: bool = True  # regex: reward = (score − score_min) / (score_max − score_min)
     # choices: word → reward, matched as whole words, case-insensitive, e.g.
     # {correct: 1, incorrect: 0}
