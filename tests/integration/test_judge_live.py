@@ -35,11 +35,16 @@ def judged_run(tmp_path_factory, models):
     data = tmp / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     run = str(tmp / "run")
+    # θ_1 is evaluated on 2 rows after the update: the judge grades after a publication too
     launch(CONFIG, run, [f"model.hf_dir={models[0]}", f"reward.judge.model_dir={models[1]}",
-                         f"data.train={data}"], nproc=1)
+                         f"data.train={data}", f"data.eval={data}", "data.eval_max_prompts=2",
+                         "data.eval_n=1", "run.eval_every=1"], nproc=1)
+    records = [json.loads(line) for line in open(f"{run}/judge/records.jsonl")]
     return dict(
         run=run,
-        records=[json.loads(line) for line in open(f"{run}/judge/records.jsonl")],
+        records=[r for r in records if not r["traj_id"].startswith("eval")],
+        eval_records=[r for r in records if r["traj_id"].startswith("eval")],
+        evals=[json.loads(line) for line in open(f"{run}/eval.jsonl")],
         metrics=[json.loads(line) for line in open(f"{run}/metrics.jsonl")],
         sources=trace.sources(trace.read_run(run)),
         console=open(f"{run}/learner.out").read())
@@ -84,6 +89,19 @@ def test_learner_trained_on_the_parsed_judge_outputs(judged_run):
     assert len({round(v, 9) for v in want.values()}) >= 2, want
     (row,) = judged_run["metrics"]
     assert row["reward_mean"] == pytest.approx(sum(want.values()) / len(want), abs=1e-12)
+
+
+@pytest.mark.timeout(900)
+def test_judge_is_frozen_and_grades_evaluation(judged_run):
+    """θ_1's evaluation ran after the publication reached the policy's engine; the judge
+    engine still serves its own weights (version 0), and its calls are counted apart."""
+    ev = judged_run["eval_records"]
+    assert sorted(r["traj_id"] for r in ev) == ["eval1-r0-s0", "eval1-r1-s0"]
+    assert {r["judge_version"] for r in judged_run["records"] + ev} == {0}
+    (e,) = judged_run["evals"]
+    assert e["eval/policy_version"] == 1 and e["eval/reward_judge_calls"] == 2
+    want = parsed(ev)
+    assert e["eval/reward_mean"] == pytest.approx(sum(want.values()) / 2, abs=1e-12)
 
 
 @pytest.mark.timeout(900)

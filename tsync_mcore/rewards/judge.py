@@ -311,7 +311,9 @@ class JudgeRunner:
         msg = None if why is None else f"reward {self.spec} on {where}: {why}"
         self._record({"traj_id": key, "where": where, "output": text, "finish_reason": reason,
                       "prompt_tokens": n_prompt, "reward": reward, "error": msg,
-                      "seconds": round(time.perf_counter() - t0, 6), "in_flight": in_flight})
+                      "seconds": round(time.perf_counter() - t0, 6), "in_flight": in_flight,
+                      # the judge's weights: 0 for good (no publication reaches its engine)
+                      "judge_version": getattr(self.engine, "version", None)})
         if msg is None:
             return RewardResult(float(reward), {})
         if self.on_error == "fail":

@@ -84,6 +84,8 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
         check_hf_dir(cfg.model.hf_dir)
         if self.turns and self.rc.teacher_dir:
             check_hf_dir(self.rc.teacher_dir)
+        if cfg.reward.function == "judge" and self.rc.env == "dataset":
+            check_hf_dir(cfg.reward.judge.model_dir)
         # Datasets and the reward function are checked before the channel opens: a bad row
         # or spec stops here in one line, not after the learners joined.
         self.feed = DataFeed(cfg) if self.rc.env not in ("toy", "terminal") else None
@@ -160,8 +162,14 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
         replicas but not one of them: no publication reaches it, no policy request is
         routed to it (rewards/judge.py)."""
         jc, gpu = self.cfg.reward.judge, torch.cuda.is_available()
+        share = self.rc.gpu_memory_utilization + jc.gpu_memory_utilization
+        if gpu and share > 1.0:  # both engines on the rollout's first GPU
+            self._stop_engines()
+            raise RolloutStopped(f"reward.judge.gpu_memory_utilization "
+                                 f"{jc.gpu_memory_utilization} + rollout.gpu_memory_utilization "
+                                 f"{self.rc.gpu_memory_utilization} = {share:g} of one GPU: "
+                                 f"lower rollout.gpu_memory_utilization to leave the judge room")
         try:
-            check_hf_dir(jc.model_dir)
             tok = AutoTokenizer.from_pretrained(jc.model_dir)
 
             async def start() -> RolloutEngine:
