@@ -204,17 +204,17 @@ class JudgeStats:
             self.busy_s += time.perf_counter() - self._since
             self._since = None
 
-    def take(self, prefix: str = "reward") -> dict[str, float]:
+    def take(self, prefix: str = "reward/") -> dict[str, float]:
         busy = self.busy_s
         if self._since is not None:  # requests still in flight: their time so far
             now = time.perf_counter()
             busy += now - self._since
             self._since = now
-        out = {f"{prefix}/judge_s": busy, f"{prefix}/judge_calls": float(self.calls),
-               f"{prefix}/judge_parse_failures": float(self.parse_failures),
-               f"{prefix}/judge_timeouts": float(self.timeouts),
-               f"{prefix}/judge_engine_errors": float(self.engine_errors),
-               f"{prefix}/judge_in_flight_max": float(self.in_flight_max)}
+        out = {f"{prefix}judge_s": busy, f"{prefix}judge_calls": float(self.calls),
+               f"{prefix}judge_parse_failures": float(self.parse_failures),
+               f"{prefix}judge_timeouts": float(self.timeouts),
+               f"{prefix}judge_engine_errors": float(self.engine_errors),
+               f"{prefix}judge_in_flight_max": float(self.in_flight_max)}
         self.calls = self.parse_failures = self.timeouts = self.engine_errors = 0
         self.busy_s, self.in_flight_max = 0.0, self.in_flight
         return out
@@ -325,5 +325,6 @@ class JudgeRunner:
             self._records.write(json.dumps(rec, ensure_ascii=False) + "\n")
             self._records.flush()
 
-    def take_metrics(self, prefix: str = "reward") -> dict[str, float]:
+    def take_metrics(self, prefix: str = "reward/") -> dict[str, float]:
+        """reward/judge_* since the last call (`prefix` "eval/reward_": evaluation's)."""
         return self.stats.take(prefix)

@@ -175,6 +175,6 @@ class DataFeed:
         out.update({k.replace("reward/", "eval/reward_", 1): v
                     for k, v in stats.metrics().items() if k != "reward/errors"})
         if judge is not None:  # eval/reward_judge_*, and the batch's counters back
-            out.update(judge.take_metrics("eval/reward"))
+            out.update(judge.take_metrics("eval/reward_"))
             judge.stats = batch_stats
         return out
