@@ -39,7 +39,8 @@ def judged_run(tmp_path_factory, models):
     launch(CONFIG, run, [f"model.hf_dir={models[0]}", f"reward.judge.model_dir={models[1]}",
                          f"data.train={data}", f"data.eval={data}", "data.eval_max_prompts=2",
                          "data.eval_n=1", "run.eval_every=1"], nproc=1)
-    records = [json.loads(line) for line in open(f"{run}/judge/records.jsonl")]
+    with open(f"{run}/judge/records.jsonl", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
     return dict(
         run=run,
         records=[r for r in records if not r["traj_id"].startswith("eval")],
@@ -165,7 +166,7 @@ def test_judge_engine_failures_in_process(et, models, tmp_path):
             score(fail)
         for r in (never, plain, slow, fail):
             r.close()
-        n = len(open(tmp_path / "judge" / "records.jsonl").readlines())
+        n = len(open(tmp_path / "judge" / "records.jsonl", encoding="utf-8").readlines())
         assert n == 4
     finally:
         et.run(engine.aclose())

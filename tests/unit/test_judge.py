@@ -214,7 +214,8 @@ def test_runner_scores_records_and_counts(tmp_path, tok):
     assert m["reward/judge_in_flight_max"] == 4 and m["reward/judge_s"] >= 0
     assert r.take_metrics()["reward/judge_calls"] == 0  # since the last take
     r.close()
-    recs = [json.loads(line) for line in open(tmp_path / "judge" / "records.jsonl")]
+    with open(tmp_path / "judge" / "records.jsonl", encoding="utf-8") as f:
+        recs = [json.loads(line) for line in f]
     assert sorted(x["traj_id"] for x in recs) == ["t0", "t1", "t2", "t3"]
     by = {x["traj_id"]: x for x in recs}
     assert by["t1"]["output"] == tok.decode(tok(hostile, add_special_tokens=False)["input_ids"][:400])

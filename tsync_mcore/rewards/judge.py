@@ -249,7 +249,8 @@ class JudgeRunner:
                              f"reward.judge.chat: false to send the filled template as is")
         self.engine, self.tok = engine, tokenizer
         os.makedirs(self.records_dir, exist_ok=True)
-        self._records = open(os.path.join(self.records_dir, "records.jsonl"), "a")
+        self._records = open(os.path.join(self.records_dir, "records.jsonl"), "a",
+                             encoding="utf-8")
 
     def close(self) -> None:
         if self._records is not None:
