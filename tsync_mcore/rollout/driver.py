@@ -182,6 +182,7 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
                                      if gpu else None)
 
             self.judge_engine = self.et.run(start())
+            self.et.run(self.judge_engine.warmup())  # its first requests' cost: no batch's
             self.feed.judge.attach(self.judge_engine, tok)
         except Exception as e:  # a bad directory, no chat template, vLLM refusing it
             first = (str(e).strip().splitlines() or [""])[0][:300]
