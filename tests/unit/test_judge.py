@@ -164,14 +164,10 @@ class ScriptedJudge:
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
+def tok(tiny_qwen2):
     from transformers import AutoTokenizer
 
-    from tsync_mcore.model.tiny import make_tiny_checkpoint
-    d = make_tiny_checkpoint(str(tmp_path_factory.mktemp("judge_tok")), arch="qwen2",
-                             vocab_size=320, hidden=64, layers=1, heads=2, kv_heads=1,
-                             intermediate=64)
-    return AutoTokenizer.from_pretrained(d)
+    return AutoTokenizer.from_pretrained(tiny_qwen2)  # the session's tiny model's
 
 
 def runner(tmp_path, tok, script, on_error="zero", timeout_s=5.0, **kw):
