@@ -329,6 +329,43 @@ def test_batch_concurrent_trajectories(et, engine, tok, ckpts):
         assert len({results[g + k].prompt_len for k in range(4)}) == 1
 
 
+def test_rendered_turns_under_a_rewriting_template_become_segments(et, engine, tok):
+    """rollout.render: template on vLLM with Qwen3's chat template in non-thinking mode:
+    each tool turn renders the earlier answer without the empty think block the model saw,
+    so each turn starts a segment; each segment's prompt is what vLLM was given, and the
+    rollout's sources (one per segment) pass the learner's checks with the trajectory's
+    scored total."""
+    import copy
+    from types import SimpleNamespace
+
+    from tests.helpers.qwen3_template import QWEN3_CHAT_TEMPLATE
+    from tsync_mcore.rollout.batch import BatchWork
+    q = copy.deepcopy(tok)
+    q.chat_template = QWEN3_CHAT_TEMPLATE
+    cfg = ToyToolConfig(max_turns=3, latency_median_s=0.01, tool_timeout_s=1.0)
+    envs = [ToyToolEnv(q, cfg, latency_rng=random.Random(i)) for i in range(4)]
+
+    async def go():
+        return [r async for r in run_batch(engine, envs, seeds=list(range(4)),
+                                           env_seeds=[0] * 4, tokenizer=q,
+                                           template_kwargs={"enable_thinking": False}, **KW)]
+
+    work = SimpleNamespace(loaded=0)
+    for i, res in et.run(go()):
+        segs = res.segments()
+        assert len(segs) == res.n_turns + len(res.earlier) == 3 and res.n_turns == 1
+        for seg in segs:
+            assert q.decode(seg["tokens"][:seg["prompt_len"]]).endswith("<think>\n\n</think>\n\n")
+            assert all((lp is not None) == bool(m) for lp, m in zip(seg["logprobs"],
+                                                                   seg["scored_mask"]))
+        srcs = BatchWork._trajectory(work, f"t{i}", "g", res, 0)
+        assert [s.segment for s in srcs] == [0, 1, 2]
+        assert {s.trajectory_scored for s in srcs} == {res.n_scored}
+        for s in srcs:
+            validate_source(s, len(tok))
+        assert srcs[0].prompt_len == segs[0]["prompt_len"]
+
+
 def test_opd_lines_from_rollout(et, engine, tok, ckpts):
     """Turn layout + teacher scores form valid learner OPD turns."""
     teacher = TeacherScorer(ckpts[1])

@@ -48,6 +48,9 @@ BAD_CONFIGS = [
     ({"publish.lora": "adapter", "publish.method": "dist"}, "publish.lora", "file"),
     ({"publish.nope": 1}, "publish.nope", "unknown key"),
     ({"run.publish_port": -1}, "publish.port", "TCP port"),  # the old name: the new one's check
+    ({"rollout.render": "template", "rollout.agent": "openai"}, "rollout.render", "builtin"),
+    ({"rollout.render": "template", "learner.objective": "opd"}, "rollout.render", "OPD"),
+    ({"rollout.chat_template_kwargs": {"x": [1]}}, "rollout.chat_template_kwargs", "booleans"),
 ]
 
 

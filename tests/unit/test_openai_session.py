@@ -198,3 +198,106 @@ def test_a_lone_surrogate_is_a_400_line_not_a_tokenizer_error(tok):
     with pytest.raises(SessionError, match="not valid Unicode"):
         s.plan_text("x\udfff")
     assert s.plan_chat([{"role": "user", "content": "ab"}]).max_tokens >= 1  # still usable
+
+
+def _qwen3(tok):
+    import copy
+
+    from tests.helpers.qwen3_template import QWEN3_CHAT_TEMPLATE
+    q = copy.deepcopy(tok)
+    q.chat_template = QWEN3_CHAT_TEMPLATE
+    return q
+
+
+def _turn(s, tok, messages, text):
+    """One chat turn whose completion is `text` (then EOS); returns (pending, answer)."""
+    p = s.plan_chat(messages)
+    ids = list(tok(text, add_special_tokens=False).input_ids) + [tok.eos_token_id]
+    answer = {"role": "assistant", "content": text}
+    s.commit(p, GenOut(ids, [-0.5] * len(ids), "stop", 0, [0] * len(ids)), answer)
+    return p, answer
+
+
+def test_qwen3s_template_extends_tool_turns_and_rewrites_at_a_new_query(tok):
+    """Qwen3's template wraps the conversation's last answer in an empty think block and
+    drops earlier answers' reasoning once a user query follows. A tool turn after an answer
+    without reasoning extends the record (the prompt starts with what the model saw and
+    wrote); a user query after an answer with reasoning rewrites it (a new segment, the
+    prompt rendered afresh); every prompt the engine gets is the record, id for id."""
+    q = _qwen3(tok)
+    s = Session(q, "t", max_turns=8, max_tokens_per_turn=64, max_total_tokens=4000)
+    msgs = [{"role": "system", "content": "Count."}, {"role": "user", "content": "Go."}]
+    p0, a0 = _turn(s, q, msgs, "12 34")
+    msgs = msgs + [a0, {"role": "tool", "content": "2/2 digits"}]
+    p1, a1 = _turn(s, q, msgs, "<think>more</think>56")
+    assert not p1.new_segment and s.rewrites == 0
+    assert p1.prompt_ids == p0.prompt_ids + s.turns[0]["completion_ids"] + p1.new_ids
+    want = q.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert q.decode(p1.prompt_ids, skip_special_tokens=False) == want
+    # a new user query: the template drops the think block of the answer before it
+    msgs = msgs + [a1, {"role": "user", "content": "Again."}]
+    p2, _ = _turn(s, q, msgs, "7")
+    assert p2.new_segment and p2.rewritten and s.rewrites == 1 and len(s.segments) == 1
+    assert "more" not in q.decode(p2.prompt_ids)
+    assert p2.prompt_ids == list(q(q.apply_chat_template(msgs, tokenize=False,
+                                                         add_generation_prompt=True),
+                                   add_special_tokens=False).input_ids)
+    res = s.result(1.0, "agent_exit")
+    c = [len(t["completion_ids"]) for t in res.earlier[0]["turns"]]
+    assert len(res.earlier) == 1 and res.earlier[0]["turn_ends"] == [
+        len(p0.prompt_ids) + c[0], len(p1.prompt_ids) + c[1]]
+    assert res.n_scored == sum(len(t["completion_ids"]) for seg in res.earlier
+                               for t in seg["turns"]) + len(s.turns[0]["completion_ids"])
+
+
+def test_qwen3s_non_thinking_prompt_is_rewritten_by_the_next_query(tok):
+    """chat_template_kwargs {"enable_thinking": false}: the prompt ends in an empty think
+    block the model saw; the next user query renders that answer without it: a rewrite.
+    The request's kwargs are checked before any rendering."""
+    from tsync_mcore.rollout.openai.server import ApiError, _template_kwargs
+    q = _qwen3(tok)
+    off = {"enable_thinking": False}
+    s = Session(q, "t", max_turns=8, max_tokens_per_turn=64, max_total_tokens=4000)
+    msgs = [{"role": "user", "content": "Go."}]
+    p0 = s.plan_chat(msgs, kwargs=off)
+    assert q.decode(p0.prompt_ids).endswith("<think>\n\n</think>\n\n")
+    ids = list(q("12", add_special_tokens=False).input_ids) + [q.eos_token_id]
+    a0 = {"role": "assistant", "content": "12"}
+    s.commit(p0, GenOut(ids, [-0.5] * len(ids), "stop", 0, [0] * len(ids)), a0)
+    p1 = s.plan_chat(msgs + [a0, {"role": "user", "content": "More."}], kwargs=off)
+    assert p1.new_segment and p1.rewritten
+    assert _template_kwargs({"chat_template_kwargs": off}) == off
+    for bad in ([1], {"tokenize": True}, {"x y": 1}, {"k": [1]}, {"k": "x" * 2000},
+                {f"k{i}": 1 for i in range(17)}):
+        with pytest.raises(ApiError, match="chat_template_kwargs"):
+            _template_kwargs({"chat_template_kwargs": bad})
+
+
+def test_the_built_in_loop_renders_turns_with_the_chat_template(tok):
+    """rollout.render: template. With a template that extends (the demo's ChatML) the loop
+    feeds the engine the very ids the token loop does; with Qwen3's non-thinking prompt each
+    tool turn drops the empty think block the model saw, so every turn is a segment of its
+    own, each prompt the template's rendering of the conversation, every sampled id kept."""
+    from tsync_mcore.rollout.loop import run_rendered
+
+    def env():
+        return ToyToolEnv(tok, ToyToolConfig(max_turns=3, latency_median_s=1e-4,
+                                             tool_timeout_s=5.0))
+    kw = dict(max_turns=3, max_tokens_per_turn=8, max_total_tokens=400, seed=5, env_seed=7)
+    tokens_engine, rendered_engine = Scripted(script(tok)), Scripted(script(tok))
+    want = asyncio.run(run_trajectory(tokens_engine, env(), **kw))
+    got = asyncio.run(run_rendered(rendered_engine, env(), tokenizer=tok, **kw))
+    assert rendered_engine.prompts == tokens_engine.prompts
+    assert (got.tokens, got.scored_mask, got.turn_ends, got.earlier) == \
+        (want.tokens, want.scored_mask, want.turn_ends, [])
+    assert got.reward == want.reward and got.stop_reason == want.stop_reason
+
+    q = _qwen3(tok)
+    engine = Scripted(script(q))
+    res = asyncio.run(run_rendered(engine, ToyToolEnv(q, ToyToolConfig(
+        max_turns=3, latency_median_s=1e-4, tool_timeout_s=5.0)), tokenizer=q,
+        template_kwargs={"enable_thinking": False}, **kw))
+    assert len(res.earlier) == 2  # three turns, three segments
+    for p, seg in zip(engine.prompts, res.segments()):
+        assert seg["tokens"][:len(p)] == p and q.decode(p).endswith("<think>\n\n</think>\n\n")
+    assert res.n_scored == sum(len(a[:8]) for a in script(q))

@@ -208,9 +208,22 @@ def test_overlong_shaping_is_dapos_soft_penalty():
     rc = RolloutConfig(max_tokens_per_turn=32, max_turns=2)  # L_max = 64
     work = SimpleNamespace(cfg=SimpleNamespace(reward=RewardConfig(
         overlong_buffer=16, overlong_penalty=0.5)), rc=rc)
-    shaped = lambda n, r=1.0: BatchWork._shaped(  # noqa: E731
-        work, SimpleNamespace(reward=r, scored_mask=[0] * 5 + [1] * n))
+    from tsync_mcore.rollout.loop import TrajectoryResult
+
+    def shaped(n, r=1.0, earlier=0):
+        """A response of n generated tokens, `earlier` of them in an earlier segment."""
+        seg = dict(tokens=[1] * (5 + earlier), scored_mask=[0] * 5 + [1] * earlier,
+                   logprobs=[], token_versions=[], prompt_len=5)
+        res = TrajectoryResult(tokens=[1] * (5 + n - earlier),
+                               scored_mask=[0] * 5 + [1] * (n - earlier), turn_ends=[],
+                               reward=r, prompt_len=5, n_turns=1, logprobs=[],
+                               finish_reasons=[], policy_versions=[], token_versions=[],
+                               stop_reason="done", earlier=[seg] if earlier else [])
+        return BatchWork._shaped(work, res)
     assert shaped(48) == 1.0 and shaped(10) == 1.0  # within L_max − b: untouched
+    # a trajectory cut into segments: L counts every segment's generated tokens
+    assert shaped(56, earlier=30) == pytest.approx(1.0 - (56 - 48) / 16 * 0.5)
+    work.overlong = 0
     assert shaped(56) == pytest.approx(1.0 - (56 - 48) / 16 * 0.5)
     assert shaped(64, r=0.0) == pytest.approx(-0.5)  # at the budget: the whole penalty
     assert work.overlong == 2

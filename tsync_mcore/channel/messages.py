@@ -89,6 +89,9 @@ class TrajectoryMsg:
         behaviour_logprobs=OPT_F64S,  # () when the rollout sent none
         token_versions=TOKENS,  # (): every token sampled by policy_version
         routed_experts=ROUTED,  # MoE routing replay; None when the rollout sent none
+        segment=I64,  # a trajectory cut by history rewrites: this segment's index
+        n_segments=I64,  # 1: the trajectory is one sequence
+        trajectory_scored=OPT_I64,  # scored tokens over all its segments (None: one)
     ))
 
 

@@ -33,6 +33,9 @@ class SourceError(ValueError):
 # −1e9, fp16's −65504) lands below it: the teacher could not have produced that token.
 MAX_ABS_REWARD = 1e6
 TEACHER_LOGPROB_FLOOR = -1e4
+# Segments one trajectory may be cut into (history rewrites: a template that drops earlier
+# turns' reasoning, an agent that compacts its context); each is a release unit of its own.
+MAX_SEGMENTS = 256
 
 
 def check_reward(name: str, r) -> float:
@@ -208,7 +211,8 @@ GRPO_FIELDS: tuple[dict[str, Check], dict[str, Check]] = (
     {"traj_id": _id, "group_id": _id, "tokens": _ints, "scored_mask": _ints,
      "reward": _finite, "policy_version": _int},
     {"ready_order": _int, "prompt_len": _int_or_null, "behaviour_logprobs": _logprobs,
-     "token_versions": _ints, "routed_experts": _routed})
+     "token_versions": _ints, "routed_experts": _routed, "segment": _int,
+     "n_segments": _int, "trajectory_scored": _int_or_null})
 OPD_FIELDS: tuple[dict[str, Check], dict[str, Check]] = (
     {"traj_id": _id, "group_id": _id, "tokens": _ints, "scored_mask": _ints,
      "teacher_logprobs": _logprobs, "turn_ends": _ints, "turn_ready_order": _ints,
@@ -247,6 +251,15 @@ def check_record(obj: Any, fields: tuple[dict[str, Check], dict[str, Check]]) ->
 
 @dataclass(frozen=True)
 class TrajectorySource:
+    """One GRPO trajectory — or one segment of it. A trajectory whose history was rewritten
+    mid-episode (a chat template that drops earlier turns' reasoning, an agent that compacts
+    its context or hands work to a sub-agent) is a list of segments, each a token sequence
+    with its own context; each segment travels as a source with the trajectory's id and
+    reward, `segment` its index and `n_segments` their count, and every segment's scored
+    tokens train with the trajectory's advantage. `trajectory_scored` is the whole
+    trajectory's scored-token count (the per-trajectory token norms weight by it before
+    every segment has arrived); None: this source's own (one segment)."""
+
     traj_id: str
     group_id: str
     tokens: tuple[int, ...]
@@ -263,6 +276,9 @@ class TrajectorySource:
     # MoE: the experts the rollout routed each position to (None: not sent), rows for
     # positions 0..n_tokens − 2 (docs/guide/moe.md#mixture-of-experts-rollout-and-routing-replay)
     routed_experts: RoutedExperts | None = None
+    segment: int = 0
+    n_segments: int = 1
+    trajectory_scored: int | None = None
 
     @property
     def n_scored(self) -> int:
@@ -273,10 +289,26 @@ class TrajectorySource:
         return len(self.tokens)
 
     @property
-    def key(self) -> str:
-        return self.traj_id
+    def scored_in_trajectory(self) -> int:
+        """L_i: the scored tokens of its whole trajectory, every segment."""
+        return self.n_scored if self.trajectory_scored is None else self.trajectory_scored
 
-    index = 0  # a trajectory is one release unit
+    @property
+    def key(self) -> str:
+        """Its unit key: the trajectory id, or "id/s" for segment s of several."""
+        return self.traj_id if self.n_segments == 1 else f"{self.traj_id}/{self.segment}"
+
+    @property
+    def context(self) -> str:
+        """What its positions belong to (routing replay, shared-prompt owners): the
+        trajectory, or this segment of it (segments have contexts of their own)."""
+        return self.key
+
+    @property
+    def index(self) -> int:  # its place among its trajectory's release units
+        return self.segment
+
+    chained = False  # its segments are independent sequences: none waits for another
 
     def to_json(self) -> dict:
         """Its GRPO JSON Lines record (what `from_json` reads: a replay file's line)."""
@@ -289,7 +321,10 @@ class TrajectorySource:
         if self.token_versions:
             obj["token_versions"] = list(self.token_versions)
         if self.routed_experts is not None:
-            obj["routed_experts"] = self.routed_experts.array.tolist()
+            obj["routed_experts"] = self.routed_experts.array().tolist()
+        if self.n_segments != 1:
+            obj.update(segment=self.segment, n_segments=self.n_segments,
+                       trajectory_scored=self.trajectory_scored)
         return obj
 
     @classmethod
@@ -309,6 +344,9 @@ class TrajectorySource:
             behaviour_logprobs=tuple(obj.get("behaviour_logprobs", ())),
             token_versions=tuple(obj.get("token_versions", ())),
             routed_experts=_routed_field(obj, name),
+            segment=obj.get("segment", 0),
+            n_segments=obj.get("n_segments", 1),
+            trajectory_scored=obj.get("trajectory_scored"),
         )
 
 
@@ -387,7 +425,25 @@ def validate_source(src: TrajectorySource, vocab_size: int, max_tokens: int | No
     check_reward(name, src.reward)
     if not isinstance(src.policy_version, int) or isinstance(src.policy_version, bool):
         raise SourceError(f"{name}: policy_version must be an integer")
+    check_segment(name, src)
     check_off_policy(name, src)
+
+
+def check_segment(name: str, src: TrajectorySource) -> None:
+    """segment / n_segments / trajectory_scored: integers, 0 ≤ segment < n_segments ≤
+    MAX_SEGMENTS, and the trajectory's scored count at least this segment's."""
+    n, s, total = src.n_segments, src.segment, src.trajectory_scored
+    if not _is_int(n) or not 1 <= n <= MAX_SEGMENTS:
+        raise SourceError(f"{name}: n_segments must be an integer in [1, {MAX_SEGMENTS}], "
+                          f"got {n!r}")
+    if not _is_int(s) or not 0 <= s < n:
+        raise SourceError(f"{name}: segment must be an integer in [0, {n}), got {s!r}")
+    if total is not None and (not _is_int(total) or total < src.n_scored):
+        raise SourceError(f"{name}: trajectory_scored {total!r} must be an integer ≥ this "
+                          f"segment's {src.n_scored} scored tokens")
+    if n > 1 and total is None:
+        raise SourceError(f"{name}: segment {s} of {n} without trajectory_scored (the "
+                          f"trajectory's scored tokens over all its segments)")
 
 
 @dataclass
@@ -487,6 +543,12 @@ class TurnSource:
     @property
     def index(self) -> int:  # its place among its trajectory's release units
         return self.turn
+
+    @property
+    def context(self) -> str:  # a turn continues its trajectory's context
+        return self.traj_id
+
+    chained = True  # a turn runs against its trajectory's previous turns: served in order
 
 
 def opd_turns_from_json(obj: dict) -> list[TurnSource]:

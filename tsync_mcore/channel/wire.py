@@ -29,7 +29,7 @@ from tsync_mcore.channel.messages import MESSAGES, Message
 from tsync_mcore.channel.schema import At, Kind, Nested, Slots
 
 MAGIC = 0x7473796E63  # b"tsync"
-WIRE_VERSION = 11  # 2: payload checksum is position-weighted CRC-32; 3: GroupRewards;
+WIRE_VERSION = 12  # 2: payload checksum is position-weighted CRC-32; 3: GroupRewards;
 # 4: a message travels as one fixed-size frame (header + payloads), see link.py;
 # 5: layout derived from messages.py: scalars packed into one int64 and one float64 payload,
 #    texts and JSON into one utf-8 payload (byte lengths in the ints); Rejected, DropGroup;
@@ -41,6 +41,7 @@ WIRE_VERSION = 11  # 2: payload checksum is position-weighted CRC-32; 3: GroupRe
 #    bytes_received, PublishGroup
 # 10: Publish method "adapter" (a LoRA adapter's PEFT directory)
 # 11: routed_experts on TrajectoryMsg / TurnMsg (MoE routing replay), Limits.max_routed
+# 12: TrajectoryMsg segment / n_segments / trajectory_scored (segmented trajectories)
 HEADER_LEN = 16
 MAX_PAYLOADS = 9  # header slots 5..13
 _MOD = 1 << 62  # checksums stay far from int64 overflow

@@ -544,9 +544,19 @@ class RolloutConfig:
     # batches, restarted when they exit (the bundled agents serve a pool)
     agent_pool: int = 0
     # A request whose messages are not the trajectory so far plus the returned answer (the
-    # agent rewrote history): "segment" (start a new segment; only the last one is trained)
+    # agent rewrote history, or the chat template renders earlier turns differently):
+    # "segment" (start a new segment; every segment trains with the trajectory's reward)
     # or "reject" (HTTP 400); both counted (rollout/openai_rewrites)
     openai_history: Literal["segment", "reject"] = "segment"
+    # The built-in loop's prompts (agent: builtin): "tokens" appends each observation's ids
+    # to the exact ids so far; "template" renders every turn's prompt with the model's chat
+    # template over the conversation, as a deployed model sees it (prime-rl's renderers) —
+    # a template that rewrites earlier turns (Qwen3 drops their reasoning) starts a new
+    # segment, and every segment trains (docs/guide/agents.md#rewritten-histories)
+    render: Literal["tokens", "template"] = "tokens"
+    # render: template: variables for the chat template (vLLM's chat_template_kwargs),
+    # e.g. {enable_thinking: false} for Qwen3
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # agent processes see only PATH, HOME, locale, TMPDIR, PYTHONPATH, VIRTUAL_ENV and TLS
     # variables of the rollout's environment (rollout/openai/pool.py AGENT_ENV), plus
     # the variables named here (e.g. [HF_HOME]); never the tracker or cloud keys by default
@@ -604,6 +614,15 @@ class RolloutConfig:
                f"must be >= 1, got {self.max_num_seqs}")
         _check(self.tp >= 1, "rollout.tp", f"must be >= 1, got {self.tp}")
         _check(self.replicas >= 1, "rollout.replicas", f"must be >= 1, got {self.replicas}")
+        _check(self.render == "tokens" or (self.agent == "builtin" and self.env == "toy"),
+               "rollout.render", "'template' renders the built-in loop's turns from chat "
+               "messages: it needs rollout.agent builtin and an env that steps in messages "
+               f"(toy), got agent {self.agent!r}, env {self.env!r}")
+        bad = [k for k, v in self.chat_template_kwargs.items()
+               if not (isinstance(k, str) and k.isidentifier())
+               or not (v is None or isinstance(v, (bool, int, float, str)))]
+        _check(not bad, "rollout.chat_template_kwargs", f"must map template variable names "
+               f"to booleans, numbers, strings or null; {bad[:3]} do not")
         _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
                f"must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -1111,6 +1130,9 @@ class Config:
                f"{env} scores episodes itself (its reward_spec); leave reward.function empty")
         _check(not (env == "dataset" and self.learner.objective == "opd"), "rollout.env",
                "'dataset' is single-turn GRPO-family; OPD needs a multi-turn env")
+        _check(not (self.rollout.render == "template" and self.learner.objective == "opd"),
+               "rollout.render", "'template' may rewrite a trajectory's history mid-episode "
+               "and OPD releases each turn against the one before: use render: tokens")
         _check(not (env == "terminal" and self.learner.objective == "opd"), "rollout.env",
                "'terminal' episodes end when the agent stops calling tools, and OPD "
                "registers every trajectory's turn count up front: use the GRPO family")

@@ -163,7 +163,7 @@ class MiniBatches:
             for src, logp, ent in zip(pack, logps, ents):
                 g = src.group_id
                 adv = ln.kind.advantage(src)
-                w = ln.norm.source_weight(src.n_scored) * (
+                w = ln.norm.source_weight(src.scored_in_trajectory) * (
                     1.0 / len(ln.plan.groups[g]) if ln.norm.group_mean else 1.0)
                 old = self.old[src.key]
                 losses, cut, lower = self.clip.token_losses(logp, old, adv)

@@ -138,7 +138,7 @@ def batches_from_lines(path: str, lines: Iterable[bytes], source: str = "traject
             obj, srcs = parse_line(raw, source, first=lineno == 1)
         except SourceError as e:
             raise fail(lineno, str(e)) from None
-        pv, tid = srcs[0].policy_version, srcs[0].traj_id
+        pv, tid = srcs[0].policy_version, srcs[0].key  # a segment: "id/s"
         v = obj.get("update", pv)  # the update that trains it: batches are keyed by it
         keyed = keyed or "update" in obj
         if pv > v:
@@ -250,11 +250,21 @@ def _feed(learner: Learner, sources: list, plan: BatchPlan, routing: str, par) -
             learner.submit(src)
         return
     router = BalancedRouter(plan.groups, par.dp_size)  # the same decisions on every rank
+    # A segmented trajectory goes to one rank whole, routed at its first segment with all
+    # its tokens as the cost; its group's rewards follow its last segment.
+    cost: dict[str, int] = {}
     for src in sources:
-        to = router.route(src.traj_id, src.group_id, src.reward, len(src.tokens))
+        cost[src.traj_id] = cost.get(src.traj_id, 0) + len(src.tokens)
+    routed: dict[str, tuple] = {}
+    for src in sources:
+        t = src.traj_id
+        if t not in routed:
+            routed[t] = (router.route(t, src.group_id, src.reward, cost[t]), src.n_segments)
+        to, left = routed[t]
+        routed[t] = (to, left - 1)
         if to.rank == par.dp_rank:
             learner.submit(src)
-        if par.dp_rank in to.announce_to:
+        if left == 1 and par.dp_rank in to.announce_to:
             learner.group_rewards(src.group_id, to.rewards)
 
 

@@ -51,6 +51,10 @@ class Unit(Protocol):
     @property
     def index(self) -> int: ...  # its place among its trajectory's units
 
+    # True: unit i runs against unit i − 1's context (OPD turns), so it waits for it;
+    # False: the units are independent sequences (a trajectory's segments)
+    chained: bool
+
 
 @dataclass(frozen=True)
 class Service:
@@ -148,7 +152,7 @@ class ReadinessQueue:
         self._complete.discard(g)
 
     def _release(self, u: Unit) -> None:
-        if u.index == 0:
+        if u.index == 0 or not u.chained:
             self._starting[_at(u)] = u
         elif self._done.get(u.traj_id, 0) == u.index:
             self._continuing[_at(u)] = u
@@ -196,13 +200,13 @@ class ReadinessQueue:
             return [first]
         if first.fold == "pair":
             return self._pair_pack(first, budget, size, packable)
-        pack, used, trajs = [first], size(first.source), {first.source.traj_id}
+        pack, used, trajs = [first], size(first.source), {_chain(first.source)}
         # capped groups closed by a unit of this pass still hold their state until it has run
         closing = {first.group_id} if first.closes_group and first_capped else set()
         for u in list(self._continuing.values()) + list(self._starting.values()):
             if used >= budget:
                 break
-            if u.traj_id in trajs or u.group_id not in self._complete or not packable(u):
+            if _chain(u) in trajs or u.group_id not in self._complete or not packable(u):
                 continue
             opens = u.group_id not in self._open and self._opens(u)
             if opens and not (may_open and self._admissible(u) and (
@@ -216,7 +220,7 @@ class ReadinessQueue:
             if pack[-1].closes_group and capped:
                 closing.add(u.group_id)
             used += n
-            trajs.add(u.traj_id)
+            trajs.add(_chain(u))
         return pack
 
     def _fuller_pass(self, u: Unit, packable: Callable[[Unit], bool]) -> Unit:
@@ -228,7 +232,7 @@ class ReadinessQueue:
         one that fell behind leaves the lone unit for later, when its group's other
         members, or their rewards, may have arrived and it can share a pass."""
         ready = [v for v in list(self._continuing.values()) + list(self._starting.values())
-                 if packable(v) and (v.index > 0 or self._admissible(v))]
+                 if packable(v) and ((v.index > 0 and v.chained) or self._admissible(v))]
         mates = {}
         for v in ready:
             mates.setdefault(v.group_id, []).append(v)
@@ -245,18 +249,18 @@ class ReadinessQueue:
         """`first` (pair fold, its group still incomplete and open by now) and more
         servable units of its group, other trajectories, within `budget`."""
         g = first.group_id
-        pack, used, trajs = [first], size(first.source), {first.source.traj_id}
+        pack, used, trajs = [first], size(first.source), {_chain(first.source)}
         for u in list(self._continuing.values()) + list(self._starting.values()):
             if used >= budget:
                 break
-            if u.group_id != g or u.traj_id in trajs or not packable(u):
+            if u.group_id != g or _chain(u) in trajs or not packable(u):
                 continue
             n = size(u)
             if used + n > budget:
                 continue
             pack.append(self._take(u))  # incomplete group: a pair fold, never a close
             used += n
-            trajs.add(u.traj_id)
+            trajs.add(_chain(u))
         return pack
 
     def _take(self, u: Unit) -> Service:
@@ -307,3 +311,9 @@ class ReadinessQueue:
 
 def _at(u: Unit) -> tuple[str, int]:
     return u.traj_id, u.index
+
+
+def _chain(u: Unit) -> tuple[str, int]:
+    """What a pass may hold once: a chained unit's trajectory (its next unit needs it
+    served first), or an independent unit itself (a trajectory's segments pack together)."""
+    return (u.traj_id, -1) if u.chained else _at(u)

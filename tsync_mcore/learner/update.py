@@ -231,7 +231,9 @@ class Learner:
             self.records[src.key] = SourceRecord(
                 update=self.version, rank=self.policy.par.rank,
                 source=self.kind.name, traj_id=src.traj_id,
-                group_id=g, turn=getattr(src, "turn", None), policy_version=src.policy_version,
+                group_id=g, turn=getattr(src, "turn", None),
+                segment=src.segment if getattr(src, "n_segments", 1) > 1 else None,
+                policy_version=src.policy_version,
                 scored_tokens=src.n_scored, policy_lag=self.version - src.policy_version,
                 lagged_tokens=self._lag(src)[1],
                 ready=self.now() if arrived is None else arrived - self.t0,
@@ -705,7 +707,8 @@ class Learner:
         # Balanced: every trajectory served on exactly one DP rank, and every group with
         # members here complete (its other members' rewards announced).
         order = [t for g, ts in self.plan.groups.items() if g not in self.dropped for t in ts]
-        mine = [1.0 if t in self.arrived else 0.0 for t in order]
+        here = {s.traj_id for s in self.arrived.values()}  # a segmented one's segments: once
+        mine = [1.0 if t in here else 0.0 for t in order]
         counts = self.policy.dp_sum_vector(mine)
         problems = [f"{t} arrived on {int(n)} DP ranks" for t, n, m in zip(order, counts, mine)
                     if n != 1 and (m or self.policy.par.dp_rank == 0)]

@@ -85,6 +85,9 @@ class SourceRecord:
     # backward, for its old log-probs (mini-batches 2..m)
     minibatch: int = 1
     old_logprob_tokens: int = 0
+    # a trajectory cut into several segments (history rewrites): this source's segment
+    # index; None: the trajectory is one sequence
+    segment: int | None = None
     # a GRPO trajectory's reward as this rank received it (compared with the rollout's
     # records, e.g. RUN/judge/records.jsonl); None for OPD turns
     reward: float | None = None

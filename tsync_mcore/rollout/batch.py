@@ -152,20 +152,24 @@ class BatchWork:
         for link in self.links:
             link.send(msg)
 
-    def _send_trajectory(self, version: int, src: TrajectorySource,
+    def _send_trajectory(self, version: int, segs: list[TrajectorySource],
                          owners: dict[str, list[int]], router: BalancedRouter) -> None:
-        """A finished, checked trajectory of update `version` to the learner ranks: its
-        group's owners (rollout.routing: static), or the rank the balanced router picks,
+        """A finished, checked trajectory of update `version` (its segments, one message
+        each, back to back) to the learner ranks: its group's owners (rollout.routing:
+        static), or the one rank the balanced router picks for the whole trajectory,
         followed, once its group's last member is in, by the group's rewards to every rank
         holding a member."""
-        msg = TrajectoryMsg(src)
+        src = segs[0]
         if self.cfg.routing == "static":
-            for r in owners[src.group_id]:
-                self.links[r].send(msg)
+            for seg in segs:
+                for r in owners[src.group_id]:
+                    self.links[r].send(TrajectoryMsg(seg))
             return
-        to = router.route(src.traj_id, src.group_id, src.reward, len(src.tokens))
-        for r in self._ranks_of(to.rank):
-            self.links[r].send(msg)
+        to = router.route(src.traj_id, src.group_id, src.reward,
+                          sum(len(s.tokens) for s in segs))
+        for seg in segs:
+            for r in self._ranks_of(to.rank):
+                self.links[r].send(TrajectoryMsg(seg))
         if to.rewards is not None:  # after its last member's message
             announce = GroupRewards(version=version, group_id=src.group_id, rewards=to.rewards)
             for d in to.announce_to:
@@ -213,7 +217,7 @@ class BatchWork:
         self.overlong = 0  # responses the overlong shaping penalised, this batch
         kwargs = dict(max_turns=self.rc.max_turns, max_tokens_per_turn=self.rc.max_tokens_per_turn,
                       max_total_tokens=self.rc.max_total_tokens, temperature=self.rc.temperature,
-                      step_timeout_s=self._step_timeout_s())
+                      step_timeout_s=self._step_timeout_s(), **self._render_kwargs())
         envs = self._envs(batch)
         stats = self.feed.stats() if self.feed is not None else None
         # A group's members share their prompt: one replica serves the whole group.
@@ -226,8 +230,9 @@ class BatchWork:
         async for i, res in self._agents(batch, envs, kwargs):
             if res is None:  # a reserve group never started
                 continue
-            sent = self._finished(batch, envs, stats, i, res, order, owners, router, rewards)
-            order += sent is not None
+            sent, n = self._finished(batch, envs, stats, i, res, order, owners, router,
+                                     rewards)
+            order += n
             if over is not None:
                 over.member_done(batch.group_of[i], sent)
         if over is not None:
@@ -251,14 +256,15 @@ class BatchWork:
         return order, reward_mean, metrics
 
     def _finished(self, batch: _Batch, envs, stats, i: int, res, order: int, owners,
-                  router, rewards: list) -> float | None:
+                  router, rewards: list) -> tuple[float | None, int]:
         """Trajectory i ended: checked, shaped and sent (GRPO), or its group dropped.
-        Returns the reward it was sent with (None: nothing was sent)."""
+        Returns the reward it was sent with (None: nothing was sent) and the sources sent
+        (its segments)."""
         if not res.n_turns:  # an agent that failed before its first request
             self._drop(batch.version, batch.group_of[i],
                        f"trajectory {batch.traj_ids[i]}: its agent "
                        f"{res.extra.get('agent_status', 'ended')} before any request")
-            return None
+            return None, 0
         res.reward = self._shaped(res)
         rewards.append(res.reward)
         if stats is not None:
@@ -272,12 +278,12 @@ class BatchWork:
                            f"of {self.rc.max_turns} registered turns ({res.stop_reason}); "
                            f"raise rollout.max_total_tokens so every trajectory runs all "
                            f"its turns")
-            return None
-        src = self._trajectory(batch.traj_ids[i], gid, res, order)
-        if not self._checked(batch.version, src):
-            return None
-        self._send_trajectory(batch.version, src, owners, router)
-        return res.reward
+            return None, 0
+        segs = self._trajectory(batch.traj_ids[i], gid, res, order)
+        if not all(self._checked(batch.version, s) for s in segs):
+            return None, 0
+        self._send_trajectory(batch.version, segs, owners, router)
+        return res.reward, len(segs)
 
     def _shaped(self, res) -> float:
         """The reward with DAPO's overlong shaping (reward.overlong_buffer): a response of L
@@ -286,21 +292,40 @@ class BatchWork:
         if not rw.overlong_buffer or not isinstance(res.reward, (int, float)):
             return res.reward
         budget = rw.overlong_max_len or self.rc.max_tokens_per_turn * self.rc.max_turns
-        exceed = sum(res.scored_mask) - (budget - rw.overlong_buffer)
+        exceed = res.n_scored - (budget - rw.overlong_buffer)  # every segment's
         penalty = min(-exceed / rw.overlong_buffer * rw.overlong_penalty, 0.0)
         self.overlong = getattr(self, "overlong", 0) + (penalty < 0)
         return res.reward + penalty
 
-    def _trajectory(self, traj_id: str, gid: str, res, order: int) -> TrajectorySource:
-        """A finished trajectory as a source: its sampling log-probs, and the versions
-        that sampled it (its oldest as policy_version; per token when several)."""
-        behaviour, versions, sampled_by = span_off_policy(
-            res.logprobs, res.token_versions, res.scored_mask, 0, len(res.tokens), self.loaded)
-        return TrajectorySource(
-            traj_id=traj_id, group_id=gid, tokens=tuple(res.tokens),
-            scored_mask=tuple(res.scored_mask), reward=res.reward,
-            policy_version=sampled_by, ready_order=order, prompt_len=res.prompt_len,
-            behaviour_logprobs=behaviour, token_versions=versions)
+    def _trajectory(self, traj_id: str, gid: str, res, order: int) -> list[TrajectorySource]:
+        """A finished trajectory as sources, one per segment (one unless its history was
+        rewritten): their sampling log-probs, and the versions that sampled them (the
+        oldest as policy_version; per token when several). A later segment shares the
+        group's prompt only if it starts with it."""
+        segs = res.segments()
+        n, total = len(segs), res.n_scored
+        group_prompt = segs[0]["tokens"][:segs[0]["prompt_len"]]
+        out = []
+        for j, seg in enumerate(segs):
+            toks, mask = seg["tokens"], seg["scored_mask"]
+            behaviour, versions, sampled_by = span_off_policy(
+                seg["logprobs"], seg["token_versions"], mask, 0, len(toks), self.loaded)
+            shares = j == 0 or (toks[:len(group_prompt)] == group_prompt
+                                and not any(mask[:len(group_prompt)]))
+            out.append(TrajectorySource(
+                traj_id=traj_id, group_id=gid, tokens=tuple(toks), scored_mask=tuple(mask),
+                reward=res.reward, policy_version=sampled_by, ready_order=order + j,
+                prompt_len=len(group_prompt) if shares else None,
+                behaviour_logprobs=behaviour, token_versions=versions, segment=j,
+                n_segments=n, trajectory_scored=total if n > 1 else None))
+        return out
+
+    def _render_kwargs(self) -> dict:
+        """rollout.render: template: the built-in loop renders each turn with the chat
+        template (loop.run_rendered)."""
+        if self.rc.render != "template":
+            return {}
+        return dict(tokenizer=self.tok, template_kwargs=dict(self.rc.chat_template_kwargs))
 
     def _step_timeout_s(self) -> float:
         # The dataset env's step is the reward call, limited by reward.timeout_s itself.

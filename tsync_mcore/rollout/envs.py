@@ -139,7 +139,9 @@ class ToyToolEnv:
         await asyncio.sleep(latency)
         return self.tool_text(self._n_target, self._n_action)
 
-    async def step(self, action_ids: list[int]) -> tuple[list[int], bool]:
+    async def step_messages(self, action_ids: list[int]) -> tuple[list[dict[str, str]], bool]:
+        """The tool's answer to one model turn as chat messages (the loop that renders
+        every turn with the chat template, rollout.render: template), and `done`."""
         self._account(action_ids)
         if self.turn >= self.cfg.max_turns:
             return [], True  # the last turn is the answer: no tool call behind it
@@ -151,14 +153,21 @@ class ToyToolEnv:
         except asyncio.TimeoutError:
             self.n_timeouts += 1
             text = "timeout"
-        return observation_ids(self.tok, [{"role": "tool", "content": text}], action_ids), False
+        return [{"role": "tool", "content": text}], False
 
-    def timeout_observation(self, action_ids: list[int]) -> tuple[list[int], bool]:
+    async def step(self, action_ids: list[int]) -> tuple[list[int], bool]:
+        msgs, done = await self.step_messages(action_ids)
+        return (observation_ids(self.tok, msgs, action_ids) if msgs else []), done
+
+    def timeout_messages(self, action_ids: list[int]) -> tuple[list[dict[str, str]], bool]:
         # `step` already accounted the action before the agent gave up on it.
         if self.turn >= self.cfg.max_turns:
             return [], True
-        return observation_ids(self.tok, [{"role": "tool", "content": "timeout"}],
-                               action_ids), False
+        return [{"role": "tool", "content": "timeout"}], False
+
+    def timeout_observation(self, action_ids: list[int]) -> tuple[list[int], bool]:
+        msgs, done = self.timeout_messages(action_ids)
+        return (observation_ids(self.tok, msgs, action_ids) if msgs else []), done
 
     def reward(self) -> float:
         return self._n_target / self._n_action if self._n_action else 0.0

@@ -53,10 +53,23 @@ class TrajectoryResult:
     t_start: float = 0.0  # time.monotonic() at start / end, to compare trajectories
     t_end: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    # Segments before this one, when the history was rewritten mid-episode (the OpenAI
+    # endpoint's records: tokens, scored_mask, logprobs, token_versions, prompt_len, ...);
+    # the fields above are the last segment's. Every segment trains.
+    earlier: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def n_scored(self) -> int:
-        return sum(self.scored_mask)
+        """Scored tokens of the whole trajectory, every segment."""
+        return sum(self.scored_mask) + sum(sum(s["scored_mask"]) for s in self.earlier)
+
+    def segments(self) -> list[dict[str, Any]]:
+        """Every segment, first to last, as {tokens, scored_mask, logprobs, token_versions,
+        prompt_len}."""
+        last = dict(tokens=self.tokens, scored_mask=self.scored_mask, logprobs=self.logprobs,
+                    token_versions=self.token_versions, prompt_len=self.prompt_len)
+        keys = tuple(last)
+        return [{k: s[k] for k in keys} for s in self.earlier] + [last]
 
     def turn_starts(self) -> list[int]:
         return [0] + self.turn_ends[:-1]
@@ -194,6 +207,82 @@ async def run_trajectory(
         t_start=t_start, t_end=t_end)
 
 
+async def run_rendered(
+    engine: Generator,
+    env: Any,
+    *,
+    tokenizer: Any,
+    max_turns: int,
+    max_tokens_per_turn: int,
+    max_total_tokens: int,
+    temperature: float = 1.0,
+    seed: int | None = None,
+    env_seed: int | None = None,
+    step_timeout_s: float | None = None,
+    on_turn: TurnCallback | None = None,
+    route: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> TrajectoryResult:
+    """`run_trajectory` over chat messages (rollout.render: template): every turn's prompt
+    is the chat template rendered over the conversation so far — what the model sees when
+    it is deployed — recorded id for id by the OpenAI endpoint's `Session`. A template that
+    rewrites earlier turns (Qwen3 drops their reasoning) makes a prompt that does not extend
+    the record: a new segment starts there, and every segment trains. The env gives
+    messages: `task_messages(seed)`, `await step_messages(action_ids)`,
+    `timeout_messages(action_ids)` (ToyToolEnv)."""
+    from tsync_mcore.rollout.openai.session import Session, SessionError
+
+    if on_turn is not None:
+        raise ValueError("rollout.render: template cannot release OPD turns (a turn of a "
+                         "rewritten history has no single context); use render: tokens")
+    if max_turns < 1 or max_tokens_per_turn < 1:
+        raise ValueError("max_turns and max_tokens_per_turn must be >= 1")
+    t_start = time.monotonic()
+    es = env_seed if env_seed is not None else (seed or 0)
+    env.reset(es)
+    messages = list(env.task_messages(es))
+    s = Session(tokenizer, "", seed=seed, max_turns=max_turns,
+                max_tokens_per_turn=max_tokens_per_turn, max_total_tokens=max_total_tokens)
+    gen_s = tool_s = 0.0
+    n_timeouts = 0
+    stop_reason = "max_turns"
+    for turn in range(max_turns):
+        try:
+            p = s.plan_chat(messages, kwargs=template_kwargs)
+        except SessionError:  # the rendered prompt leaves no room to generate
+            stop_reason = "max_total_tokens"
+            break
+        t0 = time.monotonic()
+        out = await engine.generate(p.prompt_ids, max_tokens=p.max_tokens,
+                                    temperature=temperature, seed=_turn_seed(seed, turn),
+                                    **({} if route is None else {"route": route}))
+        gen_s += time.monotonic() - t0
+        answer = {"role": "assistant",
+                  "content": tokenizer.decode(out.token_ids, skip_special_tokens=True)}
+        s.commit(p, out, answer)
+        messages.append(answer)
+        t0 = time.monotonic()
+        try:
+            obs, done = await asyncio.wait_for(env.step_messages(list(out.token_ids)),
+                                               step_timeout_s)
+        except asyncio.TimeoutError:
+            obs, done = env.timeout_messages(list(out.token_ids))
+            n_timeouts += 1
+        tool_s += time.monotonic() - t0
+        if done:
+            stop_reason = "done"
+            break
+        if turn == max_turns - 1:
+            break
+        messages += obs
+    if not s.n_turns:
+        raise ValueError(f"the task's rendered prompt does not fit max_total_tokens="
+                         f"{max_total_tokens}")
+    t_end = time.monotonic()
+    return s.result(float(env.reward()), stop_reason, n_timeouts=n_timeouts, gen_s=gen_s,
+                    tool_s=tool_s, wall_s=t_end - t_start, t_start=t_start, t_end=t_end)
+
+
 async def _step(env: AgentEnv, action: list[int], timeout: float | None
                 ) -> tuple[list[int], bool, float, int]:
     """env.step under the agent's time limit; returns (obs, done, seconds, timed_out)."""
@@ -223,17 +312,19 @@ async def run_batch(
     `on_turn(i)` (optional) gives trajectory i's turn callback; `routes[i]` (optional) its
     route key; `gate(i)` (optional) is awaited before trajectory i starts, and False skips
     it (yielded with result None: dynamic sampling's reserves, rollout/oversample.py);
-    other keyword arguments go to `run_trajectory`. A failing trajectory cancels the rest
-    and re-raises.
+    other keyword arguments go to `run_trajectory` (or, with `tokenizer`, to `run_rendered`).
+    A failing trajectory cancels the rest and re-raises.
     """
     if any(x is not None and len(x) != len(envs) for x in (env_seeds, routes)) or \
             len(seeds) != len(envs):
         raise ValueError("seeds/env_seeds/routes must have one entry per env")
 
+    run = run_rendered if kwargs.get("tokenizer") is not None else run_trajectory
+
     async def one(i: int) -> tuple[int, TrajectoryResult | None]:
         if gate is not None and not await gate(i):
             return i, None
-        res = await run_trajectory(
+        res = await run(
             engine, envs[i], seed=seeds[i],
             env_seed=None if env_seeds is None else env_seeds[i],
             on_turn=None if on_turn is None else on_turn(i),

@@ -179,20 +179,21 @@ class Schedules:
         envs = self._envs(_Batch(0, {}, [], [], tids, [gid] * m, rows), salt=pos)
         kwargs = dict(max_turns=self.rc.max_turns, max_tokens_per_turn=self.rc.max_tokens_per_turn,
                       max_total_tokens=self.rc.max_total_tokens, temperature=self.rc.temperature,
-                      step_timeout_s=self._step_timeout_s())
+                      step_timeout_s=self._step_timeout_s(), **self._render_kwargs())
         members, stats = [], self.feed.stats() if self.feed is not None else None
         async for i, res in run_batch(self.engine, envs, seeds=seeds, env_seeds=[pos] * m,
                                       routes=[gid] * m, **kwargs):
             if stats is not None:
                 stats.add(envs[i])
             res.reward = self._shaped(res)  # reward.overlong_buffer
-            src = self._trajectory(tids[i], gid, res, 0)
+            segs = self._trajectory(tids[i], gid, res, 0)
             try:
-                validate_source(src, self.vocab_size, self.max_tokens)
+                for src in segs:
+                    validate_source(src, self.vocab_size, self.max_tokens)
             except SourceError as e:
                 print(f"[rollout] dropped group {gid}: {e}", flush=True)
                 return None
-            members.append(src)
+            members.extend(segs)
         return Group(gid, pos, members, min(x.policy_version for x in members))
 
     def _send_batch(self, k: int, groups: list[Group], data_pos: int, dropped: int,
@@ -200,22 +201,25 @@ class Schedules:
         """Register batch k with these completed groups, send their sources, close it."""
         self.dropped = {}
         self._take_rejections(k)
-        plan = {g.group_id: [x.traj_id for x in g.members] for g in groups}
+        plan = {g.group_id: list(dict.fromkeys(x.traj_id for x in g.members)) for g in groups}
         self._register(k, plan, data_pos, {})
         batch = _Batch(k, plan, [], [], [], [])
         owners = self._owners(batch)
         router = BalancedRouter(plan, self.rc.n_learners // self.tp)
         order, partial, rewards = 0, 0, []
         for g in groups:
+            trajs: dict[str, list] = {}  # a trajectory's segments travel together
             for src in g.members:
+                trajs.setdefault(src.traj_id, []).append(src)
+            for segs in trajs.values():
                 self._take_rejections(k)
                 if g.group_id in self.dropped:
                     break
-                src = dataclasses.replace(src, ready_order=order)
-                order += 1
-                partial += bool(src.token_versions)
-                rewards.append(src.reward)
-                self._send_trajectory(k, src, owners, router)
+                segs = [dataclasses.replace(s, ready_order=order + j) for j, s in enumerate(segs)]
+                order += len(segs)
+                partial += any(bool(s.token_versions) for s in segs)
+                rewards.append(segs[0].reward)
+                self._send_trajectory(k, segs, owners, router)
         self._take_rejections(k)
         ok = [r for r in rewards if math.isfinite(r)]
         metrics = {**self._async_counters(dropped, partial), **self.pending_metrics,

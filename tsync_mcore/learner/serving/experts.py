@@ -28,7 +28,7 @@ import torch
 from tsync_mcore.model.routing_replay import guided_routing
 from tsync_mcore.channel.sources import SourceError, TrajectorySource, check_routing
 
-Span = tuple[str, int, int]  # (trajectory id, first position, tokens)
+Span = tuple[str, int, int]  # (its context: trajectory or segment, first position, tokens)
 
 
 class ExpertRoutes:
@@ -60,7 +60,7 @@ class ExpertRoutes:
     def arrived(self, src) -> None:
         if self.mode == "rollout":
             ids = torch.from_numpy(src.routed_experts.array().astype("int16"))
-            self._write(src.traj_id, getattr(src, "start", 0), ids, only_unknown=False)
+            self._write(src.context, getattr(src, "start", 0), ids, only_unknown=False)
 
     def agree(self, a: str | None, b: str, n: int) -> bool:
         """Were positions 0..n−1 of trajectories a and b booked to the same experts (so one
@@ -71,8 +71,10 @@ class ExpertRoutes:
         return torch.equal(self._read(a, 0, n), self._read(b, 0, n))
 
     def drop(self, traj_ids) -> None:
+        """Forget these trajectories' books (each segment's too)."""
         for t in traj_ids:
-            self.book.pop(t, None)
+            for k in [k for k in self.book if k == t or k.startswith(t + "/")]:
+                del self.book[k]
 
     # --- forwards -------------------------------------------------------------------------
 

@@ -39,6 +39,13 @@ class TrajectoryKind:
 
     def begin(self) -> None:
         self.rewards: dict[str, float] = {}  # every reward known here, served here or not
+        # Segmented trajectories (TrajectorySource.n_segments > 1) seen here: their
+        # segment count and scored total as their first segment said, the segments and
+        # scored tokens arrived. A group is complete only once every segment of each of its
+        # trajectories here has arrived (all of one trajectory's go to one rank).
+        self.segmented: dict[str, tuple[int, int]] = {}
+        self.segments_seen: dict[str, int] = {}
+        self.scored_seen: dict[str, int] = {}
         self.announced: set[str] = set()
         self.prefixes: dict[str, SharedPrefix | None] = {}
         self.closure: dict[str, tuple[float, float]] = {}  # (scale, mu) of combined pairs
@@ -50,19 +57,46 @@ class TrajectoryKind:
         validate_source(src, self.up.policy.vocab_size, self.up.max_tokens)
 
     def check(self, src: TrajectorySource) -> None:
-        known = self.rewards.get(src.traj_id)
+        t = src.traj_id
+        known = self.rewards.get(t)
         if known is not None and known != float(src.reward):
-            raise SourceError(f"trajectory {src.traj_id!r}: reward {float(src.reward)!r}, but "
-                              f"the group's rewards were announced with {known!r}")
+            what = "its earlier segments came" if t in self.segmented else \
+                "the group's rewards were announced"
+            raise SourceError(f"trajectory {t!r}: reward {float(src.reward)!r}, but {what} "
+                              f"with {known!r}")
+        first = self.segmented.get(t)
+        if first is None:
+            return
+        name = f"trajectory {t!r} segment {src.segment}"
+        if (src.n_segments, src.scored_in_trajectory) != first:
+            raise SourceError(f"{name}: says {src.n_segments} segments and "
+                              f"{src.scored_in_trajectory} scored tokens, its first segment "
+                              f"said {first[0]} and {first[1]}")
+        scored = self.scored_seen[t] + src.n_scored
+        last = self.segments_seen[t] + 1 == first[0]
+        if scored > first[1] or (last and scored != first[1]):
+            raise SourceError(f"{name}: its segments score {scored} tokens"
+                              f"{'' if last else ' so far'}, trajectory_scored says {first[1]}")
 
     def arrived(self, src: TrajectorySource) -> None:
-        self.rewards[src.traj_id] = float(src.reward)
+        t = src.traj_id
+        self.rewards[t] = float(src.reward)
+        if src.n_segments > 1:
+            self.segmented.setdefault(t, (src.n_segments, src.scored_in_trajectory))
+            self.segments_seen[t] = self.segments_seen.get(t, 0) + 1
+            self.scored_seen[t] = self.scored_seen.get(t, 0) + src.n_scored
 
     def unit_keys(self, traj_id: str) -> list[str]:
-        return [traj_id]
+        n = self.segmented.get(traj_id, (1, 0))[0]
+        return [traj_id] if n == 1 else [f"{traj_id}/{s}" for s in range(n)]
 
     def complete(self, g: str) -> bool:
-        return all(t in self.rewards for t in self.up.plan.groups[g])
+        return all(t in self.rewards and self._segments_in(t) for t in self.up.plan.groups[g])
+
+    def _segments_in(self, t: str) -> bool:
+        """Every segment of trajectory t that this rank was given has arrived."""
+        n = self.segmented.get(t, (1, 0))[0]
+        return n == 1 or self.segments_seen[t] == n
 
     def announce(self, g: str, rewards: dict[str, float]) -> None:
         members = self.up.plan.groups.get(g)
@@ -123,7 +157,7 @@ class TrajectoryKind:
                 acc.open_group(g, shift=src.reward)  # c = the group's first folded reward
             # Token weight 1/L_i (or 1) now; the batch's divisor is the deferred scalar at
             # close (objectives/token_norm.py).
-            w = up.norm.source_weight(src.n_scored)
+            w = up.norm.source_weight(src.scored_in_trajectory)
             aux_w = w * self._group_mean(g)  # R_i's coefficient, known at arrival
             # model.ep > 1: expert gradients land on the experts' ranks, summed with those of
             # the sources served there in the same pass, so the coefficient rides in the
@@ -135,7 +169,7 @@ class TrajectoryKind:
             prefix = self._prefix_for(src) if up.cfg.shared_prefix else None
             # ρ_t (off-policy correction) per scored token: inside the backward's weights.
             q = len(prefix) if prefix is not None else 0
-            with up.routes.forward([(src.traj_id, q, src.n_tokens - q)]):
+            with up.routes.forward([(src.context, q, src.n_tokens - q)]):
                 aux = self._backward(src, prefix, q, w, aux_w, svc.fold)
             span = dict(span_tokens=src.n_tokens - q, context=q, logits=True)
             grads = up.policy.grad_buffers()
@@ -223,7 +257,7 @@ class TrajectoryKind:
             scored.append([t for t, m in enumerate(src.scored_mask[q:]) if m])
             spans.append(dict(span_tokens=src.n_tokens - q, context=q, logits=True))
         pair = pack[0].fold == "pair"  # the queue packs pair folds of one group only
-        with up.routes.forward([(svc.source.traj_id, seg.offset, len(seg.tokens))
+        with up.routes.forward([(svc.source.context, seg.offset, len(seg.tokens))
                                for svc, seg in zip(pack, segments)]):
             reg = up.reg.active
             out = up.policy.packed_logprobs(segments, scored, with_entropy=reg)
@@ -235,7 +269,7 @@ class TrajectoryKind:
                 rho = up.off_policy.weights(logp, behaviour_at(src.behaviour_logprobs,
                                                               src.scored_mask[seg.offset:],
                                                               seg.offset))
-                w = up.norm.source_weight(src.n_scored)
+                w = up.norm.source_weight(src.scored_in_trajectory)
                 terms.append((weighted_logp_sum(logp, rho), w))
                 if reg:
                     r = up.regularizer(src.tokens, src.scored_mask, seg.offset, logp, ent,
@@ -358,7 +392,7 @@ class TrajectoryKind:
         if len(first) < 2:
             return
         srcs = list(first.values())
-        with self.up.routes.forward([(s.traj_id, 0, prefix_len(s)) for s in srcs]):
+        with self.up.routes.forward([(s.context, 0, prefix_len(s)) for s in srcs]):
             built = SharedPrefix.build_many(self.up.policy, srcs, dtype=self.up.acc.dtype)
         for (g, src), prefix in zip(first.items(), built):
             self._keep_prefix(g, src, prefix)
@@ -366,7 +400,7 @@ class TrajectoryKind:
     def _keep_prefix(self, g: str, src: TrajectorySource, prefix: SharedPrefix | None) -> None:
         self.prefixes[g] = prefix
         if prefix is not None:
-            prefix.owner = src.traj_id
+            prefix.owner = src.context
             self.up.saw_kv(prefix.produced, len(prefix))
             self.kv_peak_bytes = max(self.kv_peak_bytes, self.held_bytes())
 
@@ -374,13 +408,13 @@ class TrajectoryKind:
         """The group's shared prompt, computed once on its first scored source."""
         g = src.group_id
         if g not in self.prefixes:
-            with self.up.routes.forward([(src.traj_id, 0, prefix_len(src))]):
+            with self.up.routes.forward([(src.context, 0, prefix_len(src))]):
                 self._keep_prefix(g, src, SharedPrefix.build(self.up.policy, src,
                                                              dtype=self.up.acc.dtype))
         prefix = self.prefixes[g]
         # a member whose prompt was routed to other experts runs it with its own
         return prefix if prefix is not None and prefix.covers(src) and self.up.routes.agree(
-            prefix.owner, src.traj_id, len(prefix)) else None
+            prefix.owner, src.context, len(prefix)) else None
 
 
 def _loss(terms: list[tuple[torch.Tensor, float]], coefs: list[float]) -> torch.Tensor:

@@ -111,6 +111,34 @@ def _int(body: dict, key: str, lo: int = 0) -> int | None:
 
 
 MAX_STOP = 4  # stop strings per request, as OpenAI
+MAX_TEMPLATE_KWARGS = 16
+# apply_chat_template's own parameters: the server sets them, a request may not
+_TEMPLATE_OWN = {"conversation", "messages", "tools", "documents", "chat_template",
+                 "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                 "truncation", "max_length", "return_tensors", "return_dict",
+                 "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+def _template_kwargs(body: dict) -> dict | None:
+    """vLLM's `chat_template_kwargs` (e.g. {"enable_thinking": false} for Qwen3): an object
+    of at most MAX_TEMPLATE_KWARGS identifier keys with scalar values, none of them a
+    parameter the server sets itself."""
+    v = body.get("chat_template_kwargs")
+    if v is None:
+        return None
+    what = "chat_template_kwargs"
+    if not isinstance(v, dict) or len(v) > MAX_TEMPLATE_KWARGS:
+        raise ApiError(400, f"{what} must be an object of at most {MAX_TEMPLATE_KWARGS} "
+                            f"entries", param=what)
+    for k, x in v.items():
+        if not (isinstance(k, str) and k.isidentifier() and len(k) <= 64) or k in _TEMPLATE_OWN:
+            raise ApiError(400, f"{what}: {str(k)[:64]!r} is not a template variable a "
+                                f"request may set", param=what)
+        if not (x is None or isinstance(x, (bool, int, float)) or
+                isinstance(x, str) and len(x) <= 1024):
+            raise ApiError(400, f"{what}.{k} must be a boolean, number, null or a string of "
+                                f"at most 1024 characters", param=what)
+    return dict(v) or None
 
 
 def _stop(body: dict) -> list[str]:
@@ -698,6 +726,7 @@ class OpenAIServer:
         if body.get("parallel_tool_calls") is False:
             pass  # the model's text decides; several calls are parsed in order
         sp = self._sampling(body)
+        kwargs = _template_kwargs(body)
         answers = []
 
         def record(pending, out) -> None:
@@ -707,7 +736,7 @@ class OpenAIServer:
             s.commit(pending, out, answers[0][0])
 
         pending, out = await self._generate(
-            s, lambda mt: s.plan_chat(messages, tools, mt), sp, record)
+            s, lambda mt: s.plan_chat(messages, tools, mt, kwargs), sp, record)
         answer, finish = answers[0]
         if answer.get("tool_calls"):
             finish = "tool_calls"

@@ -13,8 +13,8 @@ new messages only, laid out exactly as the built-in loop lays out an observation
 already ended with it: one cut by max_tokens or at a stop string did not), then the rest
 of the template's text after the assistant's content, tokenized. Any other request rewrote history: `history="reject"` refuses it
 (`HistoryRewritten`, HTTP 400); `history="segment"` starts a new segment from that
-request's prompt. A trajectory is one GRPO source, so only its last segment is trained;
-earlier segments are kept in the record (and counted), not sent.
+request's prompt. Every segment trains: each is sent as a source of its own with the
+trajectory's reward (`TrajectorySource.segment`), and the record lists the earlier ones.
 
 A text request (`/v1/completions`) extends when its prompt ids start with the recorded
 ids, or its prompt text starts with the recorded ids decoded (special tokens kept); the
@@ -144,6 +144,7 @@ class Pending:
     messages: list[dict[str, Any]] | None  # chat: the request's messages
     tools: list[dict[str, Any]] | None
     max_tokens: int
+    kwargs: dict[str, Any] | None = None  # chat_template_kwargs it was rendered with
 
 
 @dataclass
@@ -179,8 +180,9 @@ class Session:
 
     # --- the next prompt --------------------------------------------------------------
 
-    def _render(self, messages: Sequence[dict], tools: list | None, gen: bool) -> str:
-        kw = {"tools": tools} if tools else {}
+    def _render(self, messages: Sequence[dict], tools: list | None, gen: bool,
+                kwargs: dict | None = None) -> str:
+        kw = {**(kwargs or {}), **({"tools": tools} if tools else {})}
         try:
             return self.tokenizer.apply_chat_template(
                 [render_message(m) for m in messages], add_generation_prompt=gen,
@@ -226,28 +228,37 @@ class Session:
                                    f"(rollout.openai_history: reject)")
 
     def plan_chat(self, messages: Sequence[dict[str, Any]], tools: list | None = None,
-                  max_tokens: int | None = None) -> Pending:
+                  max_tokens: int | None = None, kwargs: dict | None = None) -> Pending:
+        """`kwargs`: the request's chat_template_kwargs (e.g. enable_thinking)."""
         self._check_open()
         messages = list(messages)
         if not messages:
             raise SessionError("messages must not be empty")
         keys = [message_key(m) for m in messages]
         if not self.turn_ends:
-            return self._fresh_chat(messages, tools, max_tokens, rewritten=False)
+            return self._fresh_chat(messages, tools, max_tokens, False, kwargs)
         why = self._not_extension(keys, tools)
         if why:
             self._rewrite(why)
-            return self._fresh_chat(messages, tools, max_tokens, rewritten=True)
+            return self._fresh_chat(messages, tools, max_tokens, True, kwargs)
         prev = self._conv
-        P = self._render(prev, tools, gen=False)
-        F = self._render(messages, tools, gen=True)
-        if not F.startswith(P):
-            self._rewrite("the chat template renders the earlier turns differently once "
-                          "these messages follow")
-            return self._fresh_chat(messages, tools, max_tokens, rewritten=True)
-        new = self._after_assistant(prev, tools, F[len(P):])
+        P = self._render(prev, tools, gen=False, kwargs=self._kwargs)
+        F = self._render(messages, tools, gen=True, kwargs=kwargs)
+        if F.startswith(P):
+            new = self._after_assistant(prev, tools, F[len(P):])
+        else:
+            # A template may render the conversation's last answer unlike an earlier one
+            # (Qwen3 wraps only the last in an empty think block): what counts is whether
+            # the new prompt starts with what the model saw and wrote — the last turn's
+            # prompt and the completion's text.
+            new = self._after_completion(prev, tools, F)
+            if new is None:
+                self._rewrite("the chat template renders the earlier turns differently "
+                              "once these messages follow")
+                return self._fresh_chat(messages, tools, max_tokens, True, kwargs)
         ids = self.tokens + new
-        return Pending(ids, new, False, False, messages, tools, self._budget(len(ids), max_tokens))
+        return Pending(ids, new, False, False, messages, tools,
+                       self._budget(len(ids), max_tokens), kwargs)
 
     def _not_extension(self, keys: list[tuple], tools: list | None) -> str:
         if self._conv is None:
@@ -267,14 +278,15 @@ class Session:
         return ""
 
     _tools: list | None = None
+    _kwargs: dict | None = None  # the last chat request's chat_template_kwargs
 
     def _fresh_chat(self, messages: list, tools: list | None, max_tokens: int | None,
-                    rewritten: bool) -> Pending:
-        ids = self._ids(self._render(messages, tools, gen=True))
+                    rewritten: bool, kwargs: dict | None = None) -> Pending:
+        ids = self._ids(self._render(messages, tools, gen=True, kwargs=kwargs))
         if not ids:
             raise SessionError("the messages render to an empty prompt")
         return Pending(ids, ids, True, rewritten, messages, tools,
-                       self._budget_fresh(len(ids), max_tokens))
+                       self._budget_fresh(len(ids), max_tokens), kwargs)
 
     def _budget_fresh(self, prompt_len: int, max_tokens: int | None) -> int:
         saved = self.turn_ends
@@ -289,7 +301,7 @@ class Session:
         the assistant's content (its closing, then `suffix`), with the closing EOS as one id
         — exactly `envs.observation_ids` for the ChatML layout."""
         probe = list(prev[:-1]) + [{"role": "assistant", "content": _SENTINEL}]
-        R = self._render(probe, tools, gen=False)
+        R = self._render(probe, tools, gen=False, kwargs=self._kwargs)
         closing = R[R.rindex(_SENTINEL) + len(_SENTINEL):]
         tail = closing + suffix
         tok = self.tokenizer
@@ -299,6 +311,18 @@ class Session:
             close = [] if last == eos else [eos]
             return close + self._ids(tail[len(eos_text):])
         return self._ids(tail)
+
+    def _after_completion(self, prev: list[dict], tools: list | None, F: str) -> list[int] | None:
+        """The ids after the last completion when the rendered prompt F starts with the
+        last turn's prompt text and the completion's text (special tokens skipped, as the
+        answer's content was decoded), followed by the EOS that closes it; else None."""
+        seen = self._render(prev[:-1], tools, gen=True, kwargs=self._kwargs) + self.tokenizer.decode(
+            self.turns[-1]["completion_ids"], skip_special_tokens=True)
+        eos, eos_text = self.tokenizer.eos_token_id, self.tokenizer.eos_token
+        if not eos_text or not F.startswith(seen + eos_text):
+            return None
+        close = [] if self.tokens[self.turn_ends[-1] - 1] == eos else [eos]
+        return close + self._ids(F[len(seen) + len(eos_text):])
 
     def plan_text(self, prompt: str | Sequence[int], max_tokens: int | None = None) -> Pending:
         self._check_open()
@@ -371,7 +395,7 @@ class Session:
         if pending.messages is not None:
             self._conv = list(pending.messages) + [answer or {"role": "assistant",
                                                               "content": ""}]
-            self._tools = pending.tools
+            self._tools, self._kwargs = pending.tools, pending.kwargs
         else:
             self._conv = None
 
@@ -399,7 +423,8 @@ class Session:
                 "requests": self.n_requests, **extra}
 
     def result(self, reward: float, stop_reason: str, **timing: Any):
-        """The trained segment as the built-in loop's `TrajectoryResult`."""
+        """The trajectory as the built-in loop's `TrajectoryResult`: the last segment, and
+        the earlier ones in `earlier`."""
         from tsync_mcore.rollout.loop import TrajectoryResult
 
         return TrajectoryResult(
@@ -407,4 +432,5 @@ class Session:
             turn_ends=list(self.turn_ends), reward=float(reward), prompt_len=self.prompt_len,
             n_turns=len(self.turn_ends), logprobs=list(self.logprobs),
             finish_reasons=list(self.finish_reasons), policy_versions=list(self.policy_versions),
-            token_versions=list(self.token_versions), stop_reason=stop_reason, **timing)
+            token_versions=list(self.token_versions), stop_reason=stop_reason,
+            earlier=[dict(seg) for seg in self.segments], **timing)
