@@ -741,6 +741,66 @@ class DataConfig:
                f"must be >= 0 (0: all), got {self.eval_max_prompts}")
 
 
+JUDGE_TEMPLATE = ("Question:\n{prompt}\n\nReference answer:\n{label}\n\nAnswer to grade:\n"
+                  "{response}\n\nGrade the answer from 0 to 10 and end with 'Score: N'.")
+
+
+@dataclass
+class JudgeConfig:
+    """reward.function 'judge': a second, frozen model served by a vLLM engine of its own in
+    the rollout process grades each answer (LLM-as-a-judge, verl's/NeMo-RL's generative reward
+    model); tsync_mcore/rewards/judge.py, docs/guide/data-and-rewards.md#llm-as-a-judge."""
+
+    model_dir: str = ""  # the judge's HF directory (any causal LM vLLM serves)
+    # the judge's prompt; {prompt}, {response} and {label} are replaced (once: a response
+    # that contains "{label}" stays as written), any other {name} is an error
+    prompt_template: str = JUDGE_TEMPLATE
+    # wrap the filled template as a user message in the judge tokenizer's chat template
+    chat: bool = True
+    system_prompt: str = ""  # chat: a system message before it ("": none)
+    max_tokens: int = 64  # the judge's output is cut here: bounds what is parsed and recorded
+    temperature: float = 0.0  # judge sampling (0: greedy)
+    # how the output becomes a reward: "regex" (pattern's one group is a number in
+    # [score_min, score_max]) or "choices" (the word of `choices` found in it: its value)
+    parser: Literal["regex", "choices"] = "regex"
+    pattern: str = r"Score:\s*([-+]?\d+(?:\.\d+)?)"  # regex: one group, a decimal number
+    score_min: float = 0.0  # regex: a score outside [score_min, score_max] is a parse failure
+    score_max: float = 10.0  # regex: the top of the judge's scale
+    normalize: bool = True  # regex: reward = (score − score_min) / (score_max − score_min)
+    # choices: word → reward, matched as whole words, case-insensitive, e.g.
+    # {correct: 1, incorrect: 0}
+    choices: dict[str, Any] = field(default_factory=dict)
+    # several matches in one output: "last" (a verdict after the reasoning), "first", or
+    # "only" (matches that disagree are a parse failure)
+    pick: Literal["last", "first", "only"] = "last"
+    max_model_len: int = 0  # the judge engine's context (0: the checkpoint's)
+    max_num_seqs: int = 64  # requests the judge engine decodes at once
+    # GPU only: the judge engine's share of the GPU's memory (the policy engine's is
+    # rollout.gpu_memory_utilization; both engines sit on the rollout's first GPU)
+    gpu_memory_utilization: float = 0.2
+
+    def validate(self) -> None:
+        _check(self.max_tokens >= 1 and self.max_tokens <= 4096, "reward.judge.max_tokens",
+               f"must be in [1, 4096], got {self.max_tokens}")
+        _check(self.temperature >= 0, "reward.judge.temperature",
+               f"must be >= 0 (0: greedy), got {self.temperature}")
+        _check(self.max_model_len >= 0, "reward.judge.max_model_len",
+               f"must be >= 0 (0: the checkpoint's), got {self.max_model_len}")
+        _check(self.max_num_seqs >= 1, "reward.judge.max_num_seqs",
+               f"must be >= 1, got {self.max_num_seqs}")
+        _check(0 < self.gpu_memory_utilization < 1, "reward.judge.gpu_memory_utilization",
+               f"must be in (0, 1), got {self.gpu_memory_utilization}")
+        from tsync_mcore.rewards import judge  # the template and parser checks live there
+        try:
+            judge.check_template(self.prompt_template)
+        except ValueError as e:
+            raise ConfigError(f"config key 'reward.judge.prompt_template': {e}") from None
+        try:
+            judge.Parser.from_config(self)
+        except judge.ParserConfigError as e:
+            raise ConfigError(f"config key 'reward.judge.{e.key}': {e}") from None
+
+
 @dataclass
 class RewardConfig:
     # The reward: a built-in ("exact_match", "math", "code_tests"), "path/to/file.py:name"
@@ -767,6 +827,7 @@ class RewardConfig:
     overlong_penalty: float = 1.0  # verl's overlong_buffer.penalty_factor
     # the response budget L_max; 0: rollout.max_tokens_per_turn × rollout.max_turns
     overlong_max_len: int = 0
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # function "judge": the grader
 
     def validate(self) -> None:
         _check(self.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {self.timeout_s}")
@@ -788,6 +849,12 @@ class RewardConfig:
                 check_spec(self.function)
             except ValueError as e:
                 raise ConfigError(f"config key 'reward.function': {e}") from None
+        judging = self.function == "judge"
+        _check(judging == bool(self.judge.model_dir), "reward.judge.model_dir" if judging
+               else "reward.function", "reward.function 'judge' grades answers with the model "
+               "in reward.judge.model_dir: set both, or neither")
+        if judging:
+            self.judge.validate()
 
 
 @dataclass
@@ -1070,6 +1137,9 @@ class Config:
                f"{evaluating} evaluates on a dataset: set data.eval")
         _check(not evaluating or env not in ("toy", "terminal"), evaluating.split("=")[0],
                "evaluation runs data.eval's prompts: use rollout.env 'dataset' or 'skyrl:<name>'")
+        _check(self.reward.function != "judge" or env == "dataset", "reward.function",
+               f"'judge' grades the answer to a dataset row; rollout.env is {env!r} (use "
+               f"'dataset')")
         _check(not (env.startswith("skyrl:") and self.reward.function), "reward.function",
                f"{env} scores episodes itself (its reward_spec); leave reward.function empty")
         _check(not (env == "dataset" and self.learner.objective == "opd"), "rollout.env",

@@ -237,7 +237,8 @@ class Learner:
                 scored_tokens=src.n_scored, policy_lag=self.version - src.policy_version,
                 lagged_tokens=self._lag(src)[1],
                 ready=self.now() if arrived is None else arrived - self.t0,
-                tokens_sha256=tokens_digest(src.tokens, src.scored_mask))
+                tokens_sha256=tokens_digest(src.tokens, src.scored_mask),
+                reward=getattr(src, "reward", None))
             if later:  # its old log-probs now, its service after mini-batch 1's step
                 self.mb.hold(src)
         self._maybe_complete(g)

@@ -88,6 +88,9 @@ class SourceRecord:
     # a trajectory cut into several segments (history rewrites): this source's segment
     # index; None: the trajectory is one sequence
     segment: int | None = None
+    # a GRPO trajectory's reward as this rank received it (compared with the rollout's
+    # records, e.g. RUN/judge/records.jsonl); None for OPD turns
+    reward: float | None = None
     kind: Literal["source"] = "source"  # fixed per class
 
     @property

@@ -1,5 +1,6 @@
 """Rewards: the user's function (load), how it is called and its result checked (call),
-the built-ins (builtins) and the code sandbox they use (sandbox). docs/guide/data-and-rewards.md."""
+the built-ins (builtins) and the code sandbox they use (sandbox), a judge model's grades
+(judge). docs/guide/data-and-rewards.md."""
 
 from tsync_mcore.rewards.call import (RewardFailed, RewardResult, RewardRunner, RewardStats,
                                       pass_at_k)

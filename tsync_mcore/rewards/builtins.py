@@ -132,4 +132,7 @@ def make(name: str, reward_cfg: Any = None) -> Callable[..., Any]:
         interpreter(limits)  # probed now: a sandbox that cannot run fails at start
         return partial(code_tests, limits=limits,
                        total_timeout_s=(c.timeout_s if c is not None else 30.0) - 0.5)
+    if name == "judge":  # needs the rollout's judge engine: rollout/feed.py builds it
+        raise ValueError("reward 'judge' is a JudgeRunner (tsync_mcore.rewards.judge), not a "
+                         "function")
     raise ValueError(f"no built-in reward {name!r}")

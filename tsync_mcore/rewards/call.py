@@ -82,8 +82,10 @@ class RewardRunner:
         self._slots: asyncio.Semaphore | None = None  # sync calls awaited at once
 
     async def score(self, where: str, *, prompt: Any, response: str, label: Any,
-                    meta: dict[str, Any], messages: list[dict] | None = None) -> RewardResult:
-        """One call; `where` names the trajectory and row in errors."""
+                    meta: dict[str, Any], messages: list[dict] | None = None,
+                    traj_id: str | None = None) -> RewardResult:
+        """One call; `where` names the trajectory and row in errors (`traj_id`: for runners
+        that keep records, as JudgeRunner does; unused here)."""
         kwargs = dict(prompt=prompt, response=response, label=label, meta=meta)
         if messages is not None and self.takes_messages:
             kwargs["messages"] = messages

@@ -1,6 +1,7 @@
 """`reward.function` → a callable, checked before the run starts.
 
-Specs: a built-in name (`exact_match`, `math`, `code_tests`), `path/to/file.py:name`
+Specs: a built-in name (`exact_match`, `math`, `code_tests`; `judge` is served by the
+rollout's judge engine, tsync_mcore/rewards/judge.py), `path/to/file.py:name`
 (relative paths from the working directory) or `package.module:name` (importable).
 Every way a spec can be wrong is one line naming the spec and the problem.
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 from tsync_mcore.util.safe_files import BadFile
 
-BUILTINS = ("exact_match", "math", "code_tests")
+BUILTINS = ("exact_match", "math", "code_tests", "judge")  # judge: rewards/judge.py
 ARGS = ("prompt", "response", "label", "meta")  # always passed; `messages` too for multi-turn
 _DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -84,6 +85,9 @@ def load_reward_fn(spec: str, reward_cfg: Any = None) -> Callable[..., Any]:
         check_spec(spec)
     except ValueError as e:
         raise RewardError(f"reward.function {e}") from None
+    if spec == "judge":
+        raise RewardError("reward.function 'judge' is no function: the rollout grades with "
+                          "its judge engine (reward.judge.model_dir, rewards/judge.py)")
     if spec in BUILTINS:
         from tsync_mcore.rewards import builtins
         from tsync_mcore.rewards.sandbox import SandboxError

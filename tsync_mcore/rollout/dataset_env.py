@@ -2,7 +2,8 @@
 
 The prompt ids are rendered once per group (members share the row); `step` decodes the
 answer (special tokens dropped) and awaits the reward call, whose own limit is
-`reward.timeout_s` (the agent's step limit is set above it for this env).
+`reward.timeout_s` (the agent's step limit is set above it for this env). The runner is
+reward.function's (RewardRunner) or the judge's (JudgeRunner): the same `score`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from tsync_mcore.rewards import RewardResult, RewardRunner
 
 class SingleTurnEnv:
     def __init__(self, tokenizer: Any, prompt_ids: list[int], row: Row, runner: RewardRunner,
-                 where: str) -> None:
+                 where: str, traj_id: str | None = None) -> None:
         self.tok, self.prompt_ids, self.row = tokenizer, list(prompt_ids), row
-        self.runner, self.where = runner, where
+        self.runner, self.where, self.traj_id = runner, where, traj_id
         self.result: RewardResult | None = None
         self.response: str = ""
 
@@ -34,7 +35,8 @@ class SingleTurnEnv:
         row = self.row
         self.result = await self.runner.score(
             self.where, prompt=copy.deepcopy(row.prompt), response=self.response,
-            label=copy.deepcopy(row.label), meta=copy.deepcopy(row.meta))
+            label=copy.deepcopy(row.label), meta=copy.deepcopy(row.meta),
+            traj_id=self.traj_id)
         return [], True
 
     def timeout_observation(self, action_ids: list[int]) -> tuple[list[int], bool]:

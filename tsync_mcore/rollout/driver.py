@@ -84,6 +84,8 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
         check_hf_dir(cfg.model.hf_dir)
         if self.turns and self.rc.teacher_dir:
             check_hf_dir(self.rc.teacher_dir)
+        if cfg.reward.function == "judge" and self.rc.env == "dataset":
+            check_hf_dir(cfg.reward.judge.model_dir)
         # Datasets and the reward function are checked before the channel opens: a bad row
         # or spec stops here in one line, not after the learners joined.
         self.feed = DataFeed(cfg) if self.rc.env not in ("toy", "terminal") else None
@@ -112,6 +114,9 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
         self.swaps = 0  # weight reloads since the last CloseBatch (async/weight_swaps)
         self.et = EngineThread()
         self.engine: ReplicaSet = self.et.run(self._make_engine())
+        self.judge_engine: RolloutEngine | None = None
+        if self.feed is not None and self.feed.judge is not None:
+            self._start_judge()
         self.teacher = TeacherScorer(self.rc.teacher_dir) if self.turns else None
         self.oai = self.agent_counters = self.pool = None
         if self.rc.agent == "openai":
@@ -153,6 +158,46 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
             raise
         engine.take_metrics()  # warm-up requests are no update's
         return engine
+
+    def _start_judge(self) -> None:
+        """reward.function 'judge': its own vLLM engine on the rollout's loop, beside the
+        replicas but not one of them: no publication reaches it, no policy request is
+        routed to it (rewards/judge.py)."""
+        jc, gpu = self.cfg.reward.judge, torch.cuda.is_available()
+        share = self.rc.gpu_memory_utilization + jc.gpu_memory_utilization
+        if gpu and share > 1.0:  # both engines on the rollout's first GPU
+            self._stop_engines()
+            raise RolloutStopped(f"reward.judge.gpu_memory_utilization "
+                                 f"{jc.gpu_memory_utilization} + rollout.gpu_memory_utilization "
+                                 f"{self.rc.gpu_memory_utilization} = {share:g} of one GPU: "
+                                 f"lower rollout.gpu_memory_utilization to leave the judge room")
+        try:
+            tok = AutoTokenizer.from_pretrained(jc.model_dir)
+
+            async def start() -> RolloutEngine:
+                return RolloutEngine(jc.model_dir, seed=self.cfg.seed,
+                                     kv_cache_gib=self.rc.kv_cache_gib,
+                                     max_num_seqs=jc.max_num_seqs,
+                                     max_model_len=jc.max_model_len or None,
+                                     dtype=VLLM_DTYPES[self.rc.dtype],
+                                     gpu_memory_utilization=jc.gpu_memory_utilization
+                                     if gpu else None)
+
+            self.judge_engine = self.et.run(start())
+            self.et.run(self.judge_engine.warmup())  # its first requests' cost: no batch's
+            self.feed.judge.attach(self.judge_engine, tok)
+        except Exception as e:  # a bad directory, no chat template, vLLM refusing it
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            self._stop_engines()
+            raise RolloutStopped(f"reward.judge.model_dir {jc.model_dir!r}: the judge engine "
+                                 f"did not start: {type(e).__name__}: {first}") from None
+
+    def _engine_metrics(self) -> dict:
+        """The replicas' counters, and the judge's (reward/judge_*) since the last call."""
+        out = self.engine.take_metrics()
+        if self.feed is not None and self.feed.judge is not None:
+            out.update(self.feed.judge.take_metrics())
+        return out
 
     def _start_openai(self) -> None:
         """rollout.agent: openai: the OpenAI-compatible endpoint on the engine's loop
@@ -305,8 +350,16 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
                 self.et.run(self.oai.stop(), timeout=20)
             except Exception as e:
                 print(f"[rollout] stopping the OpenAI endpoint: {e}", flush=True)
+        self._stop_engines()
+
+    def _stop_engines(self) -> None:
         try:
-            self.et.run(self.engine.aclose())
+            try:
+                if self.judge_engine is not None:
+                    self.feed.judge.close()
+                    self.et.run(self.judge_engine.aclose())
+            finally:
+                self.et.run(self.engine.aclose())
         finally:
             self.et.close()
 

@@ -10,6 +10,7 @@ fixes the prompts of a resumed run.
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Any
 
 from tsync_mcore.config import Config, ReasoningGymConfig
@@ -17,6 +18,7 @@ from tsync_mcore.data import DataError, EpochSampler, PromptSet, Row, load_promp
 from tsync_mcore.data.rgym import TaskSet, task_sets
 from tsync_mcore.rewards import RewardRunner, RewardStats, load_reward_fn
 from tsync_mcore.rewards.call import eval_metrics
+from tsync_mcore.rewards.judge import JudgeRunner, JudgeStats
 from tsync_mcore.rewards.rgym import task_reward
 from tsync_mcore.rollout.loop import run_batch
 from tsync_mcore.rollout.dataset_env import SingleTurnEnv
@@ -45,7 +47,7 @@ class DataFeed:
         self.rgym = env.split(":", 1)[1] if env.startswith("reasoning_gym:") else None
         self.train: PromptSet | TaskSet
         self.eval: PromptSet | TaskSet | None
-        self.runner: RewardRunner | None = None
+        self.runner: RewardRunner | JudgeRunner | None = None
         if self.rgym is not None:
             self._generate(cfg.reasoning_gym)
         else:
@@ -68,6 +70,11 @@ class DataFeed:
                     if other:
                         raise DataError(f"{ps.path}: rows for env_class {other}; this run's "
                                         f"rollout.env is skyrl:{self.skyrl}")
+            return
+        if cfg.reward.function == "judge":  # its engine is attached by the driver
+            self.runner = JudgeRunner(cfg.reward.judge, timeout_s=cfg.reward.timeout_s,
+                                      on_error=cfg.reward.on_error, seed=cfg.seed,
+                                      records_dir=os.path.join(cfg.run.dir, "judge"))
             return
         fn = load_reward_fn(cfg.reward.function, cfg.reward)
         self.runner = RewardRunner(fn, spec=cfg.reward.function, timeout_s=cfg.reward.timeout_s,
@@ -113,7 +120,8 @@ class DataFeed:
                             f"room for an answer within rollout.max_total_tokens={limit}")
         return ids
 
-    def _env(self, ps: PromptSet | TaskSet, index: int, where: str) -> Any:
+    def _env(self, ps: PromptSet | TaskSet, index: int, where: str,
+             traj_id: str | None = None) -> Any:
         row = ps.row(index)
         if self.skyrl is not None:
             self._ids(ps, row)  # the same length check as for dataset prompts
@@ -121,10 +129,16 @@ class DataFeed:
                                             system_prompt=self.dc.system_prompt,
                                             max_turns=self.cfg.rollout.max_turns)
         return SingleTurnEnv(self.tok, self._ids(ps, row), row, self.runner,
-                             f"{where} ({ps.path} row {index})")
+                             f"{where} ({ps.path} row {index})", traj_id=traj_id)
 
     def train_envs(self, rows: list[int], traj_ids: list[str]) -> list[Any]:
-        return [self._env(self.train, r, f"trajectory {t}") for r, t in zip(rows, traj_ids)]
+        return [self._env(self.train, r, f"trajectory {t}", t)
+                for r, t in zip(rows, traj_ids)]
+
+    @property
+    def judge(self) -> JudgeRunner | None:
+        """reward.function 'judge': its runner (the driver attaches the engine)."""
+        return self.runner if isinstance(self.runner, JudgeRunner) else None
 
     async def evaluate(self, engine: Any, version: int, agents: Any = None
                        ) -> dict[str, float]:
@@ -136,7 +150,12 @@ class DataFeed:
         rc, n = self.cfg.rollout, self.dc.eval_n
         m = min(len(self.eval), self.dc.eval_max_prompts or len(self.eval))
         index = [(r, j) for r in range(m) for j in range(n)]
-        envs = [self._env(self.eval, r, f"eval sample {j} of θ_{version}") for r, j in index]
+        ids = [f"eval{version}-r{r}-s{j}" for r, j in index]
+        envs = [self._env(self.eval, r, f"eval sample {j} of θ_{version}", t)
+                for (r, j), t in zip(index, ids)]
+        judge = self.judge
+        if judge is not None:  # counted apart: the batch's judge figures stay the batch's
+            batch_stats, judge.stats = judge.stats, JudgeStats()
         seeds = [_seed(self.cfg.seed, "eval", version, r, j) for r, j in index]
         rewards: list[list[float]] = [[] for _ in range(m)]
         stats = BatchStats()
@@ -146,8 +165,7 @@ class DataFeed:
                       max_total_tokens=rc.max_total_tokens, temperature=rc.eval_temperature,
                       step_timeout_s=(self.cfg.reward.timeout_s + 5.0 if self.skyrl is None
                                       else rc.tool_timeout_s * 2))
-        runs = (agents(envs, seeds, rows, [f"eval{version}-r{r}-s{j}" for r, j in index],
-                       routes, kwargs) if agents is not None else
+        runs = (agents(envs, seeds, rows, ids, routes, kwargs) if agents is not None else
                 run_batch(engine, envs, seeds=seeds, env_seeds=rows, routes=routes, **kwargs))
         async for i, res in runs:
             rewards[index[i][0]].append(res.reward)
@@ -156,4 +174,7 @@ class DataFeed:
         out["eval/reward_errors"] = stats.errors
         out.update({k.replace("reward/", "eval/reward_", 1): v
                     for k, v in stats.metrics().items() if k != "reward/errors"})
+        if judge is not None:  # eval/reward_judge_*, and the batch's counters back
+            out.update(judge.take_metrics("eval/reward_"))
+            judge.stats = batch_stats
         return out

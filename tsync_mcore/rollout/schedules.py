@@ -42,7 +42,7 @@ class Schedules:
                 n_sources, reward_mean, metrics = self.et.run(self._rollout(batch))
             except STOPS as e:  # reward.on_error: fail; a bad row; a failed replica
                 raise RolloutStopped(str(e)) from None
-            metrics = {**metrics, **self.pending_metrics, **self.engine.take_metrics()}
+            metrics = {**metrics, **self.pending_metrics, **self._engine_metrics()}
             self.pending_metrics = {}
             close = CloseBatch(version=version, rollout_time_s=time.perf_counter() - t0,
                                n_sources=n_sources, reward_mean=reward_mean,
@@ -74,7 +74,7 @@ class Schedules:
             except STOPS as e:
                 raise RolloutStopped(str(e)) from None
             metrics = {**metrics, **self.pending_metrics, **self._async_counters(0, 0),
-                       **self.engine.take_metrics()}
+                       **self._engine_metrics()}
             self.pending_metrics = {}
             close = CloseBatch(version=b, rollout_time_s=time.perf_counter() - t0,
                                n_sources=n_sources, reward_mean=reward_mean, metrics=metrics)
@@ -223,7 +223,7 @@ class Schedules:
         self._take_rejections(k)
         ok = [r for r in rewards if math.isfinite(r)]
         metrics = {**self._async_counters(dropped, partial), **self.pending_metrics,
-                   **self.engine.take_metrics()}
+                   **self._engine_metrics()}
         self.pending_metrics = {}
         close = CloseBatch(version=k, rollout_time_s=rollout_s, n_sources=order,
                            reward_mean=sum(ok) / len(ok) if ok else None, metrics=metrics)

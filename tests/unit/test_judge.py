@@ -1,0 +1,259 @@
+"""reward.function 'judge': the prompt template, the parser on hostile judge outputs, the
+runner's error handling and records, over a scripted generator (tsync_mcore/rewards/judge.py).
+
+The engine here is a test double of RolloutEngine.generate that returns token ids a real
+tokenizer decodes; the judge engine itself is exercised in tests/integration/test_judge_live.py."""
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tsync_mcore.config import ConfigError, JudgeConfig, load_config
+from tsync_mcore.rewards import RewardFailed
+from tsync_mcore.rewards.judge import (JudgeParseError, JudgeRunner, Parser, ParserConfigError,
+                                       check_template, fill)
+from tsync_mcore.rollout.engine import GenOut
+
+
+def regex(**kw) -> Parser:
+    return Parser.from_config(JudgeConfig(**kw))
+
+
+def choices(words, **kw) -> Parser:
+    return Parser.from_config(JudgeConfig(parser="choices", choices=words, **kw))
+
+
+# --- the template ---------------------------------------------------------------------------
+
+def test_fill_replaces_each_placeholder_once_and_renders_messages():
+    t = "Q: {prompt}\nRef: {label}\nA: {response}\nJSON stays: {\"score\": 5}"
+    out = fill(t, prompt=[{"role": "user", "content": "2+2?"}], response="4 {label} {prompt}",
+               label=["4", "four"])
+    # the answer's own "{label}" is not substituted: no label leaks through the response
+    assert out == 'Q: user: 2+2?\nRef: ["4", "four"]\nA: 4 {label} {prompt}\nJSON stays: {"score": 5}'
+    assert fill("{response}|{label}", prompt="p", response="r", label=None) == "r|"
+
+
+@pytest.mark.parametrize("template, why", [
+    ("grade {reponse}", "unknown placeholder {reponse}"),
+    ("grade {prompt} only", "must contain {response}"),
+    ("   ", "non-empty"),
+])
+def test_bad_templates_are_named(template, why):
+    with pytest.raises(ValueError, match=why.replace("{", r"\{").replace("}", r"\}")):
+        check_template(template)
+
+
+# --- the parser -----------------------------------------------------------------------------
+
+def test_regex_parser_default_pattern_normalizes():
+    p = regex()
+    assert p("The answer is right. Score: 7") == pytest.approx(0.7)
+    assert p("Score: 10") == 1.0 and p("Score:0") == 0.0 and p("Score: 2.5") == 0.25
+
+
+@pytest.mark.parametrize("text, why", [
+    ("I cannot grade this.", "no score found"),
+    ("", "no score found"),
+    ("Score: 11", "outside"),
+    ("Score: -1", "outside"),
+    ("Score: " + "9" * 5000, "score of 5000 characters"),
+    ("x" * 70_000 + " Score: 5", "70009 characters"),
+])
+def test_regex_parser_refuses_hostile_outputs(text, why):
+    with pytest.raises(JudgeParseError, match=why):
+        regex()(text)
+
+
+def test_nan_and_inf_never_become_scores():
+    # a permissive pattern captures them; they are still no decimal number
+    p = regex(pattern=r"Score:\s*(\S+)", score_min=-1e9, score_max=1e9)
+    for bad in ("nan", "NaN", "inf", "-Infinity", "1e999", "0x10", "1_000", "５"):
+        with pytest.raises(JudgeParseError, match="not a decimal number"):
+            p(f"Score: {bad}")
+    assert p("Score: +3.") == pytest.approx((3 + 1e9) / 2e9)
+
+
+def test_several_numbers_pick_last_first_or_only():
+    text = "Score: 2 ... on reflection, Score: 8"
+    assert regex()(text) == pytest.approx(0.8)
+    assert regex(pick="first")(text) == pytest.approx(0.2)
+    with pytest.raises(JudgeParseError, match="2 verdicts that disagree"):
+        regex(pick="only")(text)
+    assert regex(pick="only")("Score: 4 and again Score: 4") == pytest.approx(0.4)
+    # one bad score among several fails the output, whichever is picked
+    with pytest.raises(JudgeParseError, match="outside"):
+        regex(pick="first")("Score: 3, Score: 99")
+
+
+def test_unnormalized_scores_and_bounds():
+    p = regex(score_min=-5, score_max=5, normalize=False)
+    assert p("Score: -4.5") == -4.5
+
+
+def test_choices_parser_whole_words_case_insensitive():
+    p = choices({"correct": 1, "incorrect": 0, "partially correct": 0.5})
+    assert p("Verdict: CORRECT") == 1.0
+    assert p("This is Incorrect.") == 0.0  # "correct" inside "incorrect" is no match
+    assert p("It is partially correct") == 0.5  # the longer choice wins at one place
+    assert p("correct? no: incorrect") == 0.0  # the last verdict
+    with pytest.raises(JudgeParseError, match="none of the choices"):
+        p("correctly done, incorrectness")
+    with pytest.raises(JudgeParseError, match="disagree"):
+        choices({"yes": 1, "no": 0}, pick="only")("yes... no")
+
+
+@pytest.mark.parametrize("kw, key, why", [
+    (dict(pattern="(a)(b)"), "pattern", "exactly one group"),
+    (dict(pattern="no group"), "pattern", "exactly one group"),
+    (dict(pattern="(unclosed"), "pattern", "not a regular expression"),
+    (dict(score_min=5, score_max=5), "score_max", "must be > score_min"),
+    (dict(parser="choices"), "choices", "needs a mapping"),
+    (dict(parser="choices", choices={"yes": "1"}), "choices", "not a finite number"),
+    (dict(parser="choices", choices={"yes": True}), "choices", "not a finite number"),
+    (dict(parser="choices", choices={"yes": float("nan")}), "choices", "not a finite number"),
+    (dict(parser="choices", choices={"a|b": 1}), "choices", "is not a word"),
+    (dict(parser="choices", choices={"Yes": 1, "yes": 0}), "choices", "listed twice"),
+])
+def test_parser_config_errors_name_the_key(kw, key, why):
+    with pytest.raises(ParserConfigError, match=why) as e:
+        Parser.from_config(JudgeConfig(**kw))
+    assert e.value.key == key
+
+
+def test_config_keys_are_validated(tmp_path):
+    base = {"rollout.env": "dataset", "data.train": "x.jsonl", "reward.function": "judge",
+            "reward.judge.model_dir": str(tmp_path)}
+    assert load_config(None, base).reward.judge.max_tokens == 64
+    for extra, key in [({"reward.judge.pattern": "(a)(b)"}, "reward.judge.pattern"),
+                       ({"reward.judge.prompt_template": "{answer}"},
+                        "reward.judge.prompt_template"),
+                       ({"reward.judge.max_tokens": 0}, "reward.judge.max_tokens"),
+                       ({"reward.judge.temperature": -1}, "reward.judge.temperature"),
+                       ({"reward.judge.model_dir": ""}, "reward.judge.model_dir"),
+                       ({"reward.judge.parser": "choices"}, "reward.judge.choices"),
+                       ({"rollout.env": "toy"}, "reward.function")]:
+        with pytest.raises(ConfigError, match=f"config key '{key}'"):
+            load_config(None, {**base, **extra})
+    with pytest.raises(ConfigError, match="config key 'reward.function'"):  # dir without judge
+        load_config(None, {**base, "reward.function": "exact_match"})
+
+
+# --- the runner -----------------------------------------------------------------------------
+
+class ScriptedJudge:
+    """RolloutEngine.generate's signature: answers each request with the next scripted text
+    (or raises it, or sleeps), and remembers the requests it got."""
+
+    def __init__(self, tok, script):
+        self.tok, self.script, self.requests = tok, list(script), []
+
+    async def generate(self, prompt_ids, *, max_tokens, temperature=1.0, seed=None, **_):
+        self.requests.append(dict(prompt=self.tok.decode(prompt_ids), max_tokens=max_tokens,
+                                  temperature=temperature, seed=seed))
+        what = self.script.pop(0)
+        if isinstance(what, BaseException):
+            raise what
+        if isinstance(what, float):
+            await asyncio.sleep(what)
+            what = "Score: 1"
+        ids = self.tok(what, add_special_tokens=False)["input_ids"][:max_tokens]
+        return GenOut(ids, [0.0] * len(ids), "stop", 0)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_qwen2):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_qwen2)  # the session's tiny model's
+
+
+def runner(tmp_path, tok, script, on_error="zero", timeout_s=5.0, **kw):
+    jc = JudgeConfig(model_dir="judge-dir", **kw)
+    r = JudgeRunner(jc, timeout_s=timeout_s, on_error=on_error, seed=7,
+                    records_dir=str(tmp_path / "judge"))
+    r.attach(ScriptedJudge(tok, script), tok)
+    return r
+
+
+def score(r, i, response="my answer", label="42"):
+    return r.score(f"trajectory t{i} (train.jsonl row {i})", prompt="What is 6*7?",
+                   response=response, label=label, meta={}, traj_id=f"t{i}")
+
+
+def test_runner_scores_records_and_counts(tmp_path, tok):
+    hostile = "Score: nan " + "\n" * 3 + "z" * 500
+    r = runner(tmp_path, tok, ["Good. Score: 9", hostile, RuntimeError("engine core died\nx"),
+                               "Score: 3"], max_tokens=400)
+
+    async def main():  # all four in flight together, as finished answers are
+        return await asyncio.gather(*(score(r, i) for i in range(4)))
+
+    res = asyncio.run(main())
+    assert [x.reward for x in res] == [pytest.approx(0.9), 0.0, 0.0, pytest.approx(0.3)]
+    assert res[0].error is None and res[3].error is None
+    # one line naming the trajectory and what the judge wrote, shortened
+    assert res[1].error.startswith("reward judge judge-dir on trajectory t1 (train.jsonl row 1): "
+                                   "cannot score the judge's output (no score found): 'Score: nan")
+    assert "\n" not in res[1].error and "chars)" in res[1].error and len(res[1].error) < 400
+    assert res[2].error.endswith("judge request failed: RuntimeError: engine core died")
+    # the filled template, in the judge's chat template, greedy by default, bounded output
+    req = r.engine.requests[0]
+    assert "What is 6*7?" in req["prompt"] and "my answer" in req["prompt"]
+    assert "Reference answer:\n42" in req["prompt"] and "<|im_start|>user" in req["prompt"]
+    assert req["max_tokens"] == 400 and req["temperature"] == 0.0
+    m = r.take_metrics()
+    assert m["reward/judge_calls"] == 4 and m["reward/judge_parse_failures"] == 1
+    assert m["reward/judge_engine_errors"] == 1 and m["reward/judge_timeouts"] == 0
+    assert m["reward/judge_in_flight_max"] == 4 and m["reward/judge_s"] >= 0
+    assert r.take_metrics()["reward/judge_calls"] == 0  # since the last take
+    r.close()
+    with open(tmp_path / "judge" / "records.jsonl", encoding="utf-8") as f:
+        recs = [json.loads(line) for line in f]
+    assert sorted(x["traj_id"] for x in recs) == ["t0", "t1", "t2", "t3"]
+    by = {x["traj_id"]: x for x in recs}
+    assert by["t1"]["output"] == tok.decode(tok(hostile, add_special_tokens=False)["input_ids"][:400])
+    assert by["t0"]["reward"] == pytest.approx(0.9) and by["t1"]["reward"] is None
+    # the recorded outputs, parsed again, give the rewards the trajectories got
+    for x, got in zip(sorted(recs, key=lambda x: x["traj_id"]), res):
+        try:
+            want = r.parser(x["output"])
+        except JudgeParseError:
+            want = 0.0
+        assert got.reward == pytest.approx(want)
+
+
+def test_on_error_fail_raises_one_line(tmp_path, tok):
+    r = runner(tmp_path, tok, ["no verdict at all"], on_error="fail")
+    with pytest.raises(RewardFailed, match=r"^reward judge judge-dir on trajectory t0 "
+                       r"\(train.jsonl row 0\): cannot score the judge's output \(no score "
+                       r"found\): 'no verdict at all'$"):
+        asyncio.run(score(r, 0))
+
+
+def test_timeout_is_the_trajectorys_error(tmp_path, tok):
+    r = runner(tmp_path, tok, [2.0], timeout_s=0.2)
+    res = asyncio.run(score(r, 0))
+    assert res.reward == 0.0 and res.error.endswith("timed out after 0.2s (reward.timeout_s)")
+    assert r.take_metrics()["reward/judge_timeouts"] == 1
+
+
+def test_plain_template_and_seeds(tmp_path, tok):
+    r = runner(tmp_path, tok, ["Score: 5", "Score: 5", "Score: 5"], chat=False, temperature=1.0)
+    asyncio.run(score(r, 0))
+    asyncio.run(score(r, 1))
+    asyncio.run(score(r, 0))
+    reqs = r.engine.requests
+    assert "<|im_start|>" not in reqs[0]["prompt"] and reqs[0]["prompt"].startswith("Question:")
+    # per trajectory: the same trajectory gets the same seed, another a different one
+    assert reqs[0]["seed"] == reqs[2]["seed"] != reqs[1]["seed"]
+
+
+def test_chat_needs_a_chat_template(tmp_path, tok):
+    bare = SimpleNamespace(chat_template=None)
+    r = JudgeRunner(JudgeConfig(model_dir="judge-dir"), timeout_s=1, on_error="zero",
+                    records_dir=str(tmp_path / "judge"))
+    with pytest.raises(ValueError, match="reward.judge.chat: the judge's tokenizer"):
+        r.attach(ScriptedJudge(tok, []), bare)
