@@ -85,7 +85,9 @@ def test_a_killed_and_a_hung_replica_are_restarted_and_the_steps_stay_sync(tmp_p
     (tmp_path / "reward.py").write_text(REWARD)  # varies with the response: θ moves
     cfg = {
         "model": {"hf_dir": model, "dtype": "fp32"},
-        "optim": {"lr": 3.0e-3},
+        # ε well above the gradients' FP32 rounding: Adam would turn an entry that is only
+        # rounding (summed in another order by the replay's one rank) into a full step
+        "optim": {"lr": 3.0e-3, "eps": 1.0e-5},
         "learner": {"objective": "grpo", "schedule": "thundersync", "accum_dtype": "fp64",
                     "pack_arrivals": False},
         "run": {"updates": 2, "save_sources": True, "export_hf": False},
@@ -161,8 +163,7 @@ def test_a_killed_and_a_hung_replica_are_restarted_and_the_steps_stay_sync(tmp_p
     before = {k: v.double() for k, v in
               load_file(os.path.join(model, "model.safetensors")).items()}
     # Bound: the learner's own rounding, 2 ranks live and 1 here, on trajectories of up to
-    # 480 tokens; the same run without a kill or a stop is as far from its replay
-    # (docs/guide/running.md#replica-restarts). A source lost, doubled or stale is not.
+    # 480 tokens. A source lost, doubled or stale is far beyond it.
     for update, live in ((0, str(tmp_path / "theta1.safetensors")),
                          (1, f"{run}/publish/policy_v2.safetensors")):
         srcs = [TrajectorySource.from_json({k: v for k, v in o.items() if k != "update"})
@@ -177,5 +178,5 @@ def test_a_killed_and_a_hung_replica_are_restarted_and_the_steps_stay_sync(tmp_p
         gap = sum(float(((theta[k].double() - want[k]) ** 2).sum()) for k in want) ** 0.5
         print(f"replica restarts, update {update + 1}, live vs replayed sync: "
               f"gap / moved = {gap / moved:.2e}")
-        assert moved > 0 and gap / moved <= 1e-4
+        assert moved > 0 and gap / moved <= 1e-5
         before = want
