@@ -4,9 +4,9 @@ package is, for `rollout.env: verifiers:tsync_mcore.rollout.vf_digits`
 
 The task: write a number in digits. Multi-turn (vf.MultiTurnEnv): an answer without the
 number gets feedback and another try, up to `max_turns`. The rubric (vf.Rubric) scores the
-last answer: `correct` (it contains the number: 1, else 0) plus 0.5 × `digit_share` (the
-share of its non-space characters that are digits), so even a tiny random model's answers
-differ in reward within a group. The dataset is made here (no network): rows with
+last answer: `correct` (it contains the number: 1, else 0) plus 0.5 × `no_letters` (the
+share of its non-space characters that are not letters: "digits only"), so even a tiny
+random model's answers differ in reward within a group. The dataset is made here (no network): rows with
 `question` and `answer`, which verifiers turns into chat prompts with the system prompt.
 """
 
@@ -36,9 +36,9 @@ def correct(completion: vf.Messages, answer: str) -> float:
     return 1.0 if answer in last_answer(completion) else 0.0
 
 
-def digit_share(completion: vf.Messages) -> float:
+def no_letters(completion: vf.Messages) -> float:
     chars = [c for c in last_answer(completion) if not c.isspace()]
-    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+    return sum(not c.isalpha() for c in chars) / len(chars) if chars else 0.0
 
 
 class DigitsEnv(vf.MultiTurnEnv):
@@ -53,6 +53,6 @@ class DigitsEnv(vf.MultiTurnEnv):
 
 
 def load_environment(max_turns: int = 2, **kwargs) -> vf.Environment:
-    rubric = vf.Rubric(funcs=[correct, digit_share], weights=[1.0, 0.5])
+    rubric = vf.Rubric(funcs=[correct, no_letters], weights=[1.0, 0.5])
     return DigitsEnv(dataset=_rows(TRAIN), eval_dataset=_rows(EVAL),
                      system_prompt=SYSTEM_PROMPT, rubric=rubric, max_turns=max_turns, **kwargs)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import signal
+import threading
 from typing import Any
 
 from tsync_mcore.data.load import DataError, Row, check_prompt
@@ -66,11 +68,18 @@ def load_env(module: str, args: dict[str, Any]) -> Any:
                         f"take {sorted(args)}: {e}") from None
     except ValueError:  # no signature to check (a builtin): the call says
         pass
+    # verifiers' Environment installs SIGINT/SIGTERM handlers (SIGTERM: exit(143) from
+    # wherever the main thread is); the process keeps its own
+    saved = ({s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+             if threading.current_thread() is threading.main_thread() else {})
     try:
         env = fn(**args)
     except BaseException as e:
         raise DataError(f"{where}: load_environment(**{args!r}) raised {_first_line(e)}"
                         ) from None
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
     if not isinstance(env, env_class):
         raise DataError(f"{where}: load_environment returned {type(env).__name__}, not a "
                         f"verifiers Environment")
