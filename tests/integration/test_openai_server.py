@@ -884,6 +884,34 @@ def test_done_with_a_reward_error_is_decided_by_the_rollout(et, tok, tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_bundled_style_agent_posts_the_dict_its_run_returns(et, tok, tmp_path):
+    """pool.main(run) as one process per trajectory: the dict `run` returns is posted as
+    the trajectory's done body ({"reward": x}, {"reward_error": why})."""
+    import sys
+
+    agent = tmp_path / "agent.py"
+    agent.write_text(
+        "import sys\n"
+        "from tsync_mcore.rollout.openai.agents import digits, pool\n"
+        "def run(client, task):\n"
+        "    digits.run(client, task)\n"
+        "    if task['trajectory'] == 'bad':\n"
+        "        return {'reward_error': 'reward function f returned str'}\n"
+        "    return {'reward': 0.75}\n"
+        "sys.exit(pool.main(run))\n")
+    server = serve(et, BySeed(script_for(tok)), tok)
+    decided = []
+    try:
+        out = et.run(agents_run(server, tmp_path, ["good", "bad"], f"{sys.executable} {agent}",
+                                on_reward_error=lambda i, why: decided.append(why) or -2.0))
+    finally:
+        et.run(server.stop())
+    assert out["good"].reward == 0.75 and out["bad"].reward == -2.0
+    assert decided == ["reward function f returned str"]
+    assert {r.extra["agent_status"] for r in out.values()} == {"ok"}
+
+
+@pytest.mark.timeout(60)
 def test_agent_pool_protocol(et, tok, tmp_path):
     """/v1/pool/next: 204 on an empty poll, a handout with the per-process content, 410
     once stopping; done twice: 409; auth; unknown workers; bad wait_s."""
