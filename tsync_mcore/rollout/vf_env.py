@@ -50,7 +50,7 @@ def load_env(module: str, args: dict[str, Any]) -> Any:
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
-        if e.name and module.startswith(e.name):
+        if e.name and (module == e.name or module.startswith(e.name + ".")):
             raise DataError(f"{where}: no module named {module!r} (install the environment's "
                             f"package, e.g. `prime env install`, or put it on PYTHONPATH)"
                             ) from None
