@@ -484,9 +484,9 @@ class RolloutConfig:
     # sandboxed bash/python tools; docs/guide/tools.md), "skyrl:<env name>" (a SkyRL-Gym env
     # fed data.train's rows), "reasoning_gym:<task>" (a reasoning-gym task's generated
     # questions, each answer scored by the task's own scorer; see reasoning_gym.*) or
-    # "verifiers:<module>" (a verifiers environment: the module's load_environment(
-    # **verifiers.args), its dataset's rows, its rollout run by an agent against the
-    # endpoint, its rubric's score the reward; rollout.agent: openai)
+    # "verifiers:<module>" (a verifiers environment: the module's
+    # load_environment(**verifiers.args), its dataset's rows, its rollout run by an agent
+    # against the endpoint, its rubric's score the reward; rollout.agent: openai)
     env: str = "toy"
     groups_per_batch: int = 8  # prompts (groups) per batch, i.e. per optimizer step
     group_size: int = 4  # trajectories sampled per prompt (GRPO group size m)
