@@ -39,7 +39,7 @@ def make_bad(mode):
             raise KeyError("boom")
         if mode == "exit":
             raise SystemExit(3)
-        return {"nan": math.nan, "text": "high", "ok": 0.5}[mode]
+        return {"nan": math.nan, "text": "high", "ok": 0.5, "huge": 1e9}[mode]
     return bad
 
 def load_environment(mode="ok", group=False):
@@ -184,6 +184,7 @@ def test_the_rubric_scores_as_verifiers_does(modules):
     ("exit", "reward function bad raised SystemExit: 3"),
     ("nan", "reward function bad returned float 'nan', not a finite number"),
     ("text", "reward function bad returned str 'high', not a finite number"),
+    ("huge", "the rubric's reward is 1000000001.0, not a finite number with |reward| <= 1e6"),
 ])
 def test_a_misbehaving_reward_function_is_an_error_not_a_zero(modules, mode, says):
     env = vf_env.load_env(modules(f"tsync_{mode}_env", ENV_MODULE), {"mode": mode})

@@ -142,7 +142,7 @@ def number(v: Any) -> float | None:
     if not isinstance(v, numbers.Real):
         return None
     x = float(v)
-    return x if math.isfinite(x) and abs(x) <= 1e6 else None
+    return x if math.isfinite(x) else None
 
 
 class VerifiersTask:
@@ -236,8 +236,9 @@ async def score(env: Any, state: Any, errors: list[str]) -> tuple[float, dict[st
     if errors:
         raise ScoreError(errors[0])
     reward = number(state.get("reward"))
-    if reward is None:
-        raise ScoreError(f"the rubric's reward is {state.get('reward')!r}, not a finite number")
+    if reward is None or abs(reward) > 1e6:  # the endpoint takes |reward| <= 1e6
+        raise ScoreError(f"the rubric's reward is {state.get('reward')!r}, not a finite "
+                         f"number with |reward| <= 1e6")
     metrics = {str(k): x for k, v in (state.get("metrics") or {}).items()
                if (x := number(v)) is not None}
     return reward, metrics
