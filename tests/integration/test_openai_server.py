@@ -682,7 +682,7 @@ class BySeed:
 
 
 def agents_run(server, tmp_path, ids, command, *, pool=None, timeout_s=20.0, counters=None,
-               version=3):
+               version=3, on_reward_error=None):
     """run_agents over `ids` (toy tasks, seeds from the ids); {traj_id: result}."""
     from tsync_mcore.rollout.openai.processes import AgentCounters, run_agents
 
@@ -697,7 +697,8 @@ def agents_run(server, tmp_path, ids, command, *, pool=None, timeout_s=20.0, cou
                 seeds=[100 + 7 * k for k in range(len(ids))], version=version, limits=LIMITS,
                 command=command, timeout_s=timeout_s, failed_reward=-1.0, concurrency=0,
                 task_reward=task_reward, run_dir=str(tmp_path),
-                counters=counters or AgentCounters(), pool=pool):
+                counters=counters or AgentCounters(), pool=pool,
+                on_reward_error=on_reward_error):
             out[ids[i]] = res
         return out
     return go()
@@ -835,6 +836,79 @@ def test_agent_pool_crash_loop_stops_with_one_line(et, tok, tmp_path):
     assert "\n" not in msg and cmd in msg and "worker" in msg and ".log" in msg, msg
     assert "cannot import my_agent" in msg
     assert server.sessions == {}
+
+
+@pytest.mark.timeout(60)
+def test_done_with_a_reward_error_is_decided_by_the_rollout(et, tok, tmp_path):
+    """done {"reward_error": why}: the episode ran but the agent's scorer failed (the
+    verifiers agent's rubric): the trajectory is ok, its reward is what on_reward_error
+    decides (reward.on_error), the record keeps why. Bad bodies are 400."""
+    server = serve(et, BySeed(script_for(tok)), tok)
+    base = f"http://127.0.0.1:{server.port}"
+    h = {"Authorization": f"Bearer {KEY}"}
+    pool = make_pool(server, tmp_path, "sleep 60", 1)  # we poll as its worker
+    decided = []
+
+    def on_reward_error(i, why):
+        decided.append((i, why))
+        return 0.0
+
+    async def go():
+        await pool.start()
+        wid = pool.slots[0].worker_id
+        async with httpx.AsyncClient(base_url=base, headers=h, timeout=10) as ac:
+            batch = asyncio.ensure_future(agents_run(server, tmp_path, ["p"], "sleep 60",
+                                                     pool=pool, on_reward_error=on_reward_error))
+            r = await ac.post("/v1/pool/next", json={"worker": wid, "wait_s": 10})
+            assert r.json()["trajectory"] == "p"
+            await ac.post("/t/p/v1/chat/completions",
+                          json={"model": "m", "messages": task(0)["messages"]})
+            for bad in ({"reward_error": ""}, {"reward_error": 3},
+                        {"reward_error": "x", "reward": 1.0}, {"reward_error": "x", "error": "y"}):
+                r = await ac.post("/t/p/v1/done", json=bad)
+                assert r.status_code == 400, bad
+            r = await ac.post("/t/p/v1/done",
+                              json={"reward_error": "reward function f raised\nKeyError: 'x'"})
+            assert r.status_code == 200 and r.json()["status"] == "ok"
+            return await batch
+
+    try:
+        out = et.run(go())
+    finally:
+        et.run(pool.stop())
+        et.run(server.stop())
+    assert decided == [(0, "reward function f raised KeyError: 'x'")]  # one line
+    assert out["p"].reward == 0.0 and out["p"].extra["agent_status"] == "ok"
+    rec = records_of(tmp_path / "agent" / "records.jsonl")["p"]
+    assert rec["status"] == "ok" and rec["reward_error"] == decided[0][1]
+
+
+@pytest.mark.timeout(60)
+def test_a_bundled_style_agent_posts_the_dict_its_run_returns(et, tok, tmp_path):
+    """pool.main(run) as one process per trajectory: the dict `run` returns is posted as
+    the trajectory's done body ({"reward": x}, {"reward_error": why})."""
+    import sys
+
+    agent = tmp_path / "agent.py"
+    agent.write_text(
+        "import sys\n"
+        "from tsync_mcore.rollout.openai.agents import digits, pool\n"
+        "def run(client, task):\n"
+        "    digits.run(client, task)\n"
+        "    if task['trajectory'] == 'bad':\n"
+        "        return {'reward_error': 'reward function f returned str'}\n"
+        "    return {'reward': 0.75}\n"
+        "sys.exit(pool.main(run))\n")
+    server = serve(et, BySeed(script_for(tok)), tok)
+    decided = []
+    try:
+        out = et.run(agents_run(server, tmp_path, ["good", "bad"], f"{sys.executable} {agent}",
+                                on_reward_error=lambda i, why: decided.append(why) or -2.0))
+    finally:
+        et.run(server.stop())
+    assert out["good"].reward == 0.75 and out["bad"].reward == -2.0
+    assert decided == ["reward function f returned str"]
+    assert {r.extra["agent_status"] for r in out.values()} == {"ok"}
 
 
 @pytest.mark.timeout(60)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import math
 import os
 import re
@@ -470,7 +471,7 @@ class ChannelConfig:
         _check(self.ack_timeout_s > 0, "channel.ack_timeout_s", "must be > 0")
 
 
-ENV_PREFIXES = ("skyrl:", "reasoning_gym:")  # rollout.env values that name an env or task
+ENV_PREFIXES = ("skyrl:", "reasoning_gym:", "verifiers:")  # rollout.env values that name an env or task
 
 
 @dataclass
@@ -481,8 +482,11 @@ class RolloutConfig:
     # "toy" (built-in task), "dataset" (data.train's prompts, one answer scored by
     # reward.function), "terminal" (make a failing test pass in a generated repo with the
     # sandboxed bash/python tools; docs/guide/tools.md), "skyrl:<env name>" (a SkyRL-Gym env
-    # fed data.train's rows) or "reasoning_gym:<task>" (a reasoning-gym task's generated
-    # questions, each answer scored by the task's own scorer; see reasoning_gym.*)
+    # fed data.train's rows), "reasoning_gym:<task>" (a reasoning-gym task's generated
+    # questions, each answer scored by the task's own scorer; see reasoning_gym.*) or
+    # "verifiers:<module>" (a verifiers environment: the module's
+    # load_environment(**verifiers.args), its dataset's rows, its rollout run by an agent
+    # against the endpoint, its rubric's score the reward; rollout.agent: openai)
     env: str = "toy"
     groups_per_batch: int = 8  # prompts (groups) per batch, i.e. per optimizer step
     group_size: int = 4  # trajectories sampled per prompt (GRPO group size m)
@@ -594,9 +598,12 @@ class RolloutConfig:
         _check(bool(host) and port.isdigit() and int(port) < 65536, "rollout.serve_openai",
                f"must be HOST:PORT (port 0: a free one), got {self.serve_openai!r}")
         _check(self.agent == "builtin" or self.env in ("toy", "dataset", "terminal") or
-               self.env.startswith("reasoning_gym:"), "rollout.env",
-               f"rollout.agent: openai runs rollout.env: toy, dataset, terminal or "
-               f"reasoning_gym:<task>, got {self.env!r}")
+               self.env.startswith(("reasoning_gym:", "verifiers:")), "rollout.env",
+               f"rollout.agent: openai runs rollout.env: toy, dataset, terminal, "
+               f"reasoning_gym:<task> or verifiers:<module>, got {self.env!r}")
+        _check(self.agent == "openai" or not self.env.startswith("verifiers:"), "rollout.agent",
+               f"{self.env!r} runs the environment's own rollout in an agent process against "
+               f"the OpenAI-compatible endpoint: set rollout.agent: openai")
         _check(self.max_oversample >= 0, "rollout.max_oversample",
                f"must be >= 0 (0: no reserve groups), got {self.max_oversample}")
         _check(self.max_groups_in_flight >= 0, "rollout.max_groups_in_flight",
@@ -607,8 +614,14 @@ class RolloutConfig:
         _check(self.max_tokens_per_turn >= 1, "rollout.max_tokens_per_turn", "must be >= 1")
         _check(self.env in ("toy", "dataset", "terminal") or
                any(self.env.startswith(p) and len(self.env) > len(p) for p in ENV_PREFIXES),
-               "rollout.env", f"must be 'toy', 'dataset', 'terminal', 'skyrl:<name>' or "
-                              f"'reasoning_gym:<task>', got {self.env!r}")
+               "rollout.env", f"must be 'toy', 'dataset', 'terminal', 'skyrl:<name>', "
+                              f"'reasoning_gym:<task>' or 'verifiers:<module>', got {self.env!r}")
+        _check(not self.env.startswith("verifiers:") or
+               re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", self.env.split(":", 1)[1])
+               is not None, "rollout.env",
+               f"'verifiers:<module>' names an importable Python module (dotted identifiers, "
+               f"e.g. verifiers:my_env; a hub id my-env installs as module my_env), got "
+               f"{self.env!r}")
         _check(self.max_total_tokens >= 1, "rollout.max_total_tokens", "must be >= 1")
         _check(self.temperature >= 0, "rollout.temperature",
                f"must be >= 0 (0: greedy), got {self.temperature}")
@@ -909,6 +922,25 @@ class ReasoningGymConfig:
 
 
 @dataclass
+class VerifiersConfig:
+    """rollout.env 'verifiers:<module>': a verifiers environment (Prime Intellect's
+    `verifiers` package, its classic API: vf.SingleTurnEnv, vf.MultiTurnEnv, vf.Rubric):
+    its dataset's rows are the prompts, its rollout runs in the agent, its rubric scores
+    (docs/guide/agents.md#verifiers-environments)."""
+
+    # keyword arguments of the module's load_environment(**args), as `vf-eval -a` takes them
+    # (JSON values: every agent process loads the environment with them too)
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        try:
+            json.dumps(self.args, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"config key 'verifiers.args': must be JSON values (the agents "
+                              f"load the environment with them): {e}") from None
+
+
+@dataclass
 class ToolsConfig:
     """The agents' sandboxed tools (python, bash) and rollout.env 'terminal' (docs/guide/tools.md)."""
 
@@ -966,6 +998,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     seed: int = 1234  # seeds sampling, environments and the learner's RNGs
 
@@ -989,6 +1022,7 @@ class Config:
         self.data.validate()
         self.reward.validate()
         self.reasoning_gym.validate()
+        self.verifiers.validate()
         self.tools.validate()
         self._check_data_and_reward()
         _check(self.rollout.n_learners % self.model.tp == 0, "rollout.n_learners",
@@ -1127,6 +1161,9 @@ class Config:
         if env.startswith("reasoning_gym:"):
             self._check_reasoning_gym(env)
             return
+        if env.startswith("verifiers:"):
+            self._check_verifiers(env)
+            return
         _check(env in ("toy", "terminal") or bool(self.data.train), "data.train",
                f"rollout.env={env!r} takes its prompts from a dataset: set data.train")
         _check(env != "dataset" or bool(self.reward.function), "reward.function",
@@ -1162,6 +1199,17 @@ class Config:
                f"on the task's evaluation set: set reasoning_gym.eval_size > 0")
         _check(self.learner.objective != "opd", "rollout.env",
                f"{env!r} is single-turn GRPO-family; OPD needs a multi-turn env")
+
+    def _check_verifiers(self, env: str) -> None:
+        for key in ("train", "eval", "system_prompt"):
+            _check(not getattr(self.data, key), f"data.{key}", f"rollout.env={env!r} takes "
+                   f"its prompts (and its own system prompt) from the environment's dataset: "
+                   f"leave data.{key} empty")
+        _check(not self.reward.function, "reward.function", f"{env} scores each rollout with "
+               f"the environment's rubric; leave reward.function empty")
+        _check(self.learner.objective != "opd", "rollout.env",
+               f"{env!r} is scored per trajectory (GRPO family); OPD registers turn counts "
+               f"up front, which the environment's own rollout decides")
 
     @property
     def routing(self) -> str:

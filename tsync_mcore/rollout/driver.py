@@ -232,7 +232,7 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
             return run_batch(self.engine, envs, seeds=batch.seeds, env_seeds=batch.env_seeds,
                              routes=batch.group_of, **kwargs)
         from tsync_mcore.rollout.openai.processes import (DEFAULT_COMMAND, TERMINAL_COMMAND,
-                                                       run_agents)
+                                                       VERIFIERS_COMMAND, run_agents)
         from tsync_mcore.rollout.openai.pool import AgentPool
 
         rc = self.rc
@@ -252,6 +252,24 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
         tasks = [{"messages": m, "model": self.oai.model,
                   "temperature": kwargs.get("temperature", rc.temperature), **limits}
                  for m in messages]
+        vf = self.feed.vf if self.feed is not None else None
+        if vf is not None:  # the agent runs the env's rollout on this row of its dataset
+            split = "eval" if prompts is not None and prompts is self.feed.eval else "train"
+            for t, r in zip(tasks, batch.rows):
+                t["verifiers"] = {"env": vf, "args": self.cfg.verifiers.args,
+                                  "split": split, "row": r}
+
+        def reward_error(i: int, why: str) -> float:
+            """Trajectory i's agent could not score it: reward.on_error decides."""
+            env = envs[i]
+            if hasattr(env, "reward_error"):
+                return env.reward_error(why)
+            from tsync_mcore.rewards import RewardFailed
+            msg = f"the agent's reward on trajectory {batch.traj_ids[i]}: {why}"
+            if self.cfg.reward.on_error == "fail":
+                raise RewardFailed(msg)
+            print(f"[rollout] {msg}; scored 0", flush=True)
+            return 0.0
 
         async def task_reward(i: int, actions: list[list[int]]) -> float:
             """The task's reward from the recorded actions, when the agent posted none."""
@@ -266,8 +284,8 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
                     env._account(a)
             return env.reward()
 
-        command = rc.agent_command or (TERMINAL_COMMAND if rc.env == "terminal"
-                                       else DEFAULT_COMMAND)
+        command = rc.agent_command or (TERMINAL_COMMAND if rc.env == "terminal" else
+                                       VERIFIERS_COMMAND if vf is not None else DEFAULT_COMMAND)
         if rc.agent_pool and self.pool is None:  # started with the first batch, kept
             self.pool = AgentPool(self.oai, command=command, size=rc.agent_pool,
                                   run_dir=self.cfg.run.dir, timeout_s=rc.agent_timeout_s,
@@ -279,7 +297,7 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
                           concurrency=rc.agent_concurrency, task_reward=task_reward,
                           run_dir=self.cfg.run.dir, counters=self.agent_counters, tools=tools,
                           max_calls_per_turn=self.cfg.tools.max_calls_per_turn,
-                          pass_env=rc.agent_env)
+                          pass_env=rc.agent_env, on_reward_error=reward_error)
 
     # --- the loop -------------------------------------------------------------------------
 

@@ -1,6 +1,8 @@
 """The rollout's dataset side: which row each group trains on, the envs that run a row,
 the rollout-side reward metrics of a batch, and evaluation on data.eval. A reasoning-gym
-task (rollout.env: reasoning_gym:<task>) is fed the same way, its sets generated at start.
+task (rollout.env: reasoning_gym:<task>) is fed the same way, its sets generated at start,
+and so is a verifiers environment's dataset (rollout.env: verifiers:<module>; its agents
+run and score each row: tsync_mcore.rollout.vf_env).
 
 Group g of the batch registered at data position p trains on row
 `EpochSampler.index(p + g)` (tsync_mcore.data.sampler), so the checkpointed data_pos
@@ -23,6 +25,7 @@ from tsync_mcore.rewards.rgym import task_reward
 from tsync_mcore.rollout.loop import run_batch
 from tsync_mcore.rollout.dataset_env import SingleTurnEnv
 from tsync_mcore.rollout.envs import SkyRLGymAdapter
+from tsync_mcore.rollout.vf_env import VerifiersSet, VerifiersTask, load_env
 
 
 def _seed(*parts: Any) -> int:
@@ -45,11 +48,14 @@ class DataFeed:
         env = cfg.rollout.env
         self.skyrl = env.split(":", 1)[1] if env.startswith("skyrl:") else None
         self.rgym = env.split(":", 1)[1] if env.startswith("reasoning_gym:") else None
-        self.train: PromptSet | TaskSet
-        self.eval: PromptSet | TaskSet | None
+        self.vf = env.split(":", 1)[1] if env.startswith("verifiers:") else None
+        self.train: PromptSet | TaskSet | VerifiersSet
+        self.eval: PromptSet | TaskSet | VerifiersSet | None
         self.runner: RewardRunner | JudgeRunner | None = None
         if self.rgym is not None:
             self._generate(cfg.reasoning_gym)
+        elif self.vf is not None:
+            self._verifiers()
         else:
             self._load()
         self.sampler = EpochSampler(len(self.train), cfg.seed, self.dc.shuffle)
@@ -93,6 +99,18 @@ class DataFeed:
                                    timeout_s=self.cfg.reward.timeout_s,
                                    on_error=self.cfg.reward.on_error)
 
+    def _verifiers(self) -> None:
+        """rollout.env: verifiers:<module>: the environment, loaded once here for its
+        datasets (each agent loads it again to run and score its rows)."""
+        env = load_env(self.vf, self.cfg.verifiers.args)
+        self.train = VerifiersSet(self.vf, env, "train")
+        ev = VerifiersSet(self.vf, env, "eval")
+        self.eval = ev if ev.ds is not None else None
+        evaluating = self.cfg.run.evaluating
+        if evaluating and self.eval is None:
+            raise DataError(f"{evaluating.split('=')[0]}: verifiers:{self.vf} has no eval_dataset "
+                            f"to evaluate on (set run.eval_every 0)")
+
     def attach(self, tokenizer: Any) -> None:
         """The tokenizer prompts are rendered with. Every row of each set is rendered now:
         a missing chat template, or a prompt that leaves no room for an answer within
@@ -128,6 +146,10 @@ class DataFeed:
             return SkyRLGymAdapter.from_row(self.skyrl, self.tok, row,
                                             system_prompt=self.dc.system_prompt,
                                             max_turns=self.cfg.rollout.max_turns)
+        if self.vf is not None:
+            self._ids(ps, row)  # the same length check as for dataset prompts
+            return VerifiersTask(self.vf, row, f"{where} ({ps.path} row {index})",
+                                 self.cfg.reward.on_error)
         return SingleTurnEnv(self.tok, self._ids(ps, row), row, self.runner,
                              f"{where} ({ps.path} row {index})", traj_id=traj_id)
 

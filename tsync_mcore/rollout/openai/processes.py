@@ -19,7 +19,9 @@ trajectory: rollout.agent_failed_reward, counted (rollout/agent_failures). The r
 one the agent posted, else the task's: the toy task's from the recorded actions,
 (rollout.env: dataset) reward.function on the last completion's text, or (terminal) the
 verifier's on the episode's repo, which takes no posted reward.
-An agent that posts `done {"error": ...}` fails its trajectory too (status "failed").
+An agent that posts `done {"error": ...}` fails its trajectory too (status "failed"); one
+that posts `done {"reward_error": ...}` ran its episode but could not score it:
+`on_reward_error(i, why)` gives the reward (reward.on_error: 0, counted, or it raises).
 Each trajectory's record goes to RUN/agent/records.jsonl; a failed agent's output is kept in
 RUN/agent/logs/<trajectory id>.log (a pool worker's: RUN/agent/pool/worker<k>.log).
 """
@@ -43,6 +45,9 @@ from tsync_mcore.rollout.openai.server import OpenAIServer
 DEFAULT_COMMAND = f"{shlex.quote(sys.executable)} -m tsync_mcore.rollout.openai.agents.digits"
 # rollout.env: terminal: the bundled function-calling agent (tools through the endpoint)
 TERMINAL_COMMAND = f"{shlex.quote(sys.executable)} -m tsync_mcore.rollout.openai.agents.terminal"
+# rollout.env: verifiers:<module>: the env's own rollout and rubric (agents/verifiers.py)
+VERIFIERS_COMMAND = (f"{shlex.quote(sys.executable)} -m "
+                     f"tsync_mcore.rollout.openai.agents.verifiers")
 
 
 class AgentCounters:
@@ -114,6 +119,7 @@ async def run_agents(
     max_calls_per_turn: int = 4,
     pool: AgentPool | None = None,
     pass_env: Sequence[str] = (),
+    on_reward_error: Callable[[int, str], float] | None = None,
 ) -> AsyncIterator[tuple[int, TrajectoryResult]]:
     """Run every trajectory by an agent; yield (index, result) as each one ends. Without
     `pool` one process of `command` per trajectory, with it a handout to the pool's
@@ -167,13 +173,19 @@ async def run_agents(
         s = server.close(tid, f"its agent {status}")
         await server.settle(tid)  # a request in flight finishes (or sees `closed`)
         error = server.done.get(tid)
+        reward_error = server.reward_errors.get(tid)
+        if status == "ok" and reward_error is not None and on_reward_error is None:
+            error = f"its reward: {reward_error}"  # nobody here to decide: a failure
         if status == "ok" and error is not None:  # the agent reported a failure
             status = "failed"
         if status == "ok":
             if pool is None:
                 os.remove(log)
-            reward = s.reward if s.reward is not None else (
-                await task_reward(i, s.actions()) if s.n_turns else failed_reward)
+            if reward_error is not None:  # on_error: fail raises (the rollout stops)
+                reward = on_reward_error(i, reward_error)
+            else:
+                reward = s.reward if s.reward is not None else (
+                    await task_reward(i, s.actions()) if s.n_turns else failed_reward)
         else:
             counters.failures += 1
             if status == "timed out":
@@ -193,6 +205,8 @@ async def run_agents(
         rec = s.record(group_id=group_of[i], reward=reward, status=status, exit_code=code)
         if error is not None:
             rec["error"] = error
+        if reward_error is not None:
+            rec["reward_error"] = reward_error
         records.write(json.dumps(rec) + "\n")
         records.flush()
         server.forget(tid)

@@ -10,6 +10,7 @@ OpenAI API (docs/guide/agents.md).
                                                               {"arguments": {...}}
     POST /t/<traj>/v1/done               POST /v1/trajectories/<traj>/done
                                          {} | {"reward": x} | {"error": "why"}
+                                         | {"reward_error": "why"}
     POST /v1/pool/next                   {"worker": id, "wait_s": s}  (rollout.agent_pool)
 
 Every request belongs to a trajectory the rollout registered (`register`); the agent gets
@@ -42,7 +43,9 @@ not take (n > 1, a history rewrite under `reject`, a budget spent), 401 a wrong 
 unknown trajectory, 409 a closed or stale trajectory (its batch's policy is no longer
 served), a second reward or a second done.
 
-`done` ends a trajectory from the agent's side (its reward, or the error that failed it):
+`done` ends a trajectory from the agent's side (its reward, the error that failed it, or
+`reward_error`: the episode ran but the agent's own scorer failed, which the rollout
+handles under reward.on_error):
 an agent pool's worker (openai_pool, rollout.agent_pool > 0) posts it for each trajectory
 it pulled from /v1/pool/next (200 a handout, 204 none within wait_s, 410 stopping).
 """
@@ -298,6 +301,8 @@ class OpenAIServer:
         self.routes: dict[str, str] = {}
         self.tools: dict[str, _Tools] = {}
         self.done: dict[str, str | None] = {}  # trajectories whose agent posted done: error
+        # trajectories whose agent ran the episode but could not score it: why
+        self.reward_errors: dict[str, str] = {}
         self.pool: Any = None  # openai_pool.AgentPool (rollout.agent_pool > 0)
         self.ended: OrderedDict[str, str] = OrderedDict()  # forgotten trajectories: why (409)
         self.counts = dict(requests=0, rewrites=0, rejected=0, stale=0, bad=0, tool_calls=0)
@@ -349,6 +354,7 @@ class OpenAIServer:
         self.routes.pop(traj_id, None)
         self.tools.pop(traj_id, None)
         self.done.pop(traj_id, None)
+        self.reward_errors.pop(traj_id, None)
 
     def base_url(self, traj_id: str) -> str:
         return f"http://{self.host}:{self.port}/t/{traj_id}/v1"
@@ -550,22 +556,33 @@ class OpenAIServer:
 
     async def _done(self, traj_id, body) -> dict:
         """The agent is done with the trajectory: ok (with the reward it posts, else its
-        task's), or failed with `error`. No more requests are served for it."""
+        task's), failed with `error`, or ok without a reward: `reward_error` (its scorer
+        failed; reward.on_error decides). No more requests are served for it."""
         s = self._session(traj_id)
         if traj_id in self.done:
             raise ApiError(409, f"trajectory {traj_id} is done already", kind="conflict_error")
-        extra = set(body) - {"reward", "error"}
-        if extra or ("reward" in body and "error" in body):
-            raise ApiError(400, 'the body must be {}, {"reward": <number>} or {"error": '
-                                '"<why>"}')
+        keys = {"reward", "error", "reward_error"}
+        if set(body) - keys or len(set(body) & keys) > 1:
+            raise ApiError(400, 'the body must be {}, {"reward": <number>}, {"error": '
+                                '"<why>"} or {"reward_error": "<why>"}')
         error = body.get("error")
-        if "error" in body and not (isinstance(error, str) and error.strip()):
-            raise ApiError(400, "error must be a non-empty string", param="error")
+        for key in ("error", "reward_error"):
+            why = body.get(key)
+            if key in body and not (isinstance(why, str) and why.strip()):
+                raise ApiError(400, f"{key} must be a non-empty string", param=key)
         if s.closed:
             raise ApiError(409, f"trajectory {traj_id} is closed: {s.closed}",
                            kind="conflict_error")
         if "reward" in body:
             self.set_reward(traj_id, body["reward"])
+        if "reward_error" in body:
+            if traj_id in self.tools:
+                raise ApiError(409, f"trajectory {traj_id} is scored by its task's verifier "
+                                    f"when its agent exits", kind="conflict_error")
+            if s.reward is not None:
+                raise ApiError(409, f"trajectory {traj_id} has its reward already "
+                                    f"({s.reward})", kind="conflict_error")
+            self.reward_errors[traj_id] = " ".join(body["reward_error"].split())[:2000]
         self.done[traj_id] = error
         s.closed = f"its agent posted done{'' if error is None else ' (failed)'}"
         if self.pool is not None:

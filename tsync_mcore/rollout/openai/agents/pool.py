@@ -8,9 +8,10 @@ of docs/guide/agents.md ("Agent pools").
 Loop: POST $TSYNC_POOL_URL/next {"worker": $TSYNC_WORKER_ID, "wait_s": 30} — 204: poll
 again; 410: the rollout is stopping, return; 200: a handout {"trajectory", "base_url",
 "api_key", "task" (+ "tools_url")} — then run(openai.OpenAI(base_url=handout["base_url"],
-api_key=handout["api_key"]), task) and POST <base_url>/done (with that key): {} when it
-returned, {"error": "<exception>"} when it raised (the trajectory is failed). One
-trajectory at a time; an async worker may hold several.
+api_key=handout["api_key"]), task) and POST <base_url>/done (with that key): what it
+returned when that is a dict (e.g. {"reward": x}), else {}; {"error": "<exception>"} when it
+raised (the trajectory is failed). One trajectory at a time; an async worker may hold
+several.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def serve(run_fn: Callable[[openai.OpenAI, dict[str, Any]], Any]) -> int:
         body: dict[str, Any] = {}
         with openai.OpenAI(base_url=h["base_url"], api_key=h["api_key"]) as client:
             try:
-                run_fn(client, h["task"])
+                out = run_fn(client, h["task"])
+                body = out if isinstance(out, dict) else {}
             except Exception as e:
                 traceback.print_exc(file=sys.stderr)
                 body = {"error": f"{type(e).__name__}: {e}"[:2000]}
@@ -54,8 +56,14 @@ def serve(run_fn: Callable[[openai.OpenAI, dict[str, Any]], Any]) -> int:
 
 def main(run_fn: Callable[[openai.OpenAI, dict[str, Any]], Any]) -> int:
     """A bundled agent's entry point: a pool worker when TSYNC_POOL_URL is set, else one
-    episode of TSYNC_TASK (OPENAI_BASE_URL, OPENAI_API_KEY from the environment)."""
+    episode of TSYNC_TASK (OPENAI_BASE_URL, OPENAI_API_KEY from the environment); a dict it
+    returns is posted as the trajectory's done body."""
     if os.environ.get("TSYNC_POOL_URL"):
         return serve(run_fn)
-    run_fn(openai.OpenAI(), json.loads(os.environ["TSYNC_TASK"]))
+    client = openai.OpenAI()
+    out = run_fn(client, json.loads(os.environ["TSYNC_TASK"]))
+    if isinstance(out, dict):
+        r = httpx.post(f"{client.base_url}".rstrip("/") + "/done", json=out, timeout=30,
+                       headers={"Authorization": f"Bearer {client.api_key}"})
+        r.raise_for_status()
     return 0
