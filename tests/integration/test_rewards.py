@@ -19,8 +19,9 @@ LIM = SandboxLimits(timeout_s=3.0, memory_mb=256, nproc=16)
 DONE = SandboxLimits(timeout_s=30.0, memory_mb=256, nproc=16)
 
 
-def run_tests(code, tests, **kw):
-    return code_tests(response=code, label=tests, meta={}, limits=LIM, total_timeout_s=20,
+def run_tests(code, tests, limits=DONE, **kw):
+    """Programs that must run to the end get DONE's time (the attacks: LIM's)."""
+    return code_tests(response=code, label=tests, meta={}, limits=limits, total_timeout_s=60,
                       **kw)
 
 
@@ -37,7 +38,7 @@ def test_code_tests_pass_and_fail():
     # an early exit(0) skips the tests and the marker behind them: no pass
     assert run_tests("import sys\nsys.exit(0)", "assert False")["reward"] == 0.0
     assert code_tests(response="x=1", label=None, meta={"tests": ["assert x == 1"]},
-                      limits=LIM, total_timeout_s=20)["reward"] == 1.0
+                      limits=DONE, total_timeout_s=60)["reward"] == 1.0
     with pytest.raises(ValueError, match="tests must be"):
         run_tests("x=1", 3)
 
@@ -147,4 +148,4 @@ def test_code_tests_cannot_be_fooled(name):
     """The expected values never reach the answer's process, so none of these passes."""
     tests = ["assert add(1, 2) == 3", "assert add(20, 5) == 25\nassert add(0, 0) == 0"]
     assert run_tests("def add(a, b):\n    return a + b\n", tests)["reward"] == 1.0
-    assert run_tests(ATTACKS[name], tests)["reward"] == 0.0, name
+    assert run_tests(ATTACKS[name], tests, limits=LIM)["reward"] == 0.0, name
