@@ -1,11 +1,12 @@
 """Live: reward.function 'judge' — a tiny policy trained one update on a dataset, every answer
 graded by a tiny judge model served by its own vLLM engine in the rollout process
-(configs/judge_tiny.yaml), and the judge engine's failures in process.
+(configs/judge_tiny.yaml).
 
 One run (module-scoped): the judge is called once per trajectory, the rewards the learner
 trained on (its trace's SourceRecord.reward) are the parser applied to the judge outputs
 recorded in RUN/judge/records.jsonl (0 where none parses: reward.on_error zero), and the
-judge metrics are in metrics.jsonl and the console line."""
+judge metrics are in metrics.jsonl and the console line. The judge engine's own failures
+(a timeout, a prompt past its context) run on test_rollout.py's engine."""
 
 import json
 import os
@@ -116,57 +117,3 @@ def test_judge_metrics_in_the_metrics_line(judged_run):
     assert 0 < row["reward/judge_s"] <= row["rollout_time_s"]
     assert 1 <= row["reward/judge_in_flight_max"] <= 6
     assert "reward/judge_calls:6" in judged_run["console"]
-
-
-@pytest.mark.timeout(600)
-def test_judge_engine_failures_in_process(et, models, tmp_path):
-    """A real judge engine: a timeout, a judge prompt past its max_model_len and an output
-    that never parses, each the trajectory's error; under on_error fail, one line."""
-    from transformers import AutoTokenizer
-
-    from tsync_mcore.config import JudgeConfig
-    from tsync_mcore.rewards import RewardFailed
-    from tsync_mcore.rewards.judge import JudgeRunner
-    from tsync_mcore.rollout.engine import RolloutEngine
-
-    judge_dir = models[1]
-
-    async def make() -> RolloutEngine:
-        return RolloutEngine(judge_dir, max_model_len=128, seed=0, max_num_seqs=8)
-
-    engine = et.run(make())
-    try:
-        def runner(on_error="zero", timeout_s=60.0, **kw):
-            r = JudgeRunner(JudgeConfig(model_dir=judge_dir, max_tokens=8, **kw),
-                            timeout_s=timeout_s, on_error=on_error,
-                            records_dir=str(tmp_path / "judge"))
-            r.attach(engine, AutoTokenizer.from_pretrained(judge_dir))
-            return r
-
-        def score(r, response="314"):
-            return et.run(r.score("trajectory v0-g0-t1 (train.jsonl row 3)", prompt="digits?",
-                                  response=response, label="314", meta={}, traj_id="v0-g0-t1"))
-
-        never = runner(pattern=r"(NEVER-WRITTEN)", parser="regex")
-        res = score(never)
-        assert res.reward == 0.0 and "cannot score the judge's output (no score found): '" \
-            in res.error
-        plain = runner()
-        long = score(plain, response="digit " * 200)
-        assert "judge request failed: ValueError: generate: prompt of" in long.error
-        slow = runner(timeout_s=0.001)
-        res = score(slow)
-        assert res.error.endswith("timed out after 0.001s (reward.timeout_s)")
-        assert slow.take_metrics()["reward/judge_timeouts"] == 1
-        # the engine still serves after the aborted request
-        fail = runner(on_error="fail", pattern=r"(NEVER-WRITTEN)")
-        with pytest.raises(RewardFailed, match=r"^reward judge .* on trajectory v0-g0-t1 "
-                           r"\(train.jsonl row 3\): cannot score the judge's output "
-                           r"\(no score found\): '[^\n]*$"):
-            score(fail)
-        for r in (never, plain, slow, fail):
-            r.close()
-        n = len(open(tmp_path / "judge" / "records.jsonl", encoding="utf-8").readlines())
-        assert n == 4
-    finally:
-        et.run(engine.aclose())

@@ -366,6 +366,53 @@ def test_rendered_turns_under_a_rewriting_template_become_segments(et, engine, t
         assert srcs[0].prompt_len == segs[0]["prompt_len"]
 
 
+def test_a_judge_engines_failures_are_the_trajectorys_errors(et, engine, ckpts, tmp_path):
+    """reward.function judge on a real engine (this module's, as the judge): a timeout, a
+    judge prompt past its max_model_len and an output that never parses are each the
+    trajectory's error, and the engine still serves after the aborted request; under
+    on_error fail, one line."""
+    from transformers import AutoTokenizer
+
+    from tsync_mcore.config import JudgeConfig
+    from tsync_mcore.rewards import RewardFailed
+    from tsync_mcore.rewards.judge import JudgeRunner
+
+    judge_dir = ckpts[0]
+
+    def runner(on_error="zero", timeout_s=60.0, **kw):
+        r = JudgeRunner(JudgeConfig(model_dir=judge_dir, max_tokens=8, **kw),
+                        timeout_s=timeout_s, on_error=on_error,
+                        records_dir=str(tmp_path / "judge"))
+        r.attach(engine, AutoTokenizer.from_pretrained(judge_dir))
+        return r
+
+    def score(r, response="314"):
+        return et.run(r.score("trajectory v0-g0-t1 (train.jsonl row 3)", prompt="digits?",
+                              response=response, label="314", meta={}, traj_id="v0-g0-t1"))
+
+    never = runner(pattern=r"(NEVER-WRITTEN)", parser="regex")
+    res = score(never)
+    assert res.reward == 0.0 and "cannot score the judge's output (no score found): '" \
+        in res.error
+    plain = runner()
+    long = score(plain, response="digit " * (2 * MAX_LEN))
+    assert "judge request failed: ValueError: generate: prompt of" in long.error
+    slow = runner(timeout_s=0.001)
+    res = score(slow)
+    assert res.error.endswith("timed out after 0.001s (reward.timeout_s)")
+    assert slow.take_metrics()["reward/judge_timeouts"] == 1
+    # the engine still serves after the aborted request
+    fail = runner(on_error="fail", pattern=r"(NEVER-WRITTEN)")
+    with pytest.raises(RewardFailed, match=r"^reward judge .* on trajectory v0-g0-t1 "
+                       r"\(train.jsonl row 3\): cannot score the judge's output "
+                       r"\(no score found\): '[^\n]*$"):
+        score(fail)
+    for r in (never, plain, slow, fail):
+        r.close()
+    n = len(open(tmp_path / "judge" / "records.jsonl", encoding="utf-8").readlines())
+    assert n == 4
+
+
 def test_opd_lines_from_rollout(et, engine, tok, ckpts):
     """Turn layout + teacher scores form valid learner OPD turns."""
     teacher = TeacherScorer(ckpts[1])
