@@ -45,7 +45,6 @@ class Reference:
                 raise ValueError(f"learner.reference {path!r}: vocabulary of {spec.vocab_size} "
                                  f"tokens, the policy's has {policy.spec.vocab_size}")
             self.model.requires_grad_(False)
-        self.tokens = 0  # tokens forwarded since `take_tokens`
 
     @property
     def nbytes(self) -> int:
@@ -76,7 +75,6 @@ class Reference:
                 rows = bridge.logits(model, ids[None])[0][pos - 1]
                 out = K.scored_logprob(rows.float() if p.autocasts else rows, ids[pos],
                                        vocab_start=p.vocab_start, tp_group=p._tp_group)
-        self.tokens += len(ids)
         return out
 
     def refresh(self, version: int) -> bool:
@@ -101,7 +99,3 @@ class Reference:
         src = dict(bridge.unwrap(self.policy.model).named_parameters())
         for name, p in bridge.unwrap(self.model).named_parameters():
             p.copy_(src[name])
-
-    def take_tokens(self) -> int:
-        out, self.tokens = self.tokens, 0
-        return out

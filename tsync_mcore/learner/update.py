@@ -191,8 +191,6 @@ class Learner:
         self.off_policy.reset()  # an aborted batch's mismatch is not this one's
         self._kl.zero_()
         self._kl_tokens = 0
-        if self.reference is not None:
-            self.reference.take_tokens()
         try:
             self.kind.begin()
         except SourceError:
