@@ -198,6 +198,8 @@ def test_a_group_completes_only_with_every_segment(tiny_qwen2, parallel1, rows):
     (dict(reward=0.77), "reward 0.77, but its earlier segments came with"),
     (dict(n_segments=4, segment=2), "says 4 segments and"),
     (dict(trajectory_scored=10**4), "its first segment said"),
+    (dict(n_segments=1, segment=0, trajectory_scored=None), "arrived in 3 segments, now as "
+                                                            "segment 0 of 1"),
 ])
 def test_segments_that_disagree_are_refused(tiny_qwen2, parallel1, rows, change, match):
     import dataclasses
@@ -212,6 +214,21 @@ def test_segments_that_disagree_are_refused(tiny_qwen2, parallel1, rows, change,
     ln.submit(segs[0])
     with pytest.raises(SourceError, match=match):
         ln.submit(dataclasses.replace(segs[1], **change))
+    ln.abort()
+
+
+def test_a_whole_trajectory_takes_no_segment(tiny_qwen2, parallel1, rows):
+    import dataclasses
+
+    from tsync_mcore.channel.sources import BatchPlan, SourceError
+    ln = _learner(parallel1, tiny_qwen2, schedule="sync")
+    srcs = _sources(rows, version=0)
+    one = next(s for s in srcs if s.n_segments == 1)
+    ln.begin(BatchPlan.from_sources(srcs))
+    ln.submit(one)
+    with pytest.raises(SourceError, match="arrived as one sequence, now as segment 1 of 2"):
+        ln.submit(dataclasses.replace(one, segment=1, n_segments=2,
+                                      trajectory_scored=2 * one.n_scored))
     ln.abort()
 
 

@@ -44,6 +44,7 @@ class TrajectoryKind:
         # scored tokens arrived. A group is complete only once every segment of each of its
         # trajectories here has arrived (all of one trajectory's go to one rank).
         self.segmented: dict[str, tuple[int, int]] = {}
+        self.whole: set[str] = set()  # trajectories that arrived as one sequence
         self.segments_seen: dict[str, int] = {}
         self.scored_seen: dict[str, int] = {}
         self.announced: set[str] = set()
@@ -65,6 +66,10 @@ class TrajectoryKind:
             raise SourceError(f"trajectory {t!r}: reward {float(src.reward)!r}, but {what} "
                               f"with {known!r}")
         first = self.segmented.get(t)
+        if (t in self.whole) != (src.n_segments == 1) and (first is not None or t in self.whole):
+            was = "as one sequence" if t in self.whole else f"in {first[0]} segments"
+            raise SourceError(f"trajectory {t!r}: arrived {was}, now as segment "
+                              f"{src.segment} of {src.n_segments}")
         if first is None:
             return
         name = f"trajectory {t!r} segment {src.segment}"
@@ -81,7 +86,9 @@ class TrajectoryKind:
     def arrived(self, src: TrajectorySource) -> None:
         t = src.traj_id
         self.rewards[t] = float(src.reward)
-        if src.n_segments > 1:
+        if src.n_segments == 1:
+            self.whole.add(t)
+        else:
             self.segmented.setdefault(t, (src.n_segments, src.scored_in_trajectory))
             self.segments_seen[t] = self.segments_seen.get(t, 0) + 1
             self.scored_seen[t] = self.scored_seen.get(t, 0) + src.n_scored
