@@ -13,10 +13,11 @@ import os
 import textwrap
 
 import pytest
-import torch
 import yaml
 from safetensors.torch import load_file
 
+from tests.helpers.live_replay import (gap_over_moved, replay_update, saved_sources,
+                                       sync_learner)
 from tests.integration.test_data_live import launch
 from tsync_mcore.learner.update import FILTERED
 
@@ -76,29 +77,14 @@ def test_dynamic_sampling_keeps_the_batch_informative_and_trains_as_sync(tmp_pat
     assert rows[0]["filtered_groups"] >= 1  # the seed's row order puts easy rows first
 
     # what the learners received, replayed under sync with the same filter: the same θ_1
-    lines = sorted((json.loads(line) for name in os.listdir(f"{run}/sources")
-                    for line in open(f"{run}/sources/{name}")),
-                   key=lambda o: (o["update"], o["ready_order"]))
+    lines = saved_sources(run)
     # every started group was sent whole: the 2 that trained and the ones filtered
     assert len(lines) == sum(3 * (2 + r["filtered_groups"]) for r in rows)
     # in this process, one rank (no launch): the run's config, sync, FP64 sums
-    from tsync_mcore.channel.sources import BatchPlan, TrajectorySource
-    from tsync_mcore.config import load_config
-    from tsync_mcore.learner.policy import Policy
-    from tsync_mcore.learner.update import Learner
-    sync = load_config(config, {"learner.schedule": "sync"})
-    learner = Learner(sync.learner, Policy(sync, par=parallel1))
-    srcs = [TrajectorySource.from_json({k: v for k, v in o.items() if k != "update"})
-            for o in lines]
-    learner.begin(BatchPlan.from_sources(srcs))
-    for src in srcs:
-        learner.submit(src)
-    done = learner.close().summary
-    want = {k: v.double() for k, v in learner.policy.export_params().items()}
-    theta = load_file(f"{run}/publish/policy_v1.safetensors")
-    theta0 = load_file(os.path.join(model, "model.safetensors"))
-    moved = sum(float(((want[k] - theta0[k].double()) ** 2).sum()) for k in want) ** 0.5
-    gap = sum(float(((theta[k].double() - want[k]) ** 2).sum()) for k in want) ** 0.5
-    print(f"dynamic sampling live vs replayed sync: gap / moved = {gap / moved:.2e}")
-    assert moved > 0 and gap / moved <= 1e-5
+    res, want = replay_update(sync_learner(config, parallel1), lines)
+    done = res.summary
+    ratio, moved = gap_over_moved(f"{run}/publish/policy_v1.safetensors", want,
+                                  load_file(os.path.join(model, "model.safetensors")))
+    print(f"dynamic sampling live vs replayed sync: gap / moved = {ratio:.2e}")
+    assert moved > 0 and ratio <= 1e-5
     assert done.scored_tokens == rows[0]["scored_tokens"] and done.n_groups == 2

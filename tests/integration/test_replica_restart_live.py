@@ -20,6 +20,8 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from tests.helpers.live_replay import (gap_over_moved, replay_update, saved_sources,
+                                       sync_learner)
 from tests.integration.test_data_live import finish, start
 from tests.integration.test_dynamic_sampling_live import ROWS
 
@@ -144,39 +146,24 @@ def test_a_killed_and_a_hung_replica_are_restarted_and_the_steps_stay_sync(tmp_p
         assert r["n_groups"] == 2 and not r["dropped_groups"], r
         assert r["rollout/replica0_version"] == r["rollout/replica1_version"] == r["step"] - 1
 
-    lines = sorted((json.loads(line) for name in os.listdir(f"{run}/sources")
-                    for line in open(f"{run}/sources/{name}")),
-                   key=lambda o: (o["update"], o["ready_order"]))
+    lines = saved_sources(run)
     # every trajectory of both batches arrived once (a re-run request replaced, not added)
     assert len({(o["update"], o["traj_id"]) for o in lines}) == len(lines) == 2 * 6
     # 0 stale: every source sampled by the version its update was registered with
     assert all(o["policy_version"] == o["update"] for o in lines), \
         [(o["update"], o["policy_version"]) for o in lines]
 
-    # θ_2 is the sync update replayed from what the learners received (one rank, here)
-    from tsync_mcore.channel.sources import BatchPlan, TrajectorySource
-    from tsync_mcore.config import load_config
-    from tsync_mcore.learner.policy import Policy
-    from tsync_mcore.learner.update import Learner
-    sync = load_config(config, {"learner.schedule": "sync"})
-    learner = Learner(sync.learner, Policy(sync, par=parallel1))
-    before = {k: v.double() for k, v in
-              load_file(os.path.join(model, "model.safetensors")).items()}
+    # θ_1, θ_2: the sync updates replayed from what the learners received (one rank, here)
+    learner = sync_learner(config, parallel1)
+    before = load_file(os.path.join(model, "model.safetensors"))
     # Bound: the learner's own rounding, 2 ranks live and 1 here, on trajectories of up to
     # 480 tokens. A source lost, doubled or stale is far beyond it.
     for update, live in ((0, str(tmp_path / "theta1.safetensors")),
                          (1, f"{run}/publish/policy_v2.safetensors")):
-        srcs = [TrajectorySource.from_json({k: v for k, v in o.items() if k != "update"})
-                for o in lines if o["update"] == update]
-        learner.begin(BatchPlan.from_sources(srcs))
-        for src in srcs:
-            learner.submit(src)
-        assert learner.close().summary.n_groups == 2
-        want = {k: v.double() for k, v in learner.policy.export_params().items()}
-        theta = load_file(live)
-        moved = sum(float(((want[k] - before[k]) ** 2).sum()) for k in want) ** 0.5
-        gap = sum(float(((theta[k].double() - want[k]) ** 2).sum()) for k in want) ** 0.5
+        res, want = replay_update(learner, [o for o in lines if o["update"] == update])
+        assert res.summary.n_groups == 2
+        ratio, moved = gap_over_moved(live, want, before)
         print(f"replica restarts, update {update + 1}, live vs replayed sync: "
-              f"gap / moved = {gap / moved:.2e}")
-        assert moved > 0 and gap / moved <= 1e-5
+              f"gap / moved = {ratio:.2e}")
+        assert moved > 0 and ratio <= 1e-5
         before = want

@@ -20,6 +20,8 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from tests.helpers.live_replay import (gap_over_moved, replay_update, saved_sources,
+                                       sync_learner)
 from tests.helpers.off_policy import _hf
 from tests.helpers.qwen3_template import use_qwen3_template
 from tests.helpers.reference import rel_l2
@@ -83,28 +85,13 @@ def test_rewritten_histories_train_every_segment_as_sync_and_fp64(tmp_path, para
     assert row["scored_tokens"] == sampled
 
     # what the learners received, replayed under sync in this process: θ_1 and FP64
-    lines = sorted((json.loads(line) for name in os.listdir(f"{run}/sources")
-                    for line in open(f"{run}/sources/{name}")), key=lambda o: o["ready_order"])
+    lines = saved_sources(run)
     assert len(lines) == 18 and {o["n_segments"] for o in lines} == {3}
-    from tsync_mcore.channel.sources import BatchPlan, TrajectorySource
-    from tsync_mcore.config import load_config
-    from tsync_mcore.learner.policy import Policy
-    from tsync_mcore.learner.update import Learner
-    sync = load_config(config, {"learner.schedule": "sync"})
-    learner = Learner(sync.learner, Policy(sync, par=parallel1))
-    srcs = [TrajectorySource.from_json({k: v for k, v in o.items() if k != "update"})
-            for o in lines]
-    learner.begin(BatchPlan.from_sources(srcs))
-    for src in srcs:
-        learner.submit(src)
-    done = learner.close(export_grad=True)
+    done, want = replay_update(sync_learner(config, parallel1), lines, export_grad=True)
     err_ref = rel_l2(done.grad, reference(_hf(model), lines, "trajectory"))
-    want = {k: v.double() for k, v in learner.policy.export_params().items()}
-    theta = load_file(f"{run}/publish/policy_v1.safetensors")
-    theta0 = load_file(os.path.join(model, "model.safetensors"))
-    moved = sum(float(((want[k] - theta0[k].double()) ** 2).sum()) for k in want) ** 0.5
-    gap = sum(float(((theta[k].double() - want[k]) ** 2).sum()) for k in want) ** 0.5
+    ratio, moved = gap_over_moved(f"{run}/publish/policy_v1.safetensors", want,
+                                  load_file(os.path.join(model, "model.safetensors")))
     print(f"segments live: {len(lines)} segments of 6 trajectories, {sampled} sampled tokens; "
-          f"θ_1 vs replayed sync: gap / moved = {gap / moved:.2e}; sync vs FP64 {err_ref:.2e}")
-    assert moved > 0 and gap / moved <= 1e-5 and err_ref <= 1e-5
+          f"θ_1 vs replayed sync: gap / moved = {ratio:.2e}; sync vs FP64 {err_ref:.2e}")
+    assert moved > 0 and ratio <= 1e-5 and err_ref <= 1e-5
     assert done.summary.scored_tokens == sampled
