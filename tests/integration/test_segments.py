@@ -21,6 +21,7 @@ import torch
 
 from tests.helpers.off_policy import _hf
 from tests.helpers.reference import advantages, rel_l2
+from tests.integration.test_regularizers import _learner, _sources, _update
 
 VOCAB = 256
 
@@ -88,32 +89,6 @@ def reference(model, rows, token_norm: str) -> dict:
     params = list(model.named_parameters())
     grads = torch.autograd.grad(J, [p for _, p in params], allow_unused=True)
     return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params, grads)}
-
-
-def _learner(par, hf_dir, **learner):
-    from tsync_mcore.config import load_config
-    from tsync_mcore.learner.policy import Policy
-    from tsync_mcore.learner.update import Learner
-    cfg = load_config(None, {"model.hf_dir": hf_dir, "optim.lr": 1e-30,
-                             **{f"learner.{k}": v for k, v in learner.items()}})
-    return Learner(cfg.learner, Policy(cfg, par=par))
-
-
-def _sources(rows, version=0):
-    from tsync_mcore.channel.sources import TrajectorySource
-    return [TrajectorySource.from_json({**r, "policy_version": version})
-            for r in sorted(rows, key=lambda r: r["ready_order"])]
-
-
-def _update(ln, srcs, chunk=1):
-    from tsync_mcore.channel.sources import BatchPlan
-    ln.begin(BatchPlan.from_sources(srcs))
-    for i in range(0, len(srcs), chunk):
-        for s in srcs[i:i + chunk]:
-            ln.submit(s, serve=False)
-        while ln.serve_next():
-            pass
-    return ln.close(export_grad=True)
 
 
 @pytest.fixture(scope="module")

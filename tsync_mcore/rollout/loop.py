@@ -111,6 +111,17 @@ async def _maybe_await(x: Awaitable[None] | None) -> None:
         await x
 
 
+def _check_budgets(engine: Generator, max_turns: int, max_tokens_per_turn: int,
+                   max_total_tokens: int) -> None:
+    """The loops' budgets are positive and fit the engine's context."""
+    if max_turns < 1 or max_tokens_per_turn < 1:
+        raise ValueError("max_turns and max_tokens_per_turn must be >= 1")
+    limit = getattr(engine, "max_model_len", None)
+    if limit is not None and max_total_tokens > limit:
+        raise ValueError(f"max_total_tokens={max_total_tokens} exceeds the engine's "
+                         f"max_model_len={limit}")
+
+
 async def run_trajectory(
     engine: Generator,
     env: AgentEnv,
@@ -135,12 +146,7 @@ async def run_trajectory(
     (optional) goes with every turn's request: an engine with replicas (`ReplicaSet`) sends
     the requests of one key to one replica, where their prefix is cached.
     """
-    if max_turns < 1 or max_tokens_per_turn < 1:
-        raise ValueError("max_turns and max_tokens_per_turn must be >= 1")
-    limit = getattr(engine, "max_model_len", None)
-    if limit is not None and max_total_tokens > limit:
-        raise ValueError(f"max_total_tokens={max_total_tokens} exceeds the engine's "
-                         f"max_model_len={limit}")
+    _check_budgets(engine, max_turns, max_tokens_per_turn, max_total_tokens)
     t_start = time.monotonic()
     prompt = list(env.reset(env_seed if env_seed is not None else (seed or 0)))
     if not prompt:
@@ -235,8 +241,7 @@ async def run_rendered(
     if on_turn is not None:
         raise ValueError("rollout.render: template cannot release OPD turns (a turn of a "
                          "rewritten history has no single context); use render: tokens")
-    if max_turns < 1 or max_tokens_per_turn < 1:
-        raise ValueError("max_turns and max_tokens_per_turn must be >= 1")
+    _check_budgets(engine, max_turns, max_tokens_per_turn, max_total_tokens)
     t_start = time.monotonic()
     es = env_seed if env_seed is not None else (seed or 0)
     env.reset(es)
