@@ -20,6 +20,7 @@ from tsync_mcore.channel.link import connect_learner
 from tsync_mcore.cli import launch
 from tsync_mcore.config import ConfigError, load_config, parse_overrides, resolve
 from tsync_mcore.config import reference as config_doc
+from tsync_mcore.config import rules
 from tsync_mcore.util.net import free_port  # noqa: E402
 
 LAUNCHERS = ["learner", "rollout", "demo", "run"]
@@ -28,7 +29,7 @@ SECRET = b"s" * 32
 
 def test_reference_is_up_to_date_and_every_key_documented():
     missing = [k.dotted for k in config_doc.keys() if not k.doc]
-    assert not missing, f"config keys without a comment in config.py: {missing}"
+    assert not missing, f"config keys without a comment in tsync_mcore/config/: {missing}"
     with open(config_doc.REFERENCE, encoding="utf-8") as f:
         assert f.read() == config_doc.reference(), \
             "docs/guide/config.md is stale: run python -m tsync_mcore.config --reference"
@@ -69,7 +70,7 @@ def test_check_command_fails_on_a_stale_reference(tmp_path, capsys):
 
 
 def test_resolve_makes_every_auto_concrete_and_says_why(monkeypatch):
-    monkeypatch.setattr(config_mod, "_on_gpu", lambda: False)
+    monkeypatch.setattr(rules, "on_gpu", lambda: False)
     cfg = load_config(None, {"model.dtype": "bf16"})
     assert (cfg.learner.token_norm, cfg.rollout.routing, cfg.rollout.dtype, cfg.model.spec,
             cfg.model.attention) == ("trajectory", "balanced", "bf16", "local", "megatron")
@@ -90,8 +91,8 @@ def test_resolve_makes_every_auto_concrete_and_says_why(monkeypatch):
 
 def test_resolve_on_gpu_picks_te_with_or_without_span_forwards(monkeypatch):
     """Span forwards (OPD turns, shared prompts) run on TE layers: `auto` never falls back."""
-    monkeypatch.setattr(config_mod, "_on_gpu", lambda: True)
-    monkeypatch.setattr(config_mod, "_te_available", lambda: True)
+    monkeypatch.setattr(rules, "on_gpu", lambda: True)
+    monkeypatch.setattr(rules, "te_available", lambda: True)
     plain = load_config(None, {"learner.shared_prefix": False})
     assert (plain.model.spec, plain.model.attention) == ("te", "sdpa")
     shared = load_config(None, {})  # shared_prefix defaults to true
@@ -101,18 +102,18 @@ def test_resolve_on_gpu_picks_te_with_or_without_span_forwards(monkeypatch):
     assert opd.model.spec == "te"
     for over in ({}, {"learner.objective": "opd"}):  # an explicit te is accepted with spans
         assert load_config(None, {"model.spec": "te", **over}).model.spec == "te"
-    monkeypatch.setattr(config_mod, "_te_available", lambda: False)
+    monkeypatch.setattr(rules, "te_available", lambda: False)
     no_te = load_config(None, {"learner.objective": "opd"})
     assert no_te.model.spec == "local"
     assert "model.spec: auto -> local (transformer_engine not importable)" in no_te.choices
 
 
 def test_resolve_refuses_impossible_combinations(monkeypatch):
-    monkeypatch.setattr(config_mod, "_on_gpu", lambda: True)
-    monkeypatch.setattr(config_mod, "_te_available", lambda: False)
+    monkeypatch.setattr(rules, "on_gpu", lambda: True)
+    monkeypatch.setattr(rules, "te_available", lambda: False)
     with pytest.raises(ConfigError, match=r"'model.spec'.*needs CUDA.*transformer_engine"):
         load_config(None, {"model.spec": "te"})
-    monkeypatch.setattr(config_mod, "_on_gpu", lambda: False)
+    monkeypatch.setattr(rules, "on_gpu", lambda: False)
     with pytest.raises(ConfigError, match=r"'model.spec'.*needs CUDA"):
         load_config(None, {"model.spec": "te", "learner.shared_prefix": False})
 

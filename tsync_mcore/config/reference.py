@@ -1,8 +1,9 @@
-"""The config reference, docs/guide/config.md, generated from tsync_mcore/config/__init__.py.
+"""The config reference, docs/guide/config.md, generated from the section dataclasses.
 
 Each key's meaning is the comment on its line or the comment lines right above it, read with
-`tokenize` and matched to the dataclass fields with `ast`; defaults and allowed values come
-from the dataclasses themselves. Regenerate after adding keys:
+`tokenize` from the file that defines the field's class (config/model.py, learner.py, ...)
+and matched to the dataclass fields with `ast`; defaults and allowed values come from the
+dataclasses themselves. Regenerate after adding keys:
 
     python -m tsync_mcore.config --reference        # writes docs/guide/config.md
     python -m tsync_mcore.config --check            # exit 1 when docs/guide/config.md is stale
@@ -13,6 +14,8 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
+import inspect
 import io
 import os
 import sys
@@ -21,7 +24,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tsync_mcore import config as config_mod
+from tsync_mcore.config.rules import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REFERENCE = os.path.join(ROOT, "docs", "guide", "config.md")
@@ -72,26 +75,32 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def keys(cls: type = config_mod.Config, prefix: str = "") -> list[Key]:
+def keys(cls: type = Config, prefix: str = "") -> list[Key]:
     """Every leaf key under `cls`, in declaration order, with its type, default and doc."""
-    with open(config_mod.__file__, encoding="utf-8") as f:
-        docs = field_docs(f.read())
-    return list(_walk(cls, prefix, docs))
+    return list(_walk(cls, prefix))
 
 
-def _walk(cls: type, prefix: str, docs: dict):
+@functools.cache
+def _file_docs(path: str) -> dict[tuple[str, str], str]:
+    with open(path, encoding="utf-8") as f:
+        return field_docs(f.read())
+
+
+def _walk(cls: type, prefix: str):
+    # each section's comments are read from its own module (the sections live in several)
+    docs = _file_docs(inspect.getsourcefile(cls))
     hints = typing.get_type_hints(cls)
     default = cls()
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            yield from _walk(tp, f"{prefix}{f.name}.", docs)
+            yield from _walk(tp, f"{prefix}{f.name}.")
         else:
             yield Key(f"{prefix}{f.name}", _type_name(tp), getattr(default, f.name),
                       docs.get((cls.__name__, f.name), ""))
 
 
-def sections(cls: type = config_mod.Config) -> list[tuple[str, type]]:
+def sections(cls: type = Config) -> list[tuple[str, type]]:
     hints = typing.get_type_hints(cls)
     return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)
             if dataclasses.is_dataclass(hints[f.name])]
@@ -149,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     missing = [k.dotted for k in keys() if not k.doc]
     if missing:
-        print(f"error: config keys without a comment in config.py: {', '.join(missing)}",
+        print(f"error: config keys without a comment in tsync_mcore/config/: "
+              f"{', '.join(missing)}",
               file=sys.stderr)
         return 1
     text = reference()
