@@ -121,7 +121,8 @@ def _default(value: Any) -> str:
 def reference() -> str:
     """The text of docs/guide/config.md."""
     out = ["# Config reference", "",
-           "Generated from `tsync_mcore/config/__init__.py` by `python -m tsync_mcore.config --reference`;",
+           "Generated from the section dataclasses in `tsync_mcore/config/` by",
+           "`python -m tsync_mcore.config --reference`;",
            "do not edit by hand. Every key can be set in the YAML file (`section: {key: value}`)",
            "or on any launcher's command line with `--set section.key=value` (repeatable).",
            "`auto` values are resolved at start (`config.resolve`): each choice is logged once",
