@@ -58,6 +58,20 @@ def _source(node: ast.ImportFrom, mod: str, path: str) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+_TYPE_CHECKING = (["TYPE_CHECKING"], ["typing", "TYPE_CHECKING"])
+
+
+def _dotted(node: ast.AST) -> list[str] | None:
+    """`a.b.c` as ["a", "b", "c"]; None for anything but a name and its attributes."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return [node.id, *reversed(parts)]
+
+
 def _import_nodes(tree: ast.Module, typing: bool):
     """Every import statement of the module: top level, in classes, inside functions. Without
     `typing`, those under `if TYPE_CHECKING:` (never run) are left out."""
@@ -66,18 +80,22 @@ def _import_nodes(tree: ast.Module, typing: bool):
         n = todo.pop()
         if isinstance(n, (ast.Import, ast.ImportFrom)):
             yield n
-        elif isinstance(n, ast.If) and not typing and "TYPE_CHECKING" in ast.unparse(n.test):
+        elif isinstance(n, ast.If) and not typing and _dotted(n.test) in _TYPE_CHECKING:
             todo.extend(n.orelse)
         else:
             todo.extend(ast.iter_child_nodes(n))
 
 
 def _imports(mod: str, typing: bool = True) -> set[str]:
-    """tsync_mcore modules `mod` imports anywhere in its file (with `from X import y`, X.y
-    when it is a module)."""
     path = _modules()[mod]
+    return _imports_in(mod, path, _tree(path), typing)
+
+
+def _imports_in(mod: str, path: str, tree: ast.Module, typing: bool) -> set[str]:
+    """tsync_mcore modules `mod` imports anywhere in its file (with `from X import y`, X.y
+    too, which is a module when y is one)."""
     found = set()
-    for n in _import_nodes(_tree(path), typing):
+    for n in _import_nodes(tree, typing):
         if isinstance(n, ast.Import):
             found |= {a.name for a in n.names if a.name.startswith("tsync_mcore")}
         else:
@@ -150,13 +168,26 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_cycle_finder_sees_a_lazy_import_circle():
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    # inside a function, with a relative from-import of a submodule: still an edge
-    tree = ast.parse("def f():\n    from .loop import run\n    from . import types\n")
-    srcs = {_source(n, "pkg.rollout.session", "pkg/rollout/session.py")
-            for n in _import_nodes(tree, typing=False)}
-    assert srcs == {"pkg.rollout.loop", "pkg.rollout"}
-    hidden = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n")
-    assert [type(n) for n in _import_nodes(hidden, typing=False)] == [ast.ImportFrom]
+    # imports inside functions, relative ones, a submodule taken with `from . import`
+    session = ast.parse("import json\n\ndef seed():\n    from ..loop import _turn_seed\n"
+                        "    from . import server\n")
+    found = _imports_in("tsync_mcore.rollout.openai.session",
+                        "tsync_mcore/rollout/openai/session.py", session, typing=False)
+    assert found == {"tsync_mcore.rollout.loop", "tsync_mcore.rollout.loop._turn_seed",
+                     "tsync_mcore.rollout.openai", "tsync_mcore.rollout.openai.server"}
+    loop = ast.parse("class Loop:\n    def run(self):\n"
+                     "        from tsync_mcore.rollout.openai.session import Session\n")
+    graph = {"tsync_mcore.rollout.loop": _imports_in(
+                 "tsync_mcore.rollout.loop", "tsync_mcore/rollout/loop.py", loop, typing=False),
+             "tsync_mcore.rollout.openai.session": found}
+    graph = {m: {t for t in ts if t in graph} for m, ts in graph.items()}
+    assert _find_cycle(graph) == ["tsync_mcore.rollout.loop", "tsync_mcore.rollout.openai.session",
+                                  "tsync_mcore.rollout.loop"]
+    # `if TYPE_CHECKING:` never runs; `if not TYPE_CHECKING:` does
+    hidden = ast.parse("import typing\nif typing.TYPE_CHECKING:\n    import a\n"
+                       "else:\n    import b\nif not TYPE_CHECKING:\n    import c\n")
+    names = [a.name for n in _import_nodes(hidden, typing=False) for a in n.names]
+    assert sorted(names) == ["b", "c", "typing"]
 
 
 def test_no_import_cycles():
@@ -181,16 +212,6 @@ def _module_names(mod: str, path: str, tree: ast.Module, mods) -> dict[str, str]
                 if f"{src}.{a.name}" in mods:
                     names[a.asname or a.name] = f"{src}.{a.name}"
     return names
-
-
-def _dotted(node: ast.AST) -> list[str] | None:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    return [node.id, *reversed(parts)]
 
 
 def _private_uses(mod: str, path: str, tree: ast.Module, mods) -> list[str]:
@@ -224,10 +245,11 @@ def test_private_use_finder():
            "    self._own()\n")
     found = _private_uses("tsync_mcore.model.packed", "tsync_mcore/model/packed.py",
                           ast.parse(src), mods)
-    assert found == ["tsync_mcore.model.packed:2 imports tsync_mcore.model.span._check",
-                     "tsync_mcore.model.packed:5 uses tsync_mcore.model.span._hidden",
-                     "tsync_mcore.model.packed:5 uses tsync_mcore.model.bridge.weights._rule",
-                     "tsync_mcore.model.packed:5 uses tsync_mcore.model.bridge.weights._to_local"]
+    me = "tsync_mcore.model.packed"
+    assert sorted(found) == [f"{me}:2 imports tsync_mcore.model.span._check",
+                             f"{me}:5 uses tsync_mcore.model.bridge.weights._rule",
+                             f"{me}:5 uses tsync_mcore.model.bridge.weights._to_local",
+                             f"{me}:5 uses tsync_mcore.model.span._hidden"]
 
 
 def test_no_private_names_across_modules():
@@ -293,7 +315,8 @@ def test_no_sys_path_edits():
     edits = []
     for top in OUR_PYTHON:
         for path in _walk(os.path.join(ROOT, top)):
-            edits += [f"{os.path.relpath(path, ROOT)}:{line}" for line in _sys_path_edits(_tree(path))]
+            rel = os.path.relpath(path, ROOT)
+            edits += [f"{rel}:{line}" for line in _sys_path_edits(_tree(path))]
     assert not edits, "sys.path edited at:\n" + "\n".join(sorted(edits))
 
 
