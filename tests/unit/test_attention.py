@@ -121,7 +121,7 @@ def test_span_sdpa_path_equals_megatron_attention_fp64(parallel1, tiny_ckpts, na
     assert (out - ref).abs().max().item() <= 1e-12
     assert all((a - b).abs().max().item() <= 1e-12 for a, b in zip(grads, ref_grads))
     # the span forward's own dispatch on the two local cores gives the same
-    assert (span._span_attention(core, q, k, v, offset) - ref).abs().max().item() <= 1e-12
+    assert (span.span_attention(core, q, k, v, offset) - ref).abs().max().item() <= 1e-12
     m_sdpa, _ = bridge.build_model(tiny_ckpts[name], dtype=torch.float64, attention="sdpa")
-    assert (span._span_attention(_core(m_sdpa), q, k, v, offset) - ref).abs().max().item() \
+    assert (span.span_attention(_core(m_sdpa), q, k, v, offset) - ref).abs().max().item() \
         <= 1e-12

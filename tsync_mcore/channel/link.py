@@ -349,8 +349,9 @@ def _threads_created_realtime(enabled: bool):
 
     For a host whose cores the learner shares with the rollout and the channel (the CPU
     overlap benchmark): an I/O thread woken by a message then runs at once instead of
-    waiting for a busy learner's time slice (a release was delayed by up to 230 ms there),
-    and it sleeps again within ~1 ms. Linux only; needs CAP_SYS_NICE."""
+    waiting for a busy learner's time slice, and sleeps again as soon as it has delivered
+    it (the release lags with and without: docs/measured/overlap.md). Linux only; needs
+    CAP_SYS_NICE."""
     if not enabled:
         yield
         return

@@ -154,7 +154,7 @@ class Ack:
     error: str = on_wire(STR, default="")
     reload_time_s: float = on_wire(F64, default=0.0)
     # delta publications: the checksum of the weights each rollout worker now holds,
-    # comma-separated (publish_dist.fold_checksums); rank 0 compares it to its own
+    # comma-separated (publication.dist.fold_checksums); rank 0 compares it to its own
     checksum: str = on_wire(STR, default="")
     bytes_received: int = on_wire(I64, default=0)  # dist: what worker 0 received
 

@@ -11,11 +11,10 @@
                ranks is the same g_G (G1'/G2 and the advantages are linear in the members).
 
 Why per trajectory: completion times and lengths are random, so a fixed group → rank map
-leaves one rank with more of the late, long trajectories and the other idle at the end
-(measured on this repo's benchmark: the two lanes' work differed by 10–15 % per batch).
+leaves one rank with more of the late, long trajectories and the other idle at the end.
 Least-assigned needs no feedback from the learners and is what a streaming learner wants
-too: in a simulation of the paper's release model it matched join-the-shortest-queue with
-known service times (GRPO, 2 ranks, B = 64: 1.70× vs 1.63× static at r = 1).
+too: in a simulation of the paper's release model it did as well as join-the-shortest-queue
+with known service times (figures: docs/measured/overlap-2026-11-30.md, "Routing").
 """
 
 from __future__ import annotations

@@ -108,8 +108,8 @@ def _flag(name: str, v: int, what: str) -> bool:
 def _int_array(name: str, seq) -> np.ndarray:
     if len(seq) == 0:
         return np.empty(0, dtype=np.int64)
-    # numpy infers the type (4x faster than torch.tensor on a list), so floats, bools and
-    # huge ints are caught instead of truncated.
+    # numpy infers the type (and is faster than torch.tensor on a list), so floats, bools
+    # and huge ints are caught instead of truncated.
     a = np.array(seq)
     if a.ndim != 1 or a.dtype.kind not in "iu" or (a.dtype.kind == "u" and a.max() > _INT64[1]):
         raise ChannelError(f"{name} must be a flat sequence of integers within int64, got "

@@ -151,7 +151,7 @@ _SPEC_OF_CLASS = {s.cls: s for s in SPECS.values()}
 def _payload_checksum(payloads: list[np.ndarray]) -> int:
     # Position-weighted CRC-32s: catches swapped, shifted and damaged payloads. zlib, not a
     # torch/numpy reduction: on a reader thread that wakes per message the small C routine
-    # costs a few µs where a tensor reduction cost ~50 µs (cold dispatch paths).
+    # skips the tensor ops' cold dispatch paths (docs/measured/publication.md).
     return sum((j + 1) * zlib.crc32(np.ascontiguousarray(p)) for j, p in enumerate(payloads)
                if p.size) % _MOD
 

@@ -19,7 +19,7 @@ _ACC_DTYPES = (torch.float32, torch.float64)
 # Torch fallback: temporaries (a converted bf16 grad, g1 − mu·g2) are made this many
 # elements at a time into one reused buffer, so they never need a full-size copy and stay
 # in cache between the op that writes them and the one that reads them (1 MiB in fp32;
-# combine_group_ over 1M elements on CPU: 1.1 ms with a fresh full-size temporary, 0.75 ms).
+# the timing: docs/measured/learner-cpu.md).
 _TORCH_CHUNK = 1 << 18
 
 

@@ -30,19 +30,13 @@ import torch.distributed as dist
 
 from tsync_mcore.kernels.scored_logprob import (
     LogprobPartials,
-    _acc_dtype,
-    _all_reduce,
-    _entropy,
-    _finish,
+    acc_dtype,
     logprob_partials,
+    reduce_partials,
     scored_logprob_backward,
 )
 
 __all__ = ["fused_lm_head_logprob", "peak_bytes", "unfused_peak_bytes"]
-
-
-def _group_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def _chunks(n: int, chunk: int):
@@ -54,7 +48,7 @@ class _FusedLMHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_start, tp_group, chunk, with_entropy):
         n = hidden.shape[0]
-        acc = _acc_dtype(hidden.dtype)
+        acc = acc_dtype(hidden.dtype)
         dev = hidden.device
         m = torch.empty(n, dtype=acc, device=dev)
         s = torch.empty(n, dtype=acc, device=dev)
@@ -67,10 +61,8 @@ class _FusedLMHead(torch.autograd.Function):
             if w is not None:
                 w[a:b] = part.w
             del part  # the chunk's logits go here, before the next chunk's exist
-        if _group_size(tp_group) > 1:  # the whole source in one MAX + one SUM collective
-            lse, tgt_sum, ent = _all_reduce(LogprobPartials(m, s, tgt, w), tp_group)
-        else:
-            (lse, tgt_sum), ent = _finish(m, s, tgt), (_entropy(s, w) if with_entropy else None)
+        # the whole source in one MAX + one SUM collective at TP > 1
+        lse, tgt_sum, ent = reduce_partials(LogprobPartials(m, s, tgt, w), tp_group)
         ent = ent if ent is not None else lse.new_empty(0)
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.vocab_start, ctx.chunk = vocab_start, chunk
@@ -86,7 +78,7 @@ class _FusedLMHead(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = None
         if need_w:  # FP32 accumulation across chunks for 16-bit weights
-            grad_w = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device)
+            grad_w = torch.zeros(weight.shape, dtype=acc_dtype(weight.dtype), device=weight.device)
         for a, b in _chunks(hidden.shape[0], ctx.chunk):
             h = hidden[a:b]
             dlogits = scored_logprob_backward(
@@ -146,7 +138,7 @@ def peak_bytes(n_tokens: int, hidden: int, vocab_local: int, chunk: int,
     weights (V_local·H·b), and the [T] lse/partials. The [T, H] hidden states it reads and
     the torch fallback's column-chunked temporaries (bounded, a few MB) are not counted."""
     b = torch.empty((), dtype=dtype).element_size()
-    acc = torch.empty((), dtype=_acc_dtype(dtype)).element_size()
+    acc = torch.empty((), dtype=acc_dtype(dtype)).element_size()
     c = min(chunk, n_tokens)
     product = vocab_local * hidden * b if acc != b else 0
     return (2 * c * vocab_local * b + n_tokens * hidden * b

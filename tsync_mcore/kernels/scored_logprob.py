@@ -26,9 +26,11 @@ from tsync_mcore.kernels.dispatch import backend_for
 
 __all__ = [
     "LogprobPartials",
+    "acc_dtype",
     "all_reduce_partials",
     "combine_partials",
     "logprob_partials",
+    "reduce_partials",
     "scored_logprob",
     "scored_logprob_backward",
 ]
@@ -46,7 +48,8 @@ class LogprobPartials(NamedTuple):
     w: torch.Tensor | None = None  # sum exp(logit - m) * (logit - m); None unless asked
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partials and gradients accumulate in: fp64 for fp64, else fp32."""
     if dtype == torch.float64:
         return torch.float64
     if dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -78,7 +81,7 @@ def _partials_torch(
     logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, entropy: bool = False
 ) -> LogprobPartials:
     n_rows, n_cols = logits.shape
-    acc = _acc_dtype(logits.dtype)
+    acc = acc_dtype(logits.dtype)
     m = torch.full((n_rows,), float("-inf"), dtype=acc, device=logits.device)
     s = torch.zeros(n_rows, dtype=acc, device=logits.device)
     w = torch.zeros(n_rows, dtype=acc, device=logits.device) if entropy else None
@@ -155,7 +158,7 @@ def logprob_partials(
         return _partials_torch(logits, targets, vocab_start, entropy)
     from tsync_mcore.kernels import scored_logprob_kernels as kernels
 
-    acc = _acc_dtype(logits.dtype)
+    acc = acc_dtype(logits.dtype)
     return LogprobPartials(*kernels.partials(logits, targets, vocab_start, acc, block_v, entropy))
 
 
@@ -174,7 +177,7 @@ def scored_logprob_backward(
     with ``grad_ent`` (and the rows' entropy ``ent``) also ``- grad_ent[t] * p * (logits - lse[t] + H[t])``."""
     logits = logits.contiguous()
     targets = targets.to(torch.int64).contiguous()
-    acc = _acc_dtype(logits.dtype)
+    acc = acc_dtype(logits.dtype)
     lse = lse.to(acc).contiguous()
     grad_logp = grad_logp.contiguous()
     if grad_ent is not None:
@@ -245,6 +248,16 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def reduce_partials(part: LogprobPartials, group: dist.ProcessGroup | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(lse, target logit, entropy or None without ``w``) of this rank's rows over the whole
+    vocab: across ``group`` when it has more than one rank, else from this shard alone."""
+    if _group_size(group) > 1:
+        return _all_reduce(part, group)
+    ent = _entropy(part.s, part.w) if part.w is not None else None
+    return (*_finish(part.m, part.s, part.tgt), ent)
+
+
 class _ScoredLogprob(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -256,11 +269,7 @@ class _ScoredLogprob(torch.autograd.Function):
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         part = logprob_partials(logits, targets, vocab_start, entropy=with_entropy)
-        if _group_size(tp_group) > 1:
-            lse, tgt, ent = _all_reduce(part, tp_group)
-        else:
-            lse, tgt = _finish(part.m, part.s, part.tgt)
-            ent = _entropy(part.s, part.w) if with_entropy else None
+        lse, tgt, ent = reduce_partials(part, tp_group)
         ent = ent if ent is not None else lse.new_empty(0)
         ctx.save_for_backward(logits, targets, lse, ent)
         ctx.vocab_start = vocab_start

@@ -1,9 +1,8 @@
 """Core attention for the local layer spec through `torch.nn.functional.scaled_dot_product_attention`.
 
 Megatron's local `DotProductAttention` materializes the [b, heads, sq, sk] score matrix, masks
-and softmaxes it in separate kernels: on an H200 that was ~45 % of a 0.5B learner step's GPU
-time (perf/results/20261130-h200-gpu-profile.json). Without Transformer Engine this module is
-the fast path: SDPA picks a flash / memory-efficient kernel on GPU (a fused math path on CPU),
+and softmaxes it in separate kernels, a large share of a learner step's GPU time (profiles:
+docs/measured/gpu.md). Without Transformer Engine this module is the fast path: SDPA picks a flash / memory-efficient kernel on GPU (a fused math path on CPU),
 with grouped-query attention handled by the kernel instead of repeated K/V.
 
 Same interface and tensor layout as `DotProductAttention` (it subclasses it, so K/V-span

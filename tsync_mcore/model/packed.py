@@ -51,7 +51,7 @@ from torch import Tensor
 
 from tsync_mcore.model.attention import SDPAttention
 from tsync_mcore.model.bridge import unwrap
-from tsync_mcore.model.span import KV, _check_supported, _span_attention, span_mask
+from tsync_mcore.model.span import KV, check_supported, span_attention, span_mask
 from tsync_mcore.platform import upload
 
 __all__ = ["ATTENTION_PATHS", "Segment", "Packed", "packed_forward", "lm_head", "block_mask",
@@ -81,7 +81,7 @@ class Packed:
 def supported(model: torch.nn.Module) -> str | None:
     """None when `model` can run packed (and span) forwards, else why not."""
     try:
-        _check_supported(unwrap(model))
+        check_supported(unwrap(model))
     except (ValueError, TypeError) as e:
         return str(e)
     return None
@@ -207,7 +207,7 @@ def _attend(sa, q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], starts: li
             kk, vv = k[a:a + n], v[a:a + n]
             if p is not None:
                 kk, vv = torch.cat([p.k, kk]), torch.cat([p.v, vv])
-            out.append(_span_attention(core, q[a:a + n], kk, vv, s.offset))
+            out.append(span_attention(core, q[a:a + n], kk, vv, s.offset))
         return out[0] if len(out) == 1 else torch.cat(out)
     keys, values = [], []
     for a, n, p in zip(starts, lengths, pasts):
@@ -241,7 +241,7 @@ def packed_forward(model: torch.nn.Module, segments: list[Segment], *, attention
                    stop_after_kv: bool = False) -> Packed:
     """Run every segment as `span_forward` would alone, in one pass (see the module doc)."""
     gpt = unwrap(model)
-    _check_supported(gpt)
+    check_supported(gpt)
     if attention not in ATTENTION_PATHS:
         raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {attention!r}")
     layers = gpt.decoder.layers

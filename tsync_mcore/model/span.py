@@ -50,7 +50,7 @@ from tsync_mcore.model.attention import SDPAttention, sdpa_sbhd
 from tsync_mcore.model.bridge import HeadInput, head_input, unwrap
 
 __all__ = ["KV", "span_forward", "concat_kv", "detached_leaves", "kv_bytes", "span_mask",
-           "leaf_adjoints", "backward_kv"]
+           "leaf_adjoints", "backward_kv", "check_supported", "span_attention"]
 
 
 @dataclass
@@ -122,7 +122,8 @@ def span_mask(n: int, past_len: int, device: torch.device | None = None) -> Tens
     return torch.triu(full, diagonal=past_len + 1)[None, None]
 
 
-def _check_supported(model: GPTModel) -> None:
+def check_supported(model: GPTModel) -> None:
+    """Raise ValueError when `model` cannot run span (or packed) forwards, saying why."""
     cfg = model.config
     if model.position_embedding_type != "rope" or not (model.pre_process and model.post_process):
         raise ValueError("span_forward needs a RoPE GPTModel holding embedding and output layer")
@@ -161,7 +162,7 @@ def _is_te_attention(core: torch.nn.Module) -> bool:
     return te is not None and isinstance(core, te.DotProductAttention)
 
 
-def _span_attention(core: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, offset: int) -> Tensor:
+def span_attention(core: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, offset: int) -> Tensor:
     """Causal core attention of a span's queries q [n, 1, np, hn] (positions offset..offset+n-1)
     over keys/values k, v [offset+n, 1, ng, hn] -> [n, 1, np·hn]."""
     causal = AttnMaskType.causal
@@ -205,7 +206,7 @@ def span_forward(
     fused LM head (kernels/lm_head.py), which never materializes them.
     """
     gpt = unwrap(model)
-    _check_supported(gpt)
+    check_supported(gpt)
     layers = gpt.decoder.layers
     if tokens.dim() != 1 or tokens.numel() == 0:
         raise ValueError(f"tokens must be a non-empty 1-D tensor, got {tuple(tokens.shape)}")
@@ -240,7 +241,7 @@ def span_forward(
         q = rope_utils.apply_rotary_pos_emb(q, freqs, **rope)
         keys = k if past is None else torch.cat([past[i].k, k])
         values = v if past is None else torch.cat([past[i].v, v])
-        ctx = _span_attention(sa.core_attention, q, keys, values, offset)
+        ctx = span_attention(sa.core_attention, q, keys, values, offset)
         attn = sa.linear_proj(ctx)
         x = layer.self_attn_bda(layer.training, cfg.bias_dropout_fusion)(
             attn, residual, layer.hidden_dropout

@@ -13,7 +13,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from tsync_mcore import platform
 from tsync_mcore.model.attention import SDPAttention
 from tsync_mcore.model.bridge.spec import ModelSpec, load_hf_config
-from tsync_mcore.model.bridge.weights import _expert_parallel, _load_weights
+from tsync_mcore.model.bridge.weights import expert_parallel_layout, load_hf_weights
 
 # --------------------------------------------------------------------------- building
 
@@ -104,7 +104,7 @@ def _moe_config(spec: ModelSpec, aux_loss_coeff: float) -> dict:
         # each router gets a RouterReplay, so the learner can replay or record routing
         # (model/routing_replay.py); with no replay set a router routes itself
         moe_enable_routing_replay=True,
-        expert_model_parallel_size=_expert_parallel()[1],
+        expert_model_parallel_size=expert_parallel_layout()[1],
     )
 
 
@@ -186,7 +186,7 @@ def build_model(
         )
     if mspec.ffn % tp:
         raise ValueError(f"intermediate_size {mspec.ffn} is not divisible by tp {tp}")
-    _, ep, _, etp = _expert_parallel()
+    _, ep, _, etp = expert_parallel_layout()
     if mspec.moe and (mspec.num_experts % ep or mspec.moe_ffn % etp):
         raise ValueError(f"num_experts {mspec.num_experts} must be divisible by ep {ep} and "
                          f"moe_intermediate_size {mspec.moe_ffn} by expert tp {etp}")
@@ -212,7 +212,7 @@ def build_model(
     model = model.to(device=platform.device(), dtype=dtype)
     if load_weights:
         _mark_tensor_parallel(model)
-        _load_weights(model, hf_dir, mspec)
+        load_hf_weights(model, hf_dir, mspec)
     if mspec.moe and tp > 1:
         _moe_without_sequence_parallel(model)
     return model, mspec

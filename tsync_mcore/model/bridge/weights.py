@@ -79,7 +79,7 @@ _LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT_RE = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 
 
-def _rule(mname: str, expert_offset: int = 0) -> tuple[str, list[str]]:
+def param_rule(mname: str, expert_offset: int = 0) -> tuple[str, list[str]]:
     """Megatron parameter name -> (kind, HF names). Kinds of expert parameters start with
     "expert_"; their local index j is global expert `expert_offset + j`."""
     if mname in _TOP_RULES:
@@ -103,7 +103,7 @@ def is_expert_param(mname: str) -> bool:
     return ".mlp.experts.local_experts." in mname
 
 
-def _expert_parallel() -> tuple[int, int, int, int]:
+def expert_parallel_layout() -> tuple[int, int, int, int]:
     """(ep rank, ep size, expert-TP rank, expert-TP size); (0, 1, 0, 1) before init."""
     if not ps.model_parallel_is_initialized():
         return 0, 1, 0, 1
@@ -140,7 +140,7 @@ def hf_param_names(spec: ModelSpec) -> list[str]:
 # --------------------------------------------------------------------------- shard math
 
 
-def _to_local(kind: str, hf: list[torch.Tensor], spec: ModelSpec, rank: int, tp: int):
+def to_local(kind: str, hf: list[torch.Tensor], spec: ModelSpec, rank: int, tp: int):
     """Full HF tensors -> this TP rank's Megatron tensor."""
     kind = kind.removeprefix("expert_")
     if kind == "rep":
@@ -163,7 +163,7 @@ def _to_local(kind: str, hf: list[torch.Tensor], spec: ModelSpec, rank: int, tp:
     raise AssertionError(kind)
 
 
-def _from_shards(kind: str, shards: list[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
+def from_shards(kind: str, shards: list[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
     """All TP ranks' Megatron tensors (rank order) -> full HF tensors."""
     kind = kind.removeprefix("expert_")
     if kind == "rep":
@@ -223,15 +223,17 @@ def load_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
     return {name: weights.get(name) for name in weights.names()}
 
 
-def _load_weights(model: GPTModel, hf_dir: str, spec: ModelSpec) -> None:
+def load_hf_weights(model: GPTModel, hf_dir: str, spec: ModelSpec) -> None:
+    """Copy the checkpoint in `hf_dir` into `model`'s parameters, each rank its own TP and
+    expert-parallel shard."""
     weights = _HFWeights(hf_dir)
     tp_rank = ps.get_tensor_model_parallel_rank()
     tp_size = ps.get_tensor_model_parallel_world_size()
-    ep_rank, ep, etp_rank, etp = _expert_parallel()
+    ep_rank, ep, etp_rank, etp = expert_parallel_layout()
     offset = ep_rank * (spec.num_experts // ep)
     with torch.no_grad():
         for mname, param in model.named_parameters():
-            kind, hf_names = _rule(mname, offset)
+            kind, hf_names = param_rule(mname, offset)
             # experts are split over the expert-TP group (megatron: etp defaults to tp)
             rank, tp = (etp_rank, etp) if kind.startswith("expert_") else (tp_rank, tp_size)
             missing = [n for n in hf_names if n not in weights]
@@ -240,7 +242,7 @@ def _load_weights(model: GPTModel, hf_dir: str, spec: ModelSpec) -> None:
                                     f"Megatron {mname}")
             hf = [weights.get(n) for n in hf_names]
             try:
-                local = _to_local(kind, hf, spec, rank, tp)
+                local = to_local(kind, hf, spec, rank, tp)
             except (RuntimeError, ValueError, IndexError) as e:  # shapes the config contradicts
                 raise ModelDirError(f"model directory {hf_dir}: {hf_names[0]}: {e}") from None
             if local.shape != param.shape:
@@ -254,7 +256,7 @@ def _load_weights(model: GPTModel, hf_dir: str, spec: ModelSpec) -> None:
 
 
 def _canonical_key(spec_order: dict[str, int]) -> Callable[[str], int]:
-    return lambda mname: spec_order[_rule(mname)[1][0]]
+    return lambda mname: spec_order[param_rule(mname)[1][0]]
 
 
 # Replicated params whose grads are partial per TP rank: they act on this rank's heads only
@@ -304,7 +306,7 @@ def iter_hf(
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     group = ps.get_tensor_model_parallel_group() if tp > 1 else None
     for mname in sorted(tensors, key=_canonical_key(order)):
-        kind, hf_names = _rule(mname)
+        kind, hf_names = param_rule(mname)
         if spec.tie and hf_names == ["lm_head.weight"]:
             continue
         local = tensors[mname].detach()
@@ -323,7 +325,7 @@ def iter_hf(
             shards = [local]
         else:
             shards = [local]
-        for name, full in zip(hf_names, _from_shards(kind, shards, spec)):
+        for name, full in zip(hf_names, from_shards(kind, shards, spec)):
             yield name, full.cpu().contiguous()
 
 
@@ -332,13 +334,13 @@ def _gather_expert(mname: str, kind: str, local: torch.Tensor, spec: ModelSpec
     """One local expert tensor -> its full HF tensors for every EP rank's copy of it:
     gathered over the expert-TP group, then over the expert-parallel group (EP rank r holds
     experts r*L .. r*L+L-1, L = num_experts / ep)."""
-    _, ep, _, etp = _expert_parallel()
+    _, ep, _, etp = expert_parallel_layout()
     if etp > 1:
         shards = [torch.empty_like(local) for _ in range(etp)]
         dist.all_gather(shards, local, group=ps.get_expert_tensor_parallel_group())
     else:
         shards = [local]
-    parts = _from_shards(kind, shards, spec)
+    parts = from_shards(kind, shards, spec)
     per_rank = [parts]
     if ep > 1:
         group = ps.get_expert_model_parallel_group()
@@ -351,7 +353,7 @@ def _gather_expert(mname: str, kind: str, local: torch.Tensor, spec: ModelSpec
                 per_rank[r].append(got[r])
     local_experts = spec.num_experts // ep
     for r, tensors in enumerate(per_rank):
-        _, names = _rule(mname, r * local_experts)
+        _, names = param_rule(mname, r * local_experts)
         for name, full in zip(names, tensors):
             yield name, full.cpu().contiguous()
 
@@ -359,3 +361,8 @@ def _gather_expert(mname: str, kind: str, local: torch.Tensor, spec: ModelSpec
 def export_hf_state_dict(model: torch.nn.Module, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """`export_hf` of the model's parameters (DDP-wrapped models are fine)."""
     return export_hf(dict(model.named_parameters()), spec)
+
+
+# The old private names, which learner/export.py still reads (bridge.weights._rule …): drop
+# these when it reads param_rule / to_local / from_shards (issue 46's merge).
+_rule, _to_local, _from_shards = param_rule, to_local, from_shards

@@ -23,9 +23,9 @@ composite ops as the ops they decompose into, e.g. `.item()` as `_local_scalar_d
 that never reach the dispatcher on a CPU tensor (`tolist`, `numpy`, `cpu`, `to`, tensor
 construction) are intercepted at the Python level while the counter is entered and restored
 on exit; one such call is one synchronising call (the ops it dispatches are not counted
-again as syncs). The dispatch mode costs ~10 µs of Python per op, so measure host time with
-`ops=False` (no mode, the interceptions only: they cost nothing measurable) and count ops
-in a separate pass. Host time is the entering thread's CPU time (`time.thread_time_ns`),
+again as syncs). The dispatch mode costs Python time per op, of the order of the op itself
+on small tensors (docs/measured/learner-cpu.md), so measure host time with `ops=False` (no
+mode, the interceptions only) and count ops in a separate pass. Host time is the entering thread's CPU time (`time.thread_time_ns`),
 charged to the innermost open section; on GPU the autograd engine runs backward in its own
 threads, whose CPU time is not included. `cuda_sync_debug=True` (CUDA only) also counts
 torch's own sync warnings (`torch.cuda.set_sync_debug_mode("warn")`) per section, as a
