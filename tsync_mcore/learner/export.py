@@ -158,7 +158,7 @@ def _expected_local(spec, names: list[str], tp: int, where: str
     out, covered = {}, {}
     for mname in names:
         try:
-            kind, hf_names = bridge.weights._rule(mname)
+            kind, hf_names = bridge.weights.param_rule(mname)
         except KeyError:
             raise ExportError(f"{where}: unexpected model tensor {mname!r}") from None
         if spec.tie and hf_names == ["lm_head.weight"]:
@@ -172,7 +172,7 @@ def _expected_local(spec, names: list[str], tp: int, where: str
             covered[n] = mname
         # the bridge's own shard rule, on shape-only tensors
         meta = [torch.empty(full[n], device="meta") for n in hf_names]
-        shapes = [bridge.weights._to_local(kind, meta, spec, r, tp).shape for r in range(tp)]
+        shapes = [bridge.weights.to_local(kind, meta, spec, r, tp).shape for r in range(tp)]
         out[mname] = (kind, hf_names, shapes)
     missing = [n for n in full if n not in covered]
     if missing:
@@ -236,7 +236,7 @@ def merged_weights(ckpt_dir: str, spec, dtype: torch.dtype
             raise ExportError(f"checkpoint {ckpt_dir}: replicated tensor 'model.{mname}' "
                               f"differs between TP ranks")
         # the bridge's shard rules (private there: shared with its TP-gathering export_hf)
-        for name, full in zip(hf_names, bridge.weights._from_shards(kind, parts, spec)):
+        for name, full in zip(hf_names, bridge.weights.from_shards(kind, parts, spec)):
             out[name] = full.contiguous()
     return dict(sorted(out.items(), key=lambda kv: order[kv[0]])), meta
 

@@ -361,8 +361,3 @@ def _gather_expert(mname: str, kind: str, local: torch.Tensor, spec: ModelSpec
 def export_hf_state_dict(model: torch.nn.Module, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """`export_hf` of the model's parameters (DDP-wrapped models are fine)."""
     return export_hf(dict(model.named_parameters()), spec)
-
-
-# The old private names, which learner/export.py still reads (bridge.weights._rule …): drop
-# these when it reads param_rule / to_local / from_shards (issue 46's merge).
-_rule, _to_local, _from_shards = param_rule, to_local, from_shards
