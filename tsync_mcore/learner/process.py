@@ -88,7 +88,7 @@ class Trainer:
             self.version, self.data_pos = meta["version"], meta["data_pos"]
         self._restart_records(ckpt if resume else None)
         self.learner = Learner(cfg.learner, self.policy, self.version)
-        self.learner.cost_model = cfg.learner.pack_arrivals  # stream or wait: _pair_pays
+        self.learner.cost.on = cfg.learner.pack_arrivals  # stream or wait (pass_cost.py)
         self.dropped_in_a_row = 0  # batches skipped for a non-finite gradient, in a row
         # Rank 0's publication ledger: versions published and not yet acknowledged (oldest
         # first), and the version acknowledged last (its file is what a replica reloads).
@@ -129,8 +129,9 @@ class Trainer:
                                            self.publish_dir, rollout_dtype=cfg.rollout.dtype,
                                            secret=channel_secret(cfg))
         # Manual GC (as Megatron's --manual-gc): Python's automatic full passes walk every
-        # object of the model and its imports and hold the GIL meanwhile, 200-380 ms here,
-        # mid-stream: the serving thread and the channel reader both stop. Set-up's objects
+        # object of the model and its imports and hold the GIL meanwhile, mid-stream: the
+        # serving thread and the channel reader both stop (docs/measured/learner-process.md has
+        # what a pass cost). Set-up's objects
         # are frozen out of collection; a pass runs every run.gc_every updates, while the
         # rollout reloads the published weights.
         self.gc_s = 0.0
@@ -243,7 +244,7 @@ class Trainer:
         except (ValueError, SourceError) as e:
             raise LearnerStopped(f"rollout registered batch {reg.version} the learner cannot "
                                  f"train: {e}") from None
-        waits = self.learner.schedule not in ASYNC_SCHEDULES  # for θ_{k+1}'s acknowledgement
+        waits = self.learner.batch.schedule not in ASYNC_SCHEDULES  # for θ_{k+1}'s acknowledgement
         if self.policy.ep_size > 1:
             close = self._stream_in_lockstep(plan)
         else:
@@ -260,7 +261,7 @@ class Trainer:
                     break
         # The tail counts from the close's arrival (reader thread), not from when this loop
         # got to it: a streaming learner still serving queued sources reads it late, and
-        # that serving is tail too (measured here: 0.2 s reported vs 0.45 s actual, GRPO r=1).
+        # that serving is tail too.
         t_closed = self.link.last_arrival
         try:
             result = self.learner.close()
@@ -278,9 +279,9 @@ class Trainer:
         t_publish = time.perf_counter()
         self._publish()
         t_published = time.perf_counter()
-        # Recorded while the replicas load θ (seconds on a real rollout), so the learner is
-        # ready for the next batch once they acknowledge it: recording after the ack took
-        # 10-70 ms here, and the next batch's first sources waited for it.
+        # Recorded while the replicas load θ, so the learner is ready for the next batch
+        # once they acknowledge it: recorded after the ack, the next batch's first sources
+        # waited for it.
         stale = sum(1 for r in trace.sources(result.trace)
                     if r.policy_version != result.policy_version)
         # F_k: this DP rank's work from its trace (TP ranks of one DP rank share it), summed.
@@ -314,7 +315,7 @@ class Trainer:
             checkpoint.save(cfg.run.dir, self.policy, self.version, self.data_pos)
         metrics = dict(
             step=self.version, policy_version=result.policy_version, ok=True,
-            schedule=self.learner.schedule, objective=cfg.learner.objective,
+            schedule=done.schedule, objective=cfg.learner.objective,
             step_wall_time_s=step_s, rollout_time_s=close.rollout_time_s,
             learner_tail_s=t_stepped - t_closed, publish_time_s=t_end - t_publish,
             gc_s=self.gc_s, reward_mean=close.reward_mean,

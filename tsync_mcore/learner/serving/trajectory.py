@@ -360,8 +360,7 @@ class TrajectoryKind:
             scale, mu = self.up.objective.closure(self._group_rewards(g),
                                                  self.up.acc.shift_of(g), self.up.cfg.adv_eps,
                                                  self.up.adv_ddof, self.up.norm.group_mean)
-            self.up.acc.close_group(g, scale, mu)
-            self.up.committed.add(g)
+            self.up.acc.close_group(g, scale, mu)  # in the batch now (acc.committed)
         self.closure[g] = (scale, mu)
         return scale, mu
 

@@ -255,8 +255,7 @@ class TurnKind:
                 traj_id=None, ready=start, start=start, end=self.up.now(),
                 cpu=time.thread_time() - cpu0, spans=[(n, 0)]))
         if self.up.acc.is_open(g):
-            self.up.acc.close_group(g, 1.0, -1.0)  # batch += the group's gradient sum
-            self.up.committed.add(g)
+            self.up.acc.close_group(g, 1.0, -1.0)  # batch += its gradient sum
 
     def drop(self, g: str) -> None:
         for t in [t for t, c in self.ctx.items() if self.up.member_of[t] == g]:
