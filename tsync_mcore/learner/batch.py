@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tsync_mcore.channel.sources import BatchPlan
+from tsync_mcore.learner.minibatch import MiniBatches
 from tsync_mcore.learner.schedule import ReadinessQueue
 from tsync_mcore.observability.trace import Record, SourceRecord
 
@@ -29,7 +30,7 @@ class BatchState:
     kl: torch.Tensor  # Σ of the KL estimator over the scored tokens served with it (device)
     queue: ReadinessQueue | None = None  # set by begin once the mini-batch split is known
     # learner.minibatches > 1: the later mini-batches (learner/minibatch.py); None: one step
-    mb: object | None = None
+    mb: MiniBatches | None = None
     kl_tokens: int = 0
     arrived: dict[str, object] = field(default_factory=dict)  # by unit key, served here or not
     records: dict[str, SourceRecord] = field(default_factory=dict)  # units given to this rank

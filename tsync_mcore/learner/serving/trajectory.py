@@ -202,25 +202,27 @@ class TrajectoryKind:
         """The source's forward and backward of −w·Σ_t ρ_t log π (+ aux_w·R_i on a direct
         fold); returns R_i's loss, graph kept, when a pair fold must backpropagate it apart."""
         up = self.up
-        if not up.reg.active:  # exactly the path without regularisers
-            if prefix is None:
-                up.policy.backward_source(list(src.tokens), list(src.scored_mask), w,
-                                         up.off_policy, src.behaviour_logprobs)
-            else:
-                prefix.backward_continuation(up.policy, src, w, up.off_policy)
-            return None
+        reg = up.reg.active
         if prefix is None:
-            logp, ent = up.policy.forward_source(list(src.tokens), list(src.scored_mask),
-                                                 with_entropy=True)
+            out = up.policy.forward_source(list(src.tokens), list(src.scored_mask),
+                                           with_entropy=reg)
         else:
-            logp, ent = prefix.forward_continuation(up.policy, src, with_entropy=True)
+            out = prefix.forward_continuation(up.policy, src, with_entropy=reg)
+        logp, ent = out if reg else (out, None)
         rho = up.off_policy.weights(logp, behaviour_at(src.behaviour_logprobs,
                                                       src.scored_mask[q:], q))
-        pg = -f32(w) * weighted_logp_sum(logp, rho)
-        aux = up.regularizer(src.tokens, src.scored_mask, q, logp, ent, aux_w)
-        direct = fold == "direct"  # a pair fold keeps the graph for R_i's own backward
-        (pg + aux if direct else pg).backward(retain_graph=not direct)
-        return None if direct else aux
+        apart = None  # R_i's loss, when a pair fold backpropagates it on its own
+        if not reg:  # exactly the path without regularisers
+            loss = -w * weighted_logp_sum(logp, rho)
+        else:
+            loss = -f32(w) * weighted_logp_sum(logp, rho)
+            aux = up.regularizer(src.tokens, src.scored_mask, q, logp, ent, aux_w)
+            if fold == "direct":
+                loss = loss + aux
+            else:
+                apart = aux
+        loss.backward(retain_graph=apart is not None)  # kept for R_i's own backward
+        return apart
 
     def _group_mean(self, g: str) -> float:
         """1/m_G when the token norm keeps the group mean (R_i's share of it), else 1."""
