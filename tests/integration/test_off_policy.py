@@ -286,10 +286,11 @@ def test_token_versions_give_the_lag_per_token(tiny_qwen2, parallel1, off_policy
         tv.append([1] * cut + [2] * (len(r["tokens"]) - cut))
     srcs = _sources([dict(r, policy_version=1, token_versions=v) for r, v in zip(rows, tv)])
     learner = _learner(tiny_qwen2, parallel1, version=2, schedule="fully_async", max_staleness=1)
-    u = _update(learner, srcs).summary
+    res = _update(learner, srcs)
+    u = res.summary
     old = [sum(m for m, v in zip(r["scored_mask"], t) if v == 1) for r, t in zip(rows, tv)]
     n = sum(sum(r["scored_mask"]) for r in rows)
-    recs = {r.traj_id: r for r in _update_records(learner)}
+    recs = {r.traj_id: r for r in _update_records(res)}
     assert [recs[r["traj_id"]].lagged_tokens for r in rows] == old
     assert all(recs[r["traj_id"]].policy_lag == 1 for r in rows)
     assert u.policy_lag_max == 1 and u.lagged_token_share == pytest.approx(sum(old) / n)
@@ -304,8 +305,8 @@ def test_token_versions_give_the_lag_per_token(tiny_qwen2, parallel1, off_policy
     learner.abort()
 
 
-def _update_records(learner):
-    return [r for r in learner.trace if isinstance(r, SourceRecord)]
+def _update_records(result):
+    return [r for r in result.trace if isinstance(r, SourceRecord)]
 
 
 def test_own_behaviour_gives_weights_of_one_and_reports_the_mismatch(tiny_qwen2, parallel1):

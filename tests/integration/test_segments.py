@@ -162,7 +162,7 @@ def test_a_group_completes_only_with_every_segment(tiny_qwen2, parallel1, rows):
     for s in srcs:
         if s not in held:
             ln.submit(s)
-    assert not ln.queue.is_complete("g0")
+    assert not ln.batch.queue.is_complete("g0")
     assert ln.waiting_for() == [f"{three.traj_id}/2"]
     with pytest.raises(SourceError, match=f"{three.traj_id}/2 missing"):
         ln.close()

@@ -184,7 +184,7 @@ def test_served_sources_make_no_more_syncs_than_documented(tiny_qwen2, parallel1
     assert worst.tally.syncs <= limit, (
         f"unit {worst.key!r} made {worst.tally.syncs} synchronising calls (documented: "
         f"{limit} per served source); on the serving path: {dict(sites)}")
-    # submit's own work (validation, admission) outside _serve is per source too
+    # submit's own work (validation, admission) outside serve_pass is per source too
     assert hc.sections["submit"].syncs == 0, dict(hc.sync_sites(("submit",)))
     assert max(u.tally.cuda_syncs for u in hc.units) <= limit
 

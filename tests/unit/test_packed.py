@@ -505,15 +505,12 @@ def test_config_key(tmp_path):
 
 
 def test_pair_pass_waits_only_within_its_overhead_of_the_expected_last_arrival():
-    from types import SimpleNamespace
-
-    from tsync_mcore.learner.update import Learner
+    from tsync_mcore.learner.pass_cost import PassCost
 
     def pays(now, end=6.0, overhead=0.5, kind="trajectory", pack_arrivals=True):
-        up = SimpleNamespace(cost_model=pack_arrivals,
-                             kind=SimpleNamespace(name=kind), pair_overhead_s=overhead,
-                             arrivals_end=end, now=lambda: now)
-        return Learner._pair_pays(up)
+        cost = PassCost()
+        cost.on, cost.pair_overhead_s, cost.arrivals_end = pack_arrivals, overhead, end
+        return cost.pair_pays(now, kind)
 
     # a pass that overruns the expected end still pays while the overrun is less than
     # the share of the packed pass it takes away

@@ -3,6 +3,9 @@
 process     the learner rank's loop: join the channel, run updates, publish, checkpoint
 update      ONE update, top to bottom: begin → accept → serve what the schedule releases
             → barrier → reduce → clip → one optimizer step
+batch       the one batch's state (BatchState), from begin to the step
+lockstep, minibatch, pass_cost   the update's variants: EP lockstep, PPO mini-batches 2..m,
+            when a pair pass waits to pack; figures: the close's lag/mismatch/KL figures
 schedule    the readiness queue: release units, their dependencies and release rules
 serving/    how each source kind is served (GRPO trajectories, OPD turns, expert routes),
             through a narrow view of the update (serving/view.py)

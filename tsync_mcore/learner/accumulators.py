@@ -69,6 +69,9 @@ class GradAccumulators:
         self._free: list[list[torch.Tensor]] = []  # pooled vectors, with stale data
         self.open: dict[str, _Pair] = {}
         self.batch = self._new()
+        # groups with gradient in `batch` (or on its way: Learner.fold_later): they can no
+        # longer be left out of the update
+        self.committed: set[str] = set()
         self.peak_bytes = self.bytes_allocated
 
     def _new(self) -> list[torch.Tensor]:
@@ -101,10 +104,17 @@ class GradAccumulators:
         return [g if g.device == d else g.to(d, non_blocking=False)
                 for g, d in zip(grads, self._devices)]
 
-    def fold_direct(self, grads: list[torch.Tensor], coef: float) -> None:
-        """batch += coef · H (advantage already known: sync and group_ready)."""
+    def fold_direct(self, grads: list[torch.Tensor], coef: float, groups=()) -> None:
+        """batch += coef · H (advantage already known: sync and group_ready), H being the
+        gradient of `groups`."""
         for acc, g in zip(self.batch, self._staged(grads)):
             K.axpy_(acc, g, f32(coef))
+        self.committed.update(groups)
+
+    def commit(self, groups) -> None:
+        """`groups` are in the batch from now on (their gradient waits in the grad buffers
+        for the next fold)."""
+        self.committed.update(groups)
 
     def open_group(self, group_id: str, shift: float) -> None:
         """Give a group its accumulator; `shift` is c, its first folded reward."""
@@ -180,6 +190,7 @@ class GradAccumulators:
     def close_group(self, group_id: str, scale: float, mu: float) -> None:
         """batch += scale · (G1' − mu·G2) + G3; the vectors return to the pool as they are."""
         pair = self.open.pop(group_id)
+        self.committed.add(group_id)
         if pair.g3 is not None:
             for acc, g3 in zip(self.batch, pair.g3):
                 K.axpy_(acc, g3, 1.0)
@@ -212,6 +223,7 @@ class GradAccumulators:
             self._release(self.open.pop(gid))
         for t in self.batch:
             t.zero_()
+        self.committed.clear()
 
     def release_pool(self) -> None:
         self._free.clear()

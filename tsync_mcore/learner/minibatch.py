@@ -66,7 +66,7 @@ class MiniBatches:
         self.held[src.key] = src
         if src.n_scored == 0:
             return
-        if self.ln.schedule == "sync":
+        if self.ln.batch.schedule == "sync":
             self.pending.append(src)
             return
         self._old_logprob(src)
@@ -79,7 +79,7 @@ class MiniBatches:
 
     def _old_logprob(self, src) -> None:
         ln = self.ln
-        rec = ln.records[src.key]
+        rec = ln.batch.records[src.key]
         start, cpu0 = ln.now(), time.thread_time()
         with torch.no_grad():
             old = ln.policy.forward_source(list(src.tokens), list(src.scored_mask))
@@ -108,7 +108,7 @@ class MiniBatches:
     def _one(self, j: int, groups: list[str], export_grad: bool):
         ln = self.ln
         ln.acc.reset()
-        srcs = [ln.plan.groups[g] for g in groups]
+        srcs = [ln.batch.plan.groups[g] for g in groups]
         srcs = [self.held[t] for ts in srcs for t in ts if t in self.held]
         for pack in self._passes(srcs):
             self._serve(pack, j)
@@ -116,12 +116,12 @@ class MiniBatches:
         ln.acc.fold_direct(ln.policy.grad_buffers(), 1.0)
         ln.policy.zero_grads()
         n_scored = int(ln.policy.dp_sum(scored))
-        n_traj = sum(len(ln.plan.groups[g]) for g in groups)
+        n_traj = sum(len(ln.batch.plan.groups[g]) for g in groups)
         scale = ln.norm.batch_scale(len(groups), n_traj, n_scored, ln.cfg.token_norm_constant)
         last = j == len(self.parts)
         step = ln.policy.apply_and_step(ln.acc.batch, scale, export_grad=export_grad,
                                         schedule_step=last)
-        ln.minibatch_tokens.append(n_scored)
+        ln.batch.minibatch_tokens.append(n_scored)
         return step
 
     def _passes(self, srcs: list) -> list[list]:
@@ -164,31 +164,17 @@ class MiniBatches:
                 g = src.group_id
                 adv = ln.kind.advantage(src)
                 w = ln.norm.source_weight(src.scored_in_trajectory) * (
-                    1.0 / len(ln.plan.groups[g]) if ln.norm.group_mean else 1.0)
+                    1.0 / len(ln.batch.plan.groups[g]) if ln.norm.group_mean else 1.0)
                 old = self.old[src.key]
                 losses, cut, lower = self.clip.token_losses(logp, old, adv)
                 loss = loss + f32(w) * weighted_logp_sum(losses, self.rho[src.key])
                 if reg:
                     loss = loss + ln.regularizer(src.tokens, src.scored_mask, 0, logp, ent, w)
                 self._count(cut, lower, old - logp.detach())
-                ln.scored[g] = ln.scored.get(g, 0) + src.n_scored
             loss.backward()
-        end, cpu = ln.now(), time.thread_time() - cpu0
-        total = sum(s.n_tokens for s in pack) or 1
-        t = start
-        ln.passes += len(pack) > 1
-        for src in pack:  # the pass's time split over its sources by tokens
-            share = src.n_tokens / total
-            rec = ln.records[src.key]
-            rec.start, rec.end, rec.cpu = t, t + (end - start) * share, cpu * share
-            t = rec.end
-            rec.fold, rec.minibatch = "direct", j
-            rec.span_tokens, rec.logits = src.n_tokens, src.n_scored > 0
-            rec.fused_head = rec.logits and ln.policy.fused_head
-            rec.reference_tokens = ln._reference_tokens(src)
-            rec.pass_id = ln.passes if len(pack) > 1 else None
-            ln.lag_sums[src.key] = ln._lag(src)[0]
-            ln.trace.append(rec)
+        ln.record_pass([(src, None, dict(span_tokens=src.n_tokens, context=0,
+                                         logits=src.n_scored > 0)) for src in pack],
+                       start, ln.now(), time.thread_time() - cpu0, minibatch=j)
 
     def _count(self, cut, lower, neg_kl) -> None:
         s = self.stats

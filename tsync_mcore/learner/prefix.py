@@ -27,8 +27,6 @@ import torch
 from tsync_mcore.learner.accumulators import f32
 from tsync_mcore.model.packed import Segment
 from tsync_mcore.model.span import KV, backward_kv, detached_leaves, kv_bytes
-from tsync_mcore.objectives.off_policy import (OffPolicy, behaviour_at,
-                                               weighted_logp_sum)
 from tsync_mcore.platform import upload
 from tsync_mcore.channel.sources import TrajectorySource
 
@@ -138,17 +136,6 @@ class SharedPrefix:
         pos = policy.positions(src.scored_mask[q:])
         out, _ = policy.span_forward(ids, q, self.leaves)  # logits, or the fused head's input
         return policy.scored_logprob(out, ids, pos, with_entropy=with_entropy)
-
-    def backward_continuation(self, policy, src: TrajectorySource, weight: float,
-                              off_policy: OffPolicy | None = None) -> None:
-        """grads += ∇[−w Σ ρ_t log π] of the continuation; leaves.grad = its boundary
-        adjoint (every ρ_t is the continuation's: the adjoint carries them into the
-        prompt's backward)."""
-        q = len(self.tokens)
-        logp = self.forward_continuation(policy, src)
-        rho = off_policy.weights(logp, behaviour_at(src.behaviour_logprobs,
-                                                    src.scored_mask[q:], q)) if off_policy else None
-        (-weight * weighted_logp_sum(logp, rho)).backward()
 
     def _take_adjoint(self, leaves: list[KV] | None = None) -> list[torch.Tensor]:
         adj = []

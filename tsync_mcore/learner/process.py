@@ -88,7 +88,7 @@ class Trainer:
             self.version, self.data_pos = meta["version"], meta["data_pos"]
         self._restart_records(ckpt if resume else None)
         self.learner = Learner(cfg.learner, self.policy, self.version)
-        self.learner.cost_model = cfg.learner.pack_arrivals  # stream or wait: _pair_pays
+        self.learner.cost.on = cfg.learner.pack_arrivals  # stream or wait (pass_cost.py)
         self.dropped_in_a_row = 0  # batches skipped for a non-finite gradient, in a row
         # Rank 0's publication ledger: versions published and not yet acknowledged (oldest
         # first), and the version acknowledged last (its file is what a replica reloads).
@@ -97,6 +97,7 @@ class Trainer:
         self.t_ready = 0.0  # the rollout's first acknowledgement: training starts
         self.t_published = 0.0  # the last publication (an async step's period ends there)
         self.finishing = ""  # why the run ends after this update ("": it goes on)
+        self.register_wait_s: float | None = None  # the next registration's wait, if longer
         self.publish_dir = publish.resolve_dir(cfg.publish, cfg.run.dir)
         if self.par.rank == 0 and cfg.publish.method == "file":
             try:
@@ -129,8 +130,9 @@ class Trainer:
                                            self.publish_dir, rollout_dtype=cfg.rollout.dtype,
                                            secret=channel_secret(cfg))
         # Manual GC (as Megatron's --manual-gc): Python's automatic full passes walk every
-        # object of the model and its imports and hold the GIL meanwhile, 200-380 ms here,
-        # mid-stream: the serving thread and the channel reader both stop. Set-up's objects
+        # object of the model and its imports and hold the GIL meanwhile, mid-stream: the
+        # serving thread and the channel reader both stop (docs/measured/learner-process.md has
+        # what a pass cost). Set-up's objects
         # are frozen out of collection; a pass runs every run.gc_every updates, while the
         # rollout reloads the published weights.
         self.gc_s = 0.0
@@ -222,45 +224,14 @@ class Trainer:
             pass
 
     def _update(self) -> None:
-        cfg = self.cfg
-        # rank 0 takes acknowledgements queued before it
-        reg = self._recv(RegisterBatch, getattr(self, "register_wait_s", None))
-        self.register_wait_s = None
-        # The step (and the trace's clock) starts when the registration arrived, not when
-        # this loop got to it.
-        t_start = self.link.last_arrival
-        if reg.version != self.version:
-            raise LearnerStopped(f"rollout registered a batch for policy version {reg.version}, "
-                                 f"the learner is at {self.version}")
-        if reg.objective != cfg.learner.objective:
-            raise LearnerStopped(f"rollout registered a {reg.objective!r} batch, this learner "
-                                 f"trains {cfg.learner.objective!r}: both sides must run the "
-                                 f"same config")
-        plan = BatchPlan(groups={g: list(ts) for g, ts in reg.groups.items()},
-                         n_turns=dict(reg.n_turns))
-        try:
-            self.learner.begin(plan, schedule=reg.schedule, routing=reg.routing, t0=t_start)
-        except (ValueError, SourceError) as e:
-            raise LearnerStopped(f"rollout registered batch {reg.version} the learner cannot "
-                                 f"train: {e}") from None
-        waits = self.learner.schedule not in ASYNC_SCHEDULES  # for θ_{k+1}'s acknowledgement
-        if self.policy.ep_size > 1:
-            close = self._stream_in_lockstep(plan)
-        else:
-            # learner.pack_arrivals: every message already here is handed over before the
-            # next pass, so the learner packs what arrived while it was busy
-            serve = not cfg.learner.pack_arrivals
-            self._pass_due, self._handing_since = False, None
-            while True:
-                msg = self._next_message()
-                if msg is None:
-                    continue  # served one pass
-                close = self._take_message(msg, plan, serve)
-                if close is not None:
-                    break
+        """One update: registration → sources streamed in and served as they arrive → close
+        (reduce, clip, one step) → publish θ_{k+1} → record it while the replicas load θ →
+        (synchronous schedules) their acknowledgement."""
+        reg, plan, t_start = self._register()
+        close = self._stream(plan)
         # The tail counts from the close's arrival (reader thread), not from when this loop
         # got to it: a streaming learner still serving queued sources reads it late, and
-        # that serving is tail too (measured here: 0.2 s reported vs 0.45 s actual, GRPO r=1).
+        # that serving is tail too.
         t_closed = self.link.last_arrival
         try:
             result = self.learner.close()
@@ -278,9 +249,19 @@ class Trainer:
         t_publish = time.perf_counter()
         self._publish()
         t_published = time.perf_counter()
-        # Recorded while the replicas load θ (seconds on a real rollout), so the learner is
-        # ready for the next batch once they acknowledge it: recording after the ack took
-        # 10-70 ms here, and the next batch's first sources waited for it.
+        self._record(result, plan, close, t_start=t_start, t_closed=t_closed,
+                     t_stepped=t_stepped, t_publish=t_publish, t_published=t_published)
+
+    def _record(self, result, plan: BatchPlan, close: CloseBatch, *,
+                t_start: float, t_closed: float, t_stepped: float, t_publish: float,
+                t_published: float) -> None:
+        """The update's metrics, trace, garbage pass and checkpoint, then (synchronous
+        schedules) the wait for θ_{k+1}'s acknowledgement."""
+        cfg, done = self.cfg, result.summary
+        waits = done.schedule not in ASYNC_SCHEDULES  # for θ_{k+1}'s acknowledgement
+        # Recorded while the replicas load θ, so the learner is ready for the next batch
+        # once they acknowledge it: recorded after the ack, the next batch's first sources
+        # waited for it.
         stale = sum(1 for r in trace.sources(result.trace)
                     if r.policy_version != result.policy_version)
         # F_k: this DP rank's work from its trace (TP ranks of one DP rank share it), summed.
@@ -314,7 +295,7 @@ class Trainer:
             checkpoint.save(cfg.run.dir, self.policy, self.version, self.data_pos)
         metrics = dict(
             step=self.version, policy_version=result.policy_version, ok=True,
-            schedule=self.learner.schedule, objective=cfg.learner.objective,
+            schedule=done.schedule, objective=cfg.learner.objective,
             step_wall_time_s=step_s, rollout_time_s=close.rollout_time_s,
             learner_tail_s=t_stepped - t_closed, publish_time_s=t_end - t_publish,
             gc_s=self.gc_s, reward_mean=close.reward_mean,
@@ -342,6 +323,47 @@ class Trainer:
         if self.par.rank == 0:
             self.tracker.log(metrics, step=self.version)
             print("STEP " + json.dumps(metrics), flush=True)
+
+    def _register(self) -> tuple[RegisterBatch, BatchPlan, float]:
+        """The batch's registration, checked and begun; returns it, its plan and when it
+        arrived (the step and the trace's clock start there, not when this loop got to it)."""
+        cfg = self.cfg
+        # rank 0 takes acknowledgements queued before it
+        reg = self._recv(RegisterBatch, self.register_wait_s)
+        self.register_wait_s = None
+        t_start = self.link.last_arrival
+        if reg.version != self.version:
+            raise LearnerStopped(f"rollout registered a batch for policy version {reg.version}, "
+                                 f"the learner is at {self.version}")
+        if reg.objective != cfg.learner.objective:
+            raise LearnerStopped(f"rollout registered a {reg.objective!r} batch, this learner "
+                                 f"trains {cfg.learner.objective!r}: both sides must run the "
+                                 f"same config")
+        plan = BatchPlan(groups={g: list(ts) for g, ts in reg.groups.items()},
+                         n_turns=dict(reg.n_turns))
+        try:
+            self.learner.begin(plan, schedule=reg.schedule, routing=reg.routing, t0=t_start)
+        except (ValueError, SourceError) as e:
+            raise LearnerStopped(f"rollout registered batch {reg.version} the learner cannot "
+                                 f"train: {e}") from None
+        return reg, plan, t_start
+
+    def _stream(self, plan: BatchPlan) -> CloseBatch:
+        """Hand the batch's messages to the learner, serving between them, until its
+        CloseBatch."""
+        if self.policy.ep_size > 1:
+            return self._stream_in_lockstep(plan)
+        # learner.pack_arrivals: every message already here is handed over before the
+        # next pass, so the learner packs what arrived while it was busy
+        serve = not self.cfg.learner.pack_arrivals
+        self._pass_due, self._handing_since = False, None
+        while True:
+            msg = self._next_message()
+            if msg is None:
+                continue  # served one pass
+            close = self._take_message(msg, plan, serve)
+            if close is not None:
+                return close
 
     def _skipped(self, result, reg: RegisterBatch) -> None:
         """The reduced gradient was not finite and the step did not run: θ_k and the

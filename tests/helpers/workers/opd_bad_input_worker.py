@@ -46,7 +46,7 @@ def main(hf_dir: str) -> None:
     for t in first:
         learner.submit(t)
     learner.submit(early)
-    held = early.key in learner.arrived and learner.kind.ctx.get(early.traj_id) is None
+    held = early.key in learner.batch.arrived and learner.kind.ctx.get(early.traj_id) is None
     learner.submit(late)
     served = len(learner.kind.ctx.get(late.traj_id).turns) == 2 if learner.kind.ctx.get(late.traj_id) else False
     errors["duplicate"] = _err(learner.submit, late)

@@ -30,8 +30,10 @@ def at(turns, version: int):
     return [replace(t, policy_version=version) for t in turns]
 
 
-def served(learner) -> list[str]:
-    entries = sorted((r for r in learner.records.values() if r.served), key=lambda r: r.start)
+def served(records) -> list[str]:
+    """The served units among `records` (an open batch's, or a closed one's trace)."""
+    entries = sorted((r for r in records if getattr(r, "kind", None) == "source" and r.served),
+                     key=lambda r: r.start)
     return [f"{r.traj_id.split('-')[-1]}#{r.turn}" for r in entries]
 
 
@@ -55,13 +57,13 @@ def main(hf_dir: str) -> None:
     learner.begin(plan, schedule="thundersync")
     for k in ("o0#0", "o1#0"):
         learner.submit(by[k], serve=False)
-    res["nothing_served_on_submit"] = served(learner) == []
+    res["nothing_served_on_submit"] = served(learner.batch.records.values()) == []
     res["first_two"] = [learner.serve_next(), learner.serve_next()]
     for k in ("o2#0", "o0#1", "o1#1"):
         learner.submit(by[k], serve=False)
     while learner.serve_next():
         pass
-    res["order"] = served(learner)
+    res["order"] = served(learner.batch.records.values())
     res["idle_serve_next"] = learner.serve_next()
     for k in ("o0#2", "o1#2", "o2#1", "o2#2"):  # close serves these
         learner.submit(by[k], serve=False)
@@ -82,7 +84,7 @@ def main(hf_dir: str) -> None:
         result = learner.close(export_grad=True)
         res[mode + "_kv_peak_bytes"] = result.summary.kv_peak_bytes
         grads[mode] = grad(result)
-        trajs = [k.split("#")[0] for k in served(learner)]
+        trajs = [k.split("#")[0] for k in served(result.trace)]
         # how often the next service continues the trajectory just served
         res[mode + "_same_next"] = sum(a == b for a, b in zip(trajs, trajs[1:])) / (len(trajs) - 1)
     res["backlog_vs_readiness_grad"] = rel_l2(grads["backlog"], grads["readiness"])

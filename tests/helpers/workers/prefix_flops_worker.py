@@ -34,8 +34,9 @@ def run(policy, cfg, srcs):
         for s in srcs:
             learner.submit(s)
         # Count only learner compute up to the barrier (the step itself is identical).
-        learner.queue.close()
-        learner._drain()
+        learner.batch.queue.close()
+        while learner.serve_next():
+            pass
     result = learner.close(export_grad=True)
     ledger = update_flops(policy.spec, result.trace)  # what the learner reports for MFU
     return fc.get_total_flops(), result.grad, ledger.total + ledger.recompute_flops

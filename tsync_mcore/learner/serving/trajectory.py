@@ -189,12 +189,9 @@ class TrajectoryKind:
                 acc.fold_pair(g, grads, src.reward)
                 if prefix is not None:
                     prefix.fold_pair(src.reward - acc.shift_of(g))
-                if aux is not None:  # R_i alone, into G3 (its prompt share into A)
+                if aux is not None:
                     up.policy.zero_grads()
-                    aux.backward()
-                    acc.fold_aux(g, grads)
-                    if prefix is not None:
-                        prefix.fold_direct(1.0)
+                    self._fold_aux(g, aux, prefix)
             up.policy.zero_grads()
         if svc.closes_group:
             self._combine(g)
@@ -205,27 +202,27 @@ class TrajectoryKind:
         """The source's forward and backward of −w·Σ_t ρ_t log π (+ aux_w·R_i on a direct
         fold); returns R_i's loss, graph kept, when a pair fold must backpropagate it apart."""
         up = self.up
-        if not up.reg.active:  # exactly the path without regularisers
-            if prefix is None:
-                up.policy.backward_source(list(src.tokens), list(src.scored_mask), w,
-                                         up.off_policy, src.behaviour_logprobs)
-            else:
-                prefix.backward_continuation(up.policy, src, w, up.off_policy)
-            return None
+        reg = up.reg.active
         if prefix is None:
-            logp, ent = up.policy.forward_source(list(src.tokens), list(src.scored_mask),
-                                                 with_entropy=True)
+            out = up.policy.forward_source(list(src.tokens), list(src.scored_mask),
+                                           with_entropy=reg)
         else:
-            logp, ent = prefix.forward_continuation(up.policy, src, with_entropy=True)
+            out = prefix.forward_continuation(up.policy, src, with_entropy=reg)
+        logp, ent = out if reg else (out, None)
         rho = up.off_policy.weights(logp, behaviour_at(src.behaviour_logprobs,
                                                       src.scored_mask[q:], q))
-        pg = -f32(w) * weighted_logp_sum(logp, rho)
-        aux = up.regularizer(src.tokens, src.scored_mask, q, logp, ent, aux_w)
-        if fold == "direct":
-            (pg + aux).backward()
-            return None
-        pg.backward(retain_graph=True)
-        return aux
+        apart = None  # R_i's loss, when a pair fold backpropagates it on its own
+        if not reg:  # exactly the path without regularisers
+            loss = -w * weighted_logp_sum(logp, rho)
+        else:
+            loss = -f32(w) * weighted_logp_sum(logp, rho)
+            aux = up.regularizer(src.tokens, src.scored_mask, q, logp, ent, aux_w)
+            if fold == "direct":
+                loss = loss + aux
+            else:
+                apart = aux
+        loss.backward(retain_graph=apart is not None)  # kept for R_i's own backward
+        return apart
 
     def _group_mean(self, g: str) -> float:
         """1/m_G when the token norm keeps the group mean (R_i's share of it), else 1."""
@@ -300,14 +297,20 @@ class TrajectoryKind:
                        aux: torch.Tensor | None = None) -> None:
         """The backward(s) of a pair pack and their folds into its group's sums; `aux`
         (Σ R_i), when given, last and on its own into G3 (and the prompt's A)."""
-        up, g = self.up, pack[0].group_id
+        g = pack[0].group_id
         self._pair_parts(pack, terms, prefixes, keep=aux is not None)
         if aux is not None:
-            aux.backward()
-            up.acc.fold_aux(g, up.policy.grad_buffers())
-            if prefixes.get(g) is not None:
-                prefixes[g].fold_direct(1.0)
-            up.policy.zero_grads()
+            self._fold_aux(g, aux, prefixes.get(g))
+
+    def _fold_aux(self, g: str, aux: torch.Tensor, prefix: SharedPrefix | None) -> None:
+        """R_i (a pair pack's Σ R_i) alone, backpropagated into the group's G3 and its
+        prompt's share into A; the grad buffers are clean before and after."""
+        up = self.up
+        aux.backward()
+        up.acc.fold_aux(g, up.policy.grad_buffers())
+        if prefix is not None:
+            prefix.fold_direct(1.0)
+        up.policy.zero_grads()
 
     def _pair_parts(self, pack: list[Service], terms: list, prefixes: dict,
                     keep: bool) -> None:
@@ -320,17 +323,19 @@ class TrajectoryKind:
         prefix = prefixes.get(g)
         rewards = [float(svc.source.reward) for svc in pack]
         if len(set(rewards)) == 1:  # one cotangent: fold the sum as one member would be
-            _loss(terms, [1.0] * len(pack)).backward(retain_graph=keep)
-            up.acc.fold_pair(g, up.policy.grad_buffers(), rewards[0])
-            if prefix is not None:
-                prefix.fold_pair(rewards[0] - shift)
-            up.policy.zero_grads()
-            return
-        for part, coefs in (("g1", [r - shift for r in rewards]), ("g2", [1.0] * len(pack))):
-            _loss(terms, coefs).backward(retain_graph=part == "g1" or keep)
-            up.acc.fold_pair_part(g, up.policy.grad_buffers(), part)
-            if prefix is not None:
-                prefix.fold_pair_part(part)
+            parts = [(None, [1.0] * len(pack))]
+        else:
+            parts = [("g1", [r - shift for r in rewards]), ("g2", [1.0] * len(pack))]
+        for i, (part, coefs) in enumerate(parts):
+            _loss(terms, coefs).backward(retain_graph=keep or i < len(parts) - 1)
+            if part is None:
+                up.acc.fold_pair(g, up.policy.grad_buffers(), rewards[0])
+                if prefix is not None:
+                    prefix.fold_pair(rewards[0] - shift)
+            else:
+                up.acc.fold_pair_part(g, up.policy.grad_buffers(), part)
+                if prefix is not None:
+                    prefix.fold_pair_part(part)
             up.policy.zero_grads()
 
     def after(self, svc: Service) -> None:
@@ -360,8 +365,7 @@ class TrajectoryKind:
             scale, mu = self.up.objective.closure(self._group_rewards(g),
                                                  self.up.acc.shift_of(g), self.up.cfg.adv_eps,
                                                  self.up.adv_ddof, self.up.norm.group_mean)
-            self.up.acc.close_group(g, scale, mu)
-            self.up.committed.add(g)
+            self.up.acc.close_group(g, scale, mu)  # in the batch now (acc.committed)
         self.closure[g] = (scale, mu)
         return scale, mu
 

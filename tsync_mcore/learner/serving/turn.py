@@ -205,15 +205,11 @@ class TurnKind:
             logps, kvs = out[0], out[-1]
             ents = out[1] if reg else [None] * len(pack)
             loss = 0.0
-            for (turn, _, offset, mask), pos, student, ent in zip(turns, scored, logps, ents):
-                q = offset - turn.start
-                teacher = upload([turn.teacher_logprobs[q + p] for p in pos], torch.float64,
-                                 up.policy.device)
-                rho = up.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs,
-                                                                 mask, q))
-                loss = loss + up.objective.turn_loss(student, teacher, rho)
-                if reg:  # the entropy bonus, weight 1 (token_mean's 1/N_k at close)
-                    loss = loss + up.regularizer(None, mask, 0, student, ent, 1.0)
+            for (turn, _, offset, mask), at, student, ent in zip(turns, scored, logps, ents):
+                term, bonus = self._loss(turn, mask, offset - turn.start, at, student, ent)
+                loss = loss + term
+                if bonus is not None:
+                    loss = loss + bonus
             loss.backward()
         if pack[0].fold == "pair":  # the queue packs pair folds of one group only
             self._fold(pack[0].group_id, "pair")
@@ -255,8 +251,7 @@ class TurnKind:
                 traj_id=None, ready=start, start=start, end=self.up.now(),
                 cpu=time.thread_time() - cpu0, spans=[(n, 0)]))
         if self.up.acc.is_open(g):
-            self.up.acc.close_group(g, 1.0, -1.0)  # batch += the group's gradient sum
-            self.up.committed.add(g)
+            self.up.acc.close_group(g, 1.0, -1.0)  # batch += its gradient sum
 
     def drop(self, g: str) -> None:
         for t in [t for t, c in self.ctx.items() if self.up.member_of[t] == g]:
@@ -287,17 +282,10 @@ class TurnKind:
             if turn.n_scored > 0:
                 at = scored_positions(mask)  # on the host: no device read per turn
                 pos = upload(at, torch.long, dev)
-                q = offset - turn.start
-                teacher = upload([turn.teacher_logprobs[q + p] for p in at], torch.float64,
-                                 dev)
                 student, ent = up.policy.scored_logprob(logits, ids, pos, with_entropy=True)
-                # ρ_t from this forward's own log π_θ. Replay never re-scores a token (it
-                # pushes K/V adjoints back only), so the weight is fixed here, once.
-                rho = up.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs,
-                                                                 mask, q))
-                loss = up.objective.turn_loss(student, teacher, rho)  # N_k: deferred scalar
-                if up.reg.active:  # the entropy bonus, weight 1 (token_mean's 1/N_k at close)
-                    loss = loss + up.regularizer(None, mask, 0, student, ent, 1.0)
+                loss, bonus = self._loss(turn, mask, offset - turn.start, at, student, ent)
+                if bonus is not None:
+                    loss = loss + bonus
                 loss.backward(retain_graph=up.cfg.opd_replay == "retain" and not last)
         if turn.n_scored > 0:
             self._fold(turn.group_id, svc.fold)
@@ -307,6 +295,22 @@ class TurnKind:
             if up.cfg.opd_replay == "retain":
                 ctx.kept.append(kv)
         return len(tokens), offset
+
+    def _loss(self, turn: TurnSource, mask, q: int, at: list[int], student: torch.Tensor,
+              ent: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A turn's loss over its scored positions `at` of its span (`q` positions before
+        the turn's start): the objective's per-token term (N_k is the deferred scalar), and
+        the entropy bonus when it is on (weight 1: token_mean's 1/N_k at close). ρ_t comes
+        from this forward's own log π_θ: replay never re-scores a token (it pushes K/V
+        adjoints back only), so the weight is fixed here, once."""
+        up = self.up
+        teacher = upload([turn.teacher_logprobs[q + p] for p in at], torch.float64,
+                         up.policy.device)
+        rho = up.off_policy.weights(student, behaviour_at(turn.behaviour_logprobs, mask, q))
+        term = up.objective.turn_loss(student, teacher, rho)
+        if not up.reg.active:
+            return term, None
+        return term, up.regularizer(None, mask, 0, student, ent, 1.0)
 
     @staticmethod
     def _own(kv: list[KV], offset: int, turn: TurnSource) -> list[KV]:

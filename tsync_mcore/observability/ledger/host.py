@@ -2,7 +2,7 @@
 
     with HostCounter() as hc, hc.watch(learner):
         ... begin / submit / close ...
-    hc.units            # one Unit per learner._serve call (a served source, or a group's close)
+    hc.units            # one Unit per unit a learner pass served (a source, or a group's close)
     hc.sections         # totals per section: "serve", "submit", "begin", "close", "outside"
 
 A synchronising call is one that on CUDA makes the host wait for the device: reading a
@@ -97,7 +97,8 @@ class Tally:
 
 @dataclass
 class Unit:
-    """One learner._serve call: a served source (`key` its unit key) or a group's close."""
+    """One unit of a learner pass (`Learner.serve_pass`): a served source (`key` its unit
+    key) or a group's close."""
 
     key: str | None  # None: no source, the group's last work (its shared prompt, its sum)
     group_id: str
@@ -228,40 +229,29 @@ class HostCounter:
 
     @contextlib.contextmanager
     def watch(self, learner):
-        """Sections for a Learner's entry points: each `_serve` call is a Unit (section
-        "serve"), and so is each source of a packed pass (`_serve_pack`); `submit` and `group_rewards` outside it are "submit"; `begin` and `close`
-        outside it are the per-batch work."""
+        """Sections for a Learner's entry points: each pass (`serve_pass`) is section
+        "serve", with one Unit per unit it served; `submit` and `group_rewards` outside it
+        are "submit"; `begin` and `close` outside it are the per-batch work."""
         names = {"begin": "begin", "close": "close", "submit": "submit",
                  "group_rewards": "submit"}
-        for attr in [*names, "_serve", "_serve_pack"]:
+        for attr in [*names, "serve_pass"]:
             if attr in vars(learner):
                 raise RuntimeError(f"learner.{attr} is wrapped already")
         for attr, sec in names.items():
             setattr(learner, attr, self._wrapped(getattr(learner, attr), sec))
-        serve = learner._serve
+        serve_pass = learner.serve_pass
 
-        def _serve(svc):
-            src = svc.source
-            unit = Unit(None if src is None else src.key, svc.group_id, Tally())
-            with self.section("serve", unit.tally):
-                serve(svc)
-            self.units.append(unit)
-
-        learner._serve = _serve
-        serve_pack = getattr(learner, "_serve_pack", None)
-
-        def _serve_pack(pack):
+        def _serve_pass(units):
             # why: a packed pass is one forward/backward; each of its sources is charged the
             # pass's tally for the per-unit maximum (the section sums count it once)
             tally = Tally()
             with self.section("serve", tally):
-                serve_pack(pack)
-            self.units.extend(Unit(svc.source.key, svc.group_id, tally) for svc in pack)
+                serve_pass(units)
+            self.units.extend(Unit(None if u.source is None else u.source.key, u.group_id,
+                                   tally) for u in units)
 
-        wrapped = ["_serve"]
-        if serve_pack is not None:
-            learner._serve_pack = _serve_pack
-            wrapped.append("_serve_pack")
+        learner.serve_pass = _serve_pass
+        wrapped = ["serve_pass"]
         try:
             yield self
         finally:
@@ -275,7 +265,7 @@ class HostCounter:
         return call
 
     def per_source(self) -> dict:
-        """Figures per served source (its `_serve` and its `submit`), and per batch."""
+        """Figures per served source (its pass and its `submit`), and per batch."""
         served = [u for u in self.units if u.key is not None]
         n = len(served)
         s, sub = self.sections.get("serve", Tally()), self.sections.get("submit", Tally())
