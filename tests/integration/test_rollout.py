@@ -452,7 +452,7 @@ def test_tool_timeout(et, engine, tok):
     # the agent's guard against a hung env: step never returns within step_timeout_s
     class HungEnv(ToyToolEnv):
         async def step(self, action_ids):
-            self._account(action_ids)
+            self.account(action_ids)
             await asyncio.sleep(60)
             return [], True
 

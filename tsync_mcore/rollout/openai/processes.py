@@ -38,9 +38,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-from tsync_mcore.rollout.loop import TrajectoryResult, as_finished
+from tsync_mcore.rollout.loop import as_finished
 from tsync_mcore.rollout.openai.pool import AgentPool, agent_env
 from tsync_mcore.rollout.openai.server import OpenAIServer
+from tsync_mcore.rollout.types import TrajectoryResult
 
 DEFAULT_COMMAND = f"{shlex.quote(sys.executable)} -m tsync_mcore.rollout.openai.agents.digits"
 # rollout.env: terminal: the bundled function-calling agent (tools through the endpoint)
