@@ -1,6 +1,6 @@
 """Agents as separate processes (rollout.agent: openai): one process per trajectory (or,
-rollout.agent_pool > 0, a handout to a pool of long-lived workers: openai_pool), each
-talking to the rollout's OpenAI-compatible endpoint (openai_server), with the endpoint's
+rollout.agent_pool > 0, a handout to a pool of long-lived workers: pool.py), each
+talking to the rollout's OpenAI-compatible endpoint (server.py), with the endpoint's
 address and its trajectory id in its environment:
 
     OPENAI_BASE_URL      http://HOST:PORT/t/<trajectory id>/v1
