@@ -44,6 +44,7 @@ class BatchOutcome:
 
 
 def mean_reward(rewards: list) -> float | None:
+    """CloseBatch.reward_mean: the mean of the finite numeric rewards; None if none."""
     ok = [r for r in rewards if isinstance(r, (int, float)) and math.isfinite(r)]
     return sum(ok) / len(ok) if ok else None
 
