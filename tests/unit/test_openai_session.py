@@ -254,7 +254,7 @@ def test_qwen3s_non_thinking_prompt_is_rewritten_by_the_next_query(tok):
     """chat_template_kwargs {"enable_thinking": false}: the prompt ends in an empty think
     block the model saw; the next user query renders that answer without it: a rewrite.
     The request's kwargs are checked before any rendering."""
-    from tsync_mcore.rollout.openai.server import ApiError, _template_kwargs
+    from tsync_mcore.rollout.openai.params import ApiError, template_kwargs
     q = _qwen3(tok)
     off = {"enable_thinking": False}
     s = Session(q, "t", max_turns=8, max_tokens_per_turn=64, max_total_tokens=4000)
@@ -266,11 +266,11 @@ def test_qwen3s_non_thinking_prompt_is_rewritten_by_the_next_query(tok):
     s.commit(p0, GenOut(ids, [-0.5] * len(ids), "stop", 0, [0] * len(ids)), a0)
     p1 = s.plan_chat(msgs + [a0, {"role": "user", "content": "More."}], kwargs=off)
     assert p1.new_segment and p1.rewritten
-    assert _template_kwargs({"chat_template_kwargs": off}) == off
+    assert template_kwargs({"chat_template_kwargs": off}) == off
     for bad in ([1], {"tokenize": True}, {"x y": 1}, {"k": [1]}, {"k": "x" * 2000},
                 {f"k{i}": 1 for i in range(17)}):
         with pytest.raises(ApiError, match="chat_template_kwargs"):
-            _template_kwargs({"chat_template_kwargs": bad})
+            template_kwargs({"chat_template_kwargs": bad})
 
 
 def test_the_built_in_loop_renders_turns_with_the_chat_template(tok):

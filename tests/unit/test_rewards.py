@@ -204,11 +204,11 @@ def test_overlong_shaping_is_dapos_soft_penalty():
     from types import SimpleNamespace
 
     from tsync_mcore.config import RewardConfig, RolloutConfig
-    from tsync_mcore.rollout.batch import BatchWork
+    from tsync_mcore.rollout.sources import shaped_reward
     rc = RolloutConfig(max_tokens_per_turn=32, max_turns=2)  # L_max = 64
     work = SimpleNamespace(cfg=SimpleNamespace(reward=RewardConfig(
-        overlong_buffer=16, overlong_penalty=0.5)), rc=rc)
-    from tsync_mcore.rollout.loop import TrajectoryResult
+        overlong_buffer=16, overlong_penalty=0.5)), rc=rc, overlong=0)
+    from tsync_mcore.rollout.types import TrajectoryResult
 
     def shaped(n, r=1.0, earlier=0):
         """A response of n generated tokens, `earlier` of them in an earlier segment."""
@@ -219,7 +219,9 @@ def test_overlong_shaping_is_dapos_soft_penalty():
                                reward=r, prompt_len=5, n_turns=1, logprobs=[],
                                finish_reasons=[], policy_versions=[], token_versions=[],
                                stop_reason="done", earlier=[seg] if earlier else [])
-        return BatchWork._shaped(work, res)
+        reward, penalised = shaped_reward(res, work.cfg.reward, work.rc)
+        work.overlong += penalised  # the batch's count of penalised responses
+        return reward
     assert shaped(48) == 1.0 and shaped(10) == 1.0  # within L_max − b: untouched
     # a trajectory cut into segments: L counts every segment's generated tokens
     assert shaped(56, earlier=30) == pytest.approx(1.0 - (56 - 48) / 16 * 0.5)

@@ -53,20 +53,18 @@ def tok():
 
 
 def test_terminal_env_from_config_and_the_driver_hook(tok):
-    from types import SimpleNamespace
 
     from tsync_mcore.config import ConfigError, load_config
-    from tsync_mcore.rollout.driver import RolloutDriver, _Batch
+    from tsync_mcore.rollout.plan import Batch, batch_envs, step_timeout_s
 
     cfg = load_config(None, {"rollout": {"env": "terminal", "max_turns": 5},
                              "tools": {"timeout_s": 3.0, "network": "require"}})
     cfg.validate()  # no data.train needed
-    stub = SimpleNamespace(feed=None, rc=cfg.rollout, cfg=cfg, tok=tok)
-    envs = RolloutDriver._envs(stub, _Batch(0, {}, [], [], ["a", "b"], ["g", "g"]))
+    envs = batch_envs(cfg, tok, None, Batch(0, {}, [], [], ["a", "b"], ["g", "g"]))
     assert len(envs) == 2 and all(isinstance(e, TerminalTaskEnv) for e in envs)
     assert envs[0].cfg.max_turns == 5 and envs[0].limits.timeout_s == 3.0
     assert envs[0].limits.network == "require"
-    assert RolloutDriver._step_timeout_s(stub) == 3.0 * 4 + 20.0 + 10.0
+    assert step_timeout_s(cfg) == 3.0 * 4 + 20.0 + 10.0
     for bad in ({"tools": {"network": "maybe"}}, {"tools": {"timeout_s": 0}},
                 {"rollout": {"env": "terminal"}, "learner": {"objective": "opd"}}):
         with pytest.raises(ConfigError):

@@ -29,74 +29,66 @@ The asynchronous schedules (docs/design/async.md) keep the messages and change w
       older than learner.max_staleness at that point is dropped and counted, never sent.
 Every source carries its sampling log-probs (behaviour_logprobs) on every schedule.
 
-Here: setup (engines, the OpenAI endpoint, the channel) and dispatch. The schedule loops are
-in tsync_mcore.rollout.schedules, one batch (plan, agents, checks, routing) in
-tsync_mcore.rollout.batch, evaluation in tsync_mcore.rollout.evaluation, and awaiting,
-checking, reloading and acknowledging a publication in tsync_mcore.publication.receive.
+Here: setup (engines, the OpenAI endpoint, the channel), the hello, and the schedule's loop
+(rollout.schedules: functions over a rollout.batch.BatchRunner, which runs one batch and
+returns its BatchOutcome). The parts: plan (a batch's groups and environments), agents (who
+runs trajectories), sources (a trajectory as sources), learners (sending and taking
+messages), served (the policy version served, publications loaded: the receiving side is
+tsync_mcore.publication.receive), evaluation.
 """
 
 from __future__ import annotations
 
-import os
-import time
-from typing import Any
-
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from tsync_mcore.channel import (ChannelError, Hello, Link, Publish, Shutdown, channel_secret,
-                                 open_rollout_side)
+from tsync_mcore.channel import ChannelError, Hello, channel_secret, open_rollout_side
 from tsync_mcore.config import Config
 from tsync_mcore.objectives import OBJECTIVES
 from tsync_mcore.publication import receive
 from tsync_mcore.publication import send as publish
 # RolloutStopped and the publication checks live with the rest of the receiving side
-from tsync_mcore.publication.receive import (FINISHED, RolloutStopped,  # noqa: F401
-                                             await_publish, check_publish)
-from tsync_mcore.rollout.batch import STOPS, BatchWork, _Batch, _LearnerFinished  # noqa: F401
+from tsync_mcore.publication.receive import (RolloutStopped, await_publish,  # noqa: F401
+                                             check_publish)
+from tsync_mcore.rollout.agents import Agents
+from tsync_mcore.rollout.batch import BatchRunner
 from tsync_mcore.rollout.engine import EngineThread, RolloutEngine, TeacherScorer
-from tsync_mcore.rollout.envs import ToyToolEnv
-from tsync_mcore.rollout.evaluation import Evaluation
+from tsync_mcore.rollout.evaluation import Evaluator
 from tsync_mcore.rollout.feed import DataFeed
-from tsync_mcore.rollout.loop import run_batch
+from tsync_mcore.rollout.learners import LearnerFinished, LearnerLinks
 from tsync_mcore.rollout.replicas import (ReplicaError, ReplicaSet, cpu_memory_note,
                                           start_replicas)
-from tsync_mcore.rollout.schedules import Schedules
+from tsync_mcore.rollout.schedules import run_schedule
+from tsync_mcore.rollout.served import ServedPolicy
 from tsync_mcore.util.safe_files import check_hf_dir
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # rollout.dtype → vLLM's name
 
 
-class RolloutDriver(BatchWork, Schedules, Evaluation):
-    """Setup (engines, the OpenAI endpoint, the channel) and dispatch: the schedule loops
-    (rollout.schedules), one batch (rollout.batch), evaluation (rollout.evaluation) and
-    the receiving side of publication (publication.receive) are its parts."""
+class RolloutDriver:
+    """The rollout process: its engines, endpoint and links, started from `cfg`; `run()`
+    serves the learner until it finishes, then closes them."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.rc = cfg.rollout
         # The objective's source kind decides what is sent: whole trajectories when their
         # reward is fixed, or each turn once the teacher has scored it.
-        self.turns = OBJECTIVES[cfg.learner.objective].source == "turn"
-        self.tp = cfg.model.tp
+        turns = OBJECTIVES[cfg.learner.objective].source == "turn"
         # vLLM and transformers read these dirs later with tracebacks of their own; a broken
         # config.json or truncated shard is named here, in one line, before anything starts.
         check_hf_dir(cfg.model.hf_dir)
-        if self.turns and self.rc.teacher_dir:
+        if turns and self.rc.teacher_dir:
             check_hf_dir(self.rc.teacher_dir)
         if cfg.reward.function == "judge" and self.rc.env == "dataset":
             check_hf_dir(cfg.reward.judge.model_dir)
         # Datasets and the reward function are checked before the channel opens: a bad row
         # or spec stops here in one line, not after the learners joined.
         self.feed = DataFeed(cfg) if self.rc.env not in ("toy", "terminal") else None
-        self.pending_metrics: dict = {}  # evaluation results for the next CloseBatch
         ch = cfg.channel
-        self.links: list[Link] = open_rollout_side(ch.listen_addr or ch.addr, ch.port,
-                                                   self.rc.n_learners,
-                                                   timeout_s=ch.timeout_s,
-                                                   realtime_io=ch.realtime_io,
-                                                   secret=channel_secret(cfg),
-                                                   join_timeout_s=ch.join_timeout_s)
+        links = open_rollout_side(ch.listen_addr or ch.addr, ch.port, self.rc.n_learners,
+                                  timeout_s=ch.timeout_s, realtime_io=ch.realtime_io,
+                                  secret=channel_secret(cfg), join_timeout_s=ch.join_timeout_s)
         self.tok = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
         if self.feed is not None:
             self.feed.attach(self.tok)
@@ -104,26 +96,30 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
         # function, an engine emitting ids outside the vocabulary) drops its group before
         # any of it is sent, instead of reaching a learner rank.
         hf = AutoConfig.from_pretrained(cfg.model.hf_dir)
-        self.vocab_size = hf.vocab_size
         positions = getattr(hf, "max_position_embeddings", None) or 4096  # as the learner's bridge
-        self.max_tokens = min(positions, cfg.learner.max_tokens or positions)
-        self.dropped: dict[str, str] = {}  # this batch's dropped groups: why
-        self.schedule = cfg.learner.schedule
-        self.notices: list[Publish] = []  # Publish messages taken mid-batch, not yet loaded
-        self.loaded = 0  # the policy version the engine serves
-        self.swaps = 0  # weight reloads since the last CloseBatch (async/weight_swaps)
+        self.links = LearnerLinks(links, cfg, vocab_size=hf.vocab_size,
+                                  max_tokens=min(positions, cfg.learner.max_tokens or positions))
         self.et = EngineThread()
         self.engine: ReplicaSet = self.et.run(self._make_engine())
         self.judge_engine: RolloutEngine | None = None
         if self.feed is not None and self.feed.judge is not None:
             self._start_judge()
-        self.teacher = TeacherScorer(self.rc.teacher_dir) if self.turns else None
-        self.oai = self.agent_counters = self.pool = None
+        self.policy = ServedPolicy(links[0], self.engine, self.et, timeout_s=ch.timeout_s,
+                                   publish_dir=publish.resolve_dir(cfg.publish, cfg.run.dir),
+                                   method=publish.method_of(cfg.publish))
+        self.agents = Agents(cfg, self.engine, self.tok, self.feed, self.et,
+                             served=lambda: self.policy.loaded)
+        teacher = TeacherScorer(self.rc.teacher_dir) if turns else None
         if self.rc.agent == "openai":
-            self._start_openai()
-        if self.turns and not self.rc.teacher_dir:
+            self.agents.start_endpoint()
+        if turns and not self.rc.teacher_dir:
             raise RolloutStopped("OPD needs rollout.teacher_dir (the frozen teacher's HF "
                                  "directory)")
+        self.runner = BatchRunner(cfg, self.engine, self.links, self.feed, agents=self.agents,
+                                  policy=self.policy, et=self.et, tok=self.tok,
+                                  teacher=teacher)
+        self.evaluator = Evaluator(cfg, self.engine, self.feed, self.agents, self.et)
+        self.publish_store = None  # publish.method: dist: the group's store and Seal, kept
 
     async def _make_engine(self) -> ReplicaSet:
         """rollout.replicas engines (one is a set of one), started and warmed up."""
@@ -192,182 +188,46 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
             raise RolloutStopped(f"reward.judge.model_dir {jc.model_dir!r}: the judge engine "
                                  f"did not start: {type(e).__name__}: {first}") from None
 
-    def _engine_metrics(self) -> dict:
-        """The replicas' counters, and the judge's (reward/judge_*) since the last call."""
-        out = self.engine.take_metrics()
-        if self.feed is not None and self.feed.judge is not None:
-            out.update(self.feed.judge.take_metrics())
-        return out
-
-    def _start_openai(self) -> None:
-        """rollout.agent: openai: the OpenAI-compatible endpoint on the engine's loop
-        (docs/guide/agents.md), with a random key for this run."""
-        import secrets
-
-        from tsync_mcore.rollout.openai.processes import AgentCounters
-        from tsync_mcore.rollout.openai.server import OpenAIServer
-
-        self.oai = OpenAIServer(self.engine, self.tok, api_key=secrets.token_urlsafe(24),
-                                model=os.path.basename(os.path.normpath(self.cfg.model.hf_dir)),
-                                history=self.rc.openai_history, temperature=self.rc.temperature,
-                                current_version=lambda: self.loaded,
-                                max_body_bytes=int(self.rc.openai_max_body_mb * (1 << 20)),
-                                max_messages=self.rc.openai_max_messages,
-                                read_timeout_s=self.rc.openai_read_timeout_s)
-        self.agent_counters = AgentCounters()
-        host, _, port = self.rc.serve_openai.rpartition(":")
-        try:
-            host, port = self.et.run(self.oai.start(host.strip("[]"), int(port)))
-        except OSError as e:
-            raise RolloutStopped(f"rollout.serve_openai: cannot serve on "
-                                 f"{self.rc.serve_openai}: {e}") from None
-        print(f"[rollout] OpenAI-compatible endpoint at http://{host}:{port}/t/<trajectory>/v1",
-              flush=True)
-
-    def _agents(self, batch: _Batch, envs: list, kwargs: dict, prompts: Any = None):
-        """The batch's trajectories: the built-in loop, or one agent process each talking to
-        the endpoint (rollout.agent: openai). `prompts`: the PromptSet of `batch.rows`
-        (default: data.train; evaluation passes data.eval)."""
-        if self.oai is None:
-            return run_batch(self.engine, envs, seeds=batch.seeds, env_seeds=batch.env_seeds,
-                             routes=batch.group_of, **kwargs)
-        from tsync_mcore.rollout.openai.processes import (DEFAULT_COMMAND, TERMINAL_COMMAND,
-                                                       VERIFIERS_COMMAND, run_agents)
-        from tsync_mcore.rollout.openai.pool import AgentPool
-
-        rc = self.rc
-        limits = dict(max_turns=rc.max_turns, max_tokens_per_turn=rc.max_tokens_per_turn,
-                      max_total_tokens=rc.max_total_tokens)
-        tools = None
-        if self.feed is not None:  # rollout.env: dataset: the row's chat messages
-            from tsync_mcore.data import row_messages
-            rows = prompts or self.feed.train
-            messages = [row_messages(rows.row(r), self.cfg.data.system_prompt)
-                        for r in batch.rows]
-        elif rc.env == "terminal":  # each episode's repo, its tools run there
-            messages = [env.start(seed) for env, seed in zip(envs, batch.env_seeds)]
-            tools = [env.box for env in envs]
-        else:
-            messages = [ToyToolEnv.task_messages(seed) for seed in batch.env_seeds]
-        tasks = [{"messages": m, "model": self.oai.model,
-                  "temperature": kwargs.get("temperature", rc.temperature), **limits}
-                 for m in messages]
-        vf = self.feed.vf if self.feed is not None else None
-        if vf is not None:  # the agent runs the env's rollout on this row of its dataset
-            split = "eval" if prompts is not None and prompts is self.feed.eval else "train"
-            for t, r in zip(tasks, batch.rows):
-                t["verifiers"] = {"env": vf, "args": self.cfg.verifiers.args,
-                                  "split": split, "row": r}
-
-        def reward_error(i: int, why: str) -> float:
-            """Trajectory i's agent could not score it: reward.on_error decides."""
-            env = envs[i]
-            if hasattr(env, "reward_error"):
-                return env.reward_error(why)
-            from tsync_mcore.rewards import RewardFailed
-            msg = f"the agent's reward on trajectory {batch.traj_ids[i]}: {why}"
-            if self.cfg.reward.on_error == "fail":
-                raise RewardFailed(msg)
-            print(f"[rollout] {msg}; scored 0", flush=True)
-            return 0.0
-
-        async def task_reward(i: int, actions: list[list[int]]) -> float:
-            """The task's reward from the recorded actions, when the agent posted none."""
-            env = envs[i]
-            if tools is not None:  # the hidden tests on what the agent left in the repo
-                return await env.verify()
-            env.reset(batch.env_seeds[i])
-            if self.feed is not None:  # reward.function on the final answer's text
-                await env.step(actions[-1])
-            else:  # the toy env sees every completion, as in the built-in loop
-                for a in actions:
-                    env._account(a)
-            return env.reward()
-
-        command = rc.agent_command or (TERMINAL_COMMAND if rc.env == "terminal" else
-                                       VERIFIERS_COMMAND if vf is not None else DEFAULT_COMMAND)
-        if rc.agent_pool and self.pool is None:  # started with the first batch, kept
-            self.pool = AgentPool(self.oai, command=command, size=rc.agent_pool,
-                                  run_dir=self.cfg.run.dir, timeout_s=rc.agent_timeout_s,
-                                  counters=self.agent_counters, pass_env=rc.agent_env)
-        return run_agents(self.oai, traj_ids=batch.traj_ids, group_of=batch.group_of,
-                          tasks=tasks, seeds=batch.seeds, version=self.loaded, limits=limits,
-                          command=command, pool=self.pool, timeout_s=rc.agent_timeout_s,
-                          failed_reward=rc.agent_failed_reward,
-                          concurrency=rc.agent_concurrency, task_reward=task_reward,
-                          run_dir=self.cfg.run.dir, counters=self.agent_counters, tools=tools,
-                          max_calls_per_turn=self.cfg.tools.max_calls_per_turn,
-                          pass_env=rc.agent_env, on_reward_error=reward_error)
-
     # --- the loop -------------------------------------------------------------------------
 
     def run(self) -> None:
+        """Serve the learner until it finishes; RolloutStopped (told to every learner rank)
+        when it cannot go on."""
         try:
             try:
                 self._run()
-            except _LearnerFinished:
-                print(f"[rollout] learner finished ({self.links[0].peer_shutdown or ''}); "
+            except LearnerFinished:
+                print(f"[rollout] learner finished ({self.links.links[0].peer_shutdown or ''}); "
                       f"stopping", flush=True)
             except ChannelError as e:
-                if not self._learner_finished():
+                if not self.links.learner_finished():
                     raise RolloutStopped(str(e)) from e
-                print(f"[rollout] learner finished ({self.links[0].peer_shutdown}); stopping",
-                      flush=True)
+                print(f"[rollout] learner finished ({self.links.links[0].peer_shutdown}); "
+                      f"stopping", flush=True)
         except RolloutStopped as e:
-            for link in self.links:  # tell every learner rank why, instead of a bare close
-                try:
-                    link.send(Shutdown(f"rollout stopped: {e}"[:4000]))
-                except ChannelError:
-                    pass
+            self.links.shutdown(f"rollout stopped: {e}")
             raise
         finally:
             self.close()
 
-    def _learner_finished(self, wait_s: float = 5.0) -> bool:
-        """Did the learner finish normally? Rank 0 announces it before any other rank
-        closes its link (Trainer._finish_together), so a closed link of another rank waits
-        here (bounded) for link 0's reader to have taken that announcement."""
-        deadline = time.monotonic() + wait_s
-        while not (self.links[0].peer_shutdown or "").startswith(FINISHED):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
     def _run(self) -> None:
-        hello = self._recv(0, Hello)
+        hello = self.links.expect(0, Hello)
         version, data_pos = hello.version, hello.data_pos
-        if self.cfg.publish.method == "dist":
-            self._open_publish_group()
+        if self.cfg.publish.method == "dist":  # receive.open_group: the learner is rank 0
+            self.publish_store = receive.open_group(self.cfg, self.links.links[0], self.engine,
+                                                    self.et)
         if self.cfg.run.eval_first and version == 0 and self.feed is not None:
             # The engine serves θ_0 from model.hf_dir already; evaluating before the learner's
             # first publication is acknowledged keeps it out of every step clock (an
             # asynchronous step counts from that acknowledgement).
-            self._evaluate(version)
-        self._serve_publish(version)
-        self.swaps = 0  # θ_start is no swap
-        if self.schedule == "one_step_off":
-            return self._one_step_off(version, data_pos)
-        if self.schedule == "fully_async":
-            try:
-                return self.et.run(self._fully_async(version, data_pos))
-            except STOPS as e:  # reward.on_error: fail; a bad row; a failed replica
-                raise RolloutStopped(str(e)) from None
-        return self._sync(version, data_pos)
+            self.evaluator.evaluate(version)
+        self.policy.serve(version)
+        self.policy.take_swaps()  # θ_start is no swap
+        run_schedule(self.runner, self.evaluator, version, data_pos)
 
     def close(self) -> None:
-        for link in self.links:
-            link.close()
-        if self.pool is not None:  # 410 to its pollers, SIGTERM, SIGKILL after a grace
-            try:
-                self.et.run(self.pool.stop(), timeout=30)
-            except Exception as e:
-                print(f"[rollout] stopping the agent pool: {e}", flush=True)
-        if self.oai is not None:
-            try:
-                self.et.run(self.oai.stop(), timeout=20)
-            except Exception as e:
-                print(f"[rollout] stopping the OpenAI endpoint: {e}", flush=True)
+        self.links.close_all()
+        self.agents.stop()
         self._stop_engines()
 
     def _stop_engines(self) -> None:
@@ -380,42 +240,3 @@ class RolloutDriver(BatchWork, Schedules, Evaluation):
                 self.et.run(self.engine.aclose())
         finally:
             self.et.close()
-
-    # --- publication (tsync_mcore.publication.receive) ------------------------------------
-
-    def _serve_publish(self, version: int, kept: int | None = None) -> int | None:
-        """receive.serve: wait for θ_version, reload it, acknowledge; the version now served
-        (`kept` again for a dropped batch), None once the learner says it finished."""
-        return receive.serve(self.links[0], version, self.cfg.channel.timeout_s,
-                             publish.resolve_dir(self.cfg.publish, self.cfg.run.dir),
-                             lambda msg: self.et.run(self._reload(msg)), kept=kept,
-                             method=publish.method_of(self.cfg.publish))
-
-    async def _reload(self, msg: Publish, mode: str = "keep") -> None:
-        """receive.reload into every replica, acknowledged; a failed reload is told to the
-        learner (naming the replica) and stops the rollout."""
-        def loaded(version: int) -> None:
-            self.loaded = version
-            print(f"[rollout] serving θ_{version}", flush=True)
-            self.swaps += 1  # once per publication, however many replicas loaded it
-
-        await receive.reload(self.engine, self.links[0], msg, mode=mode, on_loaded=loaded,
-                             named=(ReplicaError,))
-
-    def _check_publish(self, msg) -> Publish:
-        """A notice taken between or during batches: θ_{loaded+1}, checked."""
-        return check_publish(self.links[0], msg, self.loaded + 1,
-                             publish.resolve_dir(self.cfg.publish, self.cfg.run.dir),
-                             method=publish.method_of(self.cfg.publish))
-
-    def _open_publish_group(self) -> None:
-        """publish.method: dist: receive.open_group (the learner joins as rank 0)."""
-        self._publish_store = receive.open_group(self.cfg, self.links[0], self.engine, self.et)
-        # (the store and its Seal: kept for the run)
-
-    def _recv(self, rank: int, kind: type):
-        msg = self.links[rank].recv(timeout_s=self.cfg.channel.timeout_s)
-        if not isinstance(msg, kind):
-            raise RolloutStopped(f"expected {kind.__name__} from learner rank {rank}, "
-                                 f"got {type(msg).__name__}")
-        return msg

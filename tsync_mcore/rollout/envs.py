@@ -130,7 +130,8 @@ class ToyToolEnv:
         in the target class."""
         return f"{n_target}/{n_action} digits"
 
-    def _account(self, action_ids: Sequence[int]) -> None:
+    def account(self, action_ids: Sequence[int]) -> None:
+        """Count one action toward the reward (its target-class tokens), and the turn."""
         self._n_action += len(action_ids)
         self._n_target += sum(1 for t in action_ids if t in self.target_ids)
         self.turn += 1
@@ -142,7 +143,7 @@ class ToyToolEnv:
     async def step_messages(self, action_ids: list[int]) -> tuple[list[dict[str, str]], bool]:
         """The tool's answer to one model turn as chat messages (the loop that renders
         every turn with the chat template, rollout.render: template), and `done`."""
-        self._account(action_ids)
+        self.account(action_ids)
         if self.turn >= self.cfg.max_turns:
             return [], True  # the last turn is the answer: no tool call behind it
         latency = self._lat_rng.lognormvariate(math.log(self.cfg.latency_median_s),

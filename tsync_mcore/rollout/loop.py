@@ -19,78 +19,17 @@ import asyncio
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from tsync_mcore.rollout.engine import GenOut
 from tsync_mcore.rollout.envs import AgentEnv
+from tsync_mcore.rollout.openai.session import Session, SessionError
+from tsync_mcore.rollout.types import TrajectoryResult, turn_seed
 
 # on_turn(turn_index, tokens_so_far, turn_start, turn_end, scored_mask_so_far,
 # logprobs_so_far, token_versions_so_far); may be async.
 T = TypeVar("T")
 TurnCallback = Callable[..., Awaitable[None] | None]
-
-
-@dataclass
-class TrajectoryResult:
-    tokens: list[int]
-    scored_mask: list[int]
-    turn_ends: list[int]  # exclusive end index of each turn
-    reward: float
-    prompt_len: int
-    n_turns: int
-    logprobs: list[float | None]  # sampling log-prob of each scored token, None elsewhere
-    finish_reasons: list[str]  # per turn: "stop", "length"
-    policy_versions: list[int]  # engine weight version that finished each turn
-    # the weight version that sampled each scored token, None elsewhere (a turn cut by an
-    # in-flight swap has two: docs/design/async.md)
-    token_versions: list[int | None]
-    stop_reason: str  # "done" (env), "max_turns", "max_total_tokens"
-    n_timeouts: int = 0  # tool calls cut by the agent's own step timeout
-    gen_s: float = 0.0  # time awaiting the engine
-    tool_s: float = 0.0  # time awaiting env.step
-    wall_s: float = 0.0
-    t_start: float = 0.0  # time.monotonic() at start / end, to compare trajectories
-    t_end: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
-    # Segments before this one, when the history was rewritten mid-episode (the OpenAI
-    # endpoint's records: tokens, scored_mask, logprobs, token_versions, prompt_len, ...);
-    # the fields above are the last segment's. Every segment trains.
-    earlier: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def n_scored(self) -> int:
-        """Scored tokens of the whole trajectory, every segment."""
-        return sum(self.scored_mask) + sum(sum(s["scored_mask"]) for s in self.earlier)
-
-    def segments(self) -> list[dict[str, Any]]:
-        """Every segment, first to last, as {tokens, scored_mask, logprobs, token_versions,
-        prompt_len}."""
-        last = dict(tokens=self.tokens, scored_mask=self.scored_mask, logprobs=self.logprobs,
-                    token_versions=self.token_versions, prompt_len=self.prompt_len)
-        keys = tuple(last)
-        return [{k: s[k] for k in keys} for s in self.earlier] + [last]
-
-    def turn_starts(self) -> list[int]:
-        return [0] + self.turn_ends[:-1]
-
-    def to_json(self, traj_id: str, group_id: str, policy_version: int,
-                ready_order: int = 0) -> dict[str, Any]:
-        """One line of the learner's GRPO JSON Lines format (docs/design/replay.md)."""
-        return {"traj_id": traj_id, "group_id": group_id, "tokens": list(self.tokens),
-                "scored_mask": list(self.scored_mask), "reward": float(self.reward),
-                "ready_order": ready_order, "policy_version": policy_version,
-                "prompt_len": self.prompt_len}
-
-    def to_opd_json(self, traj_id: str, group_id: str, policy_version: int,
-                    teacher_logprobs: Sequence[float | None],
-                    turn_ready_order: Sequence[int]) -> dict[str, Any]:
-        """One line of the learner's OPD format; teacher log-probs aligned with tokens."""
-        return {"traj_id": traj_id, "group_id": group_id, "tokens": list(self.tokens),
-                "scored_mask": list(self.scored_mask),
-                "teacher_logprobs": list(teacher_logprobs), "turn_ends": list(self.turn_ends),
-                "turn_ready_order": list(turn_ready_order), "policy_version": policy_version,
-                "prompt_len": self.prompt_len}
 
 
 class Generator(Protocol):
@@ -99,11 +38,6 @@ class Generator(Protocol):
 
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int,
                        temperature: float = 1.0, seed: int | None = None) -> GenOut: ...
-
-
-def _turn_seed(seed: int | None, turn: int) -> int | None:
-    # Distinct, reproducible sampling seeds per turn of one trajectory.
-    return None if seed is None else (seed * 1_000_003 + turn) % (2**31 - 1)
 
 
 async def _maybe_await(x: Awaitable[None] | None) -> None:
@@ -168,7 +102,7 @@ async def run_trajectory(
         budget = min(max_tokens_per_turn, max_total_tokens - len(tokens))
         t0 = time.monotonic()
         out = await engine.generate(tokens, max_tokens=budget, temperature=temperature,
-                                    seed=_turn_seed(seed, turn),
+                                    seed=turn_seed(seed, turn),
                                     **({} if route is None else {"route": route}))
         gen_s += time.monotonic() - t0
         action = list(out.token_ids)
@@ -236,8 +170,6 @@ async def run_rendered(
     the record: a new segment starts there, and every segment trains. The env gives
     messages: `task_messages(seed)`, `await step_messages(action_ids)`,
     `timeout_messages(action_ids)` (ToyToolEnv)."""
-    from tsync_mcore.rollout.openai.session import Session, SessionError
-
     if on_turn is not None:
         raise ValueError("rollout.render: template cannot release OPD turns (a turn of a "
                          "rewritten history has no single context); use render: tokens")
@@ -259,7 +191,7 @@ async def run_rendered(
             break
         t0 = time.monotonic()
         out = await engine.generate(p.prompt_ids, max_tokens=p.max_tokens,
-                                    temperature=temperature, seed=_turn_seed(seed, turn),
+                                    temperature=temperature, seed=turn_seed(seed, turn),
                                     **({} if route is None else {"route": route}))
         gen_s += time.monotonic() - t0
         answer = {"role": "assistant",

@@ -99,7 +99,7 @@ def _dataset(env: Any, split: str, where: str) -> Any:
                         ) from None
 
 
-def _messages(prompt: Any) -> Any:
+def prompt_messages(prompt: Any) -> Any:
     """The row's prompt as plain {role, content} messages (Arrow gives every message each
     key any message has, as None)."""
     if isinstance(prompt, list):
@@ -129,7 +129,7 @@ class VerifiersSet:
             r = dict(self.ds[int(i)])
         except Exception as e:
             raise DataError(f"{self.path} row {i}: reading it raised {_first_line(e)}") from None
-        prompt = _messages(r.get("prompt"))
+        prompt = prompt_messages(r.get("prompt"))
         why = check_prompt(prompt)
         if why:
             raise DataError(f"{self.path} row {i}: prompt: {why}")

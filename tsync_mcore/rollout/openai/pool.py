@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tsync_mcore.rollout.openai.params import ApiError
+
 MAX_WAIT_S = 30.0  # the longest long-poll of /v1/pool/next
 FAST_EXIT_S = 5.0  # a worker ending this soon after its start, without work: a failed start
 CRASH_LOOP = 3  # failed starts in a row after which a slot is not restarted
@@ -184,8 +186,6 @@ class AgentPool:
 
     async def next(self, body: dict) -> dict | None:
         """A handout for the polling worker; None: nothing within wait_s (204)."""
-        from tsync_mcore.rollout.openai.server import ApiError  # (fastapi: not at import)
-
         wait_s = body.get("wait_s", MAX_WAIT_S)
         if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or \
                 not 0 <= wait_s <= MAX_WAIT_S:
@@ -218,8 +218,6 @@ class AgentPool:
 
     async def _poll(self, slot: _Slot, worker: str, wait_s: float) -> _Job | None:
         """Wait for a job offered to this worker; None: none within wait_s."""
-        from tsync_mcore.rollout.openai.server import ApiError
-
         fut = asyncio.get_running_loop().create_future()
         self.pollers.append((worker, fut))
         slot.polling += 1

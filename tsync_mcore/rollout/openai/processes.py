@@ -1,6 +1,6 @@
 """Agents as separate processes (rollout.agent: openai): one process per trajectory (or,
-rollout.agent_pool > 0, a handout to a pool of long-lived workers: openai_pool), each
-talking to the rollout's OpenAI-compatible endpoint (openai_server), with the endpoint's
+rollout.agent_pool > 0, a handout to a pool of long-lived workers: pool.py), each
+talking to the rollout's OpenAI-compatible endpoint (server.py), with the endpoint's
 address and its trajectory id in its environment:
 
     OPENAI_BASE_URL      http://HOST:PORT/t/<trajectory id>/v1
@@ -38,9 +38,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-from tsync_mcore.rollout.loop import TrajectoryResult, as_finished
+from tsync_mcore.rollout.loop import as_finished
 from tsync_mcore.rollout.openai.pool import AgentPool, agent_env
 from tsync_mcore.rollout.openai.server import OpenAIServer
+from tsync_mcore.rollout.types import TrajectoryResult
 
 DEFAULT_COMMAND = f"{shlex.quote(sys.executable)} -m tsync_mcore.rollout.openai.agents.digits"
 # rollout.env: terminal: the bundled function-calling agent (tools through the endpoint)

@@ -17,7 +17,7 @@ Every request belongs to a trajectory the rollout registered (`register`); the a
 `OPENAI_BASE_URL=http://HOST:PORT/t/<traj>/v1`, so an existing agent needs only its base
 URL. Bearer auth with the run's random key (`OPENAI_API_KEY`). The server runs on the
 engine's event loop and calls the same engine (`RolloutEngine` or `ReplicaSet`) as the
-built-in agent loop; each trajectory's `Session` records the exact ids (openai_session).
+built-in agent loop; each trajectory's `Session` records the exact ids (rollout.openai.session).
 
 A trajectory registered with `tools` (a `ToolBox`: rollout.env: terminal, whose box runs in
 the episode's repo) serves them: GET lists their OpenAI schemas (pass them as `tools=`),
@@ -46,7 +46,7 @@ served), a second reward or a second done.
 `done` ends a trajectory from the agent's side (its reward, the error that failed it, or
 `reward_error`: the episode ran but the agent's own scorer failed, which the rollout
 handles under reward.on_error):
-an agent pool's worker (openai_pool, rollout.agent_pool > 0) posts it for each trajectory
+an agent pool's worker (rollout.openai.pool, rollout.agent_pool > 0) posts it for each trajectory
 it pulled from /v1/pool/next (200 a handout, 204 none within wait_s, 410 stopping).
 """
 
@@ -65,168 +65,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from tsync_mcore.rollout.openai import params
+from tsync_mcore.rollout.openai.connection import connection_cap, header_deadline_protocol
+from tsync_mcore.rollout.openai.params import ApiError, cut_at_stop
 from tsync_mcore.rollout.openai.session import Session, SessionError, assistant_message
+from tsync_mcore.rollout.openai.streaming import chat_chunks, sse, text_chunks
 
 MAX_BODY_BYTES = 8 << 20  # a request body: a long conversation fits, a flood does not
 MAX_MESSAGES = 4096  # messages in one chat request
 READ_TIMEOUT_S = 30.0  # a request's headers, then its body, each arrive within this
-
-
-def _connection_cap() -> int:
-    """Connections served at once: half the open-file limit, at most 4096."""
-    import resource
-
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return max(64, min(4096, (soft if soft > 0 else 1024) // 2))
-
-
 ENDED_KEPT = 4096  # forgotten trajectory ids remembered (their late requests: 409)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
-
-
-def _number(body: dict, key: str, default: float | None, lo: float, hi: float,
-            lo_open: bool = False) -> float | None:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
-            v < lo or v > hi or (lo_open and v == lo):
-        raise ApiError(400, f"{key} must be a number in {'(' if lo_open else '['}{lo}, {hi}], "
-                            f"got {v!r}", param=key)
-    return float(v)
-
-
-def _int(body: dict, key: str, lo: int = 0) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ApiError(400, f"{key} must be an integer >= {lo}, got {v!r}", param=key)
-    return v
-
-
-MAX_STOP = 4  # stop strings per request, as OpenAI
-MAX_TEMPLATE_KWARGS = 16
-# apply_chat_template's own parameters: the server sets them, a request may not
-_TEMPLATE_OWN = {"conversation", "messages", "tools", "documents", "chat_template",
-                 "add_generation_prompt", "continue_final_message", "tokenize", "padding",
-                 "truncation", "max_length", "return_tensors", "return_dict",
-                 "return_assistant_tokens_mask", "tokenizer_kwargs"}
-
-
-def _template_kwargs(body: dict) -> dict | None:
-    """vLLM's `chat_template_kwargs` (e.g. {"enable_thinking": false} for Qwen3): an object
-    of at most MAX_TEMPLATE_KWARGS identifier keys with scalar values, none of them a
-    parameter the server sets itself."""
-    v = body.get("chat_template_kwargs")
-    if v is None:
-        return None
-    what = "chat_template_kwargs"
-    if not isinstance(v, dict) or len(v) > MAX_TEMPLATE_KWARGS:
-        raise ApiError(400, f"{what} must be an object of at most {MAX_TEMPLATE_KWARGS} "
-                            f"entries", param=what)
-    for k, x in v.items():
-        if not (isinstance(k, str) and k.isidentifier() and len(k) <= 64) or k in _TEMPLATE_OWN:
-            raise ApiError(400, f"{what}: {str(k)[:64]!r} is not a template variable a "
-                                f"request may set", param=what)
-        if not (x is None or isinstance(x, (bool, int, float)) or
-                isinstance(x, str) and len(x) <= 1024):
-            raise ApiError(400, f"{what}.{k} must be a boolean, number, null or a string of "
-                                f"at most 1024 characters", param=what)
-    return dict(v) or None
-
-
-def _stop(body: dict) -> list[str]:
-    """The request's stop strings; "" and [] (sent by some clients) mean none."""
-    stop = body.get("stop")
-    if stop in (None, "", []):
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or len(stop) > MAX_STOP or \
-            not all(isinstance(x, str) and x for x in stop):
-        raise ApiError(400, f"stop must be a string or a list of up to {MAX_STOP} non-empty "
-                            f"strings, got {stop!r}", param="stop")
-    return stop
-
-
-def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
-    """`text` up to the earliest stop string (excluded); whether one was found."""
-    at = min((i for i in (text.find(x) for x in stop) if i >= 0), default=-1)
-    return (text, False) if at < 0 else (text[:at], True)
-
-
-def _stream_flags(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage)."""
-    stream = body.get("stream")
-    if stream not in (None, True, False):
-        raise ApiError(400, f"stream must be a boolean, got {stream!r}", param="stream")
-    opts = body.get("stream_options")
-    if opts is None:
-        return bool(stream), False
-    if not stream:
-        raise ApiError(400, "stream_options is only allowed with stream: true",
-                       param="stream_options")
-    usage = opts.get("include_usage", False) if isinstance(opts, dict) else None
-    if usage not in (True, False):
-        raise ApiError(400, 'stream_options must be {"include_usage": true|false}',
-                       param="stream_options")
-    return True, usage
-
-
-def sse(chunks: list[dict]) -> StreamingResponse:
-    """OpenAI's event stream: one `data:` event per chunk, then `data: [DONE]`."""
-    events = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
-    return StreamingResponse(iter(events), media_type="text/event-stream")
-
-
-def chat_chunks(resp: dict, include_usage: bool) -> list[dict]:
-    """A chat.completion as chat.completion.chunk's: role, content, one per tool call, the
-    finish reason with the `tsync` object, then usage (when asked). The log-probs ride on
-    the content chunk (on the last one when there is no content)."""
-    head = {"id": resp["id"], "object": "chat.completion.chunk", "created": resp["created"],
-            "model": resp["model"]}
-    choice, extra = resp["choices"][0], {"usage": None} if include_usage else {}
-    msg, lp = choice["message"], choice["logprobs"]
-
-    def chunk(delta: dict, finish: str | None = None, logprobs: Any = None, **more) -> dict:
-        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                     "finish_reason": finish}], **extra, **more}
-
-    out = [chunk({"role": "assistant", "content": ""})]
-    if msg.get("content"):
-        out.append(chunk({"content": msg["content"]}, logprobs=lp))
-        lp = None
-    for j, call in enumerate(msg.get("tool_calls") or []):
-        out.append(chunk({"tool_calls": [{"index": j, **call}]}))
-    out.append(chunk({}, choice["finish_reason"], lp, tsync=resp["tsync"]))
-    if include_usage:
-        out.append({**head, "choices": [], "usage": resp["usage"]})
-    return out
-
-
-def text_chunks(resp: dict, include_usage: bool) -> list[dict]:
-    """A text_completion as its stream: the text (with its log-probs), the finish reason
-    with the `tsync` object, then usage (when asked)."""
-    head = {k: resp[k] for k in ("id", "object", "created", "model")}
-    choice, extra = resp["choices"][0], {"usage": None} if include_usage else {}
-    out = [{**head, "choices": [{"index": 0, "text": choice["text"],
-                                 "logprobs": choice["logprobs"], "finish_reason": None}],
-            **extra},
-           {**head, "choices": [{"index": 0, "text": "", "logprobs": None,
-                                 "finish_reason": choice["finish_reason"]}],
-            **extra, "tsync": resp["tsync"]}]
-    if include_usage:
-        out.append({**head, "choices": [], "usage": resp["usage"]})
-    return out
 
 
 @dataclass
@@ -237,42 +87,6 @@ class _Tools:
     per_turn: int
     turn: int = 0
     calls: int = 0
-
-
-def _header_deadline_protocol(timeout_s: float):
-    """uvicorn's h11 protocol with a deadline for each request's headers: uvicorn closes an
-    idle keep-alive connection, but one that sends a partial request line or headers
-    slowly (or nothing after connecting) would hold its descriptor for ever."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class HeaderDeadline(H11Protocol):
-        _deadline: asyncio.TimerHandle | None = None
-
-        def _arm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-            self._deadline = self.loop.call_later(timeout_s, self._expire)
-
-        def _expire(self) -> None:
-            self._deadline = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.close()  # still no complete request line and headers
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm()  # the next request's headers (uvicorn's keep-alive timer too)
-
-        def connection_lost(self, exc) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-            super().connection_lost(exc)
-
-    return HeaderDeadline
 
 
 class OpenAIServer:
@@ -288,7 +102,7 @@ class OpenAIServer:
         self.engine, self.tok, self.api_key, self.model = engine, tokenizer, api_key, model
         self.max_body_bytes, self.max_messages = max_body_bytes, max_messages
         self.read_timeout_s = read_timeout_s
-        self.max_connections = max_connections or _connection_cap()
+        self.max_connections = max_connections or connection_cap()
         self.history, self.temperature = history, temperature
         self.current_version = current_version or (lambda: int(getattr(engine, "version", 0)))
         self.sessions: dict[str, Session] = {}
@@ -303,7 +117,7 @@ class OpenAIServer:
         self.done: dict[str, str | None] = {}  # trajectories whose agent posted done: error
         # trajectories whose agent ran the episode but could not score it: why
         self.reward_errors: dict[str, str] = {}
-        self.pool: Any = None  # openai_pool.AgentPool (rollout.agent_pool > 0)
+        self.pool: Any = None  # pool.AgentPool (rollout.agent_pool > 0)
         self.ended: OrderedDict[str, str] = OrderedDict()  # forgotten trajectories: why (409)
         self.counts = dict(requests=0, rewrites=0, rejected=0, stale=0, bad=0, tool_calls=0)
         self.host, self.port = "", 0
@@ -433,7 +247,7 @@ class OpenAIServer:
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off",
                                 access_log=False, limit_concurrency=self.max_connections,
                                 timeout_keep_alive=5,
-                                http=_header_deadline_protocol(self.read_timeout_s))
+                                http=header_deadline_protocol(self.read_timeout_s))
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # older uvicorn
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
@@ -632,12 +446,12 @@ class OpenAIServer:
         return {"trajectory": traj_id, "name": name, "content": out}
 
     def _sampling(self, body: dict) -> dict:
-        stream, include_usage = _stream_flags(body)
-        n = _int(body, "n", 1)
+        stream, include_usage = params.stream_flags(body)
+        n = params.integer(body, "n", 1)
         if n not in (None, 1):
             raise ApiError(400, f"n must be 1 (one completion per request: each is a turn of "
                                 f"the trajectory), got {n}", param="n")
-        if _int(body, "best_of", 1) not in (None, 1):
+        if params.integer(body, "best_of", 1) not in (None, 1):
             raise ApiError(400, "best_of must be 1", param="best_of")
         if body.get("top_logprobs"):
             raise ApiError(400, "top_logprobs is not supported (logprobs: true gives each "
@@ -647,11 +461,11 @@ class OpenAIServer:
             raise ApiError(400, "response_format is not supported", param="response_format")
         mt = body.get("max_completion_tokens", body.get("max_tokens"))
         if mt is not None:
-            mt = _int({"max_tokens": mt}, "max_tokens", 1)
-        return dict(temperature=_number(body, "temperature", self.temperature, 0, 2),
-                    top_p=_number(body, "top_p", 1.0, 0, 1, lo_open=True),
-                    seed=_int(body, "seed"), max_tokens=mt,
-                    logprobs=bool(body.get("logprobs")), stop=_stop(body), stream=stream,
+            mt = params.integer({"max_tokens": mt}, "max_tokens", 1)
+        return dict(temperature=params.number(body, "temperature", self.temperature, 0, 2),
+                    top_p=params.number(body, "top_p", 1.0, 0, 1, lo_open=True),
+                    seed=params.integer(body, "seed"), max_tokens=mt,
+                    logprobs=bool(body.get("logprobs")), stop=params.stop_strings(body), stream=stream,
                     include_usage=include_usage)
 
     async def _generate(self, s: Session, plan_fn, sp: dict, record):
@@ -743,7 +557,7 @@ class OpenAIServer:
         if body.get("parallel_tool_calls") is False:
             pass  # the model's text decides; several calls are parsed in order
         sp = self._sampling(body)
-        kwargs = _template_kwargs(body)
+        kwargs = params.template_kwargs(body)
         answers = []
 
         def record(pending, out) -> None:

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tsync_mcore.rollout.types import TrajectoryResult, turn_seed
 from tsync_mcore.sandbox.tools import parse_tool_calls
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -359,10 +360,8 @@ class Session:
     # --- recording ----------------------------------------------------------------------
 
     def sampling_seed(self, turn: int | None = None) -> int | None:
-        """The built-in loop's per-turn seed (agent._turn_seed) for this segment's turn."""
-        from tsync_mcore.rollout.loop import _turn_seed
-
-        return _turn_seed(self.seed, len(self.turn_ends) if turn is None else turn)
+        """The built-in loop's per-turn seed (types.turn_seed) for this segment's turn."""
+        return turn_seed(self.seed, len(self.turn_ends) if turn is None else turn)
 
     def commit(self, pending: Pending, out: Any, answer: dict[str, Any] | None = None) -> None:
         """Record the engine's answer (`GenOut`) to `pending`; `answer`: the assistant
@@ -422,11 +421,9 @@ class Session:
                 "earlier_segments": list(self.segments), "rewrites": self.rewrites,
                 "requests": self.n_requests, **extra}
 
-    def result(self, reward: float, stop_reason: str, **timing: Any):
+    def result(self, reward: float, stop_reason: str, **timing: Any) -> TrajectoryResult:
         """The trajectory as the built-in loop's `TrajectoryResult`: the last segment, and
         the earlier ones in `earlier`."""
-        from tsync_mcore.rollout.loop import TrajectoryResult
-
         return TrajectoryResult(
             tokens=list(self.tokens), scored_mask=list(self.scored_mask),
             turn_ends=list(self.turn_ends), reward=float(reward), prompt_len=self.prompt_len,

@@ -41,7 +41,7 @@ def _row(env: Any, spec: dict[str, Any], messages: list[dict[str, Any]]) -> dict
     ds = vf_env.VerifiersSet(module, env, split)
     if ds.ds is None or not 0 <= index < len(ds):
         raise RuntimeError(f"verifiers:{module} has no {split} row {index}")
-    if vf_env._messages(ds.ds[index].get("prompt")) != messages:
+    if vf_env.prompt_messages(ds.ds[index].get("prompt")) != messages:
         # the rollout rendered (and trains on) the prompt it read: an env whose dataset
         # differs between two loads (unseeded shuffling) cannot be trained this way
         raise RuntimeError(f"verifiers:{module} {split} row {index}: its prompt differs from "

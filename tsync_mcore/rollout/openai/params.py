@@ -1,0 +1,108 @@
+"""The OpenAI endpoint's request validation: a body's sampling and streaming parameters,
+checked, each refusal an `ApiError` (OpenAI's error object, one line). No web framework
+here: the agent pool's hand-outs raise the same errors."""
+
+from __future__ import annotations
+
+import math
+
+
+class ApiError(Exception):
+    """An OpenAI error object: HTTP `status`, a one-line `message`, its type and param."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def number(body: dict, key: str, default: float | None, lo: float, hi: float,
+           lo_open: bool = False) -> float | None:
+    """body[key], a finite number in [lo, hi] (or (lo, hi]); `default` when absent."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+            v < lo or v > hi or (lo_open and v == lo):
+        raise ApiError(400, f"{key} must be a number in {'(' if lo_open else '['}{lo}, {hi}], "
+                            f"got {v!r}", param=key)
+    return float(v)
+
+
+def integer(body: dict, key: str, lo: int = 0) -> int | None:
+    """body[key], an integer >= lo; None when absent."""
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ApiError(400, f"{key} must be an integer >= {lo}, got {v!r}", param=key)
+    return v
+
+
+MAX_STOP = 4  # stop strings per request, as OpenAI
+MAX_TEMPLATE_KWARGS = 16
+# apply_chat_template's own parameters: the server sets them, a request may not
+_TEMPLATE_OWN = {"conversation", "messages", "tools", "documents", "chat_template",
+                 "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                 "truncation", "max_length", "return_tensors", "return_dict",
+                 "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+def template_kwargs(body: dict) -> dict | None:
+    """vLLM's `chat_template_kwargs` (e.g. {"enable_thinking": false} for Qwen3): an object
+    of at most MAX_TEMPLATE_KWARGS identifier keys with scalar values, none of them a
+    parameter the server sets itself."""
+    v = body.get("chat_template_kwargs")
+    if v is None:
+        return None
+    what = "chat_template_kwargs"
+    if not isinstance(v, dict) or len(v) > MAX_TEMPLATE_KWARGS:
+        raise ApiError(400, f"{what} must be an object of at most {MAX_TEMPLATE_KWARGS} "
+                            f"entries", param=what)
+    for k, x in v.items():
+        if not (isinstance(k, str) and k.isidentifier() and len(k) <= 64) or k in _TEMPLATE_OWN:
+            raise ApiError(400, f"{what}: {str(k)[:64]!r} is not a template variable a "
+                                f"request may set", param=what)
+        if not (x is None or isinstance(x, (bool, int, float)) or
+                isinstance(x, str) and len(x) <= 1024):
+            raise ApiError(400, f"{what}.{k} must be a boolean, number, null or a string of "
+                                f"at most 1024 characters", param=what)
+    return dict(v) or None
+
+
+def stop_strings(body: dict) -> list[str]:
+    """The request's stop strings; "" and [] (sent by some clients) mean none."""
+    stop = body.get("stop")
+    if stop in (None, "", []):
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or \
+            not all(isinstance(x, str) and x for x in stop):
+        raise ApiError(400, f"stop must be a string or a list of up to {MAX_STOP} non-empty "
+                            f"strings, got {stop!r}", param="stop")
+    return stop
+
+
+def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """`text` up to the earliest stop string (excluded); whether one was found."""
+    at = min((i for i in (text.find(x) for x in stop) if i >= 0), default=-1)
+    return (text, False) if at < 0 else (text[:at], True)
+
+
+def stream_flags(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise ApiError(400, f"stream must be a boolean, got {stream!r}", param="stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return bool(stream), False
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true",
+                       param="stream_options")
+    usage = opts.get("include_usage", False) if isinstance(opts, dict) else None
+    if usage not in (True, False):
+        raise ApiError(400, 'stream_options must be {"include_usage": true|false}',
+                       param="stream_options")
+    return True, usage
