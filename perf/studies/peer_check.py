@@ -1,7 +1,7 @@
 """verl's own loss code against the learner on one batch (docs/design/objectives.md, "Against the peers").
 
     pip download --no-deps verl==0.9.1 -d /tmp/peers && unzip -q /tmp/peers/verl-*.whl -d /tmp/peers/verl
-    PYTHONPATH=/tmp/peers/verl:tests:. python perf/peer_check.py HF_DIR OUT_DIR
+    PYTHONPATH=/tmp/peers/verl:tests:. python -m perf.studies.peer_check HF_DIR OUT_DIR
 
 Runs the learner (2 DP ranks, thundersync, balanced routing, adv_std unbiased) for each of
 token_mean / seq_mean_token_mean / seq_mean_token_sum_norm, and once configured like
