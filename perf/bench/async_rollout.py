@@ -81,7 +81,7 @@ class FullyAsyncStream:
         """Start groups while a slot is free (a batch worth in flight) and the bound allows
         (pacing.may_start). Unlike the rollout, which gives a dropped group's slot back
         (it counts groups started and not dropped), the simulator counts every group
-        started, as it always has (tests/test_perf_tools.py checks that bound)."""
+        started, as it always has (tests/unit/test_perf_tools.py checks that bound)."""
         new = []
         while len(self.running) < self.groups_per_batch and may_start(
                 self.started, self.loaded, self.v0, self.max_staleness,

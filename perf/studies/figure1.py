@@ -2,8 +2,7 @@
 schedules, rollout and learner on disjoint cores, and what each schedule bought.
 
 Each schedule is one `launch/run.py` run, one after the other (perf/bench/schedule_runs.py),
-from the same config, model,
-seed and number of updates, with `launch.rollout_cpus` and `launch.learner_cpus` set to
+from the same config, model, seed and number of updates, with `launch.rollout_cpus` and `launch.learner_cpus` set to
 disjoint cores (the CPU analogue of rollout GPUs beside learner GPUs). When the task has an
 evaluation set, every run evaluates θ_0 (`run.eval_first`) and θ_n (`run.eval_every` set to
 the number of updates; `--set run.eval_every=K` for more), outside every step time. From
@@ -14,9 +13,9 @@ learner work after the last source arrived), the policy lag; per evaluation: pas
 Speedups are over sync, paired update by update (the same batches: the same data order and,
 while θ agrees, the same samples), over the updates after `--warmup` (an asynchronous
 schedule's after at least 2: its first two updates fill the pipeline, both on θ_0's
-samples). The predicted speedup
-replays each run's trace through Eq. 14 (tsync_mcore.observability.predict), with the paired
-sync run's own trace as the counterfactual, as the overlap benchmark (perf/bench/cell.py) does: thundersync lanes
+samples). The predicted speedup replays each run's trace through Eq. 14
+(tsync_mcore.observability.predict), with the paired sync run's own trace as the
+counterfactual, as the overlap benchmark (perf/bench/cell.py) does: thundersync lanes
 served as sources arrived, one_step_off through `one_step_off_segment` with sync's suffix.
 The replay keeps every source's measured service time and infers the optimizer step from
 the step's own wall time, so measured over predicted shows the idle time a learner left

@@ -8,7 +8,7 @@ is not timed) and `--batches` batches timed with nothing but the counter's inter
 Per served source (its `Learner._serve` and `submit`): ops dispatched, synchronising calls,
 host µs (the serving thread's CPU time, median over the timed batches) and host µs per op;
 per update: the same for `begin` and `close` less their serving. The sources are the overlap
-benchmark's (perf/bench/cell.py `Workload`: groups of 4 sharing a 16-token prompt, 24-192
+benchmark's (perf/bench/workload.py `Workload`: groups of 4 sharing a 16-token prompt, 24-192
 token bodies; OPD: 4 turns), the same batch every time.
 
 Models (random Qwen2 weights, fp32, made here): `tiny` (2 layers, hidden 64, vocab 256),
