@@ -1,5 +1,5 @@
 """The simulated rollout's decisions for the asynchronous schedules (docs/design/async.md), free of
-clocks and sockets so that tests can drive them with a fake clock; overlap.py plays them
+clocks and sockets so that tests can drive them with a fake clock; simulator.py plays them
 in real time against the real learner.
 
 one_step_off: batch b is sampled with θ_{max(b−1, v0)} (v0: the version the segment started

@@ -215,3 +215,25 @@ def test_check_names_gpu_sweep_regressions_and_skips_cells_that_did_not_run(tmp_
     assert _run_check(tmp_path, oom, base, "--strict").returncode == 1
     p = _run_check(tmp_path, {**_doc(), "sweep": {"not": "a list"}}, base)
     assert p.returncode == 2 and "'sweep'" in p.stderr
+
+
+def test_schedule_runs_keeps_a_failed_runs_verdict_and_reads_finished_ones(tmp_path, capsys):
+    # the driver behind compare, figure1 and the TRL side-by-side: one launch/run.py per
+    # schedule, read back from its run directory. A config the launcher refuses exits 2
+    # before any process starts: its line is kept in the log and shown, FAILED says why,
+    # and read_run (what --report-only reads) gives the same verdict.
+    from perf.bench import schedule_runs
+
+    run_dir, log = tmp_path / "sync", tmp_path / "logs" / "sync.out"
+    run = schedule_runs.launch("sync", os.path.join(ROOT, "configs", "grpo_cpu_tiny.yaml"),
+                               [f"run.dir={run_dir}", "learner.schedule=nope"], str(run_dir),
+                               log=str(log), echo="   ")
+    assert run.failed == f"launch/run.py exit 2, see {log}" and run.rows == []
+    assert run.wall_s is not None and run.wall_s > 0
+    assert "learner.schedule" in log.read_text() and "   error: run: " in capsys.readouterr().out
+    assert schedule_runs.read_run("sync", str(run_dir)).failed == run.failed
+    # a finished run: its metrics rows in file order (blank lines skipped), no verdict
+    (run_dir / "FAILED").unlink()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n\n{"step": 2}\n')
+    assert schedule_runs.read_run("sync", str(run_dir)) == schedule_runs.ScheduleRun(
+        "sync", str(run_dir), [{"step": 1}, {"step": 2}])

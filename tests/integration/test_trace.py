@@ -34,7 +34,7 @@ def _damaged_run(tmp_path) -> str:
     ["-m", "tsync_mcore.observability.predict", "trace", "RUN"],
     ["-m", "tsync_mcore.observability.report", "RUN", "--out", "OUT"],
     ["-m", "perf.bench.run", "--release-trace", "RUN", "--out", "OUT"],
-], ids=["predict", "report", "run_overlap"])
+], ids=["predict", "report", "perf_bench_run"])
 def test_cli_stops_on_a_damaged_trace_with_one_line(tmp_path, cli):
     run = _damaged_run(tmp_path)
     out = str(tmp_path / "out")
