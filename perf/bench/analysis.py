@@ -10,6 +10,7 @@ from statistics import mean, median
 from tsync_mcore.observability import predict, trace
 from tsync_mcore.observability.trace import Record, SourceRecord
 
+
 def busiest_lane(records: list[Record], update: int) -> float:
     """L of one update: the busiest rank's total service time."""
     busy = {0: 0.0, 1: 0.0}
@@ -76,7 +77,7 @@ def serve_cpu(records: list[Record], updates: set[int]) -> float:
 
 
 def wall_over_cpu(records: list[Record], updates: set[int],
-                   arriving: dict[int, float] | None = None) -> float | None:
+                  arriving: dict[int, float] | None = None) -> float | None:
     """Serving wall time over serving CPU time. `arriving` (update → R): only services that
     started while sources were still arriving (before R), when the simulator and the
     channel threads share the learners' cores; None where there were none (sync)."""
@@ -88,7 +89,7 @@ def wall_over_cpu(records: list[Record], updates: set[int],
 
 
 def paired_service(by_update: dict[int, list[Record]], mine: list[dict],
-                    sync: list[dict]) -> dict:
+                   sync: list[dict]) -> dict:
     """Each source's service (wall, CPU) in this schedule over the same source's in the sync
     update of the same draw (same batch, same tokens): the mean ratio over every source,
     and over those served while sources were still arriving (before R), where the
@@ -149,7 +150,7 @@ def group_ready_step(records: list[Record], R: float, P: float) -> float:
 
 
 def async_predicted(schedule: str, played: list[dict], by_update: dict, pred: dict,
-                     P: float) -> list[float]:
+                    P: float) -> list[float]:
     """Predicted step times of an asynchronous schedule's measured (steady) updates.
     one_step_off: each segment's traces through predict.one_step_off_segment; fully_async:
     predict.one_step_off_period with R the stream's time per batch when nothing holds it

@@ -14,8 +14,6 @@ SEGMENT = 4  # updates an asynchronous schedule plays per round (a pipeline need
 STEADY_FROM = 2  # of those, the first ones fill the pipeline and are not measured
 
 
-
-
 @dataclass(frozen=True)
 class Step:
     """One update the simulator plays: which batch (draw) and how."""

@@ -17,8 +17,9 @@ from perf.bench.async_rollout import FullyAsyncStream, one_step_off_sampler
 from perf.bench.plan import Step
 from perf.bench.workload import RecordedWorkload, Workload
 
+
 def play(links, work: Workload | RecordedWorkload, v: int, step: Step, R: float,
-          routing: str = "balanced", sampled: int | None = None) -> tuple[list[float], list]:
+         routing: str = "balanced", sampled: int | None = None) -> tuple[list[float], list]:
     """One batch: register, release sources at their completion times, close at R.
 
     `sampled`: the policy version the sources carry (default v: on-policy).
@@ -36,8 +37,8 @@ def sent_lag(v: int, items: list) -> list[tuple[int, int]]:
 
 
 def send_batch(links, objective: str, v: int, plan: BatchPlan, n_turns: dict, items: list,
-                schedule: str, R: float, routing: str, rollout_s: float | None = None,
-                metrics: dict | None = None) -> list[float]:
+               schedule: str, R: float, routing: str, rollout_s: float | None = None,
+               metrics: dict | None = None) -> list[float]:
     """Register batch v, send its sources at their ready times (seconds after the
     registration) and close it at R (rollout_time_s: `rollout_s`, default the time taken).
 
@@ -103,7 +104,7 @@ def reload(link, loaded: int, need: int) -> int:
 
 
 def play_one_step_off(links, work, v0: int, seg: list[Step], R: float,
-                       routing: str) -> list[dict]:
+                      routing: str) -> list[dict]:
     """A one_step_off segment of updates v0 … v0+n−1 (docs/design/async.md): batch b is sampled
     with θ_{max(b−1, v0)}; its rollout starts when batch b−1 closes, waiting only until
     that version is published. The learner gets batch b's registration and sources while
@@ -123,7 +124,7 @@ def play_one_step_off(links, work, v0: int, seg: list[Step], R: float,
 
 
 def play_fully_async(links, work, v0: int, seg: list[Step], R: float, routing: str,
-                      max_staleness: int) -> list[dict]:
+                     max_staleness: int) -> list[dict]:
     """A fully_async segment of updates v0 … v0+n−1 (docs/design/async.md): the draw's groups are
     generated as a continuous stream (group i of the stream is the draw's group i mod G,
     taking as long as its slowest member, u·R), a batch worth in flight, AReaL's staleness
@@ -152,8 +153,8 @@ def play_fully_async(links, work, v0: int, seg: list[Step], R: float, routing: s
             t_reg = time.perf_counter()
             metrics = {"async/dropped_stale_groups": float(stream.dropped_stale - dropped)}
             lag = send_batch(links, work.objective, k, bplan, bturns, bitems,
-                              "fully_async", 0.0, routing, rollout_s=t_reg - last,
-                              metrics=metrics)
+                             "fully_async", 0.0, routing, rollout_s=t_reg - last,
+                             metrics=metrics)
             out.append(dict(R_s=t_reg - last, sim_cpu_s=0.0, release_lag_s=lag,
                             sent_lag=sent_lag(k, bitems),
                             dropped_stale_groups=stream.dropped_stale - dropped,
