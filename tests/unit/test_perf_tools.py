@@ -358,3 +358,31 @@ def test_gpu_step_sweep_dry_run_on_cpu(parallel1, tmp_path):
     assert {r["metric"] for r in rows if r["cell"].startswith("sweep")} == \
         {"mfu_active", "speedup_vs_sync r=1.0"}
     assert all(r["status"] == "ok" for r in rows)
+
+
+def test_perf_is_a_package_run_from_the_root_without_path_edits():
+    # perf/ runs as modules (`python -m perf.bench.run`) with only the checkout's root on the
+    # import path: a module that edits sys.path, or imports a sibling by its bare name (which
+    # needs perf/ itself on the path), would break that, or shadow packages named alike
+    import ast
+    import os
+
+    from tests.helpers.paths import ROOT
+
+    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, "perf"))
+             for f in fs if f.endswith(".py")]
+    siblings = {os.path.splitext(os.path.basename(f))[0] for f in files} - {"__init__"}
+    assert {"cell", "run", "schedule_runs", "figure1"} <= siblings
+    for d, _, fs in os.walk(os.path.join(ROOT, "perf")):
+        if any(f.endswith(".py") for f in fs):
+            assert "__init__.py" in fs, f"{d}: not a package"
+    for path in files:
+        tree = ast.parse(open(path).read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "path" \
+                    and isinstance(node.value, ast.Name) and node.value.id == "sys":
+                pytest.fail(f"{path}:{node.lineno}: sys.path")
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bare = [n for n in names if n.split(".")[0] in siblings]
+            assert not bare, f"{path}:{node.lineno}: import {bare[0]} (use perf.bench / perf.studies)"
