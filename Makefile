@@ -75,9 +75,9 @@ demo-real: real-model
 
 # The demo's task under sync, thundersync, one_step_off and fully_async for the same
 # training budget and seed: reward against time and updates, policy lag, summary.md
-# (perf/compare.py; ARGS="--budget-s 60 --schedules sync,thundersync" to narrow it).
+# (perf/studies/compare.py; ARGS="--budget-s 60 --schedules sync,thundersync" to narrow it).
 compare: setup
-	$(VPY) perf/compare.py $(ARGS)
+	$(VPY) -m perf.studies.compare $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

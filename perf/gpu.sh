@@ -3,7 +3,7 @@
 # at real sizes (bandwidth as a fraction of HBM peak, fused log-prob vs torch), learner steps
 # of a ~0.5B Qwen2-shaped model built locally with random weights (MFU, peak memory), and the
 # learner sweep (Qwen2.5-1.5B/3B shapes, 2k/8k/32k-token sources, GRPO sync vs thundersync
-# under the simulated rollout at r = 1, fused LM head on and off: perf/gpu_sweep.py).
+# under the simulated rollout at r = 1, fused LM head on and off: perf/bench/gpu_sweep.py).
 # Writes perf/results/<date>-<host>-gpu.json. Without a CUDA GPU it says so and exits 0.
 #   perf/gpu.sh [gpu_step.py flags, e.g. --skip-kernels --sweep-models 1.5b]
 # megatron-core: when the interpreter lacks it and perf/wheels/ holds the megatron-core wheel
@@ -46,7 +46,7 @@ for py in ${PYTHON:-} python3 .venv/bin/python; do
     if "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
         site=$(megatron_from_wheel "$py") || site=""
         if [[ -n "$site" ]]; then export PYTHONPATH="$site:${PYTHONPATH:-}"; fi
-        exec timeout 470 "$py" perf/gpu_step.py "$@"
+        exec timeout 470 "$py" -m perf.bench.gpu_step "$@"
     fi
 done
 echo "gpu.sh: no CUDA GPU: torch.cuda.is_available() is False for ${tried[*]:-no python found}; nothing to run"

@@ -16,13 +16,13 @@ work="$(mktemp -d /tmp/tsync-perf-XXXX)"
 mkdir -p perf/results
 echo "== overlap (rollout simulator → channel → 2 learner ranks) =="
 # SCHEDULES=sync,group_ready,thundersync perf/run.sh: the synchronous three only (faster)
-$PY perf/run_overlap.py $QUICK ${SCHEDULES:+--schedules "$SCHEDULES"} --out "$work/overlap.json" \
+$PY -m perf.bench.run $QUICK ${SCHEDULES:+--schedules "$SCHEDULES"} --out "$work/overlap.json" \
     --work "$work"
 echo "== kernels =="
-$PY perf/kernels.py $QUICK --json "$work/kernels.json"
-$PY perf/collect.py --overlap "$work/overlap.json" --kernels "$work/kernels.json" --out "$out" \
+$PY -m perf.bench.kernels $QUICK --json "$work/kernels.json"
+$PY -m perf.bench.collect --overlap "$work/overlap.json" --kernels "$work/kernels.json" --out "$out" \
     --plots "perf/results/${stamp}"
 if [ -f perf/baseline.json ]; then
-  $PY perf/check.py "$out" --baseline perf/baseline.json
+  $PY -m perf.bench.check "$out" --baseline perf/baseline.json
 fi
 echo "result: $out"

@@ -112,9 +112,10 @@ def test_report_and_trace_predictor_render_from_the_run(golden, tmp_path):
 
 
 def test_overlap_benchmark_replays_the_runs_release_trace(tiny_qwen2, golden, tmp_path):
-    """perf/overlap.py's recorded workload: the run's own release times, lengths and groups,
+    """perf/bench/workload.py's recorded workload: the run's own release times, lengths and groups,
     played through the real channel and learner under all three schedules."""
-    from overlap import HostSetup, RecordedWorkload, cell
+    from perf.bench.cell import HostSetup, cell
+    from perf.bench.workload import RecordedWorkload
 
     from tsync_mcore.channel.link import realtime_io_permitted
 

@@ -1,4 +1,4 @@
-"""perf/check.py (regression guard), perf/kernels.py (smoke on tiny shapes), perf/gpu.sh (no GPU)."""
+"""perf/bench/check.py (regression guard), perf/bench/kernels.py (smoke on tiny shapes), perf/gpu.sh (no GPU)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,18 @@ from tests.helpers.paths import ROOT
 from tests.unit.test_perf_tools import _cell, _doc, _kernel  # noqa: F401  (shared with the unit tests)
 
 PERF = os.path.join(ROOT, "perf")
+CHECK = [sys.executable, "-m", "perf.bench.check"]  # run from ROOT (cwd)
 
 
-import check  # noqa: E402
+from perf.bench import check  # noqa: E402
 
 
 def _run_check(tmp_path, result: dict, baseline: dict, *flags: str) -> subprocess.CompletedProcess:
     res, base = tmp_path / "result.json", tmp_path / "baseline.json"
     res.write_text(json.dumps(result))
     base.write_text(json.dumps(baseline))
-    cmd = [sys.executable, os.path.join(PERF, "check.py"), str(res), "--baseline", str(base), *flags]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    cmd = [*CHECK, str(res), "--baseline", str(base), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
 def test_check_passes_on_equal_ratios_at_other_absolute_speed(tmp_path):
@@ -105,12 +106,12 @@ def test_check_missing_cells_fail_only_when_strict(tmp_path):
 def test_check_write_baseline_and_bad_input(tmp_path):
     res, base = tmp_path / "r.json", tmp_path / "sub" / "b.json"
     res.write_text(json.dumps(_doc()))
-    cmd = [sys.executable, os.path.join(PERF, "check.py"), str(res), "--baseline", str(base)]
-    missing = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    cmd = [*CHECK, str(res), "--baseline", str(base)]
+    missing = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert missing.returncode == 2 and "--write-baseline" in missing.stderr
-    assert subprocess.run(cmd + ["--write-baseline"], capture_output=True, timeout=60).returncode == 0
+    assert subprocess.run(cmd + ["--write-baseline"], capture_output=True, timeout=60, cwd=ROOT).returncode == 0
     assert json.loads(base.read_text()) == _doc()
-    assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
+    assert subprocess.run(cmd, capture_output=True, timeout=60, cwd=ROOT).returncode == 0
 
 
 def test_check_noise_measured_over_runs_widens_only_those_cells(tmp_path):
@@ -122,9 +123,9 @@ def test_check_noise_measured_over_runs_widens_only_those_cells(tmp_path):
         runs.append(tmp_path / f"run{i}.json")
         runs[-1].write_text(json.dumps(doc))
     base = tmp_path / "base.json"
-    cmd = [sys.executable, os.path.join(PERF, "check.py"), str(runs[0]), "--baseline", str(base),
+    cmd = [*CHECK, str(runs[0]), "--baseline", str(base),
            "--write-baseline", "--noise-from", str(runs[1]), str(runs[2])]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     written = json.loads(base.read_text())
     key = "kernel accumulate_g1g2[fused-triton] numel=1024 | time/plain"
@@ -144,8 +145,8 @@ def test_check_noise_measured_over_runs_widens_only_those_cells(tmp_path):
     result["kernels"][2]["bytes_per_s"] = 53.0
     rows = {(r["cell"], r["metric"]): r for r in check.compare(result, baseline, 0.15)}
     assert rows[cell, "bw_fraction"]["status"] == "regression"
-    bad = subprocess.run(cmd[:5] + ["--noise-from", str(runs[1])], capture_output=True, text=True,
-                         timeout=60)
+    bad = subprocess.run(cmd[:6] + ["--noise-from", str(runs[1])], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "--noise-from goes with --write-baseline" in bad.stderr
 
 
@@ -159,10 +160,10 @@ def test_gpu_sh_exits_zero_without_gpu(tmp_path):
 
 
 def test_compare_report_from_metrics_rows(tmp_path):
-    # perf/compare.py's figures and table from hand-written metrics rows: the training clock
+    # perf/studies/compare.py's figures and table from hand-written metrics rows: the training clock
     # sums step times, the lag and dropped groups come from the rows, a skipped batch counts
     # nowhere.
-    import compare
+    from perf.studies import compare
 
     def row(step, wall, reward, lag=None, **kw):
         return dict(step=step, ok=True, step_wall_time_s=wall, reward_mean=reward,
@@ -191,8 +192,8 @@ def test_compare_report_from_metrics_rows(tmp_path):
     # sync's rewards 0.0, 0.1, …: the mean of 3 first reaches 0.5 at update 7 (0.4, 0.5, 0.6)
     assert compare.reached(compare.curves(runs["sync"]), 0.5) == (14.0, 7)
     assert compare.reached(compare.curves(runs["sync"]), 0.9) is None
-    bad = subprocess.run([sys.executable, os.path.join(PERF, "compare.py"), "--schedules",
-                          "sync,async"], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "perf.studies.compare", "--schedules",
+                          "sync,async"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "unknown async" in bad.stderr
 
 
@@ -214,3 +215,25 @@ def test_check_names_gpu_sweep_regressions_and_skips_cells_that_did_not_run(tmp_
     assert _run_check(tmp_path, oom, base, "--strict").returncode == 1
     p = _run_check(tmp_path, {**_doc(), "sweep": {"not": "a list"}}, base)
     assert p.returncode == 2 and "'sweep'" in p.stderr
+
+
+def test_schedule_runs_keeps_a_failed_runs_verdict_and_reads_finished_ones(tmp_path, capsys):
+    # the driver behind compare, figure1 and the TRL side-by-side: one launch/run.py per
+    # schedule, read back from its run directory. A config the launcher refuses exits 2
+    # before any process starts: its line is kept in the log and shown, FAILED says why,
+    # and read_run (what --report-only reads) gives the same verdict.
+    from perf.bench import schedule_runs
+
+    run_dir, log = tmp_path / "sync", tmp_path / "logs" / "sync.out"
+    run = schedule_runs.launch("sync", os.path.join(ROOT, "configs", "grpo_cpu_tiny.yaml"),
+                               [f"run.dir={run_dir}", "learner.schedule=nope"], str(run_dir),
+                               log=str(log), echo="   ")
+    assert run.failed == f"launch/run.py exit 2, see {log}" and run.rows == []
+    assert run.wall_s is not None and run.wall_s > 0
+    assert "learner.schedule" in log.read_text() and "   error: run: " in capsys.readouterr().out
+    assert schedule_runs.read_run("sync", str(run_dir)).failed == run.failed
+    # a finished run: its metrics rows in file order (blank lines skipped), no verdict
+    (run_dir / "FAILED").unlink()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n\n{"step": 2}\n')
+    assert schedule_runs.read_run("sync", str(run_dir)) == schedule_runs.ScheduleRun(
+        "sync", str(run_dir), [{"step": 1}, {"step": 2}])

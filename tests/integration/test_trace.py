@@ -33,8 +33,8 @@ def _damaged_run(tmp_path) -> str:
 @pytest.mark.parametrize("cli", [
     ["-m", "tsync_mcore.observability.predict", "trace", "RUN"],
     ["-m", "tsync_mcore.observability.report", "RUN", "--out", "OUT"],
-    [os.path.join(ROOT, "perf", "run_overlap.py"), "--release-trace", "RUN", "--out", "OUT"],
-], ids=["predict", "report", "run_overlap"])
+    ["-m", "perf.bench.run", "--release-trace", "RUN", "--out", "OUT"],
+], ids=["predict", "report", "perf_bench_run"])
 def test_cli_stops_on_a_damaged_trace_with_one_line(tmp_path, cli):
     run = _damaged_run(tmp_path)
     out = str(tmp_path / "out")

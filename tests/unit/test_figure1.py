@@ -1,13 +1,13 @@
-"""perf/figure1.py's summaries, checks and report on synthetic run directories (no run)."""
+"""perf/studies/figure1.py's summaries, checks and report on synthetic run directories (no run)."""
 
 from __future__ import annotations
 
 import json
 import os
 
-import figure1
 import pytest
 
+from perf.studies import figure1
 from tsync_mcore.observability import trace
 from tsync_mcore.observability.trace import SourceRecord, UpdateRecord
 

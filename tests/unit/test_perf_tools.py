@@ -1,14 +1,14 @@
-"""perf/check.py (regression guard), perf/kernels.py (smoke on tiny shapes), perf/gpu.sh (no GPU)."""
+"""perf/bench/check.py (regression guard), perf/bench/kernels.py (smoke on tiny shapes), perf/gpu.sh (no GPU)."""
 
 from __future__ import annotations
 
 import copy
 import json
 
-import check  # noqa: E402
-import kernels  # noqa: E402
 import pytest
 import torch
+
+from perf.bench import check, kernels
 
 
 def _cell(schedule: str, measured: float, predicted: float) -> dict:
@@ -36,7 +36,7 @@ def _doc() -> dict:
 
 
 def test_overlap_flags_cells_run_on_a_busy_host():
-    from overlap import mark_busy_host
+    from perf.bench.analysis import mark_busy_host
 
     def c(schedule, ratio, wall_over_cpu):
         return {"schedule": schedule, "ratio": ratio, "wall_over_cpu": wall_over_cpu}
@@ -110,7 +110,7 @@ def test_kernels_quick_cli_skips_large_shapes(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_gpu_step_exits_zero_without_gpu(capsys, tmp_path):
-    import gpu_step
+    from perf.bench import gpu_step
 
     assert gpu_step.main(["--json", str(tmp_path / "x.json")]) == 0
     assert "no CUDA GPU" in capsys.readouterr().out
@@ -120,7 +120,7 @@ def test_gpu_step_exits_zero_without_gpu(capsys, tmp_path):
 def test_overlap_workload_is_valid_and_follows_the_release_model():
     # The simulator's sources must pass the learner's own validation, arrive within R,
     # and grow with completion time (service ∝ U^γ).
-    from overlap import Workload
+    from perf.bench.workload import Workload
 
     from tsync_mcore.channel.sources import (  # noqa: F401
         opd_turns_from_json,
@@ -152,7 +152,7 @@ def test_overlap_plan_pairs_schedules_per_draw():
     # Each round: a calibration update of its draw (R = 0), then the three synchronous
     # schedules on the same draw, the order rotated so no schedule always runs first after
     # calibration.
-    from overlap import plan_steps
+    from perf.bench.plan import plan_steps
 
     schedules = ("sync", "group_ready", "thundersync")
     steps = plan_steps(rounds=3, warmup=2, schedules=schedules)
@@ -176,7 +176,7 @@ def test_overlap_plan_pairs_schedules_per_draw():
 def test_overlap_plan_plays_asynchronous_segments_of_the_round_draw():
     # An asynchronous schedule plays a segment of consecutive updates on the round's draw,
     # the first ones (pipeline fill) unmeasured; every schedule leads one round in five.
-    from overlap import SCHEDULES, _segment, plan_steps
+    from perf.bench.plan import SCHEDULES, plan_steps, segment_at
 
     steps = plan_steps(rounds=5, warmup=1, segment=4, steady_from=2)
     per_round = 1 + 3 + 2 * 4
@@ -191,14 +191,14 @@ def test_overlap_plan_plays_asynchronous_segments_of_the_round_draw():
             assert [s.seg for s in seg] == [0, 1, 2, 3]
             assert [s.steady for s in seg] == [False, False, True, True]
             start = steps.index(seg[0])
-            assert _segment(steps, start) == seg  # consecutive
+            assert segment_at(steps, start) == seg  # consecutive
     assert firsts == set(SCHEDULES)
     with pytest.raises(ValueError, match="sync"):
         plan_steps(1, schedules=("thundersync", "one_step_off"))
 
 
 def test_one_step_off_samples_each_batch_with_the_previous_version():
-    from async_rollout import one_step_off_sampler
+    from perf.bench.async_rollout import one_step_off_sampler
 
     assert [one_step_off_sampler(b, 5) for b in range(5, 9)] == [5, 5, 6, 7]
 
@@ -207,7 +207,7 @@ def _drive_fully_async(G: int, staleness: int, L: float, durations: list[float],
     """The stream against a learner taking L per batch (fake clock): it trains batch k once
     registered and θ_k published, and publishes θ_{k+1} L later. Returns (stream, log of
     registrations (time, k, group versions), max groups started before each load)."""
-    from async_rollout import FullyAsyncStream
+    from perf.bench.async_rollout import FullyAsyncStream
 
     s = FullyAsyncStream(G, staleness, v0=3, duration=lambda i: durations[i % len(durations)])
     now, publish_at, log, free = 0.0, [], [], 0.0
@@ -251,8 +251,9 @@ def test_fully_async_stream_bounds_policy_lag_and_counts_drops():
 
 
 def test_fully_async_batches_reuse_the_draw_groups_under_fresh_ids():
-    from async_rollout import StreamGroup
-    from overlap import Workload, _stream_batch
+    from perf.bench.async_rollout import StreamGroup
+    from perf.bench.simulator import stream_batch
+    from perf.bench.workload import Workload
 
     from tsync_mcore.channel.sources import validate_source
 
@@ -262,7 +263,7 @@ def test_fully_async_batches_reuse_the_draw_groups_under_fresh_ids():
     members = {g: [(t, src) for t, src in items if src.group_id == g] for g in gids}
     batch = [StreamGroup(5, 6, 0.0, 1.0), StreamGroup(1, 7, 0.0, 1.0),
              StreamGroup(9, 7, 0.0, 1.0), StreamGroup(4, 6, 0.0, 1.0)]
-    bplan, _, bitems = _stream_batch(7, batch, gids, members, n_turns)
+    bplan, _, bitems = stream_batch(7, batch, gids, members, n_turns)
     assert len(bplan.groups) == 4 and len(bitems) == 16
     # stream groups 1 and 9 are both the draw's group 1: same tokens, distinct ids
     assert list(bplan.groups) == ["v7s5-g1", "v7s1-g1", "v7s9-g1", "v7s4-g0"]
@@ -281,7 +282,7 @@ def test_recorded_opd_release_trace_replays_turns_and_shared_prompts(tmp_path):
     # turns replay contiguous, at their recorded fraction of R, with the group's prompt.
     import json
 
-    from overlap import RecordedWorkload
+    from perf.bench.workload import RecordedWorkload
 
     from tests.helpers.records import deferred, source
     from tsync_mcore.channel.sources import validate_turn
@@ -322,7 +323,7 @@ def test_recorded_opd_release_trace_replays_turns_and_shared_prompts(tmp_path):
 
 
 def test_sweep_clock_skips_idle_waits_only():
-    import gpu_sweep
+    from perf.bench import gpu_sweep
 
     drained = []
     clock = gpu_sweep.SimClock(lambda: drained.append(True))
@@ -337,7 +338,7 @@ def test_sweep_clock_skips_idle_waits_only():
 def test_gpu_step_sweep_dry_run_on_cpu(parallel1, tmp_path):
     """The sweep's code path on the tiny model (`--device cpu --model tiny`): the project's
     Learner under sync and thundersync with the simulated rollout; the file check.py reads."""
-    import gpu_step
+    from perf.bench import gpu_step
 
     out = tmp_path / "dry.json"
     assert gpu_step.main(["--device", "cpu", "--model", "tiny", "--skip-kernels", "--skip-step",
@@ -357,3 +358,31 @@ def test_gpu_step_sweep_dry_run_on_cpu(parallel1, tmp_path):
     assert {r["metric"] for r in rows if r["cell"].startswith("sweep")} == \
         {"mfu_active", "speedup_vs_sync r=1.0"}
     assert all(r["status"] == "ok" for r in rows)
+
+
+def test_perf_is_a_package_run_from_the_root_without_path_edits():
+    # perf/ runs as modules (`python -m perf.bench.run`) with only the checkout's root on the
+    # import path: a module that edits sys.path, or imports a sibling by its bare name (which
+    # needs perf/ itself on the path), would break that, or shadow packages named alike
+    import ast
+    import os
+
+    from tests.helpers.paths import ROOT
+
+    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, "perf"))
+             for f in fs if f.endswith(".py")]
+    siblings = {os.path.splitext(os.path.basename(f))[0] for f in files} - {"__init__"}
+    assert {"cell", "run", "schedule_runs", "figure1"} <= siblings
+    for d, _, fs in os.walk(os.path.join(ROOT, "perf")):
+        if any(f.endswith(".py") for f in fs):
+            assert "__init__.py" in fs, f"{d}: not a package"
+    for path in files:
+        tree = ast.parse(open(path).read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "path" \
+                    and isinstance(node.value, ast.Name) and node.value.id == "sys":
+                pytest.fail(f"{path}:{node.lineno}: sys.path")
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bare = [n for n in names if n.split(".")[0] in siblings]
+            assert not bare, f"{path}:{node.lineno}: import {bare[0]} (use perf.bench / perf.studies)"

@@ -330,7 +330,7 @@ def test_ratio_means_rollout_over_learner_in_trace_and_analytic(tmp_path, capsys
     out = analytic("grpo", 256, res["ratio"], 1)
     assert out["ratio"] == res["ratio"] and out["rho_w"] == pytest.approx(res["updates"][0]["rho"])
     # the perf/ sweeps use the same name for the same R/L
-    perf = open(os.path.join(REPO, "perf", "overlap.py")).read()
+    perf = open(os.path.join(REPO, "perf", "bench", "cell.py")).read()
     assert "R = ratio * L[step.draw]" in perf
 
 

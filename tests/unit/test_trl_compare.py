@@ -1,4 +1,4 @@
-"""perf/trl_compare.py and perf/trl_runner.py: the tsync-mcore → GRPOConfig mapping, the
+"""perf/studies/trl_compare.py and perf/studies/trl_runner.py: the tsync-mcore → GRPOConfig mapping, the
 result arithmetic, the reward wrapper and the step clock, without TRL installed (TRL's own
 GRPOConfig takes the mapping in tests/integration/test_trl_compare.py)."""
 
@@ -8,9 +8,9 @@ import argparse
 import asyncio
 
 import pytest
-import trl_compare as tc
-import trl_runner as tr
 
+from perf.studies import trl_compare as tc
+from perf.studies import trl_runner as tr
 from tsync_mcore.config import LearnerConfig, load_config
 from tsync_mcore.data import Row
 from tsync_mcore.rewards.call import parse_result

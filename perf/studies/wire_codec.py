@@ -1,7 +1,7 @@
 """Channel codec and MAC CPU cost per message: TrajectoryMsg of 200 / 256 / 4k / 32k tokens and
 a 160-token OPD TurnMsg.
 
-    PYTHONPATH=. python perf/wire_codec.py
+    python -m perf.studies.wire_codec
 
 encode = `wire.encode_arrays`; encode+frame = what `Link.send` does before its socket write,
 without the MAC; decode = what a link's reader does after reading a frame (header check,

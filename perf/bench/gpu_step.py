@@ -1,8 +1,8 @@
 """One-GPU benchmark: kernels at real sizes, learner steps of a ~0.5B Qwen2-shaped model, then
-the learner sweep (perf/gpu_sweep.py: Qwen2.5-1.5B/3B shapes, 2k-32k-token sources, GRPO
+the learner sweep (perf/bench/gpu_sweep.py: Qwen2.5-1.5B/3B shapes, 2k-32k-token sources, GRPO
 sync vs thundersync at r = 1, fused LM head on and off).
 
-    python perf/gpu_step.py [--json OUT] [--backend auto|megatron|hf] [--skip-kernels]
+    python -m perf.bench.gpu_step [--json OUT] [--backend auto|megatron|hf] [--skip-kernels]
                             [--skip-step] [--skip-sweep] [--sweep-models 1.5b,3b]
     (normally through perf/gpu.sh)
 
@@ -39,13 +39,13 @@ from types import SimpleNamespace
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import tsync_mcore.kernels as K
+from tsync_mcore.observability.ledger.flops import train_flops
+from tsync_mcore.observability.ledger.mfu import detect_peak, mfu_active
 
-import gpu_sweep  # noqa: E402
-import kernels as kbench  # noqa: E402
-import tsync_mcore.kernels as K  # noqa: E402
-from tsync_mcore.observability.ledger.flops import train_flops  # noqa: E402
-from tsync_mcore.observability.ledger.mfu import detect_peak, mfu_active  # noqa: E402
+from perf import RESULTS
+from perf.bench import gpu_sweep
+from perf.bench import kernels as kbench
 
 MODELS = {
     "0.5b": dict(vocab_size=151936, hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, tie=True),
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu" and args.model != "tiny" and not args.ckpt:
         ap.error("--device cpu is a dry run: use --model tiny")
     date, host = datetime.date.today().isoformat(), socket.gethostname()
-    out = args.json or os.path.join(HERE, "results", f"{date}-{host}-gpu.json")
+    out = args.json or os.path.join(RESULTS, f"{date}-{host}-gpu.json")
     records, step = [], None
     if not args.skip_kernels:
         t0 = time.perf_counter()

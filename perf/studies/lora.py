@@ -1,9 +1,9 @@
 """Full weights vs LoRA, side by side: the streaming learner's state and update time.
 
-    python perf/lora.py [--objectives grpo,opd] [--reps 4] [--batch 64] [--ranks 8,64]
+    python -m perf.studies.lora [--objectives grpo,opd] [--reps 4] [--batch 64] [--ranks 8,64]
 
 The overlap benchmark's model (Qwen2 shapes, hidden 128, 4 layers, vocabulary 1024) and
-batch (`overlap.Workload`), under thundersync with learner.k_open 16, in process on one
+batch (`perf.bench.workload.Workload`), under thundersync with learner.k_open 16, in process on one
 rank: one learner with every weight trainable and one per LoRA rank (all seven projections),
 updates alternated so every setting sees the same machine; the first update of each is a
 warm-up. Per setting: trainable parameters (the grad buffers), Adam state bytes, the
@@ -19,14 +19,15 @@ import sys
 import tempfile
 import time
 
-import torch  # noqa: E402
-from overlap import Workload  # noqa: E402
+import torch
 
-from tsync_mcore.config import load_config  # noqa: E402
-from tsync_mcore.learner.update import Learner  # noqa: E402
-from tsync_mcore.model.parallel import init_parallel  # noqa: E402
-from tsync_mcore.learner.policy import Policy  # noqa: E402
-from tsync_mcore.model.tiny import make_tiny_checkpoint  # noqa: E402
+from tsync_mcore.config import load_config
+from tsync_mcore.learner.policy import Policy
+from tsync_mcore.learner.update import Learner
+from tsync_mcore.model.parallel import init_parallel
+
+from perf.bench.model import bench_model
+from perf.bench.workload import Workload
 
 
 def _adam_bytes(policy: Policy) -> int:
@@ -50,9 +51,7 @@ def main() -> None:
     if args.reps < 2:
         p.error("--reps must be >= 2 (the first update is a warm-up)")
     torch.set_num_threads(1)
-    hf = os.path.join(tempfile.mkdtemp(prefix="tsync-lora-"), "model")
-    make_tiny_checkpoint(hf, arch="qwen2", vocab_size=1024, hidden=128, layers=4, heads=4,
-                         kv_heads=2, intermediate=384, seed=0)
+    hf = bench_model(os.path.join(tempfile.mkdtemp(prefix="tsync-lora-"), "model"))
     par = init_parallel(tp_size=1)
     results = []
     for objective in args.objectives.split(","):

@@ -2,7 +2,7 @@
 the whole machine: the same model, rows (in the order tsync-mcore's sampler visits them),
 reward function, group size, batch, completion length, temperature, optimizer and loss.
 
-    PYTHONPATH=. python perf/trl_compare.py --model /tmp/real/model \\
+    python -m perf.studies.trl_compare --model /tmp/real/model \\
         --train /tmp/real/train.jsonl --eval /tmp/real/eval.jsonl \\
         --reward /tmp/real/reward.py:score --updates 8 --out runs/trl-compare
 
@@ -10,7 +10,7 @@ reward function, group size, batch, completion length, temperature, optimizer an
    when `import trl` there gives 1.16.0). The venv sees this interpreter's packages through
    a .pth file and pip gets torch and transformers pinned to the installed versions, so it
    adds trl (and whatever trl needs that is missing) and never a second torch.
-2. TRL runs in that venv (perf/trl_runner.py): one optimizer step per batch of
+2. TRL runs in that venv (perf/studies/trl_runner.py): one optimizer step per batch of
    groups × group-size completions, generated at once with transformers (no vLLM),
    num_iterations 1, no KL, constant LR, FP32 on CPU (BF16 autocast when tsync-mcore runs
    model.dtype=bf16: both sides then train in BF16). Per update: the wall time from the
@@ -47,9 +47,10 @@ import sys
 import time
 from typing import Any
 
-from trl_runner import TRL_VERSION, score
+from perf import ROOT
+from perf.bench import schedule_runs
+from perf.studies.trl_runner import TRL_VERSION, score
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRL_ADV_EPS = 1e-4  # TRL adds this to σ in (r − μ)/(σ + ε), hard-coded (grpo_trainer.py)
 ON_POLICY = ("sync", "group_ready", "thundersync")  # every batch sampled by θ_k, as TRL's
 
@@ -302,13 +303,12 @@ def run_trl(py: str, cfg: Any, order: list[int], out: str,
     path = os.path.join(out, "spec.json")
     with open(path, "w") as f:
         json.dump(spec, f, indent=1)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [ROOT, os.environ.get("PYTHONPATH")])), PYTHONUNBUFFERED="1")
+    env = dict(schedule_runs.env(), PYTHONUNBUFFERED="1")
     print(f"== TRL {TRL_VERSION}: {cfg.run.updates} updates ({spec['grpo']['loss_type']}, "
           f"scale_rewards {spec['grpo']['scale_rewards']})", flush=True)
     t0 = time.perf_counter()
-    rc = subprocess.run([py, os.path.join(ROOT, "perf", "trl_runner.py"), path],
-                        env=env, check=False).returncode
+    rc = subprocess.run([py, "-m", "perf.studies.trl_runner", path], cwd=ROOT, env=env,
+                        check=False).returncode
     wall = time.perf_counter() - t0
     if rc != 0:
         raise CompareError(f"the TRL run stopped with exit status {rc} (its output above)")
@@ -318,22 +318,12 @@ def run_trl(py: str, cfg: Any, order: list[int], out: str,
 
 
 def run_tsync(cfg_path: str, sets: list[str], run_dir: str) -> dict[str, Any]:
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "run.py"), "--config", cfg_path]
-    if sets:
-        cmd += ["--set", *sets]
-    print(f"== tsync-mcore: {' '.join(cmd[1:])}", flush=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    t0 = time.perf_counter()
-    rc = subprocess.run(cmd, env=env, check=False).returncode
-    wall = time.perf_counter() - t0
-    if rc != 0:
-        raise CompareError(f"the tsync-mcore run stopped with exit status {rc} (logs in "
-                           f"{run_dir}/logs)")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        metrics = [json.loads(line) for line in f if line.strip()]
-    return {"rows": tsync_rows(metrics), "run_wall_s": wall,
+    """tsync-mcore's run (the schedule its config names) through the run-per-schedule driver."""
+    print(f"== tsync-mcore: launch/run.py --config {cfg_path} {' '.join(sets)}", flush=True)
+    run = schedule_runs.launch("tsync", cfg_path, sets, run_dir)
+    if run.failed:
+        raise CompareError(f"the tsync-mcore run stopped ({run.failed})")
+    return {"rows": tsync_rows(run.rows), "run_wall_s": run.wall_s,
             "checkpoint": os.path.join(run_dir, "hf"), "config": cfg_path, "sets": sets}
 
 

@@ -1,9 +1,9 @@
 """Packed vs one-by-one serving: the learner time of a sync update, in process, on the CPU.
 
-    python perf/packing.py [--objectives grpo,opd] [--reps 4] [--batch 64]
+    python -m perf.studies.packing [--objectives grpo,opd] [--reps 4] [--batch 64]
 
 The overlap benchmark's model (Qwen2 shapes, hidden 128, 4 layers, vocabulary 1024) and
-batch (`overlap.Workload`: GRPO groups of 4 sharing a 16-token prompt, 24–192 tokens; OPD
+batch (`perf.bench.workload.Workload`: GRPO groups of 4 sharing a 16-token prompt, 24–192 tokens; OPD
 4 turns each), one learner per setting (`learner.max_tokens_per_pass` 0 and the default),
 updates alternated so both see the same machine; the first update of each is a warm-up.
 Prints the mean update time (begin → close, step included) and the ratio.
@@ -15,14 +15,16 @@ import statistics
 import tempfile
 import time
 
-import torch  # noqa: E402
-from overlap import PACK_DEFAULT, Workload  # noqa: E402
+import torch
 
-from tsync_mcore.config import load_config  # noqa: E402
-from tsync_mcore.learner.update import Learner  # noqa: E402
-from tsync_mcore.model.parallel import init_parallel  # noqa: E402
-from tsync_mcore.learner.policy import Policy  # noqa: E402
-from tsync_mcore.model.tiny import make_tiny_checkpoint  # noqa: E402
+from tsync_mcore.config import load_config
+from tsync_mcore.learner.policy import Policy
+from tsync_mcore.learner.update import Learner
+from tsync_mcore.model.parallel import init_parallel
+
+from perf.bench.model import bench_model
+from perf.bench.plan import PACK_DEFAULT
+from perf.bench.workload import Workload
 
 
 def main() -> None:
@@ -35,9 +37,7 @@ def main() -> None:
     if args.reps < 2:
         p.error("--reps must be >= 2 (the first update is a warm-up)")
     torch.set_num_threads(1)
-    hf = os.path.join(tempfile.mkdtemp(prefix="tsync-packing-"), "model")
-    make_tiny_checkpoint(hf, arch="qwen2", vocab_size=1024, hidden=128, layers=4, heads=4,
-                         kv_heads=2, intermediate=384, seed=0)
+    hf = bench_model(os.path.join(tempfile.mkdtemp(prefix="tsync-packing-"), "model"))
     par = init_parallel(tp_size=1)
     for objective in args.objectives.split(","):
         learners = {}

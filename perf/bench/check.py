@@ -1,20 +1,20 @@
 """Regression guard: compare a perf result file against the committed baseline, by ratios only.
 
-    python perf/check.py RESULT.json [--baseline perf/baseline.json] [--tolerance 0.15]
+    python -m perf.bench.check RESULT.json [--baseline perf/baseline.json] [--tolerance 0.15]
                          [--strict] [--write-baseline [--noise-from RUN.json ...]]
 
 Result schema: {"machine", "date", "overlap": [cells], "kernels": [records]}.
 - overlap cells, keyed by (objective, schedule, ratio, batch): `speedup_measured` and
   `speedup_measured / speedup_predicted` may not drop by more than the tolerance (relative).
-- kernel records (perf/kernels.py), keyed by (name, impl, shape): `time/plain` (time over the
+- kernel records (perf/bench/kernels.py), keyed by (name, impl, shape): `time/plain` (time over the
   `plain` record of the same name and shape; the fastest rep `time_min_s` where both records
   have it, as load on a shared machine only ever adds time, else the median `time_s`) may not
   rise by more than the tolerance, and
   `bw_fraction` (bytes/s over the file's best `stream_bandwidth` record) may not drop by more.
-- the GPU learner step (perf/gpu_step.py), keyed by backend, shape and attention mode:
+- the GPU learner step (perf/bench/gpu_step.py), keyed by backend, shape and attention mode:
   `mfu_active` may not drop by more than the tolerance (guard GPU runs with
   `--baseline perf/baseline-gpu.json`).
-- the GPU learner sweep (perf/gpu_sweep.py, list `sweep`), keyed by model, shape, fused LM
+- the GPU learner sweep (perf/bench/gpu_sweep.py, list `sweep`), keyed by model, shape, fused LM
   head and attention mode: the trainer's active `mfu_active` and thundersync's
   `speedup_vs_sync` may not drop by more than the tolerance; a cell that did not run ("oom",
   skipped for time) has no metrics, so a baseline cell it replaces is missing.
@@ -90,7 +90,7 @@ def kernel_metrics(records: list[dict]) -> dict[tuple[str, str], tuple[float, st
 
 
 def step_metrics(step: dict | None) -> dict[tuple[str, str], tuple[float, str]]:
-    """The GPU learner step (perf/gpu_step.py): MFU, a fraction of the device's peak."""
+    """The GPU learner step (perf/bench/gpu_step.py): MFU, a fraction of the device's peak."""
     if not step or step.get("error") or not step.get("mfu_active"):
         return {}
     cell = (f"learner step {step.get('backend')} {step.get('n_sources')}x{step.get('seq_len')} "
@@ -99,7 +99,7 @@ def step_metrics(step: dict | None) -> dict[tuple[str, str], tuple[float, str]]:
 
 
 def sweep_metrics(cells: list[dict]) -> dict[tuple[str, str], tuple[float, str]]:
-    """The GPU learner sweep (perf/gpu_sweep.py): per cell that ran, the trainer's active MFU
+    """The GPU learner sweep (perf/bench/gpu_sweep.py): per cell that ran, the trainer's active MFU
     and thundersync's speedup over sync."""
     out = {}
     for c in cells:

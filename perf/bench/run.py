@@ -1,4 +1,4 @@
-"""CLI for the overlap benchmark: `python perf/run_overlap.py [--quick] --out FILE.json`."""
+"""CLI for the overlap benchmark: `python -m perf.bench.run [--quick] --out FILE.json`."""
 
 import argparse
 import json
@@ -6,13 +6,14 @@ import os
 import sys
 import tempfile
 
-from overlap import (PACK_DEFAULT, SCHEDULES, HostSetup, RecordedWorkload, cell,  # noqa: E402
-                     mark_busy_host)
+from tsync_mcore.channel.link import realtime_io_permitted
+from tsync_mcore.observability.trace import TraceError
 
-from tsync_mcore.channel.link import realtime_io_permitted  # noqa: E402
-
-from tsync_mcore.model.tiny import make_tiny_checkpoint  # noqa: E402
-from tsync_mcore.observability.trace import TraceError  # noqa: E402
+from perf.bench.analysis import mark_busy_host
+from perf.bench.cell import HostSetup, cell
+from perf.bench.model import bench_model
+from perf.bench.plan import PACK_DEFAULT, SCHEDULES
+from perf.bench.workload import RecordedWorkload
 
 
 def main() -> None:
@@ -29,7 +30,7 @@ def main() -> None:
                    help="fully_async: learner.max_staleness, the policy lag bound (default 1)")
     p.add_argument("--objectives", default="grpo,opd")
     p.add_argument("--normal-sched", action="store_true",
-                   help="learners under SCHED_OTHER (default: SCHED_BATCH, see overlap.HostSetup)")
+                   help="learners under SCHED_OTHER (default: SCHED_BATCH, see perf.bench.cell.HostSetup)")
     p.add_argument("--no-realtime-io", action="store_true",
                    help="simulator and channel threads without SCHED_FIFO (default: with it "
                         "where permitted)")
@@ -68,11 +69,7 @@ def main() -> None:
         except (OSError, ValueError) as e:  # TraceError too: an unusable run directory
             p.exit(2, f"error: --release-trace: {e}\n")
     work = args.work or tempfile.mkdtemp(prefix="tsync-perf-")
-    hf_dir = os.path.join(work, "model")
-    if not os.path.exists(os.path.join(hf_dir, "config.json")):
-        # Big enough that a source's learner service dwarfs per-source overheads.
-        make_tiny_checkpoint(hf_dir, arch="qwen2", vocab_size=1024, hidden=128, layers=4,
-                             heads=4, kv_heads=2, intermediate=384, seed=0)
+    hf_dir = bench_model(os.path.join(work, "model"))
     ratios = [float(x) for x in args.ratios.split(",")] if args.ratios else \
         [1.0] if args.quick else [0.5, 1.0, 2.0]
     batches = [int(x) for x in args.batches.split(",")] if args.batches else \

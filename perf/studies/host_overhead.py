@@ -1,6 +1,6 @@
 """Host cost of serving one source: aten ops dispatched, synchronising calls, host µs.
 
-    python perf/host_overhead.py [--models tiny,depth24,small] [--batches 3] [--out X.json]
+    python -m perf.studies.host_overhead [--models tiny,depth24,small] [--batches 3] [--out X.json]
 
 For each model × objective × schedule the learner serves a warm-up batch, one batch under
 `ledger.host.HostCounter` counting ops (its dispatch mode costs ~10 µs per op, so that pass
@@ -8,7 +8,7 @@ is not timed) and `--batches` batches timed with nothing but the counter's inter
 Per served source (its `Learner._serve` and `submit`): ops dispatched, synchronising calls,
 host µs (the serving thread's CPU time, median over the timed batches) and host µs per op;
 per update: the same for `begin` and `close` less their serving. The sources are the overlap
-benchmark's (perf/overlap.py `Workload`: groups of 4 sharing a 16-token prompt, 24-192
+benchmark's (perf/bench/workload.py `Workload`: groups of 4 sharing a 16-token prompt, 24-192
 token bodies; OPD: 4 turns), the same batch every time.
 
 Models (random Qwen2 weights, fp32, made here): `tiny` (2 layers, hidden 64, vocab 256),
@@ -31,8 +31,7 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from perf import RESULTS
 
 MODELS = {
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab_size=256),
@@ -73,7 +72,7 @@ def serve(l, work, counter=None) -> None:
 
 def measure(hf_dir: str, par, model: str, objective: str, schedule: str, batches: int,
             batch: int, cuda_sync_debug: bool) -> dict:
-    from overlap import Workload
+    from perf.bench.workload import Workload
     from tsync_mcore.observability.ledger.host import HostCounter
     work = Workload(objective, batch=batch, vocab=MODELS[model]["vocab_size"])
     l = learner(hf_dir, par, objective, schedule)
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
                   device=torch.cuda.get_device_name(0) if gpu else f"cpu x{os.cpu_count()}",
                   torch=torch.__version__, threads=args.threads, batch=args.batch,
                   batches=args.batches, rows=rows)
-    out = args.out or os.path.join(ROOT, "perf", "results",
+    out = args.out or os.path.join(RESULTS,
                                    f"{time.strftime('%Y%m%d')}-{'gpu' if gpu else 'vm'}-host.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

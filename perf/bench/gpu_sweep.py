@@ -1,12 +1,12 @@
 """GPU learner sweep: Qwen2.5-1.5B / 3B shapes, 2k-32k-token sources, GRPO sync vs thundersync
 under the overlap benchmark's simulated rollout, fused LM head on and off.
 
-    (through perf/gpu_step.py: `--sweep-models 1.5b,3b`, `--skip-sweep`; dry run on CPU:
-    `python perf/gpu_step.py --device cpu --model tiny --skip-kernels --skip-step`)
+    (through perf/bench/gpu_step.py: `--sweep-models 1.5b,3b`, `--skip-sweep`; dry run on CPU:
+    `python -m perf.bench.gpu_step --device cpu --model tiny --skip-kernels --skip-step`)
 
 The learner is the project's own (`Learner` over the Megatron `Policy`, one rank, bf16,
 random weights written here, nothing downloaded). A cell is (model, source length T,
-sources B, group size m, learner.k_open). Its batch is `overlap.Workload`'s (the CPU overlap benchmark's
+sources B, group size m, learner.k_open). Its batch is `perf.bench.workload.Workload`'s (the CPU overlap benchmark's
 rollout model) with every source T tokens long: trajectory i completes at τ_i = U_i·R,
 U_i ~ Uniform(0, 1), rewards random, groups of m. Per cell:
 
@@ -45,9 +45,10 @@ from typing import Callable
 
 import torch
 
-from overlap import Workload
 from tsync_mcore.observability.ledger.flops import train_flops
 from tsync_mcore.observability.ledger.mfu import Peak, mfu_active
+
+from perf.bench.workload import Workload
 
 __all__ = ["SWEEP_MODELS", "SWEEP_CELLS", "run_sweep", "write_random_checkpoint"]
 
@@ -379,7 +380,7 @@ def summary_table(cells: list[dict]) -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # pretty-print a result file's sweep: python perf/gpu_sweep.py R.json
+if __name__ == "__main__":  # pretty-print a result file's sweep: python -m perf.bench.gpu_sweep R.json
     import sys
 
     with open(sys.argv[1]) as f:

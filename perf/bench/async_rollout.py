@@ -1,5 +1,5 @@
 """The simulated rollout's decisions for the asynchronous schedules (docs/design/async.md), free of
-clocks and sockets so that tests can drive them with a fake clock; overlap.py plays them
+clocks and sockets so that tests can drive them with a fake clock; simulator.py plays them
 in real time against the real learner.
 
 one_step_off: batch b is sampled with θ_{max(b−1, v0)} (v0: the version the segment started
@@ -81,7 +81,7 @@ class FullyAsyncStream:
         """Start groups while a slot is free (a batch worth in flight) and the bound allows
         (pacing.may_start). Unlike the rollout, which gives a dropped group's slot back
         (it counts groups started and not dropped), the simulator counts every group
-        started, as it always has (tests/test_perf_tools.py checks that bound)."""
+        started, as it always has (tests/unit/test_perf_tools.py checks that bound)."""
         new = []
         while len(self.running) < self.groups_per_batch and may_start(
                 self.started, self.loaded, self.v0, self.max_staleness,

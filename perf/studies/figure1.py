@@ -1,8 +1,8 @@
 """The paper's Figure 1 in miniature, on a real task: the same training under several
 schedules, rollout and learner on disjoint cores, and what each schedule bought.
 
-Each schedule is one `launch/run.py` run, one after the other, from the same config, model,
-seed and number of updates, with `launch.rollout_cpus` and `launch.learner_cpus` set to
+Each schedule is one `launch/run.py` run, one after the other (perf/bench/schedule_runs.py),
+from the same config, model, seed and number of updates, with `launch.rollout_cpus` and `launch.learner_cpus` set to
 disjoint cores (the CPU analogue of rollout GPUs beside learner GPUs). When the task has an
 evaluation set, every run evaluates θ_0 (`run.eval_first`) and θ_n (`run.eval_every` set to
 the number of updates; `--set run.eval_every=K` for more), outside every step time. From
@@ -13,14 +13,14 @@ learner work after the last source arrived), the policy lag; per evaluation: pas
 Speedups are over sync, paired update by update (the same batches: the same data order and,
 while θ agrees, the same samples), over the updates after `--warmup` (an asynchronous
 schedule's after at least 2: its first two updates fill the pipeline, both on θ_0's
-samples). The predicted speedup
-replays each run's trace through Eq. 14 (tsync_mcore.observability.predict), with the paired
-sync run's own trace as the counterfactual, as perf/overlap.py does: thundersync lanes
+samples). The predicted speedup replays each run's trace through Eq. 14
+(tsync_mcore.observability.predict), with the paired sync run's own trace as the
+counterfactual, as the overlap benchmark (perf/bench/cell.py) does: thundersync lanes
 served as sources arrived, one_step_off through `one_step_off_segment` with sync's suffix.
 The replay keeps every source's measured service time and infers the optimizer step from
 the step's own wall time, so measured over predicted shows the idle time a learner left
 (dispatch, waiting), not a costlier service; `predicted_same_service` (Eq. 16 on the
-schedule's own trace, perf/overlap.py's `speedup_same_service`) shows the latter.
+schedule's own trace, the overlap benchmark's `speedup_same_service`) shows the latter.
 
 Writes under --out: <schedule>/ (the run directories), logs/<schedule>.out (the launcher's
 output), results.json, summary.md (the table printed at the end), reward_vs_update.png,
@@ -31,9 +31,9 @@ thundersync's lag is 0 and one_step_off's 1, each measured speedup reached 95 % 
 prediction. A failed check does not change the exit code; bad input exits 2, a run that
 failed exits 1.
 
-    PYTHONPATH=. python perf/figure1.py --config CFG.yaml --model HF_DIR --updates 6 \\
+    python -m perf.studies.figure1 --config CFG.yaml --model HF_DIR --updates 6 \\
         --out runs/figure1
-    PYTHONPATH=. python perf/figure1.py --out runs/figure1 --report-only   # re-read the runs
+    python -m perf.studies.figure1 --out runs/figure1 --report-only   # re-read the runs
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,7 +49,7 @@ from statistics import mean
 from tsync_mcore.observability import predict, trace
 from tsync_mcore.observability.trace import Record
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from perf.bench import schedule_runs
 
 SCHEDULES = ("sync", "group_ready", "thundersync", "one_step_off", "fully_async")
 ASYNC = ("one_step_off", "fully_async")
@@ -75,22 +73,13 @@ class Run:
     failed: str = ""  # why the run did not finish ("" if it did)
 
 
-def _jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def read_run(schedule: str, run_dir: str) -> Run:
-    rows = [r for r in _jsonl(os.path.join(run_dir, "metrics.jsonl")) if r.get("ok", True)]
-    rows.sort(key=lambda r: r["step"])
-    failed = ""
-    if os.path.exists(os.path.join(run_dir, "FAILED")):
-        with open(os.path.join(run_dir, "FAILED")) as f:
-            failed = f.read().strip() or "failed"
-    return Run(schedule, run_dir, rows, _jsonl(os.path.join(run_dir, "eval.jsonl")),
-               predict.load_traces(run_dir), failed)
+    """The run directory's trained updates (in step order), evaluations and traces."""
+    base = schedule_runs.read_run(schedule, run_dir)
+    rows = sorted((r for r in base.rows if r.get("ok", True)), key=lambda r: r["step"])
+    return Run(schedule, run_dir, rows,
+               schedule_runs.read_jsonl(os.path.join(run_dir, "eval.jsonl")),
+               predict.load_traces(run_dir), base.failed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,8 +162,8 @@ def _predicted_step(run: Run, pred: dict[int, dict], ups: list[int], P_sync: flo
     if run.schedule == "thundersync":
         return mean(pred[u]["T_thundersync"] for u in ups)
     if run.schedule == "group_ready":
-        from overlap import _group_ready_step  # imports torch: only when asked for
-        return mean(_group_ready_step(run.records.get(u, []), pred[u]["R"], pred[u]["P"])
+        from perf.bench.analysis import group_ready_step
+        return mean(group_ready_step(run.records.get(u, []), pred[u]["R"], pred[u]["P"])
                     for u in ups)
     if run.schedule == "one_step_off":
         # the whole run is one segment from θ_0; the suffix is sync's (the same work)
@@ -514,36 +503,14 @@ def load(args: argparse.Namespace, schedule: str):
 def train(args: argparse.Namespace, schedule: str) -> str:
     """One run of `schedule` through launch/run.py; '' on success, else why it failed."""
     cfg = load(args, schedule)
-    run_dir = cfg.run.dir
-    shutil.rmtree(run_dir, ignore_errors=True)  # eval.jsonl is appended to: start empty
-    logs = os.path.join(args.out, "logs")
-    os.makedirs(logs, exist_ok=True)
     sets = overrides(args, schedule, evaluate=bool(cfg.run.evaluating))
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "run.py"), "--config", args.config,
-           "--set", *sets]
     print(f"== {schedule}: {args.updates} updates, rollout on cores {args.rollout_cpus}, "
-          f"learner on {args.learner_cpus}; {run_dir}", flush=True)
+          f"learner on {args.learner_cpus}; {cfg.run.dir}", flush=True)
     t0 = time.time()
-    with open(os.path.join(logs, f"{schedule}.out"), "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=_env())
-        for line in proc.stdout:  # the launcher's update lines, kept and shown
-            log.write(line)
-            print(f"   {line}", end="", flush=True)
-    failed = "" if proc.wait() == 0 else f"launch/run.py exit {proc.returncode}, see {log.name}"
-    if failed:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "FAILED"), "w") as f:
-            f.write(failed + "\n")
-    print(f"== {schedule}: {'done' if not failed else failed} in {time.time() - t0:.0f} s",
-          flush=True)
-    return failed
-
-
-def _env() -> dict[str, str]:
-    """This checkout first on the runs' import path."""
-    path = os.environ.get("PYTHONPATH")
-    return dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + path if path else ""))
+    run = schedule_runs.launch(schedule, args.config, sets, cfg.run.dir, echo="   ",
+                               log=os.path.join(args.out, "logs", f"{schedule}.out"))
+    print(f"== {schedule}: {run.failed or 'done'} in {time.time() - t0:.0f} s", flush=True)
+    return run.failed
 
 
 def main(argv: list[str] | None = None) -> int:

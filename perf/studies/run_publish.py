@@ -10,9 +10,9 @@ publication dtype), so the bf16 share of changed elements is realistic for that 
 The time is the learner's: from the start of the publication to the engine's return
 (what publish_time_s measures, minus the export both methods share).
 
-    PYTHONPATH=. python perf/run_publish.py                 # Qwen2.5-0.5B shapes, bf16
-    PYTHONPATH=. python perf/run_publish.py --tiny          # a seconds-long smoke run
-    PYTHONPATH=. python perf/run_publish.py --dtype fp32 --out perf/results/x.json
+    python -m perf.studies.run_publish                 # Qwen2.5-0.5B shapes, bf16
+    python -m perf.studies.run_publish --tiny          # a seconds-long smoke run
+    python -m perf.studies.run_publish --dtype fp32 --out perf/results/x.json
 
 On a GPU machine the engine runs on the GPU; the group is gloo (the sender's tensors on
 the CPU) unless `--backend nccl` and the sender has a GPU of its own (NCCL cannot pair two
@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from perf import RESULTS
 
 # Qwen2.5-0.5B: vocab 151936, hidden 896, 24 layers, 14 heads / 2 KV heads, MLP 4864, tied
 QWEN25_05B = dict(arch="qwen2", vocab_size=151936, hidden=896, layers=24, heads=14, kv_heads=2,
@@ -198,7 +198,7 @@ def main() -> None:
     }
     print(json.dumps({"summary": summary, "ratios": ratios}, indent=1))
     out_path = args.out or os.path.join(
-        ROOT, "perf", "results",
+        RESULTS,
         f"{time.strftime('%Y%m%d')}-{'gpu' if gpu else 'vm'}-publish.json")
     if not args.tiny or args.out:
         os.makedirs(os.path.dirname(out_path), exist_ok=True)

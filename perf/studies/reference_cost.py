@@ -1,7 +1,7 @@
 """What the KL term's reference costs per source: its forward's FLOPs (the ledger) and time,
 beside the source's own forward + backward, on this machine.
 
-    python perf/reference_cost.py [HF_DIR] [--tokens 256,1024] [--reps 5]
+    python -m perf.studies.reference_cost [HF_DIR] [--tokens 256,1024] [--reps 5]
 
 One process, one rank. For each length: the policy's service of one source (forward, fused
 scored log-prob, backward) with learner.kl_coef 0, the same with the KL term (the
@@ -15,12 +15,10 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from perf.bench.model import bench_model
 
 
 def main() -> None:
@@ -35,15 +33,12 @@ def main() -> None:
     from tsync_mcore.learner.policy import Policy
     from tsync_mcore.learner.reference import Reference
     from tsync_mcore.model.parallel import init_parallel
-    from tsync_mcore.model.tiny import make_tiny_checkpoint
     from tsync_mcore.objectives.regularizers import Regularizer
     from tsync_mcore.observability.ledger.flops import span_flops
 
     hf = args.hf_dir
     if hf is None:
-        hf = os.path.join(tempfile.mkdtemp(prefix="refcost-"), "model")
-        make_tiny_checkpoint(hf, arch="qwen2", vocab_size=1024, hidden=128, layers=4, heads=4,
-                             kv_heads=2, intermediate=384, seed=0)
+        hf = bench_model(os.path.join(tempfile.mkdtemp(prefix="refcost-"), "model"))
     par = init_parallel(tp_size=1)
     cfg = load_config(None, {"model.hf_dir": hf, "learner.kl_coef": 0.1})
     policy = Policy(cfg, par=par)

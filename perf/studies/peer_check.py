@@ -1,7 +1,7 @@
 """verl's own loss code against the learner on one batch (docs/design/objectives.md, "Against the peers").
 
     pip download --no-deps verl==0.9.1 -d /tmp/peers && unzip -q /tmp/peers/verl-*.whl -d /tmp/peers/verl
-    PYTHONPATH=/tmp/peers/verl:tests:. python perf/peer_check.py HF_DIR OUT_DIR
+    PYTHONPATH=/tmp/peers/verl python -m perf.studies.peer_check HF_DIR OUT_DIR
 
 Runs the learner (2 DP ranks, thundersync, balanced routing, adv_std unbiased) for each of
 token_mean / seq_mean_token_mean / seq_mean_token_sum_norm, and once configured like
@@ -78,7 +78,7 @@ def main(hf: str, out: str) -> None:
     import verl.trainer.ppo.core_algos as verl
     from tests.helpers.dist_util import REPO_ROOT, run_dist
     from tests.helpers.reference import rel_l2
-    from test_peer_objectives import _rows, _write
+    from tests.integration.test_peer_objectives import _rows, _write
 
     os.makedirs(out, exist_ok=True)
     # no group of one: verl gives it A = r/(1+ε), ours 0 (a documented difference)
@@ -148,7 +148,7 @@ def regularizers_and_ppo(hf: str, out: str) -> None:
     import verl.trainer.ppo.core_algos as verl
     from tests.helpers.reference import rel_l2
     from tests.helpers.replay import replay
-    from test_peer_objectives import _rows, _write
+    from tests.integration.test_peer_objectives import _rows, _write
     from tsync_mcore.channel.sources import BatchPlan, TrajectorySource
     from tsync_mcore.learner.minibatch import split
 

@@ -1,7 +1,7 @@
 """Kernel benchmarks: fused scored log-prob, fused LM head and G1/G2 accumulation against
 plain torch.
 
-    python perf/kernels.py [--quick] [--device cpu|cuda] [--json OUT]
+    python -m perf.bench.kernels [--quick] [--device cpu|cuda] [--json OUT]
 
 Every record has `name`, `impl`, `shape`, `time_s` (median of `reps` timed calls after one
 warm-up; the impls of one op are called in turn, and `time_min_s` is the fastest),
@@ -33,9 +33,8 @@ from typing import Callable
 
 import torch
 
-
-import tsync_mcore.kernels as K  # noqa: E402
-from tsync_mcore.kernels import dispatch  # noqa: E402
+import tsync_mcore.kernels as K
+from tsync_mcore.kernels import dispatch
 
 __all__ = ["HBM_PEAK_BYTES_PER_S", "hbm_peak", "machine_name", "run_benchmarks", "main"]
 
@@ -433,7 +432,7 @@ def run_benchmarks(
 
 
 def result_document(kernels: list[dict], device: str, **extra) -> dict:
-    """The result-file schema perf/check.py reads: machine, date, overlap, kernels."""
+    """The result-file schema perf/bench/check.py reads: machine, date, overlap, kernels."""
     return {"machine": machine_name(device), "date": datetime.date.today().isoformat(),
             "overlap": [], "kernels": kernels, **extra}  # fmt: skip
 

@@ -1,8 +1,8 @@
-"""One-digit sums as a dataset task: `python perf/tasks/sums.py OUT_DIR` writes OUT_DIR/
+"""One-digit sums as a dataset task: `python -m perf.studies.tasks.sums OUT_DIR` writes OUT_DIR/
 train.jsonl (64 of the 100 sums a + b, a, b in 0..9, each listed 4 times, shuffled),
 OUT_DIR/eval.jsonl (the other 36) and OUT_DIR/reward.py (1 when the answer's last integer
 is a + b). The workload of docs/measured/runs.md's real-model section and of
-perf/trl_compare.py: a task both trainers read as plain JSONL rows and a reward file."""
+perf/studies/trl_compare.py: a task both trainers read as plain JSONL rows and a reward file."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def rows(seed: int = 0) -> tuple[list[dict], list[dict]]:
 
 def main() -> None:
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python perf/tasks/sums.py OUT_DIR")
+        raise SystemExit("usage: python -m perf.studies.tasks.sums OUT_DIR")
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
     train, ev = rows()

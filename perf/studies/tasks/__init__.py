@@ -1,0 +1,1 @@
+"""Small tasks for the studies (plain JSONL rows and a reward file)."""
