@@ -5,7 +5,7 @@
 For each model × objective × schedule the learner serves a warm-up batch, one batch under
 `ledger.host.HostCounter` counting ops (its dispatch mode costs ~10 µs per op, so that pass
 is not timed) and `--batches` batches timed with nothing but the counter's interceptions.
-Per served source (its `Learner._serve` and `submit`): ops dispatched, synchronising calls,
+Per served source (its `Learner.serve_pass` and `submit`): ops dispatched, synchronising calls,
 host µs (the serving thread's CPU time, median over the timed batches) and host µs per op;
 per update: the same for `begin` and `close` less their serving. The sources are the overlap
 benchmark's (perf/bench/workload.py `Workload`: groups of 4 sharing a 16-token prompt, 24-192
