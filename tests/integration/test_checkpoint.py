@@ -6,9 +6,12 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.batchgen import write_batches
+from tests.helpers.checkpoint_shared import (  # noqa: F401  (shared with the unit tests)
+    Touch,
+    redigest_file,
+)
 from tests.helpers.dist_util import run_dist
 from tests.helpers.paths import ROOT
-from tests.unit.test_checkpoint import _redigest, _Touch  # noqa: F401  (shared with the unit tests)
 
 WORKER = os.path.join(ROOT, "tests/helpers/workers/resume_worker.py")
 
@@ -55,9 +58,9 @@ def _pickle_checkpoint(run: str, marker: str, name: str) -> None:
     json.dump({"format": checkpoint.FORMAT, "version": 1, "data_pos": 1, "world_size": 1,
                "tp": 1}, open(os.path.join(step, "meta.json"), "w"))
     with open(os.path.join(step, name), "wb") as f:
-        pickle.dump({"model": _Touch(marker)}, f)
+        pickle.dump({"model": Touch(marker)}, f)
     if name.endswith(".safetensors"):
-        _redigest(os.path.join(step, name))
+        redigest_file(os.path.join(step, name))
     open(os.path.join(run, "checkpoints", "latest"), "w").write("step_1")
 
 

@@ -37,8 +37,6 @@ def score(prompt, response, label, meta, **extra):
 '''
 
 
-
-
 @pytest.mark.timeout(1200)
 def test_dataset_run_with_user_reward_eval_and_mid_epoch_resume(tmp_path):
     from tsync_mcore.model.tiny import make_tiny_checkpoint
@@ -174,7 +172,7 @@ def test_dataset_run_with_user_reward_eval_and_mid_epoch_resume(tmp_path):
 def test_skyrl_gsm8k_multi_turn_runs_from_a_local_dataset(tmp_path):
     """The README's example env, fed from a SkyRL-layout gsm8k dataset (it crashed at its
     first episode with `reward_spec.ground_truth is required`), evaluated too."""
-    from tests.unit.test_data import gsm8k_rows
+    from tests.helpers.data_shared import gsm8k_rows
     from tsync_mcore.model.tiny import make_tiny_checkpoint
     model = str(tmp_path / "model")
     make_tiny_checkpoint(model, arch="qwen2", vocab_size=320, hidden=64, layers=2, heads=2,

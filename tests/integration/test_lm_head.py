@@ -15,9 +15,14 @@ import pytest
 import torch
 
 from tests.helpers.dist_util import run_dist
-from tests.unit.test_lm_head import TOL, WORKER, _spec, err, fused, hw, reference  # noqa: F401  (shared with the unit tests)
-
-_spec.loader.exec_module(hw)
+from tests.helpers.lm_head_shared import (  # noqa: F401  (shared with the unit tests)
+    TOL,
+    WORKER,
+    err,
+    fused,
+    hw,
+    reference,
+)
 
 
 def test_tensor_parallel_two_ranks():

@@ -23,19 +23,19 @@ from tests.helpers.lora_reference import (
     read_adapter,
     reference_lora_grad,
 )
-from tests.helpers.paths import ROOT
-from tests.helpers.reference import rel_l2
-from tests.unit.test_lora import (  # noqa: F401  (shared with the unit tests)
+from tests.helpers.lora_shared import (  # noqa: F401  (shared with the unit tests)
     ADAPTERS,
     FP32_TOL,
     VOCAB,
-    _bad_dirs,
-    _cfg,
-    _check_merged,
-    _max_rel,
-    _rename_first,
     adapters,
+    bad_dirs,
+    check_merged,
+    lora_cfg,
+    max_rel,
+    rename_first,
 )
+from tests.helpers.paths import ROOT
+from tests.helpers.reference import rel_l2
 
 WORKER = os.path.join(ROOT, "tests", "helpers", "workers", "lora_worker.py")
 
@@ -110,7 +110,7 @@ def test_replay_matches_fp64_peft_reference(replays, adapters):
         assert sorted(got) == sorted(ref) == sorted(read_adapter(adapters[adapter][1])[1])
         err = rel_l2(got, ref)
         print(f"LoRA {name} vs FP64 HF + peft reference: rel L2 = {err:.2e}, "
-              f"max rel = {_max_rel(got, ref):.2e}")
+              f"max rel = {max_rel(got, ref):.2e}")
         assert err <= FP32_TOL, (name, err)
 
 
@@ -124,7 +124,7 @@ def test_replay_params_are_the_adapters_after_the_step(replays, adapters):
         assert all(not torch.equal(params[k], initial[k]) for k in initial), name
     for a, b in PAIRS:
         pa, pb = _load(runs[a], "params"), _load(runs[b], "params")
-        assert _max_rel(pa, pb) <= 1e-5, (a, b)
+        assert max_rel(pa, pb) <= 1e-5, (a, b)
 
 
 @pytest.fixture(scope="module")
@@ -160,14 +160,14 @@ def test_merged_export_equals_peft_merge_and_unload(parallel1, adapters, tp2_res
     from tsync_mcore.learner.policy import Policy
 
     hf, ad = adapters[name]
-    _check_merged(Policy(_cfg(hf, ad), par=parallel1).export_params(), hf, ad)  # TP = 1
-    _check_merged(load_file(os.path.join(tp2_results["out"], f"merged_{name}.safetensors")),
+    check_merged(Policy(lora_cfg(hf, ad), par=parallel1).export_params(), hf, ad)  # TP = 1
+    check_merged(load_file(os.path.join(tp2_results["out"], f"merged_{name}.safetensors")),
                   hf, ad)  # TP = 2
 
 
 def test_replay_cli_bad_adapter_one_line(adapters, tmp_path):
     hf, good = adapters["qwen2_sub"]
-    d, named = _bad_dirs(good, tmp_path)["dora"]
+    d, named = bad_dirs(good, tmp_path)["dora"]
     batch = str(tmp_path / "b.jsonl")
     write_batches(batch, VOCAB, n_updates=1, seed=1)
     p = subprocess.run([sys.executable, "-m", "tsync_mcore.learner.replay", "--model", hf, "--batch",
