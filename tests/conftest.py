@@ -15,13 +15,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYT
 # The files with the longest live runs, longest first (docs/measured/suite.md, issue 46).
 # `make test` runs `-n 3 --dist loadfile`: a worker takes the next file when it runs low,
 # so a long file that starts last runs alone at the end while the other workers idle.
-LONGEST_FIRST = [
-    "integration/test_multihost.py", "integration/test_openai_live.py",
-    "integration/test_async_live.py", "integration/test_moe.py",
-    "integration/test_data_live.py", "integration/test_e2e.py",
-    "integration/test_lora_publish.py", "integration/test_judge_live.py",
-    "integration/test_checkpoint.py", "integration/test_replica_restart_live.py",
-]
+LONGEST_FIRST = [f"integration/test_{name}.py" for name in (
+    "multihost", "moe", "e2e", "openai_live", "data_live", "async_live", "lora_publish",
+    "checkpoint", "replica_restart_live", "judge_live", "real_model", "segments_live",
+    "verifiers_live", "reasoning_gym_live", "dynamic_sampling_live", "trl_compare",
+    "nonfinite_live", "replicas", "rollout", "openai_server")]
 
 
 def pytest_configure(config) -> None:
