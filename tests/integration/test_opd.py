@@ -12,7 +12,7 @@ from tests.helpers.batchgen import write_opd_batches
 from tests.helpers.dist_util import parse_results
 from tests.helpers.paths import ROOT
 from tests.helpers.reference import reference_opd_grad, rel_l2
-from tests.helpers.replay import replay, replay_many
+from tests.helpers.replay import replay_many
 from tsync_mcore.observability import trace
 from tsync_mcore.observability.trace import DeferredRecord
 
@@ -20,10 +20,11 @@ N_UPDATES = 10
 
 
 @pytest.fixture(scope="module")
-def opd_runs(tiny_qwen2, tmp_path_factory):
+def opd_runs(tiny_qwen2, tiny_ckpts, tmp_path_factory):
     d = tmp_path_factory.mktemp("opd")
-    batch = str(d / "batch.jsonl")
+    batch, tp2_batch = str(d / "batch.jsonl"), str(d / "tp2.jsonl")
     rows = write_opd_batches(batch, 256, n_updates=N_UPDATES, seed=2, turns=4)
+    tp2_rows = write_opd_batches(tp2_batch, 256, n_updates=1, seed=8, turns=3)
     common = ["--model", tiny_qwen2, "--batch", batch, "--objective", "opd", "--lr", "1e-5",
               "--save-grads", "all"]
     jobs = {  # one torchrun launch (each job its own Policy/Learner, see replay_many)
@@ -36,8 +37,12 @@ def opd_runs(tiny_qwen2, tmp_path_factory):
         "sync_fp32": ["--schedule", "sync"],
         "retain": ["--schedule", "thundersync", "--opd-replay", "retain"],
     }
-    out = replay_many({name: [*common, *flags] for name, flags in jobs.items()}, str(d))
-    out.update(rows=rows, hf_dir=tiny_qwen2)
+    jobs = {name: [*common, *flags] for name, flags in jobs.items()}
+    # the TP = 2 replay on Qwen3 (test_opd_tensor_parallel_two_ranks_vs_reference), same launch
+    jobs["tp2"] = ["--model", tiny_ckpts["qwen3"], "--batch", tp2_batch, "--objective", "opd",
+                   "--tp", "2"]
+    out = replay_many(jobs, str(d))
+    out.update(rows=rows, hf_dir=tiny_qwen2, tp2_rows=tp2_rows)
     return out
 
 
@@ -122,14 +127,11 @@ def test_opd_bad_input_rejected(tiny_qwen2):
     assert res["grad_equal_to_clean"] <= 1e-6
 
 
-def test_opd_tensor_parallel_two_ranks_vs_reference(tiny_ckpts, tmp_path):
-    hf_dir = tiny_ckpts["qwen3"]
-    batch = str(tmp_path / "b.jsonl")
-    rows = write_opd_batches(batch, 256, n_updates=1, seed=8, turns=3)
-    s = replay(hf_dir, batch, str(tmp_path / "tp2"), 2, "--objective", "opd", "--tp", "2")
-    assert s["tp"] == 2
-    got = load_file(str(tmp_path / "tp2" / "grad.safetensors"))
-    err = rel_l2(got, reference_opd_grad(hf_dir, rows))
+def test_opd_tensor_parallel_two_ranks_vs_reference(tiny_ckpts, opd_runs):
+    hf_dir, run = tiny_ckpts["qwen3"], opd_runs["tp2"]
+    assert run["summary"]["tp"] == 2
+    got = load_file(os.path.join(run["dir"], "grad.safetensors"))
+    err = rel_l2(got, reference_opd_grad(hf_dir, opd_runs["tp2_rows"]))
     print(f"OPD qwen3 TP=2 vs FP64 HF reference: {err:.2e}")
     assert err <= 1e-5
 
