@@ -6,7 +6,7 @@ had folded into its open sums; thundersync (one by one and in packed pair passes
 sync, equals sync without the filter on the kept groups alone, and equals the FP64
 reference on those; n_groups, N_k and the token norms count only what trains. The
 rollout's side (rollout/oversample.py): reserves start one per filtered group and the
-rest are dropped. Live: tests/integration/test_data_live.py's dynamic sampling run.
+rest are dropped. Live: tests/integration/test_dynamic_sampling_live.py.
 """
 
 from __future__ import annotations
