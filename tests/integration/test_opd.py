@@ -20,7 +20,18 @@ N_UPDATES = 10
 
 
 @pytest.fixture(scope="module")
-def opd_runs(tiny_qwen2, tiny_ckpts, tmp_path_factory):
+def action_first_batch(tmp_path_factory):
+    """"Action, then its observation": every turn but the first starts with a scored token
+    (rows, file)."""
+    from tests.helpers.batchgen import action_first, make_opd_batch
+    rows = action_first(make_opd_batch(256, n_traj=4, turns=3, seed=9, zero_scored_traj=False))
+    af = str(tmp_path_factory.mktemp("action_first") / "action_first.jsonl")
+    _write(af, rows)
+    return rows, af
+
+
+@pytest.fixture(scope="module")
+def opd_runs(tiny_qwen2, tiny_ckpts, action_first_batch, tmp_path_factory):
     d = tmp_path_factory.mktemp("opd")
     batch, tp2_batch = str(d / "batch.jsonl"), str(d / "tp2.jsonl")
     rows = write_opd_batches(batch, 256, n_updates=N_UPDATES, seed=2, turns=4)
@@ -38,9 +49,15 @@ def opd_runs(tiny_qwen2, tiny_ckpts, tmp_path_factory):
         "retain": ["--schedule", "thundersync", "--opd-replay", "retain"],
     }
     jobs = {name: [*common, *flags] for name, flags in jobs.items()}
-    # the TP = 2 replay on Qwen3 (test_opd_tensor_parallel_two_ranks_vs_reference), same launch
+    # the TP = 2 replay on Qwen3 (test_opd_tensor_parallel_two_ranks_vs_reference) and the
+    # action-first batch's sync and thundersync (test_turns_that_begin_with_a_scored_token),
+    # same launch
     jobs["tp2"] = ["--model", tiny_ckpts["qwen3"], "--batch", tp2_batch, "--objective", "opd",
                    "--tp", "2"]
+    af = ["--model", tiny_qwen2, "--batch", action_first_batch[1], "--objective", "opd",
+          "--save-grads", "all"]
+    jobs.update(af_sync=[*af, "--schedule", "sync"],
+                af_thundersync=[*af, "--schedule", "thundersync"])
     out = replay_many(jobs, str(d))
     out.update(rows=rows, hf_dir=tiny_qwen2, tp2_rows=tp2_rows)
     return out
@@ -180,22 +197,18 @@ def test_opd_cost_is_linear_in_turns_recompute_and_retain(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def one_rank_replays(tiny_qwen2, tmp_path_factory):
+def one_rank_replays(tiny_qwen2, action_first_batch, tmp_path_factory):
     """The one-rank replays of the tests below in one process (each job its own Policy and
     Learner, see replay_many): shared prompt on/off, the action-first batch's retain run,
     and admission's unconstrained, k_open = 1 and group_ready runs. Returns the runs, the
     action-first batch (rows, file) and the admission runs' arguments."""
-    from tests.helpers.batchgen import action_first, make_opd_batch
     d = tmp_path_factory.mktemp("one_rank")
     shared = str(d / "shared.jsonl")
     write_opd_batches(shared, 256, n_updates=1, seed=6, n_traj=4, group_size=4, prompt_len=10)
     off = d / "off.yaml"
     off.write_text("learner:\n  shared_prefix: false\n")
     sp = ["--model", tiny_qwen2, "--batch", shared, "--objective", "opd"]
-    # "action, then its observation": every turn but the first starts with a scored token
-    rows = action_first(make_opd_batch(256, n_traj=4, turns=3, seed=9, zero_scored_traj=False))
-    af = str(d / "action_first.jsonl")
-    _write(af, rows)
+    rows, af = action_first_batch
     # admission: 8 trajectories in 4 groups of 2
     adm = str(d / "admission.jsonl")
     write_opd_batches(adm, 256, n_updates=1, seed=3, n_traj=8, turns=3)
@@ -227,14 +240,13 @@ def _write(path, rows):
             f.write(json.dumps(r) + "\n")
 
 
-def test_turns_that_begin_with_a_scored_token(tiny_qwen2, one_rank_replays, tmp_path):
+def test_turns_that_begin_with_a_scored_token(tiny_qwen2, opd_runs, one_rank_replays):
     # "action, then its observation": every turn but the first starts with a scored token,
     # whose log-prob comes from the previous turn's last position.
     rows, batch = one_rank_replays["action_first"]
     assert sum(r["scored_mask"][e] for r in rows for e in r["turn_ends"][:-1]) == 8
-    common = ["--model", tiny_qwen2, "--batch", batch, "--objective", "opd", "--save-grads", "all"]
-    runs = replay_many({"sync": [*common, "--schedule", "sync"],
-                        "thundersync": [*common, "--schedule", "thundersync"]}, str(tmp_path))
+    # sync and thundersync on 2 ranks (in opd_runs' launch)
+    runs = {"sync": opd_runs["af_sync"], "thundersync": opd_runs["af_thundersync"]}
     runs["retain"] = one_rank_replays["runs"]["af_retain"]  # one rank, --opd-replay retain
     grads = {n: _grad_of(r) for n, r in runs.items()}
     ref = reference_opd_grad(tiny_qwen2, rows)
