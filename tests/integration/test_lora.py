@@ -64,16 +64,16 @@ PAIRS = [("grpo_ts_all", "grpo_sync_all"), ("grpo_ts_sub", "grpo_sync_sub"),
 
 @pytest.fixture(scope="module")
 def replays(adapters, tmp_path_factory):
-    """The replays of REPLAY_RUNS in two 2-rank launches (TP = 1 and TP = 2)."""
+    """The replays of REPLAY_RUNS in one 2-rank launch (TP = 1 first, then TP = 2; each job
+    its own Policy and Learner, see replay_many)."""
     from tests.helpers.replay import replay_many
 
     d = tmp_path_factory.mktemp("lora_replay")
     grpo, opd = str(d / "grpo.jsonl"), str(d / "opd.jsonl")
     rows = {"grpo": write_batches(grpo, VOCAB, n_updates=1, seed=3),
             "opd": write_opd_batches(opd, VOCAB, n_updates=1, seed=2, turns=3)}
-    out = {}
+    jobs = {}
     for tp in (1, 2):
-        jobs = {}
         for name, (adapter, objective, run_tp, flags) in REPLAY_RUNS.items():
             if run_tp != tp:
                 continue
@@ -81,8 +81,7 @@ def replays(adapters, tmp_path_factory):
             jobs[name] = ["--model", hf, "--lora-adapter", ad, "--objective", objective,
                           "--batch", grpo if objective == "grpo" else opd, "--tp", str(tp),
                           "--lr", "1e-4", *flags]
-        out.update(replay_many(jobs, str(d)))
-    return out, rows
+    return replay_many(jobs, str(d)), rows
 
 
 def _load(run, what="grad"):
