@@ -63,10 +63,11 @@ PAIRS = [("grpo_ts_all", "grpo_sync_all"), ("grpo_ts_sub", "grpo_sync_sub"),
 
 
 @pytest.fixture(scope="module")
-def replays(adapters, tmp_path_factory):
-    """The replays of REPLAY_RUNS in one 2-rank launch (TP = 1 first, then TP = 2; each job
-    its own Policy and Learner, see replay_many)."""
-    from tests.helpers.replay import replay_many
+def lora_launch(adapters, tmp_path_factory):
+    """One 2-rank launch (tests/helpers/workers/lora_worker.py): tp2_results' checks, then
+    the replays of REPLAY_RUNS (TP = 1 first, then TP = 2; each job its own Policy and
+    Learner, as in replay_many)."""
+    from tests.helpers.replay import job_results, write_jobs
 
     d = tmp_path_factory.mktemp("lora_replay")
     grpo, opd = str(d / "grpo.jsonl"), str(d / "opd.jsonl")
@@ -81,7 +82,16 @@ def replays(adapters, tmp_path_factory):
             jobs[name] = ["--model", hf, "--lora-adapter", ad, "--objective", objective,
                           "--batch", grpo if objective == "grpo" else opd, "--tp", str(tp),
                           "--lr", "1e-4", *flags]
-    return replay_many(jobs, str(d)), rows
+    out = str(tmp_path_factory.mktemp("lora_tp2"))
+    cfg = {"adapters": adapters, "out": out, "replays": write_jobs(jobs, str(d))}
+    res = run_dist([WORKER, json.dumps(cfg)], nproc=2, timeout=900)
+    return dict(ranks=res, out=out, replays=(job_results(jobs, str(d), res[0]["summaries"]), rows))
+
+
+@pytest.fixture(scope="module")
+def replays(lora_launch):
+    """The replays of REPLAY_RUNS (name → run) and their batches' rows."""
+    return lora_launch["replays"]
 
 
 def _load(run, what="grad"):
@@ -127,12 +137,9 @@ def test_replay_params_are_the_adapters_after_the_step(replays, adapters):
 
 
 @pytest.fixture(scope="module")
-def tp2_results(adapters, tmp_path_factory):
-    """One 2-rank launch: logits, adapter export and merged export of every adapter, TP = 2."""
-    out = str(tmp_path_factory.mktemp("lora_tp2"))
-    res = run_dist([WORKER, json.dumps({"adapters": adapters, "out": out})], nproc=2,
-                   timeout=600)
-    return dict(ranks=res, out=out)
+def tp2_results(lora_launch):
+    """Logits, adapter export and merged export of every adapter, TP = 2 (lora_launch)."""
+    return dict(ranks=lora_launch["ranks"], out=lora_launch["out"])
 
 
 def test_logits_match_hf_peft_tp2(tp2_results, adapters):
