@@ -44,31 +44,40 @@ def _rel(a: dict, b: dict) -> float:
     return rel_l2(a, b)
 
 
+@pytest.fixture(scope="module")
+def fused_runs(tiny_qwen2, tmp_path_factory):
+    """Both objectives' replays, shared prompts on and off, the head fused and not: one
+    process (each job its own Policy and Learner, see replay_many)."""
+    from tests.helpers.batchgen import write_batches, write_opd_batches
+    from tests.helpers.replay import replay_many
+    d = tmp_path_factory.mktemp("fused_head")
+    jobs = {}
+    for objective in ("grpo", "opd"):
+        batch = str(d / f"{objective}.jsonl")
+        if objective == "grpo":
+            write_batches(batch, 256, n_updates=1, seed=8)
+        else:
+            write_opd_batches(batch, 256, n_updates=1, seed=8, n_traj=4, group_size=2)
+        for prefix in ("true", "false"):
+            for fused in ("true", "false"):
+                cfg = d / f"p{prefix}_f{fused}.yaml"
+                cfg.write_text(f"learner:\n  shared_prefix: {prefix}\n  fused_lm_head: {fused}\n"
+                               f"  lm_head_chunk: 7\n")
+                jobs[f"{objective}_prefix_{prefix}_fused_{fused}"] = [
+                    "--model", tiny_qwen2, "--batch", batch, "--objective", objective,
+                    "--config", str(cfg), "--lr", "1e-5"]
+    return replay_many(jobs, str(d), nproc=1)
+
+
 @pytest.mark.parametrize("objective", ["grpo", "opd"])
-def test_replay_update_fused_equals_unfused(tiny_qwen2, tmp_path, objective):
+def test_replay_update_fused_equals_unfused(fused_runs, objective):
     """Schedule thundersync, shared prompts on and off: the update's gradient and θ after its
     step agree within FP32 rounding with the head on and off. (One update: Adam's first step
     moves a parameter by ±lr whatever its gradient's size, so a later update's gradient
     would also measure rounding noise amplified.)"""
     from safetensors.torch import load_file
 
-    from tests.helpers.batchgen import write_batches, write_opd_batches
-    from tests.helpers.replay import replay_many
-    batch = str(tmp_path / "b.jsonl")
-    if objective == "grpo":
-        write_batches(batch, 256, n_updates=1, seed=8)
-    else:
-        write_opd_batches(batch, 256, n_updates=1, seed=8, n_traj=4, group_size=2)
-    jobs = {}
-    for prefix in ("true", "false"):
-        for fused in ("true", "false"):
-            cfg = tmp_path / f"p{prefix}_f{fused}.yaml"
-            cfg.write_text(f"learner:\n  shared_prefix: {prefix}\n  fused_lm_head: {fused}\n"
-                           f"  lm_head_chunk: 7\n")
-            jobs[f"prefix_{prefix}_fused_{fused}"] = [
-                "--model", tiny_qwen2, "--batch", batch, "--objective", objective,
-                "--config", str(cfg), "--lr", "1e-5"]
-    runs = replay_many(jobs, str(tmp_path), nproc=1)
+    runs = {k[len(objective) + 1:]: v for k, v in fused_runs.items() if k.startswith(objective)}
     for prefix in ("true", "false"):
         on, off = (runs[f"prefix_{prefix}_fused_{f}"] for f in ("true", "false"))
         for name in ("grad", "params"):
