@@ -51,3 +51,18 @@ def job_results(jobs, d, summaries) -> dict:
     """name → {summary, dir}: the jobs' summaries as a worker reported them, in order."""
     return {name: dict(summary=s, dir=os.path.join(d, name))
             for name, s in zip(jobs, summaries, strict=True)}
+
+
+def run_jobs(jobs_path: str) -> list[dict]:
+    """Worker side: the replay jobs of JOBS.json (write_jobs) in this process, in order, each
+    the replay command's main() with its own Policy and Learner; their summaries."""
+    import gc
+
+    from tsync_mcore.learner import replay as replay_command
+    with open(jobs_path) as f:
+        jobs = json.load(f)
+    summaries = []
+    for argv in jobs:
+        summaries.append(replay_command.main(argv))
+        gc.collect()  # the previous job's model and accumulators, before the next one's
+    return summaries

@@ -25,8 +25,29 @@ from tests.helpers.lm_head_shared import (  # noqa: F401  (shared with the unit 
 )
 
 
-def test_tensor_parallel_two_ranks():
-    ranks = run_dist([WORKER], nproc=2)
+@pytest.fixture(scope="module")
+def tp2_launch(tiny_ckpts, tmp_path_factory):
+    """One 2-rank launch (lm_head_worker.py): the head's TP = 2 check, then the TP = 2
+    replays of test_replay_update_fused_equals_unfused_tp2 (the head on and off, tied and
+    untied). Returns the ranks' results and name → replay run."""
+    from tests.helpers.batchgen import write_batches
+    from tests.helpers.replay import job_results, write_jobs
+    d = tmp_path_factory.mktemp("lm_head_tp2")
+    batch = str(d / "b.jsonl")
+    write_batches(batch, 256, n_updates=1, seed=9)
+    off = d / "off.yaml"
+    off.write_text("learner:\n  fused_lm_head: false\n")
+    on = d / "on.yaml"
+    on.write_text("learner:\n  lm_head_chunk: 7\n")
+    jobs = {f"{ckpt}_{name}": ["--model", tiny_ckpts[ckpt], "--batch", batch, "--tp", "2",
+                               "--config", str(cfg)]
+            for ckpt in ("qwen2", "qwen2_tied") for name, cfg in (("on", on), ("off", off))}
+    ranks = run_dist([WORKER, write_jobs(jobs, str(d))], nproc=2, timeout=600)
+    return ranks, job_results(jobs, str(d), ranks[0]["summaries"])
+
+
+def test_tensor_parallel_two_ranks(tp2_launch):
+    ranks, _ = tp2_launch
     for name, dtype in (("fp64", torch.float64), ("fp32", torch.float32)):
         hidden, weight, targets, grad = hw.problem(dtype)
         logp, ent, gh, gw = reference(hidden, weight, targets, grad, grad.flip(0))
@@ -89,22 +110,11 @@ def test_replay_update_fused_equals_unfused(fused_runs, objective):
         assert all(p > 0 for p in peaks)
 
 
-def test_replay_update_fused_equals_unfused_tp2(tiny_ckpts, tmp_path):
+def test_replay_update_fused_equals_unfused_tp2(tp2_launch):
     """TP = 2 (vocab-parallel head, the hidden gradient all-reduced over TP), tied and untied."""
     from safetensors.torch import load_file
 
-    from tests.helpers.batchgen import write_batches
-    from tests.helpers.replay import replay_many
-    batch = str(tmp_path / "b.jsonl")
-    write_batches(batch, 256, n_updates=1, seed=9)
-    off = tmp_path / "off.yaml"
-    off.write_text("learner:\n  fused_lm_head: false\n")
-    on = tmp_path / "on.yaml"
-    on.write_text("learner:\n  lm_head_chunk: 7\n")
-    jobs = {f"{ckpt}_{name}": ["--model", tiny_ckpts[ckpt], "--batch", batch, "--tp", "2",
-                               "--config", str(cfg)]
-            for ckpt in ("qwen2", "qwen2_tied") for name, cfg in (("on", on), ("off", off))}
-    runs = replay_many(jobs, str(tmp_path), nproc=2)
+    _, runs = tp2_launch
     for ckpt in ("qwen2", "qwen2_tied"):
         a, b = (load_file(os.path.join(runs[f"{ckpt}_{n}"]["dir"], "grad.safetensors"))
                 for n in ("on", "off"))

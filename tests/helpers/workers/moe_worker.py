@@ -104,15 +104,8 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     out = {"tp2": check_tp2(cfg), "ep2": check_ep2(cfg)}
     if cfg.get("replays"):
-        import gc
-
-        from tsync_mcore.learner import replay
-        with open(cfg["replays"]) as f:
-            jobs = json.load(f)
-        out["summaries"] = []
-        for argv in jobs:
-            out["summaries"].append(replay.main(argv))
-            gc.collect()  # the previous job's model and accumulators, before the next one's
+        from tests.helpers.replay import run_jobs
+        out["summaries"] = run_jobs(cfg["replays"])
     report(out)
 
 
