@@ -183,3 +183,32 @@ def grpo_members(rows: list[dict]):
                          "grpo")
         for a, r in zip(adv.tolist(), members):
             yield a, r, 1.0 / (len(groups) * len(members))
+
+
+def segments_reference(model, rows, token_norm: str) -> dict:
+    """∇ of J = Σ_G Σ_i c_i A_i Σ_s Σ_t log π(seg_s token t) in FP64: each segment its own
+    forward; c_i = 1/(n_groups·m·L_i), L_i over all of trajectory i's segments
+    ("trajectory"), or 1/N_k ("token_mean")."""
+    trajs: dict[str, list[dict]] = {}
+    for r in rows:
+        trajs.setdefault(r["traj_id"], []).append(r)
+    groups: dict[str, list[str]] = {}
+    for t, segs in trajs.items():
+        groups.setdefault(segs[0]["group_id"], []).append(t)
+    n_k = sum(sum(r["scored_mask"]) for r in rows)
+    J = torch.zeros((), dtype=torch.float64)
+    for members in groups.values():
+        adv = advantages(torch.tensor([trajs[t][0]["reward"] for t in members],
+                                      dtype=torch.float64), "grpo")
+        for a, t in zip(adv, members):
+            L = sum(sum(r["scored_mask"]) for r in trajs[t])
+            c = 1.0 / (len(groups) * len(members) * L) if token_norm == "trajectory" else 1 / n_k
+            for r in trajs[t]:
+                ids = torch.tensor(r["tokens"])
+                logp = torch.log_softmax(model(ids[None]).logits[0, :-1], -1)
+                lp = logp.gather(1, ids[1:, None])[:, 0]
+                mask = torch.tensor(r["scored_mask"][1:], dtype=torch.float64)
+                J = J + c * a * (lp * mask).sum()
+    params = list(model.named_parameters())
+    grads = torch.autograd.grad(J, [p for _, p in params], allow_unused=True)
+    return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params, grads)}

@@ -6,9 +6,12 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.batchgen import write_batches
+from tests.helpers.checkpoint_shared import (  # noqa: F401  (shared with the unit tests)
+    Touch,
+    redigest_file,
+)
 from tests.helpers.dist_util import run_dist
 from tests.helpers.paths import ROOT
-from tests.unit.test_checkpoint import _redigest, _Touch  # noqa: F401  (shared with the unit tests)
 
 WORKER = os.path.join(ROOT, "tests/helpers/workers/resume_worker.py")
 
@@ -20,8 +23,10 @@ def test_resume_is_exact_on_two_ranks_with_distributed_optimizer(tiny_qwen2, tmp
     # straight and first share a launch (each its own Policy); the resume is a fresh one
     out = run_dist([WORKER, tiny_qwen2, batch, run, "straight,first"], nproc=2)
     assert [[m["version"] for m in r["modes"]] for r in out] == [[4, 2], [4, 2]]
-    out = run_dist([WORKER, tiny_qwen2, batch, run, "resume"], nproc=2)
-    assert {r["version"] for r in out} == {4}
+    # the resume, then (same launch) one rank's file corrupted and the resume tried again
+    out = run_dist([WORKER, tiny_qwen2, batch, run, "resume,corrupt,refused"], nproc=2)
+    assert {r["modes"][0]["version"] for r in out} == {4}
+    refused = [r["modes"][2] for r in out]
     a = load_file(os.path.join(run, "params_straight.safetensors"))
     b = load_file(os.path.join(run, "params_resume.safetensors"))
     first = load_file(os.path.join(run, "params_first.safetensors"))
@@ -32,13 +37,9 @@ def test_resume_is_exact_on_two_ranks_with_distributed_optimizer(tiny_qwen2, tmp
     assert sorted(os.listdir(os.path.join(ckpt, "step_2"))) == [
         "meta.json", "rank0.safetensors", "rank0.sha256", "rank1.safetensors", "rank1.sha256"]
     # One rank's file is corrupt: every rank refuses (none trains on with a half-resume).
-    with open(os.path.join(ckpt, "step_2", "rank1.safetensors"), "r+b") as f:
-        f.seek(-8, os.SEEK_END)
-        f.write(b"\xff" * 8)
-    out = run_dist([WORKER, tiny_qwen2, batch, run, "refused"], nproc=2)
-    assert all(r["unchanged"] for r in out)
-    assert "refused by 1 other rank" in out[0]["error"]
-    assert "step_2/rank1.safetensors: contents do not match" in out[1]["error"]
+    assert all(r["unchanged"] for r in refused)
+    assert "refused by 1 other rank" in refused[0]["error"]
+    assert "step_2/rank1.safetensors: contents do not match" in refused[1]["error"]
 
 
 import json  # noqa: E402
@@ -57,9 +58,9 @@ def _pickle_checkpoint(run: str, marker: str, name: str) -> None:
     json.dump({"format": checkpoint.FORMAT, "version": 1, "data_pos": 1, "world_size": 1,
                "tp": 1}, open(os.path.join(step, "meta.json"), "w"))
     with open(os.path.join(step, name), "wb") as f:
-        pickle.dump({"model": _Touch(marker)}, f)
+        pickle.dump({"model": Touch(marker)}, f)
     if name.endswith(".safetensors"):
-        _redigest(os.path.join(step, name))
+        redigest_file(os.path.join(step, name))
     open(os.path.join(run, "checkpoints", "latest"), "w").write("step_1")
 
 

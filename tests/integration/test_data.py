@@ -3,8 +3,8 @@ sampler behind data_pos, and SkyRL-Gym envs fed from dataset rows."""
 
 import os
 
+from tests.helpers.data_shared import write_jsonl  # noqa: F401  (shared with the unit tests)
 from tests.helpers.paths import ROOT
-from tests.unit.test_data import write_jsonl  # noqa: F401  (shared with the unit tests)
 
 
 def test_rollout_launcher_names_a_bad_row_in_one_line(tmp_path, tiny_qwen2):

@@ -15,19 +15,15 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import yaml
 from safetensors.torch import load_file
 
+from tests.helpers.live_run import DIGIT_ROWS as ROWS
+from tests.helpers.live_run import launch
 from tests.helpers.paths import ROOT
-from tsync_mcore.util.net import free_port
-
-ROWS = [{"prompt": f"Write the digits of {n}.", "label": str(n), "topic": t}
-        for n, t in ((314, "pi"), (271, "e"), (141, "sqrt2"), (173, "sqrt3"), (223, "sqrt5"))]
 
 REWARD = '''
 import json, os
@@ -39,51 +35,6 @@ def score(prompt, response, label, meta, **extra):
     digits = sum(c.isdigit() for c in response)
     return {{"reward": digits / max(1, len(response)), "has_label": float(label in response)}}
 '''
-
-
-
-
-def start(config: str, run: str, sets: list[str], resume: bool = False, nproc: int = 2):
-    """Rollout launcher + `nproc` learner ranks under torchrun (see finish); the config's
-    rollout.n_learners must say the same."""
-    sets = [f"run.dir={run}", f"publish.dir={run}/publish", f"channel.port={free_port()}",
-            *sets]
-    os.makedirs(run, exist_ok=True)
-    common = ["--config", config, "--set", *sets]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    rollout = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch/rollout.py"), *common],
-                               stdout=open(f"{run}/rollout.log", "a"), stderr=subprocess.STDOUT,
-                               env=env, cwd=ROOT)
-    learner = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-         "--master-port", str(free_port()), os.path.join(ROOT, "launch/learner.py"),
-         *common, *(["--resume"] if resume else [])],
-        stdout=open(f"{run}/learner.out", "a"), stderr=open(f"{run}/learner.err", "a"),
-        env=env, cwd=ROOT)
-    return run, learner, rollout
-
-
-def finish(started, check: bool = True) -> tuple[int, int]:
-    """Waits for a start()ed run to end; asserts both sides exit 0 (check) and returns their
-    exit codes."""
-    run, learner, rollout = started
-    try:
-        rc_l = learner.wait(timeout=400)
-        rc_r = rollout.wait(timeout=120)
-    finally:
-        for p in (learner, rollout):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    log = open(f"{run}/rollout.log").read()[-3000:] + open(f"{run}/learner.err").read()[-3000:]
-    assert not check or rc_l == 0 and rc_r == 0, log
-    return rc_l, rc_r
-
-
-def launch(config: str, run: str, sets: list[str], resume: bool = False,
-           check: bool = True, nproc: int = 2) -> tuple[int, int]:
-    """start() + finish(): one run to the end."""
-    return finish(start(config, run, sets, resume, nproc), check)
 
 
 @pytest.mark.timeout(1200)
@@ -221,7 +172,7 @@ def test_dataset_run_with_user_reward_eval_and_mid_epoch_resume(tmp_path):
 def test_skyrl_gsm8k_multi_turn_runs_from_a_local_dataset(tmp_path):
     """The README's example env, fed from a SkyRL-layout gsm8k dataset (it crashed at its
     first episode with `reward_spec.ground_truth is required`), evaluated too."""
-    from tests.unit.test_data import gsm8k_rows
+    from tests.helpers.data_shared import gsm8k_rows
     from tsync_mcore.model.tiny import make_tiny_checkpoint
     model = str(tmp_path / "model")
     make_tiny_checkpoint(model, arch="qwen2", vocab_size=320, hidden=64, layers=2, heads=2,

@@ -6,7 +6,7 @@ had folded into its open sums; thundersync (one by one and in packed pair passes
 sync, equals sync without the filter on the kept groups alone, and equals the FP64
 reference on those; n_groups, N_k and the token norms count only what trains. The
 rollout's side (rollout/oversample.py): reserves start one per filtered group and the
-rest are dropped. Live: tests/integration/test_data_live.py's dynamic sampling run.
+rest are dropped. Live: tests/integration/test_dynamic_sampling_live.py.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 from tests.helpers.batchgen import make_batch
 from tests.helpers.off_policy import _hf
 from tests.helpers.reference import rel_l2
-from tests.integration.test_regularizers import (VOCAB, _learner, _sources, _update,
-                                                 reference_objective)
+from tests.helpers.in_process import as_sources, make_learner, run_update
+from tests.helpers.regularized import VOCAB, reference_objective
 from tsync_mcore.learner.update import FILTERED
 from tsync_mcore.rollout.oversample import Oversampling
 
@@ -52,8 +52,8 @@ def test_filtered_groups_leave_the_update_exactly(tiny_qwen2, parallel1, tmp_pat
             "sync_kept_only": (dict(schedule="sync", filter_groups="none"), 1, kept)}
     res = {}
     for name, (sched, chunk, batch) in runs.items():
-        ln = _learner(parallel1, tiny_qwen2, **{"filter_groups": "zero_std", **reg, **sched})
-        res[name] = _update(ln, _sources(batch), chunk)
+        ln = make_learner(parallel1, tiny_qwen2, **{"filter_groups": "zero_std", **reg, **sched})
+        res[name] = run_update(ln, as_sources(batch), chunk)
     ref = reference_objective(_hf(tiny_qwen2), ref_model, kept, kl_coef=reg.get("kl_coef", 0.0),
                               ent_coef=reg.get("entropy_coef", 0.0))
     errs = {k: rel_l2(r.grad, res["sync_kept_only"].grad) for k, r in res.items()}

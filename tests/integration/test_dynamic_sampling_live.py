@@ -18,13 +18,9 @@ from safetensors.torch import load_file
 
 from tests.helpers.live_replay import (gap_over_moved, replay_update, saved_sources,
                                        sync_learner)
-from tests.integration.test_data_live import launch
+from tests.helpers.live_run import EASY_HARD_ROWS as ROWS
+from tests.helpers.live_run import launch
 from tsync_mcore.learner.update import FILTERED
-
-# one epoch is 8 rows, as many as a batch's groups with its reserves: every batch can reach
-# its 2 hard rows however many easy ones come first
-ROWS = [{"prompt": f"Write the digits of {n}.", "label": "easy" if i < 6 else "hard"}
-        for i, n in enumerate((314, 271, 141, 173, 223, 577, 161, 732))]
 
 REWARD = '''
 def score(prompt, response, label, meta, **extra):

@@ -8,6 +8,7 @@ in test_openai_live (the launcher's checks), test_data_live and test_async_live.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -159,9 +160,13 @@ def test_overlap_benchmark_replays_the_runs_release_trace(tiny_qwen2, golden, tm
 
 
 def test_resume_continues_exactly(tiny_qwen2, golden, tmp_path):
-    for updates, extra in ((1, ()), (2, ("--resume",))):
-        rc, out, err, published = run_scripted(tiny_qwen2, str(tmp_path), updates, extra)
-        assert rc == 0, err[-4000:]
+    # from the golden run's step-1 checkpoint (what a run stopped after update 1 leaves:
+    # the same files, a launch fewer)
+    ckpts = tmp_path / "checkpoints"
+    shutil.copytree(os.path.join(golden["run"], "checkpoints", "step_1"), ckpts / "step_1")
+    (ckpts / "latest").write_text("step_1")
+    rc, out, err, published = run_scripted(tiny_qwen2, str(tmp_path), 2, ("--resume",))
+    assert rc == 0, err[-4000:]
     assert sorted(published) == [1, 2]  # the resumed learner republished θ_1, then made θ_2
     for v in (1, 2):
         assert all(torch.equal(published[v][k], golden["published"][v][k]) for k in published[v])

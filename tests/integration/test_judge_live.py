@@ -13,8 +13,9 @@ import os
 
 import pytest
 
+from tests.helpers.live_run import DIGIT_ROWS as ROWS
+from tests.helpers.live_run import launch
 from tests.helpers.paths import ROOT
-from tests.integration.test_data_live import ROWS, launch
 
 CONFIG = os.path.join(ROOT, "configs/judge_tiny.yaml")
 TINY = dict(arch="qwen2", vocab_size=320, hidden=64, layers=2, heads=2, kv_heads=1,

@@ -4,7 +4,6 @@ Schedules against each other, against an independent FP64 reference on the Huggi
 model, arrival-order permutations, determinism, the admission cap, and bad input.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -31,7 +30,7 @@ N_UPDATES = 10
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_qwen2, tmp_path_factory):
+def runs(tiny_qwen2, tiny_ckpts, tmp_path_factory):
     d = tmp_path_factory.mktemp("replay")
     vocab = 256
     batch = str(d / "batch.jsonl")
@@ -39,9 +38,10 @@ def runs(tiny_qwen2, tmp_path_factory):
     rows = write_batches(batch, vocab, n_updates=N_UPDATES, seed=3)
     write_batches(perm, vocab, n_updates=N_UPDATES, seed=3, permute_seed=11)
     common = ["--lr", "1e-5", "--save-grads", "all"]
-    # Two torchrun launches for the nine replays (each its own Policy/Learner, see
-    # replay_many): thundersync_again runs in a process of its own, so "bitwise identical
-    # twice" also holds across processes (hash seeds, allocator state), as for a user.
+    # Two torchrun launches for the nine replays and tp2's (each its own Policy/Learner,
+    # see replay_many): thundersync_again runs first in a process of its own, so "bitwise
+    # identical twice" also holds across processes (hash seeds, allocator state), as for a
+    # user; the TP = 2 replays follow it in that launch.
     jobs = {
         "sync": (batch, ["--schedule", "sync"]),
         "group_ready": (batch, ["--schedule", "group_ready"]),
@@ -62,9 +62,13 @@ def runs(tiny_qwen2, tmp_path_factory):
                                             "--max-tokens-per-pass", "0"]),
     }
     jobs = {n: ["--model", tiny_qwen2, "--batch", b, *f, *common] for n, (b, f) in jobs.items()}
-    again = {"thundersync_again": jobs.pop("thundersync_again")}
+    tp2_batch = str(d / "tp2.jsonl")
+    tp2_rows = write_batches(tp2_batch, vocab, n_updates=1, seed=4)
+    again = {"thundersync_again": jobs.pop("thundersync_again"),
+             **{f"tp2_{ckpt}": ["--model", tiny_ckpts[ckpt], "--batch", tp2_batch, "--tp", "2",
+                                "--k-open", "2"] for ckpt in ("qwen2", "qwen3")}}
     out = {**replay_many(jobs, str(d)), **replay_many(again, str(d))}
-    out["rows"] = rows
+    out["rows"], out["tp2_rows"] = rows, tp2_rows
     out["hf_dir"] = tiny_qwen2
     return out
 
@@ -237,14 +241,9 @@ def test_bad_input_rejected_and_theta_untouched(tiny_qwen2):
 
 
 @pytest.fixture(scope="module")
-def tp2(tiny_ckpts, tmp_path_factory):
-    """TP=2 replays of qwen2 and qwen3, in one torchrun launch."""
-    d = tmp_path_factory.mktemp("tp2")
-    batch = str(d / "b.jsonl")
-    rows = write_batches(batch, 256, n_updates=1, seed=4)
-    jobs = {ckpt: ["--model", tiny_ckpts[ckpt], "--batch", batch, "--tp", "2", "--k-open", "2"]
-            for ckpt in ("qwen2", "qwen3")}
-    return rows, replay_many(jobs, str(d))
+def tp2(runs):
+    """TP=2 replays of qwen2 and qwen3 (in runs' second launch): rows, ckpt → run."""
+    return runs["tp2_rows"], {ckpt: runs[f"tp2_{ckpt}"] for ckpt in ("qwen2", "qwen3")}
 
 
 @pytest.mark.parametrize("ckpt", ["qwen2", "qwen3"])

@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
+from tests.helpers.ledger_shared import TOL, check, rel  # noqa: F401  (shared with the unit tests)
 from tests.helpers.paths import ROOT as REPO_ROOT
-from tests.unit.test_ledger import TOL, _check, _rel  # noqa: F401  (shared with the unit tests)
 from tsync_mcore.observability.ledger import (
     load_spec,
     train_flops,
@@ -26,11 +26,11 @@ def test_train_flops_match_counter_tp2(tiny_ckpts):
     for name, path in ckpts.items():
         spec = load_spec(path)
         for rank in ranks:
-            _check(rank["results"][name], spec, tp=2)
+            check(rank["results"][name], spec, tp=2)
         # the TP group together executes the whole-model figure
         for r0, r1 in zip(ranks[0]["results"][name], ranks[1]["results"][name]):
             whole = train_flops(spec, r0["seq_lens"], frozen=r0["frozen"]).total
-            assert _rel(whole, r0["total"] + r1["total"]) < TOL
+            assert rel(whole, r0["total"] + r1["total"]) < TOL
 
 
 def test_cli_json_and_text(tiny_qwen2, capsys):

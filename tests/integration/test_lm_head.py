@@ -15,13 +15,39 @@ import pytest
 import torch
 
 from tests.helpers.dist_util import run_dist
-from tests.unit.test_lm_head import TOL, WORKER, _spec, err, fused, hw, reference  # noqa: F401  (shared with the unit tests)
+from tests.helpers.lm_head_shared import (  # noqa: F401  (shared with the unit tests)
+    TOL,
+    WORKER,
+    err,
+    fused,
+    hw,
+    reference,
+)
 
-_spec.loader.exec_module(hw)
+
+@pytest.fixture(scope="module")
+def tp2_launch(tiny_ckpts, tmp_path_factory):
+    """One 2-rank launch (lm_head_worker.py): the head's TP = 2 check, then the TP = 2
+    replays of test_replay_update_fused_equals_unfused_tp2 (the head on and off, tied and
+    untied). Returns the ranks' results and name → replay run."""
+    from tests.helpers.batchgen import write_batches
+    from tests.helpers.replay import job_results, write_jobs
+    d = tmp_path_factory.mktemp("lm_head_tp2")
+    batch = str(d / "b.jsonl")
+    write_batches(batch, 256, n_updates=1, seed=9)
+    off = d / "off.yaml"
+    off.write_text("learner:\n  fused_lm_head: false\n")
+    on = d / "on.yaml"
+    on.write_text("learner:\n  lm_head_chunk: 7\n")
+    jobs = {f"{ckpt}_{name}": ["--model", tiny_ckpts[ckpt], "--batch", batch, "--tp", "2",
+                               "--config", str(cfg)]
+            for ckpt in ("qwen2", "qwen2_tied") for name, cfg in (("on", on), ("off", off))}
+    ranks = run_dist([WORKER, write_jobs(jobs, str(d))], nproc=2, timeout=600)
+    return ranks, job_results(jobs, str(d), ranks[0]["summaries"])
 
 
-def test_tensor_parallel_two_ranks():
-    ranks = run_dist([WORKER], nproc=2)
+def test_tensor_parallel_two_ranks(tp2_launch):
+    ranks, _ = tp2_launch
     for name, dtype in (("fp64", torch.float64), ("fp32", torch.float32)):
         hidden, weight, targets, grad = hw.problem(dtype)
         logp, ent, gh, gw = reference(hidden, weight, targets, grad, grad.flip(0))
@@ -39,31 +65,40 @@ def _rel(a: dict, b: dict) -> float:
     return rel_l2(a, b)
 
 
+@pytest.fixture(scope="module")
+def fused_runs(tiny_qwen2, tmp_path_factory):
+    """Both objectives' replays, shared prompts on and off, the head fused and not: one
+    process (each job its own Policy and Learner, see replay_many)."""
+    from tests.helpers.batchgen import write_batches, write_opd_batches
+    from tests.helpers.replay import replay_many
+    d = tmp_path_factory.mktemp("fused_head")
+    jobs = {}
+    for objective in ("grpo", "opd"):
+        batch = str(d / f"{objective}.jsonl")
+        if objective == "grpo":
+            write_batches(batch, 256, n_updates=1, seed=8)
+        else:
+            write_opd_batches(batch, 256, n_updates=1, seed=8, n_traj=4, group_size=2)
+        for prefix in ("true", "false"):
+            for fused in ("true", "false"):
+                cfg = d / f"p{prefix}_f{fused}.yaml"
+                cfg.write_text(f"learner:\n  shared_prefix: {prefix}\n  fused_lm_head: {fused}\n"
+                               f"  lm_head_chunk: 7\n")
+                jobs[f"{objective}_prefix_{prefix}_fused_{fused}"] = [
+                    "--model", tiny_qwen2, "--batch", batch, "--objective", objective,
+                    "--config", str(cfg), "--lr", "1e-5"]
+    return replay_many(jobs, str(d), nproc=1)
+
+
 @pytest.mark.parametrize("objective", ["grpo", "opd"])
-def test_replay_update_fused_equals_unfused(tiny_qwen2, tmp_path, objective):
+def test_replay_update_fused_equals_unfused(fused_runs, objective):
     """Schedule thundersync, shared prompts on and off: the update's gradient and θ after its
     step agree within FP32 rounding with the head on and off. (One update: Adam's first step
     moves a parameter by ±lr whatever its gradient's size, so a later update's gradient
     would also measure rounding noise amplified.)"""
     from safetensors.torch import load_file
 
-    from tests.helpers.batchgen import write_batches, write_opd_batches
-    from tests.helpers.replay import replay_many
-    batch = str(tmp_path / "b.jsonl")
-    if objective == "grpo":
-        write_batches(batch, 256, n_updates=1, seed=8)
-    else:
-        write_opd_batches(batch, 256, n_updates=1, seed=8, n_traj=4, group_size=2)
-    jobs = {}
-    for prefix in ("true", "false"):
-        for fused in ("true", "false"):
-            cfg = tmp_path / f"p{prefix}_f{fused}.yaml"
-            cfg.write_text(f"learner:\n  shared_prefix: {prefix}\n  fused_lm_head: {fused}\n"
-                           f"  lm_head_chunk: 7\n")
-            jobs[f"prefix_{prefix}_fused_{fused}"] = [
-                "--model", tiny_qwen2, "--batch", batch, "--objective", objective,
-                "--config", str(cfg), "--lr", "1e-5"]
-    runs = replay_many(jobs, str(tmp_path), nproc=1)
+    runs = {k[len(objective) + 1:]: v for k, v in fused_runs.items() if k.startswith(objective)}
     for prefix in ("true", "false"):
         on, off = (runs[f"prefix_{prefix}_fused_{f}"] for f in ("true", "false"))
         for name in ("grad", "params"):
@@ -75,22 +110,11 @@ def test_replay_update_fused_equals_unfused(tiny_qwen2, tmp_path, objective):
         assert all(p > 0 for p in peaks)
 
 
-def test_replay_update_fused_equals_unfused_tp2(tiny_ckpts, tmp_path):
+def test_replay_update_fused_equals_unfused_tp2(tp2_launch):
     """TP = 2 (vocab-parallel head, the hidden gradient all-reduced over TP), tied and untied."""
     from safetensors.torch import load_file
 
-    from tests.helpers.batchgen import write_batches
-    from tests.helpers.replay import replay_many
-    batch = str(tmp_path / "b.jsonl")
-    write_batches(batch, 256, n_updates=1, seed=9)
-    off = tmp_path / "off.yaml"
-    off.write_text("learner:\n  fused_lm_head: false\n")
-    on = tmp_path / "on.yaml"
-    on.write_text("learner:\n  lm_head_chunk: 7\n")
-    jobs = {f"{ckpt}_{name}": ["--model", tiny_ckpts[ckpt], "--batch", batch, "--tp", "2",
-                               "--config", str(cfg)]
-            for ckpt in ("qwen2", "qwen2_tied") for name, cfg in (("on", on), ("off", off))}
-    runs = replay_many(jobs, str(tmp_path), nproc=2)
+    _, runs = tp2_launch
     for ckpt in ("qwen2", "qwen2_tied"):
         a, b = (load_file(os.path.join(runs[f"{ckpt}_{n}"]["dir"], "grad.safetensors"))
                 for n in ("on", "off"))

@@ -23,19 +23,19 @@ from tests.helpers.lora_reference import (
     read_adapter,
     reference_lora_grad,
 )
-from tests.helpers.paths import ROOT
-from tests.helpers.reference import rel_l2
-from tests.unit.test_lora import (  # noqa: F401  (shared with the unit tests)
+from tests.helpers.lora_shared import (  # noqa: F401  (shared with the unit tests)
     ADAPTERS,
     FP32_TOL,
     VOCAB,
-    _bad_dirs,
-    _cfg,
-    _check_merged,
-    _max_rel,
-    _rename_first,
     adapters,
+    bad_dirs,
+    check_merged,
+    lora_cfg,
+    max_rel,
+    rename_first,
 )
+from tests.helpers.paths import ROOT
+from tests.helpers.reference import rel_l2
 
 WORKER = os.path.join(ROOT, "tests", "helpers", "workers", "lora_worker.py")
 
@@ -63,17 +63,18 @@ PAIRS = [("grpo_ts_all", "grpo_sync_all"), ("grpo_ts_sub", "grpo_sync_sub"),
 
 
 @pytest.fixture(scope="module")
-def replays(adapters, tmp_path_factory):
-    """The replays of REPLAY_RUNS in two 2-rank launches (TP = 1 and TP = 2)."""
-    from tests.helpers.replay import replay_many
+def lora_launch(adapters, tmp_path_factory):
+    """One 2-rank launch (tests/helpers/workers/lora_worker.py): tp2_results' checks, then
+    the replays of REPLAY_RUNS (TP = 1 first, then TP = 2; each job its own Policy and
+    Learner, as in replay_many)."""
+    from tests.helpers.replay import job_results, write_jobs
 
     d = tmp_path_factory.mktemp("lora_replay")
     grpo, opd = str(d / "grpo.jsonl"), str(d / "opd.jsonl")
     rows = {"grpo": write_batches(grpo, VOCAB, n_updates=1, seed=3),
             "opd": write_opd_batches(opd, VOCAB, n_updates=1, seed=2, turns=3)}
-    out = {}
+    jobs = {}
     for tp in (1, 2):
-        jobs = {}
         for name, (adapter, objective, run_tp, flags) in REPLAY_RUNS.items():
             if run_tp != tp:
                 continue
@@ -81,8 +82,16 @@ def replays(adapters, tmp_path_factory):
             jobs[name] = ["--model", hf, "--lora-adapter", ad, "--objective", objective,
                           "--batch", grpo if objective == "grpo" else opd, "--tp", str(tp),
                           "--lr", "1e-4", *flags]
-        out.update(replay_many(jobs, str(d)))
-    return out, rows
+    out = str(tmp_path_factory.mktemp("lora_tp2"))
+    cfg = {"adapters": adapters, "out": out, "replays": write_jobs(jobs, str(d))}
+    res = run_dist([WORKER, json.dumps(cfg)], nproc=2, timeout=900)
+    return dict(ranks=res, out=out, replays=(job_results(jobs, str(d), res[0]["summaries"]), rows))
+
+
+@pytest.fixture(scope="module")
+def replays(lora_launch):
+    """The replays of REPLAY_RUNS (name → run) and their batches' rows."""
+    return lora_launch["replays"]
 
 
 def _load(run, what="grad"):
@@ -110,7 +119,7 @@ def test_replay_matches_fp64_peft_reference(replays, adapters):
         assert sorted(got) == sorted(ref) == sorted(read_adapter(adapters[adapter][1])[1])
         err = rel_l2(got, ref)
         print(f"LoRA {name} vs FP64 HF + peft reference: rel L2 = {err:.2e}, "
-              f"max rel = {_max_rel(got, ref):.2e}")
+              f"max rel = {max_rel(got, ref):.2e}")
         assert err <= FP32_TOL, (name, err)
 
 
@@ -124,16 +133,13 @@ def test_replay_params_are_the_adapters_after_the_step(replays, adapters):
         assert all(not torch.equal(params[k], initial[k]) for k in initial), name
     for a, b in PAIRS:
         pa, pb = _load(runs[a], "params"), _load(runs[b], "params")
-        assert _max_rel(pa, pb) <= 1e-5, (a, b)
+        assert max_rel(pa, pb) <= 1e-5, (a, b)
 
 
 @pytest.fixture(scope="module")
-def tp2_results(adapters, tmp_path_factory):
-    """One 2-rank launch: logits, adapter export and merged export of every adapter, TP = 2."""
-    out = str(tmp_path_factory.mktemp("lora_tp2"))
-    res = run_dist([WORKER, json.dumps({"adapters": adapters, "out": out})], nproc=2,
-                   timeout=600)
-    return dict(ranks=res, out=out)
+def tp2_results(lora_launch):
+    """Logits, adapter export and merged export of every adapter, TP = 2 (lora_launch)."""
+    return dict(ranks=lora_launch["ranks"], out=lora_launch["out"])
 
 
 def test_logits_match_hf_peft_tp2(tp2_results, adapters):
@@ -160,14 +166,14 @@ def test_merged_export_equals_peft_merge_and_unload(parallel1, adapters, tp2_res
     from tsync_mcore.learner.policy import Policy
 
     hf, ad = adapters[name]
-    _check_merged(Policy(_cfg(hf, ad), par=parallel1).export_params(), hf, ad)  # TP = 1
-    _check_merged(load_file(os.path.join(tp2_results["out"], f"merged_{name}.safetensors")),
+    check_merged(Policy(lora_cfg(hf, ad), par=parallel1).export_params(), hf, ad)  # TP = 1
+    check_merged(load_file(os.path.join(tp2_results["out"], f"merged_{name}.safetensors")),
                   hf, ad)  # TP = 2
 
 
 def test_replay_cli_bad_adapter_one_line(adapters, tmp_path):
     hf, good = adapters["qwen2_sub"]
-    d, named = _bad_dirs(good, tmp_path)["dora"]
+    d, named = bad_dirs(good, tmp_path)["dora"]
     batch = str(tmp_path / "b.jsonl")
     write_batches(batch, VOCAB, n_updates=1, seed=1)
     p = subprocess.run([sys.executable, "-m", "tsync_mcore.learner.replay", "--model", hf, "--batch",

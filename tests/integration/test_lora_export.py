@@ -11,12 +11,15 @@ import os
 
 from tests.helpers.batchgen import write_batches
 from tests.helpers.dist_util import run_dist
+from tests.helpers.lora_export_shared import (  # noqa: F401  (shared with the unit tests)
+    LORA,
+    check_export,
+    peft_merged,
+    rel,
+)
 from tests.helpers.paths import ROOT
-from tests.unit.test_lora_export import LORA, _check_export, _peft_merged, _rel  # noqa: F401  (shared with the unit tests)
 
 WORKER = os.path.join(ROOT, "tests/helpers/workers/export_worker.py")
-
-
 
 
 def test_lora_checkpoint_export_tp2(tiny_qwen2, tmp_path):
@@ -25,4 +28,4 @@ def test_lora_checkpoint_export_tp2(tiny_qwen2, tmp_path):
     run = str(tmp_path / "run")
     out = run_dist([WORKER, tiny_qwen2, batch, run, "2", "2", json.dumps(LORA)], nproc=2)
     assert [r["version"] for r in out] == [2, 2]
-    _check_export(run, str(tmp_path / "hf"), tiny_qwen2)
+    check_export(run, str(tmp_path / "hf"), tiny_qwen2)

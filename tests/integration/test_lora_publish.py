@@ -19,8 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.paths import ROOT
-from tests.unit.test_lora_publish import (  # noqa: F401  (shared with the unit tests)
+from tests.helpers.lora_publish_shared import (  # noqa: F401  (shared with the unit tests)
     ALPHA,
     RANK,
     TARGETS,
@@ -30,6 +29,7 @@ from tests.unit.test_lora_publish import (  # noqa: F401  (shared with the unit 
     lora_run,
     peft_adapter,
 )
+from tests.helpers.paths import ROOT
 
 
 def learner_final(run: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -15,7 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.unit.test_lr_schedule import reference_lr  # noqa: F401  (shared with the unit tests)
+from tests.helpers.lr_schedule_shared import (  # noqa: F401  (shared with the unit tests)
+    reference_lr,
+)
 
 
 def test_trainer_logs_the_schedule_resumes_it_and_exports_the_final_policy(tiny_qwen2, tmp_path):

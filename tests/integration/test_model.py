@@ -8,8 +8,8 @@ import os
 import pytest
 
 from tests.helpers.dist_util import run_dist
+from tests.helpers.model_shared import FP32_TOL  # noqa: F401  (shared with the unit tests)
 from tests.helpers.paths import WORKERS
-from tests.unit.test_model import FP32_TOL  # noqa: F401  (shared with the unit tests)
 
 WORKER = os.path.join(WORKERS, "model_worker.py")
 

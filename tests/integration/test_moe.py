@@ -12,21 +12,29 @@ import torch
 
 from tests.helpers.dist_util import run_dist
 from tests.helpers.moe_reference import by_disk_name
+from tests.helpers.moe_shared import FP32_TOL  # noqa: F401  (shared with the unit tests)
 from tests.helpers.paths import ROOT, WORKERS
-from tests.unit.test_moe import FP32_TOL  # noqa: F401  (shared with the unit tests)
 
 WORKER = os.path.join(WORKERS, "moe_worker.py")
 
 
 @pytest.fixture(scope="module")
-def dist_results(tiny_qwen3_moe, tmp_path_factory):
-    """One 2-rank launch: TP=2 (EP=1), then TP=1 x EP=2."""
+def moe_launch(tiny_qwen3_moe, tmp_path_factory):
+    """One 2-rank launch: TP=2 (EP=1), then TP=1 x EP=2, then moe_replays' jobs."""
+    from tests.helpers.replay import job_results, write_jobs
     from tsync_mcore.model.tiny import make_tiny_checkpoint
 
     odd = make_tiny_checkpoint(str(tmp_path_factory.mktemp("odd_experts")), arch="qwen3_moe",
                                experts=3, seed=5)
-    cfg = {"ckpt": tiny_qwen3_moe, "odd_experts": odd}
-    return run_dist([WORKER, json.dumps(cfg)], nproc=2, timeout=400)
+    d, jobs, data = replay_jobs(tiny_qwen3_moe, tmp_path_factory)
+    cfg = {"ckpt": tiny_qwen3_moe, "odd_experts": odd, "replays": write_jobs(jobs, str(d))}
+    ranks = run_dist([WORKER, json.dumps(cfg)], nproc=2, timeout=900)
+    return dict(ranks=ranks, replays={**job_results(jobs, str(d), ranks[0]["summaries"]), **data})
+
+
+@pytest.fixture(scope="module")
+def dist_results(moe_launch):
+    return moe_launch["ranks"]
 
 
 def test_tp2_logits_and_export(dist_results):
@@ -51,16 +59,21 @@ def test_ep2_logits_grads_and_export(dist_results):
 
 
 @pytest.fixture(scope="module")
-def moe_replays(tiny_qwen3_moe, tmp_path_factory):
-    """GRPO (two updates) and OPD replays on the tiny MoE, 2 data-parallel ranks, one
-    launch; GRPO also at EP = 2 over the same ranks, and both with routing replay."""
+def moe_replays(moe_launch):
+    """GRPO (two updates) and OPD replays on the tiny MoE, 2 data-parallel ranks, in
+    moe_launch's launch; GRPO also at EP = 2 over the same ranks, and both with routing
+    replay."""
+    return moe_launch["replays"]
+
+
+def replay_jobs(tiny_qwen3_moe, tmp_path_factory):
+    """moe_replays' jobs: (their directory, name → replay arguments, the batches' rows)."""
     from tests.helpers.batchgen import (
         with_routing,
         write_batches,
         write_opd_batches,
         write_rows,
     )
-    from tests.helpers.replay import replay_many
 
     d = tmp_path_factory.mktemp("moe_replay")
     batch, opd_batch = str(d / "batch.jsonl"), str(d / "opd.jsonl")
@@ -101,9 +114,8 @@ def moe_replays(tiny_qwen3_moe, tmp_path_factory):
                  "tp2_thundersync": [*grpo, "--schedule", "thundersync", "--k-open", "2",
                                      "--tp", "2"],
                  "tp2_opd_thundersync": [*opd, "--schedule", "thundersync", "--tp", "2"]})
-    out = replay_many({n: [*common, *f] for n, f in jobs.items()}, str(d))
-    out.update(rows=rows, opd_rows=opd_rows, routed=routed, opd_routed=opd_routed)
-    return out
+    return d, {n: [*common, *f] for n, f in jobs.items()}, dict(
+        rows=rows, opd_rows=opd_rows, routed=routed, opd_routed=opd_routed)
 
 
 def test_grpo_replay_streams_the_sync_update(moe_replays, tiny_qwen3_moe):

@@ -12,7 +12,7 @@ from tests.helpers.batchgen import write_opd_batches
 from tests.helpers.dist_util import parse_results
 from tests.helpers.paths import ROOT
 from tests.helpers.reference import reference_opd_grad, rel_l2
-from tests.helpers.replay import replay, replay_many
+from tests.helpers.replay import replay_many
 from tsync_mcore.observability import trace
 from tsync_mcore.observability.trace import DeferredRecord
 
@@ -20,10 +20,22 @@ N_UPDATES = 10
 
 
 @pytest.fixture(scope="module")
-def opd_runs(tiny_qwen2, tmp_path_factory):
+def action_first_batch(tmp_path_factory):
+    """"Action, then its observation": every turn but the first starts with a scored token
+    (rows, file)."""
+    from tests.helpers.batchgen import action_first, make_opd_batch
+    rows = action_first(make_opd_batch(256, n_traj=4, turns=3, seed=9, zero_scored_traj=False))
+    af = str(tmp_path_factory.mktemp("action_first") / "action_first.jsonl")
+    _write(af, rows)
+    return rows, af
+
+
+@pytest.fixture(scope="module")
+def opd_runs(tiny_qwen2, tiny_ckpts, action_first_batch, tmp_path_factory):
     d = tmp_path_factory.mktemp("opd")
-    batch = str(d / "batch.jsonl")
+    batch, tp2_batch = str(d / "batch.jsonl"), str(d / "tp2.jsonl")
     rows = write_opd_batches(batch, 256, n_updates=N_UPDATES, seed=2, turns=4)
+    tp2_rows = write_opd_batches(tp2_batch, 256, n_updates=1, seed=8, turns=3)
     common = ["--model", tiny_qwen2, "--batch", batch, "--objective", "opd", "--lr", "1e-5",
               "--save-grads", "all"]
     jobs = {  # one torchrun launch (each job its own Policy/Learner, see replay_many)
@@ -36,8 +48,18 @@ def opd_runs(tiny_qwen2, tmp_path_factory):
         "sync_fp32": ["--schedule", "sync"],
         "retain": ["--schedule", "thundersync", "--opd-replay", "retain"],
     }
-    out = replay_many({name: [*common, *flags] for name, flags in jobs.items()}, str(d))
-    out.update(rows=rows, hf_dir=tiny_qwen2)
+    jobs = {name: [*common, *flags] for name, flags in jobs.items()}
+    # the TP = 2 replay on Qwen3 (test_opd_tensor_parallel_two_ranks_vs_reference) and the
+    # action-first batch's sync and thundersync (test_turns_that_begin_with_a_scored_token),
+    # same launch
+    jobs["tp2"] = ["--model", tiny_ckpts["qwen3"], "--batch", tp2_batch, "--objective", "opd",
+                   "--tp", "2"]
+    af = ["--model", tiny_qwen2, "--batch", action_first_batch[1], "--objective", "opd",
+          "--save-grads", "all"]
+    jobs.update(af_sync=[*af, "--schedule", "sync"],
+                af_thundersync=[*af, "--schedule", "thundersync"])
+    out = replay_many(jobs, str(d))
+    out.update(rows=rows, hf_dir=tiny_qwen2, tp2_rows=tp2_rows)
     return out
 
 
@@ -122,14 +144,11 @@ def test_opd_bad_input_rejected(tiny_qwen2):
     assert res["grad_equal_to_clean"] <= 1e-6
 
 
-def test_opd_tensor_parallel_two_ranks_vs_reference(tiny_ckpts, tmp_path):
-    hf_dir = tiny_ckpts["qwen3"]
-    batch = str(tmp_path / "b.jsonl")
-    rows = write_opd_batches(batch, 256, n_updates=1, seed=8, turns=3)
-    s = replay(hf_dir, batch, str(tmp_path / "tp2"), 2, "--objective", "opd", "--tp", "2")
-    assert s["tp"] == 2
-    got = load_file(str(tmp_path / "tp2" / "grad.safetensors"))
-    err = rel_l2(got, reference_opd_grad(hf_dir, rows))
+def test_opd_tensor_parallel_two_ranks_vs_reference(tiny_ckpts, opd_runs):
+    hf_dir, run = tiny_ckpts["qwen3"], opd_runs["tp2"]
+    assert run["summary"]["tp"] == 2
+    got = load_file(os.path.join(run["dir"], "grad.safetensors"))
+    err = rel_l2(got, reference_opd_grad(hf_dir, opd_runs["tp2_rows"]))
     print(f"OPD qwen3 TP=2 vs FP64 HF reference: {err:.2e}")
     assert err <= 1e-5
 
@@ -178,22 +197,18 @@ def test_opd_cost_is_linear_in_turns_recompute_and_retain(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def one_rank_replays(tiny_qwen2, tmp_path_factory):
+def one_rank_replays(tiny_qwen2, action_first_batch, tmp_path_factory):
     """The one-rank replays of the tests below in one process (each job its own Policy and
     Learner, see replay_many): shared prompt on/off, the action-first batch's retain run,
     and admission's unconstrained, k_open = 1 and group_ready runs. Returns the runs, the
     action-first batch (rows, file) and the admission runs' arguments."""
-    from tests.helpers.batchgen import action_first, make_opd_batch
     d = tmp_path_factory.mktemp("one_rank")
     shared = str(d / "shared.jsonl")
     write_opd_batches(shared, 256, n_updates=1, seed=6, n_traj=4, group_size=4, prompt_len=10)
     off = d / "off.yaml"
     off.write_text("learner:\n  shared_prefix: false\n")
     sp = ["--model", tiny_qwen2, "--batch", shared, "--objective", "opd"]
-    # "action, then its observation": every turn but the first starts with a scored token
-    rows = action_first(make_opd_batch(256, n_traj=4, turns=3, seed=9, zero_scored_traj=False))
-    af = str(d / "action_first.jsonl")
-    _write(af, rows)
+    rows, af = action_first_batch
     # admission: 8 trajectories in 4 groups of 2
     adm = str(d / "admission.jsonl")
     write_opd_batches(adm, 256, n_updates=1, seed=3, n_traj=8, turns=3)
@@ -225,14 +240,13 @@ def _write(path, rows):
             f.write(json.dumps(r) + "\n")
 
 
-def test_turns_that_begin_with_a_scored_token(tiny_qwen2, one_rank_replays, tmp_path):
+def test_turns_that_begin_with_a_scored_token(tiny_qwen2, opd_runs, one_rank_replays):
     # "action, then its observation": every turn but the first starts with a scored token,
     # whose log-prob comes from the previous turn's last position.
     rows, batch = one_rank_replays["action_first"]
     assert sum(r["scored_mask"][e] for r in rows for e in r["turn_ends"][:-1]) == 8
-    common = ["--model", tiny_qwen2, "--batch", batch, "--objective", "opd", "--save-grads", "all"]
-    runs = replay_many({"sync": [*common, "--schedule", "sync"],
-                        "thundersync": [*common, "--schedule", "thundersync"]}, str(tmp_path))
+    # sync and thundersync on 2 ranks (in opd_runs' launch)
+    runs = {"sync": opd_runs["af_sync"], "thundersync": opd_runs["af_thundersync"]}
     runs["retain"] = one_rank_replays["runs"]["af_retain"]  # one rank, --opd-replay retain
     grads = {n: _grad_of(r) for n, r in runs.items()}
     ref = reference_opd_grad(tiny_qwen2, rows)

@@ -10,8 +10,8 @@
 
 from __future__ import annotations
 
+from tests.helpers.packed_shared import VOCAB  # noqa: F401  (shared with the unit tests)
 from tests.helpers.reference import rel_l2  # noqa: E402
-from tests.unit.test_packed import VOCAB  # noqa: F401  (shared with the unit tests)
 from tsync_mcore.observability import trace  # noqa: E402
 
 

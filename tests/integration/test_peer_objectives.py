@@ -11,8 +11,6 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -229,40 +227,47 @@ def test_config_resolution_and_refusals(capsys):
             load_config(None, over)
 
 
-def test_replay_flags(tiny_qwen2, tmp_path):
+@pytest.fixture(scope="module")
+def cli_replays(tiny_qwen2, tmp_path_factory):
+    """The replay command's flags end to end, both of the tests below in one process (each
+    job the command's main() on its own argv: tests/helpers/replay.py, replay_many)."""
+    from tests.helpers.replay import replay_many
+    d = tmp_path_factory.mktemp("peer_cli")
+    rows = _rows(256, [("mixed", 3), ("mixed", 2), ("uniform", 2)], seed=9)
+    opd_rows = write_opd_batches(str(d / "opd.jsonl"), 256, seed=3)
+    jobs = {"flags": ["--model", tiny_qwen2, "--batch", _write(d / "b.jsonl", rows),
+                      "--token-norm", "seq_mean_token_mean", "--adv-std", "unbiased",
+                      "--k-open", "1"],
+            "opd": ["--model", tiny_qwen2, "--batch", str(d / "opd.jsonl"), "--objective",
+                    "opd", "--token-norm", "seq_mean_token_sum_norm", "--token-norm-constant",
+                    str(H)]}
+    return dict(replay_many(jobs, str(d), nproc=1), rows=rows, opd_rows=opd_rows, d=d)
+
+
+def test_replay_flags(tiny_qwen2, cli_replays):
     args = parse_args(["--model", "m", "--batch", "b", "--out", "o", "--token-norm",
                        "seq_mean_token_sum_norm", "--token-norm-constant", "32",
                        "--adv-std", "unbiased"])
     assert (args.token_norm, args.token_norm_constant, args.adv_std) == \
         ("seq_mean_token_sum_norm", 32.0, "unbiased")
-    # End to end on one process: the flags reach the learner.
-    rows = _rows(256, [("mixed", 3), ("mixed", 2), ("uniform", 2)], seed=9)
-    batch = _write(tmp_path / "b.jsonl", rows)
-    cmd = [sys.executable, "-m", "tsync_mcore.learner.replay", "--model", tiny_qwen2, "--batch", batch,
-           "--out", str(tmp_path / "o"), "--token-norm", "seq_mean_token_mean",
-           "--adv-std", "unbiased", "--k-open", "1"]
-    p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
-    got = load_file(str(tmp_path / "o" / "grad.safetensors"))
+    # End to end in one process: the flags reach the learner.
+    rows = cli_replays["rows"]
+    got = load_file(os.path.join(cli_replays["flags"]["dir"], "grad.safetensors"))
     err = rel_l2(got, reference_agg_grad(tiny_qwen2, rows, "grpo", "seq_mean_token_mean",
                                          "unbiased"))
     print(f"replay --token-norm seq_mean_token_mean --adv-std unbiased vs FP64: {err:.2e}")
     assert err <= 1e-5
     with pytest.raises(ConfigError, match="learner.token_norm_constant"):
-        replay_main(["--model", tiny_qwen2, "--batch", batch, "--out", str(tmp_path / "o2"),
-                     "--token-norm", "seq_mean_token_sum_norm"])
+        replay_main(["--model", tiny_qwen2, "--batch", str(cli_replays["d"] / "b.jsonl"),
+                     "--out", str(cli_replays["d"] / "o2"), "--token-norm",
+                     "seq_mean_token_sum_norm"])
 
 
-def test_opd_seq_mean_token_sum_norm(tiny_qwen2, tmp_path):
+def test_opd_seq_mean_token_sum_norm(tiny_qwen2, cli_replays):
     # OPD streams turns: 1/(B·H) needs no trajectory length, so it runs there; the reference
     # is Eq. 8–9's 1/N_k gradient rescaled to N_k/(B·H).
-    rows = write_opd_batches(str(tmp_path / "opd.jsonl"), 256, seed=3)
-    cmd = [sys.executable, "-m", "tsync_mcore.learner.replay", "--model", tiny_qwen2, "--batch",
-           str(tmp_path / "opd.jsonl"), "--out", str(tmp_path / "o"), "--objective", "opd",
-           "--token-norm", "seq_mean_token_sum_norm", "--token-norm-constant", str(H)]
-    p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
-    got = load_file(str(tmp_path / "o" / "grad.safetensors"))
+    rows = cli_replays["opd_rows"]
+    got = load_file(os.path.join(cli_replays["opd"]["dir"], "grad.safetensors"))
     n_scored = sum(sum(r["scored_mask"]) for r in rows)
     ref = {k: v * n_scored / (len(rows) * H)
            for k, v in reference_opd_grad(tiny_qwen2, rows).items()}

@@ -17,47 +17,12 @@ import torch
 
 from tests.helpers.batchgen import make_batch
 from tests.helpers.off_policy import _hf, _with_behaviour
-from tests.helpers.reference import grpo_members, rel_l2
-from tests.integration.test_regularizers import (CAP, LOW, VOCAB, _k, _learner, _sources,
-                                                 _update)
+from tests.helpers.reference import rel_l2
+from tests.helpers.in_process import as_sources, make_learner, run_update
+from tests.helpers.regularized import CAP, LOW, VOCAB, ppo_objective
 
 LR = 1.0
 OPTIM = {"optim.eps": 1.0}  # Adam ≈ SGD (lr·g/(|g|+1)): θ carries no amplified rounding
-
-
-def _objective(model, old_model, ref_model, rows, *, clip, kl=0.0, ent=0.0, guard=None):
-    """J = (1/n_groups) Σ_G (1/m) Σ_i (1/L_i) Σ_t [ρ_t·obj_t − β k_t + η H_t] with PPO's
-    clipped objective obj_t = min(r·A, clip(r)·A), for A < 0 floored at c·A (dual)."""
-    low, high, dual = clip
-    J = torch.zeros((), dtype=torch.float64)
-    for a, r, wg in grpo_members(rows):
-        at = [t for t in range(1, len(r["tokens"])) if r["scored_mask"][t]]
-        if not at:
-            continue
-        ids, idx = torch.tensor(r["tokens"]), torch.tensor(at) - 1
-        logsm = torch.log_softmax(model(ids[None]).logits[0, :-1], dim=-1)
-        lp = logsm[idx, ids[at]]
-        with torch.no_grad():
-            old = torch.log_softmax(old_model(ids[None]).logits[0, :-1], -1)[idx, ids[at]]
-        ratio = torch.exp(lp - old)
-        obj = torch.minimum(ratio * a, ratio.clamp(1 - low, 1 + high) * a)
-        if a < 0 and dual:
-            obj = torch.maximum(obj, torch.full_like(obj, dual * a))
-        if guard is not None:
-            b = torch.tensor([r["behaviour_logprobs"][t] for t in at], dtype=torch.float64)
-            w = (old - b).exp()
-            obj = obj * torch.where((w >= guard[0]) & (w <= guard[1]), w, 0.0)
-        term = obj
-        if kl:
-            with torch.no_grad():
-                ref = torch.log_softmax(ref_model(ids[None]).logits[0, :-1], -1)[idx, ids[at]]
-            term = term - kl * _k(lp - ref, "k3")
-        if ent:
-            term = term + ent * -(logsm[idx].exp() * logsm[idx]).sum(-1)
-        J = J + wg * term.sum() / len(at)
-    params = list(model.named_parameters())
-    grads = torch.autograd.grad(J, [p for _, p in params], allow_unused=True)
-    return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params, grads)}
 
 
 # (name, minibatches, clip (low, high, dual), KL k3 β, entropy η, masked IS)
@@ -89,8 +54,8 @@ def test_minibatch_steps_stream_exactly_and_match_the_fp64_reference(
                                 ("ts", dict(schedule="thundersync", k_open=1,
                                             max_tokens_per_pass=0), 1),
                                 ("ts_packed", dict(schedule="thundersync", k_open=2), 4)]:
-        ln = _learner(parallel1, tiny_qwen2, **kw, **sched)
-        res[lname] = _update(ln, _sources(rows), chunk)
+        ln = make_learner(parallel1, tiny_qwen2, **kw, **sched)
+        res[lname] = run_update(ln, as_sources(rows), chunk)
         # θ before steps 2..m (the update reports them when asked for its gradients), and after
         thetas[lname] = [{k: v.double() for k, v in p.items()}
                          for p in [*res[lname].minibatch_params, ln.policy.export_params()]]
@@ -99,7 +64,7 @@ def test_minibatch_steps_stream_exactly_and_match_the_fp64_reference(
     # registration order: plan groups in first-arrival order, m contiguous parts
     from tsync_mcore.channel.sources import BatchPlan
     from tsync_mcore.learner.minibatch import split
-    parts = split(BatchPlan.from_sources(_sources(rows)), m)
+    parts = split(BatchPlan.from_sources(as_sources(rows)), m)
     ref_model = _hf(ref_dir) if ref_dir else None
     for j, part in enumerate(parts):
         sub = [r for r in rows if r["group_id"] in part]
@@ -108,7 +73,7 @@ def test_minibatch_steps_stream_exactly_and_match_the_fp64_reference(
             at = _hf(tiny_qwen2)
             if j:
                 at.load_state_dict(thetas[lname][j - 1], strict=False)
-            ref = _objective(at, model0, ref_model, sub, clip=clip, kl=beta, ent=eta,
+            ref = ppo_objective(at, model0, ref_model, sub, clip=clip, kl=beta, ent=eta,
                              guard=(LOW, CAP) if mis else None)
             err_ref = max(err_ref, rel_l2(r.minibatch_grads[j], ref))
         err = max(rel_l2(r.minibatch_grads[j], res["sync"].minibatch_grads[j])

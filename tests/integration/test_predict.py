@@ -11,7 +11,11 @@ import sys
 
 import pytest
 
-from tests.unit.test_predict import REPO, _write_run, close_to  # noqa: F401  (shared with the unit tests)
+from tests.helpers.predict_shared import (  # noqa: F401  (shared with the unit tests)
+    REPO,
+    close_to,
+    write_run,
+)
 from tsync_mcore.observability.predict import analytic
 
 
@@ -24,7 +28,7 @@ def test_module_entry_point(tmp_path) -> None:
     out = json.loads(proc.stdout)
     assert close_to(out["peak_speedup"], 1.95) and math.isfinite(out["tail"])
     proc = subprocess.run([sys.executable, "-m", "tsync_mcore.observability.predict", "trace",
-                           _write_run(tmp_path), "--json"],
+                           write_run(tmp_path), "--json"],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=60, check=True)
     assert "speedup_predicted" in json.loads(proc.stdout)
 

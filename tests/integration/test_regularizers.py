@@ -12,7 +12,6 @@ and the refusals.
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -21,11 +20,10 @@ from safetensors.torch import load_file
 
 from tests.helpers.batchgen import make_batch
 from tests.helpers.off_policy import _hf, _with_behaviour
-from tests.helpers.reference import grpo_members, rel_l2
-
-VOCAB = 256
-LOW, CAP = 0.6, 2.0  # masked IS bounds (the guard drops some tokens, not all)
-
+from tests.helpers.in_process import as_sources, make_learner, run_update
+from tests.helpers.reference import rel_l2
+from tests.helpers.regularized import (CAP, LOW, VOCAB, kl_estimate, objective, ppo_objective,
+                                      reference_objective)
 
 @pytest.fixture(scope="module")
 def ref_dir(tmp_path_factory):
@@ -35,55 +33,6 @@ def ref_dir(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("reference") / "ref")
     make_tiny_checkpoint(out, arch="qwen2", seed=7)
     return out
-
-
-def _k(x: torch.Tensor, est: str) -> torch.Tensor:
-    """The estimators written out from Schulman's note (x = log π − log π_ref)."""
-    if est == "k1":
-        return x
-    if est == "k2":
-        return x * x / 2
-    d = (-x).clamp(-20, 20)
-    return (d.exp() - d - 1).clamp(-10, 10)
-
-
-def objective(model, ref_model, rows, *, kl_coef=0.0, est="k3", ent_coef=0.0,
-              guard=None) -> torch.Tensor:
-    """J = (1/n_groups) Σ_G (1/m) Σ_i (1/L_i) Σ_t [A_i ρ_t lp_t − β k_t + η H_t] in FP64
-    (token_norm trajectory, GRPO advantages; ρ_t masked IS when `guard`), with the graph."""
-    J = torch.zeros((), dtype=torch.float64)
-    for a, r, wg in grpo_members(rows):
-        at = [t for t in range(1, len(r["tokens"])) if r["scored_mask"][t]]
-        if not at:
-            continue
-        ids = torch.tensor(r["tokens"])
-        logsm = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1], dim=-1)
-        idx = torch.tensor(at) - 1
-        lp = logsm[idx, ids[at]]
-        rho = torch.ones_like(lp)
-        if guard is not None:
-            b = torch.tensor([r["behaviour_logprobs"][t] for t in at], dtype=torch.float64)
-            ratio = (lp.detach() - b).exp()
-            rho = torch.where((ratio >= guard[0]) & (ratio <= guard[1]), ratio, 0.0)
-        term = a * rho * lp
-        if kl_coef:
-            with torch.no_grad():
-                ref_lp = torch.log_softmax(ref_model(ids[None]).logits[0, :-1],
-                                           dim=-1)[idx, ids[at]]
-            term = term - kl_coef * _k(lp - ref_lp, est)
-        if ent_coef:
-            p = logsm[idx].exp()
-            term = term + ent_coef * -(p * logsm[idx]).sum(-1)
-        J = J + wg * term.sum() / len(at)
-    return J
-
-
-def reference_objective(model, ref_model, rows, **terms) -> dict:
-    """∇ of `objective` with respect to every parameter of `model`."""
-    J = objective(model, ref_model, rows, **terms)
-    params = list(model.named_parameters())
-    grads = torch.autograd.grad(J, [p for _, p in params], allow_unused=True)
-    return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params, grads)}
 
 
 def reference_opd_entropy(model, rows, ent_coef) -> dict:
@@ -118,44 +67,12 @@ def _mean_kl(model, ref_model, rows, est) -> float:
             idx = torch.tensor(at) - 1
             lp = torch.log_softmax(model(ids[None]).logits[0, :-1], -1)[idx, ids[at]]
             ref = torch.log_softmax(ref_model(ids[None]).logits[0, :-1], -1)[idx, ids[at]]
-            total += float(_k(lp - ref, est.rstrip("+")).sum())
+            total += float(kl_estimate(lp - ref, est.rstrip("+")).sum())
             n += len(at)
     return total / n
 
 
 # --- in process, TP = 1 --------------------------------------------------------------------
-
-def _learner(par, hf_dir, **learner):
-    from tsync_mcore.config import load_config
-    from tsync_mcore.learner.policy import Policy
-    from tsync_mcore.learner.update import Learner
-    model = learner.pop("model", {})
-    lr = learner.pop("lr", 1e-30)  # at 1e-30 the step leaves θ as it was: reusable
-    cfg = load_config(None, {"model.hf_dir": hf_dir, "optim.lr": lr, **model,
-                             **{f"learner.{k}": v for k, v in learner.items()}})
-    return Learner(cfg.learner, Policy(cfg, par=par))
-
-
-def _update(learner, sources, chunk: int = 1):
-    """One update; `chunk` > 1: sources handed over `chunk` at a time before serving, so
-    what arrived together packs (pair passes of one incomplete group among them)."""
-    from tsync_mcore.channel.sources import BatchPlan
-    learner.begin(BatchPlan.from_sources(sources))
-    for i in range(0, len(sources), chunk):
-        for s in sources[i:i + chunk]:
-            learner.submit(s, serve=False)
-        while learner.serve_next():
-            pass
-    return learner.close(export_grad=True)
-
-
-def _sources(rows, version: int = 0):
-    """The rows as sources of update `version` (a learner reused across updates)."""
-    from tsync_mcore.channel.sources import TrajectorySource
-    order = sorted(rows, key=lambda r: r["ready_order"])
-    return [TrajectorySource.from_json({**{k: v for k, v in r.items() if k != "update"},
-                                        "policy_version": version}) for r in order]
-
 
 def _turns(rows):
     from tsync_mcore.channel.sources import opd_turns_from_json
@@ -184,20 +101,20 @@ def test_kl_and_entropy_stream_exactly_and_match_the_fp64_reference(
     from tsync_mcore.objectives.off_policy import OffPolicy
     from tsync_mcore.objectives.regularizers import Regularizer
     base = dict(kl_coef=0.3, reference=ref_dir, entropy_coef=0.05)
-    learners = {"sync": (_learner(parallel1, tiny_qwen2, schedule="sync", shared_prefix=False,
+    learners = {"sync": (make_learner(parallel1, tiny_qwen2, schedule="sync", shared_prefix=False,
                                   **base), 1),
-                "ts": (_learner(parallel1, tiny_qwen2, schedule="thundersync", k_open=1,
+                "ts": (make_learner(parallel1, tiny_qwen2, schedule="thundersync", k_open=1,
                                 **base), 1),
-                "ts_packed": (_learner(parallel1, tiny_qwen2, schedule="thundersync",
+                "ts_packed": (make_learner(parallel1, tiny_qwen2, schedule="thundersync",
                                        k_open=2, **base), 4)}
     model, ref_model = _hf(tiny_qwen2), _hf(ref_dir)
     for k, (name, beta, est, eta, mis) in enumerate(CASES):
-        srcs = _sources(grpo_rows, version=k)
+        srcs = as_sources(grpo_rows, version=k)
         res = {}
         for lname, (ln, chunk) in learners.items():
             ln.reg = Regularizer(beta, est, eta)
             ln.off_policy = OffPolicy("mis" if mis else "none", CAP, ln.policy.device, low=LOW)
-            res[lname] = _update(ln, srcs, chunk)
+            res[lname] = run_update(ln, srcs, chunk)
         grad_est = "k2" if est.endswith("+") else est
         ref = reference_objective(model, ref_model, grpo_rows, kl_coef=beta, est=grad_est,
                                   ent_coef=eta, guard=(LOW, CAP) if mis else None)
@@ -253,7 +170,7 @@ def test_lora_reference_is_the_base_with_the_adapters_off(tiny_qwen2, parallel1,
     ad = make_peft_adapter(tiny_qwen2, str(tmp_path / "adapter"), seed=3)
     lora = {"model.lora_init": ad}
     kw = dict(kl_coef=0.5, kl_estimator="low_var_kl", entropy_coef=0.05, model=lora)
-    res = {name: _update(_learner(parallel1, tiny_qwen2, **sched, **kw), _sources(grpo_rows))
+    res = {name: run_update(make_learner(parallel1, tiny_qwen2, **sched, **kw), as_sources(grpo_rows))
            for name, sched in [("sync", dict(schedule="sync", shared_prefix=False)),
                                ("ts", dict(schedule="thundersync", k_open=1))]}
     peft_model = load_peft_model(tiny_qwen2, ad)
@@ -273,7 +190,7 @@ def test_opd_entropy_bonus_streams_exactly(tiny_qwen2, parallel1):
     (turns as they come, context replay) equals sync and the FP64 whole-sequence reference."""
     from tests.helpers.batchgen import action_first, make_opd_batch
     rows = action_first(make_opd_batch(VOCAB, n_traj=4, turns=3, version=0, seed=4))
-    res = {name: _update(_learner(parallel1, tiny_qwen2, objective="opd", entropy_coef=0.1,
+    res = {name: run_update(make_learner(parallel1, tiny_qwen2, objective="opd", entropy_coef=0.1,
                                   schedule=name), _turns(rows))
            for name in ("sync", "thundersync")}
     ref = reference_opd_entropy(_hf(tiny_qwen2), rows, 0.1)
@@ -359,18 +276,17 @@ def test_tp2_replay_streams_kl_entropy_and_mis_exactly(tiny_qwen2, ref_dir, grpo
             "opd": reference_opd_entropy(_hf(tiny_qwen2), opd_rows, 0.1),
             "filter": reference_objective(model, ref_model, kept, kl_coef=0.3)}
     # PPO, two mini-batches: step 1 streamed; step 2 at the θ step 1 left (each run's own)
-    from tests.integration.test_ppo_minibatches import _objective
     from tsync_mcore.channel.sources import BatchPlan
     from tsync_mcore.learner.minibatch import split
-    parts = split(BatchPlan.from_sources(_sources(grpo_rows)), 2)
+    parts = split(BatchPlan.from_sources(as_sources(grpo_rows)), 2)
     clip = (0.2, 0.28, 1.05)
-    refs["ppo"] = _objective(model, model, None, [r for r in grpo_rows if r["group_id"]
+    refs["ppo"] = ppo_objective(model, model, None, [r for r in grpo_rows if r["group_id"]
                                                   in parts[0]], clip=clip, ent=0.05)
     for run in ("ppo_sync", "ppo_ts"):
         at = _hf(tiny_qwen2)
         at.load_state_dict({k: v.double() for k, v in load_file(os.path.join(
             runs[run]["dir"], "params_0_mb1.safetensors")).items()}, strict=False)
-        want = _objective(at, model, None, [r for r in grpo_rows if r["group_id"] in parts[1]],
+        want = ppo_objective(at, model, None, [r for r in grpo_rows if r["group_id"] in parts[1]],
                           clip=clip, ent=0.05)
         got = load_file(os.path.join(runs[run]["dir"], "grad_0_mb2.safetensors"))
         err = rel_l2(got, want)
@@ -426,7 +342,7 @@ def test_reference_refresh_copies_theta_every_n_updates(tiny_qwen2, parallel1, g
     """reference_update_every 2: after update 1 the reference is still θ_0; after update 2
     it is θ_2, parameter for parameter."""
     from tsync_mcore.model import bridge
-    ln = _learner(parallel1, tiny_qwen2, kl_coef=0.1, reference_update_every=2, lr=1e-3,
+    ln = make_learner(parallel1, tiny_qwen2, kl_coef=0.1, reference_update_every=2, lr=1e-3,
                   schedule="sync")
 
     def same() -> bool:
@@ -434,9 +350,9 @@ def test_reference_refresh_copies_theta_every_n_updates(tiny_qwen2, parallel1, g
         return all(torch.equal(p, theta[n])
                    for n, p in bridge.unwrap(ln.reference.model).named_parameters())
     assert same()  # θ_0 = model.hf_dir
-    _update(ln, _sources(grpo_rows, 0))
+    run_update(ln, as_sources(grpo_rows, 0))
     assert not same()
-    _update(ln, _sources(grpo_rows, 1))
+    run_update(ln, as_sources(grpo_rows, 1))
     assert same()
 
 
@@ -467,4 +383,4 @@ def test_reference_of_another_vocabulary_is_refused(tiny_qwen2, parallel1, tmp_p
     other = make_tiny_checkpoint(str(tmp_path / "v512"), arch="qwen2", vocab_size=512) or \
         str(tmp_path / "v512")
     with pytest.raises(ValueError, match="vocabulary of 512 tokens, the policy's has 256"):
-        _learner(parallel1, tiny_qwen2, kl_coef=0.1, reference=other)
+        make_learner(parallel1, tiny_qwen2, kl_coef=0.1, reference=other)

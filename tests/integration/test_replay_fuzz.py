@@ -15,7 +15,12 @@ import pytest
 
 from tests.helpers.batchgen import write_batches
 from tests.helpers.paths import ROOT
-from tests.unit.test_replay_fuzz import GRPO, VOCAB, _line, _write  # noqa: F401  (shared with the unit tests)
+from tests.helpers.replay_fuzz_shared import (  # noqa: F401  (shared with the unit tests)
+    GRPO,
+    VOCAB,
+    json_line,
+    write_lines,
+)
 
 
 def _cli(*args):
@@ -28,7 +33,7 @@ def _cli(*args):
 def test_cli_prints_one_error_line_and_writes_nothing(tmp_path, case):
     out = tmp_path / "out"
     if case == "bad_line":
-        batch = _write(tmp_path, [GRPO[0], dict(GRPO[1], ready_ordr=3)], "bad.jsonl")
+        batch = write_lines(tmp_path, [GRPO[0], dict(GRPO[1], ready_ordr=3)], "bad.jsonl")
         want = f"{batch}:2: "
     else:
         batch = str(tmp_path / "good.jsonl")

@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 
 from tests.helpers.live_replay import (gap_over_moved, replay_update, saved_sources,
                                        sync_learner)
-from tests.integration.test_data_live import finish, start
-from tests.integration.test_dynamic_sampling_live import ROWS
+from tests.helpers.live_run import EASY_HARD_ROWS as ROWS
+from tests.helpers.live_run import finish, start
 
 PID_LINE = re.compile(r"\[rollout\] rollout replica (\d) of 2: engine core pid (\d+)")
 RESTART_LINE = re.compile(r"\[rollout\] rollout replica (\d) of 2: (.*), (\d+) requests in "

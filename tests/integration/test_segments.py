@@ -17,11 +17,10 @@ import json
 import random
 
 import pytest
-import torch
 
+from tests.helpers.in_process import as_sources, make_learner, run_update
 from tests.helpers.off_policy import _hf
-from tests.helpers.reference import advantages, rel_l2
-from tests.integration.test_regularizers import _learner, _sources, _update
+from tests.helpers.reference import rel_l2, segments_reference
 
 VOCAB = 256
 
@@ -62,35 +61,6 @@ def _segmented_rows(seed: int = 3, n_groups: int = 3, m: int = 3) -> list[dict]:
     return rows
 
 
-def reference(model, rows, token_norm: str) -> dict:
-    """∇ of J = Σ_G Σ_i c_i A_i Σ_s Σ_t log π(seg_s token t) in FP64: each segment its own
-    forward; c_i = 1/(n_groups·m·L_i), L_i over all of trajectory i's segments
-    ("trajectory"), or 1/N_k ("token_mean")."""
-    trajs: dict[str, list[dict]] = {}
-    for r in rows:
-        trajs.setdefault(r["traj_id"], []).append(r)
-    groups: dict[str, list[str]] = {}
-    for t, segs in trajs.items():
-        groups.setdefault(segs[0]["group_id"], []).append(t)
-    n_k = sum(sum(r["scored_mask"]) for r in rows)
-    J = torch.zeros((), dtype=torch.float64)
-    for members in groups.values():
-        adv = advantages(torch.tensor([trajs[t][0]["reward"] for t in members],
-                                      dtype=torch.float64), "grpo")
-        for a, t in zip(adv, members):
-            L = sum(sum(r["scored_mask"]) for r in trajs[t])
-            c = 1.0 / (len(groups) * len(members) * L) if token_norm == "trajectory" else 1 / n_k
-            for r in trajs[t]:
-                ids = torch.tensor(r["tokens"])
-                logp = torch.log_softmax(model(ids[None]).logits[0, :-1], -1)
-                lp = logp.gather(1, ids[1:, None])[:, 0]
-                mask = torch.tensor(r["scored_mask"][1:], dtype=torch.float64)
-                J = J + c * a * (lp * mask).sum()
-    params = list(model.named_parameters())
-    grads = torch.autograd.grad(J, [p for _, p in params], allow_unused=True)
-    return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params, grads)}
-
-
 @pytest.fixture(scope="module")
 def rows():
     return _segmented_rows()
@@ -98,11 +68,11 @@ def rows():
 
 @pytest.fixture(scope="module")
 def learners(tiny_qwen2, parallel1):
-    return {norm: {"sync": (_learner(parallel1, tiny_qwen2, schedule="sync",
+    return {norm: {"sync": (make_learner(parallel1, tiny_qwen2, schedule="sync",
                                      shared_prefix=False, token_norm=norm), len(_segmented_rows())),
-                   "ts": (_learner(parallel1, tiny_qwen2, schedule="thundersync", k_open=1,
+                   "ts": (make_learner(parallel1, tiny_qwen2, schedule="thundersync", k_open=1,
                                    token_norm=norm), 1),
-                   "ts_packed": (_learner(parallel1, tiny_qwen2, schedule="thundersync",
+                   "ts_packed": (make_learner(parallel1, tiny_qwen2, schedule="thundersync",
                                           k_open=2, token_norm=norm), 4)}
             for norm in ("trajectory", "token_mean")}
 
@@ -113,9 +83,9 @@ def test_every_segment_trains_streamed_exactly_and_matches_fp64(tiny_qwen2, rows
     n_segmented = len({r["traj_id"] for r in rows if r.get("n_segments", 1) == 3})
     assert n_segmented >= 2
     for norm, lns in learners.items():
-        srcs = _sources(rows)
-        res = {name: _update(ln, srcs, chunk) for name, (ln, chunk) in lns.items()}
-        ref = reference(model, rows, norm)
+        srcs = as_sources(rows)
+        res = {name: run_update(ln, srcs, chunk) for name, (ln, chunk) in lns.items()}
+        ref = segments_reference(model, rows, norm)
         errs = {n: rel_l2(r.grad, res["sync"].grad) for n, r in res.items() if n != "sync"}
         err_ref = max(rel_l2(r.grad, ref) for r in res.values())
         print(f"{norm}: thundersync vs sync {max(errs.values()):.2e}, vs FP64 {err_ref:.2e}")
@@ -154,8 +124,8 @@ def test_a_group_completes_only_with_every_segment(tiny_qwen2, parallel1, rows):
     """A trajectory's reward is known at its first segment, but its group stays open
     (pair folds) until its last segment has arrived; a close before then names it."""
     from tsync_mcore.channel.sources import BatchPlan, SourceError
-    ln = _learner(parallel1, tiny_qwen2, schedule="thundersync", k_open=4)
-    srcs = [s for s in _sources(rows, version=0) if s.group_id == "g0"]
+    ln = make_learner(parallel1, tiny_qwen2, schedule="thundersync", k_open=4)
+    srcs = [s for s in as_sources(rows, version=0) if s.group_id == "g0"]
     three = next(s for s in srcs if s.n_segments == 3)
     ln.begin(BatchPlan.from_sources(srcs))
     held = [s for s in srcs if s.traj_id == three.traj_id and s.segment == 2]
@@ -180,8 +150,8 @@ def test_segments_that_disagree_are_refused(tiny_qwen2, parallel1, rows, change,
     import dataclasses
 
     from tsync_mcore.channel.sources import BatchPlan, SourceError
-    ln = _learner(parallel1, tiny_qwen2, schedule="sync")
-    srcs = _sources(rows, version=0)
+    ln = make_learner(parallel1, tiny_qwen2, schedule="sync")
+    srcs = as_sources(rows, version=0)
     ln.begin(BatchPlan.from_sources(srcs))
     three = [s for s in srcs if s.n_segments == 3]
     t = three[0].traj_id
@@ -196,8 +166,8 @@ def test_a_whole_trajectory_takes_no_segment(tiny_qwen2, parallel1, rows):
     import dataclasses
 
     from tsync_mcore.channel.sources import BatchPlan, SourceError
-    ln = _learner(parallel1, tiny_qwen2, schedule="sync")
-    srcs = _sources(rows, version=0)
+    ln = make_learner(parallel1, tiny_qwen2, schedule="sync")
+    srcs = as_sources(rows, version=0)
     one = next(s for s in srcs if s.n_segments == 1)
     ln.begin(BatchPlan.from_sources(srcs))
     ln.submit(one)
@@ -213,8 +183,8 @@ def test_scored_tokens_must_add_up(tiny_qwen2, parallel1, rows):
     import dataclasses
 
     from tsync_mcore.channel.sources import BatchPlan, SourceError
-    ln = _learner(parallel1, tiny_qwen2, schedule="sync")
-    srcs = _sources(rows, version=0)
+    ln = make_learner(parallel1, tiny_qwen2, schedule="sync")
+    srcs = as_sources(rows, version=0)
     t = next(s.traj_id for s in srcs if s.n_segments == 2)
     segs = sorted([s for s in srcs if s.traj_id == t], key=lambda s: s.segment)
     total = segs[0].trajectory_scored + 1
@@ -232,7 +202,7 @@ def test_replay_lines_carry_segments(tmp_path, rows):
     in one update refused with its line, a bad segment index named."""
     from tsync_mcore.channel.sources import SourceError, TrajectorySource, validate_source
     from tsync_mcore.learner.replay import batches_from_lines
-    srcs = _sources(rows)
+    srcs = as_sources(rows)
     lines = [json.dumps(s.to_json()).encode() for s in srcs]
     batch = batches_from_lines("b.jsonl", lines)[0]
     assert [(s.key, s.tokens) for s in batch] == [(s.key, s.tokens) for s in srcs]
@@ -264,7 +234,7 @@ def test_segments_on_two_ranks_balanced_static_and_tp(tiny_qwen2, rows, tmp_path
             "static_sync": [*common, "--schedule", "sync"],
             "tp2_ts": [*common, "--tp", "2", "--schedule", "thundersync", "--k-open", "1"]}
     runs = replay_many(jobs, str(tmp_path), nproc=2)
-    ref = reference(_hf(tiny_qwen2), rows, "trajectory")
+    ref = segments_reference(_hf(tiny_qwen2), rows, "trajectory")
     grads = {n: load_file(f"{r['dir']}/grad.safetensors") for n, r in runs.items()}
     errs = {n: rel_l2(g, ref) for n, g in grads.items()}
     print("segments on 2 ranks vs FP64: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))

@@ -22,11 +22,10 @@ from safetensors.torch import load_file
 
 from tests.helpers.live_replay import (gap_over_moved, replay_update, saved_sources,
                                        sync_learner)
+from tests.helpers.live_run import launch
 from tests.helpers.off_policy import _hf
 from tests.helpers.qwen3_template import use_qwen3_template
-from tests.helpers.reference import rel_l2
-from tests.integration.test_data_live import launch
-from tests.integration.test_segments import reference
+from tests.helpers.reference import rel_l2, segments_reference
 from tsync_mcore.observability import trace
 
 
@@ -88,7 +87,7 @@ def test_rewritten_histories_train_every_segment_as_sync_and_fp64(tmp_path, para
     lines = saved_sources(run)
     assert len(lines) == 18 and {o["n_segments"] for o in lines} == {3}
     done, want = replay_update(sync_learner(config, parallel1), lines, export_grad=True)
-    err_ref = rel_l2(done.grad, reference(_hf(model), lines, "trajectory"))
+    err_ref = rel_l2(done.grad, segments_reference(_hf(model), lines, "trajectory"))
     ratio, moved = gap_over_moved(f"{run}/publish/policy_v1.safetensors", want,
                                   load_file(os.path.join(model, "model.safetensors")))
     print(f"segments live: {len(lines)} segments of 6 trajectories, {sampled} sampled tokens; "

@@ -11,18 +11,15 @@ import json
 import pytest
 
 from tests.helpers.dist_util import run_dist
-from tests.unit.test_span import (  # noqa: F401  (shared with the unit tests)
+from tests.helpers.span_shared import (  # noqa: F401  (shared with the unit tests)
     FP32_FWD,
     FP32_GRAD,
     FP64_FWD,
     FP64_GRAD,
     NO_REPLAY_MIN,
     WORKER,
-    _spec,
     sw,
 )
-
-_spec.loader.exec_module(sw)
 
 
 @pytest.fixture(scope="module")

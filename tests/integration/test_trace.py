@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers.paths import ROOT
 from tests.helpers.records import source
-from tests.unit.test_trace import _line  # noqa: F401  (shared with the unit tests)
+from tests.helpers.trace_shared import record_json  # noqa: F401  (shared with the unit tests)
 from tsync_mcore.observability import trace
 
 
@@ -25,7 +25,7 @@ def _damaged_run(tmp_path) -> str:
         step_wall_time_s=2.0, rollout_time_s=1.0, learner_tail_s=0.5,
         publish_time_s=0.1)) + "\n")
     trace.write(str(run / "traces" / "rank0.jsonl"), [source(ready=0.1, start=0.1, end=0.2)])
-    bad = _line(source(rank=1)) | {"schema": 0}
+    bad = record_json(source(rank=1)) | {"schema": 0}
     (run / "traces" / "rank1.jsonl").write_text(json.dumps(bad) + "\n")
     return str(run)
 

@@ -11,7 +11,11 @@ import struct
 
 import pytest
 
-from tests.unit.test_tracking import RECORDS, expected, log_all  # noqa: F401  (shared with the unit tests)
+from tests.helpers.tracking_shared import (  # noqa: F401  (shared with the unit tests)
+    RECORDS,
+    expected,
+    log_all,
+)
 from tsync_mcore.observability.tracking import Tracker, mlflow_key
 
 

@@ -61,7 +61,7 @@ def test_span_after_context_equals_full_forward(parallel1, tiny_qwen2):
 
 def test_streamed_span_gradient_with_sdpa(parallel1, tiny_ckpts):
     """Per-span backward + K/V-adjoint replay (OPD turns, shared prefixes) under SDPA."""
-    from tests.unit.test_span import (
+    from tests.helpers.span_shared import (
         FP32_FWD,
         FP32_GRAD,
         FP64_FWD,

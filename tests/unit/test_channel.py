@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.helpers.channel_shared import ALL_MESSAGES
 from tests.helpers.dist_util import free_port
 from tests.helpers.links import link_pair
 from tests.helpers.workers import channel_worker as cw  # noqa: E402
@@ -50,11 +51,6 @@ from tsync_mcore.channel.link import realtime_io_permitted
 from tsync_mcore.channel.messages import GROUPS, METRICS, TURN_COUNTS
 from tsync_mcore.channel.sources import RoutedExperts, TrajectorySource, TurnSource
 from tsync_mcore.channel.wire import SPECS
-
-ALL_MESSAGES = [cw.HELLO, cw.PUBLISH, Shutdown(""), Shutdown("bye ✓"),
-                *cw.sample_rollout_messages(), cw.bench_message(0),
-                TurnMsg(TurnSource("t", "g", 0, 1, 0, (1, 2), (0, 0), (None, None), 0)),
-                GroupRewards(4, "g ✓", {"a": 0.1, "b": -2.5e300, "c": 0.0})]
 
 
 @pytest.mark.parametrize("msg", ALL_MESSAGES, ids=lambda m: type(m).__name__)

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers.channel_shared import ALL_MESSAGES
 from tests.helpers.dist_util import free_port
 from tests.helpers.links import link_pair
 from tests.helpers.workers import channel_worker as cw  # noqa: E402  (tests/workers, on the path via test_channel)
-from tests.unit.test_channel import ALL_MESSAGES
 from tsync_mcore.channel import (
     WIRE_VERSION,
     Ack,

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from tests.helpers.checkpoint_shared import Touch, redigest_file
 from tsync_mcore.learner import checkpoint  # noqa: E402
 from tsync_mcore.learner.checkpoint import CheckpointError  # noqa: E402
 
@@ -71,14 +72,7 @@ def _rewrite(path: str, edit) -> None:
         tensors, header = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
     edit(tensors, header)
     save_file(tensors, path, metadata=header)
-    _redigest(path)
-
-
-def _redigest(path: str) -> None:
-    with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
-    with open(path.removesuffix(".safetensors") + ".sha256", "w") as f:
-        f.write(digest)
+    redigest_file(path)
 
 
 def _drop_optimizer(tensors, header):
@@ -141,7 +135,7 @@ def _truncate(redigest: bool):
         with open(path, "r+b") as f:
             f.truncate(size - 100)
         if redigest:
-            _redigest(path)
+            redigest_file(path)
         return "rank0.safetensors"
     return edit
 
@@ -216,17 +210,7 @@ def test_checkpoint_files_are_private(saved):
         assert os.stat(os.path.join(ckpt, name)).st_mode & 0o777 == 0o600, name
 
 
-class _Touch:
-    """Unpickling this creates `path`."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
 def test_payload_is_live(tmp_path):
     marker = str(tmp_path / "ran")
-    pickle.loads(pickle.dumps(_Touch(marker)))  # what torch.load(weights_only=False) did
+    pickle.loads(pickle.dumps(Touch(marker)))  # what torch.load(weights_only=False) did
     assert os.path.exists(marker)

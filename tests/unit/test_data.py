@@ -2,11 +2,11 @@
 sampler behind data_pos, and SkyRL-Gym envs fed from dataset rows."""
 
 import asyncio
-import json
 
 import numpy as np
 import pytest
 
+from tests.helpers.data_shared import gsm8k_rows, write_jsonl
 from tsync_mcore.config import load_config
 from tsync_mcore.data import (
     DataError,
@@ -22,13 +22,6 @@ ROWS = [
      "level": 2},
     {"prompt": "Count to three.", "label": "one two three", "source": "c", "level": 3},
 ]
-
-
-def write_jsonl(path, rows):
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    return str(path)
 
 
 def chat_rows():
@@ -171,16 +164,6 @@ def test_sampler_permutes_each_epoch_and_resumes_at_any_position():
 def feed_cfg(tmp_path, hf_dir, **sets):
     base = {"model.hf_dir": hf_dir, "run.dir": str(tmp_path / "run")}
     return load_config(None, {**base, **sets})
-
-
-def gsm8k_rows():
-    # SkyRL's gsm8k layout (examples/gsm8k/gsm8k_dataset.py): chat prompt, env_class,
-    # reward_spec with the ground truth, extra_info.
-    qs = [("Tom has 3 apples and buys 4 more. How many?", "7"),
-          ("What is 6 times 12?", "72"), ("What is 10 minus 4?", "6")]
-    return [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": q}],
-             "env_class": "gsm8k_multi_turn", "reward_spec": {"method": "rule", "ground_truth": a},
-             "extra_info": {"split": "train", "index": i}} for i, (q, a) in enumerate(qs)]
 
 
 def test_skyrl_gsm8k_multi_turn_gets_its_row(tmp_path, tiny_qwen2, tok):

@@ -20,64 +20,19 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.batchgen import write_batches
+from tests.helpers.export_shared import (  # noqa: F401  (fixtures)
+    check_against_learner,
+    export_run,
+    exported_tensors,
+    tp1_run,
+    vllm_tiny,
+)
 from tests.helpers.workers.export_worker import PROBE, train  # noqa: E402
-from tsync_mcore.learner.export import main as export_main
-
-# vLLM's CPU attention needs head_dim >= 32: 2 heads of 32 (tests/test_rollout.py does too)
-VLLM_TINY = dict(arch="qwen2", vocab_size=300, hidden=64, layers=2, heads=2, kv_heads=1)
-
-
-@pytest.fixture(scope="module")
-def vllm_tiny(tmp_path_factory) -> str:
-    from tsync_mcore.model.tiny import make_tiny_checkpoint
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("vllm_tiny") / "m"), seed=4,
-                                **VLLM_TINY)
-
-
-@pytest.fixture(scope="module")
-def tp1_run(vllm_tiny, parallel1, tmp_path_factory) -> str:
-    """Two real updates (cosine schedule, weight decay) at TP=1, checkpointed at step_2."""
-    root = tmp_path_factory.mktemp("tp1")
-    batch = str(root / "b.jsonl")
-    write_batches(batch, 300, n_updates=2, seed=5)
-    run = str(root / "run")
-    assert train(vllm_tiny, batch, run, tp=1, updates=2, par=parallel1)["version"] == 2
-    return run
-
-
-def _export(run: str, out: str, *flags: str) -> int:
-    return export_main([run, "--out", out, *flags])
-
-
-def _hf_logits(hf_dir: str) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(input_ids=torch.tensor(PROBE)).logits.float()
-
-
-def _exported_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for name in sorted(os.listdir(hf_dir)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(hf_dir, name)))
-    return out
-
-
-def _check_against_learner(run: str, out: str) -> float:
-    ref = load_file(os.path.join(run, "learner_final.safetensors"))
-    params = {k[len("param."):]: v for k, v in ref.items() if k.startswith("param.")}
-    got = _exported_tensors(out)
-    assert got.keys() == params.keys()
-    assert all(torch.equal(got[k], params[k]) for k in params)  # bit for bit, FP32
-    err = float((_hf_logits(out) - ref["logits"]).abs().max())
-    assert err <= 1e-5, err
-    return err
 
 
 def test_tp1_export_loads_in_transformers_with_the_learners_logits(tp1_run, tmp_path, capsys):
     out, sharded = str(tmp_path / "hf"), str(tmp_path / "hf_sharded")
-    assert _export(tp1_run, out) == 0
+    assert export_run(tp1_run, out) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (summary["version"], summary["tp"], summary["dtype"]) == (2, 1, "float32")
     assert sorted(os.listdir(out)) == ["chat_template.jinja", "config.json",
@@ -85,13 +40,13 @@ def test_tp1_export_loads_in_transformers_with_the_learners_logits(tp1_run, tmp_
                                        "tokenizer.json", "tokenizer_config.json"]
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert cfg["dtype"] == "float32" and cfg["model_type"] == "qwen2"
-    err = _check_against_learner(tp1_run, out)
+    err = check_against_learner(tp1_run, out)
     print(f"\nTP=1 export: HF FP32 logits vs the learner's Megatron logits max |err| {err:.1e}")
     # sharded, as save_pretrained shards, and the same model
-    assert _export(tp1_run, sharded, "--max-shard-size", "40KB", "--step", "2") == 0
+    assert export_run(tp1_run, sharded, "--max-shard-size", "40KB", "--step", "2") == 0
     index = json.load(open(os.path.join(sharded, "model.safetensors.index.json")))
     assert len(set(index["weight_map"].values())) > 1
-    _check_against_learner(tp1_run, sharded)
+    check_against_learner(tp1_run, sharded)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.encode("The quick brown fox") == AutoTokenizer.from_pretrained(
@@ -107,9 +62,9 @@ def test_bf16_run_exports_bf16(tiny_llama, parallel1, tmp_path):
     run = str(tmp_path / "run")
     train(tiny_llama, batch, run, tp=1, updates=2, par=parallel1, dtype="bf16")
     out = str(tmp_path / "hf")
-    assert _export(run, out) == 0
+    assert export_run(run, out) == 0
     ref = load_file(os.path.join(run, "learner_final.safetensors"))
-    got = _exported_tensors(out)
+    got = exported_tensors(out)
     assert all(t.dtype == torch.bfloat16 and torch.equal(t, ref[f"param.{k}"])
                for k, t in got.items())
     assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
@@ -196,7 +151,7 @@ def test_refused_input_is_one_line_and_writes_nothing(tp1_run, tmp_path, capsys,
         edit(run)
     out = str(tmp_path / "out" / "hf")
     capsys.readouterr()
-    assert _export(run, out, *flags) == 2
+    assert export_run(run, out, *flags) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: export: ") and says in err, err
     assert not os.path.exists(os.path.dirname(out))  # not even its parent

@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from tests.helpers.ledger_shared import TOL, check, rel
 from tsync_mcore.observability.ledger import (
     FlopBreakdown,
     MemoryMeter,
@@ -23,21 +24,7 @@ from tsync_mcore.observability.ledger import (
 )
 from tsync_mcore.observability.ledger import mfu as mfu_mod
 
-TOL = 0.02  # brief: ledger within 2 % of torch's counter
 SEQ_LENS = [[7], [64], [23, 100]]
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / b
-
-
-def _check(results: list[dict], spec, tp: int) -> None:
-    """Each counted (per-rank) figure vs the ledger's whole-model figure / tp."""
-    for r in results:
-        b = train_flops(spec, r["seq_lens"], frozen=r["frozen"]).per_rank(tp)
-        where = f"{r['case']} {r['seq_lens']} tp={tp}"
-        assert _rel(b.forward, r["forward"]) < TOL, (where, b.forward, r["forward"])
-        assert _rel(b.total, r["total"]) < TOL, (where, b.total, r["total"])
 
 
 @pytest.mark.parametrize("name", ["qwen2", "llama", "qwen3", "qwen3_tied"])
@@ -46,7 +33,7 @@ def test_train_flops_match_counter_tp1(name, tiny_ckpts, parallel1):
 
     results = measure_cases(tiny_ckpts[name], SEQ_LENS)
     assert {r["case"] for r in results} == {"none", "linear_but_one", "all_but_one"}
-    _check(results, load_spec(tiny_ckpts[name]), tp=1)
+    check(results, load_spec(tiny_ckpts[name]), tp=1)
     # frozen weights really change the count (input-grad only / no grad at all)
     by = {(r["case"], tuple(r["seq_lens"])): r["total"] for r in results}
     assert by[("all_but_one", (64,))] < by[("linear_but_one", (64,))] < by[("none", (64,))]
@@ -68,15 +55,15 @@ def test_span_and_replay_match_counter(tiny_qwen3, parallel1):
         fwd = fc.get_total_flops()
         vocab_parallel_cross_entropy(lg.float()[None], toks[P:][None]).sum().backward()
     b = span_flops(spec, n, P)
-    assert _rel(b.forward, fwd) < TOL and _rel(b.total, fc.get_total_flops()) < TOL
+    assert rel(b.forward, fwd) < TOL and rel(b.total, fc.get_total_flops()) < TOL
     with FlopCounterMode(display=False) as fc:  # its deferred replay (recompute mode)
         _, kv = span.span_forward(model, toks[P:], P, past, stop_after_kv=True)
         rec = fc.get_total_flops()
         span.backward_kv(kv, [(torch.randn_like(x.k), torch.randn_like(x.v)) for x in kv])
     r = replay_flops(spec, n, P)
     assert r.forward == 0 and r.total == r.backward  # recomputation is not credited
-    assert _rel(r.recompute_flops, rec) < TOL
-    assert _rel(r.backward, fc.get_total_flops() - rec) < TOL
+    assert rel(r.recompute_flops, rec) < TOL
+    assert rel(r.backward, fc.get_total_flops() - rec) < TOL
     assert replay_flops(spec, n, P, mode="retain").recompute_flops == 0
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 
@@ -19,21 +18,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tests.helpers.lr_schedule_shared import reference_lr
 from tsync_mcore.config import ConfigError, load_config
 from tsync_mcore.learner import checkpoint
 from tsync_mcore.learner.checkpoint import CheckpointError
-
-
-def reference_lr(k: int, style: str, lr: float, min_lr: float, warmup: int, decay: int) -> float:
-    if warmup and k <= warmup:
-        return lr * k / warmup
-    if style == "constant":
-        return lr
-    if k >= decay:
-        return min_lr
-    progress = (k - warmup) / (decay - warmup)
-    shape = 1 - progress if style == "linear" else (1 + math.cos(math.pi * progress)) / 2
-    return min_lr + (lr - min_lr) * shape
 
 
 def _policy(hf_dir, par, **optim):

@@ -7,8 +7,7 @@ import os
 
 import pytest
 import torch
-
-FP32_TOL = 1e-5
+from tests.helpers.model_shared import FP32_TOL
 
 
 def _hf_logits(hf_dir: str, tokens: torch.Tensor, dtype=torch.float32) -> torch.Tensor:

@@ -12,8 +12,7 @@ import torch
 
 from tests.helpers.moe_reference import by_disk_name, load_hf_moe
 from tests.helpers.moe_reference import grads as hf_grads
-
-FP32_TOL = 1e-5
+from tests.helpers.moe_shared import FP32_TOL
 
 
 def _tokens(vocab: int, b: int = 2, s: int = 23) -> torch.Tensor:
@@ -229,7 +228,7 @@ def test_trained_checkpoint_exports_to_hf(tiny_qwen3_moe, parallel1, tmp_path):
     from tests.helpers.workers.export_worker import (
         train,  # tests/workers, on the path once test_export is imported
     )
-    from tests.unit.test_export import _check_against_learner
+    from tests.helpers.export_shared import check_against_learner
     from tsync_mcore.learner.export import main as export_main
 
     batch = str(tmp_path / "b.jsonl")
@@ -239,7 +238,7 @@ def test_trained_checkpoint_exports_to_hf(tiny_qwen3_moe, parallel1, tmp_path):
     out = str(tmp_path / "hf")
     assert export_main([run, "--out", out]) == 0
     assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "qwen3_moe"
-    err = _check_against_learner(run, out)
+    err = check_against_learner(run, out)
     print(f"\nMoE export: HF logits vs the learner's Megatron logits max |err| {err:.1e}")
 
 

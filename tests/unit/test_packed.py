@@ -267,11 +267,11 @@ def _traj(t, g):
 
 
 from tests.helpers.batchgen import action_first, make_batch, make_opd_batch  # noqa: E402
+from tests.helpers.packed_shared import VOCAB  # noqa: E402
 from tests.helpers.reference import rel_l2  # noqa: E402
 from tsync_mcore.channel.sources import BatchPlan, TrajectorySource, opd_turns_from_json  # noqa: E402
 from tsync_mcore.observability import trace  # noqa: E402
 
-VOCAB = 256
 SCHEDULES = ("sync", "group_ready", "thundersync", "one_step_off", "fully_async")
 
 

@@ -9,9 +9,8 @@ import random
 
 import pytest
 
-from tests.helpers.paths import ROOT
+from tests.helpers.predict_shared import REPO, close_to, write_run
 from tests.helpers.records import deferred, source
-from tsync_mcore.observability import trace
 from tsync_mcore.observability.predict import (
     ReleaseParams,
     analytic,
@@ -30,16 +29,9 @@ from tsync_mcore.observability.predict import (
     tail_opd,
 )
 
-REPO = ROOT
-
 
 def S(objective: str, batch: float, ratio: float, turns: int = 40) -> float:
     return analytic(objective, batch, ratio, turns)["speedup"]
-
-
-def close_to(value: float, paper: float) -> bool:
-    """The paper rounds to 2 decimals: the value must round to the quoted figure."""
-    return abs(value - paper) <= 0.005 + 1e-12
 
 
 def test_single_lane_back_to_back() -> None:
@@ -259,29 +251,8 @@ def test_custom_params() -> None:
     assert res["tail"] == pytest.approx(0.0, abs=1e-12) and res["speedup"] == pytest.approx(2.0)
 
 
-def _write_run(root) -> str:
-    """Two ranks, three updates. Update k: R = 4, publish 0.5, learner tail 1.0, step wall
-    5.5 (so t_closed = 4.0 and t_stepped = 5.0 on rank 0's clock)."""
-    run = root / "run"
-    (run / "traces").mkdir(parents=True)
-    metrics, traces = [], {0: [], 1: []}
-    for k in range(3):
-        metrics.append(dict(step=k + 1, policy_version=k, schedule="thundersync",
-                            objective="grpo", step_wall_time_s=5.5 + k, rollout_time_s=4.0,
-                            learner_tail_s=1.0, publish_time_s=0.5))
-        # rank 0: 1 + 1 back to back ending at 3.6 + 1.0 = 4.6; rank 1: light
-        traces[0] += [source(update=k, traj_id=f"v{k}-g0-t0", ready=0.5, start=0.5, end=1.5),
-                      source(update=k, traj_id=f"v{k}-g0-t1", ready=3.6, start=3.6, end=4.6)]
-        traces[1] += [source(update=k, traj_id=f"v{k}-g1-t0", rank=1, ready=2.0, start=2.0,
-                             end=2.5)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
-    for r, es in traces.items():
-        trace.write(str(run / "traces" / f"rank{r}.jsonl"), es)
-    return str(run)
-
-
 def test_analyze_run_known_answer(tmp_path) -> None:
-    res = analyze_run(_write_run(tmp_path), warmup=1)
+    res = analyze_run(write_run(tmp_path), warmup=1)
     assert res["n_updates"] == 3 and res["n_steady"] == 2
     u0 = res["updates"][0]
     # step_s = t_stepped − last_end = 5.0 − 4.6 = 0.4; P = 0.5 + 0.4
@@ -299,7 +270,7 @@ def test_analyze_run_known_answer(tmp_path) -> None:
 
 
 def test_cli_trace_and_analytic(tmp_path, capsys) -> None:
-    run = _write_run(tmp_path)
+    run = write_run(tmp_path)
     assert main(["trace", run, "--json", "--warmup", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["updates"]) == 3 and out["n_steady"] == 1
@@ -319,7 +290,7 @@ def test_cli_trace_and_analytic(tmp_path, capsys) -> None:
 def test_ratio_means_rollout_over_learner_in_trace_and_analytic(tmp_path, capsys) -> None:
     """One name, one meaning: the `ratio` predict trace reports is R/L, the number
     `predict analytic --ratio` takes; `rho` is L/R in both."""
-    res = analyze_run(_write_run(tmp_path), warmup=0)
+    res = analyze_run(write_run(tmp_path), warmup=0)
     for u in res["updates"]:  # busiest rank 0 serves 1 + 1 s per update, R = 4
         assert u["L"] == pytest.approx(2.0) and u["ratio"] == pytest.approx(4.0 / 2.0)
         assert u["rho"] == pytest.approx(1.0 / u["ratio"])
@@ -371,7 +342,7 @@ def test_analyze_run_one_step_off_rows(tmp_path) -> None:
     # publication (here 3.0), so the step is inferred from the tail after the last source's
     # arrival (3.6): t_stepped − last_end = (3.6 + 1.0) − 4.6 = 0; P = publish 0.5. The
     # prediction is the steady-state period max(R, L + P) = max(4, 2 + 0.5).
-    run = _write_run(tmp_path)
+    run = write_run(tmp_path)
     path = os.path.join(run, "metrics.jsonl")
     rows = [json.loads(x) for x in open(path)]
     for r in rows:

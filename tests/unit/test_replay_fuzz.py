@@ -16,12 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers.batchgen import (
-    make_batch,
-    make_opd_batch,
-    write_batches,
-    write_opd_batches,
-)
+from tests.helpers.batchgen import make_opd_batch, write_batches, write_opd_batches
+from tests.helpers.replay_fuzz_shared import GRPO, VOCAB, json_line, write_lines
 from tsync_mcore.channel.sources import (
     BatchPlan,
     SourceError,
@@ -38,26 +34,13 @@ from tsync_mcore.learner.replay import (
     read_batches,
 )
 
-VOCAB = 256
-GRPO = make_batch(VOCAB, n_groups=2, m=3, seed=5)
 OPD = make_opd_batch(VOCAB, n_traj=4, turns=3, seed=5)
 KIND = {"grpo": ("trajectory", GRPO), "opd": ("turn", OPD)}
 
 
-def _line(x) -> bytes:
-    return x if isinstance(x, bytes) else json.dumps(x).encode()
-
-
-def _write(tmp_path, rows, name="b.jsonl") -> str:
-    path = str(tmp_path / name)
-    with open(path, "wb") as f:
-        f.write(b"".join(_line(r) + b"\n" for r in rows))
-    return path
-
-
 def _refused(tmp_path, rows, line, *words, kind="grpo") -> str:
     """The file is refused with a message naming FILE:LINE (line None: the file) and words."""
-    path = _write(tmp_path, rows)
+    path = write_lines(tmp_path, rows)
     with pytest.raises(SourceError) as e:
         read_batches(path, KIND[kind][0])
     msg = str(e.value)
@@ -129,7 +112,7 @@ def test_ready_order_rule(tmp_path):
     _refused(tmp_path, [a, dict(b, ready_order=True)], 2, "ready_order must be an integer")
     # Absent on every line: arrival is file order.
     rows = [_without(r, "ready_order") for r in GRPO]
-    [batch] = read_batches(_write(tmp_path, rows, "plain.jsonl"))
+    [batch] = read_batches(write_lines(tmp_path, rows, "plain.jsonl"))
     assert [s.traj_id for s in batch] == [r["traj_id"] for r in rows]
     # The same place in different updates is fine: each update has its own arrival order.
     path = str(tmp_path / "multi.jsonl")
@@ -177,7 +160,7 @@ def test_valid_files_are_read_as_before(tmp_path):
     batches = read_batches(path, "turn")
     assert sum(map(len, batches)) == sum(len(r["turn_ends"]) for r in rows)
     odd = [dict(GRPO[0], traj_id=5, group_id=7, prompt_len=None), b"", GRPO[1]]
-    lines = [b"\xef\xbb\xbf" + _line(odd[0])] + [_line(r) for r in odd[1:]]
+    lines = [b"\xef\xbb\xbf" + json_line(odd[0])] + [json_line(r) for r in odd[1:]]
     [batch] = batches_from_lines("odd.jsonl", lines)
     assert {s.traj_id for s in batch} == {"5", GRPO[1]["traj_id"]}
 
@@ -217,10 +200,10 @@ def mutated_line(draw, rows):
         elif op == "bytes":
             return draw(st.binary(max_size=64))
         elif op == "corrupt":
-            raw = bytearray(_line(row))
+            raw = bytearray(json_line(row))
             raw[draw(st.integers(0, len(raw) - 1))] = draw(st.integers(0, 255))
             return bytes(raw.replace(b"\n", b" "))
-    return _line(row)
+    return json_line(row)
 
 
 def _well_typed(s) -> bool:
@@ -240,7 +223,7 @@ def test_mutated_lines_are_accepted_or_refused_with_location(kind, data):
     source, rows = KIND[kind]
     line = data.draw(mutated_line(rows))
     try:
-        batches = batches_from_lines("fuzz.jsonl", [_line(rows[0]), line], source)
+        batches = batches_from_lines("fuzz.jsonl", [json_line(rows[0]), line], source)
     except SourceError as e:
         msg = str(e)
         assert re.match(r"fuzz\.jsonl:[12]: \S", msg), msg
@@ -264,7 +247,7 @@ def test_mutated_lines_are_accepted_or_refused_with_location(kind, data):
 def test_unmutated_lines_pass_every_check():
     """The property's baseline: its valid records are accepted and pass the value checks."""
     for kind, (source, rows) in KIND.items():
-        [batch] = batches_from_lines("ok.jsonl", [_line(r) for r in rows], source)
+        [batch] = batches_from_lines("ok.jsonl", [json_line(r) for r in rows], source)
         for s in batch:
             (validate_turn if kind == "opd" else validate_source)(s, VOCAB)
             assert _well_typed(s)
@@ -307,9 +290,9 @@ def test_bad_out_or_batch_fails_before_the_model_is_built(tmp_path, monkeypatch)
     f.write_text("x")
     with pytest.raises(OutError, match="not a directory"):
         replay.main(_main_args(good, str(f)))
-    bad = _write(tmp_path, [GRPO[0], dict(GRPO[1], tokens=None)], "bad.jsonl")
+    bad = write_lines(tmp_path, [GRPO[0], dict(GRPO[1], tokens=None)], "bad.jsonl")
     with pytest.raises(SourceError, match=re.escape(f"{bad}:2: ")):
         replay.main(_main_args(bad, str(tmp_path / "out")))
     with pytest.raises(SourceError, match="no sources"):
-        replay.main(_main_args(_write(tmp_path, [], "empty.jsonl"), str(tmp_path / "out")))
+        replay.main(_main_args(write_lines(tmp_path, [], "empty.jsonl"), str(tmp_path / "out")))
     assert not (tmp_path / "out").exists()

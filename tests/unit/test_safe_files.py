@@ -8,6 +8,7 @@ import stat
 import pytest
 import torch
 
+from tests.helpers.safe_files_shared import model_copy, truncate  # noqa: F401  (fixtures)
 from tsync_mcore.config import PublishConfig
 from tsync_mcore.publication import send as publish
 from tsync_mcore.publication.send import PublishDirError
@@ -83,21 +84,6 @@ def test_published_files_are_private(tmp_path):
     assert not os.path.exists(publish.path_for(d, 4))
 
 
-@pytest.fixture
-def model_copy(tiny_ckpts, tmp_path):
-    """Copy of a tiny model dir: name -> path (sharded: llama_tied)."""
-    def copy(name: str) -> str:
-        out = str(tmp_path / name)
-        shutil.copytree(tiny_ckpts[name], out)
-        return out
-    return copy
-
-
-def _truncate(path: str, keep: float = 0.5) -> None:
-    with open(path, "r+b") as f:
-        f.truncate(int(os.path.getsize(path) * keep))
-
-
 def _build(hf_dir: str, parallel1):
     from tsync_mcore.model.bridge import build_model
     return build_model(hf_dir)
@@ -134,7 +120,7 @@ def test_truncated_safetensors_is_named(model_copy, parallel1, name, file):
     d = model_copy(name)
     file = file or sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[-1]
     path = os.path.join(d, file)
-    _truncate(path)
+    truncate(path)
     for check in (check_hf_dir, lambda p: _build(p, parallel1)):
         with pytest.raises(ModelDirError) as e:
             check(d)

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from tests.helpers.sandbox_tools_shared import tok  # noqa: F401  (fixtures)
 from tsync_mcore.rollout.terminal_env import TerminalTaskEnv
 from tsync_mcore.sandbox.tools import format_tool_call, parse_tool_calls, tool_schemas
 
@@ -43,13 +44,6 @@ def test_parse_tool_calls():
     from tsync_mcore.sandbox.tools import _check_args
     assert _check_args("bash", '{"command": ' + deep + "}") == \
         "error: bash: arguments are nested too deeply"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from tsync_mcore.model.tiny import _build_tokenizer
-
-    return _build_tokenizer(256)
 
 
 def test_terminal_env_from_config_and_the_driver_hook(tok):

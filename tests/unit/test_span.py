@@ -6,28 +6,18 @@ is in tests/helpers/workers/span_worker.py, shared with the 2-rank launch.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.helpers.paths import WORKERS
-
-WORKER = os.path.join(WORKERS, "span_worker.py")
-_spec = importlib.util.spec_from_file_location("span_worker", WORKER)
-sw = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sw)
-
-
-# fp64: the spans and the full forward share megatron's RoPE tables (fp32 cos/sin, equal
-# bit for bit for offset positions), so only summation order differs: measured ~3e-15.
-FP64_FWD, FP64_GRAD = 1e-12, 1e-12
-
-
-FP32_FWD, FP32_GRAD = 1e-5, 1e-5
-NO_REPLAY_MIN = 1e-2  # the gradient without the replay is 50-65 % off
+from tests.helpers.span_shared import (
+    FP32_FWD,
+    FP32_GRAD,
+    FP64_FWD,
+    FP64_GRAD,
+    NO_REPLAY_MIN,
+    sw,
+)
 
 
 @pytest.mark.parametrize("name", ["qwen2", "llama", "qwen3", "qwen2_tied"])

@@ -50,7 +50,7 @@ def _te_model(path: str, dtype: torch.dtype):
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen2_tied"])
 def test_te_spans_equal_full_forward(parallel1, tiny_ckpts, name):
-    from tests.unit.test_span import sw
+    from tests.helpers.span_shared import sw
     from tsync_mcore.model import bridge
 
     model, spec = _te_model(tiny_ckpts[name], torch.float32)
@@ -75,7 +75,7 @@ def test_te_spans_equal_full_forward(parallel1, tiny_ckpts, name):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, FP32_SAME_MODEL),
                                        (torch.bfloat16, BF16_GRAD)], ids=["fp32", "bf16"])
 def test_te_streamed_gradient(parallel1, tiny_qwen3, dtype, tol):
-    from tests.unit.test_span import sw
+    from tests.helpers.span_shared import sw
 
     model, spec = _te_model(tiny_qwen3, dtype)
     tokens, targets, coef = (t.cuda() for t in sw.problem(spec.vocab_size, sw.BOUNDS[-1], 0,

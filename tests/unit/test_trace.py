@@ -10,6 +10,7 @@ import pytest
 
 from tests.helpers.paths import ROOT
 from tests.helpers.records import deferred, source, update
+from tests.helpers.trace_shared import record_json
 from tsync_mcore.observability import trace
 from tsync_mcore.observability.trace import SCHEMA_VERSION, TraceError
 
@@ -53,10 +54,6 @@ def test_a_line_still_being_written_is_skipped(tmp_path):
     assert trace.read(str(path)) == [source()]
 
 
-def _line(rec) -> dict:
-    return json.loads(trace.to_json(rec))
-
-
 @pytest.mark.parametrize("damage,message", [
     (lambda o: o | {"schema": SCHEMA_VERSION + 1},
      f"trace schema {SCHEMA_VERSION + 1}, this reader speaks {SCHEMA_VERSION}"),
@@ -73,7 +70,7 @@ def _line(rec) -> dict:
 def test_parse_rejects_a_damaged_record_naming_file_and_line(tmp_path, damage, message):
     path = tmp_path / "rank0.jsonl"
     good = trace.to_json(source())
-    path.write_text(good + "\n" + json.dumps(damage(_line(source()))) + "\n")
+    path.write_text(good + "\n" + json.dumps(damage(record_json(source()))) + "\n")
     with pytest.raises(TraceError) as e:
         trace.read(str(path))
     assert str(e.value).startswith(f"{path}:2: ") and message in str(e.value)
@@ -85,7 +82,7 @@ def test_parse_rejects_bad_json_and_bad_spans(tmp_path):
     path.write_text('{"schema": 1, "kind": \n')
     with pytest.raises(TraceError, match=rf"^{path}:1: not JSON"):
         trace.read(str(path))
-    spans = _line(deferred()) | {"spans": [[1, 2, 3]]}
+    spans = record_json(deferred()) | {"spans": [[1, 2, 3]]}
     with pytest.raises(TraceError, match=r"^here: deferred record: spans must be"):
         trace.parse(spans, "here")
 

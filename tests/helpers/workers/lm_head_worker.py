@@ -1,10 +1,12 @@
 """TP = 2 check of the fused LM head (tests/test_lm_head.py): each rank holds half the vocab.
 
-Usage: torchrun --nproc-per-node 2 tests/helpers/workers/lm_head_worker.py
+Usage: torchrun --nproc-per-node 2 tests/helpers/workers/lm_head_worker.py [JOBS.json]
 The hidden states pass Megatron's copy-to-TP region (as model/bridge.head_input does), so
 their gradient is whole on every rank; each rank reports its log-probs, entropy, the hidden
 gradient and its own rows of the weight gradient, in FP64 and FP32, for the test to compare
-with the full-vocab reference. Prints one `RESULT {json}` line per rank.
+with the full-vocab reference. Prints one `RESULT {json}` line per rank. With JOBS.json
+(tests/helpers/replay.py: write_jobs), the same launch then runs those replays (their
+summaries under "summaries").
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def problem(dtype: torch.dtype):
     return hidden.to(dtype), weight.to(dtype), targets, grad.to(dtype)
 
 
-def main() -> None:
+def main(jobs_path: str | None = None) -> None:
     par = init_parallel(tp_size=2)
     group = ps.get_tensor_model_parallel_group()
     v_local = V // par.tp_size
@@ -47,6 +49,9 @@ def main() -> None:
         (logp * grad + ent * grad.flip(0)).sum().backward()  # with an entropy bonus's term
         out[name] = {"logp": logp.tolist(), "ent": ent.tolist(), "grad_h": h.grad.tolist(),
                      "grad_w": w.grad.tolist()}
+    if jobs_path:
+        from tests.helpers.replay import run_jobs
+        out["summaries"] = run_jobs(jobs_path)
     for r in range(par.world_size):  # one rank at a time: long lines on a shared pipe interleave
         if r == par.rank:
             report(out)
@@ -56,5 +61,7 @@ def main() -> None:
 if __name__ == "__main__":
     from tests.helpers.dist_util import exit_now
 
-    main()
+    import sys
+
+    main(*sys.argv[1:2])
     exit_now()  # the ranks' results are out: skip the interpreter's teardown

@@ -1,12 +1,15 @@
 """LoRA checks at TP = 2, launched by tests/test_lora.py through dist_util.run_dist.
 
 Usage: torchrun --nproc-per-node 2 tests/helpers/workers/lora_worker.py '<json config>'
-config: {"adapters": {name: [hf_dir, adapter_dir]}, "out": dir}
+config: {"adapters": {name: [hf_dir, adapter_dir]}, "out": dir, "replays": JOBS.json (optional)}
 Per adapter, a Policy started from it: whether export_adapter() gives back the file's
 tensors exactly (RESULT), and, written by rank 0 to OUT, the full logits (vocab shards
 gathered over TP; logits_{name}.safetensors, tokens in tokens.safetensors) and the merged
 HF weights export_params() gives (merged_{name}.safetensors). The test compares logits and
-merged weights with HF + peft on its side. Prints one `RESULT {json}` line per rank.
+merged weights with HF + peft on its side. Prints one `RESULT {json}` line per rank. With
+"replays", the same launch then runs those replay jobs as
+tests/helpers/workers/replay_many_worker.py does (their summaries under "summaries"): one
+interpreter, torch and megatron start-up for both.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ def main() -> None:
             and all(torch.equal(exported[k], want[k]) for k in want),
         }
         del policy
+    if cfg.get("replays"):
+        from tests.helpers.replay import run_jobs
+        out["summaries"] = run_jobs(cfg["replays"])
     report(out)
     dist.barrier()
 

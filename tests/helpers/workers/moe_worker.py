@@ -1,7 +1,10 @@
 """Multi-rank Qwen3-MoE checks, launched by tests/test_moe.py through dist_util.run_dist.
 
 Usage: torchrun --nproc-per-node 2 tests/helpers/workers/moe_worker.py '<json config>'
-config: {"ckpt": dir, "odd_experts": dir}. Prints one `RESULT {json}` line per rank.
+config: {"ckpt": dir, "odd_experts": dir, "replays": JOBS.json (optional)}. Prints one
+`RESULT {json}` line per rank. With "replays", the same launch then runs those replay jobs
+as tests/helpers/workers/replay_many_worker.py does (their summaries under "summaries"): one
+interpreter, torch and megatron start-up for both.
 """
 
 from __future__ import annotations
@@ -99,7 +102,11 @@ def check_ep2(cfg: dict) -> dict:
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    report({"tp2": check_tp2(cfg), "ep2": check_ep2(cfg)})
+    out = {"tp2": check_tp2(cfg), "ep2": check_ep2(cfg)}
+    if cfg.get("replays"):
+        from tests.helpers.replay import run_jobs
+        out["summaries"] = run_jobs(cfg["replays"])
+    report(out)
 
 
 if __name__ == "__main__":

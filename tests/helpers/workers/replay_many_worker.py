@@ -7,8 +7,6 @@ saves the interpreter, torch and megatron start-up, paid once instead of once pe
 Prints RESULT with the jobs' summaries, in order.
 """
 
-import gc
-import json
 import sys
 
 from tsync_mcore.util import quiet
@@ -16,18 +14,12 @@ from tsync_mcore.util import quiet
 quiet.install()  # as the replay command does before its imports
 
 from tests.helpers.dist_util import report  # noqa: E402
-from tsync_mcore.learner import replay  # noqa: E402
+from tests.helpers.replay import run_jobs  # noqa: E402
 from tsync_mcore.model.parallel import destroy_parallel  # noqa: E402
 
 
 def main(jobs_path: str) -> None:
-    with open(jobs_path) as f:
-        jobs = json.load(f)
-    summaries = []
-    for argv in jobs:
-        summaries.append(replay.main(argv))
-        gc.collect()  # the previous job's model and accumulators, before the next one's
-    report({"summaries": summaries})
+    report({"summaries": run_jobs(jobs_path)})
     destroy_parallel()
 
 

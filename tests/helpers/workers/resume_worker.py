@@ -1,10 +1,12 @@
 """Resume exactness: N updates straight vs k updates, checkpoint, fresh process, N − k more.
 
 Usage: resume_worker.py HF_DIR BATCH RUN_DIR MODE[,MODE...]
-(MODE: straight | first | resume | refused; several run one after the other in this process,
-each with its own Policy: `straight,first` saves a launch, a resume needs a fresh process.)
+(MODE: straight | first | resume | corrupt | refused; several run one after the other in this
+process, each with its own Policy: `straight,first` saves a launch, a resume needs a fresh
+process, `resume,corrupt,refused` another.)
 Prints one RESULT per rank: the modes' results in order (one mode: its result alone). Rank 0
-writes each mode's final parameters; `refused` expects the resume to fail on every rank and
+writes each mode's final parameters; `corrupt`: rank 0 overwrites the last 8 bytes of rank 1's
+file in the latest checkpoint; `refused` expects the resume to fail on every rank and
 reports each rank's error instead.
 """
 
@@ -24,6 +26,14 @@ from tsync_mcore.learner.update import Learner
 
 
 def main(hf_dir: str, batch: str, run_dir: str, mode: str, split: int = 2) -> dict:
+    if mode == "corrupt":  # after the modes before it: the process group is up
+        import torch.distributed as dist
+        if dist.get_rank() == 0:
+            with open(os.path.join(checkpoint.latest(run_dir), "rank1.safetensors"), "r+b") as f:
+                f.seek(-8, os.SEEK_END)
+                f.write(b"\xff" * 8)
+        dist.barrier()
+        return {"rank": dist.get_rank()}
     cfg = load_config(None, {"model.hf_dir": hf_dir, "optim.lr": 1e-4, "learner.k_open": 2})
     policy = Policy(cfg)
     batches = read_batches(batch)
