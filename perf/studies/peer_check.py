@@ -78,13 +78,13 @@ def main(hf: str, out: str) -> None:
     import verl.trainer.ppo.core_algos as verl
     from tests.helpers.dist_util import REPO_ROOT, run_dist
     from tests.helpers.reference import rel_l2
-    from tests.integration.test_peer_objectives import _rows, _write
+    from tests.helpers.peer_objectives_shared import peer_rows, write_rows
 
     os.makedirs(out, exist_ok=True)
     # no group of one: verl gives it A = r/(1+ε), ours 0 (a documented difference)
-    rows = _rows(256, [("uniform", 4), ("mixed", 3), ("mixed", 2), ("mixed", 5), ("large", 3)],
+    rows = peer_rows(256, [("uniform", 4), ("mixed", 3), ("mixed", 2), ("mixed", 5), ("large", 3)],
                  seed=7)
-    batch = _write(os.path.join(out, "b.jsonl"), rows)
+    batch = write_rows(os.path.join(out, "b.jsonl"), rows)
     cases = [dict(name=n, batch=batch, routing="balanced",
                   overrides={"learner.token_norm": n, "learner.adv_std": "unbiased",
                              "learner.schedule": "thundersync", "learner.k_open": 2,
@@ -148,13 +148,13 @@ def regularizers_and_ppo(hf: str, out: str) -> None:
     import verl.trainer.ppo.core_algos as verl
     from tests.helpers.reference import rel_l2
     from tests.helpers.replay import replay
-    from tests.integration.test_peer_objectives import _rows, _write
+    from tests.helpers.peer_objectives_shared import peer_rows, write_rows
     from tsync_mcore.channel.sources import BatchPlan, TrajectorySource
     from tsync_mcore.learner.minibatch import split
 
     beta, eta, low, high, c = 0.2, 0.01, 0.2, 0.28, 3.0
-    rows = _rows(256, [("mixed", 3), ("mixed", 4), ("mixed", 3), ("large", 3)], seed=11)
-    batch = _write(os.path.join(out, "ppo.jsonl"), rows)
+    rows = peer_rows(256, [("mixed", 3), ("mixed", 4), ("mixed", 3), ("large", 3)], seed=11)
+    batch = write_rows(os.path.join(out, "ppo.jsonl"), rows)
     ref_dir = os.path.join(out, "ref")  # θ_0 perturbed: a reference the KL term pulls to
     ref_model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     gen = torch.Generator().manual_seed(3)

@@ -10,7 +10,6 @@ gives an exactly zero gradient in every mode. Config refusals name the key.
 import json
 import math
 import os
-import random
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from tsync_mcore.config import ConfigError, load_config
 from tsync_mcore.learner.replay import main as replay_main
 from tsync_mcore.learner.replay import parse_args
 from tsync_mcore.objectives import ADVANTAGES, group_stats
+from tests.helpers.peer_objectives_shared import peer_rows, write_rows
 
 H = 40.0  # token_norm_constant of seq_mean_token_sum_norm
 # (token_norm, adv_std, objective): each under every schedule × routing in ROUTES
@@ -40,47 +40,6 @@ ZERO_MODES = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm",
               "group_scaled_token_mean", "trajectory"]
 
 
-def _rows(vocab: int, groups: list[tuple[str, int]], seed: int) -> list[dict]:
-    """Groups of the given sizes; prompts and continuations of random lengths (unscored
-    observation tokens between actions); arrival in a random order."""
-    rng = random.Random(seed)
-    rows = []
-    for g, (kind, m) in enumerate(groups):
-        q = rng.randrange(3, 8)
-        prompt = [rng.randrange(vocab) for _ in range(q)]
-        if kind == "uniform":
-            rewards = [0.3] * m
-        elif kind == "large":
-            rewards = [100.5 + 0.01 * rng.random() for _ in range(m)]
-        elif kind == "const":
-            rewards = [-2.1] * m
-        else:
-            rewards = [rng.choice([0.0, 1.0, 0.25]) + rng.random() for _ in range(m)]
-        for i in range(m):
-            toks, mask = list(prompt), [0] * q
-            for _ in range(rng.randrange(1, 4)):
-                n_act, n_obs = rng.randrange(1, 8), rng.randrange(0, 4)
-                toks += [rng.randrange(vocab) for _ in range(n_act + n_obs)]
-                mask += [1] * n_act + [0] * n_obs
-            if kind == "mixed" and m == 5 and i == 2:
-                mask = [0] * len(toks)  # valid: no scored tokens; still one of B
-            rows.append(dict(traj_id=f"g{g}-t{i}", group_id=f"g{g}", tokens=toks,
-                             scored_mask=mask, reward=rewards[i], policy_version=0,
-                             prompt_len=q))
-    order = list(range(len(rows)))
-    rng.shuffle(order)
-    for r, o in zip(rows, order):
-        r["ready_order"] = o
-    return rows
-
-
-def _write(path, rows):
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    return str(path)
-
-
 def _overrides(norm, adv_std, objective, schedule):
     o = {"learner.token_norm": norm, "learner.adv_std": adv_std, "learner.objective": objective,
          "learner.schedule": schedule, "learner.k_open": 2}
@@ -92,10 +51,10 @@ def _overrides(norm, adv_std, objective, schedule):
 @pytest.fixture(scope="module")
 def runs(tiny_qwen2, tmp_path_factory):
     d = tmp_path_factory.mktemp("peer")
-    rows = _rows(256, [("uniform", 4), ("mixed", 3), ("mixed", 2), ("lone", 1), ("mixed", 5),
+    rows = peer_rows(256, [("uniform", 4), ("mixed", 3), ("mixed", 2), ("lone", 1), ("mixed", 5),
                        ("large", 3)], seed=7)
-    zero_rows = _rows(256, [("uniform", 4), ("large", 1), ("const", 3), ("lone", 1)], seed=8)
-    batch, zero = _write(d / "batch.jsonl", rows), _write(d / "zero.jsonl", zero_rows)
+    zero_rows = peer_rows(256, [("uniform", 4), ("large", 1), ("const", 3), ("lone", 1)], seed=8)
+    batch, zero = write_rows(d / "batch.jsonl", rows), write_rows(d / "zero.jsonl", zero_rows)
     cases = []
     for norm, adv_std, objective in MODES:
         for schedule, routing in ROUTES:
@@ -233,9 +192,9 @@ def cli_replays(tiny_qwen2, tmp_path_factory):
     job the command's main() on its own argv: tests/helpers/replay.py, replay_many)."""
     from tests.helpers.replay import replay_many
     d = tmp_path_factory.mktemp("peer_cli")
-    rows = _rows(256, [("mixed", 3), ("mixed", 2), ("uniform", 2)], seed=9)
+    rows = peer_rows(256, [("mixed", 3), ("mixed", 2), ("uniform", 2)], seed=9)
     opd_rows = write_opd_batches(str(d / "opd.jsonl"), 256, seed=3)
-    jobs = {"flags": ["--model", tiny_qwen2, "--batch", _write(d / "b.jsonl", rows),
+    jobs = {"flags": ["--model", tiny_qwen2, "--batch", write_rows(d / "b.jsonl", rows),
                       "--token-norm", "seq_mean_token_mean", "--adv-std", "unbiased",
                       "--k-open", "1"],
             "opd": ["--model", tiny_qwen2, "--batch", str(d / "opd.jsonl"), "--objective",

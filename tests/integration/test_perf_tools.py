@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from tests.helpers.paths import ROOT
-from tests.unit.test_perf_tools import _cell, _doc, _kernel  # noqa: F401  (shared with the unit tests)
 
 PERF = os.path.join(ROOT, "perf")
 CHECK = [sys.executable, "-m", "perf.bench.check"]  # run from ROOT (cwd)
 
 
 from perf.bench import check  # noqa: E402
+from tests.helpers.perf_shared import result_doc
 
 
 def _run_check(tmp_path, result: dict, baseline: dict, *flags: str) -> subprocess.CompletedProcess:
@@ -29,19 +29,19 @@ def _run_check(tmp_path, result: dict, baseline: dict, *flags: str) -> subproces
 
 
 def test_check_passes_on_equal_ratios_at_other_absolute_speed(tmp_path):
-    result = _doc()
+    result = result_doc()
     for rec in result["kernels"]:  # a machine twice as fast: ratios unchanged
         rec["time_s"] /= 2
         rec["bytes_per_s"] *= 2
     for cell in result["overlap"]:
         cell["step_time_s"] /= 2
-    out = _run_check(tmp_path, result, _doc())
+    out = _run_check(tmp_path, result, result_doc())
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 regression" in out.stdout
 
 
 def test_check_notes_a_different_host_setup(tmp_path):
-    result, base = _doc(), _doc()
+    result, base = result_doc(), result_doc()
     for cell in result["overlap"]:
         cell["host"] = {"batch_sched": True, "pin": True, "realtime_io": False}
     out = _run_check(tmp_path, result, base)
@@ -51,29 +51,29 @@ def test_check_notes_a_different_host_setup(tmp_path):
 
 
 def test_check_names_overlap_regression(tmp_path):
-    result = _doc()
+    result = result_doc()
     result["overlap"][0]["speedup_measured"] = 1.4  # -22 %: beyond 15 %
-    out = _run_check(tmp_path, result, _doc())
+    out = _run_check(tmp_path, result, result_doc())
     assert out.returncode == 1
     fail = out.stdout.split("FAIL")[1]
     assert "grpo/thundersync ratio=2.0 batch=64" in fail and "speedup_measured" in fail
     assert "group_ready" not in fail
     assert "host was busy" not in out.stdout
     # within a looser tolerance it passes
-    assert _run_check(tmp_path, result, _doc(), "--tolerance", "0.3").returncode == 0
+    assert _run_check(tmp_path, result, result_doc(), "--tolerance", "0.3").returncode == 0
     # a cell the benchmark flagged as run on a busy host: the failure says so
     result["overlap"][0]["host_busy"] = True
-    out = _run_check(tmp_path, result, _doc())
+    out = _run_check(tmp_path, result, result_doc())
     assert out.returncode == 1
     assert ("note: overlap grpo/thundersync ratio=2.0 batch=64: the host was busy during this "
             "cell") in out.stdout
 
 
 def test_check_names_kernel_regression(tmp_path):
-    result = _doc()
+    result = result_doc()
     result["kernels"][2]["time_s"] = 1.5  # fused/plain 0.5 -> 0.75
     result["kernels"][2]["bytes_per_s"] = 53.0  # bandwidth fraction 0.8 -> 0.53
-    out = _run_check(tmp_path, result, _doc())
+    out = _run_check(tmp_path, result, result_doc())
     assert out.returncode == 1
     fail = out.stdout.split("FAIL")[1]
     assert "accumulate_g1g2[fused-triton]" in fail
@@ -83,34 +83,34 @@ def test_check_names_kernel_regression(tmp_path):
 def test_check_names_gpu_step_mfu_regression(tmp_path):
     step = {"backend": "megatron", "n_sources": 16, "seq_len": 2048, "attention": "causal",
             "mfu_active": 0.30}
-    base, result = {**_doc(), "step": step}, {**_doc(), "step": {**step, "mfu_active": 0.20}}
+    base, result = {**result_doc(), "step": step}, {**result_doc(), "step": {**step, "mfu_active": 0.20}}
     p = _run_check(tmp_path, result, base)
     assert p.returncode == 1 and "learner step megatron 16x2048" in p.stdout
     assert "REGRESSION" in p.stdout.upper()
     # a failed step (error recorded, no MFU) is missing, not a crash
-    p = _run_check(tmp_path, {**_doc(), "step": {"backend": "megatron", "error": "OOM"}}, base)
+    p = _run_check(tmp_path, {**result_doc(), "step": {"backend": "megatron", "error": "OOM"}}, base)
     assert p.returncode == 0 and "MISSING" in p.stdout
 
 
 def test_check_missing_cells_fail_only_when_strict(tmp_path):
-    result = _doc()
+    result = result_doc()
     del result["overlap"][1]
-    out = _run_check(tmp_path, result, _doc())
+    out = _run_check(tmp_path, result, result_doc())
     assert out.returncode == 0
     assert "MISSING" in out.stdout and "group_ready" in out.stdout
-    strict = _run_check(tmp_path, result, _doc(), "--strict")
+    strict = _run_check(tmp_path, result, result_doc(), "--strict")
     assert strict.returncode == 1
     assert "group_ready" in strict.stdout.split("FAIL")[1]
 
 
 def test_check_write_baseline_and_bad_input(tmp_path):
     res, base = tmp_path / "r.json", tmp_path / "sub" / "b.json"
-    res.write_text(json.dumps(_doc()))
+    res.write_text(json.dumps(result_doc()))
     cmd = [*CHECK, str(res), "--baseline", str(base)]
     missing = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert missing.returncode == 2 and "--write-baseline" in missing.stderr
     assert subprocess.run(cmd + ["--write-baseline"], capture_output=True, timeout=60, cwd=ROOT).returncode == 0
-    assert json.loads(base.read_text()) == _doc()
+    assert json.loads(base.read_text()) == result_doc()
     assert subprocess.run(cmd, capture_output=True, timeout=60, cwd=ROOT).returncode == 0
 
 
@@ -118,7 +118,7 @@ def test_check_noise_measured_over_runs_widens_only_those_cells(tmp_path):
     # Three runs of the same code: the fused/plain time ratio 0.5, 0.6, 0.8 (range +60 %).
     runs = []
     for i, t in enumerate((1.0, 1.2, 1.6)):
-        doc = _doc()
+        doc = result_doc()
         doc["kernels"][2]["time_s"] = t
         runs.append(tmp_path / f"run{i}.json")
         runs[-1].write_text(json.dumps(doc))
@@ -132,7 +132,7 @@ def test_check_noise_measured_over_runs_widens_only_those_cells(tmp_path):
     assert written["noise"][key] == pytest.approx(0.6)
     assert written["noise_from"] == ["run1.json", "run2.json", "run0.json"]
     baseline = written  # its time/plain is 0.5: +50 % is within the noise, +70 % is not
-    result = _doc()
+    result = result_doc()
     result["kernels"][2]["time_s"] = 1.5
     rows = {(r["cell"], r["metric"]): r for r in check.compare(result, baseline, 0.15)}
     row = rows["kernel accumulate_g1g2[fused-triton] numel=1024", "time/plain"]
@@ -204,16 +204,16 @@ def _sweep_cell(fused, mfu: float, speedup: float, status: str = "ok") -> dict:
 
 
 def test_check_names_gpu_sweep_regressions_and_skips_cells_that_did_not_run(tmp_path):
-    base = {**_doc(), "sweep": [_sweep_cell(True, 0.40, 1.9), _sweep_cell(False, 0.35, 1.8)]}
-    worse = {**_doc(), "sweep": [_sweep_cell(True, 0.40, 1.2), _sweep_cell(False, 0.35, 1.8)]}
+    base = {**result_doc(), "sweep": [_sweep_cell(True, 0.40, 1.9), _sweep_cell(False, 0.35, 1.8)]}
+    worse = {**result_doc(), "sweep": [_sweep_cell(True, 0.40, 1.2), _sweep_cell(False, 0.35, 1.8)]}
     p = _run_check(tmp_path, worse, base)
     assert p.returncode == 1 and "sweep 1.5b 16x2048 fused_head=on" in p.stdout
     assert "speedup_vs_sync r=1.0" in p.stdout
-    oom = {**_doc(), "sweep": [_sweep_cell(True, 0.40, 1.9), _sweep_cell(False, 0, 0, "oom")]}
+    oom = {**result_doc(), "sweep": [_sweep_cell(True, 0.40, 1.9), _sweep_cell(False, 0, 0, "oom")]}
     p = _run_check(tmp_path, oom, base)
     assert p.returncode == 0 and "MISSING" in p.stdout  # an oom cell has no metrics
     assert _run_check(tmp_path, oom, base, "--strict").returncode == 1
-    p = _run_check(tmp_path, {**_doc(), "sweep": {"not": "a list"}}, base)
+    p = _run_check(tmp_path, {**result_doc(), "sweep": {"not": "a list"}}, base)
     assert p.returncode == 2 and "'sweep'" in p.stderr
 
 

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from perf.studies import trl_compare as tc
-from tests.unit.test_trl_compare import tsync_cfg
+from tests.helpers.trl_compare_shared import tsync_cfg
 
 VENV = os.environ.get("TSYNC_TRL_VENV", os.path.join(tc.ROOT, "runs", "trl-venv"))
 PY = os.path.join(VENV, "bin", "python")

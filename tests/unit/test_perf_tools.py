@@ -9,30 +9,7 @@ import pytest
 import torch
 
 from perf.bench import check, kernels
-
-
-def _cell(schedule: str, measured: float, predicted: float) -> dict:
-    return {"objective": "grpo", "schedule": schedule, "ratio": 2.0, "batch": 64,
-            "step_time_s": 10.0 / measured, "speedup_measured": measured,
-            "speedup_predicted": predicted, "mfu_active": 0.3}  # fmt: skip
-
-
-def _kernel(name: str, impl: str, time_s: float, bytes_per_s: float | None = None) -> dict:
-    return {"name": name, "impl": impl, "shape": {"numel": 1024}, "time_s": time_s,
-            "peak_mem_bytes": 0, "bytes_per_s": bytes_per_s}  # fmt: skip
-
-
-def _doc() -> dict:
-    return {
-        "machine": "test-box",
-        "date": "2025-01-01",
-        "overlap": [_cell("thundersync", 1.8, 2.0), _cell("group_ready", 1.3, 1.4)],
-        "kernels": [
-            _kernel("stream_bandwidth", "copy_", 1.0, 100.0),
-            _kernel("accumulate_g1g2", "plain", 2.0, 40.0),
-            _kernel("accumulate_g1g2", "fused-triton", 1.0, 80.0),
-        ],
-    }
+from tests.helpers.perf_shared import result_doc
 
 
 def test_overlap_flags_cells_run_on_a_busy_host():
@@ -52,10 +29,10 @@ def test_overlap_flags_cells_run_on_a_busy_host():
 
 
 def test_compare_improvement_is_not_a_regression():
-    result = copy.deepcopy(_doc())
+    result = copy.deepcopy(result_doc())
     result["kernels"][2]["time_s"] = 0.5
     result["overlap"][0]["speedup_measured"] = 2.5
-    rows = check.compare(result, _doc(), 0.15)
+    rows = check.compare(result, result_doc(), 0.15)
     assert {r["status"] for r in rows} == {"ok"}
 
 

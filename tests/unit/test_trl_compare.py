@@ -4,16 +4,16 @@ GRPOConfig takes the mapping in tests/integration/test_trl_compare.py)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 
 import pytest
 
 from perf.studies import trl_compare as tc
 from perf.studies import trl_runner as tr
-from tsync_mcore.config import LearnerConfig, load_config
+from tsync_mcore.config import LearnerConfig
 from tsync_mcore.data import Row
 from tsync_mcore.rewards.call import parse_result
+from tests.helpers.trl_compare_shared import tsync_args, tsync_cfg
 
 
 def _learner(**kw) -> LearnerConfig:
@@ -43,31 +43,6 @@ def test_trl_loss_follows_the_objectives_table(kw, loss, scale):
 def test_trl_loss_refuses_what_trl_cannot_run(kw, key):
     with pytest.raises(tc.CompareError, match=key.replace(".", r"\.")):
         tc.trl_loss(_learner(**kw), 24)
-
-
-def tsync_args(tmp_path, **kw) -> argparse.Namespace:
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text("{}")
-    train = tmp_path / "train.jsonl"
-    train.write_text('{"prompt": "1 + 1?", "answer": "2"}\n')
-    reward = tmp_path / "reward.py"
-    reward.write_text("def score(prompt, response, label, meta, **_):\n"
-                      "    return float(label in response)\n")
-    base = dict(model=str(model), train=str(train), eval="", prompt_key="prompt",
-                label_key="answer", reward=f"{reward}:score", updates=3, groups=2,
-                group_size=4, max_tokens=8, temperature=1.0, lr=2e-5, seed=7, eval_n=0,
-                tsync_schedule="thundersync", tsync_placement="split", tsync_set=[])
-    return argparse.Namespace(**{**base, **kw})
-
-
-def tsync_cfg(tmp_path, sets: dict | None = None, **kw):
-    args = tsync_args(tmp_path, **kw)
-    doc = tc.tsync_config(args, str(tmp_path / "run"), [0, 1])
-    path = tmp_path / "tsync.yaml"
-    import yaml
-    path.write_text(yaml.safe_dump(doc))
-    return load_config(str(path), sets or {})
 
 
 def test_tsync_config_is_valid_and_pins_disjoint_cores(tmp_path):
