@@ -143,6 +143,35 @@ def test_generate_logprobs_match_hf(et, engine, hf):
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
 
 
+def test_engine_core_is_forked_on_cpu(engine, ckpts):
+    """On a CPU the engine core is forked from this process (it inherits vLLM and torch
+    instead of importing them again: docs/measured/engine-start.md); vLLM's spawn stays
+    for a multiprocessing executor (TP > 1) and for a caller who asks for it."""
+    import multiprocessing.context as mpc
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from tsync_mcore.rollout.engine import start_method
+    from tsync_mcore.rollout.replicas import engine_core_processes
+
+    key = "VLLM_WORKER_MULTIPROC_METHOD"
+    caller = os.environ.get(key)
+    if torch.cuda.is_available() or caller == "spawn":
+        pytest.skip("the CPU platform's start method, not asked for by the caller")
+    procs = engine_core_processes(engine)
+    assert len(procs) == 1 and isinstance(procs[0], mpc.ForkProcess) and procs[0].is_alive()
+    try:  # a config alone starts nothing; vLLM's CPU platform sets the variable to spawn
+        one, two = [AsyncEngineArgs(model=ckpts[0], max_model_len=MAX_LEN, tensor_parallel_size=tp,
+                                    kv_cache_memory_bytes=1 << 26).create_engine_config()
+                    for tp in (1, 2)]
+    finally:
+        os.environ.pop(key, None) if caller is None else os.environ.update({key: caller})
+    assert start_method(one) == "fork"
+    assert start_method(one, caller="spawn") is None
+    assert two.parallel_config.distributed_executor_backend == "mp"
+    assert start_method(two) is None
+
+
 def test_seeded_batch_over_token_budget(et, engine):
     """32 seeded prompts of 100 tokens exceed one step's 2048-token budget; with chunked
     prefill the CPU engine core died rewinding a seeded generator (see engine.py)."""

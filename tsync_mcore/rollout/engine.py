@@ -60,20 +60,22 @@ def _set_cpu_env() -> None:
 _START_LOCK = threading.Lock()  # one engine start at a time: it sets a process-wide variable
 
 
-def start_method(vllm_config: Any) -> str | None:
+def start_method(vllm_config: Any, caller: str | None = None) -> str | None:
     """How the engine core of `vllm_config` is started: "fork" where vLLM runs the model
-    inside it on a CPU (the uniprocess executor), None elsewhere (vLLM's own choice: spawn
-    on a CPU for the multiprocessing executor's workers, fork or spawn on a GPU)."""
+    inside it on a CPU (the uniprocess executor) and `caller` (the caller's
+    VLLM_WORKER_MULTIPROC_METHOD) does not ask for spawn; None elsewhere: vLLM's own choice
+    (spawn on a CPU, for the OpenMP set-up of its multiprocessing executor's workers; fork
+    or spawn on a GPU)."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
+    if caller == "spawn" or not current_platform.is_cpu():
         return None
     return "fork" if vllm_config.parallel_config.distributed_executor_backend == "uni" else None
 
 
 def start_async_llm(args: Any) -> Any:
     """`AsyncLLM.from_engine_args(args)`, its engine core forked where `start_method` says so
-    (see the module docstring) unless the caller's environment asks for spawn."""
+    (see the module docstring)."""
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -88,7 +90,7 @@ def start_async_llm(args: Any) -> Any:
                 return AsyncLLM.from_vllm_config(config, disable_log_stats=args.disable_log_stats,
                                                  enable_log_requests=args.enable_log_requests)
 
-            if caller == "spawn" or start_method(config) != "fork":
+            if start_method(config, caller) != "fork":
                 return start()
             os.environ[key] = "fork"
             return _in_own_thread(_frozen_heap(start))
