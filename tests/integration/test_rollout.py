@@ -1,7 +1,7 @@
 """Rollout side: vLLM engine (log-probs, in-place reload), teacher, envs, the agent loop.
 
-One vLLM engine serves the whole module (start ~12 s on 2 cores: AsyncLLM always spawns
-its engine-core process); tests that change its weights put the originals back.
+One vLLM engine serves the whole module (its engine-core process is started once:
+docs/measured/engine-start.md); tests that change its weights put the originals back.
 """
 
 from __future__ import annotations

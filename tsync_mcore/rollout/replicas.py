@@ -510,7 +510,7 @@ class ReplicaSet:
 @contextlib.contextmanager
 def replica_devices(i: int, tp: int, n: int) -> Iterator[None]:
     """On GPU, replica i of n sees its own `tp` GPUs while its engine starts (the engine-core
-    process is spawned then and keeps the environment it was started with)."""
+    process is started then and keeps the environment it was started with)."""
     import torch
 
     if not torch.cuda.is_available() or n == 1:
