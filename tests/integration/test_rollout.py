@@ -7,6 +7,7 @@ docs/measured/engine-start.md); tests that change its weights put the originals 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -156,10 +157,21 @@ def test_engine_core_is_forked_on_cpu(engine, ckpts):
 
     key = "VLLM_WORKER_MULTIPROC_METHOD"
     caller = os.environ.get(key)
-    if torch.cuda.is_available() or caller == "spawn":
-        pytest.skip("the CPU platform's start method, not asked for by the caller")
+    if torch.cuda.is_available() or caller == "spawn" or torch.distributed.is_initialized():
+        pytest.skip("the CPU platform's start method, in a process the caller left to it")
     procs = engine_core_processes(engine)
     assert len(procs) == 1 and isinstance(procs[0], mpc.ForkProcess) and procs[0].is_alive()
+
+    def sockets(pid: int) -> set[str]:
+        out = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                out.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        return {link for link in out if link.startswith("socket:")}
+
+    # and it holds none of this process's sockets open (a spawned core inherits none)
+    mine, core = sockets(os.getpid()), sockets(procs[0].pid)
+    assert mine and core and not mine & core
     try:  # a config alone starts nothing; vLLM's CPU platform sets the variable to spawn
         one, two = [AsyncEngineArgs(model=ckpts[0], max_model_len=MAX_LEN, tensor_parallel_size=tp,
                                     kv_cache_memory_bytes=1 << 26).create_engine_config()
@@ -168,6 +180,13 @@ def test_engine_core_is_forked_on_cpu(engine, ckpts):
         os.environ.pop(key, None) if caller is None else os.environ.update({key: caller})
     assert start_method(one) == "fork"
     assert start_method(one, caller="spawn") is None
+    if not torch.distributed.is_initialized():  # a process in a group (a replay) spawns
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
+                                             rank=0, world_size=1)
+        try:
+            assert start_method(one) is None
+        finally:
+            torch.distributed.destroy_process_group()
     assert two.parallel_config.distributed_executor_backend == "mp"
     assert start_method(two) is None
 

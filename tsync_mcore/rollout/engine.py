@@ -35,6 +35,7 @@ import asyncio
 import gc
 import os
 import random
+import stat
 import threading
 import time
 import uuid
@@ -58,17 +59,43 @@ def _set_cpu_env() -> None:
 
 
 _START_LOCK = threading.Lock()  # one engine start at a time: it sets a process-wide variable
+_core_forker: int | None = None  # the thread forking an engine core, while it does
+
+
+def _release_inherited_sockets() -> None:
+    """In a forked engine core: every socket of the parent (its learner links, servers,
+    vLLM's client sockets) now points at /dev/null, so that the core holds none of them
+    open: a peer sees the parent's connections close when the parent does, as with a
+    spawned core. dup2, not close: a parent's socket object still in the child's heap may
+    close its number later, and that number must not be one the child reused."""
+    if _core_forker != threading.get_ident() or not os.path.isdir("/proc/self/fd"):
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if fd > 2 and fd != null and stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.dup2(null, fd)
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    os.close(null)
+
+
+os.register_at_fork(after_in_child=_release_inherited_sockets)
 
 
 def start_method(vllm_config: Any, caller: str | None = None) -> str | None:
     """How the engine core of `vllm_config` is started: "fork" where vLLM runs the model
-    inside it on a CPU (the uniprocess executor) and `caller` (the caller's
-    VLLM_WORKER_MULTIPROC_METHOD) does not ask for spawn; None elsewhere: vLLM's own choice
-    (spawn on a CPU, for the OpenMP set-up of its multiprocessing executor's workers; fork
-    or spawn on a GPU)."""
+    inside it on a CPU (the uniprocess executor), `caller` (the caller's
+    VLLM_WORKER_MULTIPROC_METHOD) does not ask for spawn and this process is in no
+    torch.distributed group (a forked core would take it for its own); None elsewhere:
+    vLLM's own choice (spawn on a CPU, for the OpenMP set-up of its multiprocessing
+    executor's workers; fork or spawn on a GPU)."""
     from vllm.platforms import current_platform
 
     if caller == "spawn" or not current_platform.is_cpu():
+        return None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
         return None
     return "fork" if vllm_config.parallel_config.distributed_executor_backend == "uni" else None
 
@@ -117,15 +144,19 @@ def _frozen_heap(fn):
 
 
 def _in_own_thread(fn):
-    """fn() on a new thread (one that never ran an OpenMP parallel region); its result or
-    its exception."""
+    """fn() on a new thread (one that never ran an OpenMP parallel region), the forks it
+    makes releasing the parent's sockets; its result or its exception."""
     box: list[Any] = []
 
     def run() -> None:
+        global _core_forker
+        _core_forker = threading.get_ident()
         try:
             box.append((True, fn()))
         except BaseException as e:  # re-raised in the caller's thread
             box.append((False, e))
+        finally:
+            _core_forker = None
 
     t = threading.Thread(target=run, name="vllm-engine-start")
     t.start()
