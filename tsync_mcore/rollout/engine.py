@@ -13,8 +13,10 @@ worker processes of its multiprocessing executor, which this engine does not use
 spawned core imports vLLM and torch again, a forked one inherits them
 (docs/measured/engine-start.md). The fork is made from a thread of its own: a child forked
 by a thread that ran an OpenMP parallel region deadlocks in its first one (libgomp keeps
-its thread pool per thread, and the pool's threads do not survive the fork). A caller's
-`VLLM_WORKER_MULTIPROC_METHOD=spawn` keeps the spawn (scripts then need the
+its thread pool per thread, and the pool's threads do not survive the fork). The forked
+core lets go of the sockets it inherited (a spawned one inherits none), and a process in a
+torch.distributed group keeps the spawn (a forked core would take the group for its own),
+as does a caller's `VLLM_WORKER_MULTIPROC_METHOD=spawn` (scripts then need the
 `if __name__ == "__main__":` guard).
 
 `EngineThread` owns an event loop in a background thread so that a non-async caller (the
