@@ -1,12 +1,13 @@
 """Rollout side: vLLM engine (log-probs, in-place reload), teacher, envs, the agent loop.
 
-One vLLM engine serves the whole module (start ~12 s on 2 cores: AsyncLLM always spawns
-its engine-core process); tests that change its weights put the originals back.
+One vLLM engine serves the whole module (its engine-core process is started once:
+docs/measured/engine-start.md); tests that change its weights put the originals back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import time
@@ -125,6 +126,53 @@ def test_generate_logprobs_match_hf(et, engine, hf):
     # seeded sampling is reproducible
     again = gen_all(et, engine, PROMPTS)
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+
+
+def test_engine_core_is_forked_on_cpu(engine, ckpts):
+    """On a CPU the engine core is forked from this process (it inherits vLLM and torch
+    instead of importing them again: docs/measured/engine-start.md); vLLM's spawn stays
+    for a multiprocessing executor (TP > 1) and for a caller who asks for it."""
+    import multiprocessing.context as mpc
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from tsync_mcore.rollout.engine import start_method
+    from tsync_mcore.rollout.replicas import engine_core_processes
+
+    key = "VLLM_WORKER_MULTIPROC_METHOD"
+    caller = os.environ.get(key)
+    if torch.cuda.is_available() or caller == "spawn" or torch.distributed.is_initialized():
+        pytest.skip("the CPU platform's start method, in a process the caller left to it")
+    procs = engine_core_processes(engine)
+    assert len(procs) == 1 and isinstance(procs[0], mpc.ForkProcess) and procs[0].is_alive()
+
+    def sockets(pid: int) -> set[str]:
+        out = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                out.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        return {link for link in out if link.startswith("socket:")}
+
+    # and it holds none of this process's sockets open (a spawned core inherits none)
+    mine, core = sockets(os.getpid()), sockets(procs[0].pid)
+    assert mine and core and not mine & core
+    try:  # a config alone starts nothing; vLLM's CPU platform sets the variable to spawn
+        one, two = [AsyncEngineArgs(model=ckpts[0], max_model_len=MAX_LEN, tensor_parallel_size=tp,
+                                    kv_cache_memory_bytes=1 << 26).create_engine_config()
+                    for tp in (1, 2)]
+    finally:
+        os.environ.pop(key, None) if caller is None else os.environ.update({key: caller})
+    assert start_method(one) == "fork"
+    assert start_method(one, caller="spawn") is None
+    if not torch.distributed.is_initialized():  # a process in a group (a replay) spawns
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
+                                             rank=0, world_size=1)
+        try:
+            assert start_method(one) is None
+        finally:
+            torch.distributed.destroy_process_group()
+    assert two.parallel_config.distributed_executor_backend == "mp"
+    assert start_method(two) is None
 
 
 def test_seeded_batch_over_token_budget(et, engine):

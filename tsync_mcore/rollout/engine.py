@@ -1,12 +1,23 @@
 """Rollout side: a vLLM generation engine with in-place weight reload, and a frozen teacher.
 
 `RolloutEngine` wraps vLLM's `AsyncLLM` for a local Hugging Face directory. In vLLM 0.32
-`AsyncLLM` always runs its engine core in a child process (spawned: scripts that create
-one need the `if __name__ == "__main__":` guard); `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps
-the model executor inside that child instead of a third process (start ~12 s instead of
-~19 s on 2 cores). Weights reach the child as a path to an HF-named safetensors file
-(tensors sent through `collective_rpc` would arrive as Python lists), a LoRA adapter as a
-PEFT directory vLLM loads itself (`load_adapter`, docs/guide/lora.md).
+`AsyncLLM` always runs its engine core in a child process; `VLLM_ENABLE_V1_MULTIPROCESSING=0`
+keeps the model executor inside that child instead of a third process. Weights reach the
+child as a path to an HF-named safetensors file (tensors sent through `collective_rpc` would
+arrive as Python lists), a LoRA adapter as a PEFT directory vLLM loads itself
+(`load_adapter`, docs/guide/lora.md).
+
+The engine core is forked, not spawned, where vLLM runs the model inside it on a CPU
+(`start_method`): vLLM's CPU platform always asks for spawn, for the OpenMP set-up of the
+worker processes of its multiprocessing executor, which this engine does not use; a
+spawned core imports vLLM and torch again, a forked one inherits them
+(docs/measured/engine-start.md). The fork is made from a thread of its own: a child forked
+by a thread that ran an OpenMP parallel region deadlocks in its first one (libgomp keeps
+its thread pool per thread, and the pool's threads do not survive the fork). The forked
+core lets go of the sockets it inherited (a spawned one inherits none), and a process in a
+torch.distributed group keeps the spawn (a forked core would take the group for its own),
+as does a caller's `VLLM_WORKER_MULTIPROC_METHOD=spawn` (scripts then need the
+`if __name__ == "__main__":` guard).
 
 `EngineThread` owns an event loop in a background thread so that a non-async caller (the
 launcher, pytest) can drive the engine and the agent coroutines: `et.run(coro)`.
@@ -23,8 +34,10 @@ teacher is large: an `LLM` in its own process scoring with
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
+import stat
 import threading
 import time
 import uuid
@@ -42,12 +55,118 @@ T = TypeVar("T")
 WORKER_EXTENSION = "tsync_mcore.publication.worker_ext.ReloadExtension"
 
 
-def _set_cpu_env(kv_cache_gib: float) -> None:
-    # vLLM reads these at engine creation; explicit values from the caller's env win.
+def _set_cpu_env() -> None:
+    # vLLM reads it at engine creation; an explicit value from the caller's env wins.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if not torch.cuda.is_available():
-        # The CPU default asks for most of RAM and fails on small machines.
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, round(kv_cache_gib)))))
+
+
+_START_LOCK = threading.Lock()  # one engine start at a time: it sets a process-wide variable
+_core_forker: int | None = None  # the thread forking an engine core, while it does
+
+
+def _release_inherited_sockets() -> None:
+    """In a forked engine core: every socket of the parent (its learner links, servers,
+    vLLM's client sockets) now points at /dev/null, so that the core holds none of them
+    open: a peer sees the parent's connections close when the parent does, as with a
+    spawned core. dup2, not close: a parent's socket object still in the child's heap may
+    close its number later, and that number must not be one the child reused."""
+    if _core_forker != threading.get_ident() or not os.path.isdir("/proc/self/fd"):
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if fd > 2 and fd != null and stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.dup2(null, fd)
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    os.close(null)
+
+
+os.register_at_fork(after_in_child=_release_inherited_sockets)
+
+
+def start_method(vllm_config: Any, caller: str | None = None) -> str | None:
+    """How the engine core of `vllm_config` is started: "fork" where vLLM runs the model
+    inside it on a CPU (the uniprocess executor), `caller` (the caller's
+    VLLM_WORKER_MULTIPROC_METHOD) does not ask for spawn and this process is in no
+    torch.distributed group (a forked core would take it for its own); None elsewhere:
+    vLLM's own choice (spawn on a CPU, for the OpenMP set-up of its multiprocessing
+    executor's workers; fork or spawn on a GPU)."""
+    from vllm.platforms import current_platform
+
+    if caller == "spawn" or not current_platform.is_cpu():
+        return None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return None
+    return "fork" if vllm_config.parallel_config.distributed_executor_backend == "uni" else None
+
+
+def start_async_llm(args: Any) -> Any:
+    """`AsyncLLM.from_engine_args(args)`, its engine core forked where `start_method` says so
+    (see the module docstring)."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    key = "VLLM_WORKER_MULTIPROC_METHOD"
+    with _START_LOCK:
+        caller = os.environ.get(key)
+        try:
+            # vLLM's CPU platform sets the variable to spawn here, for the whole process
+            config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+
+            def start() -> Any:
+                return AsyncLLM.from_vllm_config(config, disable_log_stats=args.disable_log_stats,
+                                                 enable_log_requests=args.enable_log_requests)
+
+            if start_method(config, caller) != "fork":
+                return start()
+            os.environ[key] = "fork"
+            return _in_own_thread(_frozen_heap(start))
+        finally:
+            if caller is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = caller
+
+
+def _frozen_heap(fn):
+    """`fn` with the heap frozen while it forks: the child's garbage collections (vLLM
+    collects and freezes its heap once started) then skip every object inherited, which
+    they would otherwise visit and copy page by page (Python's gc.freeze docs)."""
+    def call() -> Any:
+        if gc.get_freeze_count():  # someone else's freeze: leave it alone
+            return fn()
+        gc.freeze()
+        try:
+            return fn()
+        finally:
+            gc.unfreeze()
+    return call
+
+
+def _in_own_thread(fn):
+    """fn() on a new thread (one that never ran an OpenMP parallel region), the forks it
+    makes releasing the parent's sockets; its result or its exception."""
+    box: list[Any] = []
+
+    def run() -> None:
+        global _core_forker
+        _core_forker = threading.get_ident()
+        try:
+            box.append((True, fn()))
+        except BaseException as e:  # re-raised in the caller's thread
+            box.append((False, e))
+        finally:
+            _core_forker = None
+
+    t = threading.Thread(target=run, name="vllm-engine-start")
+    t.start()
+    t.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 @dataclass(frozen=True)
@@ -86,9 +205,10 @@ class RolloutEngine:
 
     All coroutines must run on one event loop (the one that first calls `generate`);
     build it on that loop too (see `EngineThread`). `max_model_len` defaults to the
-    checkpoint's; `kv_cache_gib` sets `VLLM_CPU_KVCACHE_SPACE` on CPU unless the caller's
-    environment already does; `gpu_memory_utilization` is passed through on GPU.
-    `enforce_eager` skips torch.compile (its warm-up costs ~35 s on 2 cores).
+    checkpoint's; `kv_cache_gib` is the KV cache's size on CPU (a caller's
+    `VLLM_CPU_KVCACHE_SPACE`, in whole GiB, wins); `gpu_memory_utilization` is passed
+    through on GPU. `enforce_eager` skips torch.compile of the model (a long warm-up on a CPU;
+    docs/measured/engine-start.md).
     """
 
     def __init__(
@@ -107,9 +227,10 @@ class RolloutEngine:
         tensor_parallel_size: int = 1,
         lora_rank: int = 0,
     ) -> None:
-        _set_cpu_env(kv_cache_gib)
+        _set_cpu_env()
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+
+        gpu = torch.cuda.is_available()
 
         args = AsyncEngineArgs(
             model=model_dir,
@@ -123,7 +244,7 @@ class RolloutEngine:
             # a seeded request's generator with `set_offset`, which CPU generators lack:
             # the engine core dies ("CPU Generator does not use offset"). Whole prompts per
             # step avoid it; vLLM then raises the token budget to at least max_model_len.
-            enable_chunked_prefill=None if torch.cuda.is_available() else False,
+            enable_chunked_prefill=None if gpu else False,
             max_num_batched_tokens=max_num_batched_tokens,
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
@@ -131,12 +252,14 @@ class RolloutEngine:
             **lora_args(lora_rank),
             **({} if gpu_memory_utilization is None
                else {"gpu_memory_utilization": gpu_memory_utilization}),
+            # vLLM's CPU default asks for most of RAM and fails on small machines
+            **({} if gpu else {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}),
         )
         self.model_dir = model_dir
         # vLLM may seed the global RNGs of the launching process; keep the caller's streams.
         cpu_rng, py_rng = torch.get_rng_state(), random.getstate()
         try:
-            self._llm: Any = AsyncLLM.from_engine_args(args)
+            self._llm: Any = start_async_llm(args)
         finally:
             torch.set_rng_state(cpu_rng)
             random.setstate(py_rng)
@@ -417,7 +540,8 @@ class RolloutEngine:
             return time.perf_counter() - t0
 
     async def warmup(self, prompt_len: int = 8, batch: int = 8, max_tokens: int = 4) -> float:
-        """Run one small seeded batch with log-probs; the first such call is slow (~2 s)."""
+        """Run one small seeded batch with log-probs: the first such call compiles vLLM's
+        log-prob kernels, a cost no batch should carry."""
         t0 = time.perf_counter()
         ids = [i % max(2, self.vocab_size - 1) + 1 for i in range(prompt_len)]
         await asyncio.gather(*[self.generate(ids, max_tokens=max_tokens, seed=i)

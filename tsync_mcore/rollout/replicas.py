@@ -72,13 +72,18 @@ class _Died(Exception):
     """The replica a request was on was declared dead: re-issue the request."""
 
 
-def engine_core_pids(engine: Any) -> list[int]:
-    """The engine-core process ids of a RolloutEngine (vLLM's process manager); [] if it
-    has none (stopped, or an engine without one)."""
+def engine_core_processes(engine: Any) -> list[Any]:
+    """The engine-core processes of a RolloutEngine (multiprocessing Process objects of
+    vLLM's process manager); [] if it has none (stopped, or an engine without one)."""
     llm = getattr(engine, "_llm", None)
     manager = getattr(getattr(getattr(llm, "engine_core", None), "resources", None),
                       "engine_manager", None)
-    return [p.pid for p in getattr(manager, "processes", []) if p.pid]
+    return list(getattr(manager, "processes", []))
+
+
+def engine_core_pids(engine: Any) -> list[int]:
+    """The engine-core process ids of a RolloutEngine; [] if it has none."""
+    return [p.pid for p in engine_core_processes(engine) if p.pid]
 
 
 def _engine_dead(engine: Any, err: BaseException) -> str | None:
@@ -505,7 +510,7 @@ class ReplicaSet:
 @contextlib.contextmanager
 def replica_devices(i: int, tp: int, n: int) -> Iterator[None]:
     """On GPU, replica i of n sees its own `tp` GPUs while its engine starts (the engine-core
-    process is spawned then and keeps the environment it was started with)."""
+    process is started then and keeps the environment it was started with)."""
     import torch
 
     if not torch.cuda.is_available() or n == 1:
