@@ -39,7 +39,7 @@ class RolloutConfig:
     tool_latency_s: float = 0.05  # median of the long-tailed (log-normal) tool latency
     tool_timeout_s: float = 1.0  # a tool call taking longer fails its turn
     teacher_dir: str = ""  # OPD: the frozen teacher's HF directory
-    kv_cache_gib: float = 1.0  # CPU only: vLLM's KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    kv_cache_gib: float = 1.0  # CPU only: vLLM's KV cache size per engine (fractions honoured)
     # Sequences each vLLM engine decodes at once (vLLM's max_num_seqs, verl's
     # rollout.max_num_seqs); the rest wait their turn, as they do on an engine whose KV
     # cache holds fewer contexts than a batch has trajectories

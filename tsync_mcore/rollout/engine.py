@@ -205,8 +205,8 @@ class RolloutEngine:
 
     All coroutines must run on one event loop (the one that first calls `generate`);
     build it on that loop too (see `EngineThread`). `max_model_len` defaults to the
-    checkpoint's; `kv_cache_gib` is the KV cache's size on CPU (a caller's
-    `VLLM_CPU_KVCACHE_SPACE`, in whole GiB, wins); `gpu_memory_utilization` is passed
+    checkpoint's; `kv_cache_gib` is the KV cache's size on CPU (passed to vLLM as
+    `kv_cache_memory_bytes`, per engine); `gpu_memory_utilization` is passed
     through on GPU. `enforce_eager` skips torch.compile of the model (a long warm-up on a CPU;
     docs/measured/engine-start.md).
     """

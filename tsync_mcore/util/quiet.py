@@ -5,8 +5,9 @@ so a run's log shows what needs attention. Each entry names the exact message, i
 and the module that issues it; anything else still shows (never a blanket ignore). Add an
 entry only with the reason it is harmless.
 
-vLLM's engine core runs in a spawned child process that re-imports the launcher's main
-module, so a launcher that calls `install()` at module level covers that child too.
+vLLM's engine core runs in a child process: forked on a CPU (it inherits the filters), or
+spawned (GPU, CPU with TP > 1), re-importing the launcher's main module, so a launcher that
+calls `install()` at module level covers that child too.
 """
 
 from __future__ import annotations
