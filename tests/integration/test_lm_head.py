@@ -124,7 +124,7 @@ def test_replay_update_fused_equals_unfused_tp2(tp2_launch):
 
 
 def test_fused_head_peak_memory_below_unfused(tmp_path):
-    """Each run in a process of its own (ru_maxrss is per process and cannot be reset): with
+    """Each run in a process of its own (the peak RSS is per process and cannot be reset): with
     fp32 logits of 2048 × 65,536 (512 MiB, and as much again for their gradient, several
     copies at the unfused head's peak) the fused head's peak resident memory is at least
     0.5 GB lower."""

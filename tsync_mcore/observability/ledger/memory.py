@@ -20,7 +20,20 @@ __all__ = ["MemoryMeter", "current_rss_bytes", "peak_rss_bytes"]
 
 
 def peak_rss_bytes() -> int:
-    """Process-lifetime peak RSS (getrusage; KiB on Linux, bytes on macOS)."""
+    """Process-lifetime peak RSS: /proc/self/status's VmHWM where there is one, else getrusage
+    (KiB on Linux, bytes on macOS).
+
+    why VmHWM first: Linux carries ru_maxrss across fork + exec, so a process started by a
+    large parent (a pytest worker, a launcher that loaded a model) reports the parent's RSS at
+    the fork as its own peak; VmHWM is the peak of this process image only.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
@@ -71,11 +84,11 @@ class MemoryMeter:
         out: dict = {"backend": self.device.type, "setup_bytes": self.setup_bytes,
                      "host_accum_bytes": host_accum_bytes}  # fmt: skip
         if not self.on_gpu:
-            # why: ru_maxrss cannot be reset, so on CPU the peak covers the process lifetime;
-            # the kernel's high-water mark lags the live RSS, so take the larger of the two
+            # why: the high-water mark cannot be reset, so on CPU the peak covers the process
+            # lifetime; it lags the live RSS, so take the larger of the two
             rss = current_rss_bytes()
             out.update(peak_mem_bytes=max(peak_rss_bytes(), rss), rss_bytes=rss,
-                       peak_source="ru_maxrss (process lifetime)")  # fmt: skip
+                       peak_source="VmHWM (process lifetime)")  # fmt: skip
             return out
         used = None
         if self._nvml_handle is not None:
