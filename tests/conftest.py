@@ -137,12 +137,17 @@ def tiny_ckpts(tiny_root) -> dict[str, str]:
     return {name: _tiny(tiny_root, name) for name in TINY_VARIANTS}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def parallel1():
-    """Single-process torch.distributed + megatron state (TP=1), shared by the session."""
-    from tsync_mcore.model.parallel import init_parallel
+    """Single-process torch.distributed + megatron state (TP=1), shared by a module's tests.
 
-    return init_parallel(tp_size=1)
+    Torn down after the module: a pytest worker left in a process group would make every
+    vLLM engine a later file starts in process spawn its core instead of forking it
+    (rollout/engine.py's start_method), and test_rollout's fork check skip."""
+    from tsync_mcore.model.parallel import destroy_parallel, init_parallel
+
+    yield init_parallel(tp_size=1)
+    destroy_parallel()
 
 
 @pytest.fixture(scope="session")
