@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from dataclasses import dataclass
 
 from tsync_mcore.channel.sources import BatchPlan, TrajectorySource, TurnSource
@@ -195,3 +196,16 @@ class RecordedWorkload:
                 start += len(mask)
         items.sort(key=lambda x: x[0])
         return plan, n_turns, items
+
+
+def timed_update(learner, work: Workload, draw: int) -> tuple[float, object]:
+    """One update of `learner` on `work`'s batch `draw`, every source submitted at once (no
+    release times): its wall seconds and the update's summary."""
+    plan, n_turns, items = work.update(learner.version, R=0.0, draw=draw)
+    plan.n_turns.update(n_turns)
+    t0 = time.perf_counter()
+    learner.begin(plan)
+    for _, src in items:
+        learner.submit(src)
+    summary = learner.close().summary
+    return time.perf_counter() - t0, summary

@@ -27,7 +27,7 @@ from tsync_mcore.learner.update import Learner
 from tsync_mcore.model.parallel import init_parallel
 
 from perf.bench.model import bench_model
-from perf.bench.workload import Workload
+from perf.bench.workload import Workload, timed_update
 
 
 def _adam_bytes(policy: Policy) -> int:
@@ -69,15 +69,9 @@ def main() -> None:
         bound = {}
         for rep in range(args.reps):
             for name, learner in learners.items():
-                plan, n_turns, items = work.update(learner.version, R=0.0, draw=rep)
-                plan.n_turns.update(n_turns)
-                t0 = time.perf_counter()
-                learner.begin(plan)
-                for _, src in items:
-                    learner.submit(src)
-                s = learner.close().summary
+                dt, s = timed_update(learner, work, draw=rep)
                 if rep:
-                    times[name].append(time.perf_counter() - t0)
+                    times[name].append(dt)
                 peak[name] = max(peak[name], s.accum_peak_bytes)
                 bound[name] = s.accum_bound_bytes
         full_t = statistics.mean(times["full"])

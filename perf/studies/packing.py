@@ -13,7 +13,6 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 
 import torch
 
@@ -24,7 +23,7 @@ from tsync_mcore.model.parallel import init_parallel
 
 from perf.bench.model import bench_model
 from perf.bench.plan import PACK_DEFAULT
-from perf.bench.workload import Workload
+from perf.bench.workload import Workload, timed_update
 
 
 def main() -> None:
@@ -50,15 +49,9 @@ def main() -> None:
         times: dict[int, list[float]] = {pack: [] for pack in learners}
         for rep in range(args.reps):
             for pack, learner in learners.items():
-                plan, n_turns, items = work.update(learner.version, R=0.0, draw=rep)
-                plan.n_turns.update(n_turns)
-                t0 = time.perf_counter()
-                learner.begin(plan)
-                for _, src in items:
-                    learner.submit(src)
-                learner.close()
+                dt, _ = timed_update(learner, work, draw=rep)
                 if rep:
-                    times[pack].append(time.perf_counter() - t0)
+                    times[pack].append(dt)
         one, packed = (statistics.mean(times[k]) for k in (0, PACK_DEFAULT))
         print(f"{objective} sync B={args.batch}: one by one {one:.3f}s, packed "
               f"(max_tokens_per_pass={PACK_DEFAULT}) {packed:.3f}s, ratio {one / packed:.2f}",
