@@ -273,6 +273,8 @@ def _check_not_root(user: str, key: str) -> None:
     RLIMIT_NPROC do not bind it, and it can undo every other bound."""
     import pwd
 
+    check(bool(user.strip()), key, "is empty: it would keep root (uid 0) for the model's code; "
+          "name an unprivileged user (default 'nobody')")
     try:
         uid = pwd.getpwnam(user).pw_uid
     except KeyError:

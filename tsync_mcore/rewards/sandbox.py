@@ -38,9 +38,12 @@ class SandboxLimits:
     nproc: int = 32
     fsize_mb: int = 16
     nofile: int = 64
-    user: str = "nobody"  # dropped to when running as root ("" keeps root)
+    user: str = "nobody"  # dropped to when running as root (never root, never "")
     python: str = ""  # "" : this interpreter, or the system python3 the user can run
     uid_base: int = 1 << 24  # run as root: each program under a uid of its own (0: `user`)
+
+    def __post_init__(self) -> None:
+        _sb.check_unprivileged(self.user, "reward sandbox")
 
     def general(self, max_output: int = 1 << 16) -> _sb.Limits:
         return _sb.Limits(timeout_s=self.timeout_s, memory_mb=self.memory_mb,

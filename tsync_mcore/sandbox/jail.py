@@ -161,6 +161,20 @@ def _ids(user: str) -> tuple[int, int] | None:
     return pw.pw_uid, pw.pw_gid
 
 
+def check_unprivileged(user: str, what: str) -> None:
+    """SandboxError unless `user` names a user other than root: model-written code never
+    runs as root ("" would keep this process's uid, root's when it is root)."""
+    if not user or user == "root":
+        raise SandboxError(f"{what}: the sandbox user {user!r} would run the model's code as "
+                           f"root; name an unprivileged user (default 'nobody')")
+    try:
+        uid = pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return  # unknown here: the jail says so when it runs
+    if uid == 0:
+        raise SandboxError(f"{what}: the sandbox user {user!r} has uid 0 (root)")
+
+
 def _drop_kwargs(ids: tuple[int, int] | None) -> dict:
     if ids is None:
         return {}
