@@ -10,10 +10,12 @@ tmpfs a killed process left is removed; a long command runs."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -125,23 +127,34 @@ def test_a_tool_call_reaches_no_host_unix_socket():
     srv.bind(path)
     os.chmod(path, 0o777)
     srv.listen()
+    elsewhere = tempfile.mkdtemp(prefix=".tsync-test-sock-", dir=os.getcwd())
+    os.chmod(elsewhere, 0o755)
+    other = socket.socket(socket.AF_UNIX)
+    other.bind(os.path.join(elsewhere, "s"))
+    os.chmod(os.path.join(elsewhere, "s"), 0o777)
+    other.listen()
     abstract = socket.socket(socket.AF_UNIX)
     abstract.bind(f"\0tsync-test-{os.getpid()}")
     abstract.listen()
     try:
         prog = ("import socket\n"
                 f"for p in ({path!r}, {path.replace('/run', '/var/run')!r}, "
-                f"'\\0tsync-test-{os.getpid()}'):\n"
+                f"'\\0tsync-test-{os.getpid()}', {os.path.join(elsewhere, 's')!r}):\n"
                 "    s = socket.socket(socket.AF_UNIX)\n"
                 "    try:\n        s.connect(p); print('connected', p)\n"
                 "    except OSError as e:\n        print('refused', e.errno)\n")
         out = python(prog)
-        assert "connected" not in out and out.count("refused") == 3, out
+        assert "connected" not in out and out.count("refused") == 4, out
         assert bash("ls -A /run /var/run") == "exit code: 0\nstdout:\n/run:\n\n/var/run:"
+        # a directory bound in on purpose (an agent's endpoint socket) stays reachable
+        r = sb.run_python(prog, limits=sb.Limits(binds=(elsewhere,)))
+        assert r.stdout.split("\n")[3] == f"connected {elsewhere}/s", r
     finally:
         srv.close()
         abstract.close()
+        other.close()
         os.unlink(path)
+        shutil.rmtree(elsewhere)
 
 
 # --- finding 8: every writable place bounded; seccomp; stale episodes ---------------------

@@ -80,7 +80,7 @@ class Limits:
     nproc: int = 32  # processes: of this run (pids cgroup), else of the user (RLIMIT_NPROC)
     fsize_mb: int = 16  # bytes per written file (RLIMIT_FSIZE)
     nofile: int = 64  # open files
-    user: str = "nobody"  # dropped to when running as root ("" keeps root)
+    user: str = "nobody"  # dropped to when running as root ("" keeps root: internal probes)
     python: str = ""  # "" : this interpreter, or the system python3 the user can run
     # "isolate": new network namespace where permitted, else on with a warning;
     # "require": SandboxError where not permitted; "host": the host's network
@@ -588,7 +588,8 @@ def start(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
             nofile=limits.nofile, nproc=limits.nproc_user if cg.pids else limits.nproc,
             cgroups=cg.procs, uid=ids[0] if ids else None, gid=ids[1] if ids else None,
             ns=fs_ns, loopback=limits.loopback and isolated, covers=binds[0],
-            binds=binds[1], stage=stage if fs_ns else "", rundir=rundir, cwd=cwd,
+            binds=binds[1], masks=_masks(*binds) if fs_ns else [],
+            stage=stage if fs_ns else "", rundir=rundir, cwd=cwd,
             tmpfs=f"size={limits.disk_mb}m,nr_inodes={limits.disk_inodes},mode=1777",
             seccomp=_seccomp_hex(limits), status_fd=-1)
         penv = {**extra, "PATH": f"{os.path.join(rundir, '.sandbox-bin')}:/usr/local/bin:"
@@ -640,6 +641,11 @@ def _binds(limits: Limits, workdir: str | None, ids: tuple[int, int] | None,
     binds = [(p, True) for p in rw] + [(p, False) for p in ro]
     binds += [(p, False) for p in interp if view.needs_bind(p, covers)]
     return covers, list(dict.fromkeys(binds))
+
+
+def _masks(covers: list[str], binds: list[tuple[str, bool]]) -> list[str]:
+    """Host Unix sockets the call would see: covered by an empty file inside."""
+    return view.host_sockets([*covers, *(p for p, _ in binds)])
 
 
 def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",

@@ -123,6 +123,13 @@ def build_view(a: dict, ids) -> None:
         os.close(fd)
     for c in covers:
         mount(None, c, None, REMOUNT | RO | NOSUID | NODEV)
+    for sock in a["masks"]:  # the host's other Unix sockets: an empty file in their place
+        try:
+            if not stat.S_ISSOCK(os.lstat(sock).st_mode):
+                continue
+        except OSError:
+            continue  # gone meanwhile
+        mount("/dev/null", sock, None, BIND)
     if stage >= 0:
         try:
             copy_tree(f"/proc/self/fd/{stage}", a["rundir"], ids)

@@ -89,6 +89,22 @@ def needs_bind(path: str, covers: list[str]) -> bool:
     return any(_under(path, c) and path != c for c in [*covers, *PRIVATE])
 
 
+def host_sockets(shown: list[str]) -> list[str]:
+    """Paths of the host's listening Unix sockets outside the jail's private directories and
+    the directories it shows on purpose (`shown`): the jail masks each with an empty file."""
+    out = set()
+    try:
+        with open("/proc/net/unix", errors="replace") as f:
+            next(f, None)
+            for line in f:
+                x = line.split(None, 7)
+                if len(x) == 8 and x[7].startswith("/"):
+                    out.add(x[7].rstrip("\n"))
+    except OSError:
+        return []
+    return sorted(p for p in out if not any(_under(p, t) for t in (*PRIVATE, *shown)))
+
+
 # --- episode directories ------------------------------------------------------------------
 
 _EPISODE = re.compile(r"^tsync-[A-Za-z0-9_]+-p(\d+)-")
