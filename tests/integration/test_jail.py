@@ -45,7 +45,10 @@ def python(code: str, limits: sb.Limits = LIM) -> str:
 def test_the_jail_runs_this_venvs_python_and_packages_as_a_non_root_uid():
     exe = sb.interpreter(LIM)
     assert exe == sys.executable  # no longer the system python3 (/root is 0700)
+    # the caller's own tsync_mcore (a checkout beside the editable install's: shown in its
+    # place), here a module that only this branch has
     r = sb.run([exe, "-I", "-c", "import os, sys, tsync_mcore, reasoning_gym, openai; "
+                                 "import tsync_mcore.sandbox.launcher; "
                                  "print(os.getuid(), sys.prefix == sys.base_prefix)"],
                limits=sb.Limits(timeout_s=60.0, memory_mb=2048))
     assert r.returncode == 0 and r.uid and r.stdout.split()[0] == str(r.uid) != "0", r
@@ -207,9 +210,15 @@ def test_seccomp_denies_namespaces_mounts_ptrace_keyrings_and_normal_programs_ru
         "print('ptrace', err(libc.ptrace(16, child, None, None)))\n"  # PTRACE_ATTACH
         "os.kill(child, 9); os.wait()\n"
         "print('keyctl', err(libc.syscall(250 if os.uname().machine == 'x86_64' else 219,"
-        " 0, 0)))\n")
+        " 0, 0)))\n"
+        "import socket\n"
+        "for name, family in (('AF_ALG', 38), ('AF_VSOCK', 40)):\n"
+        "    try:\n        socket.socket(family, socket.SOCK_SEQPACKET); print(name, 'ok')\n"
+        "    except OSError as e:\n        print(name, e.strerror)\n")
     for call in ("unshare", "mount", "ptrace", "keyctl"):
         assert f"{call} Operation not permitted" in out, out
+    assert "AF_ALG Address family not supported by protocol" in out, out
+    assert "AF_VSOCK Address family not supported by protocol" in out, out
     out = python(
         "import multiprocessing as mp, subprocess, threading\n"
         "t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"

@@ -450,9 +450,10 @@ class Job:
     def kill(self) -> Result:
         """SIGKILL the whole jail (its process group, cgroups and PID namespace)."""
         self._killed = True
-        _kill_group(self.pid, wait_s=0.0)
-        for procs in self._cg.procs:
-            _kill_listed(procs)
+        if self._result is None and self._proc.returncode is None:  # the group's pid unreused
+            _kill_group(self.pid, wait_s=0.0)
+            for procs in self._cg.procs:
+                _kill_listed(procs)
         return self.wait()
 
     def _finish(self, timed_out: bool) -> Result:
@@ -560,6 +561,7 @@ def start(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
     io = tempfile.mkdtemp(prefix="tsync-sandbox-io-")  # root-private (0700)
     stage = tempfile.mkdtemp(prefix="tsync-sandbox-")
     dirs = [io, stage]
+    cg = cgroups.CallCgroups()
     try:
         rundir = os.path.join("/tmp", os.path.basename(stage)) if fs_ns else stage
         if template:
@@ -580,7 +582,6 @@ def start(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
         binds = _binds(limits, workdir, ids, exe) if fs_ns else ([], [])
         cg = cgroups.make(limits.nproc, (limits.memory_mb + limits.disk_mb) << 20
                           if limits.memory_cgroup else None)
-        dirs_cg = cg
         cpu = int(limits.cpu_s) or max(1, int(limits.timeout_s + 0.999))
         args = dict(
             argv=[os.path.join(rundir, a) if isinstance(a, InRun) else a for a in argv],
@@ -615,7 +616,6 @@ def start(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
                     start_new_session=True, close_fds=True,
                     pass_fds=(status_w,) if fs_ns else ())
         except OSError as e:
-            dirs_cg.kill()
             if status_r >= 0:
                 os.close(status_r)
             raise SandboxError(f"sandbox: cannot start {argv[0]}: {e}") from None
@@ -623,6 +623,7 @@ def start(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
             if status_w >= 0:
                 os.close(status_w)
     except BaseException:
+        cg.kill()
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
         raise
@@ -632,20 +633,24 @@ def start(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
 
 
 def _binds(limits: Limits, workdir: str | None, ids: tuple[int, int] | None,
-           exe: str) -> tuple[list[str], list[tuple[str, bool]]]:
-    """(tmpfs covers, (host path, writable) binds) of the call's mount namespace."""
+           exe: str) -> tuple[list[str], list[tuple[str, str, bool]]]:
+    """(tmpfs covers, (host path, path inside, writable) binds) of the call's mount
+    namespace."""
     rw = [os.path.abspath(p) for p in ([workdir] if workdir else []) + list(limits.binds)]
     ro = [os.path.abspath(p) for p in limits.expose]
     interp = view.interpreter_paths() if exe == sys.executable else []
     covers = view.covers_for(interp + rw + ro, ids[0]) if ids else []
-    binds = [(p, True) for p in rw] + [(p, False) for p in ro]
-    binds += [(p, False) for p in interp if view.needs_bind(p, covers)]
+    binds = [(p, p, True) for p in rw] + [(p, p, False) for p in ro]
+    binds += [(p, p, False) for p in interp if view.needs_bind(p, covers)]
+    overlay = view.source_overlay() if interp else None
+    if overlay:
+        binds.append((*overlay, False))
     return covers, list(dict.fromkeys(binds))
 
 
-def _masks(covers: list[str], binds: list[tuple[str, bool]]) -> list[str]:
+def _masks(covers: list[str], binds: list[tuple[str, str, bool]]) -> list[str]:
     """Host Unix sockets the call would see: covered by an empty file inside."""
-    return view.host_sockets([*covers, *(p for p, _ in binds)])
+    return view.host_sockets([*covers, *(dst for _, dst, _ in binds)])
 
 
 def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",

@@ -90,13 +90,13 @@ def copy_tree(src: str, dst: str, ids) -> None:
 
 def build_view(a: dict, ids) -> None:
     """The program's filesystem (see the module's docstring)."""
-    opened = []  # (path, fd, writable): opened before any cover hides them
-    for path, writable in a["binds"]:
+    opened = []  # (where, fd, writable): opened before any cover hides them
+    for src, dst, writable in a["binds"]:
         try:
-            opened.append((path, os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW),
+            opened.append((dst, os.open(src, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW),
                            writable))
         except OSError as e:
-            die(f"cannot open {path} to bind it in: {e}")
+            die(f"cannot open {src} to bind it in: {e}")
     stage = os.open(a["stage"], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW) if a["stage"] \
         else -1
     mount(None, "/", None, REC | PRIVATE)

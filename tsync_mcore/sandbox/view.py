@@ -26,14 +26,26 @@ import tempfile
 PRIVATE = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/var/run")
 
 
-def _editable_sources() -> list[str]:
-    """Package directories that editable installs map in (setuptools' finder modules)."""
-    out = []
+def _editable_mapping() -> dict[str, str]:
+    """Package name -> directory, of the editable installs (setuptools' finder modules)."""
+    out = {}
     for name, mod in list(sys.modules.items()):
         mapping = getattr(mod, "MAPPING", None) if name.startswith("__editable__") else None
         if isinstance(mapping, dict):
-            out += [p for p in mapping.values() if isinstance(p, str)]
+            out.update({k: v for k, v in mapping.items() if isinstance(v, str)})
     return out
+
+
+def source_overlay() -> tuple[str, str] | None:
+    """(this process's tsync_mcore, the editable install's) when they differ — a checkout
+    run with PYTHONPATH beside the one installed: the jail shows this one in the installed
+    one's place, so a jailed `python -I -m tsync_mcore...` runs the caller's code."""
+    pkg = sys.modules.get("tsync_mcore")
+    mapped = _editable_mapping().get("tsync_mcore")
+    if pkg is None or not getattr(pkg, "__path__", None) or not mapped:
+        return None
+    mine = os.path.realpath(list(pkg.__path__)[0])
+    return (mine, os.path.realpath(mapped)) if mine != os.path.realpath(mapped) else None
 
 
 def interpreter_paths() -> list[str]:
@@ -43,7 +55,7 @@ def interpreter_paths() -> list[str]:
         paths += site.getsitepackages()
     except AttributeError:  # pragma: no cover - virtualenv's old site.py
         pass
-    paths += _editable_sources()
+    paths += list(_editable_mapping().values())
     pkg = sys.modules.get("tsync_mcore")
     if pkg is not None and getattr(pkg, "__path__", None):
         paths.append(list(pkg.__path__)[0])  # the project's own source, wherever it lives
