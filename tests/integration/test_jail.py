@@ -148,6 +148,9 @@ def test_a_tool_call_reaches_no_host_unix_socket():
                 "    except OSError as e:\n        print('refused', e.errno)\n")
         out = python(prog)
         assert "connected" not in out and out.count("refused") == 4, out
+        # nothing of the caller's is inherited: stdin, stdout, stderr (and listdir's own)
+        assert python("import os\nprint(sorted(os.listdir('/proc/self/fd')))") == \
+            "exit code: 0\nstdout:\n['0', '1', '2', '3']"
         assert bash("ls -A /run /var/run") == "exit code: 0\nstdout:\n/run:\n\n/var/run:"
         # a directory bound in on purpose (an agent's endpoint socket) stays reachable
         r = sb.run_python(prog, limits=sb.Limits(binds=(elsewhere,)))
