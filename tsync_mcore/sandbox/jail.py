@@ -526,7 +526,7 @@ def _prefix(limits: Limits, probe: bool) -> tuple[list[str], bool, bool]:
         why = "" if probe else fs_isolation()
         fs_ns = not why
         if why:
-            if limits.isolation == "require" or limits.binds or limits.expose:
+            if limits.isolation == "require":
                 raise SandboxError(f"sandbox: filesystem isolation required but {why}")
             _warn_once(f"sandbox runs WITHOUT mount/PID/IPC namespaces: {why}")
         elif not prefix:
