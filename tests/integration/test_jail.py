@@ -237,8 +237,10 @@ def test_an_episode_tmpfs_left_by_a_killed_rollout_is_removed_at_the_next_start(
     left = subprocess.run(
         [sys.executable, "-c",
          "import os, signal\nfrom tsync_mcore.sandbox import jail as sb\n"
-         "d = sb.episode_dir(sb.Limits(), prefix='tsync-terminal-')\n"
-         "open(os.path.join(d, 'x'), 'w').write('x')\nprint(d, flush=True)\n"
+         "lim = sb.Limits(uid_base=1 << 24)\n"
+         "d = sb.episode_dir(lim, prefix='tsync-terminal-')\n"
+         "assert sb.run_shell('echo x > x', limits=lim, workdir=d).returncode == 0\n"
+         "print(d, flush=True)\n"
          "os.kill(os.getpid(), signal.SIGKILL)\n"],
         capture_output=True, text=True, env=env, timeout=120).stdout.strip()
     assert os.path.ismount(left)

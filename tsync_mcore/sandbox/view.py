@@ -125,7 +125,8 @@ _CLEANED: list[bool] = []
 
 def _umount(path: str) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
-    return 0 if libc.umount2(path.encode(), 2) == 0 else ctypes.get_errno()  # MNT_DETACH
+    # MNT_DETACH | UMOUNT_NOFOLLOW: a name swapped for a link unmounts nothing elsewhere
+    return 0 if libc.umount2(path.encode(), 2 | 8) == 0 else ctypes.get_errno()
 
 
 def _mount_tmpfs(path: str, opts: str) -> int:
@@ -158,8 +159,12 @@ def clean_stale_episodes(tmp: str | None = None) -> list[str]:
         if not m or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
             continue
         path = os.path.join(tmp, n)
-        if os.path.islink(path) or not os.path.isdir(path):
+        try:
+            st = os.lstat(path)
+        except OSError:
             continue
+        if not stat.S_ISDIR(st.st_mode):
+            continue  # a link is left alone (rmtree and the umount follow none either)
         while os.path.ismount(path):
             if _umount(path):
                 break
