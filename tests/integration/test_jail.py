@@ -227,8 +227,12 @@ def test_seccomp_denies_namespaces_mounts_ptrace_keyrings_and_normal_programs_ru
         "t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
         "print(subprocess.run(['bash', '-c', 'echo sub; (sleep 0.1 &); wait'],"
         " capture_output=True, text=True).stdout.strip())\n"
-        "with mp.Pool(2) as p:\n    print(sum(p.map(abs, [-1, -2])))\n")
-    assert out == "exit code: 0\nstdout:\nthread\nsub\n3", out
+        "with mp.Pool(2) as p:\n    print(sum(p.map(abs, [-1, -2])))\n"
+        # ptys work, from a devpts of its own: none of the host's, at most 16
+        "import os, pty\nfds = []\ntry:\n    while len(fds) < 40:\n"
+        "        fds.append(pty.openpty())\nexcept OSError:\n    pass\n"
+        "print(len(fds), len(os.listdir('/dev/pts')) - 1)\n")
+    assert out == "exit code: 0\nstdout:\nthread\nsub\n3\n16 16", out
 
 
 @needs_root

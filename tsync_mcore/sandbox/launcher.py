@@ -4,7 +4,7 @@ and limits and then execs the program (tsync_mcore/sandbox/jail.py starts it).
 
 In order: join the call's cgroups; bring `lo` up (a loopback jail); in a mount + PID
 namespace: every mount read-only, a private tmpfs on /tmp (/var/tmp and /dev/shm the same),
-an empty one on /run (and /var/run), empty tmpfs covers over directories the jailed uid
+an empty one on /run (and /var/run), a devpts of its own, empty tmpfs covers over directories the jailed uid
 cannot traverse (/root), then the call's directories bound in — read-only (the
 interpreter's prefixes, `expose`) or writable (the work directory, `binds`) — through
 descriptors opened before anything was covered, the call's staged run directory copied onto
@@ -113,6 +113,11 @@ def build_view(a: dict, ids) -> None:
         mount("tmpfs", "/run", "tmpfs", NOSUID | NODEV | NOEXEC, "size=16k,nr_inodes=16,mode=0755")
     if os.path.isdir("/var/run") and not os.path.islink("/var/run"):
         mount("/run", "/var/run", None, BIND)
+    # ptys of its own (at most 16): none of the host's, and no way to use up the host's
+    if os.path.isdir("/dev/pts") and os.path.exists("/dev/ptmx"):
+        mount("devpts", "/dev/pts", "devpts", NOSUID | NOEXEC,
+              "newinstance,ptmxmode=0666,mode=0620,max=16")
+        mount("/dev/pts/ptmx", "/dev/ptmx", None, BIND)
     covers = [c for c in a["covers"] if os.path.isdir(c) and not os.path.islink(c)]
     for c in covers:
         mount("tmpfs", c, "tmpfs", NOSUID | NODEV, "size=16k,nr_inodes=1024,mode=0755")
