@@ -66,7 +66,7 @@ def test_a_started_job_talks_through_pipes_and_is_killed_from_another_thread(tmp
             "for line in sys.stdin:\n    print(line.strip().upper(), flush=True)\n")
     job = sb.start([sb.interpreter(LIM), "-I", "-c", prog], limits=LIM, pipes=True,
                    env={"JOB_TOKEN": "t0k"})
-    assert job.stdout.readline() == b"t0k\n"
+    assert job.stdout.readline() == b"t0k\n" and job.uid not in (None, 0)
     job.stdin.write(b"ping\n")
     job.stdin.flush()
     assert job.stdout.readline() == b"PING\n"

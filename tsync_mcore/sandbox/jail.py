@@ -427,6 +427,7 @@ class Job:
         self._result: Result | None = None
         self._killed = False
         self.pid: int = proc.pid
+        self.uid: int | None = info["uid"]  # the program's uid (None: this process's)
         self.stdin = proc.stdin  # binary pipes when started with pipes=True, else None
         self.stdout = proc.stdout
 
