@@ -4,11 +4,12 @@ and limits and then execs the program (tsync_mcore/sandbox/jail.py starts it).
 
 In order: join the call's cgroups; bring `lo` up (a loopback jail); in a mount + PID
 namespace: every mount read-only, a private tmpfs on /tmp (/var/tmp and /dev/shm the same),
-an empty one on /run (and /var/run), a devpts of its own, empty tmpfs covers over directories the jailed uid
-cannot traverse (/root), then the call's directories bound in — read-only (the
-interpreter's prefixes, `expose`) or writable (the work directory, `binds`) — through
-descriptors opened before anything was covered, the call's staged run directory copied onto
-the tmpfs, a /proc of the new PID namespace; fork the program and stay its PID 1 (its exit
+an empty one on /run (and /var/run), a devpts of its own, empty tmpfs covers over
+directories the jailed uid cannot traverse (/root), then the call's directories bound in —
+read-only (the interpreter's prefixes, `expose`) or writable (the work directory, `binds`)
+— through descriptors opened before anything was covered, the host's other Unix sockets
+covered by an empty file, the call's staged run directory copied onto the tmpfs, a /proc
+of the new PID namespace; fork the program and stay its PID 1 (its exit
 kills what is left); then rlimits, the uid drop, no-new-privs and the seccomp filter, exec.
 """
 
