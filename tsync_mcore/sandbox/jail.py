@@ -123,6 +123,7 @@ class Limits:
             if isinstance(paths, str) or not all(isinstance(p, str) and os.path.isabs(p)
                                                  and "\x00" not in p for p in paths):
                 raise ValueError(f"{key} must be a tuple of absolute paths, got {paths!r}")
+            object.__setattr__(self, key, tuple(paths))
         if self.loopback and self.network == "host":
             raise ValueError("loopback needs a network namespace of its own (network is 'host')")
 
