@@ -23,6 +23,7 @@ import pytest
 
 from tsync_mcore.rewards.sandbox import SandboxLimits
 from tsync_mcore.rewards.sandbox import run_python as reward_run_python
+from tsync_mcore.sandbox import cgroups
 from tsync_mcore.sandbox import jail as sb
 from tsync_mcore.sandbox.tools import ToolBox
 
@@ -244,16 +245,25 @@ def test_an_episode_tmpfs_left_by_a_killed_rollout_is_removed_at_the_next_start(
          "lim = sb.Limits(uid_base=1 << 24)\n"
          "d = sb.episode_dir(lim, prefix='tsync-terminal-')\n"
          "assert sb.run_shell('echo x > x', limits=lim, workdir=d).returncode == 0\n"
-         "print(d, flush=True)\n"
+         "job = sb.start(['/bin/sleep', '1000'], limits=sb.Limits(timeout_s=1000))\n"
+         "print(d, os.getpid(), flush=True)\n"
          "os.kill(os.getpid(), signal.SIGKILL)\n"],
-        capture_output=True, text=True, env=env, timeout=120).stdout.strip()
+        capture_output=True, text=True, env=env, timeout=120).stdout.split()
+    left, pid = left[0], int(left[1])  # its episode, a call's cgroups and staging dir left
     assert os.path.ismount(left)
+
+    def leftovers() -> list[str]:
+        cgs = [os.path.join(r, n) for r in (cgroups.pids_root(), cgroups.memory_root()) if r
+               for n in os.listdir(r) if n.startswith(f"run-p{pid}-")]
+        return cgs + [n for n in os.listdir(tempfile.gettempdir()) if f"-p{pid}-" in n]
+    assert len(leftovers()) >= 3
     try:
         r = subprocess.run([sys.executable, "-c", "from tsync_mcore.sandbox import jail as sb\n"
                                                   "print(sb.run_shell('echo ok').stdout)"],
                            capture_output=True, text=True, env=env, timeout=120)
         assert r.stdout.strip() == "ok", r.stderr
         assert not os.path.ismount(left) and not os.path.exists(left)
+        assert leftovers() == []  # the orphaned `sleep 1000` killed with its cgroups
     finally:
         if os.path.ismount(left):
             subprocess.run(["umount", "-l", left])

@@ -560,8 +560,9 @@ def start(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
     if ids is not None and limits.uid_base:
         ids = _run_ids(workdir, limits.uid_base)
     t0 = time.monotonic()
-    io = tempfile.mkdtemp(prefix="tsync-sandbox-io-")  # root-private (0700)
-    stage = tempfile.mkdtemp(prefix="tsync-sandbox-")
+    # root-private (0700), named for this process (view.clean_stale_episodes)
+    io = tempfile.mkdtemp(prefix=f"tsync-sandboxio-p{os.getpid()}-")
+    stage = tempfile.mkdtemp(prefix=f"tsync-sandbox-p{os.getpid()}-")
     dirs = [io, stage]
     cg = cgroups.CallCgroups()
     try:

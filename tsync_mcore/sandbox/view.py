@@ -146,8 +146,9 @@ def _alive(pid: int) -> bool:
 
 
 def clean_stale_episodes(tmp: str | None = None) -> list[str]:
-    """Unmount and remove episode directories whose owning process is gone (a rollout
-    killed with SIGKILL leaves its episodes' tmpfs mounted); the ones removed."""
+    """Unmount and remove episode directories (and the jail's staging directories) whose
+    owning process is gone (a rollout killed with SIGKILL leaves its episodes' tmpfs
+    mounted); the ones removed."""
     tmp = tmp or tempfile.gettempdir()
     removed = []
     try:
