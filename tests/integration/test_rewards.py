@@ -213,7 +213,8 @@ def test_code_tests_answer_names_objects_and_reports_pass_nothing(name):
 def test_code_tests_hostile_values_and_untestable_code():
     """Values that are not plain, bombs and floods fail their test only; the honest test
     beside them passes. Test code whose asserts would run in the answer's process (a
-    loop's assert, where an always-equal object passed before) is refused in one line."""
+    loop's assert, where an always-equal object passed before) is refused in one line; a
+    loop over a literal sequence is unrolled and judged."""
     fn = _code_tests()
     code = ("import sys\nsys.setrecursionlimit(10 ** 6)\n\ndef rec(n):\n    return rec(n)\n\n"
             "def deep(n):\n    x = []\n    for _ in range(n):\n        x = [x]\n    return x\n\n"
@@ -225,9 +226,13 @@ def test_code_tests_hostile_values_and_untestable_code():
     assert fn(prompt="p", response=code, label=tests, meta={})["reward"] == 0.2
     assert time.monotonic() - t0 < 60
     eq = "class Y:\n    def __eq__(self, o):\n        return True\n\ndef f(x):\n    return Y()\n"
-    for test, why in (("for x, y in [(1, 2), (3, 4)]:\n    assert f(x) == y\nassert True",
+    for test, why in (("for x, y in zip([1, 3], [2, 4]):\n    assert f(x) == y\nassert True",
                        "line 2: an assert inside a for loop"),
                       ("from math import *\nassert isclose(f(1), 2)", "import \\*"),
                       ("assert all(f(i) == i for i in range(3))", "comprehension")):
         with pytest.raises(ValueError, match=why):
             fn(prompt="p", response=eq, label=[test], meta={})
+    loop = "for x, y in [(1, 2), (3, 4)]:\n    assert f(x) == y\n"
+    assert fn(prompt="p", response=eq, label=[loop], meta={})["reward"] == 0.0
+    assert fn(prompt="p", response="def f(x):\n    return x + 1\n", label=[loop],
+              meta={})["reward"] == 1.0

@@ -11,7 +11,7 @@ from tsync_mcore.sandbox import verdict as v
 
 
 def test_plan_keeps_expectations_and_comparisons_out_of_the_answer():
-    p = v.plan("import math\nx = 3\nwant = 9\nassert f(x) == want, 'msg'\nassert ok(1)\n"
+    p = v.plan("import math\nx, want = 3, 9\nassert f(x) == want, 'msg'\nassert ok(1)\n"
                "assert not ok(2)\nassert f(1) == g(1)\nassert math.isclose(f(2), 1.5)\n"
                "assert sorted(f(4)) == sorted([2, 1])\n")
     # the answer's process sees the holes and the setup they need, nothing else
@@ -25,12 +25,23 @@ def test_plan_keeps_expectations_and_comparisons_out_of_the_answer():
     # HumanEval's check(candidate) is inlined
     p = v.plan("def check(candidate):\n    assert candidate(2) == 4\n\ncheck(sq)\n")
     assert p.holes == ["sq(2)"] and p.asserts == [("cmp", ["=="], [("hole", 0), ("lit", 4)])]
+    # a loop over a literal sequence is unrolled: its expectations stay here too
+    p = v.plan("for x, (y, z) in [(1, (2, 'a')), (3, (4, 'b'))]:\n    assert f(x) == y\n"
+               "    assert g(x) != z\nfor i in range(2):\n    assert f(i) >= 0\n")
+    assert p.holes == ["f(1)", "g(1)", "f(3)", "g(3)", "f(0)", "f(1)"]
+    assert [t[2][1] for t in p.asserts] == [("lit", 2), ("lit", "a"), ("lit", 4), ("lit", "b"),
+                                            ("lit", 0), ("lit", 0)]
+    # the entry point is the answer's even where it is a builtin's name
+    p = v.plan("def check(candidate):\n    assert candidate([1]) == 1\n\ncheck(sum)\n")
+    assert p.names == ["sum"] and p.holes == ["sum([1])"]
     for bad, why in (("def f(:", "does not parse"), ("x = 1\n", "no assert"),
-                     ("for i in [1]:\n    assert f(i) == 1\nassert True", "line 2: an assert "
+                     ("for i in [1]:\n    y = i\n    assert f(i) == y", "line 3: an assert "
                       "inside a for loop"),
+                     ("for i in range(n):\n    assert f(i)", "inside a for loop"),
                      ("def t():\n    assert f(1)\nt()\nassert True", "inside a function"),
                      ("from m import *\nassert f(1)", r"import \*"),
-                     ("assert [f(i) for i in range(3)] == [0, 1, 2]", "comprehension")):
+                     ("assert [f(i) for i in range(3)] == [0, 1, 2]", "comprehension"),
+                     ("assert eval(f(1)) == 2", "as code outside")):
         with pytest.raises(v.TestCodeError, match=why):
             v.plan(bad)
 

@@ -20,8 +20,10 @@ assert at the answer:
 
 So a bare `assert f(x)` and `assert not f(x)` show the answer the same hole, and the
 answer's report can only pass what its values pass. Test code that cannot be cut this way
-is refused in one line (`TestCodeError`): an assert nested in a loop, branch, `with`, `try`
-or function other than HumanEval's check (it would run in the answer's process), a star
+is refused in one line (`TestCodeError`): an assert nested in a loop (but a `for` over a
+literal sequence or a range of constants with only asserts in its body, unrolled), branch,
+`with`, `try` or function other than HumanEval's check (it would run in the answer's
+process), an operand that hands the answer's value to `eval`/`exec`, a star
 import (it hides which names are the answer's), a hole that uses a comprehension's or a
 lambda's variable. Setup lines (imports, assignments) all run before the asserts, as
 before.
@@ -48,6 +50,7 @@ _WRAPPERS = frozenset({"set", "frozenset", "sorted", "list", "tuple", "dict", "l
                        "str", "int", "float", "bool", "min", "max", "sum", "any", "all",
                        "round", "repr", "callable", "isinstance"})
 _HOLE = "__tsync_h"
+_RUNS_CODE = frozenset({"eval", "exec", "compile", "__import__", "breakpoint"})
 _OPS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">",
         ast.GtE: ">=", ast.In: "in", ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not"}
 _SINGLETONS = (None, True, False, ...)
@@ -86,13 +89,14 @@ def plan(test_code: str) -> Plan:
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         raise TestCodeError(f"test code does not parse ({type(e).__name__})") from None
     try:
-        return _Planner(_inline_checks(tree.body)).plan()
+        entries = {c.value.args[0].id for c in tree.body if _is_check_call(c)}
+        return _Planner(_split_assigns(_unroll(_inline_checks(tree.body))), entries).plan()
     except RecursionError:
         raise TestCodeError("test code nests too deeply") from None
 
 
 class _Planner:
-    def __init__(self, body: list[ast.stmt]):
+    def __init__(self, body: list[ast.stmt], entries: set[str]):
         self.setup = [n for n in body if not isinstance(n, ast.Assert)]
         self.asserts = [n for n in body if isinstance(n, ast.Assert)]
         for node in self.setup:
@@ -111,7 +115,9 @@ class _Planner:
         self.loads = [_free(n) for n in self.setup]
         bound = set().union(*self.binds)
         used = set().union(*self.loads, *(_free(a.test) for a in self.asserts))
-        self.answer = used - bound - _BUILTINS
+        # the answer's: what the test reads and does not bind, builtins aside (a builtin's
+        # name is the harness's) unless it is the entry point handed to check()
+        self.answer = (used - bound - _BUILTINS) | (entries & used)
         self.tainted = set(self.answer)  # names whose value depends on the answer
         self.dirty = [False] * len(self.setup)
         changed = True
@@ -178,6 +184,10 @@ class _Planner:
                     f"evaluated apart from the test")
         if isinstance(cut, ast.Name) and cut.id == f"{_HOLE}{first}" and len(mine) == 1:
             return ("hole", first)
+        if mine and _free(cut) & _RUNS_CODE:
+            raise TestCodeError(
+                f"test code line {e.lineno}: `{ast.unparse(e)}` would run the answer's value "
+                f"as code outside its process")
         self.leaves.append(ast.unparse(cut))
         self.leaf_holes.append(mine)
         return ("leaf", len(self.leaves) - 1)
@@ -282,6 +292,92 @@ def _free(node: ast.AST) -> set[str]:
     loads = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)
              and isinstance(n.ctx, ast.Load)}
     return loads - _scoped(node)
+
+
+def _is_check_call(node: ast.stmt) -> bool:
+    """`check(NAME)`: HumanEval's call of its check function with the entry point."""
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) \
+        and isinstance(node.value.func, ast.Name) and len(node.value.args) == 1 \
+        and not node.value.keywords and isinstance(node.value.args[0], ast.Name)
+
+
+def _unroll(body: list[ast.stmt], most: int = 1000) -> list[ast.stmt]:
+    """`for x, y in [(1, 2), (3, 4)]: assert f(x) == y` (a literal sequence or a range of
+    constants; asserts only in the body) as one top-level assert per item."""
+    out: list[ast.stmt] = []
+    for node in body:
+        items = _loop_items(node, most) if isinstance(node, ast.For) else None
+        if items is None:
+            out.append(node)
+            continue
+        for item in items:
+            names = _bind_target(node.target, item)
+            if names is None:
+                out.append(node)  # a target that does not unpack: left whole (refused)
+                break
+            for st in node.body:
+                copy = ast.parse(ast.unparse(st)).body[0]
+                for name, value in names.items():
+                    copy = _Substitute(name, ast.parse(repr(value), mode="eval").body
+                                       ).visit(copy)
+                out.append(ast.fix_missing_locations(ast.copy_location(copy, st)))
+    return out
+
+
+def _loop_items(node: ast.For, most: int) -> list[Any] | None:
+    if node.orelse or not node.body or not all(isinstance(s, ast.Assert) for s in node.body):
+        return None
+    it = node.iter
+    try:
+        if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) \
+                and it.func.id == "range" and not it.keywords:
+            args = [ast.literal_eval(a) for a in it.args]
+            if not all(type(a) is int for a in args) or not 1 <= len(args) <= 3:
+                return None
+            r = range(*args)
+            return list(r) if len(r) <= most else None
+        items = ast.literal_eval(it)
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return None
+    if not isinstance(items, (list, tuple)) or len(items) > most:
+        return None
+    try:
+        return items if all(ast.literal_eval(repr(x)) == x for x in items) else None
+    except (ValueError, SyntaxError, RecursionError, MemoryError):
+        return None
+
+
+def _bind_target(target: ast.expr, item: Any) -> dict[str, Any] | None:
+    if isinstance(target, ast.Name):
+        return {target.id: item}
+    if isinstance(target, (ast.Tuple, ast.List)) and isinstance(item, (list, tuple)) \
+            and len(item) == len(target.elts):
+        out: dict[str, Any] = {}
+        for t, x in zip(target.elts, item):
+            sub = _bind_target(t, x)
+            if sub is None:
+                return None
+            out.update(sub)
+        return out
+    return None
+
+
+def _split_assigns(body: list[ast.stmt]) -> list[ast.stmt]:
+    """`x, want = 3, 9` as `x = 3` and `want = 9`: a hole that needs x does not carry the
+    expected value into the answer's process (when no value reads a target)."""
+    out: list[ast.stmt] = []
+    for node in body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                and isinstance(node.targets[0], (ast.Tuple, ast.List)) \
+                and isinstance(node.value, (ast.Tuple, ast.List)) \
+                and len(node.targets[0].elts) == len(node.value.elts) \
+                and all(isinstance(t, ast.Name) for t in node.targets[0].elts) \
+                and not {t.id for t in node.targets[0].elts} & _free(node.value):
+            out += [ast.fix_missing_locations(ast.copy_location(ast.Assign([t], v), node))
+                    for t, v in zip(node.targets[0].elts, node.value.elts)]
+        else:
+            out.append(node)
+    return out
 
 
 def _inline_checks(body: list[ast.stmt]) -> list[ast.stmt]:
