@@ -42,37 +42,47 @@ MAX_DEPTH = 64  # nesting of one value
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), type(Ellipsis))
 
 
-def dump_value(v, depth=0):
+def dump_value(v):
     """`v` as the text of a plain value: builtin scalars and containers only (subclasses
-    of them, an OrderedDict or a namedtuple, become their base type), no cycles; a
-    ValueError for anything else — an object of the answer's own class never crosses."""
-    text = _dump(v, depth)
-    if len(text) > MAX_VALUE:
+    of them, an OrderedDict or a namedtuple, become their base type; a numpy value its
+    `tolist()`), no cycles; a ValueError for anything else — an object of the answer's
+    own class never crosses — or past MAX_VALUE characters."""
+    budget = [MAX_VALUE]
+    return _dump(v, 0, budget)
+
+
+def _dump(v, depth, budget):
+    if depth > MAX_DEPTH:
+        raise ValueError("value nested too deeply")
+    text = _text(v, depth, budget)
+    budget[0] -= len(text)
+    if budget[0] < 0:  # checked as it grows: a value of 10**7 items stops early
         raise ValueError(f"value longer than {MAX_VALUE} characters")
     return text
 
 
-def _dump(v, depth):
-    if depth > MAX_DEPTH:
-        raise ValueError("value nested too deeply")
+def _text(v, depth, budget):
     t = type(v)
     if t in _SCALARS:
         return _scalar(v, t)
     for base in (int, float, complex, str, bytes):
         if isinstance(v, base):  # a subclass: its base value, never its own __repr__
             return _scalar(v, base)
+    d = depth + 1
     if isinstance(v, (list, tuple)):
-        parts = [_dump(x, depth + 1) for x in list(v)]
+        parts = [_dump(x, d, budget) for x in list(v)]
         if isinstance(v, list):
             return "[" + ", ".join(parts) + "]"
         return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
     if isinstance(v, (set, frozenset)):
-        parts = [_dump(x, depth + 1) for x in v]
+        parts = [_dump(x, d, budget) for x in v]
         body = "{" + ", ".join(parts) + "}" if parts else "set()"
         return body if isinstance(v, set) else f"frozenset({body})"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{_dump(k, depth + 1)}: {_dump(x, depth + 1)}"
+        return "{" + ", ".join(f"{_dump(k, d, budget)}: {_dump(x, d, budget)}"
                                for k, x in dict(v).items()) + "}"
+    if t.__module__ == "numpy" and hasattr(v, "tolist"):  # np.int64(3), np.array([1])
+        return _dump(v.tolist(), d, budget)
     raise ValueError(f"a {t.__name__} is not a plain value")
 
 
