@@ -40,6 +40,8 @@ def test_plan_keeps_expectations_and_comparisons_out_of_the_answer():
                       "inside a for loop"),
                      ("for i in range(n):\n    assert f(i)", "inside a for loop"),
                      ("def t():\n    assert f(1)\nt()\nassert True", "inside a function"),
+                     ("def check(c):\n    x = 1\n    for i in range(x):\n        assert c(i)"
+                      "\n\ncheck(f)", "line 4: an assert inside a for loop"),
                      ("from m import *\nassert f(1)", r"import \*"),
                      ("assert [f(i) for i in range(3)] == [0, 1, 2]", "comprehension"),
                      ("assert eval(f(1)) == 2", "as code outside")):

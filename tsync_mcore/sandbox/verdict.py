@@ -173,7 +173,7 @@ class _Planner:
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             pass
         first = len(self.holes)
-        cut = _Cut(self, first).visit(_copy(e))
+        cut = _Cut(self).visit(_copy(e))
         mine = list(range(first, len(self.holes)))
         local = _scoped(e)
         for k in mine:
@@ -196,7 +196,7 @@ class _Planner:
 class _Cut(ast.NodeTransformer):
     """Each hole replaced by the name `__tsync_h<k>` (its expression kept by the planner)."""
 
-    def __init__(self, p: _Planner, first: int):
+    def __init__(self, p: _Planner):
         self.p = p
 
     def _hole(self, node: ast.expr) -> ast.Name:
@@ -294,6 +294,12 @@ def _free(node: ast.AST) -> set[str]:
     return loads - _scoped(node)
 
 
+def _reparse(st: ast.stmt) -> ast.stmt:
+    """A fresh copy of `st` that keeps its line numbers (for the messages)."""
+    copy = ast.parse(ast.unparse(st)).body[0]
+    return ast.increment_lineno(copy, st.lineno - 1)
+
+
 def _is_check_call(node: ast.stmt) -> bool:
     """`check(NAME)`: HumanEval's call of its check function with the entry point."""
     return isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) \
@@ -316,7 +322,7 @@ def _unroll(body: list[ast.stmt], most: int = 1000) -> list[ast.stmt]:
                 out.append(node)  # a target that does not unpack: left whole (refused)
                 break
             for st in node.body:
-                copy = ast.parse(ast.unparse(st)).body[0]
+                copy = _reparse(st)
                 for name, value in names.items():
                     copy = _Substitute(name, ast.parse(repr(value), mode="eval").body
                                        ).visit(copy)
@@ -394,8 +400,7 @@ def _inline_checks(body: list[ast.stmt]) -> list[ast.stmt]:
                 and call.func.id in defs and len(call.args) == 1 and not call.keywords:
             fn = defs[call.func.id]
             sub = _Substitute(fn.args.args[0].arg, call.args[0])
-            out += [ast.fix_missing_locations(sub.visit(ast.parse(ast.unparse(st)).body[0]))
-                    for st in fn.body]
+            out += [ast.fix_missing_locations(sub.visit(_reparse(st))) for st in fn.body]
             continue
         out.append(node)
     return out
