@@ -211,19 +211,20 @@ def test_code_tests_answer_names_objects_and_reports_pass_nothing(name):
 
 
 def test_code_tests_hostile_values_and_untestable_code():
-    """Values that are not plain, bombs and floods fail their test only; the honest test
-    beside them passes. Test code whose asserts would run in the answer's process (a
+    """Values that are not plain, bombs and floods fail their test only; the honest tests
+    beside them pass. Test code whose asserts would run in the answer's process (a
     loop's assert, where an always-equal object passed before) is refused in one line; a
     loop over a literal sequence is unrolled and judged."""
     fn = _code_tests()
     code = ("import sys\nsys.setrecursionlimit(10 ** 6)\n\ndef rec(n):\n    return rec(n)\n\n"
             "def deep(n):\n    x = []\n    for _ in range(n):\n        x = [x]\n    return x\n\n"
             "def huge(n):\n    return 'x' * n\n\ndef big(n):\n    return 7 ** n\n\n"
-            "def ok(n):\n    return n + 1\n")
+            "def ok(n):\n    return n + 1\n\ndef inplace(xs):\n    xs.sort()\n")
     tests = ["assert rec(1) == 1", "assert deep(100000) == []", "assert huge(10 ** 7) == ''",
-             "assert big(10 ** 6) == 1", "assert ok(1) == 2"]
+             "assert big(10 ** 6) == 1", "assert ok(1) == 2",
+             "xs = [3, 1]\ninplace(xs)\nassert xs == [1, 3]"]  # changed in place: judged
     t0 = time.monotonic()
-    assert fn(prompt="p", response=code, label=tests, meta={})["reward"] == 0.2
+    assert fn(prompt="p", response=code, label=tests, meta={})["reward"] == 2 / 6
     assert time.monotonic() - t0 < 60
     eq = "class Y:\n    def __eq__(self, o):\n        return True\n\ndef f(x):\n    return Y()\n"
     for test, why in (("for x, y in zip([1, 3], [2, 4]):\n    assert f(x) == y\nassert True",

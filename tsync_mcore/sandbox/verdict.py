@@ -120,13 +120,17 @@ class _Planner:
         self.answer = (used - bound - _BUILTINS) | (entries & used)
         self.tainted = set(self.answer)  # names whose value depends on the answer
         self.dirty = [False] * len(self.setup)
+        # values a line that runs the answer may have changed in place (`sort_it(lst)`
+        # then `assert lst == [...]`); not modules: `math.isclose` stays the test's
+        values = set().union(*(b for n, b in zip(self.setup, self.binds)
+                               if not isinstance(n, (ast.Import, ast.ImportFrom))))
         changed = True
         while changed:
             changed = False
             for i, node in enumerate(self.setup):
                 if not self.dirty[i] and self.loads[i] & self.tainted:
                     self.dirty[i] = changed = True
-                    self.tainted |= self.binds[i]
+                    self.tainted |= self.binds[i] | (self.loads[i] & values)
         self.holes: list[ast.expr] = []
         self.leaves: list[str] = []
         self.leaf_holes: list[list[int]] = []
