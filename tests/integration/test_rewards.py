@@ -184,11 +184,11 @@ EXPLOITS = {
         "import math\nbool = lambda x: True\nsorted = set = lambda *a, **k: 1\n"
         "math.isclose = lambda *a, **k: True\n" + WRONG +
         "sort_it = uniq = sorted\n",
-    "objects whose __bool__ flips and __eq__ says yes":
-        "class Flip:\n    n = 0\n    def __bool__(self):\n        Flip.n += 1\n"
-        "        return Flip.n % 2 == 1\n    def __eq__(self, other):\n        return True\n"
-        "    __hash__ = object.__hash__\n    def __float__(self):\n        return 12.566\n\n"
-        "def is_prime(n):\n    return Flip()\n\nsort_it = uniq = area = is_prime\n",
+    "objects that say yes to ==, bool(), in":
+        "class Yes(float):\n    def __bool__(self):\n        return True\n"
+        "    def __eq__(self, other):\n        return True\n    __hash__ = float.__hash__\n"
+        "    def __contains__(self, x):\n        return True\n\n"
+        "def is_prime(n):\n    return Yes(1.0)\n\nsort_it = uniq = area = is_prime\n",
     "forged report on every descriptor": FORGER,
 }
 
@@ -202,8 +202,12 @@ def _code_tests(timeout_s=60.0):
 
 @pytest.mark.parametrize("name", ["honest", *sorted(EXPLOITS)])
 def test_code_tests_answer_names_objects_and_reports_pass_nothing(name):
-    """Issue 47 finding 2: each of these scored 1.0 with no solution (the honest answer
-    keeps its 1.0, its 200 KB of prints notwithstanding)."""
+    """Issue 47 finding 2: the answers that define eval/repr, shadow bool/sorted/set and
+    patch math.isclose, or forge the report scored 1.0 with no solution; now 0. Objects
+    that say yes cross as their plain value (a float subclass: its float) or fail. The
+    honest answer keeps its 1.0, its 200 KB of prints notwithstanding. (An answer whose
+    state changes from call to call can still pass a run of truth tests; so can a plain
+    function: no harness tells them apart.)"""
     fn = _code_tests()
     code = HONEST if name == "honest" else EXPLOITS[name]
     out = fn(prompt="p", response=f"```python\n{code}```", label=SHAPES, meta={})
@@ -219,12 +223,15 @@ def test_code_tests_hostile_values_and_untestable_code():
     code = ("import sys\nsys.setrecursionlimit(10 ** 6)\n\ndef rec(n):\n    return rec(n)\n\n"
             "def deep(n):\n    x = []\n    for _ in range(n):\n        x = [x]\n    return x\n\n"
             "def huge(n):\n    return 'x' * n\n\ndef big(n):\n    return 7 ** n\n\n"
-            "def ok(n):\n    return n + 1\n\ndef inplace(xs):\n    xs.sort()\n")
+            "def ok(n):\n    import re\n    return re.match('a', 'ab') and n + 1\n\n"
+            "def inplace(xs):\n    xs.sort()\n\ndef found(s):\n    import re\n"
+            "    return re.search('b', s)\n")
     tests = ["assert rec(1) == 1", "assert deep(100000) == []", "assert huge(10 ** 7) == ''",
              "assert big(10 ** 6) == 1", "assert ok(1) == 2",
-             "xs = [3, 1]\ninplace(xs)\nassert xs == [1, 3]"]  # changed in place: judged
+             "xs = [3, 1]\ninplace(xs)\nassert xs == [1, 3]",  # changed in place: judged
+             "assert found('abc')\nassert not found('a')"]  # a match object's truth
     t0 = time.monotonic()
-    assert fn(prompt="p", response=code, label=tests, meta={})["reward"] == 2 / 6
+    assert fn(prompt="p", response=code, label=tests, meta={})["reward"] == 3 / 7
     assert time.monotonic() - t0 < 60
     eq = "class Y:\n    def __eq__(self, o):\n        return True\n\ndef f(x):\n    return Y()\n"
     for test, why in (("for x, y in zip([1, 3], [2, 4]):\n    assert f(x) == y\nassert True",

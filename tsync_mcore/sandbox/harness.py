@@ -17,10 +17,11 @@ that never sees the answer.
 
 Modes (spec.json):
   solution: {"mode": "solution", "module": NAME | null, "names": [...], "tests": [
-             {"setup": [stmt, ...], "exprs": [expr, ...]}, ...]}
+             {"setup": [stmt, ...], "exprs": [expr, ...], "truth": [k, ...]}, ...]}
              the answer runs: solution.py as `__main__`, or NAME.py of the working
              directory as module NAME (other files there are not importable); then per
-             test the setup and each expression, with `names` taken from the answer's;
+             test the setup and each expression, with `names` taken from the answer's
+             (an expression `truth` lists that is no plain value: its bool());
   clean:    {"mode": "clean", "tests": [{"setup": [...], "exprs": [...],
              "binds": {name: value text}}]}  no answer: binds are the answer's values.
 The last stdout line is RESULTS + JSON: per test, per expression {"v": text} or {"e": why}.
@@ -146,7 +147,7 @@ def _report(fd, rows):
 def main():
     # Everything below is bound now, before the answer runs.
     B = dict(vars(builtins))
-    compile_, eval_, exec_ = compile, eval, exec
+    compile_, eval_, exec_, bool_ = compile, eval, exec, bool
     name_of = lambda e: type(e).__name__  # noqa: E731
     with open("spec.json", encoding="utf-8") as f:
         spec = json.load(f)
@@ -188,9 +189,15 @@ def main():
         except BaseException as e:
             rows.append([{"e": f"setup: {name_of(e)}"} for _ in test["exprs"]])
             continue
-        for expr in test["exprs"]:
+        for k, expr in enumerate(test["exprs"]):
             try:
-                row.append({"v": dump_value(eval_(compile_(expr, "<test>", "eval"), g))})
+                value = eval_(compile_(expr, "<test>", "eval"), g)
+                try:
+                    row.append({"v": dump_value(value)})
+                except ValueError:
+                    if k not in test.get("truth", ()):
+                        raise
+                    row.append({"v": "True" if bool_(value) else "False"})  # a match object
             except BaseException as e:
                 row.append({"e": name_of(e)})
         rows.append(row)

@@ -11,7 +11,9 @@ assert at the answer:
     (`f(x)`, `obj.m(1)[0]`, a name a setup line bound from it), widened through a
     builtin conversion (`sorted(f(x))`, `set(f(x))`, `len(...)`). Only the holes run in
     the answer's process (sandbox/harness.py, "solution" mode), after the setup lines they
-    need and no other; each comes back as a plain value (`dump_value`), or fails.
+    need and no other; each comes back as a plain value (`dump_value`), or fails — but a
+    hole whose truth alone is tested (`assert m(x)`, `not m(x)`) may be any object: its
+    `bool()` crosses (the answer decides it either way; which way passes stays here).
   - leaves: operands that are not literals (`sorted([3, 1])`, `math.isclose(f(x), 1.5)`
     with the hole's value bound in, `abs(f(x) - 0.5)`): run in a second sandboxed process
     that never loads the answer ("clean" mode), one per call for all tests.
@@ -76,10 +78,12 @@ class Plan:
     leaves: list[str]  # expressions of the clean process (hole k bound as __tsync_h<k>)
     leaf_holes: list[list[int]]
     asserts: list[Node] = field(default_factory=list)
+    truth: list[int] = field(default_factory=list)  # holes whose truth alone is tested
 
     def solution_spec(self, module: str | None = None) -> dict[str, Any]:
         return {"mode": "solution", "module": module, "names": self.names,
-                "tests": [{"setup": self.solution_setup, "exprs": self.holes}]}
+                "tests": [{"setup": self.solution_setup, "exprs": self.holes,
+                           "truth": self.truth}]}
 
 
 def plan(test_code: str) -> Plan:
@@ -132,6 +136,7 @@ class _Planner:
                     self.dirty[i] = changed = True
                     self.tainted |= self.binds[i] | (self.loads[i] & values)
         self.holes: list[ast.expr] = []
+        self.truth: set[int] = set()
         self.leaves: list[str] = []
         self.leaf_holes: list[list[int]] = []
 
@@ -153,7 +158,7 @@ class _Planner:
         clean = [ast.unparse(n) for i, n in enumerate(self.setup) if not self.dirty[i]]
         names = sorted(self.answer & need)
         return Plan(names, sol, [ast.unparse(h) for h in self.holes], clean if self.leaves
-                    else [], self.leaves, self.leaf_holes, trees)
+                    else [], self.leaves, self.leaf_holes, trees, sorted(self.truth))
 
     def _tree(self, e: ast.expr) -> Node:
         if isinstance(e, ast.BoolOp):
@@ -169,7 +174,10 @@ class _Planner:
             if identity_ok:  # `x is y` of two computed values is no value comparison
                 return ("cmp", [_OPS[type(op)] for op in e.ops],
                         [self._operand(s) for s in sides])
-        return self._operand(e)
+        node = self._operand(e)
+        if node[0] == "hole":  # only its truth is tested: `assert f(x)`, `not f(x)`
+            self.truth.add(node[1])
+        return node
 
     def _operand(self, e: ast.expr) -> Node:
         try:
