@@ -37,6 +37,8 @@ def test_plan_keeps_expectations_and_comparisons_out_of_the_answer():
     assert p.holes == ["f(1)", "g(1)", "f(3)", "g(3)", "f(0)", "f(1)"]
     assert [t[2][1] for t in p.asserts] == [("lit", 2), ("lit", "a"), ("lit", 4), ("lit", "b"),
                                             ("lit", 0), ("lit", 0)]
+    p = v.plan("cases = [(1, 2), (3, 4)]\nfor x, y in cases:\n    assert f(x) == y\n")
+    assert p.holes == ["f(1)", "f(3)"] and p.solution_setup == []
     # the entry point is the answer's even where it is a builtin's name
     p = v.plan("def check(candidate):\n    assert candidate([1]) == 1\n\ncheck(sum)\n")
     assert p.names == ["sum"] and p.holes == ["sum([1])"]

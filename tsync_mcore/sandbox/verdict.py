@@ -23,7 +23,8 @@ assert at the answer:
 So a bare `assert f(x)` and `assert not f(x)` show the answer the same hole, and the
 answer's report can only pass what its values pass. Test code that cannot be cut this way
 is refused in one line (`TestCodeError`): an assert nested in a loop (but a `for` over a
-literal sequence or a range of constants with only asserts in its body, unrolled), branch,
+literal sequence, a name bound once to one or a range of constants with only asserts in
+its body, unrolled), branch,
 `with`, `try` or function other than HumanEval's check (it would run in the answer's
 process), an operand that hands the answer's value to `eval`/`exec`, a star
 import (it hides which names are the answer's), a hole that uses a comprehension's or a
@@ -320,11 +321,19 @@ def _is_check_call(node: ast.stmt) -> bool:
 
 
 def _unroll(body: list[ast.stmt], most: int = 1000) -> list[ast.stmt]:
-    """`for x, y in [(1, 2), (3, 4)]: assert f(x) == y` (a literal sequence or a range of
-    constants; asserts only in the body) as one top-level assert per item."""
+    """`for x, y in [(1, 2), (3, 4)]: assert f(x) == y` (a literal sequence, a name bound
+    once to one, or a range of constants; asserts only in the body) as one top-level
+    assert per item."""
+    counts: dict[str, int] = {}
+    for node in body:
+        for name in _bound(node):
+            counts[name] = counts.get(name, 0) + 1
+    consts = {n.targets[0].id: n.value for n in body if isinstance(n, ast.Assign)
+              and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+              and counts.get(n.targets[0].id) == 1}
     out: list[ast.stmt] = []
     for node in body:
-        items = _loop_items(node, most) if isinstance(node, ast.For) else None
+        items = _loop_items(node, most, consts) if isinstance(node, ast.For) else None
         if items is None:
             out.append(node)
             continue
@@ -342,10 +351,12 @@ def _unroll(body: list[ast.stmt], most: int = 1000) -> list[ast.stmt]:
     return out
 
 
-def _loop_items(node: ast.For, most: int) -> list[Any] | None:
+def _loop_items(node: ast.For, most: int, consts: dict[str, ast.expr]) -> list[Any] | None:
     if node.orelse or not node.body or not all(isinstance(s, ast.Assert) for s in node.body):
         return None
     it = node.iter
+    if isinstance(it, ast.Name) and it.id in consts:
+        it = consts[it.id]
     try:
         if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) \
                 and it.func.id == "range" and not it.keywords:
