@@ -24,12 +24,11 @@ So a bare `assert f(x)` and `assert not f(x)` show the answer the same hole, and
 answer's report can only pass what its values pass. Test code that cannot be cut this way
 is refused in one line (`TestCodeError`): an assert nested in a loop (but a `for` over a
 literal sequence, a name bound once to one or a range of constants with only asserts in
-its body, unrolled), branch,
-`with`, `try` or function other than HumanEval's check (it would run in the answer's
-process), an operand that hands the answer's value to `eval`/`exec`, a star
-import (it hides which names are the answer's), a hole that uses a comprehension's or a
-lambda's variable. Setup lines (imports, assignments) all run before the asserts, as
-before.
+its body is unrolled), branch, `with`, `try` or function other than HumanEval's check (it
+would run in the answer's process), an operand that hands the answer's value to
+`eval`/`exec`, a star import (it hides which names are the answer's), a hole that uses a
+comprehension's or a lambda's variable. Setup lines (imports, assignments) all run before
+the asserts, as before.
 """
 
 from __future__ import annotations
