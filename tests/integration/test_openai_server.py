@@ -950,6 +950,72 @@ def test_done_with_a_reward_error_is_decided_by_the_rollout(et, tok, tmp_path):
     assert rec["status"] == "ok" and rec["reward_error"] == decided[0][1]
 
 
+@pytest.mark.timeout(90)
+def test_a_rewriting_agent_is_held_to_its_limits_and_its_group_mates_train(et, tok, tmp_path,
+                                                                          capsys):
+    """A hostile agent in a group: 300 history rewrites of 1 sampled token each. Its
+    turns, sampled tokens and segments are counted over its whole trajectory: past
+    rollout.max_turns its requests are 400 and it ends as any agent that used its turns
+    (its reward by the task's rule); every member's sources pass the learner's checks, so
+    the group trains and the honest members keep their rewards. Another member fails with
+    a 7 MB error: kept as one bounded line, in the record and the log."""
+    import sys
+
+    from tsync_mcore.channel.sources import validate_source
+    from tsync_mcore.rollout.sources import trajectory_sources
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import sys, httpx, openai\n"
+        "from tsync_mcore.rollout.openai.agents import digits, pool\n"
+        "def run(client, task):\n"
+        "    if task['trajectory'] == 'err':  # its own done, past the bundled client's cut\n"
+        "        r = httpx.post(str(client.base_url).rstrip('/') + '/done', timeout=60,\n"
+        "                       json={'error': 'ValueError: ' + 'boom boom\\n' * 650_000},\n"
+        "                       headers={'Authorization': f'Bearer {client.api_key}'})\n"
+        "        print('done:', r.status_code, flush=True)\n"
+        "        return {}\n"
+        "    if task['trajectory'] != 'hostile':\n"
+        "        return digits.run(client, task)\n"
+        "    for k in range(300):\n"
+        "        try:\n"
+        "            client.chat.completions.create(model='m', max_tokens=1, messages=[\n"
+        "                {'role': 'user', 'content': f'rewrite {k}'}])\n"
+        "        except openai.BadRequestError as e:\n"
+        "            print('refused:', e.message, flush=True)\n"
+        "            break\n"
+        "sys.exit(pool.serve(run))\n")
+    server = serve(et, BySeed(script_for(tok)), tok)
+    ids = ["a", "hostile", "b", "err"]
+    cmd = f"{sys.executable} {worker}"
+    pool = make_pool(server, tmp_path, cmd, 1, timeout_s=30.0)
+    try:
+        out = et.run(agents_run(server, tmp_path, ids, cmd, pool=pool, timeout_s=30.0))
+    finally:
+        et.run(pool.stop())
+        et.run(server.stop())
+    records = records_of(tmp_path / "agent" / "records.jsonl")
+    h = out["hostile"]
+    assert h.extra["agent_status"] == "ok" and h.n_scored == 3  # rollout.max_turns: 3
+    assert len(h.segments()) == 3 and records["hostile"]["requests"] == 3
+    assert records["hostile"]["trained_tokens"] == sum(len(s["tokens"]) for s in h.segments())
+    assert h.reward == 1.0  # the task's rule: its last segment's one answer
+    assert all(out[t].reward == 3.0 and out[t].n_turns == 3 for t in "ab")
+    log = open(tmp_path / "agent" / "pool" / "worker0.log").read()
+    assert "trajectory hostile has used its 3 turns (rollout.max_turns" in log
+    assert "done: 200" in log
+    for i, t in enumerate(ids[:3]):  # the group's sources, as the learner checks them
+        for src in trajectory_sources(t, "g", out[t], 0, 3):
+            validate_source(src, len(tok), None)
+    # the failed member's 7 MB error: one line, bounded, in its record and the rollout's log
+    assert out["err"].extra["agent_status"] == "failed" and out["err"].reward == -1.0
+    err = records["err"]["error"]
+    assert "ValueError: boom boom" in err and "characters, cut)" in err and len(err) <= 2000
+    assert os.path.getsize(tmp_path / "agent" / "records.jsonl") < 200_000
+    printed = [line for line in capsys.readouterr().out.splitlines() if "agent of err" in line]
+    assert len(printed) == 1 and len(printed[0]) < 1000, printed
+
+
 @pytest.mark.timeout(60)
 def test_a_bundled_style_agent_posts_the_dict_its_run_returns(et, tok, tmp_path):
     """pool.main(run) as one process per trajectory: the dict `run` returns is posted as
