@@ -973,8 +973,7 @@ def test_a_rewriting_agent_is_held_to_its_limits_and_its_group_mates_train(et, t
         "        r = httpx.post(str(client.base_url).rstrip('/') + '/done', timeout=60,\n"
         "                       json={'error': 'ValueError: ' + 'boom boom\\n' * 650_000},\n"
         "                       headers={'Authorization': f'Bearer {client.api_key}'})\n"
-        "        print('done:', r.status_code, flush=True)\n"
-        "        return {}\n"
+        "        return {} if r.status_code == 200 else {'error': r.text}\n"
         "    if task['trajectory'] != 'hostile':\n"
         "        return digits.run(client, task)\n"
         "    for k in range(300):\n"
@@ -1003,7 +1002,6 @@ def test_a_rewriting_agent_is_held_to_its_limits_and_its_group_mates_train(et, t
     assert all(out[t].reward == 3.0 and out[t].n_turns == 3 for t in "ab")
     log = open(tmp_path / "agent" / "pool" / "worker0.log").read()
     assert "trajectory hostile has used its 3 turns (rollout.max_turns" in log
-    assert "done: 200" in log
     for i, t in enumerate(ids[:3]):  # the group's sources, as the learner checks them
         for src in trajectory_sources(t, "g", out[t], 0, 3):
             validate_source(src, len(tok), None)
