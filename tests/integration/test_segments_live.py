@@ -88,10 +88,10 @@ def test_rewritten_histories_train_every_segment_as_sync_and_fp64(tmp_path, para
     last = {r["traj_id"]: r for r in map(json.loads, open(f"{run}/agent/records.jsonl"))}
     hostile_ids = {t for t in records if t.endswith("-t0")}
     assert len(hostile_ids) == 2 and all(last[t]["status"] == "ok" for t in last)
-    for t in hostile_ids:  # 3 turns of 1 token, then refused (a rewrite refused: counted)
+    for t in hostile_ids:  # 3 turns of 1 token (2 rewrites), then refused: 400
         assert last[t]["requests"] == 3 and last[t]["sampled_tokens"] == 3
-        assert last[t]["rewrites"] == 3
-    assert row["rollout/openai_rejected"] == 2
+        assert last[t]["rewrites"] == 2
+    assert row["rollout/openai_bad"] == 2
     # each segment trained as recorded, every sampled token of it
     trained = {}
     for rank in range(2):

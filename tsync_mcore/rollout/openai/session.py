@@ -283,9 +283,6 @@ class Session:
         """The tokens the next turn may sample from a prompt of `prompt_len` (a new
         segment's, or the current one's extended); LimitReached past a trajectory's limit."""
         t = self.traj_id
-        if self.n_requests >= self.max_turns:
-            raise LimitReached(f"trajectory {t} has used its {self.max_turns} turns "
-                               f"(rollout.max_turns, over all its segments)", "max_turns")
         if new_segment and self.turn_ends and len(self.segments) + 1 >= self.max_segments:
             raise LimitReached(f"trajectory {t} has used its {self.max_segments} segments "
                                f"(rollout.max_segments): this history rewrite would start "
@@ -321,6 +318,10 @@ class Session:
     def _check_open(self) -> None:
         if self.closed:
             raise SessionError(f"trajectory {self.traj_id} is closed: {self.closed}")
+        if self.n_requests >= self.max_turns:  # refused before any rendering
+            raise LimitReached(f"trajectory {self.traj_id} has used its {self.max_turns} "
+                               f"turns (rollout.max_turns, over all its segments)",
+                               "max_turns")
 
     def _rewrite(self, why: str) -> None:
         self.rewrites += 1
