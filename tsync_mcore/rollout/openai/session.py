@@ -283,10 +283,6 @@ class Session:
         """The tokens the next turn may sample from a prompt of `prompt_len` (a new
         segment's, or the current one's extended); LimitReached past a trajectory's limit."""
         t = self.traj_id
-        if new_segment and self.turn_ends and len(self.segments) + 1 >= self.max_segments:
-            raise LimitReached(f"trajectory {t} has used its {self.max_segments} segments "
-                               f"(rollout.max_segments): this history rewrite would start "
-                               f"another", "max_segments")
         room = self.max_total_tokens - prompt_len
         if room <= 0:
             raise LimitReached(f"trajectory {t}: the prompt of {prompt_len} tokens "
@@ -324,11 +320,17 @@ class Session:
                                "max_turns")
 
     def _rewrite(self, why: str) -> None:
+        """A request rewrote the history: refused under `reject` or past max_segments
+        (before its prompt is rendered), else it starts a new segment."""
         self.rewrites += 1
         if self.history == "reject":
             raise HistoryRewritten(f"trajectory {self.traj_id}: {why}; the prompt is not a "
                                    f"token-exact extension of the trajectory so far "
                                    f"(rollout.openai_history: reject)")
+        if len(self.segments) + 1 >= self.max_segments:
+            raise LimitReached(f"trajectory {self.traj_id} has used its {self.max_segments} "
+                               f"segments (rollout.max_segments): a history rewrite cannot "
+                               f"start another ({why})", "max_segments")
 
     def plan_chat(self, messages: Sequence[dict[str, Any]], tools: list | None = None,
                   max_tokens: int | None = None, kwargs: dict | None = None) -> Pending:
