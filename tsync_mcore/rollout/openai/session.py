@@ -227,11 +227,13 @@ class Session:
     version: int = 0  # the policy version of the batch it belongs to
     seed: int | None = None  # sampling seed (per turn derived as the built-in loop does)
     history: str = "segment"  # "segment" | "reject"
-    max_turns: int = 1 << 30  # over all segments
-    max_tokens_per_turn: int = 1 << 30
-    max_total_tokens: int = 1 << 30  # one segment's context; sampled tokens over all
+    # the limits (module doc): max_turns over all segments; max_total_tokens one segment's
+    # context and the sampled tokens over all; max_trained_tokens 0: no bound of its own
     max_segments: int = MAX_SEGMENTS
-    max_trained_tokens: int = 0  # over all segments; 0: no bound of its own
+    max_trained_tokens: int = 0
+    max_turns: int = 1 << 30
+    max_tokens_per_turn: int = 1 << 30
+    max_total_tokens: int = 1 << 30
     tokens: list[int] = field(default_factory=list)
     scored_mask: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
