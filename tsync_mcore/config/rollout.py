@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tsync_mcore.channel.sources import MAX_SEGMENTS
 from tsync_mcore.config.checks import check
 
 
@@ -31,9 +32,19 @@ class RolloutConfig:
     env: str = "toy"
     groups_per_batch: int = 8  # prompts (groups) per batch, i.e. per optimizer step
     group_size: int = 4  # trajectories sampled per prompt (GRPO group size m)
-    max_turns: int = 3  # agent turns per trajectory at most
+    max_turns: int = 3  # agent turns per trajectory at most (over all its segments)
     max_tokens_per_turn: int = 8  # tokens generated per turn at most
-    max_total_tokens: int = 96  # a trajectory's length cap (prompt + turns + tool output)
+    # a trajectory's length cap (prompt + turns + tool output); a trajectory whose history
+    # was rewritten: each segment's, and its sampled tokens over all segments at most this
+    # less its first prompt (docs/guide/agents.md#per-trajectory-limits)
+    max_total_tokens: int = 96
+    # segments one trajectory may be cut into by history rewrites (a rewrite past it is
+    # refused: HTTP 400); at most 256, what a source carries
+    max_segments: int = 256
+    # tokens one trajectory trains, prompt and completion of every segment summed (a
+    # rewrite re-trains the history it repeats); a request past it is refused (HTTP 400).
+    # 0: no bound of its own (at most max_turns × max_total_tokens, one segment per turn)
+    max_trained_tokens: int = 0
     temperature: float = 1.0  # sampling temperature (0: greedy)
     eval_temperature: float = 0.0  # sampling temperature of evaluation (0: greedy)
     tool_latency_s: float = 0.05  # median of the long-tailed (log-normal) tool latency
@@ -164,6 +175,14 @@ class RolloutConfig:
               f"e.g. verifiers:my_env; a hub id my-env installs as module my_env), got "
               f"{self.env!r}")
         check(self.max_total_tokens >= 1, "rollout.max_total_tokens", "must be >= 1")
+        check(1 <= self.max_segments <= MAX_SEGMENTS, "rollout.max_segments",
+              f"must be in [1, {MAX_SEGMENTS}] (the segments a source carries), got "
+              f"{self.max_segments}")
+        check(self.max_trained_tokens == 0 or self.max_trained_tokens >= self.max_total_tokens,
+              "rollout.max_trained_tokens",
+              f"must be 0 (no bound of its own) or >= rollout.max_total_tokens="
+              f"{self.max_total_tokens} (else it cuts trajectories that never rewrite), got "
+              f"{self.max_trained_tokens}")
         check(self.temperature >= 0, "rollout.temperature",
               f"must be >= 0 (0: greedy), got {self.temperature}")
         check(self.eval_temperature >= 0, "rollout.eval_temperature",

@@ -77,7 +77,8 @@ class Agents:
 
         rc, feed = self.rc, self.feed
         limits = dict(max_turns=rc.max_turns, max_tokens_per_turn=rc.max_tokens_per_turn,
-                      max_total_tokens=rc.max_total_tokens)
+                      max_total_tokens=rc.max_total_tokens, max_segments=rc.max_segments,
+                      max_trained_tokens=rc.max_trained_tokens)
         tools = None
         if feed is not None:  # rollout.env: dataset: the row's chat messages
             from tsync_mcore.data import row_messages

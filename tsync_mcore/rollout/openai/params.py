@@ -29,13 +29,21 @@ def number(body: dict, key: str, default: float | None, lo: float, hi: float,
     return float(v)
 
 
-def integer(body: dict, key: str, lo: int = 0) -> int | None:
-    """body[key], an integer >= lo; None when absent."""
+# A sampling seed, as vLLM's OpenAI server bounds it (a 64-bit signed integer; past it
+# vLLM's generator overflows); negative seeds are refused here, as always
+SEED_MAX = 2**63 - 1
+
+
+def integer(body: dict, key: str, lo: int = 0, hi: int | None = None) -> int | None:
+    """body[key], an integer in [lo, hi]; None when absent."""
     v = body.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ApiError(400, f"{key} must be an integer >= {lo}, got {v!r}", param=key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        got = repr(v) if not isinstance(v, int) or abs(v) < 10**30 else f"an integer of " \
+            f"{len(str(abs(v)))} digits"
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ApiError(400, f"{key} must be an integer {bound}, got {got}"[:300], param=key)
     return v
 
 

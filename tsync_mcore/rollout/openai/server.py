@@ -77,6 +77,16 @@ MAX_BODY_BYTES = 8 << 20  # a request body: a long conversation fits, a flood do
 MAX_MESSAGES = 4096  # messages in one chat request
 READ_TIMEOUT_S = 30.0  # a request's headers, then its body, each arrive within this
 ENDED_KEPT = 4096  # forgotten trajectory ids remembered (their late requests: 409)
+WHY_CHARS = 2000  # an agent's done error or reward_error as kept: the record's and the log's
+
+
+def one_line(why: str, limit: int = WHY_CHARS) -> str:
+    """An agent's text as one line of at most `limit` characters (its length said when
+    cut): a megabyte of error stays out of records and logs."""
+    cut = " ".join(why[:limit * 2].split())
+    if len(cut) <= limit and len(why) <= limit * 2:
+        return cut
+    return f"{cut[:limit - 40]}… ({len(why)} characters, cut)"
 
 
 @dataclass
@@ -379,11 +389,11 @@ class OpenAIServer:
         if set(body) - keys or len(set(body) & keys) > 1:
             raise ApiError(400, 'the body must be {}, {"reward": <number>}, {"error": '
                                 '"<why>"} or {"reward_error": "<why>"}')
-        error = body.get("error")
         for key in ("error", "reward_error"):
             why = body.get(key)
             if key in body and not (isinstance(why, str) and why.strip()):
                 raise ApiError(400, f"{key} must be a non-empty string", param=key)
+        error = None if body.get("error") is None else one_line(body["error"])
         if s.closed:
             raise ApiError(409, f"trajectory {traj_id} is closed: {s.closed}",
                            kind="conflict_error")
@@ -396,7 +406,7 @@ class OpenAIServer:
             if s.reward is not None:
                 raise ApiError(409, f"trajectory {traj_id} has its reward already "
                                     f"({s.reward})", kind="conflict_error")
-            self.reward_errors[traj_id] = " ".join(body["reward_error"].split())[:2000]
+            self.reward_errors[traj_id] = one_line(body["reward_error"])
         self.done[traj_id] = error
         s.closed = f"its agent posted done{'' if error is None else ' (failed)'}"
         if self.pool is not None:
@@ -464,7 +474,7 @@ class OpenAIServer:
             mt = params.integer({"max_tokens": mt}, "max_tokens", 1)
         return dict(temperature=params.number(body, "temperature", self.temperature, 0, 2),
                     top_p=params.number(body, "top_p", 1.0, 0, 1, lo_open=True),
-                    seed=params.integer(body, "seed"), max_tokens=mt,
+                    seed=params.integer(body, "seed", 0, params.SEED_MAX), max_tokens=mt,
                     logprobs=bool(body.get("logprobs")), stop=params.stop_strings(body), stream=stream,
                     include_usage=include_usage)
 
@@ -491,7 +501,7 @@ class OpenAIServer:
                 if s.rewrites > rewrites:
                     self.counts["rewrites"] += 1
                     self.counts["rejected"] += 1
-                raise ApiError(400, str(e)) from None
+                raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
             if pending.rewritten:
                 self.counts["rewrites"] += 1
             seed = sp["seed"] if sp["seed"] is not None else (
