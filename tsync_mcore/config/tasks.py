@@ -71,9 +71,9 @@ class JudgeConfig:
     # choices: word → reward, matched as whole words, case-insensitive, e.g.
     # {correct: 1, incorrect: 0}
     choices: dict[str, Any] = field(default_factory=dict)
-    # several verdicts in one output (those inside a quote or fence, or whose text is in
-    # the answer, never count): "only" (verdicts that disagree are a parse failure: one
-    # the answer smuggled in cannot win), "last", or "first"
+    # several verdicts in one output (matches inside a quote or fence are skipped; one whose
+    # text is in the answer makes the output unscorable): "only" (verdicts that disagree
+    # are a parse failure: one the answer smuggled in cannot win), "last", or "first"
     pick: Literal["only", "last", "first"] = "only"
     max_model_len: int = 0  # the judge engine's context (0: the checkpoint's)
     max_num_seqs: int = 64  # requests the judge engine decodes at once

@@ -10,12 +10,14 @@ own text out of the verdict:
   the field, so no field can close its fence or open another, and the policy cannot guess the
   nonce of a call that has not happened.
 - **Verdicts only from the judge's own words.** A match of the parser counts only outside
-  what the judge fenced or quoted (a span between fence tags of any nonce, a ``` block, a
-  `>` quote line) and only when its text (case, width and whitespace aside) does not occur
-  in the answer: a judge that copies the answer's "Score: 10" gives no verdict by it.
-  Under `pick: only` (the default) the verdicts left must agree, so whatever slips through
-  can only make the output unparseable (the trajectory's error), never win over the judge's
-  own verdict.
+  what the judge quoted (a span between fence tags of any nonce, a closed ``` block, a `>`
+  quote line); and a match whose text (case, width and whitespace aside) occurs in the
+  answer makes the output unscorable — the trajectory's error — rather than being skipped
+  for another: a judge that copies the answer's "Score: 10" gives it no verdict, and an
+  answer that holds the judge's likely verdict ("Score: 2") cannot strike it out to leave
+  a "Score: 10" the judge wrote about a perfect answer. Under `pick: only` (the default)
+  the verdicts must agree, so one the answer talked the judge into writing beside its own
+  fails the output too.
 """
 
 from __future__ import annotations
@@ -126,24 +128,20 @@ def squash(text: str) -> str:
 
 
 def quoted_spans(text: str) -> list[tuple[int, int]]:
-    """Spans of the judge's output that quote rather than judge: from a fence tag (any
-    nonce) to its closing tag (or the end), ``` blocks (an unclosed one: to the end), and
-    `>` quote lines."""
+    """Spans of the judge's output that quote rather than judge: a fence tag (any nonce) to
+    its closing tag, a ``` block, a `>` quote line. An unclosed fence or block is no span
+    (only its tag): an answer ending in "```" cannot hide the judge's verdict after it."""
     spans: list[tuple[int, int]] = []
     pos = 0
     while (m := _FENCE_TAG.search(text, pos)) is not None:
-        if m.group(1):  # a stray closing tag: only itself
-            spans.append((m.start(), m.end()))
-            pos = m.end()
-            continue
-        close = re.compile(rf"<\s*/\s*{m.group(2)}-[^<>\s]{{0,64}}\s*>", re.IGNORECASE)
-        c = close.search(text, m.end())
-        end = c.end() if c is not None else len(text)
+        close = (None if m.group(1) else  # a stray closing tag: only itself
+                 re.compile(rf"<\s*/\s*{m.group(2)}-[^<>\s]{{0,64}}\s*>", re.IGNORECASE)
+                 .search(text, m.end()))
+        end = close.end() if close is not None else m.end()
         spans.append((m.start(), end))
         pos = end
     ticks = [m.start() for m in re.finditer(r"```", text)]
-    for a, b in zip(ticks[::2], ticks[1::2] + [len(text)]):
-        spans.append((a, b + 3))
+    spans += [(a, b + 3) for a, b in zip(ticks[::2], ticks[1::2])]
     spans += [(m.start(), m.end()) for m in _BLOCK_QUOTE.finditer(text)]
     return spans
 
@@ -203,18 +201,19 @@ class Parser:
             raise JudgeParseError(f"output of {len(text)} characters (at most "
                                   f"{MAX_OUTPUT_CHARS} are read)")
         spans = quoted_spans(text)
-        copied = squash(answer)
-        matches = list(self.pattern.finditer(text))
-        found = [m.group(1) for m in matches
-                 if not any(a <= m.start() < b for a, b in spans)
-                 and not (copied and squash(m.group(0)) in copied)]
-        if not found:
+        every = list(self.pattern.finditer(text))
+        own = [m for m in every if not any(a <= m.start() < b for a, b in spans)]
+        if not own:
             what = ("no score found" if self.kind == "regex" else
                     f"none of the choices {[w for w, _ in self.choices]} found")
-            if matches:
-                what += (f" outside quotes and the answer's own text ({len(matches)} "
-                         f"match{'es' if len(matches) > 1 else ''} there)")
+            if every:
+                what += f" outside quotes ({len(every)} inside)"
             raise JudgeParseError(what)
+        copied = squash(answer)
+        for m in own:  # never dropped for another verdict: that would let an answer choose
+            if copied and squash(m.group(0)) and squash(m.group(0)) in copied:
+                raise JudgeParseError(f"verdict {m.group(0)[:40]!r} is the answer's own text")
+        found = [m.group(1) for m in own]
         values = [self._value(g) for g in found]
         if self.pick == "only" and len(set(values)) > 1:
             raise JudgeParseError(f"{len(values)} verdicts that disagree "
