@@ -36,7 +36,9 @@ NONCE_HEX = 12  # 48 bits per call; fence tags in a field are removed anyway
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _TAGS = "|".join(FENCES.values())
 # any fence tag, whatever its nonce (or none): removed from fields, masked in the output
-_FENCE_TAG = re.compile(rf"<\s*(/?)\s*({_TAGS})-[^<>\s]{{0,64}}\s*>", re.IGNORECASE)
+# (bounded repeats: a "<" before 60,000 spaces is no quadratic search)
+_FENCE_TAG = re.compile(rf"<[ \t]{{0,8}}(/?)[ \t]{{0,8}}({_TAGS})-[^<>\s]{{0,64}}[ \t]{{0,8}}>",
+                        re.IGNORECASE)
 _BLOCK_QUOTE = re.compile(r"^[ \t]*>.*$", re.MULTILINE)
 _DECIMAL = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")  # ASCII; no exponent, nan, inf
 MAX_NUMBER_CHARS = 32  # a score longer than this is no score (e.g. "9" × 5000)
@@ -95,11 +97,10 @@ def new_nonce() -> str:
 
 def unfence(text: str) -> str:
     """`text` without any fence tag (any nonce): it can neither close its fence nor open one."""
-    while True:  # "<ans<answer-x>wer-y>" leaves a tag once the inner one is gone
-        out = _FENCE_TAG.sub("", text)
-        if out == text:
-            return out
-        text = out
+    out = _FENCE_TAG.sub("", text)
+    if _FENCE_TAG.search(out):  # "<ans<answer-x>wer-y>" left one: no "<" can start a tag
+        out = _FENCE_TAG.sub("", out.replace("<", "‹"))
+    return out
 
 
 def fence(field: str, text: str, nonce: str) -> str:
@@ -133,10 +134,14 @@ def quoted_spans(text: str) -> list[tuple[int, int]]:
     (only its tag): an answer ending in "```" cannot hide the judge's verdict after it."""
     spans: list[tuple[int, int]] = []
     pos = 0
+    unclosed: set[str] = set()  # tags with no closing tag further on: not searched again
     while (m := _FENCE_TAG.search(text, pos)) is not None:
-        close = (None if m.group(1) else  # a stray closing tag: only itself
-                 re.compile(rf"<\s*/\s*{m.group(2)}-[^<>\s]{{0,64}}\s*>", re.IGNORECASE)
-                 .search(text, m.end()))
+        name, close = m.group(2).lower(), None
+        if not m.group(1) and name not in unclosed:  # a stray closing tag: only itself
+            close = next((c for c in _FENCE_TAG.finditer(text, m.end())
+                          if c.group(1) and c.group(2).lower() == name), None)
+            if close is None:
+                unclosed.add(name)
         end = close.end() if close is not None else m.end()
         spans.append((m.start(), end))
         pos = end
@@ -210,9 +215,10 @@ class Parser:
                 what += f" outside quotes ({len(every)} inside)"
             raise JudgeParseError(what)
         copied = squash(answer)
-        for m in own:  # never dropped for another verdict: that would let an answer choose
-            if copied and squash(m.group(0)) and squash(m.group(0)) in copied:
-                raise JudgeParseError(f"verdict {m.group(0)[:40]!r} is the answer's own text")
+        texts = {squash(m.group(0)): m.group(0) for m in own} if copied else {}
+        for t, raw in texts.items():  # never dropped for another verdict: the answer would choose
+            if t and t in copied:
+                raise JudgeParseError(f"verdict {raw[:40]!r} is the answer's own text")
         found = [m.group(1) for m in own]
         values = [self._value(g) for g in found]
         if self.pick == "only" and len(set(values)) > 1:
