@@ -307,7 +307,8 @@ def test_plain_template_and_seeds(tmp_path, tok):
     asyncio.run(score(r, 1))
     asyncio.run(score(r, 0))
     reqs = r.engine.requests
-    assert "<|im_start|>" not in reqs[0]["prompt"] and reqs[0]["prompt"].startswith("Grade an answer")
+    assert "<|im_start|>" not in reqs[0]["prompt"]
+    assert reqs[0]["prompt"].startswith("Grade an answer")
     # per trajectory: the same trajectory gets the same seed, another a different one
     assert reqs[0]["seed"] == reqs[2]["seed"] != reqs[1]["seed"]
 
