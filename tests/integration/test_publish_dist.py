@@ -413,3 +413,43 @@ def test_formation_is_tried_again_when_a_member_fails_one(capsys):
     log = capsys.readouterr().out
     assert "(rank 0 of 2): formation 1 of 3 failed" in log and "trying again" in log
     store.close()
+
+
+def test_a_flood_of_idle_connections_keeps_no_member_out():
+    """An outsider holding more than the store's connection cap open and idle: members
+    still connect, prove the key and form the group (the oldest idle connections make
+    room); the outsider's are closed without a word."""
+    import socket
+
+    from tsync_mcore.publication.store import MAX_CONNECTIONS
+
+    store = pd.host_store("127.0.0.1", 0, 10, KEY)
+    idle = [socket.create_connection(("127.0.0.1", store.port), timeout=10)
+            for _ in range(MAX_CONNECTIONS + 8)]
+    out = {}
+
+    def member(rank):
+        out[rank] = pd.join_group("127.0.0.1", store.port, rank, 2, token="flood",
+                                  timeout_s=10, key=KEY)
+    threads = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    t = [torch.ones(1), torch.ones(1)]
+    for w in [out[r].allreduce([t[r]]) for r in (0, 1)]:
+        w.wait()
+    assert t[0].item() == t[1].item() == 2.0
+    closed = 0
+    for s in idle:
+        s.settimeout(0.01)
+        try:
+            got = b""
+            while len(got) < 8 + 32 and (chunk := s.recv(64)):  # the store's greeting
+                got += chunk
+            closed += s.recv(1) == b""  # then the end (an open one times out)
+        except OSError:
+            pass
+        s.close()
+    assert closed >= 8 and store.refused == 0
+    store.close()
