@@ -70,6 +70,7 @@ def test_string_prompts_and_a_dotted_label(tmp_path):
     ("no_label", "no column 'label' for the label"),
     ("empty", r"d.jsonl: empty file \(no rows\)$"),
     ("blank_json", r"d.json: empty file \(no rows\)$"),
+    ("empty_list_json", r"d.json: no rows$"),
     ("surrogate", r"d.jsonl:3: row 1: column 'prompt' holds a lone UTF-16 surrogate"),
     ("surrogate_json", r"d.json: cannot read as json \(ArrowInvalid: .* in row 1\)$"),
     ("bad_json", r"d.jsonl:2: not valid JSON"),
@@ -98,6 +99,9 @@ def test_bad_inputs_are_one_line_errors_naming_file_and_row(tmp_path, case, matc
     elif case == "blank_json":
         p = tmp_path / "d.json"
         p.write_text("\n  \n")
+    elif case == "empty_list_json":
+        p = tmp_path / "d.json"
+        p.write_text("[]\n")
     elif case in ("surrogate", "surrogate_json"):  # JSON's \\ud800 escape, unpaired
         p = p if case == "surrogate" else tmp_path / "d.json"
         p.write_text('{"prompt": "x", "label": "y"}\n\n{"prompt": "x\\ud800y", "label": "y"}\n')

@@ -152,6 +152,8 @@ def _read(path: str, label_parts: list[str]):
         while e.__cause__ is not None:  # the reader's own error names the row; the
             e = e.__cause__  # DatasetGenerationError datasets raises from it does not
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        if "corresponds to no data" in first:  # datasets' words for a file of no rows ([])
+            raise DataError(f"{path}: no rows") from None
         raise DataError(f"{path}: cannot read as {fmt} ({type(e).__name__}: {first})") from None
     finally:
         log.setLevel(level)
