@@ -6,6 +6,7 @@ what vLLM sampled, id for id; the same seed samples what the built-in loop sampl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -1000,6 +1001,66 @@ def test_bodies_past_the_bounds_are_one_line_4xx_and_the_server_goes_on(et, tok)
         assert post(b"\xff{") == (400, "the request body is not JSON")
         assert engine.prompts == []  # nothing reached the engine
         r = client(server, "t0").chat.completions.create(model="m", messages=msgs)
+        assert r.choices[0].message.role == "assistant"
+    finally:
+        et.run(server.stop())
+
+
+def _rss(field: str) -> int:
+    """This process's VmRSS or VmHWM (its peak), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
+
+
+def test_huge_prompts_are_refused_by_their_bytes_before_tokenizing(et, tok):
+    """Four agents post 7.6 MB chat bodies at once (under the 8 MB body cap): each is a
+    one-line 400 naming the limit, decided by the prompt's bytes before any tokenizing, so
+    all four answer in seconds and the process's memory peak stays within a few hundred
+    MB; then the trajectory is served. (Tokenized first, these are 1.3M tokens each.)"""
+    engine = Scripted(script_for(tok))
+    server = serve(et, engine, tok)
+    try:
+        for i in range(4):
+            server.register(f"t{i}", version=3, seed=i, **LIMITS)
+        text = " learn" * (7_600_000 // 6)  # one token of this vocabulary per 6 bytes
+        msgs = [{"role": "user", "content": text}]
+        body = json.dumps({"model": "m", "messages": msgs})
+        size = len(tok.apply_chat_template(msgs, add_generation_prompt=True,
+                                           tokenize=False).encode())
+        del text, msgs
+        got = {}
+
+        def post(i: int) -> None:
+            r = httpx.post(f"http://127.0.0.1:{server.port}/t/t{i}/v1/chat/completions",
+                           content=body, headers={"Authorization": f"Bearer {KEY}",
+                                                  "Content-Type": "application/json"},
+                           timeout=120)
+            got[i] = r.status_code, r.json()["error"]["message"]
+
+        with contextlib.suppress(OSError):  # resets the peak (VmHWM) to the current RSS
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        rss0 = _rss("VmRSS")
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        took, grew = time.monotonic() - t0, _rss("VmHWM") - rss0
+        print(f"\n4 x {len(body) / 1e6:.1f} MB bodies refused in {took:.1f} s, "
+              f"memory peak +{grew / 2**20:.0f} MB")
+        limit = 160 * server.token_bytes
+        for i in range(4):
+            status, message = got[i]
+            assert status == 400 and "\n" not in message, got[i]
+            assert message.startswith(f"the prompt is {size} bytes, more than any "
+                                      f"prompt that fits can be: at most 160 tokens "), message
+            assert f"of at most {limit // 160} bytes each; not tokenized" in message
+        assert took < 20 and grew < 600 * 2**20, (took, grew)
+        assert engine.prompts == []
+        r = client(server, "t0").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}])
         assert r.choices[0].message.role == "assistant"
     finally:
         et.run(server.stop())

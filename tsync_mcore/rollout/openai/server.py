@@ -100,6 +100,7 @@ class OpenAIServer:
                  max_body_bytes: int = MAX_BODY_BYTES, max_messages: int = MAX_MESSAGES,
                  max_connections: int = 0, read_timeout_s: float = READ_TIMEOUT_S) -> None:
         self.engine, self.tok, self.api_key, self.model = engine, tokenizer, api_key, model
+        self.token_bytes = params.token_bytes_ceiling(tokenizer)  # prompts' byte bound
         self.max_body_bytes, self.max_messages = max_body_bytes, max_messages
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections or connection_cap()
@@ -134,8 +135,11 @@ class OpenAIServer:
         if traj_id in self.sessions:
             raise ValueError(f"trajectory {traj_id} is registered already")
         self.ended.pop(traj_id, None)
+        # a prompt past this many bytes cannot fit: refused before it is tokenized
+        fits = min(limits.get("max_total_tokens", 1 << 30),
+                   int(getattr(self.engine, "max_model_len", 1 << 30)))
         s = Session(self.tok, traj_id, version=version, seed=seed, history=self.history,
-                    **limits)
+                    prompt_bound=(fits, fits * self.token_bytes), **limits)
         self.sessions[traj_id] = s
         self.traj_keys[traj_id] = secrets.token_urlsafe(24)
         self._locks[traj_id] = asyncio.Lock()
