@@ -988,13 +988,14 @@ def test_bodies_past_the_bounds_are_one_line_4xx_and_the_server_goes_on(et, tok)
             r = httpx.post(url, content=content, headers=auth, timeout=30, **kw)
             return r.status_code, r.json()["error"]["message"]
 
+        too_big = (413, "request body larger than 4096 bytes (rollout.openai_max_body_mb)")
         big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]})
-        assert post(big) == (413, "request body larger than 4096 bytes")
+        assert post(big) == too_big
 
         def chunks():  # no Content-Length: the size is counted as it arrives
             for _ in range(10):
                 yield b" " * 1000
-        assert post(chunks()) == (413, "request body larger than 4096 bytes")
+        assert post(chunks()) == too_big
         many = json.dumps({"model": "m", "messages": msgs * 9})
         assert post(many) == (400, "9 messages, more than this endpoint takes (8)")
         assert post("[" * 2000 + "]" * 2000) == (400, "the request body is nested too deeply")
@@ -1064,6 +1065,56 @@ def test_huge_prompts_are_refused_by_their_bytes_before_tokenizing(et, tok):
         assert r.choices[0].message.role == "assistant"
     finally:
         et.run(server.stop())
+
+
+def test_idle_connection_floods_leave_authenticated_agents_served(demo_dir, tmp_path):
+    """The endpoint alone in a process with an open-file limit of 256 (hard 1024, so its
+    soft limit is raised to 1024 and its cap is 512 connections): 1,100 idle connections
+    that never authenticate, then an agent's requests on new connections are served at
+    once (an idle one gave way to each), again after 1,100 more, and the log stays a few
+    lines: no accept traceback."""
+    import socket
+    import subprocess
+    import sys
+
+    log = tmp_path / "endpoint.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m",
+                                 "tests.helpers.workers.openai_endpoint_worker", demo_dir,
+                                 "256", "1024"], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=err, text=True)
+    idle: list[socket.socket] = []
+    try:
+        port, key, soft = proc.stdout.readline().split()
+        assert int(soft) == 1024, soft  # raised to the hard limit
+        base = f"http://127.0.0.1:{port}/t/t0/v1"
+        agent = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=10)
+        for flood in range(2):
+            for _ in range(1100):
+                s = socket.socket()
+                s.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    s.connect(("127.0.0.1", int(port)))
+                idle.append(s)
+            time.sleep(1.0)  # accepted, or waiting in the backlog
+            t0 = time.monotonic()
+            with httpx.Client(timeout=10) as c:  # a new connection each
+                r = c.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+            r = agent.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"hi {flood}"}])
+            assert r.choices[0].finish_reason == "stop"
+            assert time.monotonic() - t0 < 10
+        assert proc.poll() is None
+    finally:
+        for s in idle:
+            s.close()
+        proc.kill()
+        said = proc.stdout.read()
+        proc.wait()
+    text = log.read_text() + said
+    assert "Traceback" not in text and len(text) < 4000, text[:3000]
+    assert said.count("[rollout] OpenAI endpoint: 512 connections open") == 1, said
 
 
 def test_an_agent_process_sees_a_minimal_environment(et, tmp_path, monkeypatch):

@@ -32,7 +32,7 @@ REWARD = """
 def score(prompt, response, label, meta, **extra):
     return (sum(map(ord, response)) % 97) / 97.0
 """
-HANG_S = 12  # a group's 400 tokens take ~1.5 s alone; a loaded machine must not reach it
+HANG_S = 12  # no token for this long: hung (a loaded machine's slowest step is far below it)
 
 
 def _cpu_s(pid: int) -> float:

@@ -68,7 +68,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tsync_mcore.rollout.openai import params
-from tsync_mcore.rollout.openai.connection import connection_cap, header_deadline_protocol
+from tsync_mcore.rollout.openai.connection import (Acceptor, Connections, connection_cap,
+                                                   header_deadline_protocol, raise_open_files)
 from tsync_mcore.rollout.openai.params import ApiError, cut_at_stop
 from tsync_mcore.rollout.openai.session import Session, SessionError, assistant_message
 from tsync_mcore.rollout.openai.streaming import chat_chunks, sse, text_chunks
@@ -103,7 +104,8 @@ class OpenAIServer:
         self.token_bytes = params.token_bytes_ceiling(tokenizer)  # prompts' byte bound
         self.max_body_bytes, self.max_messages = max_body_bytes, max_messages
         self.read_timeout_s = read_timeout_s
-        self.max_connections = max_connections or connection_cap()
+        self.max_connections = max_connections  # 0: connection_cap() once started
+        self.connections = Connections(max_connections or connection_cap())
         self.history, self.temperature = history, temperature
         self.current_version = current_version or (lambda: int(getattr(engine, "version", 0)))
         self.sessions: dict[str, Session] = {}
@@ -123,6 +125,7 @@ class OpenAIServer:
         self.counts = dict(requests=0, rewrites=0, rejected=0, stale=0, bad=0, tool_calls=0)
         self.host, self.port = "", 0
         self._server = self._task = None
+        self._acceptors: list[Acceptor] = []
         self.app = self._make_app()
 
     # --- trajectories -----------------------------------------------------------------
@@ -204,7 +207,10 @@ class OpenAIServer:
 
     def take_metrics(self) -> dict[str, float]:
         out = {f"rollout/openai_{k}": float(v) for k, v in self.counts.items()}
+        out.update({f"rollout/openai_connections_{k}": float(v)
+                    for k, v in self.connections.counts.items()})
         self.counts = {k: 0 for k in self.counts}
+        self.connections.counts = {k: 0 for k in self.connections.counts}
         return out
 
     def set_reward(self, traj_id: str, value: Any) -> None:
@@ -246,23 +252,45 @@ class OpenAIServer:
         sock.bind((host, port))
         sock.set_inheritable(True)
         self.host, self.port = host, sock.getsockname()[1]
-        # Connections past the cap get 503 (below the descriptor limit, so tool calls and
-        # agent processes keep theirs); an idle keep-alive connection closes after 5 s.
+        # A cap well under the descriptor limit (tool calls and agent processes keep
+        # theirs), enforced by our own accept loop (connection.py); an idle keep-alive
+        # connection closes after 5 s.
+        raise_open_files()
+        self.connections.cap = self.max_connections or connection_cap()
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off",
-                                access_log=False, limit_concurrency=self.max_connections,
-                                timeout_keep_alive=5,
-                                http=header_deadline_protocol(self.read_timeout_s))
+                                access_log=False, timeout_keep_alive=5,
+                                backlog=min(2048, 2 * self.connections.cap),
+                                http=header_deadline_protocol(self.read_timeout_s,
+                                                              self.connections))
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # older uvicorn
-        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[]))
         while not self._server.started:
             if self._task.done():
                 self._task.result()  # raises the start's error
                 raise RuntimeError("the OpenAI endpoint stopped while starting")
             await asyncio.sleep(0.01)
+        self._listen(sock)
         return self.host, self.port
 
+    def _listen(self, sock: socket.socket) -> None:
+        """Serve connections on the bound socket `sock` (the started uvicorn server's
+        protocol, accepted by connection.Acceptor within the cap)."""
+        server, config = self._server, self._server.config
+
+        def protocol():
+            return config.http_protocol_class(config=config, server_state=server.server_state,
+                                              app_state=server.lifespan.state)
+
+        sock.listen(config.backlog)
+        acceptor = Acceptor(sock, protocol, self.connections, asyncio.get_running_loop())
+        acceptor.start()
+        self._acceptors.append(acceptor)
+
     async def stop(self) -> None:
+        for acceptor in self._acceptors:
+            acceptor.close()
+        self._acceptors = []
         if self._server is not None:
             self._server.should_exit = True
             try:
@@ -275,8 +303,8 @@ class OpenAIServer:
         """The body, at most max_body_bytes (413 past it, before the rest is read), parsed
         off the event loop when large (a 10 MB body would hold every agent's requests)."""
         limit = self.max_body_bytes
-        too_big = ApiError(413, f"request body larger than {limit} bytes",
-                           kind="invalid_request_error")
+        too_big = ApiError(413, f"request body larger than {limit} bytes "
+                                f"(rollout.openai_max_body_mb)", kind="invalid_request_error")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_big
@@ -321,6 +349,7 @@ class OpenAIServer:
                 token = auth[7:] if auth.startswith("Bearer ") else ""
                 traj_id = traj_id or request.headers.get("x-tsync-trajectory")
                 caller = self._caller(token, traj_id)
+                self.connections.trust(request.scope.get("client"))  # it gives way last
                 pool = fn == self._pool_next
                 if caller.startswith("worker:") != pool and caller != "run":
                     raise ApiError(401, "invalid API key for this route (a trajectory's key "
