@@ -1059,6 +1059,12 @@ def test_huge_prompts_are_refused_by_their_bytes_before_tokenizing(et, tok):
                                       f"prompt that fits can be: at most 160 tokens "), message
             assert f"of at most {limit // 160} bytes each; not tokenized" in message
         assert took < 20 and grew < 600 * 2**20, (took, grew)
+        r = httpx.post(f"http://127.0.0.1:{server.port}/t/t1/v1/completions",
+                       json={"model": "m", "prompt": [5] * 200_000},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            "the prompt is 200000 token ids, more than fit (160: max_model_len, "
+            "rollout.max_total_tokens)")
         assert engine.prompts == []
         r = client(server, "t0").chat.completions.create(
             model="m", messages=[{"role": "user", "content": "hi"}])
@@ -1067,43 +1073,61 @@ def test_huge_prompts_are_refused_by_their_bytes_before_tokenizing(et, tok):
         et.run(server.stop())
 
 
+def _endpoint_alone(demo_dir, log, soft: int, hard: int, cap: int = 0):
+    """The endpoint in a process of its own with open-file limits (soft, hard), stderr to
+    `log`: (process, port, key, its soft limit once started)."""
+    import subprocess
+    import sys
+
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m",
+                                 "tests.helpers.workers.openai_endpoint_worker", demo_dir,
+                                 str(soft), str(hard), str(cap)], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+    port, key, now = proc.stdout.readline().split()
+    return proc, int(port), key, int(now)
+
+
+def _idle_connections(port: int, n: int) -> list:
+    import socket
+
+    out = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            s.connect(("127.0.0.1", port))
+        out.append(s)
+    return out
+
+
+def _served(port: int, key: str, what: str) -> None:
+    """The agent of t0 is served on new connections: /models and a chat turn."""
+    base = f"http://127.0.0.1:{port}/t/t0/v1"
+    with httpx.Client(timeout=10) as c:
+        r = c.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
+    agent = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=10)
+    r = agent.chat.completions.create(model="m", messages=[{"role": "user", "content": what}])
+    assert r.choices[0].finish_reason == "stop"
+
+
 def test_idle_connection_floods_leave_authenticated_agents_served(demo_dir, tmp_path):
     """The endpoint alone in a process with an open-file limit of 256 (hard 1024, so its
     soft limit is raised to 1024 and its cap is 512 connections): 1,100 idle connections
     that never authenticate, then an agent's requests on new connections are served at
-    once (an idle one gave way to each), again after 1,100 more, and the log stays a few
-    lines: no accept traceback."""
-    import socket
-    import subprocess
-    import sys
-
+    once (an idle one gave way to each), again after 1,100 more, and the log says so once:
+    no accept traceback."""
     log = tmp_path / "endpoint.log"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m",
-                                 "tests.helpers.workers.openai_endpoint_worker", demo_dir,
-                                 "256", "1024"], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=err, text=True)
-    idle: list[socket.socket] = []
+    proc, port, key, soft = _endpoint_alone(demo_dir, log, 256, 1024)
+    idle: list = []
     try:
-        port, key, soft = proc.stdout.readline().split()
-        assert int(soft) == 1024, soft  # raised to the hard limit
-        base = f"http://127.0.0.1:{port}/t/t0/v1"
-        agent = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=10)
+        assert soft == 1024  # raised to the hard limit
         for flood in range(2):
-            for _ in range(1100):
-                s = socket.socket()
-                s.setblocking(False)
-                with contextlib.suppress(BlockingIOError):
-                    s.connect(("127.0.0.1", int(port)))
-                idle.append(s)
+            idle += _idle_connections(port, 1100)
             time.sleep(1.0)  # accepted, or waiting in the backlog
             t0 = time.monotonic()
-            with httpx.Client(timeout=10) as c:  # a new connection each
-                r = c.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"})
-            assert r.status_code == 200, r.text
-            r = agent.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": f"hi {flood}"}])
-            assert r.choices[0].finish_reason == "stop"
+            _served(port, key, f"hi {flood}")
             assert time.monotonic() - t0 < 10
         assert proc.poll() is None
     finally:
@@ -1115,6 +1139,30 @@ def test_idle_connection_floods_leave_authenticated_agents_served(demo_dir, tmp_
     text = log.read_text() + said
     assert "Traceback" not in text and len(text) < 4000, text[:3000]
     assert said.count("[rollout] OpenAI endpoint: 512 connections open") == 1, said
+
+
+def test_running_out_of_descriptors_is_said_once_and_passes(demo_dir, tmp_path):
+    """A cap above what the open-file limit (256, hard 256) allows: 400 idle connections
+    exhaust the descriptors; accepting pauses and says so in one line (no traceback
+    flood), and once they close the agent is served again."""
+    log = tmp_path / "endpoint.log"
+    proc, port, key, soft = _endpoint_alone(demo_dir, log, 256, 256, cap=1000)
+    try:
+        assert soft == 256
+        idle = _idle_connections(port, 400)
+        time.sleep(2.0)  # several pauses' worth of failed accepts
+        for s in idle:
+            s.close()
+        time.sleep(1.0)
+        _served(port, key, "hi")
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        said = proc.stdout.read()
+        proc.wait()
+    text = log.read_text() + said
+    assert "Traceback" not in text and len(text) < 4000, text[:3000]
+    assert said.count("cannot accept a connection: Too many open files (EMFILE)") == 1, said
 
 
 def test_an_agent_process_sees_a_minimal_environment(et, tmp_path, monkeypatch):

@@ -39,9 +39,12 @@ log-probs and `usage` keep every sampled id, the stop string's too (the next tur
 the completion with EOS, as one cut by max_tokens).
 
 Errors are OpenAI's error objects with one-line messages: 400 a request this endpoint does
-not take (n > 1, a history rewrite under `reject`, a budget spent), 401 a wrong key, 404 an
-unknown trajectory, 409 a closed or stale trajectory (its batch's policy is no longer
-served), a second reward or a second done.
+not take (n > 1, a history rewrite under `reject`, a budget spent, a prompt longer in bytes
+than any prompt that fits: refused before tokenizing), 401 a wrong key, 404 an unknown
+trajectory, 409 a closed or stale trajectory (its batch's policy is no longer served), a
+second reward or a second done, 413 a body past max_body_bytes (before it is parsed), 503
+a new connection at the cap with no idle unauthenticated one to give way
+(rollout.openai.connection).
 
 `done` ends a trajectory from the agent's side (its reward, the error that failed it, or
 `reward_error`: the episode ran but the agent's own scorer failed, which the rollout
@@ -617,6 +620,11 @@ class OpenAIServer:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
+        fits = s.prompt_bound[0] if s.prompt_bound else 1 << 62
+        if isinstance(prompt, list) and len(prompt) > fits:  # before checking every id
+            raise ApiError(400, f"the prompt is {len(prompt)} token ids, more than fit "
+                                f"({fits}: max_model_len, rollout.max_total_tokens)",
+                           param="prompt")
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(self.tok)
                 for t in prompt))):
