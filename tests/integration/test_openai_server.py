@@ -1165,6 +1165,52 @@ def test_running_out_of_descriptors_is_said_once_and_passes(demo_dir, tmp_path):
     assert said.count("cannot accept a connection: Too many open files (EMFILE)") == 1, said
 
 
+def test_one_trajectory_holds_at_most_eight_requests_in_flight(et, tok):
+    """An agent that fires 10 requests at once on its own trajectory (they are served one at
+    a time) has 8 in flight: the other 2 are 429 at once, so no key holds the endpoint's
+    connections busy; the 8 are then served."""
+    release = threading.Event()
+
+    class Held:
+        version = 3
+
+        async def generate(self, prompt_ids, *, max_tokens, **kw):
+            while not release.is_set():
+                await asyncio.sleep(0.01)
+            return GenOut([tok.eos_token_id], [-0.5], "stop", 3, [3])
+
+    server = serve(et, Held(), tok)
+    try:
+        server.register("t0", version=3, seed=1, **LIMITS)
+        key, got = server.trajectory_key("t0"), []
+
+        def ask() -> None:
+            r = httpx.post(f"http://127.0.0.1:{server.port}/t/t0/v1/chat/completions",
+                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                           headers={"Authorization": f"Bearer {key}"}, timeout=60)
+            got.append((r.status_code, r.json()))
+
+        threads = [threading.Thread(target=ask) for _ in range(10)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [g[0] for g in got] == [429, 429], got
+        assert got[0][1]["error"]["message"] == (
+            "trajectory t0 has 8 requests in flight already (its requests are served one at "
+            "a time)")
+        assert server.in_flight == {"t0": 8}
+        release.set()
+        for t in threads:
+            t.join()
+        assert sorted(g[0] for g in got) == [200] * 8 + [429] * 2
+        assert server.in_flight == {}
+    finally:
+        release.set()
+        et.run(server.stop())
+
+
 def test_an_agent_process_sees_a_minimal_environment(et, tmp_path, monkeypatch):
     """No tracker or cloud key of the rollout reaches an agent: PATH and friends, the
     variables rollout.agent_env names, and its own endpoint, key and task."""

@@ -8,7 +8,9 @@ failed accept with its traceback, up to a backlog's worth per wake-up. Here the 
 holds at most a cap of connections, well under the open-file limit (its soft limit raised
 to the hard one where allowed); at the cap a new connection takes the place of the oldest
 idle one whose requests never authenticated (one that sent nothing, or only headers so
-far), or, with none, gets a one-line 503 and is closed. A shortage of descriptors or
+far; an authenticated idle one only when there is none), or, with no idle one, gets a
+one-line 503 and is closed. The server also bounds each trajectory's requests in flight,
+so no key holds the cap busy. A shortage of descriptors or
 buffers pauses accepting for a moment and is said once per condition, never per accept.
 """
 
@@ -67,7 +69,8 @@ def _idle(p: Any) -> bool:
 class Connections:
     """The endpoint's open connections, oldest first, within `cap`; see the module
     docstring. `trust(peer)` marks the connection from `peer` as one whose request
-    authenticated: it gives way only to none."""
+    authenticated: idle, it gives way only when no untrusted one is idle (a client
+    reconnects an idle keep-alive connection the server closed)."""
 
     def __init__(self, cap: int, say: Callable[[str], None] = print) -> None:
         self.cap, self.say = cap, say
@@ -89,13 +92,15 @@ class Connections:
     def admit(self) -> bool:
         """Room for one more connection (the oldest idle untrusted one closed to make it);
         False: the new one must be refused."""
-        if len(self) >= self.cap:
-            victim = next((p for p in self.open
-                           if not getattr(p, "trusted", False) and _idle(p)), None)
+        if len(self) >= self.cap:  # the oldest idle untrusted one, else the oldest idle
+            idle = [p for p in self.open if _idle(p)]
+            victim = next((p for p in idle if not getattr(p, "trusted", False)),
+                          idle[0] if idle else None)
             self.once("full", f"[rollout] OpenAI endpoint: {self.cap} connections open (its "
                               f"cap: rollout.openai_max_connections, or half the open-file "
-                              f"limit): idle unauthenticated ones give way to new ones, "
-                              f"else new ones get 503 (counted: rollout/openai_connections_*)")
+                              f"limit): idle ones (unauthenticated first) give way to new "
+                              f"ones, else new ones get 503 (counted: rollout/openai_"
+                              f"connections_*)")
             if victim is None:
                 self.counts["refused"] += 1
                 return False

@@ -81,6 +81,9 @@ MAX_BODY_BYTES = 8 << 20  # a request body: a long conversation fits, a flood do
 MAX_MESSAGES = 4096  # messages in one chat request
 READ_TIMEOUT_S = 30.0  # a request's headers, then its body, each arrive within this
 ENDED_KEPT = 4096  # forgotten trajectory ids remembered (their late requests: 409)
+# one trajectory's requests in flight (they run one at a time under its lock): past it 429,
+# so no agent holds the connection cap busy with requests queued behind its own
+MAX_IN_FLIGHT = 8
 
 
 @dataclass
@@ -129,6 +132,7 @@ class OpenAIServer:
         self.host, self.port = "", 0
         self._server = self._task = None
         self._acceptors: list[Acceptor] = []
+        self.in_flight: dict[str, int] = {}  # requests of each trajectory being served
         self.app = self._make_app()
 
     # --- trajectories -----------------------------------------------------------------
@@ -347,6 +351,7 @@ class OpenAIServer:
         async def handle(request: Request, fn) -> Response:
             params = dict(request.path_params)
             traj_id = params.pop("traj_id", None)
+            counted = None  # the trajectory whose in-flight count this request holds
             try:
                 auth = request.headers.get("authorization", "")
                 token = auth[7:] if auth.startswith("Bearer ") else ""
@@ -358,6 +363,8 @@ class OpenAIServer:
                     raise ApiError(401, "invalid API key for this route (a trajectory's key "
                                         "serves its trajectory, a pool worker's key "
                                         "/v1/pool/next)", kind="authentication_error")
+                if caller == "trajectory":
+                    counted = self._enter(traj_id)
                 if request.method == "GET":
                     return JSONResponse(await fn(traj_id, None, **params))
                 body = await self._read_json(request)
@@ -376,6 +383,9 @@ class OpenAIServer:
                 if e.status == 400:
                     self.counts["bad"] += 1
                 return error(e)
+            finally:
+                if counted is not None:
+                    self._leave(counted)
 
         def bind(fn):
             async def route(request: Request):
@@ -393,6 +403,21 @@ class OpenAIServer:
             app.post(prefix + "/done")(bind(self._done))
         app.post("/v1/pool/next")(bind(self._pool_next))
         return app
+
+    def _enter(self, traj_id: str) -> str:
+        """Count a request of `traj_id` in flight; 429 past MAX_IN_FLIGHT."""
+        n = self.in_flight.get(traj_id, 0)
+        if n >= MAX_IN_FLIGHT:
+            raise ApiError(429, f"trajectory {traj_id} has {n} requests in flight already "
+                                f"(its requests are served one at a time)",
+                           kind="rate_limit_error")
+        self.in_flight[traj_id] = n + 1
+        return traj_id
+
+    def _leave(self, traj_id: str) -> None:
+        self.in_flight[traj_id] -= 1
+        if not self.in_flight[traj_id]:
+            del self.in_flight[traj_id]
 
     async def _models(self, traj_id, body) -> dict:
         return {"object": "list", "data": [{"id": self.model, "object": "model",
