@@ -90,12 +90,10 @@ class Connections:
             self.say(line)
 
     def admit(self) -> bool:
-        """Room for one more connection (the oldest idle untrusted one closed to make it);
+        """Room for one more connection (at the cap, an idle one closed to make it);
         False: the new one must be refused."""
-        if len(self) >= self.cap:  # the oldest idle untrusted one, else the oldest idle
-            idle = [p for p in self.open if _idle(p)]
-            victim = next((p for p in idle if not getattr(p, "trusted", False)),
-                          idle[0] if idle else None)
+        if len(self) >= self.cap:
+            victim = self._victim()
             self.once("full", f"[rollout] OpenAI endpoint: {self.cap} connections open (its "
                               f"cap: rollout.openai_max_connections, or half the open-file "
                               f"limit): idle ones (unauthenticated first) give way to new "
@@ -109,6 +107,17 @@ class Connections:
             victim.transport.close()
         self.pending += 1
         return True
+
+    def _victim(self) -> Any:
+        """The oldest idle untrusted connection, else the oldest idle one, else None."""
+        first = None
+        for p in self.open:
+            if _idle(p):
+                if not getattr(p, "trusted", False):
+                    return p
+                if first is None:
+                    first = p
+        return first
 
     def made(self, p: Any) -> None:
         self.pending -= 1
