@@ -1101,6 +1101,26 @@ def _idle_connections(port: int, n: int) -> list:
     return out
 
 
+def _exchange(sock, request: bytes) -> bytes:
+    """One HTTP/1.1 request on a kept-alive `sock`: its whole response (b"" if closed)."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    size = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")))
+    while len(body) < size:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def _served(port: int, key: str, what: str) -> None:
     """The agent of t0 is served on new connections: /models and a chat turn."""
     base = f"http://127.0.0.1:{port}/t/t0/v1"
@@ -1116,16 +1136,26 @@ def test_idle_connection_floods_leave_authenticated_agents_served(demo_dir, tmp_
     """The endpoint alone in a process with an open-file limit of 256 (hard 1024, so its
     soft limit is raised to 1024 and its cap is 512 connections): 1,100 idle connections
     that never authenticate, then an agent's requests on new connections are served at
-    once (an idle one gave way to each), again after 1,100 more, and the log says so once:
-    no accept traceback."""
+    once (an idle one gave way to each), again after 1,100 more; an authenticated
+    keep-alive connection older than them all is kept; the log says so once: no accept
+    traceback."""
+    import socket
+
     log = tmp_path / "endpoint.log"
     proc, port, key, soft = _endpoint_alone(demo_dir, log, 256, 1024)
     idle: list = []
+    models = (f"GET /t/t0/v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}"
+              f"\r\n\r\n").encode()
     try:
         assert soft == 1024  # raised to the hard limit
+        kept = socket.create_connection(("127.0.0.1", port), timeout=10)
+        idle.append(kept)
+        assert _exchange(kept, models).startswith(b"HTTP/1.1 200 ")
         for flood in range(2):
             idle += _idle_connections(port, 1100)
             time.sleep(1.0)  # accepted, or waiting in the backlog
+            if flood == 0:  # within its keep-alive (5 s): idle unauthenticated ones went
+                assert _exchange(kept, models).startswith(b"HTTP/1.1 200 ")
             t0 = time.monotonic()
             _served(port, key, f"hi {flood}")
             assert time.monotonic() - t0 < 10

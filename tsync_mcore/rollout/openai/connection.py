@@ -28,6 +28,7 @@ from typing import Any
 MAX_CAP = 4096  # connections at most, whatever the open-file limit
 ACCEPT_BATCH = 64  # accepts per wake-up, so one burst does not hold the loop
 PAUSE_S = 0.5  # accepting pauses this long when the process is short of a resource
+CONNECTION = "tsync.connection"  # a request scope's extension: the protocol that carries it
 SHORT_OF = {errno.EMFILE: "EMFILE", errno.ENFILE: "ENFILE", errno.ENOBUFS: "ENOBUFS",
             errno.ENOMEM: "ENOMEM"}
 
@@ -68,15 +69,14 @@ def _idle(p: Any) -> bool:
 
 class Connections:
     """The endpoint's open connections, oldest first, within `cap`; see the module
-    docstring. `trust(peer)` marks the connection from `peer` as one whose request
-    authenticated: idle, it gives way only when no untrusted one is idle (a client
+    docstring. `trust(scope)` marks the connection of a request's scope as one whose
+    request authenticated: idle, it gives way only when no untrusted one is idle (a client
     reconnects an idle keep-alive connection the server closed)."""
 
     def __init__(self, cap: int, say: Callable[[str], None] = print) -> None:
         self.cap, self.say = cap, say
         self.open: dict[Any, None] = {}  # uvicorn protocols, oldest first
         self.pending = 0  # accepted, their protocol not made yet
-        self.by_peer: dict[Any, Any] = {}
         self.counts = dict(evicted=0, refused=0, accept_errors=0)
         self._said: set[str] = set()
 
@@ -122,17 +122,14 @@ class Connections:
     def made(self, p: Any) -> None:
         self.pending -= 1
         self.open[p] = None
-        if p.client:
-            self.by_peer[tuple(p.client)] = p
 
     def lost(self, p: Any) -> None:
-        if p in self.open:
-            del self.open[p]
-            if p.client and self.by_peer.get(tuple(p.client)) is p:
-                del self.by_peer[tuple(p.client)]
+        self.open.pop(p, None)
 
-    def trust(self, peer: Any) -> None:
-        p = self.by_peer.get(tuple(peer)) if peer else None
+    @staticmethod
+    def trust(scope: dict) -> None:
+        """The connection that carried the request of ASGI `scope` authenticated."""
+        p = scope.get("extensions", {}).get(CONNECTION)
         if p is not None:
             p.trusted = True
 
@@ -231,6 +228,11 @@ def header_deadline_protocol(timeout_s: float, conns: Connections):
             super().connection_made(transport)
             conns.made(self)
             self._arm()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.scope is not None:  # a request's scope, before its app task runs
+                self.scope.setdefault("extensions", {})[CONNECTION] = self
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

@@ -357,7 +357,7 @@ class OpenAIServer:
                 token = auth[7:] if auth.startswith("Bearer ") else ""
                 traj_id = traj_id or request.headers.get("x-tsync-trajectory")
                 caller = self._caller(token, traj_id)
-                self.connections.trust(request.scope.get("client"))  # it gives way last
+                self.connections.trust(request.scope)  # its connection gives way last
                 pool = fn == self._pool_next
                 if caller.startswith("worker:") != pool and caller != "run":
                     raise ApiError(401, "invalid API key for this route (a trajectory's key "
