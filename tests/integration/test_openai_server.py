@@ -6,6 +6,7 @@ what vLLM sampled, id for id; the same seed samples what the built-in loop sampl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -1118,13 +1119,14 @@ def test_bodies_past_the_bounds_are_one_line_4xx_and_the_server_goes_on(et, tok)
             r = httpx.post(url, content=content, headers=auth, timeout=30, **kw)
             return r.status_code, r.json()["error"]["message"]
 
+        too_big = (413, "request body larger than 4096 bytes (rollout.openai_max_body_mb)")
         big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]})
-        assert post(big) == (413, "request body larger than 4096 bytes")
+        assert post(big) == too_big
 
         def chunks():  # no Content-Length: the size is counted as it arrives
             for _ in range(10):
                 yield b" " * 1000
-        assert post(chunks()) == (413, "request body larger than 4096 bytes")
+        assert post(chunks()) == too_big
         many = json.dumps({"model": "m", "messages": msgs * 9})
         assert post(many) == (400, "9 messages, more than this endpoint takes (8)")
         assert post("[" * 2000 + "]" * 2000) == (400, "the request body is nested too deeply")
@@ -1133,6 +1135,240 @@ def test_bodies_past_the_bounds_are_one_line_4xx_and_the_server_goes_on(et, tok)
         r = client(server, "t0").chat.completions.create(model="m", messages=msgs)
         assert r.choices[0].message.role == "assistant"
     finally:
+        et.run(server.stop())
+
+
+def _rss(field: str) -> int:
+    """This process's VmRSS or VmHWM (its peak), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
+
+
+def test_huge_prompts_are_refused_by_their_bytes_before_tokenizing(et, tok):
+    """Four agents post 7.6 MB chat bodies at once (under the 8 MB body cap): each is a
+    one-line 400 naming the limit, decided by the prompt's bytes before any tokenizing, so
+    all four answer in seconds and the process's memory peak stays within a few hundred
+    MB; then the trajectory is served. (Tokenized first, these are 1.3M tokens each.)"""
+    engine = Scripted(script_for(tok))
+    server = serve(et, engine, tok)
+    try:
+        for i in range(4):
+            server.register(f"t{i}", version=3, seed=i, **LIMITS)
+        text = " learn" * (7_600_000 // 6)  # one token of this vocabulary per 6 bytes
+        msgs = [{"role": "user", "content": text}]
+        body = json.dumps({"model": "m", "messages": msgs})
+        size = len(tok.apply_chat_template(msgs, add_generation_prompt=True,
+                                           tokenize=False).encode())
+        del text, msgs
+        got = {}
+
+        def post(i: int) -> None:
+            r = httpx.post(f"http://127.0.0.1:{server.port}/t/t{i}/v1/chat/completions",
+                           content=body, headers={"Authorization": f"Bearer {KEY}",
+                                                  "Content-Type": "application/json"},
+                           timeout=120)
+            got[i] = r.status_code, r.json()["error"]["message"]
+
+        with contextlib.suppress(OSError):  # resets the peak (VmHWM) to the current RSS
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        rss0 = _rss("VmRSS")
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        took, grew = time.monotonic() - t0, _rss("VmHWM") - rss0
+        print(f"\n4 x {len(body) / 1e6:.1f} MB bodies refused in {took:.1f} s, "
+              f"memory peak +{grew / 2**20:.0f} MB")
+        limit = 160 * server.token_bytes
+        for i in range(4):
+            status, message = got[i]
+            assert status == 400 and "\n" not in message, got[i]
+            assert message.startswith(f"the prompt is {size} bytes, more than any "
+                                      f"prompt that fits can be: at most 160 tokens "), message
+            assert f"of at most {limit // 160} bytes each; not tokenized" in message
+        assert took < 20 and grew < 600 * 2**20, (took, grew)
+        r = httpx.post(f"http://127.0.0.1:{server.port}/t/t1/v1/completions",
+                       json={"model": "m", "prompt": [5] * 200_000},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            "the prompt is 200000 token ids, more than fit (160: max_model_len, "
+            "rollout.max_total_tokens)")
+        assert engine.prompts == []
+        r = client(server, "t0").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}])
+        assert r.choices[0].message.role == "assistant"
+    finally:
+        et.run(server.stop())
+
+
+def _endpoint_alone(demo_dir, log, soft: int, hard: int, cap: int = 0):
+    """The endpoint in a process of its own with open-file limits (soft, hard), stderr to
+    `log`: (process, port, key, its soft limit once started)."""
+    import subprocess
+    import sys
+
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m",
+                                 "tests.helpers.workers.openai_endpoint_worker", demo_dir,
+                                 str(soft), str(hard), str(cap)], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+    port, key, now = proc.stdout.readline().split()
+    return proc, int(port), key, int(now)
+
+
+def _idle_connections(port: int, n: int) -> list:
+    import socket
+
+    out = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            s.connect(("127.0.0.1", port))
+        out.append(s)
+    return out
+
+
+def _exchange(sock, request: bytes) -> bytes:
+    """One HTTP/1.1 request on a kept-alive `sock`: its whole response (b"" if closed)."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    size = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")))
+    while len(body) < size:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def _served(port: int, key: str, what: str) -> None:
+    """The agent of t0 is served on new connections: /models and a chat turn."""
+    base = f"http://127.0.0.1:{port}/t/t0/v1"
+    with httpx.Client(timeout=10) as c:
+        r = c.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
+    agent = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=10)
+    r = agent.chat.completions.create(model="m", messages=[{"role": "user", "content": what}])
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_idle_connection_floods_leave_authenticated_agents_served(demo_dir, tmp_path):
+    """The endpoint alone in a process with an open-file limit of 256 (hard 1024, so its
+    soft limit is raised to 1024 and its cap is 512 connections): 1,100 idle connections
+    that never authenticate, then an agent's requests on new connections are served at
+    once (an idle one gave way to each), again after 1,100 more; an authenticated
+    keep-alive connection older than them all is kept; the log says so once: no accept
+    traceback."""
+    import socket
+
+    log = tmp_path / "endpoint.log"
+    proc, port, key, soft = _endpoint_alone(demo_dir, log, 256, 1024)
+    idle: list = []
+    models = (f"GET /t/t0/v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}"
+              f"\r\n\r\n").encode()
+    try:
+        assert soft == 1024  # raised to the hard limit
+        kept = socket.create_connection(("127.0.0.1", port), timeout=10)
+        idle.append(kept)
+        assert _exchange(kept, models).startswith(b"HTTP/1.1 200 ")
+        for flood in range(2):
+            idle += _idle_connections(port, 1100)
+            time.sleep(1.0)  # accepted, or waiting in the backlog
+            if flood == 0:  # within its keep-alive (5 s): idle unauthenticated ones went
+                assert _exchange(kept, models).startswith(b"HTTP/1.1 200 ")
+            t0 = time.monotonic()
+            _served(port, key, f"hi {flood}")
+            assert time.monotonic() - t0 < 10
+        assert proc.poll() is None
+    finally:
+        for s in idle:
+            s.close()
+        proc.kill()
+        said = proc.stdout.read()
+        proc.wait()
+    text = log.read_text() + said
+    assert "Traceback" not in text and len(text) < 4000, text[:3000]
+    assert said.count("[rollout] OpenAI endpoint: 512 connections open") == 1, said
+
+
+def test_running_out_of_descriptors_is_said_once_and_passes(demo_dir, tmp_path):
+    """A cap above what the open-file limit (256, hard 256) allows: 400 idle connections
+    exhaust the descriptors; accepting pauses and says so in one line (no traceback
+    flood), and once they close the agent is served again."""
+    log = tmp_path / "endpoint.log"
+    proc, port, key, soft = _endpoint_alone(demo_dir, log, 256, 256, cap=1000)
+    try:
+        assert soft == 256
+        idle = _idle_connections(port, 400)
+        time.sleep(2.0)  # several pauses' worth of failed accepts
+        for s in idle:
+            s.close()
+        time.sleep(1.0)
+        _served(port, key, "hi")
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        said = proc.stdout.read()
+        proc.wait()
+    text = log.read_text() + said
+    assert "Traceback" not in text and len(text) < 4000, text[:3000]
+    assert said.count("cannot accept a connection: Too many open files (EMFILE)") == 1, said
+
+
+def test_one_trajectory_holds_at_most_eight_requests_in_flight(et, tok):
+    """An agent that fires 10 requests at once on its own trajectory (they are served one at
+    a time) has 8 in flight: the other 2 are 429 at once, so no key holds the endpoint's
+    connections busy; the 8 are then served."""
+    release = threading.Event()
+
+    class Held:
+        version = 3
+
+        async def generate(self, prompt_ids, *, max_tokens, **kw):
+            while not release.is_set():
+                await asyncio.sleep(0.01)
+            return GenOut([tok.eos_token_id], [-0.5], "stop", 3, [3])
+
+    server = serve(et, Held(), tok)
+    try:
+        server.register("t0", version=3, seed=1, **LIMITS)
+        key, got = server.trajectory_key("t0"), []
+
+        def ask() -> None:
+            r = httpx.post(f"http://127.0.0.1:{server.port}/t/t0/v1/chat/completions",
+                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                           headers={"Authorization": f"Bearer {key}"}, timeout=60)
+            got.append((r.status_code, r.json()))
+
+        threads = [threading.Thread(target=ask) for _ in range(10)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [g[0] for g in got] == [429, 429], got
+        assert got[0][1]["error"]["message"] == (
+            "trajectory t0 has 8 requests in flight already (its requests are served one at "
+            "a time)")
+        assert server.in_flight == {"t0": 8}
+        release.set()
+        for t in threads:
+            t.join()
+        assert sorted(g[0] for g in got) == [200] * 8 + [429] * 2
+        assert server.in_flight == {}
+    finally:
+        release.set()
         et.run(server.stop())
 
 

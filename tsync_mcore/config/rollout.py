@@ -66,7 +66,7 @@ class RolloutConfig:
     # dies or hangs is killed, restarted with the current θ and its requests re-run; a
     # restart past this many in the run stops it (0: a replica that dies stops the run)
     max_replica_restarts: int = 3
-    # a replica that finishes no request for this many seconds while it has some
+    # a replica whose engine samples no token for this many seconds while it has requests
     # outstanding is hung (then restarted as a dead one); 0: no hang check
     replica_hang_s: float = 600.0
     # GPU only: fraction of each rollout GPU's memory vLLM may take (weights + KV cache)
@@ -129,6 +129,9 @@ class RolloutConfig:
     # a request's headers, and then its body, must each arrive within this (a slow or
     # silent connection is closed; a slow body is HTTP 408)
     openai_read_timeout_s: float = 30.0
+    # connections the endpoint holds at once (0: half the open-file limit, at most 4096);
+    # at the cap an idle unauthenticated one gives way to a new one, else the new one: 503
+    openai_max_connections: int = 0
 
     def validate(self) -> None:
         check(self.n_learners >= 1, "rollout.n_learners", "must be >= 1")
@@ -138,6 +141,10 @@ class RolloutConfig:
               f"must be >= 1, got {self.openai_max_messages}")
         check(self.openai_read_timeout_s > 0, "rollout.openai_read_timeout_s",
               f"must be > 0, got {self.openai_read_timeout_s}")
+        check(self.openai_max_connections == 0 or self.openai_max_connections >= 2,
+              "rollout.openai_max_connections",
+              f"must be 0 (half the open-file limit) or >= 2, got "
+              f"{self.openai_max_connections}")
         check(self.agent_timeout_s > 0, "rollout.agent_timeout_s",
               f"must be > 0, got {self.agent_timeout_s}")
         check(self.agent_concurrency >= 0, "rollout.agent_concurrency",

@@ -42,7 +42,8 @@ class Agents:
                                 current_version=self.served,
                                 max_body_bytes=int(rc.openai_max_body_mb * (1 << 20)),
                                 max_messages=rc.openai_max_messages,
-                                read_timeout_s=rc.openai_read_timeout_s)
+                                read_timeout_s=rc.openai_read_timeout_s,
+                                max_connections=rc.openai_max_connections)
         self.counters = AgentCounters()
         host, _, port = rc.serve_openai.rpartition(":")
         try:

@@ -234,6 +234,9 @@ class Session:
     max_turns: int = 1 << 30
     max_tokens_per_turn: int = 1 << 30
     max_total_tokens: int = 1 << 30
+    # (tokens, bytes): no prompt may exceed `tokens`, and none of them spans more than
+    # `bytes` (params.prompt_bytes_bound); a longer text is refused before tokenizing
+    prompt_bound: tuple[int, int] | None = None
     tokens: list[int] = field(default_factory=list)
     scored_mask: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
@@ -275,10 +278,16 @@ class Session:
 
     def _ids(self, text: str) -> list[int]:
         try:
-            text.encode("utf-8")  # JSON may carry a lone surrogate; no tokenizer takes it
+            size = len(text.encode("utf-8"))  # a lone surrogate (JSON allows it): refused
         except UnicodeEncodeError as e:
             raise SessionError(f"the messages are not valid Unicode (a lone surrogate "
                                f"{text[e.start]!r} in the rendered prompt)") from None
+        if self.prompt_bound is not None and size > self.prompt_bound[1]:
+            n, most = self.prompt_bound
+            raise SessionError(f"the prompt is {size} bytes, more than any prompt that fits "
+                               f"can be: at most {n} tokens (max_model_len, rollout."
+                               f"max_total_tokens) of at most {most // n} bytes each; not "
+                               f"tokenized")
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def _budget(self, prompt_len: int, max_tokens: int | None, new_segment: bool) -> int:
