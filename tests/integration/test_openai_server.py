@@ -1280,17 +1280,19 @@ def test_a_hostile_agent_process_reaches_no_other_agent_the_rollout_or_the_netwo
     it reads neither the run directory nor the channel secret, and reaches neither a TCP
     listener nor a Unix socket of the host — only the endpoint. The honest trajectories
     keep their rewards."""
+    import pathlib
+    import shutil
     import socket
     import sys
+    import tempfile
 
     from tsync_mcore.channel.secret import load_or_create_secret
     from tsync_mcore.rollout.openai.launch import why_not_jailed
 
     if why_not_jailed():
         pytest.skip(f"agents cannot run jailed here: {why_not_jailed()}")
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    os.chmod(tmp_path, 0o755)
+    # outside /tmp (which the jail covers anyway), readable by every uid: the jail hides it
+    run_dir = pathlib.Path(tempfile.mkdtemp(prefix="tsync-run-", dir="/"))
     os.chmod(run_dir, 0o755)
     load_or_create_secret(str(run_dir / "channel.secret"))
     decoy = socket.create_server(("127.0.0.1", 0))
@@ -1301,16 +1303,18 @@ def test_a_hostile_agent_process_reaches_no_other_agent_the_rollout_or_the_netwo
     hostile = os.path.join(ROOT, "tests", "helpers", "workers", "hostile_agent.py")
     demo = f"{sys.executable} -m tsync_mcore.rollout.openai.agents.digits"
     cmd = (f"case $TSYNC_TRAJECTORY_ID in evil) exec {sys.executable} {hostile} "
-           f"@@hostile 6 {run_dir} 127.0.0.1:{decoy.getsockname()[1]} {tmp_path}/decoy.sock;; "
+           f"@@hostile 6 {run_dir} 127.0.0.1:{decoy.getsockname()[1]} {tmp_path}/decoy.sock "
+           f"{os.getpid()};; "
            f"*) sleep 3; exec {demo};; esac")
     server = serve(et, BySeed(script_for(tok)), tok)
     try:
         out = et.run(agents_run(server, run_dir, ["a", "evil", "b"], cmd, timeout_s=60))
+        log = (run_dir / "agent" / "logs" / "evil.log").read_text()
     finally:
         et.run(server.stop())
         decoy.close()
         decoy_sock.close()
-    log = (run_dir / "agent" / "logs" / "evil.log").read_text()
+        shutil.rmtree(run_dir, ignore_errors=True)
     report = json.loads(log.split("@@hostile ", 1)[1].splitlines()[0])
     assert report == {**report, "rollout_env": False, "keys": [], "rewarded": [], "done": [],
                       "own_key_elsewhere": [], "secret": False, "run_dir": [],

