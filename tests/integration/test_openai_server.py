@@ -955,7 +955,10 @@ def test_agent_pool_protocol(et, tok, tmp_path):
             r = await poll
             assert r.status_code == 200
             got = r.json()
-            assert got["trajectory"] == "p" and got["base_url"] == server.base_url("p")
+            # its worker's base URL: the forwarder's in its jail (as root), else the endpoint's
+            assert got["trajectory"] == "p" and got["base_url"] == pool.launcher.base_url("p")
+            assert got["base_url"].startswith("http://127.0.0.1:8000/" if pool.launcher.jailed
+                                              else f"http://127.0.0.1:{server.port}/")
             assert got["task"]["messages"] == task(0)["messages"]
             assert got["task"]["trajectory"] == "p" and got["task"]["group"] == "g"
             assert "tools_url" not in got

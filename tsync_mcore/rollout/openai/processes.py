@@ -201,6 +201,7 @@ async def run_agents(
                        wall_s=t1 - t0, t_start=t0, t_end=t1)
         res.extra.update(agent_status=status, rewrites=s.rewrites, segments=len(s.segments) + 1)
         rec = s.record(group_id=group_of[i], reward=reward, status=status, exit_code=code)
+        rec["jailed"] = launcher.jailed  # its agent ran in the jail (launch.py)
         if error is not None:
             rec["error"] = error
         if reward_error is not None:
