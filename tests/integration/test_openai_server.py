@@ -518,7 +518,9 @@ def test_config_refusals():
                             ({"rollout.serve_openai": "nohost"}, "rollout.serve_openai"),
                             ({"rollout.agent_timeout_s": 0}, "rollout.agent_timeout_s"),
                             ({"rollout.agent_pool": -1}, "rollout.agent_pool"),
-                            ({"rollout.openai_history": "drop"}, "rollout.openai_history")]:
+                            ({"rollout.openai_history": "drop"}, "rollout.openai_history"),
+                            ({"rollout.agent_isolation": "jail"}, "rollout.agent_isolation"),
+                            ({"rollout.agent_expose": ["data"]}, "rollout.agent_expose")]:
         with pytest.raises(ConfigError, match=what):
             load_config(None, {"rollout.agent": "openai", **overrides})
     cfg = load_config(None, {"rollout.agent": "openai", "rollout.serve_openai": "0.0.0.0:8100"})
@@ -1325,3 +1327,35 @@ def test_a_hostile_agent_process_reaches_no_other_agent_the_rollout_or_the_netwo
     assert report["uid"] != 0
     assert out["a"].reward == 3.0 and out["b"].reward == 3.0, (out["a"].reward, out["b"].reward)
     assert out["a"].extra["agent_status"] == "ok" and out["b"].extra["agent_status"] == "ok"
+
+
+def test_agent_isolation_where_the_jail_cannot_be_made():
+    """Not root (here: a program in the jail, under a uid of its own), agents cannot be
+    jailed: `require` refuses in one line, `isolate` runs them as the rollout's user with
+    one warning, `none` as ever without one."""
+    import sys
+
+    from tsync_mcore.sandbox import jail
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (to run a program that is not)")
+    code = (
+        "import json\n"
+        "from tsync_mcore.rollout.openai.launch import AgentIsolationError, Launcher\n"
+        "out = {}\n"
+        "try:\n"
+        "    Launcher(None, 'require')\n"
+        "except AgentIsolationError as e:\n"
+        "    out['require'] = str(e)\n"
+        "out['isolate'] = [Launcher(None, 'isolate').jailed, Launcher(None, 'isolate').jailed]\n"
+        "out['none'] = Launcher(None, 'none').jailed\n"
+        "print(json.dumps(out))\n")
+    r = jail.run([sys.executable, "-c", code], env={"PYTHONPATH": ROOT},
+                 limits=jail.Limits(timeout_s=60, memory_mb=4096, uid_base=1 << 25,
+                                    expose=(ROOT,)))
+    assert r.returncode == 0 and r.uid != 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out == {"require": "rollout.agent_isolation: require, but agents cannot run "
+                              "jailed here: not running as root",
+                   "isolate": [False, False], "none": False}, out
+    assert r.stderr.count("agents run WITHOUT the jail") == 1, r.stderr  # one warning

@@ -150,10 +150,28 @@ class AgentProcess:
         if self.proc is not None:
             return await self.proc.wait()
         if self._exit is None:
-            self._exit = asyncio.ensure_future(asyncio.to_thread(self._wait_job))
+            # a thread of its own: a pool worker waits for the whole run, and the loop's
+            # executor (a few threads) is the endpoint's, for tokenizing requests
+            loop = asyncio.get_running_loop()
+            self._exit = loop.create_future()
+            threading.Thread(target=self._wait_job, args=(loop, self._exit),
+                             name=f"agent-{self.job.pid}", daemon=True).start()
         return await asyncio.shield(self._exit)
 
-    def _wait_job(self) -> int:
+    def _wait_job(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
+        def settle(code: int | None, error: BaseException | None) -> None:
+            if not fut.done():
+                fut.set_result(code) if error is None else fut.set_exception(error)
+        try:
+            out = (self._end_job(), None)
+        except BaseException as e:  # noqa: BLE001 — handed to the waiter
+            out = (None, e)
+        try:
+            loop.call_soon_threadsafe(settle, *out)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    def _end_job(self) -> int:
         res = self.job.wait(None)
         copy, path = self._log
         copy.join(5.0)  # the last of its output, before anyone reads the log
