@@ -22,6 +22,9 @@ verifier's on the episode's repo, which takes no posted reward.
 An agent that posts `done {"error": ...}` fails its trajectory too (status "failed"); one
 that posts `done {"reward_error": ...}` ran its episode but could not score it:
 `on_reward_error(i, why)` gives the reward (reward.on_error: 0, counted, or it raises).
+Run as root, each agent process (each pool worker) runs in the jail (launch.py,
+rollout.agent_isolation): its own uid and namespaces, the run directory hidden, the endpoint
+reached through the forwarder at http://127.0.0.1:8000 (its OPENAI_BASE_URL's host).
 Each trajectory's record goes to RUN/agent/records.jsonl; a failed agent's output is kept in
 RUN/agent/logs/<trajectory id>.log (a pool worker's: RUN/agent/pool/worker<k>.log).
 """
