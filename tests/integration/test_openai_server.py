@@ -1325,6 +1325,8 @@ def test_a_hostile_agent_process_reaches_no_other_agent_the_rollout_or_the_netwo
                       "own_key_elsewhere": [], "secret": False, "run_dir": [],
                       "connected": []}, report
     assert report["uid"] != 0
+    # its PATH: the jail's (its python first), then the rollout's (a venv's scripts)
+    assert report["path"].endswith(":" + os.environ["PATH"]), report["path"]
     assert out["a"].reward == 3.0 and out["b"].reward == 3.0, (out["a"].reward, out["b"].reward)
     assert out["a"].extra["agent_status"] == "ok" and out["b"].extra["agent_status"] == "ok"
 

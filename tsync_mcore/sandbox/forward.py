@@ -7,7 +7,8 @@ namespace), forwards each connection to the Unix socket SOCKET (the endpoint's, 
 the jail), and runs COMMAND (a shell command) beside it in CWD (the rollout's working
 directory, where the jail shows it; else the jail's own), as the same user; it exits with
 the command's status. The agent's OPENAI_BASE_URL names http://127.0.0.1:PORT/..., so an
-agent written against the OpenAI API runs unchanged.
+agent written against the OpenAI API runs unchanged; its PATH is the jail's, then the
+rollout's (TSYNC_HOST_PATH: a virtual environment's scripts).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import threading
 
 PORT = 8000  # the jail's own network namespace: always free there
+HOST_PATH = "TSYNC_HOST_PATH"  # the rollout's PATH: searched after the jail's own
 CHUNK = 1 << 16
 
 
@@ -76,7 +78,11 @@ def main(argv: list[str]) -> int:
         print(f"forward: cannot listen on 127.0.0.1:{port}: {e}", file=sys.stderr)
         return 125
     threading.Thread(target=asyncio.run, args=(_serve(listener, path),), daemon=True).start()
-    proc = subprocess.Popen(["/bin/sh", "-c", command])
+    env = dict(os.environ)
+    host_path = env.pop(HOST_PATH, "")
+    if host_path:
+        env["PATH"] = f"{env.get('PATH', '')}:{host_path}"
+    proc = subprocess.Popen(["/bin/sh", "-c", command], env=env)
     signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
     code = proc.wait()
     return 128 - code if code < 0 else code

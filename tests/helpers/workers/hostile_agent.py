@@ -48,7 +48,7 @@ def main() -> int:
     root = base[:base.index(f"/t/{me}/")]
     mine = os.environ["OPENAI_API_KEY"]
     found: dict[str, str] = {}
-    report: dict = {"uid": os.getuid(), "rollout_env": False, "keys": [], "rewarded": [],
+    report: dict = {"uid": os.getuid(), "path": os.environ.get("PATH", ""), "rollout_env": False, "keys": [], "rewarded": [],
                     "done": [], "own_key_elsewhere": [], "secret": False, "run_dir": [],
                     "connected": []}
     deadline = time.monotonic() + float(seconds)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tsync_mcore.sandbox import jail
-from tsync_mcore.sandbox.forward import PORT
+from tsync_mcore.sandbox.forward import HOST_PATH, PORT
 
 # Agents' uids: a range of their own, beside the tools' episodes (tools.uid_base)
 UID_BASE = 1 << 25
@@ -105,14 +105,17 @@ class Launcher:
     def _start_jailed(self, command: str, env: dict[str, str], log_path: str
                       ) -> AgentProcess:
         sock = self.server.unix_path
+        # the socket's directory read-only (connecting needs no write access to the mount)
         limits = jail.Limits(**LIMITS, network="require", isolation="require", loopback=True,
-                             uid_base=UID_BASE, binds=(os.path.dirname(sock),),
-                             expose=self.expose, hide=self.hide)
+                             uid_base=UID_BASE, expose=(os.path.dirname(sock), *self.expose),
+                             hide=self.hide)
         # the forwarder beside the agent's command; its output and the agent's (stderr
         # joined to stdout) come through the job's pipe into the log as they are written
         argv = ["/bin/sh", "-c", 'exec "$0" "$@" 2>&1', jail.interpreter(limits), "-m",
                 "tsync_mcore.sandbox.forward", sock, str(PORT), self.cwd, command]
         extra = {k: v for k, v in env.items() if k not in JAIL_OWN}
+        if "PATH" in env:  # after the jail's own (its python first): the venv's scripts
+            extra[HOST_PATH] = env["PATH"]
         job = jail.start(argv, limits=limits, env=extra, pipes=True)
         job.stdin.close()  # the agent reads EOF, as from /dev/null
         copy = threading.Thread(target=_copy, args=(job.stdout, log_path), daemon=True)
@@ -183,8 +186,8 @@ class AgentProcess:
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """`sig` to the whole agent: its process group, or (SIGKILL) its jail."""
         if self.job is not None:
-            if sig == signal.SIGKILL:
-                self.job.kill()
+            if sig == signal.SIGKILL:  # the jail's teardown waits: never on the event loop
+                threading.Thread(target=self.job.kill, daemon=True).start()
             else:
                 try:
                     os.kill(self.job.pid, sig)
