@@ -1361,3 +1361,17 @@ def test_agent_isolation_where_the_jail_cannot_be_made():
                               "jailed here: not running as root",
                    "isolate": [False, False], "none": False}, out
     assert r.stderr.count("agents run WITHOUT the jail") == 1, r.stderr  # one warning
+
+
+def test_agent_expose_never_shows_the_run_directory(tmp_path):
+    """rollout.agent_expose naming the run directory, a directory inside it or one holding
+    it is refused in one line (the rollout stops at start: Agents.start_endpoint)."""
+    from tsync_mcore.rollout.openai.launch import AgentIsolationError, Launcher
+
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    for shown in (run, run / "data", tmp_path):
+        with pytest.raises(AgentIsolationError, match="would show the run directory") as e:
+            Launcher(None, "none", expose=[str(shown)], hide=[str(run)])
+        assert "\n" not in str(e.value) and "rollout.agent_expose" in str(e.value)
+    assert Launcher(None, "none", expose=[str(tmp_path / "src")], hide=[str(run)]).expose

@@ -35,13 +35,13 @@ class Agents:
         from tsync_mcore.rollout.openai.processes import AgentCounters
         from tsync_mcore.rollout.openai.server import OpenAIServer
 
-        from tsync_mcore.rollout.openai.launch import why_not_jailed
+        from tsync_mcore.rollout.openai.launch import AgentIsolationError, Launcher
 
         rc = self.rc
-        why = "" if rc.agent_isolation == "none" else why_not_jailed()
-        if why and rc.agent_isolation == "require":
-            raise RolloutStopped(f"rollout.agent_isolation: require, but agents cannot run "
-                                 f"jailed here: {why}")
+        try:  # `require` where the jail cannot be made, an agent_expose showing the run dir
+            Launcher(None, rc.agent_isolation, expose=rc.agent_expose, hide=(self.cfg.run.dir,))
+        except AgentIsolationError as e:
+            raise RolloutStopped(str(e)) from None
         self.oai = OpenAIServer(self.engine, self.tok, api_key=secrets.token_urlsafe(24),
                                 model=os.path.basename(os.path.normpath(self.cfg.model.hf_dir)),
                                 history=rc.openai_history, temperature=rc.temperature,
