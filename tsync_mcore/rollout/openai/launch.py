@@ -7,7 +7,7 @@ private tmpfs for HOME and TMPDIR, the run directory covered, no other process's
 /proc/<pid>/environ (its key is in its own environment, which only its uid in its PID
 namespace can read). Its network namespace holds only loopback: the forwarder
 (tsync_mcore.sandbox.forward) listens on 127.0.0.1:PORT there and carries each connection to
-the endpoint's Unix socket, bound into the jail; the agent's OPENAI_BASE_URL names that
+the endpoint's Unix socket, shown in the jail; the agent's OPENAI_BASE_URL names that
 port, so the endpoint is the only thing it can reach.
 """
 
@@ -35,7 +35,8 @@ JAIL_OWN = ("PATH", "HOME", "TMPDIR", "USER", "LOGNAME")
 
 
 class AgentIsolationError(RuntimeError):
-    """rollout.agent_isolation: require, and the jail cannot be made here."""
+    """rollout.agent_isolation: require where the jail cannot be made, or an agent_expose
+    that would show the run directory: the rollout does not start."""
 
 
 def why_not_jailed() -> str:
@@ -163,8 +164,12 @@ class AgentProcess:
 
     def _wait_job(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
         def settle(code: int | None, error: BaseException | None) -> None:
-            if not fut.done():
-                fut.set_result(code) if error is None else fut.set_exception(error)
+            if fut.done():
+                return
+            if error is None:
+                fut.set_result(code)
+            else:
+                fut.set_exception(error)
         try:
             out = (self._end_job(), None)
         except BaseException as e:  # noqa: BLE001 — handed to the waiter
