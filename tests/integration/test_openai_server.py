@@ -1301,14 +1301,18 @@ def test_a_hostile_agent_process_reaches_no_other_agent_the_rollout_or_the_netwo
     os.chmod(run_dir, 0o755)
     load_or_create_secret(str(run_dir / "channel.secret"))
     decoy = socket.create_server(("127.0.0.1", 0))
+    # a host Unix socket anyone may connect to, outside /tmp and /run (which the jail covers)
+    sock_dir = tempfile.mkdtemp(prefix="tsync-decoy-", dir="/")
+    os.chmod(sock_dir, 0o755)
+    decoy_path = os.path.join(sock_dir, "decoy.sock")
     decoy_sock = socket.socket(socket.AF_UNIX)
-    decoy_sock.bind(str(tmp_path / "decoy.sock"))
-    os.chmod(tmp_path / "decoy.sock", 0o777)
+    decoy_sock.bind(decoy_path)
+    os.chmod(decoy_path, 0o777)
     decoy_sock.listen()
     hostile = os.path.join(ROOT, "tests", "helpers", "workers", "hostile_agent.py")
     demo = f"{sys.executable} -m tsync_mcore.rollout.openai.agents.digits"
     cmd = (f"case $TSYNC_TRAJECTORY_ID in evil) exec {sys.executable} {hostile} "
-           f"@@hostile 6 {run_dir} 127.0.0.1:{decoy.getsockname()[1]} {tmp_path}/decoy.sock "
+           f"@@hostile 6 {run_dir} 127.0.0.1:{decoy.getsockname()[1]} {decoy_path} "
            f"{os.getpid()};; "
            f"*) sleep 3; exec {demo};; esac")
     server = serve(et, BySeed(script_for(tok)), tok)
@@ -1320,6 +1324,7 @@ def test_a_hostile_agent_process_reaches_no_other_agent_the_rollout_or_the_netwo
         decoy.close()
         decoy_sock.close()
         shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(sock_dir, ignore_errors=True)
     report = json.loads(log.split("@@hostile ", 1)[1].splitlines()[0])
     assert report == {**report, "rollout_env": False, "keys": [], "rewarded": [], "done": [],
                       "own_key_elsewhere": [], "secret": False, "run_dir": [],
