@@ -32,10 +32,9 @@ class Agents:
     def start_endpoint(self) -> None:
         """rollout.agent: openai: the OpenAI-compatible endpoint on the engine's loop
         (docs/guide/agents.md), with a random key for this run."""
+        from tsync_mcore.rollout.openai.launch import AgentIsolationError, Launcher
         from tsync_mcore.rollout.openai.processes import AgentCounters
         from tsync_mcore.rollout.openai.server import OpenAIServer
-
-        from tsync_mcore.rollout.openai.launch import AgentIsolationError, Launcher
 
         rc = self.rc
         try:  # `require` where the jail cannot be made, an agent_expose showing the run dir
