@@ -554,7 +554,11 @@ def test_agent_processes_ok_crashed_hung(et, tok, tmp_path):
                 server, traj_ids=["a", "b", "c"], group_of=["g"] * 3,
                 tasks=[task(1)] * 3, seeds=[1, 2, 3], version=3, limits=LIMITS, command=cmd,
                 timeout_s=12, failed_reward=-1.0, concurrency=0, task_reward=task_reward,
-                run_dir=str(tmp_path), counters=counters):
+                run_dir=str(tmp_path), counters=counters,
+                # unjailed (rollout.agent_isolation: none): the process group is what ends
+                # the hung one's background child (a jailed one's dies with its PID
+                # namespace, and could not write the marker anyway)
+                isolation="none"):
             out[i] = res
         return out
 
