@@ -94,6 +94,15 @@ class ByPrompt:
         return GenOut(ids, [-0.5] * len(ids), "stop", 3, [3] * len(ids))
 
 
+@pytest.fixture
+def src(tmp_path_factory):
+    """A directory for the tests' agent scripts, apart from the run directory: jailed
+    agents see it read-only (rollout.agent_expose), never the run directory."""
+    d = tmp_path_factory.mktemp("agent-src")
+    os.chmod(d, 0o755)
+    return d
+
+
 def client(server, tid, key=KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url(tid), api_key=key, max_retries=0)
 
@@ -577,7 +586,9 @@ def test_config_refusals():
                             ({"rollout.serve_openai": "nohost"}, "rollout.serve_openai"),
                             ({"rollout.agent_timeout_s": 0}, "rollout.agent_timeout_s"),
                             ({"rollout.agent_pool": -1}, "rollout.agent_pool"),
-                            ({"rollout.openai_history": "drop"}, "rollout.openai_history")]:
+                            ({"rollout.openai_history": "drop"}, "rollout.openai_history"),
+                            ({"rollout.agent_isolation": "jail"}, "rollout.agent_isolation"),
+                            ({"rollout.agent_expose": ["data"]}, "rollout.agent_expose")]:
         with pytest.raises(ConfigError, match=what):
             load_config(None, {"rollout.agent": "openai", **overrides})
     cfg = load_config(None, {"rollout.agent": "openai", "rollout.serve_openai": "0.0.0.0:8100"})
@@ -611,7 +622,11 @@ def test_agent_processes_ok_crashed_hung(et, tok, tmp_path):
                 server, traj_ids=["a", "b", "c"], group_of=["g"] * 3,
                 tasks=[task(1)] * 3, seeds=[1, 2, 3], version=3, limits=LIMITS, command=cmd,
                 timeout_s=12, failed_reward=-1.0, concurrency=0, task_reward=task_reward,
-                run_dir=str(tmp_path), counters=counters):
+                run_dir=str(tmp_path), counters=counters,
+                # unjailed (rollout.agent_isolation: none): the process group is what ends
+                # the hung one's background child (a jailed one's dies with its PID
+                # namespace, and could not write the marker anyway)
+                isolation="none"):
             out[i] = res
         return out
 
@@ -652,7 +667,7 @@ def readme_agent(tmp_path) -> str:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("agent", ["bundled", "readme"])
 def test_terminal_task_through_the_endpoint_runs_tools_in_the_episode_repo(et, tok, tmp_path,
-                                                                           agent):
+                                                                           agent, src):
     """rollout.env: terminal behind the endpoint: a function-calling agent (the bundled
     tsync_mcore.rollout.openai.agents.terminal, and the guide's example) runs the model's tool calls
     through the tool route in its episode's sandboxed repo (at most max_calls_per_turn per
@@ -694,7 +709,7 @@ def test_terminal_task_through_the_endpoint_runs_tools_in_the_episode_repo(et, t
                        for m in msgs], seeds=[1, 2], version=3,
                 limits=limits, command=f"{sys.executable} " + (
                     "-m tsync_mcore.rollout.openai.agents.terminal" if agent == "bundled" else
-                    readme_agent(tmp_path)),
+                    readme_agent(src)), expose=[str(src)],
                 timeout_s=60, failed_reward=-1.0, concurrency=0,
                 task_reward=lambda i, actions: envs[i].verify(), run_dir=str(tmp_path),
                 counters=AgentCounters(), tools=[env.box for env in envs],
@@ -750,7 +765,7 @@ class BySeed:
 
 
 def agents_run(server, tmp_path, ids, command, *, pool=None, timeout_s=20.0, counters=None,
-               version=3, on_reward_error=None):
+               version=3, on_reward_error=None, expose=()):
     """run_agents over `ids` (toy tasks, seeds from the ids); {traj_id: result}."""
     from tsync_mcore.rollout.openai.processes import AgentCounters, run_agents
 
@@ -766,7 +781,7 @@ def agents_run(server, tmp_path, ids, command, *, pool=None, timeout_s=20.0, cou
                 command=command, timeout_s=timeout_s, failed_reward=-1.0, concurrency=0,
                 task_reward=task_reward, run_dir=str(tmp_path),
                 counters=counters or AgentCounters(), pool=pool,
-                on_reward_error=on_reward_error):
+                on_reward_error=on_reward_error, expose=[str(p) for p in expose]):
             out[ids[i]] = res
         return out
     return go()
@@ -776,11 +791,12 @@ def records_of(path) -> dict:
     return {r["traj_id"]: r for r in map(json.loads, open(path))}
 
 
-def make_pool(server, tmp_path, command, size, timeout_s=20.0, counters=None):
+def make_pool(server, tmp_path, command, size, timeout_s=20.0, counters=None, expose=()):
     from tsync_mcore.rollout.openai.pool import AgentPool
 
     return AgentPool(server, command=command, size=size, run_dir=str(tmp_path),
-                     timeout_s=timeout_s, counters=counters)
+                     timeout_s=timeout_s, counters=counters,
+                     expose=[str(p) for p in expose])
 
 
 @pytest.mark.timeout(120)
@@ -819,7 +835,7 @@ def test_agent_pool_serves_what_one_process_per_trajectory_does(et, tok, tmp_pat
 
 
 @pytest.mark.timeout(120)
-def test_agent_pool_worker_crash_hang_and_reported_error(et, tok, tmp_path):
+def test_agent_pool_worker_crash_hang_and_reported_error(et, tok, tmp_path, src):
     """A worker that exits mid-trajectory fails it ("crashed", its exit code) and is
     restarted; one that hangs is killed at the timeout ("timed out") and restarted; an
     episode that raises is posted as done {"error"} ("failed"); the rest are ok."""
@@ -828,7 +844,7 @@ def test_agent_pool_worker_crash_hang_and_reported_error(et, tok, tmp_path):
 
     from tsync_mcore.rollout.openai.processes import AgentCounters
 
-    worker = tmp_path / "worker.py"
+    worker = src / "worker.py"
     worker.write_text(
         "import os, sys, time\n"
         "from tsync_mcore.rollout.openai.agents import digits, pool\n"
@@ -849,7 +865,8 @@ def test_agent_pool_worker_crash_hang_and_reported_error(et, tok, tmp_path):
     cmd = f"{sys.executable} {worker}"
     # 10 s: on a loaded machine an ordinary episode (a worker's start included) ran past 5 s
     # and was restarted as hung, one restart more than the test counts
-    pool = make_pool(server, tmp_path, cmd, 2, timeout_s=10.0, counters=counters)
+    pool = make_pool(server, tmp_path, cmd, 2, timeout_s=10.0, counters=counters,
+                     expose=[src])
     t0 = time.monotonic()
     try:
         out = et.run(agents_run(server, tmp_path, ids, cmd, pool=pool, timeout_s=10.0,
@@ -1016,12 +1033,12 @@ def test_a_rewriting_agent_is_held_to_its_limits_and_its_group_mates_train(et, t
 
 
 @pytest.mark.timeout(60)
-def test_a_bundled_style_agent_posts_the_dict_its_run_returns(et, tok, tmp_path):
+def test_a_bundled_style_agent_posts_the_dict_its_run_returns(et, tok, tmp_path, src):
     """pool.main(run) as one process per trajectory: the dict `run` returns is posted as
     the trajectory's done body ({"reward": x}, {"reward_error": why})."""
     import sys
 
-    agent = tmp_path / "agent.py"
+    agent = src / "agent.py"
     agent.write_text(
         "import sys\n"
         "from tsync_mcore.rollout.openai.agents import digits, pool\n"
@@ -1035,7 +1052,8 @@ def test_a_bundled_style_agent_posts_the_dict_its_run_returns(et, tok, tmp_path)
     decided = []
     try:
         out = et.run(agents_run(server, tmp_path, ["good", "bad"], f"{sys.executable} {agent}",
-                                on_reward_error=lambda i, why: decided.append(why) or -2.0))
+                                on_reward_error=lambda i, why: decided.append(why) or -2.0,
+                                expose=[src]))
     finally:
         et.run(server.stop())
     assert out["good"].reward == 0.75 and out["bad"].reward == -2.0
@@ -1075,7 +1093,10 @@ def test_agent_pool_protocol(et, tok, tmp_path):
             r = await poll
             assert r.status_code == 200
             got = r.json()
-            assert got["trajectory"] == "p" and got["base_url"] == server.base_url("p")
+            # its worker's base URL: the forwarder's in its jail (as root), else the endpoint's
+            assert got["trajectory"] == "p" and got["base_url"] == pool.launcher.base_url("p")
+            assert got["base_url"].startswith("http://127.0.0.1:8000/" if pool.launcher.jailed
+                                              else f"http://127.0.0.1:{server.port}/")
             assert got["task"]["messages"] == task(0)["messages"]
             assert got["task"]["trajectory"] == "p" and got["task"]["group"] == "g"
             assert "tools_url" not in got
@@ -1531,20 +1552,22 @@ tries = {"reward": ("/t/victim/v1/reward", {"reward": 1e6}, {}),
 out = {k: httpx.post(root + p, json=b, headers={"Authorization": f"Bearer {key}", **h},
                      timeout=10).status_code for k, (p, b, h) in tries.items()}
 out["secrets_in_env"] = sorted(k for k in os.environ if "SECRET" in k or "WANDB" in k)
-with open(json.loads(os.environ["TSYNC_TASK"])["report"], "w") as f:
-    json.dump(out, f)
-os.execv(sys.executable, agent)
+print("@@hostile", json.dumps(out), flush=True)  # to its log (kept: it exits non-zero)
+import subprocess
+subprocess.run(agent)
+sys.exit(3)
 '''
 
 
 @pytest.mark.timeout(120)
 def test_a_hostile_agent_and_model_on_the_terminal_task_through_the_endpoint(
-        et, tok, tmp_path, monkeypatch):
+        et, tok, tmp_path, monkeypatch, src):
     """The terminal task live through the endpoint, beside an honest episode that writes
     the fix: a hostile agent calls the other trajectory's routes with its own key, and its
     model's tool calls write outside the repo, look for the other episode, plant start-up
     hooks and forge the verifier's results. Every cross-trajectory call is refused, the
-    canary directory is untouched, the other episode scores 1.0 and the hostile one 0.0."""
+    canary directory is untouched, the other episode scores 1.0 and the hostile one's repo
+    0.0 (its agent exits 3 to keep its log, the report in it: a failed trajectory)."""
     import shutil
     import sys
     import tempfile
@@ -1583,7 +1606,7 @@ def test_a_hostile_agent_and_model_on_the_terminal_task_through_the_endpoint(
                            for c in attacks[n_tool:n_tool + 2])
         return "Done."
 
-    agent = tmp_path / "hostile_agent.py"
+    agent = src / "hostile_agent.py"
     agent.write_text(HOSTILE_AGENT)
     server = serve(et, ByPrompt(tok, answer), tok)
     limits = dict(max_turns=3, max_tokens_per_turn=1500, max_total_tokens=12000)
@@ -1592,18 +1615,18 @@ def test_a_hostile_agent_and_model_on_the_terminal_task_through_the_endpoint(
         out = {}
         async for i, res in run_agents(
                 server, traj_ids=["victim", "evil"], group_of=["g", "g"],
-                tasks=[{"messages": m, "model": "m", "temperature": 1.0,
-                        "report": str(tmp_path / "hostile.json"), **limits}
+                tasks=[{"messages": m, "model": "m", "temperature": 1.0, **limits}
                        for m in msgs], seeds=[1, 2], version=3, limits=limits,
                 command=f"{sys.executable} {agent}", timeout_s=60, failed_reward=-1.0,
                 concurrency=0, task_reward=lambda i, actions: envs[i].verify(),
                 run_dir=str(tmp_path), counters=AgentCounters(),
-                tools=[env.box for env in envs], max_calls_per_turn=2):
+                tools=[env.box for env in envs], max_calls_per_turn=2, expose=[str(src)]):
             out[i] = res
         return out
 
     try:
         out = et.run(go())
+        evil_repo = et.run(envs[1].verify())
     finally:
         et.run(server.stop())
         with open(os.path.join(canary, "keep")) as f:
@@ -1611,11 +1634,152 @@ def test_a_hostile_agent_and_model_on_the_terminal_task_through_the_endpoint(
         left = sorted(os.listdir(canary))
         shutil.rmtree(canary, ignore_errors=True)
     assert kept == "keep\n" and left == ["keep"]  # the canary directory is untouched
-    hostile = json.loads((tmp_path / "hostile.json").read_text())
+    log = (tmp_path / "agent" / "logs" / "evil.log").read_text()
+    hostile = json.loads(log.split("@@hostile ", 1)[1].splitlines()[0])
     assert hostile == {"reward": 401, "done": 401, "chat": 401, "tools": 401, "pool": 401,
                        "secrets_in_env": []}, hostile
-    assert out[0].reward == 1.0 and out[1].reward == 0.0, (out[0].reward, out[1].reward)
+    assert out[0].reward == 1.0 and evil_repo == 0.0, (out[0].reward, evil_repo)
+    assert out[1].extra["agent_status"] == "crashed" and out[1].reward == -1.0
     records = {json.loads(line)["traj_id"]: json.loads(line)
                for line in open(tmp_path / "agent" / "records.jsonl")}
     evil_text = tok.decode(records["evil"]["tokens"])
     assert "Read-only file system" in evil_text  # the canary write, refused by the mount
+
+
+@pytest.mark.timeout(120)
+def test_a_hostile_agent_process_reaches_no_other_agent_the_rollout_or_the_network(
+        et, tok, tmp_path, monkeypatch):
+    """rollout.agent_isolation (default isolate, run as root): one agent process per
+    trajectory, one of them hostile (tests/helpers/workers/hostile_agent.py) beside two
+    honest ones. It finds no other agent's key in /proc/*/environ (their own uids and PID
+    namespaces), nor the rollout's environment; its own key serves its own trajectory only;
+    it reads neither the run directory nor the channel secret, and reaches neither a TCP
+    listener nor a Unix socket of the host — only the endpoint. The honest trajectories
+    keep their rewards."""
+    import pathlib
+    import shutil
+    import socket
+    import sys
+    import tempfile
+
+    from tsync_mcore.channel.secret import load_or_create_secret
+    from tsync_mcore.rollout.openai.launch import why_not_jailed
+
+    if why_not_jailed():
+        pytest.skip(f"agents cannot run jailed here: {why_not_jailed()}")
+    # outside /tmp (which the jail covers anyway), readable by every uid: the jail hides it
+    run_dir = pathlib.Path(tempfile.mkdtemp(prefix="tsync-run-", dir="/"))
+    os.chmod(run_dir, 0o755)
+    load_or_create_secret(str(run_dir / "channel.secret"))
+    decoy = socket.create_server(("127.0.0.1", 0))
+    # a host Unix socket anyone may connect to, outside /tmp and /run (which the jail covers)
+    sock_dir = tempfile.mkdtemp(prefix="tsync-decoy-", dir="/")
+    os.chmod(sock_dir, 0o755)
+    decoy_path = os.path.join(sock_dir, "decoy.sock")
+    decoy_sock = socket.socket(socket.AF_UNIX)
+    decoy_sock.bind(decoy_path)
+    os.chmod(decoy_path, 0o777)
+    decoy_sock.listen()
+    hostile = os.path.join(ROOT, "tests", "helpers", "workers", "hostile_agent.py")
+    demo = f"{sys.executable} -m tsync_mcore.rollout.openai.agents.digits"
+    cmd = (f"case $TSYNC_TRAJECTORY_ID in evil) exec {sys.executable} {hostile} "
+           f"@@hostile 6 {run_dir} 127.0.0.1:{decoy.getsockname()[1]} {decoy_path} "
+           f"{os.getpid()};; "
+           f"*) sleep 3; exec {demo};; esac")
+    server = serve(et, BySeed(script_for(tok)), tok)
+    try:
+        out = et.run(agents_run(server, run_dir, ["a", "evil", "b"], cmd, timeout_s=60))
+        log = (run_dir / "agent" / "logs" / "evil.log").read_text()
+    finally:
+        et.run(server.stop())
+        decoy.close()
+        decoy_sock.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    report = json.loads(log.split("@@hostile ", 1)[1].splitlines()[0])
+    assert report == {**report, "rollout_env": False, "keys": [], "rewarded": [], "done": [],
+                      "own_key_elsewhere": [], "secret": False, "run_dir": [],
+                      "connected": []}, report
+    assert report["uid"] != 0
+    # its PATH: the jail's (its python first), then the rollout's (a venv's scripts)
+    assert report["path"].endswith(":" + os.environ["PATH"]), report["path"]
+    assert out["a"].reward == 3.0 and out["b"].reward == 3.0, (out["a"].reward, out["b"].reward)
+    assert out["a"].extra["agent_status"] == "ok" and out["b"].extra["agent_status"] == "ok"
+
+
+def test_agent_isolation_where_the_jail_cannot_be_made():
+    """Not root (here: a program in the jail, under a uid of its own), agents cannot be
+    jailed: `require` refuses in one line, `isolate` runs them as the rollout's user with
+    one warning, `none` as ever without one."""
+    import sys
+
+    from tsync_mcore.sandbox import jail
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (to run a program that is not)")
+    code = (
+        "import json\n"
+        "from tsync_mcore.rollout.openai.launch import AgentIsolationError, Launcher\n"
+        "out = {}\n"
+        "try:\n"
+        "    Launcher(None, 'require')\n"
+        "except AgentIsolationError as e:\n"
+        "    out['require'] = str(e)\n"
+        "out['isolate'] = [Launcher(None, 'isolate').jailed, Launcher(None, 'isolate').jailed]\n"
+        "out['none'] = Launcher(None, 'none').jailed\n"
+        "print(json.dumps(out))\n")
+    r = jail.run([sys.executable, "-c", code], env={"PYTHONPATH": ROOT},
+                 limits=jail.Limits(timeout_s=60, memory_mb=4096, uid_base=1 << 25,
+                                    expose=(ROOT,)))
+    assert r.returncode == 0 and r.uid != 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out == {"require": "rollout.agent_isolation: require, but agents cannot run "
+                              "jailed here: not running as root",
+                   "isolate": [False, False], "none": False}, out
+    assert r.stderr.count("agents run WITHOUT the jail") == 1, r.stderr  # one warning
+
+
+def test_agent_expose_never_shows_the_run_directory(tmp_path):
+    """rollout.agent_expose naming the run directory, a directory inside it or one holding
+    it is refused in one line (the rollout stops at start: Agents.start_endpoint)."""
+    from tsync_mcore.rollout.openai.launch import AgentIsolationError, Launcher
+
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    for shown in (run, run / "data", tmp_path):
+        with pytest.raises(AgentIsolationError, match="would show the run directory") as e:
+            Launcher(None, "none", expose=[str(shown)], hide=[str(run)])
+        assert "\n" not in str(e.value) and "rollout.agent_expose" in str(e.value)
+    assert Launcher(None, "none", expose=[str(tmp_path / "src")], hide=[str(run)]).expose
+
+
+@pytest.mark.timeout(120)
+def test_a_hostile_pool_worker_cannot_take_another_workers_trajectories(et, tok, tmp_path):
+    """rollout.agent_pool: one of two workers is hostile (tests/helpers/workers/
+    hostile_agent.py): it looks for the other worker's key in /proc/*/environ, to pull that
+    worker's trajectories and post them done with 1e6. Jailed, each worker under its own
+    uid and PID namespace, it finds none; the honest worker serves every trajectory, each
+    with its own reward."""
+    import sys
+
+    from tsync_mcore.rollout.openai.launch import why_not_jailed
+
+    if why_not_jailed():
+        pytest.skip(f"agents cannot run jailed here: {why_not_jailed()}")
+    hostile = os.path.join(ROOT, "tests", "helpers", "workers", "hostile_agent.py")
+    demo = f"{sys.executable} -m tsync_mcore.rollout.openai.agents.digits"
+    cmd = (f"case $TSYNC_WORKER_ID in 0-0) exec {sys.executable} {hostile} @@hostile 6;; "
+           f"0-*) sleep 600;; *) sleep 2; exec {demo};; esac")
+    server = serve(et, BySeed(script_for(tok)), tok)
+    pool = make_pool(server, tmp_path, cmd, 2, timeout_s=30.0)
+    ids = ["p0", "p1", "p2", "p3"]
+    try:
+        out = et.run(agents_run(server, tmp_path, ids, cmd, pool=pool, timeout_s=30.0))
+    finally:
+        et.run(pool.stop())
+        et.run(server.stop())
+    assert {t: (r.extra["agent_status"], r.reward) for t, r in out.items()} == \
+        {t: ("ok", 3.0) for t in ids}
+    log = (tmp_path / "agent" / "pool" / "worker0.log").read_text().splitlines()
+    report = json.loads(next(x for x in log if x.startswith("@@hostile "))[10:])
+    assert report["uid"] != 0 and report["worker_keys"] == [] and report["stolen"] == [], report

@@ -83,6 +83,7 @@ def test_rewritten_histories_train_every_segment_as_sync_and_fp64(tmp_path, para
     for line in open(f"{run}/agent/records.jsonl"):
         r = json.loads(line)
         records[r["traj_id"]] = r["earlier_segments"] + [r]
+        assert r["jailed"] == (os.geteuid() == 0)  # the compacting agent ran in the jail
     assert len(records) == 6 and all(len(s) == 3 for s in records.values()), \
         {t: len(s) for t, s in records.items()}
     last = {r["traj_id"]: r for r in map(json.loads, open(f"{run}/agent/records.jsonl"))}

@@ -124,6 +124,15 @@ class RolloutConfig:
     # variables of the rollout's environment (rollout/openai/pool.py AGENT_ENV), plus
     # the variables named here (e.g. [HF_HOME]); never the tracker or cloud keys by default
     agent_env: list[str] = field(default_factory=list)
+    # agent: openai, run as root: each agent process (each pool worker) in the jail
+    # (docs/guide/agents.md#agents-run-jailed): a uid of its own, its own PID, mount, IPC
+    # and network namespaces, the system read-only, no run directory, the endpoint its only
+    # network. "isolate": so where permitted, else as the rollout's user with a warning;
+    # "require": the rollout refuses to start where not permitted; "none": not jailed
+    agent_isolation: Literal["isolate", "require", "none"] = "isolate"
+    # host paths a jailed agent sees read-only besides the system (its code or data where
+    # the jail hides them: under /tmp or /root, e.g. an HF cache); never the run directory
+    agent_expose: list[str] = field(default_factory=list)
     openai_max_body_mb: float = 8.0  # the endpoint's largest request body (HTTP 413 past it)
     openai_max_messages: int = 4096  # messages in one chat request (HTTP 400 past it)
     # a request's headers, and then its body, must each arrive within this (a slow or
@@ -149,6 +158,9 @@ class RolloutConfig:
               f"must be > 0, got {self.agent_timeout_s}")
         check(self.agent_concurrency >= 0, "rollout.agent_concurrency",
               f"must be >= 0 (0: every trajectory at once), got {self.agent_concurrency}")
+        bad = [p for p in self.agent_expose if not isinstance(p, str) or not p.startswith("/")]
+        check(not bad, "rollout.agent_expose",
+              f"must list absolute paths (what a jailed agent sees read-only), got {bad[:3]}")
         check(self.agent_pool >= 0, "rollout.agent_pool",
               f"must be >= 0 (0: one agent process per trajectory), got {self.agent_pool}")
         check(math.isfinite(self.agent_failed_reward), "rollout.agent_failed_reward",

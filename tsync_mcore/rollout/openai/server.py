@@ -59,8 +59,11 @@ import asyncio
 import hmac
 import json
 import math
+import os
 import secrets
+import shutil
 import socket
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -140,6 +143,7 @@ class OpenAIServer:
         self.ended: OrderedDict[str, str] = OrderedDict()  # forgotten trajectories: why (409)
         self.counts = dict(requests=0, rewrites=0, rejected=0, stale=0, bad=0, tool_calls=0)
         self.host, self.port = "", 0
+        self.unix_path = ""
         self._server = self._task = None
         self._acceptors: list[Acceptor] = []
         self.in_flight: dict[str, int] = {}  # requests of each trajectory being served
@@ -261,7 +265,9 @@ class OpenAIServer:
     # --- serving ----------------------------------------------------------------------
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-        """Serve on this event loop; port 0: a free one. Returns (host, port)."""
+        """Serve on this event loop; port 0: a free one. Returns (host, port). Also on a
+        Unix socket (`unix_path`, in a directory of its own): jailed agents reach the
+        endpoint through it (rollout/openai/launch.py)."""
         import uvicorn
 
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -288,6 +294,7 @@ class OpenAIServer:
                 raise RuntimeError("the OpenAI endpoint stopped while starting")
             await asyncio.sleep(0.01)
         self._listen(sock)
+        self._listen(self._unix_socket())
         return self.host, self.port
 
     def _listen(self, sock: socket.socket) -> None:
@@ -304,10 +311,24 @@ class OpenAIServer:
         acceptor.start()
         self._acceptors.append(acceptor)
 
+    def _unix_socket(self) -> socket.socket:
+        """A listening Unix socket any uid may connect to (the key still decides what a
+        connection may do, as on the TCP port), in a directory only root may change."""
+        d = tempfile.mkdtemp(prefix="tsync-endpoint-")
+        os.chmod(d, 0o755)
+        self.unix_path = os.path.join(d, "endpoint.sock")
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(self.unix_path)
+        os.chmod(self.unix_path, 0o666)
+        return sock
+
     async def stop(self) -> None:
         for acceptor in self._acceptors:
             acceptor.close()
         self._acceptors = []
+        if self.unix_path:
+            shutil.rmtree(os.path.dirname(self.unix_path), ignore_errors=True)
+            self.unix_path = ""
         if self._server is not None:
             self._server.should_exit = True
             try:
