@@ -970,7 +970,7 @@ def test_done_with_a_reward_error_is_decided_by_the_rollout(et, tok, tmp_path):
 
 @pytest.mark.timeout(90)
 def test_a_rewriting_agent_is_held_to_its_limits_and_its_group_mates_train(et, tok, tmp_path,
-                                                                          capsys):
+                                                                          src, capsys):
     """A hostile agent in a group: 300 history rewrites of 1 sampled token each. Its
     turns, sampled tokens and segments are counted over its whole trajectory: past
     rollout.max_turns its requests are 400 and it ends as any agent that used its turns
@@ -982,7 +982,7 @@ def test_a_rewriting_agent_is_held_to_its_limits_and_its_group_mates_train(et, t
     from tsync_mcore.channel.sources import validate_source
     from tsync_mcore.rollout.sources import trajectory_sources
 
-    worker = tmp_path / "worker.py"
+    worker = src / "worker.py"  # jailed agents see src, never the run directory
     worker.write_text(
         "import sys, httpx, openai\n"
         "from tsync_mcore.rollout.openai.agents import digits, pool\n"
@@ -1005,9 +1005,10 @@ def test_a_rewriting_agent_is_held_to_its_limits_and_its_group_mates_train(et, t
     server = serve(et, BySeed(script_for(tok)), tok)
     ids = ["a", "hostile", "b", "err"]
     cmd = f"{sys.executable} {worker}"
-    pool = make_pool(server, tmp_path, cmd, 1, timeout_s=30.0)
+    pool = make_pool(server, tmp_path, cmd, 1, timeout_s=30.0, expose=[src])
     try:
-        out = et.run(agents_run(server, tmp_path, ids, cmd, pool=pool, timeout_s=30.0))
+        out = et.run(agents_run(server, tmp_path, ids, cmd, pool=pool, timeout_s=30.0,
+                                 expose=[src]))
     finally:
         et.run(pool.stop())
         et.run(server.stop())
@@ -1362,8 +1363,8 @@ def test_one_trajectory_holds_at_most_eight_requests_in_flight(et, tok):
             return GenOut([tok.eos_token_id], [-0.5], "stop", 3, [3])
 
     server = serve(et, Held(), tok)
-    try:
-        server.register("t0", version=3, seed=1, **LIMITS)
+    try:  # turns count over the trajectory: room for the 8 served ones
+        server.register("t0", version=3, seed=1, **{**LIMITS, "max_turns": 10})
         key, got = server.trajectory_key("t0"), []
 
         def ask() -> None:
