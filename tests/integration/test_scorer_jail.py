@@ -1,0 +1,194 @@
+"""Scorers that read model output run in jailed workers (reward.isolation, rewards/jailed.py):
+the reward function as the rollout's DataFeed builds it and RewardRunner calls it. Answers
+that reasoning-gym's own scorers `eval` (or sympy parses) run nothing on the host; an answer
+that exits, kills its worker or computes for ever is that trajectory's error alone, killed at
+reward.timeout_s while the rollout's event loop goes on; honest answers beside them keep the
+task's own score.
+
+On main these scorers ran in the rollout process as root: the marker appeared, `os._exit(3)`
+ended the process and `7**10**7` held the event loop for seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import tempfile
+import textwrap
+import time
+
+import pytest
+
+from tsync_mcore.config import load_config
+from tsync_mcore.rewards import RewardError
+
+pytest.importorskip("reasoning_gym", reason="needs reasoning-gym (make setup)")
+
+EVAL_TASKS = ("spiral_matrix", "string_insertion", "binary_matrix", "n_queens")
+
+
+def payload(marker: str) -> str:
+    return f"<answer>[__import__('os').system('id > {marker}')]</answer>"
+
+
+def feed_for(tmp_path, hf_dir, task: str, **sets):
+    from tsync_mcore.rollout.feed import DataFeed
+    cfg = load_config(None, {"model.hf_dir": hf_dir, "run.dir": str(tmp_path / "run"),
+                             "rollout.env": f"reasoning_gym:{task}",
+                             "reasoning_gym.train_size": 4, "reward.on_error": "zero",
+                             "reward.timeout_s": 20.0, **sets})
+    return DataFeed(cfg)
+
+
+def score(feed, response: str, index: int = 0, where: str = "trajectory t"):
+    row = feed.train.row(index)
+    return feed.runner.score(where, prompt=row.prompt, response=response, label=row.label,
+                             meta=row.meta)
+
+
+def own_score(feed, answer: str, index: int = 0) -> float:
+    """reasoning-gym's own score of an honest answer (computed here: nothing hostile)."""
+    import reasoning_gym
+    row = feed.train.row(index)
+    ds = reasoning_gym.create_dataset(feed.cfg.rollout.env.split(":")[1], seed=0, size=4)
+    return ds.score_answer(answer=answer, entry={"question": row.prompt, "answer": row.label,
+                                                 **row.meta})
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("task", EVAL_TASKS + ("countdown",))
+def test_payload_answers_run_nothing(tmp_path, tiny_qwen2, task):
+    """The issue's payload, on every task whose scorer evaluates the answer (countdown: through
+    sympy's parse_expr): no marker, the task's score for a non-answer; the honest answer
+    beside it keeps the task's own score."""
+    feed = feed_for(tmp_path, tiny_qwen2, task)
+    marker = str(tmp_path / f"pwned-{task}")
+    honest = f"<answer>{feed.train.row(0).label}</answer>"
+
+    async def both():
+        return await asyncio.gather(score(feed, payload(marker)), score(feed, honest))
+
+    bad, good = asyncio.run(both())
+    assert not os.path.exists(marker), f"{task}: the payload ran: {open(marker).read()!r}"
+    assert good.error is None and good.reward == own_score(feed, str(feed.train.row(0).label))
+    assert good.reward == 1.0
+    if task == "countdown":  # countdown scores any unusable answer 0.01, never 0
+        assert bad.reward <= 0.05, bad
+    else:
+        assert bad.reward == 0.0 and bad.error is None, bad
+
+
+@pytest.mark.timeout(300)
+def test_exits_kills_and_big_numbers_are_one_trajectorys_error(tmp_path, tiny_qwen2):
+    """exit(3)-style answers and one that kills its worker are an error for that trajectory
+    only; `7**10**7` is killed at reward.timeout_s while the event loop keeps ticking; the
+    honest answers gathered beside them keep their scores; the next call works."""
+    feed = feed_for(tmp_path, tiny_qwen2, "spiral_matrix", **{"reward.timeout_s": 3.0})
+    honest = f"<answer>{feed.train.row(0).label}</answer>"
+    hostile = {
+        "sys.exit": "<answer>[__import__('sys').exit(3)]</answer>",
+        "os._exit": "<answer>[__import__('os')._exit(3)]</answer>",
+        "big": "<answer>[7**10**7]</answer>",
+        "kill worker": "<answer>[__import__('os').kill(__import__('os').getppid(), 9)]</answer>",
+    }
+    gaps: list[float] = []
+
+    async def run():
+        async def tick():
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(score(feed, r, where=f"trajectory {k}")
+                                         for k, r in hostile.items()),
+                                       *(score(feed, honest) for _ in range(3)))
+        wall = time.monotonic() - t0
+        ticker.cancel()
+        return results, wall
+
+    results, wall = asyncio.run(run())
+    bad, good = dict(zip(hostile, results)), results[len(hostile):]
+    for k, res in bad.items():
+        assert res.reward == 0.0 and res.error and "\n" not in res.error, (k, res)
+        assert f"on trajectory {k}" in res.error
+    assert "raised SystemExit: 3" in bad["sys.exit"].error
+    assert "exited with status 3" in bad["os._exit"].error
+    assert "reward.timeout_s" in bad["big"].error
+    assert "died mid-call" in bad["kill worker"].error
+    assert all(g.reward == 1.0 and g.error is None for g in good), good
+    assert wall < 3.0 + 10.0  # killed at the limit (a loaded machine: time to spare)
+    assert max(gaps) < 0.5, f"the event loop stalled {max(gaps):.2f}s"
+    # the pool goes on: a fresh worker for the one that died
+    again = asyncio.run(score(feed, honest))
+    assert again.reward == 1.0 and again.error is None
+
+
+@pytest.mark.timeout(300)
+def test_user_reward_functions_run_in_the_jail(tmp_path, tiny_qwen2):
+    """A user's reward.function runs as a uid that is not root; a file the jailed uid cannot
+    read is refused at start in one line; reward.isolation: none keeps it in-process."""
+    from tsync_mcore.config import RewardConfig
+    from tsync_mcore.rewards.call import RewardRunner
+    from tsync_mcore.rewards.jailed import reward_scorer
+
+    code = textwrap.dedent("""
+        import os
+        def reward(*, prompt, response, label, meta, **_):
+            return {"reward": float(response == label), "uid": float(os.getuid())}
+    """)
+    hidden = tmp_path / "hidden.py"  # under pytest's root-only tmp directory
+    hidden.write_text(code)
+    shared = tempfile.mkdtemp(prefix="tsync-reward-test-")
+    try:
+        os.chmod(shared, 0o755)
+        path = os.path.join(shared, "reward.py")
+        with open(path, "w") as f:
+            f.write(code)
+        os.chmod(path, stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH)
+        cfg = RewardConfig(function=f"{path}:reward", timeout_s=20.0)
+        fn = reward_scorer(cfg.function, cfg)
+        runner = RewardRunner(fn, spec=cfg.function, timeout_s=cfg.timeout_s)
+        res = asyncio.run(runner.score("trajectory t", prompt="q", response="42", label="42",
+                                       meta={}))
+        assert res.reward == 1.0 and res.extras["uid"] != 0.0, res
+        if os.geteuid() == 0:
+            with pytest.raises(RewardError, match="cannot read") as e:
+                reward_scorer(f"{hidden}:reward", RewardConfig(function=f"{hidden}:reward"))
+            assert "\n" not in str(e.value) and "reward.isolation: none" in str(e.value)
+        trusted = RewardConfig(function=f"{hidden}:reward", isolation="none")
+        runner = RewardRunner(reward_scorer(trusted.function, trusted), spec="x", timeout_s=5)
+        res = asyncio.run(runner.score("t", prompt="q", response="1", label="1", meta={}))
+        assert res.extras["uid"] == float(os.getuid())
+    finally:
+        import shutil
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.mark.timeout(300)
+def test_math_scores_in_the_jail(tmp_path):
+    """The `math` built-in (math-verify, sympy) through the pool: the same scores."""
+    pytest.importorskip("math_verify")
+    from tsync_mcore.config import RewardConfig
+    from tsync_mcore.rewards.call import RewardRunner
+    from tsync_mcore.rewards.jailed import ScorerPool, reward_scorer
+
+    cfg = RewardConfig(function="math", timeout_s=20.0, on_error="zero")
+    fn = reward_scorer("math", cfg)
+    assert isinstance(fn, ScorerPool)
+    runner = RewardRunner(fn, spec="math", timeout_s=cfg.timeout_s, on_error="zero")
+
+    async def run():
+        return await asyncio.gather(
+            runner.score("a", prompt="", response="so \\boxed{\\frac{1}{2}}", label="0.5",
+                         meta={}),
+            runner.score("b", prompt="", response="\\boxed{3}", label="0.5", meta={}),
+            runner.score("c", prompt="", response="\\boxed{2}", label=None, meta={}))
+
+    a, b, c = asyncio.run(run())
+    assert (a.reward, b.reward) == (1.0, 0.0) and a.error is None and b.error is None
+    assert c.reward == 0.0 and "needs a label" in c.error
