@@ -20,6 +20,7 @@ from tsync_mcore.rollout.engine import GenOut
 from tsync_mcore.rollout.envs import observation_ids
 from tsync_mcore.rollout.loop import run_trajectory
 from tsync_mcore.rollout.terminal_env import TerminalConfig, TerminalTaskEnv, _task
+from tsync_mcore.sandbox import cgroups
 from tsync_mcore.sandbox import jail as sb
 from tsync_mcore.sandbox.tools import ToolBox, format_tool_call
 
@@ -56,7 +57,7 @@ def test_infinite_loop_is_stopped_by_cpu_then_wall():
 @pytest.mark.parametrize("bomb", ["python", "bash", "python-rlimit-only"])
 def test_fork_bomb_is_stopped_and_leaves_nothing(bomb, monkeypatch):
     if bomb == "python-rlimit-only":  # no pids cgroup: RLIMIT_NPROC of the user bounds it
-        monkeypatch.setattr(sb, "_CGROUP", [None])
+        monkeypatch.setitem(cgroups._ROOTS, "pids", None)
     t0 = time.monotonic()
     if bomb.startswith("python"):
         r = sb.run_python("import os, time\nwhile True:\n    try:\n        os.fork()\n"

@@ -1,43 +1,34 @@
-"""Run untrusted shell commands or Python code in a limited subprocess (docs/guide/tools.md).
+"""The jail: run untrusted programs (shell commands, Python code, scorer workers, agents)
+in a limited subprocess (docs/guide/tools.md).
 
-Each run gets:
+`run(argv)` runs a program to its end; `start(argv) -> Job` starts a long-lived one (pipes
+for stdin/stdout on request; `Job.wait`, `Job.kill` of the whole jail). Each call gets:
 
-* a working directory: a fresh temporary one (removed afterwards), optionally seeded with
-  a copy of a template directory, or a caller's persistent one (a terminal episode's repo);
-  it is also HOME and TMPDIR. `python` and `python3` on PATH are the interpreter the
-  sandbox user can run (`interpreter`). stdin/stdout/stderr are files in a second, root-private
-  temporary directory (the program only holds their descriptors, so it cannot swap them
-  for links to files it may not read);
-* an environment of PATH/HOME/TMPDIR/LANG only (none of the trainer's variables);
-* its own session and process group; a wall timeout SIGKILLs the group, and the group is
-  killed after a normal exit too, so background children do not outlive the run;
-* rlimits set by a launcher just before it execs the program: RLIMIT_CPU (soft: CPU
-  seconds, SIGXCPU; hard one second later, SIGKILL), RLIMIT_AS (address space),
-  RLIMIT_NPROC, RLIMIT_FSIZE (bytes per written file: SIGXFSZ; bounds the captured output
-  too), RLIMIT_NOFILE, RLIMIT_CORE = 0;
-* run as root: the program runs as `limits.user` (nobody) — RLIMIT_NPROC does not bind
-  root, and root could read the run's secret and checkpoints;
-* no network where Linux permits: the launcher starts in a new network namespace
-  (`unshare --net`; as root before dropping privileges, otherwise in a new user
-  namespace) whose only interface is loopback, down. Where that is not permitted the
-  run goes on without it and says so (`Result.network_isolated` False, one warning);
-  `network="require"` makes it a SandboxError instead;
-* a pids cgroup of its own where one is writable (cgroup v1 `pids` or v2 with the pids
-  controller): `pids.max` = `limits.nproc` for this run alone, and every process in it
-  (setsid escapees included) is killed at the end. Without it, the process bound is
-  RLIMIT_NPROC alone, which counts all processes of the sandbox user — shared by every
-  concurrent sandbox (and anything else running as nobody).
+* a directory of its own (HOME, TMPDIR and the working directory unless a kept `workdir`,
+  a terminal episode's, is given), seeded from a template and `files`; `python`/`python3`
+  on PATH are the interpreter the jailed uid can run (`interpreter`): this process's own
+  where the jail has a mount namespace (view.py), else one runnable as it is. stdin, stdout
+  and stderr are files in a root-private directory (or pipes, `start(pipes=True)`);
+* an environment of PATH/HOME/TMPDIR/LANG and the caller's `env` only;
+* its own session and process group, killed at the end (a wall timeout first);
+* rlimits set by the launcher (launcher.py) just before exec: CPU, address space,
+  processes, bytes per file, open files, no core;
+* run as root: a uid of its own (`uid_base`) or `limits.user`, never root;
+* a new network namespace (as root, else in a user namespace) whose `lo` is down, or up
+  with `loopback` (127.0.0.1 inside only); `network="require"` makes its absence an error;
+* per-call cgroups where writable (cgroups.py): pids (`pids.max`, every process killed at
+  the end) and memory (memory_mb + disk_mb, tmpfs and memfd pages counted);
+* run as root (`isolation`): mount, PID and IPC namespaces: every mount read-only; a
+  private tmpfs on /tmp (/var/tmp and /dev/shm the same) bounded in bytes and inodes,
+  holding the call's directory; an empty /run (and /var/run): no host Unix sockets;
+  directories the uid cannot traverse covered, the interpreter's bound back read-only
+  (view.py); a kept work directory and `binds` bound in writable, `expose` read-only,
+  through descriptors opened before anything was covered; /proc of its own PID namespace,
+  whose PID 1 is the launcher (its exit kills what is left);
+* a seccomp filter (seccomp.py): no new namespaces, mounts, keyrings, ptrace, bpf, ...
 
-* run as root (`isolation`, probed once): mount, PID and IPC namespaces. The program sees
-  every mount read-only, a private tmpfs on /tmp (/var/tmp and /dev/shm are the same one)
-  bounded in bytes and inodes, and on it only its own run directory and work directory,
-  bound back writable through descriptors opened before /tmp was covered (so no path the
-  program could have swapped is followed); /proc shows its own PID namespace, whose PID 1
-  is the launcher: when it exits, the kernel kills whatever is left. With `uid_base` every
-  run has a uid of its own (a kept work directory keeps its episode's).
-
-Not a security boundary against a determined attacker: no seccomp, the kernel is shared,
-and a program reads what any user may read of the (read-only) system.
+Not a security boundary against a kernel exploit: the kernel is shared, and a program reads
+what any user may read of the read-only system (docs/guide/tools.md lists what remains).
 """
 
 from __future__ import annotations
@@ -48,6 +39,7 @@ import functools
 import json
 import os
 import pwd
+import re
 import secrets
 import shutil
 import signal
@@ -55,10 +47,13 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from tsync_mcore.sandbox import cgroups, seccomp, view
 
 UNSHARE = "/usr/bin/unshare"
 UID_SPAN = 1 << 20  # per-run uids: uid_base + [0, UID_SPAN)
@@ -70,77 +65,6 @@ TRUNCATED = "\n[... output truncated: {n} more bytes]"
 # the run's directories bound back writable through descriptors opened before, a /proc
 # of the new PID namespace), stays as its PID 1 (reaping; its exit kills what is left)
 # and forks the program; then sets the limits, drops privileges and execs the program.
-_LAUNCHER = """\
-import json, os, resource, signal, sys
-a = json.loads(sys.argv[1])
-# Python ignores SIGPIPE and SIGXFSZ, and exec keeps ignored signals: the default back,
-# so a program writing past RLIMIT_FSIZE dies of SIGXFSZ (Python programs ignore it again
-# and get EFBIG)
-signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
-if a["cgroup"]:
-    with open(a["cgroup"], "w") as f:
-        f.write(str(os.getpid()))
-if a["ns"]:
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    RO, NOSUID, NODEV, NOEXEC, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
-    def mount(src, tgt, fs, flags, data=None):
-        enc = lambda x: x.encode() if x else None
-        if libc.mount(enc(src), enc(tgt), enc(fs), flags, enc(data)) != 0:
-            e = ctypes.get_errno()
-            sys.stderr.write(f"sandbox: cannot mount {tgt}: {os.strerror(e)}\\n")
-            os._exit(125)
-    keep = [(d, os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)) for d in a["keep"]]
-    mount(None, "/", None, REC | PRIVATE)
-    points = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            x = line.split()
-            points.append((x[4].encode().decode("unicode_escape"), x[5].split(",")))
-    flag = {"nosuid": NOSUID, "nodev": NODEV, "noexec": NOEXEC}
-    for point, opts in points:
-        if os.path.lexists(point):
-            mount(None, point, None, REMOUNT | BIND | RO | sum(flag.get(o, 0) for o in opts))
-    mount("tmpfs", "/tmp", "tmpfs", NOSUID | NODEV, a["tmpfs"])
-    for d in ("/var/tmp", "/dev/shm"):
-        if os.path.isdir(d) and not os.path.islink(d):
-            mount("/tmp", d, None, BIND)
-    for d, fd in sorted(keep, key=lambda x: len(x[0])):
-        os.makedirs(d, exist_ok=True)
-        mount(f"/proc/self/fd/{fd}", d, None, BIND)
-        mount(None, d, None, REMOUNT | BIND | NOSUID | NODEV)
-        os.close(fd)
-    mount("proc", "/proc", "proc", NOSUID | NODEV | NOEXEC)
-    os.chdir(a["cwd"])  # the working directory through its new (writable) mount
-    child = os.fork()
-    if child:
-        while True:
-            pid, status = os.wait()
-            if pid == child:
-                break
-        os.write(a["status_fd"], str(status).encode())
-        os._exit(0)
-    os.close(a["status_fd"])
-for r, v in ((resource.RLIMIT_CPU, (a["cpu"], a["cpu"] + 1)),
-             (resource.RLIMIT_AS, (a["mem"], a["mem"])),
-             (resource.RLIMIT_NPROC, (a["nproc"], a["nproc"])),
-             (resource.RLIMIT_FSIZE, (a["fsize"], a["fsize"])),
-             (resource.RLIMIT_NOFILE, (a["nofile"], a["nofile"])),
-             (resource.RLIMIT_CORE, (0, 0))):
-    resource.setrlimit(r, v)
-if a["uid"] is not None:
-    os.setgroups([])
-    os.setgid(a["gid"])
-    os.setuid(a["uid"])
-try:
-    os.execv(a["argv"][0], a["argv"])
-except OSError as e:
-    sys.stderr.write(f"sandbox: cannot run {a['argv'][0]}: {e}\\n")
-    os._exit(126)
-"""
-
-
 class InRun(str):
     """An argument of `run`'s argv naming a file of the run's temporary directory."""
 
@@ -174,6 +98,15 @@ class Limits:
     # run as root: each run's own uid (a kept work directory keeps the one it got), drawn
     # from [uid_base, uid_base + UID_SPAN); 0: every run as `user`
     uid_base: int = 0
+    # host paths shown read-only inside (a project directory), and host directories bound in
+    # writable (one holding a Unix socket); both at their own paths
+    expose: tuple[str, ...] = ()
+    binds: tuple[str, ...] = ()
+    loopback: bool = False  # the new network namespace's `lo` up (127.0.0.1 inside only)
+    # a memory cgroup of its own (root): memory_mb + disk_mb of memory, tmpfs and memfd
+    # pages included, swap too where the kernel accounts it; exceeding it is an OOM kill
+    memory_cgroup: bool = True
+    seccomp: bool = True  # the seccomp filter (tsync_mcore/sandbox/seccomp.py)
 
     def __post_init__(self) -> None:
         if self.network not in ("isolate", "require", "host"):
@@ -185,6 +118,13 @@ class Limits:
         if self.uid_base and not 1000 <= self.uid_base <= (1 << 31) - UID_SPAN:
             raise ValueError(f"uid_base must be 0 or in [1000, 2^31 - {UID_SPAN}], "
                              f"got {self.uid_base}")
+        for key in ("expose", "binds"):
+            paths = getattr(self, key)
+            if isinstance(paths, str) or not all(isinstance(p, str) and os.path.isabs(p)
+                                                 and "\x00" not in p for p in paths):
+                raise ValueError(f"{key} must be a tuple of absolute paths, got {paths!r}")
+        if self.loopback and self.network == "host":
+            raise ValueError("loopback needs a network namespace of its own (network is 'host')")
 
 
 @dataclass(frozen=True)
@@ -193,13 +133,16 @@ class Result:
     stdout: str
     stderr: str
     timed_out: bool  # the wall timeout killed it
-    limit: str | None  # which limit stopped it: "wall", "cpu", "fsize" (None: none did)
+    # which limit stopped it: "wall", "cpu", "fsize", "memory" (None: none did)
+    limit: str | None
     wall_s: float
     truncated: bool  # stdout or stderr was cut at max_output
     network_isolated: bool
     pids_cgroup: bool  # a pids cgroup of its own bounded and cleaned up the run
     fs_isolated: bool = False  # mount, PID and IPC namespaces (read-only system, private /tmp)
     uid: int | None = None  # the uid the program ran as (None: this process's)
+    memory_cgroup: bool = False  # a memory cgroup of its own bounded the run
+    seccomp: bool = False  # the seccomp filter was installed
 
     @property
     def ok(self) -> bool:
@@ -228,12 +171,25 @@ _INTERPRETER: dict[tuple, str] = {}
 
 
 def interpreter(limits: Limits) -> str:
-    """A Python the sandbox user can run, probed once: the configured one, this one, or the
-    system's python3 (a root-only pyenv under /root is not runnable by nobody)."""
+    """A Python the jailed uid can run, probed once: the configured one; else, where the
+    jail has a mount namespace, this process's own (the interpreter view, view.py, makes it
+    runnable, its packages included); else this one or the system's python3 as they are (a
+    root-only pyenv under /root is not runnable by nobody)."""
     ids = _ids(limits.user)
-    key = (limits.python, ids)
+    viewed = (not limits.python and ids is not None and limits.isolation != "none"
+              and not fs_isolation())
+    key = (limits.python, ids, viewed)
     if key in _INTERPRETER:
         return _INTERPRETER[key]
+    if viewed:
+        r = run([sys.executable, "-I", "-c", "pass"], _exe=sys.executable,
+                limits=Limits(user=limits.user, network="host", timeout_s=30,
+                              memory_cgroup=False))
+        if r.returncode == 0:
+            _INTERPRETER[key] = sys.executable
+            return sys.executable
+        _warn_once(f"sandbox: this interpreter does not run in the jail "
+                   f"({(r.stderr or r.stdout).strip()[-200:]!r}); trying others")
     cands = [limits.python] if limits.python else [
         sys.executable, os.path.realpath(sys.executable),
         shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or ""]
@@ -295,9 +251,11 @@ def fs_isolation() -> str:
             why = f"{UNSHARE} not found"
         else:
             try:
+                view.clean_stale_episodes()  # the first sandbox of this process
                 r = run(["/bin/sh", "-c", "touch /etc/.tsync-probe 2>/dev/null; ls /proc"],
-                        limits=Limits(user="", network="host", isolation="require"),
-                        _probe=True)
+                        limits=Limits(user="", network="host", isolation="require",
+                                      memory_cgroup=False),
+                        _probe=True, _exe="/bin/sh")
                 pids = [x for x in r.stdout.split() if x.isdigit()]
                 if r.returncode != 0 or os.path.exists("/etc/.tsync-probe") or len(pids) > 3:
                     why = f"the namespaces did not hold: {(r.stderr or r.stdout)[:200]!r}"
@@ -305,36 +263,6 @@ def fs_isolation() -> str:
                 why = f"unshare {' '.join(NS_FLAGS)} failed: {e}"
         _FS_NS.append(why)
     return _FS_NS[0]
-
-
-_CGROUP: list[str | None] = []
-_CG_PARENT = "tsync-sandbox"
-
-
-def pids_cgroup_root() -> str | None:
-    """A writable pids-cgroup directory to make per-run cgroups in, or None (probed once):
-    cgroup v1 /sys/fs/cgroup/pids, or cgroup v2 with the pids controller enabled."""
-    if _CGROUP:
-        return _CGROUP[0]
-    found = None
-    if os.geteuid() == 0:
-        for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
-            parent = os.path.join(base, _CG_PARENT)
-            probe = os.path.join(parent, f"probe-{os.getpid()}")
-            try:
-                os.makedirs(probe, exist_ok=True)
-                with open(os.path.join(probe, "pids.max"), "w") as f:
-                    f.write("8")
-                os.rmdir(probe)
-                found = parent
-                break
-            except OSError:
-                try:
-                    os.rmdir(probe)
-                except OSError:
-                    pass
-    _CGROUP.append(found)
-    return found
 
 
 _WARNED: set[str] = set()
@@ -375,46 +303,27 @@ def _run_ids(workdir: str | None, base: int) -> tuple[int, int]:
     return uid, uid
 
 
-def _mount_call(*args) -> int:
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn, rest = args[0], args[1:]
-    rc = getattr(libc, fn)(*[a.encode() if isinstance(a, str) else a for a in rest])
-    return 0 if rc == 0 else ctypes.get_errno()
+def pids_cgroup_root() -> str | None:
+    """A writable pids-cgroup directory the per-run cgroups are made in, or None."""
+    return cgroups.pids_root()
 
 
 def episode_dir(limits: Limits, prefix: str = "tsync-episode-") -> str:
     """A kept work directory for one episode (a terminal task's repo). Where the sandbox
     makes namespaces (root), a tmpfs of its own bounded by `disk_mb` / `disk_inodes`, so
     what the episode's calls write is bounded in bytes and files; else a plain temporary
-    directory. `remove_episode_dir` undoes either."""
-    d = tempfile.mkdtemp(prefix=prefix)
-    if limits.isolation != "none" and not fs_isolation():
-        opts = f"size={limits.disk_mb}m,nr_inodes={limits.disk_inodes},mode=0700"
-        err = _mount_call("mount", "tmpfs", d, "tmpfs", 2 | 4, opts)  # nosuid, nodev
-        if err:
-            os.rmdir(d)
-            raise SandboxError(f"sandbox: cannot mount the episode's tmpfs on {d}: "
-                               f"{os.strerror(err)}")
-    return d
+    directory. Named for this process: one a killed process left is removed by the next
+    process's first sandbox. `remove_episode_dir` undoes either."""
+    bounded = limits.isolation != "none" and not fs_isolation()
+    try:
+        return view.episode_dir(bounded, limits.disk_mb, limits.disk_inodes, prefix)
+    except OSError as e:
+        raise SandboxError(f"sandbox: {e.strerror}") from None
 
 
 def remove_episode_dir(path: str) -> None:
     """Remove an `episode_dir` (its tmpfs detached first, whatever it holds)."""
-    if os.path.ismount(path):
-        _mount_call("umount2", path, 2)  # MNT_DETACH
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def _make_cgroup(root: str, nproc: int) -> str | None:
-    d = tempfile.mkdtemp(prefix="run-", dir=root)
-    try:
-        with open(os.path.join(d, "pids.max"), "w") as f:
-            f.write(str(nproc))
-    except OSError:
-        os.rmdir(d)
-        return None
-    return d
+    view.remove_episode_dir(path)
 
 
 def _kill_group(pgid: int, wait_s: float = 2.0) -> None:
@@ -429,34 +338,6 @@ def _kill_group(pgid: int, wait_s: float = 2.0) -> None:
         if time.monotonic() > deadline:
             return
         time.sleep(0.01)
-
-
-def _kill_cgroup(cg: str, wait_s: float = 5.0) -> None:
-    """SIGKILL every process of the run's cgroup (setsid escapees too), then remove it."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            with open(os.path.join(cg, "cgroup.procs")) as f:
-                pids = [int(x) for x in f.read().split()]
-        except OSError:
-            return
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if time.monotonic() > deadline:
-            _warn_once(f"sandbox cgroup {cg} still has processes after {wait_s}s")
-            return
-        time.sleep(0.01)
-    for _ in range(100):
-        try:
-            os.rmdir(cg)
-            return
-        except OSError:
-            time.sleep(0.01)
 
 
 def _read(path: str, limit: int) -> tuple[str, bool]:
@@ -485,134 +366,280 @@ def _unrunnable(argv: Sequence[str], stdin: str, files: Mapping[str, str] | None
     return None
 
 
-def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
-        workdir: str | None = None, template: str | None = None,
-        files: Mapping[str, str] | None = None, _probe: bool = False) -> Result:
-    """Run `argv` in the sandbox. The working directory is `workdir` (kept; made the sandbox
-    user's) or a fresh temporary one seeded from `template` (removed). `files` (name ->
-    text) are written into the run's temporary directory first; an `InRun` name in
-    `argv` becomes a path in it (it is the working directory unless `workdir` is given)."""
-    if not argv:
-        raise SandboxError("sandbox: empty command")
-    why = _unrunnable(argv, stdin, files)
-    if why:  # what the model wrote cannot reach a program: its own error, exit status 2
-        return Result(2, "", f"error: {why}\n", False, None, 0.0, False, False, False)
-    ids = _ids(limits.user)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_JAIL_ENV = ("PATH", "HOME", "TMPDIR")
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher.py")
+
+
+def _extra_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """The caller's extra environment, names and values checked."""
+    out = {}
+    for k, v in (env or {}).items():
+        if not isinstance(k, str) or not _ENV_NAME.match(k) or k in _JAIL_ENV:
+            raise SandboxError(f"sandbox: environment variable {k!r} is not allowed (a name "
+                               f"[A-Za-z_][A-Za-z0-9_]* other than {', '.join(_JAIL_ENV)})")
+        if not isinstance(v, str) or "\x00" in v:
+            raise SandboxError(f"sandbox: environment variable {k} must be a string without "
+                               f"NUL bytes")
+        out[k] = v
+    return out
+
+
+_SECCOMP: list[str] = []
+
+
+def _seccomp_hex(limits: Limits) -> str:
+    if not limits.seccomp:
+        return ""
+    why = seccomp.supported()
+    if why:
+        _warn_once(f"sandbox runs WITHOUT a seccomp filter: {why}")
+        return ""
+    if not _SECCOMP:
+        _SECCOMP.append(seccomp.program().hex())
+    return _SECCOMP[0]
+
+
+class Job:
+    """A program started in the jail (`start`). `wait` and `kill` may be called from any
+    thread; the first `wait` to return ends the job (its cgroups and directories go), and
+    every later one gets the same Result."""
+
+    def __init__(self, proc: subprocess.Popen, cg: cgroups.CallCgroups, dirs: list[str],
+                 status_r: int, info: dict) -> None:
+        self._proc, self._cg, self._dirs, self._status_r = proc, cg, dirs, status_r
+        self._info = info
+        self._lock = threading.Lock()
+        self._result: Result | None = None
+        self._killed = False
+        self.pid: int = proc.pid
+        self.stdin = proc.stdin  # binary pipes when started with pipes=True, else None
+        self.stdout = proc.stdout
+
+    def poll(self) -> int | None:
+        """The launcher's exit status, or None while the program runs."""
+        return self._proc.poll()
+
+    def wait(self, timeout: float | None = None) -> Result:
+        """Wait for the program (at most `timeout` seconds, then it is killed: the wall
+        limit) and end the job."""
+        with self._lock:
+            if self._result is None:
+                timed_out = False
+                try:
+                    self._proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                self._result = self._finish(timed_out)
+            return self._result
+
+    def kill(self) -> Result:
+        """SIGKILL the whole jail (its process group, cgroups and PID namespace)."""
+        self._killed = True
+        _kill_group(self.pid, wait_s=0.0)
+        for procs in self._cg.procs:
+            _kill_listed(procs)
+        return self.wait()
+
+    def _finish(self, timed_out: bool) -> Result:
+        info, proc = self._info, self._proc
+        try:
+            _kill_group(proc.pid, wait_s=0.0)
+            proc.wait()  # the leader reaped: what is left of the group are children
+            _kill_group(proc.pid)  # (until gone: killed ones stay until init reaps them)
+        finally:
+            oom = self._cg.memory and self._cg.oom_killed()
+            self._cg.kill()
+            status = b""
+            if self._status_r >= 0:
+                try:
+                    status = os.read(self._status_r, 64)
+                except BlockingIOError:  # nobody wrote it (killed)
+                    pass
+                os.close(self._status_r)
+            if proc.stdin:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+        wall = time.monotonic() - info["t0"]
+        io, lim = self._dirs[0], info["limits"]
+        out, t1 = ("", False) if info["pipes"] else _read(os.path.join(io, "stdout"),
+                                                          lim.max_output)
+        err, t2 = _read(os.path.join(io, "stderr"), lim.max_output)
+        for d in self._dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        rc = None if timed_out else proc.returncode
+        if rc is not None and status.isdigit():  # PID 1's report (only root held that pipe)
+            rc = os.waitstatus_to_exitcode(int(status))
+        limit = ("wall" if timed_out else
+                 "memory" if oom and rc is not None and rc < 0 else
+                 "cpu" if rc == -signal.SIGXCPU or (rc == -signal.SIGKILL and not self._killed
+                                                    and _cpu_killed(info["cpu"], wall)) else
+                 "fsize" if rc == -signal.SIGXFSZ else None)
+        return Result(rc, out, err, timed_out, limit, wall, t1 or t2, info["isolated"],
+                      self._cg.pids, info["fs_ns"], info["uid"], self._cg.memory,
+                      bool(info["seccomp"]))
+
+
+def _kill_listed(procs: str) -> None:
+    try:
+        with open(procs) as f:
+            pids = [int(x) for x in f.read().split()]
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _prefix(limits: Limits, probe: bool) -> tuple[list[str], bool, bool]:
+    """(argv prefix of the namespaces, network isolated, mount/PID/IPC namespaces)."""
     prefix: list[str] = []
     isolated = False
     if limits.network != "host":
         prefix, why = netns_prefix()
         isolated = bool(prefix)
         if not isolated:
-            if limits.network == "require":
+            if limits.network == "require" or limits.loopback:
                 raise SandboxError(f"sandbox: network isolation required but {why}")
             _warn_once(f"sandbox runs WITH network access: {why}")
     fs_ns = False
     if limits.isolation != "none":
-        why = "" if _probe else fs_isolation()
+        why = "" if probe else fs_isolation()
         fs_ns = not why
         if why:
-            if limits.isolation == "require":
+            if limits.isolation == "require" or limits.binds or limits.expose:
                 raise SandboxError(f"sandbox: filesystem isolation required but {why}")
             _warn_once(f"sandbox runs WITHOUT mount/PID/IPC namespaces: {why}")
         elif not prefix:
             prefix = [UNSHARE, *NS_FLAGS, "--"]
         else:
             prefix = [*prefix[:-1], *NS_FLAGS, "--"]
-    cg_root = pids_cgroup_root()
-    exe = interpreter(limits)
-    launcher_python = sys.executable  # runs as the caller (root) before the drop
+    return prefix, isolated, fs_ns
+
+
+def start(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
+          pipes: bool = False, workdir: str | None = None, template: str | None = None,
+          files: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
+          _probe: bool = False, _exe: str | None = None) -> Job:
+    """Start `argv` in the jail; `Job.wait` ends it. The working directory is `workdir`
+    (kept; made the run's uid's) or the call's own directory, seeded from `template`, with
+    `files` (name -> text) in it; an `InRun` name in `argv` becomes a path in it. HOME and
+    TMPDIR are that directory (on the call's bounded tmpfs where there are namespaces).
+    `pipes`: stdin and stdout are pipes (`Job.stdin`, `Job.stdout`), else stdin is the text
+    `stdin` and stdout is captured; stderr is captured. `env`: extra variables."""
+    if not argv:
+        raise SandboxError("sandbox: empty command")
+    why = _unrunnable(argv, stdin, files)
+    if why:
+        raise SandboxError(f"sandbox: {why}")
+    extra = _extra_env(env)
+    ids = _ids(limits.user)
+    prefix, isolated, fs_ns = _prefix(limits, _probe)
+    exe = _exe or interpreter(limits)
+    if ids is not None and limits.uid_base:
+        ids = _run_ids(workdir, limits.uid_base)
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="tsync-sandbox-") as rundir, \
-            tempfile.TemporaryDirectory(prefix="tsync-sandbox-io-") as io:
-        os.chmod(io, 0o700)
+    io = tempfile.mkdtemp(prefix="tsync-sandbox-io-")  # root-private (0700)
+    stage = tempfile.mkdtemp(prefix="tsync-sandbox-")
+    dirs = [io, stage]
+    try:
+        rundir = os.path.join("/tmp", os.path.basename(stage)) if fs_ns else stage
         if template:
-            shutil.copytree(template, rundir, dirs_exist_ok=True, symlinks=True)
-        # `python`/`python3` on PATH: the interpreter the sandbox user can run
-        bindir = os.path.join(rundir, ".sandbox-bin")
+            shutil.copytree(template, stage, dirs_exist_ok=True, symlinks=True)
+        # `python`/`python3` on PATH: the interpreter the jailed uid can run
+        bindir = os.path.join(stage, ".sandbox-bin")
         os.mkdir(bindir)
         for alias in ("python", "python3"):
             os.symlink(exe, os.path.join(bindir, alias))
         for name, text in (files or {}).items():
-            with open(os.path.join(rundir, name), "w", encoding="utf-8") as f:
+            with open(os.path.join(stage, name), "w", encoding="utf-8") as f:
                 f.write(text)
-        cwd = workdir or rundir
-        if ids is not None and limits.uid_base:
-            ids = _run_ids(workdir, limits.uid_base)
-        if ids is not None:
-            _chown_tree(rundir, ids)
-            if workdir:
-                _chown_tree(workdir, ids)
-        cg = _make_cgroup(cg_root, limits.nproc) if cg_root else None
+        if ids is not None and not fs_ns:
+            _chown_tree(stage, ids)
+        if ids is not None and workdir:
+            _chown_tree(workdir, ids)
+        cwd = os.path.abspath(workdir) if workdir else rundir
+        binds = _binds(limits, workdir, ids, exe) if fs_ns else ([], [])
+        cg = cgroups.make(limits.nproc, (limits.memory_mb + limits.disk_mb) << 20
+                          if limits.memory_cgroup else None)
+        dirs_cg = cg
+        cpu = int(limits.cpu_s) or max(1, int(limits.timeout_s + 0.999))
         args = dict(
             argv=[os.path.join(rundir, a) if isinstance(a, InRun) else a for a in argv],
-            cpu=int(limits.cpu_s) or max(1, int(limits.timeout_s + 0.999)),
-            mem=limits.memory_mb << 20, fsize=limits.fsize_mb << 20, nofile=limits.nofile,
-            nproc=limits.nproc_user if cg else limits.nproc,
-            cgroup=os.path.join(cg, "cgroup.procs") if cg else "",
-            uid=ids[0] if ids else None, gid=ids[1] if ids else None, ns=fs_ns,
-            keep=[rundir, *([os.path.abspath(workdir)] if workdir else [])], cwd=cwd,
+            cpu=cpu, mem=limits.memory_mb << 20, fsize=limits.fsize_mb << 20,
+            nofile=limits.nofile, nproc=limits.nproc_user if cg.pids else limits.nproc,
+            cgroups=cg.procs, uid=ids[0] if ids else None, gid=ids[1] if ids else None,
+            ns=fs_ns, loopback=limits.loopback and isolated, covers=binds[0],
+            binds=binds[1], stage=stage if fs_ns else "", rundir=rundir, cwd=cwd,
             tmpfs=f"size={limits.disk_mb}m,nr_inodes={limits.disk_inodes},mode=1777",
-            status_fd=-1)
-        env = {"PATH": f"{bindir}:/usr/local/bin:/usr/bin:/bin", "HOME": rundir, "TMPDIR": rundir,
-               "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-        out_path, err_path = os.path.join(io, "stdout"), os.path.join(io, "stderr")
-        in_path = os.path.join(io, "stdin")
-        with open(in_path, "w", encoding="utf-8") as f:
+            seccomp=_seccomp_hex(limits), status_fd=-1)
+        penv = {**extra, "PATH": f"{os.path.join(rundir, '.sandbox-bin')}:/usr/local/bin:"
+                                 f"/usr/bin:/bin",
+                "HOME": rundir, "TMPDIR": rundir, "LANG": extra.get("LANG", "C.UTF-8"),
+                "PYTHONDONTWRITEBYTECODE": "1"}
+        with open(os.path.join(io, "stdin"), "w", encoding="utf-8") as f:
             f.write(stdin)
-        timed_out = False
         status_r = status_w = -1
         if fs_ns:  # PID 1 of the namespace reports the program's wait status here
             status_r, status_w = os.pipe()
             os.set_blocking(status_r, False)
             args["status_fd"] = status_w
         try:
-            with open(in_path, "rb") as fin, open(out_path, "wb") as fout, \
-                    open(err_path, "wb") as ferr:
-                try:
-                    proc = subprocess.Popen(
-                        [*prefix, launcher_python, "-I", "-S", "-c", _LAUNCHER,
-                         json.dumps(args)],
-                        cwd=cwd, env=env, stdin=fin, stdout=fout, stderr=ferr,
-                        start_new_session=True, close_fds=True,
-                        pass_fds=(status_w,) if fs_ns else ())
-                except OSError as e:
-                    raise SandboxError(f"sandbox: cannot start {argv[0]}: {e}") from None
-                finally:
-                    if status_w >= 0:
-                        os.close(status_w)
-                try:
-                    proc.wait(timeout=limits.timeout_s)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                finally:
-                    _kill_group(proc.pid, wait_s=0.0)
-                    proc.wait()  # the leader reaped: what is left of the group are children
-                    # (until gone: killed ones stay in the group until init reaps them)
-                    _kill_group(proc.pid)
-        finally:
-            if cg:
-                _kill_cgroup(cg)
-            status = b""
+            with open(os.path.join(io, "stdin"), "rb") as fin, \
+                    open(os.path.join(io, "stdout"), "wb") as fout, \
+                    open(os.path.join(io, "stderr"), "wb") as ferr:
+                proc = subprocess.Popen(
+                    [*prefix, sys.executable, "-I", "-S", LAUNCHER, json.dumps(args)],
+                    cwd="/" if fs_ns else cwd, env=penv,
+                    stdin=subprocess.PIPE if pipes else fin,
+                    stdout=subprocess.PIPE if pipes else fout, stderr=ferr,
+                    start_new_session=True, close_fds=True,
+                    pass_fds=(status_w,) if fs_ns else ())
+        except OSError as e:
+            dirs_cg.kill()
             if status_r >= 0:
-                try:
-                    status = os.read(status_r, 64)
-                except BlockingIOError:  # nobody wrote it (killed at the wall timeout)
-                    pass
                 os.close(status_r)
-        wall = time.monotonic() - t0
-        out, t1 = _read(out_path, limits.max_output)
-        err, t2 = _read(err_path, limits.max_output)
-    rc = None if timed_out else proc.returncode
-    if rc is not None and status.isdigit():  # PID 1's report (only root held that pipe)
-        rc = os.waitstatus_to_exitcode(int(status))
-    limit = ("wall" if timed_out else
-             "cpu" if rc == -signal.SIGXCPU or (rc == -signal.SIGKILL and
-                                                _cpu_killed(args["cpu"], wall)) else
-             "fsize" if rc == -signal.SIGXFSZ else None)
-    return Result(rc, out, err, timed_out, limit, wall, t1 or t2, isolated, cg is not None,
-                  fs_ns, ids[0] if ids else None)
+            raise SandboxError(f"sandbox: cannot start {argv[0]}: {e}") from None
+        finally:
+            if status_w >= 0:
+                os.close(status_w)
+    except BaseException:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        raise
+    return Job(proc, cg, dirs, status_r, dict(
+        t0=t0, limits=limits, pipes=pipes, cpu=cpu, isolated=isolated, fs_ns=fs_ns,
+        uid=ids[0] if ids else None, seccomp=args["seccomp"]))
 
+
+def _binds(limits: Limits, workdir: str | None, ids: tuple[int, int] | None,
+           exe: str) -> tuple[list[str], list[tuple[str, bool]]]:
+    """(tmpfs covers, (host path, writable) binds) of the call's mount namespace."""
+    rw = [os.path.abspath(p) for p in ([workdir] if workdir else []) + list(limits.binds)]
+    ro = [os.path.abspath(p) for p in limits.expose]
+    interp = view.interpreter_paths() if exe == sys.executable else []
+    covers = view.covers_for(interp + rw + ro, ids[0]) if ids else []
+    binds = [(p, True) for p in rw] + [(p, False) for p in ro]
+    binds += [(p, False) for p in interp if view.needs_bind(p, covers)]
+    return covers, list(dict.fromkeys(binds))
+
+
+def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
+        workdir: str | None = None, template: str | None = None,
+        files: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
+        _probe: bool = False, _exe: str | None = None) -> Result:
+    """Run `argv` in the jail to its end or `limits.timeout_s` (`start(...).wait`). Text the
+    model wrote that cannot reach a program (a NUL in an argument, a lone surrogate) is the
+    program's own error (exit status 2), not an exception."""
+    why = _unrunnable(argv, stdin, files)
+    if why:
+        return Result(2, "", f"error: {why}\n", False, None, 0.0, False, False, False)
+    return start(argv, limits=limits, stdin=stdin, workdir=workdir, template=template,
+                 files=files, env=env, _probe=_probe, _exe=_exe).wait(limits.timeout_s)
 
 def _cpu_killed(cpu_s: int, wall_s: float) -> bool:
     # SIGKILL without a wall timeout: the hard CPU limit (a program ignoring SIGXCPU) when
@@ -620,11 +647,26 @@ def _cpu_killed(cpu_s: int, wall_s: float) -> bool:
     return wall_s >= cpu_s + 1 - 0.05
 
 
+# execve refuses one argument over 128 KiB (MAX_ARG_STRLEN): a longer command goes to bash
+# as a script file instead
+_ARG_MAX = 100_000
+
+
 def run_shell(command: str, *, limits: Limits = Limits(), **kw) -> Result:
-    """`command` run by bash (no profile or rc files)."""
+    """`command` run by bash (no profile or rc files): `bash -c command`, or, past what
+    execve takes in one argument, `bash FILE` with the command in the call's directory."""
     shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
-    return run([shell, "-c", command] if shell == "/bin/sh" else
-               [shell, "--noprofile", "--norc", "-c", command], limits=limits, **kw)
+    flags = [] if shell == "/bin/sh" else ["--noprofile", "--norc"]
+    size = len(command.encode("utf-8", errors="replace"))
+    if size <= _ARG_MAX:
+        return run([shell, *flags, "-c", command], limits=limits, **kw)
+    if size > limits.disk_mb << 20:
+        return Result(2, "", f"error: the command is {size} bytes; the sandbox's disk "
+                             f"({limits.disk_mb} MB) cannot hold it\n", False, None, 0.0,
+                      False, False, False)
+    files = dict(kw.pop("files", None) or {})
+    files[".sandbox-command.sh"] = command
+    return run([shell, *flags, InRun(".sandbox-command.sh")], limits=limits, files=files, **kw)
 
 
 def run_python(code: str, *, limits: Limits = Limits(), stdin: str = "", **kw) -> Result:
