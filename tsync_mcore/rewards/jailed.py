@@ -94,13 +94,12 @@ class ScorerPool:
             job.kill()
             raise ScorerFailed(f"the worker did not start within {START_TIMEOUT_S:g}s") from None
         except (OSError, wire.FrameError) as e:
-            job.kill()
-            raise ScorerFailed(f"the worker's setup failed: {e}") from None
+            raise ScorerFailed(f"the worker's setup failed: {e} ({_ended(job)})") from None
         if not isinstance(reply, dict) or reply.get("ready") is not True:
-            job.kill()
             why = reply.get("error") if isinstance(reply, dict) else None
             if reply is None:
-                why = f"the worker exited before it was ready ({_exit_status(job)})"
+                why = f"the worker exited before it was ready ({_ended(job)})"
+            job.kill()
             raise ScorerFailed(str(why or f"the worker's setup reply {str(reply)[:80]!r}"))
         return _Worker(job, bool(reply.get("takes_messages")))
 
@@ -119,11 +118,9 @@ class ScorerPool:
             return None, {"error": f"timed out after {self.timeout_s:g}s (reward.timeout_s): "
                                    f"the worker was killed", "timeout": True}
         except (OSError, wire.FrameError) as e:
-            w.job.kill()
-            return None, {"error": f"the scorer worker failed mid-call: {e}"}
+            return None, {"error": f"the scorer worker failed mid-call: {e} ({_ended(w.job)})"}
         if reply is None:
-            w.job.kill()
-            return None, {"error": f"the scorer worker died mid-call ({_exit_status(w.job)})"}
+            return None, {"error": f"the scorer worker died mid-call ({_ended(w.job)})"}
         return w, reply
 
     async def call(self, kwargs: dict[str, Any]) -> dict[str, float]:
@@ -172,19 +169,24 @@ def _strict(reply: Any) -> dict[str, float]:
     raise ScorerFailed(f"the scorer worker's reply is malformed: {str(reply)[:80]!r}")
 
 
-def _exit_status(job: Any) -> str:
-    try:
-        rc = job.wait(5.0).returncode
-    except Exception:  # still running, or the jail cannot tell
-        return "exit status unknown"
-    return f"exit status {rc}" if rc is None or rc >= 0 else f"killed by signal {-rc}"
+def _ended(job: Any) -> str:
+    """How a worker that stopped answering ended (killed now if it still runs), with the
+    last line it wrote to stderr."""
+    r = job.wait(2.0)
+    how = ("still running: killed" if r.timed_out else f"exit status {r.returncode}"
+           if r.returncode >= 0 else f"killed by signal {-r.returncode}")
+    last = (r.stderr.strip().splitlines() or [""])[-1][:200]
+    return f"{how}; its stderr: {last}" if last else how
 
 
 # --- which scorer runs where --------------------------------------------------------------
 
 def scorer_limits(reward_cfg: Any, expose: tuple[str, ...] = ()) -> jail.Limits:
-    """The jail of a scorer worker, from RewardConfig."""
+    """The jail of a scorer worker, from RewardConfig. `expose`: host paths it reads (a
+    reward file's directory, under the jail's private /tmp perhaps), where it has a view."""
     c = reward_cfg
+    if jail.fs_isolation():  # no mount namespace: the host's paths are seen as they are
+        expose = ()
     return jail.Limits(timeout_s=c.timeout_s, memory_mb=c.scorer_memory_mb, nproc=64,
                        nofile=256, user=c.sandbox_user, network=c.isolation,
                        isolation=c.isolation, cpu_s=1 << 30, uid_base=1 << 24,
