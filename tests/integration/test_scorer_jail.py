@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import stat
-import tempfile
 import textwrap
 import time
 
@@ -129,44 +127,36 @@ def test_exits_kills_and_big_numbers_are_one_trajectorys_error(tmp_path, tiny_qw
 
 
 @pytest.mark.timeout(300)
-def test_user_reward_functions_run_in_the_jail(tmp_path, tiny_qwen2):
-    """A user's reward.function runs as a uid that is not root; a file the jailed uid cannot
-    read is refused at start in one line; reward.isolation: none keeps it in-process."""
+def test_user_reward_functions_run_in_the_jail(tmp_path):
+    """A user's reward.function runs as a uid that is not root (its file's text handed over:
+    pytest's root-only tmp directory is fine); one whose import cannot work in the jail is
+    refused at start in one line; reward.isolation: none keeps it in-process."""
     from tsync_mcore.config import RewardConfig
     from tsync_mcore.rewards.call import RewardRunner
     from tsync_mcore.rewards.jailed import reward_scorer
 
-    code = textwrap.dedent("""
+    rw = tmp_path / "reward.py"
+    rw.write_text(textwrap.dedent("""
         import os
         def reward(*, prompt, response, label, meta, **_):
             return {"reward": float(response == label), "uid": float(os.getuid())}
-    """)
-    hidden = tmp_path / "hidden.py"  # under pytest's root-only tmp directory
-    hidden.write_text(code)
-    shared = tempfile.mkdtemp(prefix="tsync-reward-test-")
-    try:
-        os.chmod(shared, 0o755)
-        path = os.path.join(shared, "reward.py")
-        with open(path, "w") as f:
-            f.write(code)
-        os.chmod(path, stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH)
-        cfg = RewardConfig(function=f"{path}:reward", timeout_s=20.0)
-        fn = reward_scorer(cfg.function, cfg)
-        runner = RewardRunner(fn, spec=cfg.function, timeout_s=cfg.timeout_s)
-        res = asyncio.run(runner.score("trajectory t", prompt="q", response="42", label="42",
-                                       meta={}))
-        assert res.reward == 1.0 and res.extras["uid"] != 0.0, res
-        if os.geteuid() == 0:
-            with pytest.raises(RewardError, match="cannot read") as e:
-                reward_scorer(f"{hidden}:reward", RewardConfig(function=f"{hidden}:reward"))
-            assert "\n" not in str(e.value) and "reward.isolation: none" in str(e.value)
-        trusted = RewardConfig(function=f"{hidden}:reward", isolation="none")
-        runner = RewardRunner(reward_scorer(trusted.function, trusted), spec="x", timeout_s=5)
-        res = asyncio.run(runner.score("t", prompt="q", response="1", label="1", meta={}))
-        assert res.extras["uid"] == float(os.getuid())
-    finally:
-        import shutil
-        shutil.rmtree(shared, ignore_errors=True)
+    """))
+    cfg = RewardConfig(function=f"{rw}:reward", timeout_s=20.0)
+    runner = RewardRunner(reward_scorer(cfg.function, cfg), spec=cfg.function, timeout_s=20.0)
+    res = asyncio.run(runner.score("trajectory t", prompt="q", response="42", label="42",
+                                   meta={"k": (1, 2)}))
+    assert res.reward == 1.0 and res.error is None, res
+    if os.geteuid() == 0:
+        assert res.extras["uid"] != 0.0, res
+    bad = tmp_path / "bad.py"
+    bad.write_text("import tsync_no_such_module\ndef reward(**kw):\n    return 1.0\n")
+    with pytest.raises(RewardError, match="cannot run in the jail.*tsync_no_such_module") as e:
+        reward_scorer(f"{bad}:reward", RewardConfig(function=f"{bad}:reward"))
+    assert "\n" not in str(e.value) and "reward.isolation: none" in str(e.value)
+    trusted = RewardConfig(function=f"{rw}:reward", isolation="none")
+    runner = RewardRunner(reward_scorer(trusted.function, trusted), spec="x", timeout_s=5)
+    res = asyncio.run(runner.score("t", prompt="q", response="1", label="1", meta={}))
+    assert res.extras["uid"] == float(os.getuid())
 
 
 @pytest.mark.timeout(300)

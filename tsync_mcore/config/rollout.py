@@ -126,7 +126,6 @@ class RolloutConfig:
     def validate(self) -> None:
         check(self.n_learners >= 1, "rollout.n_learners", "must be >= 1")
         if self.structured_regex:
-            import re
             try:
                 re.compile(self.structured_regex)
             except re.error as e:

@@ -129,7 +129,7 @@ class RewardConfig:
     # isolation is not permitted; "none": in the rollout process, for trusted scorers that
     # need the network or a GPU. exact_match and code_tests run in-process either way.
     isolation: Literal["isolate", "require", "none"] = "isolate"
-    workers: int = 4  # jailed scorer workers (calls scored at once), started as needed
+    workers: int = 2  # jailed scorer workers (calls scored at once), started as needed
     scorer_memory_mb: int = 2048  # a jailed scorer worker's address space (RLIMIT_AS)
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # function "judge": the grader
 

@@ -8,11 +8,12 @@ builds the scorer once; each call is a child it forks, with RLIMIT_CPU, killed a
 `reward.timeout_s`. The rollout side waits for the reply in a thread (the event loop goes
 on), parses it strictly, and kills the whole worker when even the reply does not come; a
 worker that dies mid-call makes that call this trajectory's error and is started again for
-the next. Whatever cannot be jailed (a reward file the jailed uid cannot read, a scorer
-that does not build there, a task whose entries do not travel as JSON) is refused at start
-in one line. `reward.isolation: none` keeps today's in-process calls (for trusted scorers
-that need the network or a GPU); `exact_match` (a string compare) and `code_tests` (its own
-sandbox per test) always run in-process.
+the next. A reward file's text is read here and handed over (the jailed uid need not be
+able to read the file; what it imports must be importable there). Whatever cannot be
+jailed (a scorer that does not build there, a task whose entries do not travel as JSON)
+is refused at start in one line. `reward.isolation: none` keeps today's in-process calls
+(for trusted scorers that need the network or a GPU); `exact_match` (a string compare) and
+`code_tests` (its own sandbox per test) always run in-process.
 """
 
 from __future__ import annotations
@@ -21,15 +22,14 @@ import asyncio
 import atexit
 import json
 import os
-import stat
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from tsync_mcore.rewards import worker as wire
-from tsync_mcore.rewards.load import RewardError, check_spec, load_reward_fn
+from tsync_mcore.rewards import wire
+from tsync_mcore.rewards.load import RewardError, check_spec, load_reward_fn, read_source
 from tsync_mcore.sandbox import jail
 
 IN_PROCESS = ("exact_match", "code_tests")  # a string compare; a sandbox of its own
@@ -77,7 +77,8 @@ class ScorerPool:
             w = self._spawn()
         except (ScorerFailed, jail.SandboxError) as e:
             raise RewardError(f"{self.what} cannot run in the jail (reward.isolation: "
-                              f"{self.limits.isolation}): {e}") from None
+                              f"{self.limits.isolation}): {e}; reward.isolation: none scores "
+                              f"in-process (trusted scorers only)") from None
         self.takes_messages = w.takes_messages
         self._idle.append(w)
 
@@ -211,21 +212,6 @@ def _user_paths() -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _unreadable(path: str, user: str) -> str | None:
-    """Why the jail's uid (another user's) cannot read `path`, or None."""
-    if os.geteuid() != 0 or not user:
-        return None if os.access(path, os.R_OK) else "this process cannot read it"
-    real = os.path.realpath(path)
-    parts = real.split(os.sep)
-    for i in range(2, len(parts)):
-        d = os.sep.join(parts[:i])
-        if not os.stat(d).st_mode & stat.S_IXOTH:
-            return f"the directory {d} is mode {stat.S_IMODE(os.stat(d).st_mode):o}"
-    if not os.stat(real).st_mode & stat.S_IROTH:
-        return f"it is mode {stat.S_IMODE(os.stat(real).st_mode):o}"
-    return None
-
-
 def reward_scorer(spec: str, reward_cfg: Any) -> Callable[..., Any] | ScorerPool:
     """reward.function's scorer: in-process for exact_match, code_tests and
     `reward.isolation: none`, else a started ScorerPool. RewardError (one line) when it
@@ -239,21 +225,14 @@ def reward_scorer(spec: str, reward_cfg: Any) -> Callable[..., Any] | ScorerPool
     if spec == "judge":
         return load_reward_fn(spec, reward_cfg)  # its one-line refusal
     where, colon, name = spec.rpartition(":")
-    paths, expose = [_source_root(), *_user_paths()], []
-    if colon and where.endswith(".py"):
+    paths = [_source_root(), *_user_paths()]
+    setup: dict[str, Any] = {"kind": "function", "spec": spec}
+    if colon and where.endswith(".py"):  # its text goes along: the jail may not see the file
         path = os.path.abspath(where)
-        if not os.path.isfile(path):
-            raise RewardError(f"reward.function {spec!r}: no file {where}")
-        why = _unreadable(path, reward_cfg.sandbox_user)
-        if why:
-            raise RewardError(f"reward.function {spec!r}: the jailed scorer (user "
-                              f"{reward_cfg.sandbox_user!r}) cannot read {path}: {why}; make "
-                              f"it readable, or set reward.isolation: none to run it "
-                              f"in-process")
-        spec, expose = f"{path}:{name}", [os.path.dirname(path)]
-    expose += [p for p in paths if not p.startswith("/root" + os.sep)]
-    pool = ScorerPool({"kind": "function", "spec": spec}, what=f"reward.function {spec!r}",
-                      limits=scorer_limits(reward_cfg, tuple(dict.fromkeys(expose))),
+        setup = {"kind": "function", "spec": f"{path}:{name}", "source": read_source(spec, path)}
+    expose = tuple(p for p in paths if not p.startswith("/root" + os.sep))
+    pool = ScorerPool(setup, what=f"reward.function {spec!r}",
+                      limits=scorer_limits(reward_cfg, expose),
                       workers=reward_cfg.workers, timeout_s=reward_cfg.timeout_s, paths=paths)
     pool.start()
     return pool

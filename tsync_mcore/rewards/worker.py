@@ -1,4 +1,4 @@
-"""A jailed scorer worker: the process rewards/jailed.py starts in the jail, and its wire.
+"""A jailed scorer worker: the process rewards/jailed.py starts in the jail.
 
 The worker reads one setup frame (which scorer to build: a reasoning-gym task's, or a
 `reward.function` spec), builds it once (the imports, the dataset) and answers
@@ -9,109 +9,24 @@ the worker's pipes (it writes its one result to a pipe of its own) and cannot tr
 worker (PR_SET_DUMPABLE 0 there); the worker kills it, and what it started, at the wall
 limit.
 
-Frames, both ways: 4 bytes of big-endian length, then that many bytes of UTF-8 JSON, each
-direction bounded (MAX_REQUEST, MAX_RESULT). A reply is `{"ok": {"reward": x, <extra>: y}}`
+Frames both ways (rewards/wire.py); a reply is `{"ok": {"reward": x, <extra>: y}}`
 (checked by parse_result in the child, checked again on the rollout side) or
 `{"error": "<one line>", "timeout": bool}`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import resource
-import select
 import signal
-import struct
 import sys
 import time
-from typing import Any, BinaryIO
+from typing import Any
 
-MAX_REQUEST = 8 << 20  # bytes of one call's arguments (prompt, response, messages, ...)
-MAX_RESULT = 64 << 10  # bytes of one call's result
-_HEADER = struct.Struct(">I")
-_TUPLE = "__tsync_tuple__"  # reasoning-gym metadata holds tuples; JSON alone makes them lists
+from tsync_mcore.rewards.wire import (HEADER, MAX_REQUEST, MAX_RESULT, FrameError, decode,
+                                      dump, read_frame, write_frame)
 
-
-class FrameError(RuntimeError):
-    """A frame that is too long, cut short or not JSON; the message is one line."""
-
-
-# --- the wire (used by both sides) --------------------------------------------------------
-
-def encode(obj: Any) -> Any:
-    """`obj` with its tuples tagged, so they come back as tuples (reasoning-gym entries
-    carry them); TypeError for what JSON cannot hold."""
-    if isinstance(obj, tuple):
-        return {_TUPLE: [encode(x) for x in obj]}
-    if isinstance(obj, list):
-        return [encode(x) for x in obj]
-    if isinstance(obj, dict):
-        if not all(isinstance(k, str) for k in obj):
-            raise TypeError(f"a mapping with a non-string key ({next(k for k in obj if not isinstance(k, str))!r})")
-        return {k: encode(v) for k, v in obj.items()}
-    if obj is None or isinstance(obj, (str, bool, int, float)):
-        return obj
-    raise TypeError(f"a {type(obj).__name__}")
-
-
-def decode(obj: Any) -> Any:
-    if isinstance(obj, list):
-        return [decode(x) for x in obj]
-    if isinstance(obj, dict):
-        if len(obj) == 1 and _TUPLE in obj:
-            return tuple(decode(x) for x in obj[_TUPLE])
-        return {k: decode(v) for k, v in obj.items()}
-    return obj
-
-
-def dump(obj: Any) -> bytes:
-    data = json.dumps(obj, allow_nan=True, separators=(",", ":")).encode()
-    return _HEADER.pack(len(data)) + data
-
-
-def write_frame(f: BinaryIO, obj: Any) -> None:
-    f.write(dump(obj))
-    f.flush()
-
-
-def read_exact(fd: int, n: int, deadline: float | None = None) -> bytes | None:
-    """n bytes from `fd`; None at end of file before the first byte, FrameError when cut
-    short; TimeoutError past `deadline` (time.monotonic)."""
-    buf = bytearray()
-    while len(buf) < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            if buf:
-                raise FrameError(f"a frame cut short after {len(buf)} of {n} bytes")
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
-def read_frame(fd: int, limit: int, deadline: float | None = None) -> Any:
-    """The next frame's JSON value (None at end of file)."""
-    head = read_exact(fd, _HEADER.size, deadline)
-    if head is None:
-        return None
-    (n,) = _HEADER.unpack(head)
-    if n > limit:
-        raise FrameError(f"a frame of {n} bytes (at most {limit})")
-    data = read_exact(fd, n, deadline) if n else b""
-    if data is None:
-        raise FrameError(f"a frame cut short after its header ({n} bytes announced)")
-    try:
-        return json.loads(data)
-    except ValueError as e:
-        raise FrameError(f"a frame that is not JSON: {str(e)[:120]}") from None
-
-
-# --- the worker ---------------------------------------------------------------------------
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0][:300]
@@ -128,7 +43,7 @@ def build(setup: dict[str, Any]) -> tuple[Any, bool]:
         dataset = make_dataset(setup["task"], decode(setup["params"]), setup["seed"],
                                setup["size"])
         return task_reward(dataset, setup["answer_tag"], setup["answer_from"]), False
-    fn = load_reward_fn(setup["spec"])
+    fn = load_reward_fn(setup["spec"], source=setup.get("source"))
     return fn, accepts(fn, "messages")
 
 
@@ -170,7 +85,7 @@ def _child(fn: Any, kwargs: dict[str, Any], out_fd: int, cpu_s: int,
             data = dump(reply)
         except (TypeError, ValueError) as e:
             data = dump({"error": f"its result does not serialize: {_first_line(e)}"})
-        if len(data) - _HEADER.size > MAX_RESULT:
+        if len(data) - HEADER.size > MAX_RESULT:
             data = dump({"error": f"its result is {len(data)} bytes (at most {MAX_RESULT})"})
         view = memoryview(data)
         while view:
