@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Any
 
+from tsync_mcore.rewards.call import call_to_the_end, parse_result
 from tsync_mcore.rewards.wire import (HEADER, MAX_REQUEST, MAX_RESULT, FrameError, decode,
                                       dump, read_frame, write_frame)
 
@@ -49,8 +50,6 @@ def build(setup: dict[str, Any]) -> tuple[Any, bool]:
 
 def _result(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The child's reply: the call's (reward, extras) as parse_result checks them, or why not."""
-    from tsync_mcore.rewards.call import call_to_the_end, parse_result
-
     try:
         out = call_to_the_end(fn, kwargs)
     except Exception as e:  # the scorer's own failure (SystemExit comes back as one too)
