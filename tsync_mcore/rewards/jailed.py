@@ -66,6 +66,7 @@ class ScorerPool:
         self.takes_messages = False
         self.started = 0  # workers started, restarts included
         self._idle: list[_Worker] = []
+        self._all: set[_Worker] = set()  # started and not ended: what close() kills
         self._lock = threading.Lock()
         self._slots: asyncio.Semaphore | None = None
         atexit.register(self.close)
@@ -80,7 +81,7 @@ class ScorerPool:
                               f"{self.limits.isolation}): {e}; reward.isolation: none scores "
                               f"in-process (trusted scorers only)") from None
         self.takes_messages = w.takes_messages
-        self._idle.append(w)
+        self._keep(w)
 
     def _spawn(self) -> _Worker:
         job = jail.start(self.argv, limits=self.limits, env={"OMP_NUM_THREADS": "1"},
@@ -102,11 +103,23 @@ class ScorerPool:
                 why = f"the worker exited before it was ready ({_ended(job)})"
             job.kill()
             raise ScorerFailed(str(why or f"the worker's setup reply {str(reply)[:80]!r}"))
-        return _Worker(job, bool(reply.get("takes_messages")))
+        w = _Worker(job, bool(reply.get("takes_messages")))
+        with self._lock:
+            self._all.add(w)
+        return w
 
-    def _call_blocking(self, w: _Worker | None, request: bytes) -> tuple[_Worker | None, Any]:
-        """One request on a worker (started first when there is none); (the worker to keep
-        or None, the reply). Runs in a thread."""
+    def _keep(self, w: _Worker) -> None:
+        with self._lock:
+            self._idle.append(w)
+
+    def _drop(self, w: _Worker) -> None:
+        with self._lock:
+            self._all.discard(w)
+
+    def _call_blocking(self, w: _Worker | None, request: bytes) -> Any:
+        """One request on a worker (started first when there is none): its reply. The
+        worker goes back to the pool here, so a cancelled caller loses none. Runs in a
+        thread."""
         if w is None:
             w = self._spawn()
         try:
@@ -116,13 +129,17 @@ class ScorerPool:
                                     time.monotonic() + self.timeout_s + REPLY_GRACE_S)
         except TimeoutError:
             w.job.kill()
-            return None, {"error": f"timed out after {self.timeout_s:g}s (reward.timeout_s): "
-                                   f"the worker was killed", "timeout": True}
+            reply = {"error": f"timed out after {self.timeout_s:g}s (reward.timeout_s): the "
+                              f"worker was killed"}
         except (OSError, wire.FrameError) as e:
-            return None, {"error": f"the scorer worker failed mid-call: {e} ({_ended(w.job)})"}
-        if reply is None:
-            return None, {"error": f"the scorer worker died mid-call ({_ended(w.job)})"}
-        return w, reply
+            reply = {"error": f"the scorer worker failed mid-call: {e} ({_ended(w.job)})"}
+        else:
+            if reply is not None:
+                self._keep(w)
+                return reply
+            reply = {"error": f"the scorer worker died mid-call ({_ended(w.job)})"}
+        self._drop(w)
+        return reply
 
     async def call(self, kwargs: dict[str, Any]) -> dict[str, float]:
         """The scorer's result ({"reward": x, extras}) for one call; ScorerFailed (one
@@ -141,18 +158,16 @@ class ScorerPool:
             with self._lock:
                 w = self._idle.pop() if self._idle else None
             try:
-                kept, reply = await jail.in_thread(self._call_blocking, w, request)
+                reply = await jail.in_thread(self._call_blocking, w, request)
             except (ScorerFailed, jail.SandboxError, OSError) as e:  # a restart that failed
                 raise ScorerFailed(f"its scorer worker could not be started: {e}") from None
-            if kept is not None:
-                with self._lock:
-                    self._idle.append(kept)
         return _strict(reply)
 
     def close(self) -> None:
+        """Every worker ended (idle ones at end of input, busy ones killed)."""
         with self._lock:
-            idle, self._idle = self._idle, []
-        for w in idle:
+            workers, self._idle, self._all = list(self._all), [], set()
+        for w in workers:
             try:
                 w.job.stdin.close()  # the worker exits at end of input
             except OSError:

@@ -11,7 +11,7 @@ limit.
 
 Frames both ways (rewards/wire.py); a reply is `{"ok": {"reward": x, <extra>: y}}`
 (checked by parse_result in the child, checked again on the rollout side) or
-`{"error": "<one line>", "timeout": bool}`.
+`{"error": "<one line>"}`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from tsync_mcore.rewards.call import call_to_the_end, parse_result
+from tsync_mcore.rewards.call import Exited, call_to_the_end, parse_result
 from tsync_mcore.rewards.wire import (HEADER, MAX_REQUEST, MAX_RESULT, FrameError, decode,
                                       dump, read_frame, write_frame)
 
@@ -52,9 +52,10 @@ def _result(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The child's reply: the call's (reward, extras) as parse_result checks them, or why not."""
     try:
         out = call_to_the_end(fn, kwargs)
-    except Exception as e:  # the scorer's own failure (SystemExit comes back as one too)
-        name = "" if type(e).__name__ == "Exited" else f"{type(e).__name__}: "
-        return {"error": f"raised {name}{_first_line(e)}".rstrip(": ")}
+    except Exited as e:  # sys.exit or KeyboardInterrupt from the scorer
+        return {"error": f"raised {e}"}
+    except Exception as e:  # the scorer's own failure
+        return {"error": f"raised {type(e).__name__}: {_first_line(e)}".rstrip(": ")}
     try:
         reward, extras = parse_result(out)
     except ValueError as e:
@@ -65,7 +66,7 @@ def _result(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 def _child(fn: Any, kwargs: dict[str, Any], out_fd: int, cpu_s: int,
            wire: tuple[int, ...], no_spawn: bool) -> None:
     """The forked child: one call, its reply written to `out_fd`, then _exit. It closes
-    the worker's wire first (no answer can read the next request or forge a reply) and
+    the worker's wire first (no answer can read the next request or write to the rollout) and
     sends its own stdout/stderr nowhere. `no_spawn`: RLIMIT_NPROC 0, so it can start no
     process or thread (an `os.system` in an answer runs nothing)."""
     code = 0
@@ -123,8 +124,7 @@ def serve_one(fn: Any, kwargs: dict[str, Any], timeout_s: float, *, sweep: bool 
         except TimeoutError:
             _kill_call(pid, sweep)
             os.waitpid(pid, 0)
-            return {"error": f"timed out after {timeout_s:g}s (reward.timeout_s): killed",
-                    "timeout": True}
+            return {"error": f"timed out after {timeout_s:g}s (reward.timeout_s): killed"}
         except FrameError as e:
             data = {"error": f"its reply was refused: {e}"}
     finally:
@@ -137,7 +137,7 @@ def serve_one(fn: Any, kwargs: dict[str, Any], timeout_s: float, *, sweep: bool 
         sig = os.WTERMSIG(status)
         if sig == signal.SIGXCPU:
             return {"error": f"used its {max(1, math.ceil(timeout_s))} CPU seconds "
-                             f"(reward.timeout_s): killed", "timeout": True}
+                             f"(reward.timeout_s): killed"}
         return {"error": f"died of signal {sig} ({signal.Signals(sig).name})"}
     return {"error": f"exited with status {os.WEXITSTATUS(status)} without a result"}
 
