@@ -65,3 +65,46 @@ def test_terminal_env_from_config_and_the_driver_hook(tok):
             c = load_config(None, {"rollout": {"env": "terminal"}, **bad})
             c.validate()
 
+
+
+@pytest.mark.parametrize("key", ["tools.user", "reward.sandbox_user"])
+@pytest.mark.parametrize("user", ["", "  "])
+def test_an_empty_sandbox_user_is_refused(key, user):
+    """'' kept root for the model's code (the bash tool read /etc/shadow): refused in one
+    line naming the key, and the tools and the code sandbox refuse it too."""
+    from tsync_mcore.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=rf"^config key '{key}': is empty: it would keep root"):
+        load_config(None, {"model.hf_dir": "/nonexistent", key: user})
+
+
+def test_no_tool_or_code_sandbox_runs_as_root():
+    from tsync_mcore.rewards.sandbox import SandboxLimits
+    from tsync_mcore.sandbox import jail
+    from tsync_mcore.sandbox.tools import ToolBox
+
+    for user in ("", "root"):
+        with pytest.raises(jail.SandboxError, match="root"):
+            ToolBox(jail.Limits(user=user))
+        with pytest.raises(jail.SandboxError, match="root"):
+            SandboxLimits(user=user)
+
+
+def test_the_seccomp_filter_is_well_formed_for_both_architectures(monkeypatch):
+    import platform
+    import struct
+
+    from tsync_mcore.sandbox import seccomp
+
+    for machine, arch in (("x86_64", 0xC000003E), ("aarch64", 0xC00000B7)):
+        monkeypatch.setattr(platform, "machine", lambda m=machine: m)
+        assert seccomp.supported() == ""
+        prog = seccomp.program()
+        ins = [struct.unpack("=HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
+        assert ins[1][3] == arch and ins[-4:] == [(6, 0, 0, 0x7FFF0000), (6, 0, 0, 0x50001),
+                                                  (6, 0, 0, 0x50026), (6, 0, 0, 0x80000000)]
+        for i, (code, jt, jf, _) in enumerate(ins):  # every jump lands inside the program
+            if code & 0x07 == 0x05:
+                assert i + 1 + max(jt, jf) < len(ins)
+    monkeypatch.setattr(platform, "machine", lambda: "riscv64")
+    assert "riscv64" in seccomp.supported()

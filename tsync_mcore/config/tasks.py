@@ -111,10 +111,10 @@ class RewardConfig:
     sandbox_timeout_s: float = 10.0
     sandbox_memory_mb: int = 1024  # code_tests sandbox: address space of one test program
     sandbox_nproc: int = 32  # processes the sandbox user may own (fork-bomb bound)
-    # Run as root, the sandbox drops to this user (RLIMIT_NPROC does not bind root)
+    # Run as root, the sandbox drops to this user (never root, uid 0 or empty)
     sandbox_user: str = "nobody"
-    # Interpreter of the test programs ("": this one's, or when the sandbox user cannot run
-    # it, the system python3)
+    # Interpreter of the test programs ("": this one's, run in the jail with its packages;
+    # without the jail's namespaces, the system python3 when the user cannot run this one)
     sandbox_python: str = ""
     # DAPO's overlong shaping: a response of L generated tokens longer than
     # overlong_max_len − overlong_buffer adds −(L − (max_len − buffer))/buffer·overlong_penalty
@@ -247,7 +247,7 @@ class ToolsConfig:
     # "isolate": a new network namespace (no network) where Linux permits, else a warning
     # and the host's network; "require": fail where not permitted; "host": no isolation
     network: Literal["isolate", "require", "host"] = "isolate"
-    user: str = "nobody"  # run as root, tool calls drop to this user
+    user: str = "nobody"  # run as root, tool calls drop to this user (not root, uid 0, "")
     # "isolate": mount, PID and IPC namespaces where permitted (root): the system read-only,
     # a private /tmp, only the episode's directories writable; else a warning; "require":
     # fail where not permitted; "none": the host's view of the filesystem
@@ -284,6 +284,8 @@ def _check_not_root(user: str, key: str) -> None:
     RLIMIT_NPROC do not bind it, and it can undo every other bound."""
     import pwd
 
+    check(bool(user.strip()), key, "is empty: it would keep root (uid 0) for the model's code; "
+          "name an unprivileged user (default 'nobody')")
     try:
         uid = pwd.getpwnam(user).pw_uid
     except KeyError:

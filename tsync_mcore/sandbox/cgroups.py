@@ -2,11 +2,13 @@
 escapees included, all killed at the end) and a memory cgroup whose limit counts what the
 call holds in memory — its processes, and the pages of its tmpfs and memfds, which an
 address-space rlimit does not see. cgroup v1 (`/sys/fs/cgroup/{pids,memory}`) or v2 (one
-directory with both controllers); probed once per process, used where writable (root)."""
+directory with both controllers); probed once per process, used where writable (root).
+Named for their process: the first probe of a process removes those a killed one left."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import tempfile
 import time
@@ -43,11 +45,28 @@ def _probe(kind: str, bases: tuple[str, ...], limit_file: str, value: str) -> st
     return None
 
 
+_STALE = re.compile(r"^run-p(\d+)-")
+
+
+def _clean_stale(parent: str) -> None:
+    """Kill and remove the call cgroups of processes that are gone (SIGKILLed callers)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for n in names:
+        m = _STALE.match(n)
+        if m and int(m.group(1)) != os.getpid() and not os.path.exists(f"/proc/{m.group(1)}"):
+            _kill_one(os.path.join(parent, n), wait_s=1.0)
+
+
 def pids_root() -> str | None:
     """A writable pids-cgroup directory to make per-call cgroups in, or None."""
     if "pids" not in _ROOTS:
         _ROOTS["pids"] = _probe("pids", ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/unified",
                                          "/sys/fs/cgroup"), "pids.max", "8")
+        if _ROOTS["pids"]:
+            _clean_stale(_ROOTS["pids"])
     return _ROOTS["pids"]
 
 
@@ -58,6 +77,8 @@ def memory_root() -> str | None:
                     str(64 << 20))
         _ROOTS["memory"] = v1 or _probe("memory", ("/sys/fs/cgroup/unified", "/sys/fs/cgroup"),
                                         "memory.max", str(64 << 20))
+        if _ROOTS["memory"]:
+            _clean_stale(_ROOTS["memory"])
     return _ROOTS["memory"]
 
 
@@ -109,7 +130,7 @@ def make(nproc: int, memory_bytes: int | None) -> CallCgroups:
     cg = CallCgroups()
     proot = pids_root()
     if proot:
-        d = tempfile.mkdtemp(prefix="run-", dir=proot)
+        d = tempfile.mkdtemp(prefix=f"run-p{os.getpid()}-", dir=proot)
         if _write(os.path.join(d, "pids.max"), str(nproc)):
             cg.dirs.append(d)
             cg.pids = True
@@ -122,7 +143,7 @@ def make(nproc: int, memory_bytes: int | None) -> CallCgroups:
             (not os.path.exists(os.path.join(d, "memory.swap.max")) or
              _write(os.path.join(d, "memory.swap.max"), "0"))
     elif mroot:
-        d = tempfile.mkdtemp(prefix="run-", dir=mroot)
+        d = tempfile.mkdtemp(prefix=f"run-p{os.getpid()}-", dir=mroot)
         ok = _write(os.path.join(d, "memory.limit_in_bytes"), str(memory_bytes))
         memsw = os.path.join(d, "memory.memsw.limit_in_bytes")
         if ok and os.path.exists(memsw):

@@ -80,7 +80,7 @@ class Limits:
     nproc: int = 32  # processes: of this run (pids cgroup), else of the user (RLIMIT_NPROC)
     fsize_mb: int = 16  # bytes per written file (RLIMIT_FSIZE)
     nofile: int = 64  # open files
-    user: str = "nobody"  # dropped to when running as root ("" keeps root)
+    user: str = "nobody"  # dropped to when running as root ("" keeps root: internal probes)
     python: str = ""  # "" : this interpreter, or the system python3 the user can run
     # "isolate": new network namespace where permitted, else on with a warning;
     # "require": SandboxError where not permitted; "host": the host's network
@@ -123,6 +123,7 @@ class Limits:
             if isinstance(paths, str) or not all(isinstance(p, str) and os.path.isabs(p)
                                                  and "\x00" not in p for p in paths):
                 raise ValueError(f"{key} must be a tuple of absolute paths, got {paths!r}")
+            object.__setattr__(self, key, tuple(paths))
         if self.loopback and self.network == "host":
             raise ValueError("loopback needs a network namespace of its own (network is 'host')")
 
@@ -159,6 +160,20 @@ def _ids(user: str) -> tuple[int, int] | None:
     except KeyError:
         raise SandboxError(f"sandbox user {user!r} does not exist on this host") from None
     return pw.pw_uid, pw.pw_gid
+
+
+def check_unprivileged(user: str, what: str) -> None:
+    """SandboxError unless `user` names a user other than root: model-written code never
+    runs as root ("" would keep this process's uid, root's when it is root)."""
+    if not user or user == "root":
+        raise SandboxError(f"{what}: the sandbox user {user!r} would run the model's code as "
+                           f"root; name an unprivileged user (default 'nobody')")
+    try:
+        uid = pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return  # unknown here: the jail says so when it runs
+    if uid == 0:
+        raise SandboxError(f"{what}: the sandbox user {user!r} has uid 0 (root)")
 
 
 def _drop_kwargs(ids: tuple[int, int] | None) -> dict:
@@ -413,6 +428,7 @@ class Job:
         self._result: Result | None = None
         self._killed = False
         self.pid: int = proc.pid
+        self.uid: int | None = info["uid"]  # the program's uid (None: this process's)
         self.stdin = proc.stdin  # binary pipes when started with pipes=True, else None
         self.stdout = proc.stdout
 
@@ -436,9 +452,10 @@ class Job:
     def kill(self) -> Result:
         """SIGKILL the whole jail (its process group, cgroups and PID namespace)."""
         self._killed = True
-        _kill_group(self.pid, wait_s=0.0)
-        for procs in self._cg.procs:
-            _kill_listed(procs)
+        if self._result is None and self._proc.returncode is None:  # the group's pid unreused
+            _kill_group(self.pid, wait_s=0.0)
+            for procs in self._cg.procs:
+                _kill_listed(procs)
         return self.wait()
 
     def _finish(self, timed_out: bool) -> Result:
@@ -511,7 +528,7 @@ def _prefix(limits: Limits, probe: bool) -> tuple[list[str], bool, bool]:
         why = "" if probe else fs_isolation()
         fs_ns = not why
         if why:
-            if limits.isolation == "require" or limits.binds or limits.expose:
+            if limits.isolation == "require":
                 raise SandboxError(f"sandbox: filesystem isolation required but {why}")
             _warn_once(f"sandbox runs WITHOUT mount/PID/IPC namespaces: {why}")
         elif not prefix:
@@ -543,9 +560,11 @@ def start(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
     if ids is not None and limits.uid_base:
         ids = _run_ids(workdir, limits.uid_base)
     t0 = time.monotonic()
-    io = tempfile.mkdtemp(prefix="tsync-sandbox-io-")  # root-private (0700)
-    stage = tempfile.mkdtemp(prefix="tsync-sandbox-")
+    # root-private (0700), named for this process (view.clean_stale_episodes)
+    io = tempfile.mkdtemp(prefix=f"tsync-sandboxio-p{os.getpid()}-")
+    stage = tempfile.mkdtemp(prefix=f"tsync-sandbox-p{os.getpid()}-")
     dirs = [io, stage]
+    cg = cgroups.CallCgroups()
     try:
         rundir = os.path.join("/tmp", os.path.basename(stage)) if fs_ns else stage
         if template:
@@ -566,7 +585,6 @@ def start(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
         binds = _binds(limits, workdir, ids, exe) if fs_ns else ([], [])
         cg = cgroups.make(limits.nproc, (limits.memory_mb + limits.disk_mb) << 20
                           if limits.memory_cgroup else None)
-        dirs_cg = cg
         cpu = int(limits.cpu_s) or max(1, int(limits.timeout_s + 0.999))
         args = dict(
             argv=[os.path.join(rundir, a) if isinstance(a, InRun) else a for a in argv],
@@ -574,7 +592,8 @@ def start(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
             nofile=limits.nofile, nproc=limits.nproc_user if cg.pids else limits.nproc,
             cgroups=cg.procs, uid=ids[0] if ids else None, gid=ids[1] if ids else None,
             ns=fs_ns, loopback=limits.loopback and isolated, covers=binds[0],
-            binds=binds[1], stage=stage if fs_ns else "", rundir=rundir, cwd=cwd,
+            binds=binds[1], masks=_masks(*binds) if fs_ns else [],
+            stage=stage if fs_ns else "", rundir=rundir, cwd=cwd,
             tmpfs=f"size={limits.disk_mb}m,nr_inodes={limits.disk_inodes},mode=1777",
             seccomp=_seccomp_hex(limits), status_fd=-1)
         penv = {**extra, "PATH": f"{os.path.join(rundir, '.sandbox-bin')}:/usr/local/bin:"
@@ -600,7 +619,6 @@ def start(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
                     start_new_session=True, close_fds=True,
                     pass_fds=(status_w,) if fs_ns else ())
         except OSError as e:
-            dirs_cg.kill()
             if status_r >= 0:
                 os.close(status_r)
             raise SandboxError(f"sandbox: cannot start {argv[0]}: {e}") from None
@@ -608,6 +626,7 @@ def start(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
             if status_w >= 0:
                 os.close(status_w)
     except BaseException:
+        cg.kill()
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
         raise
@@ -617,15 +636,24 @@ def start(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",
 
 
 def _binds(limits: Limits, workdir: str | None, ids: tuple[int, int] | None,
-           exe: str) -> tuple[list[str], list[tuple[str, bool]]]:
-    """(tmpfs covers, (host path, writable) binds) of the call's mount namespace."""
+           exe: str) -> tuple[list[str], list[tuple[str, str, bool]]]:
+    """(tmpfs covers, (host path, path inside, writable) binds) of the call's mount
+    namespace."""
     rw = [os.path.abspath(p) for p in ([workdir] if workdir else []) + list(limits.binds)]
     ro = [os.path.abspath(p) for p in limits.expose]
     interp = view.interpreter_paths() if exe == sys.executable else []
     covers = view.covers_for(interp + rw + ro, ids[0]) if ids else []
-    binds = [(p, True) for p in rw] + [(p, False) for p in ro]
-    binds += [(p, False) for p in interp if view.needs_bind(p, covers)]
+    binds = [(p, p, True) for p in rw] + [(p, p, False) for p in ro]
+    binds += [(p, p, False) for p in interp if view.needs_bind(p, covers)]
+    overlay = view.source_overlay() if interp else None
+    if overlay:
+        binds.append((*overlay, False))
     return covers, list(dict.fromkeys(binds))
+
+
+def _masks(covers: list[str], binds: list[tuple[str, str, bool]]) -> list[str]:
+    """Host Unix sockets the call would see: covered by an empty file inside."""
+    return view.host_sockets([*covers, *(dst for _, dst, _ in binds)])
 
 
 def run(argv: Sequence[str], *, limits: Limits = Limits(), stdin: str = "",

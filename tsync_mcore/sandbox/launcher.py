@@ -4,11 +4,12 @@ and limits and then execs the program (tsync_mcore/sandbox/jail.py starts it).
 
 In order: join the call's cgroups; bring `lo` up (a loopback jail); in a mount + PID
 namespace: every mount read-only, a private tmpfs on /tmp (/var/tmp and /dev/shm the same),
-an empty one on /run (and /var/run), empty tmpfs covers over directories the jailed uid
-cannot traverse (/root), then the call's directories bound in — read-only (the
-interpreter's prefixes, `expose`) or writable (the work directory, `binds`) — through
-descriptors opened before anything was covered, the call's staged run directory copied onto
-the tmpfs, a /proc of the new PID namespace; fork the program and stay its PID 1 (its exit
+an empty one on /run (and /var/run), a devpts of its own, empty tmpfs covers over
+directories the jailed uid cannot traverse (/root), then the call's directories bound in —
+read-only (the interpreter's prefixes, `expose`) or writable (the work directory, `binds`)
+— through descriptors opened before anything was covered, the host's other Unix sockets
+covered by an empty file, the call's staged run directory copied onto the tmpfs, a /proc
+of the new PID namespace; fork the program and stay its PID 1 (its exit
 kills what is left); then rlimits, the uid drop, no-new-privs and the seccomp filter, exec.
 """
 
@@ -90,13 +91,13 @@ def copy_tree(src: str, dst: str, ids) -> None:
 
 def build_view(a: dict, ids) -> None:
     """The program's filesystem (see the module's docstring)."""
-    opened = []  # (path, fd, writable): opened before any cover hides them
-    for path, writable in a["binds"]:
+    opened = []  # (where, fd, writable): opened before any cover hides them
+    for src, dst, writable in a["binds"]:
         try:
-            opened.append((path, os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW),
+            opened.append((dst, os.open(src, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW),
                            writable))
         except OSError as e:
-            die(f"cannot open {path} to bind it in: {e}")
+            die(f"cannot open {src} to bind it in: {e}")
     stage = os.open(a["stage"], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW) if a["stage"] \
         else -1
     mount(None, "/", None, REC | PRIVATE)
@@ -113,6 +114,11 @@ def build_view(a: dict, ids) -> None:
         mount("tmpfs", "/run", "tmpfs", NOSUID | NODEV | NOEXEC, "size=16k,nr_inodes=16,mode=0755")
     if os.path.isdir("/var/run") and not os.path.islink("/var/run"):
         mount("/run", "/var/run", None, BIND)
+    # ptys of its own (at most 16): none of the host's, and no way to use up the host's
+    if os.path.isdir("/dev/pts") and os.path.exists("/dev/ptmx"):
+        mount("devpts", "/dev/pts", "devpts", NOSUID | NOEXEC,
+              "newinstance,ptmxmode=0666,mode=0620,max=16")
+        mount("/dev/pts/ptmx", "/dev/ptmx", None, BIND)
     covers = [c for c in a["covers"] if os.path.isdir(c) and not os.path.islink(c)]
     for c in covers:
         mount("tmpfs", c, "tmpfs", NOSUID | NODEV, "size=16k,nr_inodes=1024,mode=0755")
@@ -123,6 +129,13 @@ def build_view(a: dict, ids) -> None:
         os.close(fd)
     for c in covers:
         mount(None, c, None, REMOUNT | RO | NOSUID | NODEV)
+    for sock in a["masks"]:  # the host's other Unix sockets: an empty file in their place
+        try:
+            if not stat.S_ISSOCK(os.lstat(sock).st_mode):
+                continue
+        except OSError:
+            continue  # gone meanwhile
+        mount("/dev/null", sock, None, BIND)
     if stage >= 0:
         try:
             copy_tree(f"/proc/self/fd/{stage}", a["rundir"], ids)

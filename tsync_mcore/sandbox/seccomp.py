@@ -7,7 +7,9 @@ CLONE_NEW* flag; `clone3` gets ENOSYS, so libc falls back to `clone`, whose flag
 can read), mounts of any kind, keyrings, tracing other processes (`ptrace`,
 `process_vm_*`, `pidfd_getfd`, `kcmp`), `bpf`, `perf_event_open`, `userfaultfd`,
 `io_uring`, kernel modules and kexec, and host-wide settings (clock, hostname, swap,
-reboot, quotas). Another architecture's calls (i386 on x86_64, x32) kill the process.
+reboot, quotas); sockets of families other than Unix, IPv4/6 and netlink get
+EAFNOSUPPORT (no AF_VSOCK to the hypervisor, no AF_ALG, AF_PACKET, ...). Another
+architecture's calls (i386 on x86_64, x32) kill the process.
 """
 
 from __future__ import annotations
@@ -40,12 +42,16 @@ _DENY: dict[str, tuple[int | None, int]] = {
     "iopl": (172, None), "ioperm": (173, None), "modify_ldt": (154, None),
     "uselib": (134, None), "_sysctl": (156, None), "nfsservctl": (180, None),
 }
-_CLONE, _CLONE3 = (56, 220), (435, 435)
+_CLONE, _CLONE3, _SOCKET = (56, 220), (435, 435), (41, 198)
 # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 NS_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 \
     | 0x40000000
+# socket families a program may open: AF_UNIX, AF_INET, AF_INET6, AF_NETLINK (getaddrinfo
+# asks the kernel for the addresses); others (AF_VSOCK to a hypervisor, AF_PACKET, AF_ALG,
+# ...) get EAFNOSUPPORT
+FAMILIES = (1, 2, 10, 16)
 _ARCH = {"x86_64": (0, 0xC000003E), "aarch64": (1, 0xC00000B7)}  # AUDIT_ARCH_*
-_EPERM, _ENOSYS = 1, 38
+_EPERM, _ENOSYS, _EAFNOSUPPORT = 1, 38, 97
 
 _LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
 _ALLOW, _KILL, _ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
@@ -61,27 +67,29 @@ def program() -> bytes:
     """The filter as struct sock_filter[] bytes for this machine's architecture."""
     col, arch = _ARCH[platform.machine()]
     deny = sorted({nrs[col] for nrs in _DENY.values() if nrs[col] is not None})
-    # instructions with symbolic jump targets, resolved below
-    ins: list[tuple[int, object, object, int]] = [
-        (_LD_ABS, 0, 0, 4),  # seccomp_data.arch
-        (_JEQ, 0, "kill", arch),
-        (_LD_ABS, 0, 0, 0),  # seccomp_data.nr
+    # (label or None, code, jump if true, jump if false, k); jumps name a label or are 0
+    ins: list[tuple] = [
+        (None, _LD_ABS, 0, 0, 4),  # seccomp_data.arch
+        (None, _JEQ, 0, "kill", arch),
+        (None, _LD_ABS, 0, 0, 0),  # seccomp_data.nr
     ]
     if col == 0:  # x32 calls (nr | 0x40000000) are another ABI
-        ins.append((_JGE, "kill", 0, 0x40000000))
-    ins += [(_JEQ, "eperm", 0, nr) for nr in deny]
-    ins += [(_JEQ, "enosys", 0, _CLONE3[col]),
-            (_JEQ, 0, "allow", _CLONE[col]),
-            (_LD_ABS, 0, 0, 16),  # args[0] (clone's flags), low 32 bits (little-endian)
-            (_JSET, "eperm", "allow", NS_FLAGS)]
-    labels = {"allow": (_RET, _ALLOW), "eperm": (_RET, _ERRNO | _EPERM),
-              "enosys": (_RET, _ERRNO | _ENOSYS), "kill": (_RET, _KILL)}
-    at = {name: len(ins) + i for i, name in enumerate(labels)}
+        ins.append((None, _JGE, "kill", 0, 0x40000000))
+    ins += [(None, _JEQ, "eperm", 0, nr) for nr in deny]
+    ins += [(None, _JEQ, "enosys", 0, _CLONE3[col]),
+            (None, _JEQ, "socket", 0, _SOCKET[col]),
+            (None, _JEQ, 0, "allow", _CLONE[col]),
+            (None, _LD_ABS, 0, 0, 16),  # args[0]: clone's flags (low 32 bits, little-endian)
+            (None, _JSET, "eperm", "allow", NS_FLAGS),
+            ("socket", _LD_ABS, 0, 0, 16)]  # args[0]: the family
+    ins += [(None, _JEQ, "allow", 0, f) for f in FAMILIES]
+    ins += [(None, _RET, 0, 0, _ERRNO | _EAFNOSUPPORT),
+            ("allow", _RET, 0, 0, _ALLOW), ("eperm", _RET, 0, 0, _ERRNO | _EPERM),
+            ("enosys", _RET, 0, 0, _ERRNO | _ENOSYS), ("kill", _RET, 0, 0, _KILL)]
+    at = {label: i for i, (label, *_) in enumerate(ins) if label}
     out = b""
-    for i, (code, jt, jf, k) in enumerate(ins):
+    for i, (_, code, jt, jf, k) in enumerate(ins):
         jt = at[jt] - i - 1 if isinstance(jt, str) else jt
         jf = at[jf] - i - 1 if isinstance(jf, str) else jf
         out += struct.pack("=HBBI", code, jt, jf, k)
-    for code, k in labels.values():
-        out += struct.pack("=HBBI", code, 0, 0, k)
     return out

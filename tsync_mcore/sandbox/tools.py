@@ -86,6 +86,8 @@ def format_result(r: sb.Result) -> str:
         head = "killed: CPU time limit"
     elif r.limit == "fsize":
         head = "killed: file size limit"
+    elif r.limit == "memory":
+        head = "killed: memory limit"
     elif r.returncode is not None and r.returncode < 0:
         head = f"killed by signal {-r.returncode}"
     else:
@@ -132,6 +134,9 @@ class ToolBox:
     limits: sb.Limits = sb.Limits()
     workdir: str | None = None
     names: tuple[str, ...] = TOOL_NAMES
+
+    def __post_init__(self) -> None:
+        sb.check_unprivileged(self.limits.user, "tools")
 
     def schemas(self) -> list[dict[str, Any]]:
         return tool_schemas(self.names)

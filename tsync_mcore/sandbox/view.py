@@ -26,14 +26,26 @@ import tempfile
 PRIVATE = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/var/run")
 
 
-def _editable_sources() -> list[str]:
-    """Package directories that editable installs map in (setuptools' finder modules)."""
-    out = []
+def _editable_mapping() -> dict[str, str]:
+    """Package name -> directory, of the editable installs (setuptools' finder modules)."""
+    out = {}
     for name, mod in list(sys.modules.items()):
         mapping = getattr(mod, "MAPPING", None) if name.startswith("__editable__") else None
         if isinstance(mapping, dict):
-            out += [p for p in mapping.values() if isinstance(p, str)]
+            out.update({k: v for k, v in mapping.items() if isinstance(v, str)})
     return out
+
+
+def source_overlay() -> tuple[str, str] | None:
+    """(this process's tsync_mcore, the editable install's) when they differ — a checkout
+    run with PYTHONPATH beside the one installed: the jail shows this one in the installed
+    one's place, so a jailed `python -I -m tsync_mcore...` runs the caller's code."""
+    pkg = sys.modules.get("tsync_mcore")
+    mapped = _editable_mapping().get("tsync_mcore")
+    if pkg is None or not getattr(pkg, "__path__", None) or not mapped:
+        return None
+    mine = os.path.realpath(list(pkg.__path__)[0])
+    return (mine, os.path.realpath(mapped)) if mine != os.path.realpath(mapped) else None
 
 
 def interpreter_paths() -> list[str]:
@@ -43,7 +55,7 @@ def interpreter_paths() -> list[str]:
         paths += site.getsitepackages()
     except AttributeError:  # pragma: no cover - virtualenv's old site.py
         pass
-    paths += _editable_sources()
+    paths += list(_editable_mapping().values())
     pkg = sys.modules.get("tsync_mcore")
     if pkg is not None and getattr(pkg, "__path__", None):
         paths.append(list(pkg.__path__)[0])  # the project's own source, wherever it lives
@@ -89,6 +101,22 @@ def needs_bind(path: str, covers: list[str]) -> bool:
     return any(_under(path, c) and path != c for c in [*covers, *PRIVATE])
 
 
+def host_sockets(shown: list[str]) -> list[str]:
+    """Paths of the host's listening Unix sockets outside the jail's private directories and
+    the directories it shows on purpose (`shown`): the jail masks each with an empty file."""
+    out = set()
+    try:
+        with open("/proc/net/unix", errors="replace") as f:
+            next(f, None)
+            for line in f:
+                x = line.split(None, 7)
+                if len(x) == 8 and x[7].startswith("/"):
+                    out.add(x[7].rstrip("\n"))
+    except OSError:
+        return []
+    return sorted(p for p in out if not any(_under(p, t) for t in (*PRIVATE, *shown)))
+
+
 # --- episode directories ------------------------------------------------------------------
 
 _EPISODE = re.compile(r"^tsync-[A-Za-z0-9_]+-p(\d+)-")
@@ -97,7 +125,8 @@ _CLEANED: list[bool] = []
 
 def _umount(path: str) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
-    return 0 if libc.umount2(path.encode(), 2) == 0 else ctypes.get_errno()  # MNT_DETACH
+    # MNT_DETACH | UMOUNT_NOFOLLOW: a name swapped for a link unmounts nothing elsewhere
+    return 0 if libc.umount2(path.encode(), 2 | 8) == 0 else ctypes.get_errno()
 
 
 def _mount_tmpfs(path: str, opts: str) -> int:
@@ -117,8 +146,9 @@ def _alive(pid: int) -> bool:
 
 
 def clean_stale_episodes(tmp: str | None = None) -> list[str]:
-    """Unmount and remove episode directories whose owning process is gone (a rollout
-    killed with SIGKILL leaves its episodes' tmpfs mounted); the ones removed."""
+    """Unmount and remove episode directories (and the jail's staging directories) whose
+    owning process is gone (a rollout killed with SIGKILL leaves its episodes' tmpfs
+    mounted); the ones removed."""
     tmp = tmp or tempfile.gettempdir()
     removed = []
     try:
@@ -130,8 +160,12 @@ def clean_stale_episodes(tmp: str | None = None) -> list[str]:
         if not m or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
             continue
         path = os.path.join(tmp, n)
-        if os.path.islink(path) or not os.path.isdir(path):
+        try:
+            st = os.lstat(path)
+        except OSError:
             continue
+        if not stat.S_ISDIR(st.st_mode):
+            continue  # a link is left alone (rmtree and the umount follow none either)
         while os.path.ismount(path):
             if _umount(path):
                 break
