@@ -38,6 +38,18 @@ def feed_for(tmp_path, hf_dir, task: str, **sets):
     return DataFeed(cfg)
 
 
+def dataset_feed(tmp_path, hf_dir, function: str, **sets):
+    """A dataset run's feed scoring with reward.function (one row: "q" → label "1")."""
+    from tsync_mcore.rollout.feed import DataFeed
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "q", "label": "1"}\n')
+    cfg = load_config(None, {"model.hf_dir": hf_dir, "run.dir": str(tmp_path / "run"),
+                             "rollout.env": "dataset", "data.train": str(data),
+                             "data.label_key": "label", "reward.function": function,
+                             "reward.on_error": "zero", **sets})
+    return DataFeed(cfg)
+
+
 def score(feed, response: str, index: int = 0, where: str = "trajectory t"):
     row = feed.train.row(index)
     return feed.runner.score(where, prompt=row.prompt, response=response, label=row.label,
@@ -127,58 +139,62 @@ def test_exits_kills_and_big_numbers_are_one_trajectorys_error(tmp_path, tiny_qw
 
 
 @pytest.mark.timeout(300)
-def test_user_reward_functions_run_in_the_jail(tmp_path):
+def test_user_reward_functions_run_in_the_jail(tmp_path, tiny_qwen2):
     """A user's reward.function runs as a uid that is not root (its file's text handed over:
     pytest's root-only tmp directory is fine); one whose import cannot work in the jail is
     refused at start in one line; reward.isolation: none keeps it in-process."""
-    from tsync_mcore.config import RewardConfig
-    from tsync_mcore.rewards.call import RewardRunner
-    from tsync_mcore.rewards.jailed import reward_scorer
-
     rw = tmp_path / "reward.py"
     rw.write_text(textwrap.dedent("""
         import os
         def reward(*, prompt, response, label, meta, **_):
             return {"reward": float(response == label), "uid": float(os.getuid())}
     """))
-    cfg = RewardConfig(function=f"{rw}:reward", timeout_s=20.0)
-    runner = RewardRunner(reward_scorer(cfg.function, cfg), spec=cfg.function, timeout_s=20.0)
-    res = asyncio.run(runner.score("trajectory t", prompt="q", response="42", label="42",
-                                   meta={"k": (1, 2)}))
+    feed = dataset_feed(tmp_path, tiny_qwen2, f"{rw}:reward", **{"reward.timeout_s": 20.0})
+    res = asyncio.run(feed.runner.score("trajectory t", prompt="q", response="1", label="1",
+                                        meta={"k": (1, 2)}))
     assert res.reward == 1.0 and res.error is None, res
     if os.geteuid() == 0:
         assert res.extras["uid"] != 0.0, res
     bad = tmp_path / "bad.py"
     bad.write_text("import tsync_no_such_module\ndef reward(**kw):\n    return 1.0\n")
     with pytest.raises(RewardError, match="cannot run in the jail.*tsync_no_such_module") as e:
-        reward_scorer(f"{bad}:reward", RewardConfig(function=f"{bad}:reward"))
+        dataset_feed(tmp_path, tiny_qwen2, f"{bad}:reward")
     assert "\n" not in str(e.value) and "reward.isolation: none" in str(e.value)
-    trusted = RewardConfig(function=f"{rw}:reward", isolation="none")
-    runner = RewardRunner(reward_scorer(trusted.function, trusted), spec="x", timeout_s=5)
-    res = asyncio.run(runner.score("t", prompt="q", response="1", label="1", meta={}))
+    trusted = dataset_feed(tmp_path, tiny_qwen2, f"{rw}:reward", **{"reward.isolation": "none"})
+    res = asyncio.run(trusted.runner.score("t", prompt="q", response="1", label="1", meta={}))
     assert res.extras["uid"] == float(os.getuid())
 
 
 @pytest.mark.timeout(300)
-def test_math_scores_in_the_jail(tmp_path):
-    """The `math` built-in (math-verify, sympy) through the pool: the same scores."""
+def test_math_scores_in_the_jail(tmp_path, tiny_qwen2):
+    """The `math` built-in (math-verify, sympy) through the pool: the same scores; an answer
+    whose evaluation never ends (sympy computing 9^(9^9)) is killed at reward.timeout_s while
+    the event loop goes on (in-process, a thread nothing could stop computed it for ever)."""
     pytest.importorskip("math_verify")
-    from tsync_mcore.config import RewardConfig
-    from tsync_mcore.rewards.call import RewardRunner
-    from tsync_mcore.rewards.jailed import ScorerPool, reward_scorer
-
-    cfg = RewardConfig(function="math", timeout_s=20.0, on_error="zero")
-    fn = reward_scorer("math", cfg)
-    assert isinstance(fn, ScorerPool)
-    runner = RewardRunner(fn, spec="math", timeout_s=cfg.timeout_s, on_error="zero")
+    runner = dataset_feed(tmp_path, tiny_qwen2, "math", **{"reward.timeout_s": 5.0}).runner
+    gaps: list[float] = []
 
     async def run():
-        return await asyncio.gather(
+        async def tick():
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.01)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+        ticker = asyncio.create_task(tick())
+        out = await asyncio.gather(
             runner.score("a", prompt="", response="so \\boxed{\\frac{1}{2}}", label="0.5",
                          meta={}),
             runner.score("b", prompt="", response="\\boxed{3}", label="0.5", meta={}),
-            runner.score("c", prompt="", response="\\boxed{2}", label=None, meta={}))
+            runner.score("c", prompt="", response="\\boxed{2}", label=None, meta={}),
+            runner.score("d", prompt="", response="\\boxed{9^{9^{9}}}", label="1", meta={}))
+        ticker.cancel()
+        return out
 
-    a, b, c = asyncio.run(run())
+    t0 = time.monotonic()
+    a, b, c, d = asyncio.run(run())
     assert (a.reward, b.reward) == (1.0, 0.0) and a.error is None and b.error is None
     assert c.reward == 0.0 and "needs a label" in c.error
+    assert d.reward == 0.0 and "reward.timeout_s" in d.error, d
+    assert time.monotonic() - t0 < 5.0 + 10.0 and max(gaps) < 0.5, max(gaps)
