@@ -164,15 +164,17 @@ class ScorerPool:
         return _strict(reply)
 
     def close(self) -> None:
-        """Every worker ended (idle ones at end of input, busy ones killed)."""
+        """Every worker ended: at end of input (all told first, then waited for), or killed
+        when it does not end within a second (a busy one)."""
         with self._lock:
             workers, self._idle, self._all = list(self._all), [], set()
         for w in workers:
             try:
-                w.job.stdin.close()  # the worker exits at end of input
+                w.job.stdin.close()
             except OSError:
                 pass
-            w.job.kill()
+        for w in workers:
+            w.job.wait(1.0)
 
 
 def _strict(reply: Any) -> dict[str, float]:

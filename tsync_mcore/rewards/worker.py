@@ -43,9 +43,21 @@ def build(setup: dict[str, Any]) -> tuple[Any, bool]:
 
         dataset = make_dataset(setup["task"], decode(setup["params"]), setup["seed"],
                                setup["size"])
+        _warm(lambda: dataset.score_answer(answer="0", entry=dataset[0]))
         return task_reward(dataset, setup["answer_tag"], setup["answer_from"]), False
     fn = load_reward_fn(setup["spec"], source=setup.get("source"))
+    if setup["spec"] == "math":
+        _warm(lambda: fn(prompt="", response="\\boxed{\\frac{1}{2}}", label="0.5", meta={}))
     return fn, accepts(fn, "messages")
+
+
+def _warm(call: Any) -> None:
+    """One honest call in the worker itself, so what the scorer imports or builds on its
+    first call is there before the fork, not redone in every call's child."""
+    try:
+        call()
+    except Exception:  # the real calls will say what is wrong
+        pass
 
 
 def _result(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
