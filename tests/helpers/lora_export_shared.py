@@ -1,5 +1,5 @@
 """Shared by the tests of lora export: tests/unit/test_lora_export.py,
-tests/integration/test_lora_export.py."""
+tests/integration/test_export.py (the TP=2 run)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared by the tests of span: tests/unit/test_span.py, tests/integration/test_span.py,
+"""Shared by the tests of span: tests/unit/test_span.py, tests/integration/test_model.py (TP=2),
 tests/unit/test_attention.py, tests/unit/test_span_te.py."""
 
 from __future__ import annotations

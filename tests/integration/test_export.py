@@ -1,7 +1,7 @@
 """`python -m tsync_mcore.learner.export`: a run's checkpoint as a Hugging Face directory.
 
 Checkpoints come from real short training runs (tests/helpers/workers/export_worker.py): TP=1 in
-this process, TP=2 under torchrun. The reference for the export is the learner itself: its
+this process, TP=2 under torchrun (a plain Qwen3 and a LoRA Qwen2 in one launch). The reference for the export is the learner itself: its
 Megatron forward's logits on probe tokens and its live HF-named parameters, both taken
 before the checkpoint was read back.
 """
@@ -27,23 +27,42 @@ from tests.helpers.export_shared import (  # noqa: F401  (shared with the unit t
     tp1_run,
     vllm_tiny,
 )
+from tests.helpers.lora_export_shared import LORA, check_export
 from tests.helpers.paths import ROOT
 
 WORKER = os.path.join(ROOT, "tests/helpers/workers/export_worker.py")
 
 
-def test_tp2_checkpoint_merges_to_the_learners_model(tiny_qwen3, tmp_path):
-    """Qwen3 (qk-norm, head_dim != hidden/heads) trained at TP=2: shards merged on CPU."""
-    batch = str(tmp_path / "b.jsonl")
+@pytest.fixture(scope="module")
+def tp2_runs(tiny_qwen3, tiny_qwen2, tmp_path_factory):
+    """One 2-rank launch, two short runs at TP=2: Qwen3 (qk-norm, head_dim != hidden/heads)
+    and a LoRA Qwen2 (tests/helpers/lora_export_shared.LORA). Their run directories."""
+    root = tmp_path_factory.mktemp("export_tp2")
+    batch = str(root / "b.jsonl")
     write_batches(batch, 256, n_updates=2, seed=6)
-    run = str(tmp_path / "run")
-    out = run_dist([WORKER, tiny_qwen3, batch, run, "2", "2"], nproc=2)
-    assert [r["version"] for r in out] == [2, 2]
+    runs = {"qwen3": str(root / "run"), "lora": str(root / "lora_run")}
+    out = run_dist([WORKER, json.dumps([[tiny_qwen3, batch, runs["qwen3"], 2, 2, None],
+                                        [tiny_qwen2, batch, runs["lora"], 2, 2, LORA]])],
+                   nproc=2)
+    assert [[r["version"] for r in rank["runs"]] for rank in out] == [[2, 2], [2, 2]]
+    return runs
+
+
+def test_tp2_checkpoint_merges_to_the_learners_model(tp2_runs, tmp_path):
+    """Qwen3 (qk-norm, head_dim != hidden/heads) trained at TP=2: shards merged on CPU."""
+    run = tp2_runs["qwen3"]
     assert json.load(open(os.path.join(run, "checkpoints", "step_2", "meta.json")))["tp"] == 2
     hf = str(tmp_path / "hf")
     assert export_run(run, hf) == 0
     err = check_against_learner(run, hf)
     print(f"\nTP=2 export: HF FP32 logits vs the learner's Megatron logits max |err| {err:.1e}")
+
+
+def test_lora_checkpoint_export_tp2(tp2_runs, tiny_qwen2, tmp_path):
+    """A LoRA run at TP=2 (the launch above): its checkpoint exported as merged HF weights
+    and a PEFT adapter directory, checked against the learner's own export and `peft`
+    (tests/helpers/lora_export_shared.check_export; the rest: tests/unit/test_lora_export.py)."""
+    check_export(tp2_runs["lora"], str(tmp_path / "hf"), tiny_qwen2)
 
 
 VLLM_SCRIPT = r"""

@@ -4,9 +4,12 @@ graded by a tiny judge model served by its own vLLM engine in the rollout proces
 
 One run (module-scoped): the judge is called once per trajectory, the rewards the learner
 trained on (its trace's SourceRecord.reward) are the parser applied to the judge outputs
-recorded in RUN/judge/records.jsonl (0 where none parses: reward.on_error zero), and the
-judge metrics are in metrics.jsonl and the console line. The judge engine's own failures
-(a timeout, a prompt past its context) run on test_rollout.py's engine."""
+recorded in RUN/judge/records.jsonl (0 where none parses), and the judge metrics are in
+metrics.jsonl and the console line. The config leaves reward.on_error at its default: the
+unparseable verdicts of the random judge, and an evaluation row whose label makes its judge
+prompt longer than the judge's context, are those trajectories' errors and the run goes on
+(issue 47, finding 9). The judge engine's own failures (a timeout, a dead engine) run on
+test_rollout.py's engine."""
 
 import json
 import os
@@ -36,10 +39,14 @@ def judged_run(tmp_path_factory, models):
     tmp = tmp_path_factory.mktemp("judge_run")
     data = tmp / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    # evaluation row 1's label alone is longer than the judge's context (512 tokens)
+    held = tmp / "eval.jsonl"
+    held.write_text("".join(json.dumps(r) + "\n" for r in
+                            [ROWS[0], {**ROWS[1], "label": "2.71828 " * 80}]))
     run = str(tmp / "run")
     # θ_1 is evaluated on 2 rows after the update: the judge grades after a publication too
     launch(CONFIG, run, [f"model.hf_dir={models[0]}", f"reward.judge.model_dir={models[1]}",
-                         f"data.train={data}", f"data.eval={data}", "data.eval_max_prompts=2",
+                         f"data.train={data}", f"data.eval={held}", "data.eval_max_prompts=2",
                          "data.eval_n=1", "run.eval_every=1"], nproc=1)
     with open(f"{run}/judge/records.jsonl", encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
@@ -61,7 +68,7 @@ def parsed(records):
     out = {}
     for rec in records:
         try:
-            out[rec["traj_id"]] = parser(rec["output"])
+            out[rec["traj_id"]] = parser(rec["output"], rec["answer"])
         except JudgeParseError:
             out[rec["traj_id"]] = 0.0
     return out
@@ -108,13 +115,30 @@ def test_judge_is_frozen_and_grades_evaluation(judged_run):
 
 
 @pytest.mark.timeout(900)
+def test_an_answer_the_judge_cannot_hold_is_its_trajectorys_error(judged_run):
+    """Evaluation row 1's judge prompt exceeds the judge's context: that sample is scored 0
+    under the default reward.on_error, named in one line, never sent to the judge engine,
+    and the run went on (its metrics, its evaluation)."""
+    by = {r["traj_id"]: r for r in judged_run["eval_records"]}
+    long = by["eval1-r1-s0"]
+    assert long["reward"] is None and long["output"] == "" and long["prompt_tokens"] > 512
+    assert long["error"].startswith("reward judge ") and "\n" not in long["error"]
+    assert long["error"].endswith("exceed the judge's context (512 tokens): the answer (" +
+                                  f"{len(long['answer'])} characters) is not judged")
+    (e,) = judged_run["evals"]
+    assert e["eval/reward_judge_too_long"] == 1 and e["eval/reward_judge_engine_errors"] == 0
+    assert e["eval/reward_errors"] == 1 + (by["eval1-r0-s0"]["error"] is not None)
+    assert len(judged_run["metrics"]) == 1  # the update's line: the run finished
+
+
+@pytest.mark.timeout(900)
 def test_judge_metrics_in_the_metrics_line(judged_run):
     recs = judged_run["records"]
     (row,) = judged_run["metrics"]
     failures = sum(r["error"] is not None for r in recs)
     assert row["reward/judge_calls"] == 6 and row["reward/judge_parse_failures"] == failures
     assert row["reward/errors"] == failures and row["reward/judge_timeouts"] == 0
-    assert row["reward/judge_engine_errors"] == 0
+    assert row["reward/judge_engine_errors"] == 0 and row["reward/judge_too_long"] == 0
     assert 0 < row["reward/judge_s"] <= row["rollout_time_s"]
     assert 1 <= row["reward/judge_in_flight_max"] <= 6
     assert "reward/judge_calls:6" in judged_run["console"]

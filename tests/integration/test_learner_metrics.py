@@ -1,7 +1,8 @@
-"""The learner's per-update metrics: entropy of the scored tokens (TP=1 in process, TP=2 on
-two ranks) against an FP64 full-softmax reference on the HF model, and a live run (learner
-ranks + scripted rollout) whose metrics.jsonl, console lines and TensorBoard events hold
-the response lengths, tokens and entropy of the batches it trained on."""
+"""The learner's per-update metrics: entropy of the scored tokens (TP=1 in process; TP=2 on
+two ranks in tests/integration/test_lm_head.py's launch) against an FP64 full-softmax
+reference on the HF model, and a live run (learner ranks + scripted rollout) whose
+metrics.jsonl, console lines and TensorBoard events hold the response lengths, tokens and
+entropy of the batches it trained on."""
 
 from __future__ import annotations
 
@@ -9,39 +10,14 @@ import json
 import os
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from tests.helpers.batchgen import make_batch
-from tests.helpers.dist_util import run_dist
-from tests.helpers.paths import WORKERS
-
-WORKER = os.path.join(WORKERS, "entropy_worker.py")
-VOCAB = 256
-ENT_TOL = 1e-5  # FP32 learner vs FP64 reference
-
-
-def reference_entropy(hf_dir: str, rows: list[dict], weights: dict | None = None):
-    """(Σ entropy, scored tokens): full softmax in float64 at every scored position."""
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64).eval()
-    if weights is not None:
-        model.load_state_dict({k: v.double() for k, v in weights.items()}, strict=True)
-    total, n = 0.0, 0
-    with torch.no_grad():
-        for r in rows:
-            pos = [p for p, s in enumerate(r["scored_mask"]) if s]
-            if not pos:
-                continue
-            logits = model(torch.tensor(r["tokens"])[None]).logits[0]
-            logp = torch.log_softmax(logits[torch.tensor(pos) - 1], dim=-1)
-            total += float(-(logp.exp() * logp).sum())
-            n += len(pos)
-    return total, n
+from tests.helpers.entropy_shared import ENT_TOL, VOCAB, entropy_rows, reference_entropy
 
 
 @pytest.fixture(scope="module")
 def rows():
-    return make_batch(VOCAB, n_groups=3, m=3, version=0, seed=5)
+    return entropy_rows()
 
 
 def test_entropy_tp1(tiny_qwen2, parallel1, rows):
@@ -56,19 +32,6 @@ def test_entropy_tp1(tiny_qwen2, parallel1, rows):
     assert n == ref_n == sum(sum(r["scored_mask"]) for r in rows)
     assert abs(ent_sum / n - ref_sum / ref_n) <= ENT_TOL
     assert policy.take_entropy() == (0.0, 0)  # taken: reset for the next update
-
-
-def test_entropy_tp2(tiny_qwen2, rows):
-    """Vocab-parallel logits: each rank holds half the vocab; both report the full entropy."""
-    job = {"hf_dir": tiny_qwen2, "rows": [{"tokens": r["tokens"], "scored_mask": r["scored_mask"]}
-                                          for r in rows]}
-    results = run_dist([WORKER, json.dumps(job)], nproc=2, timeout=400)
-    ref_sum, ref_n = reference_entropy(tiny_qwen2, rows)
-    assert [r["tp_size"] for r in results] == [2, 2]
-    for r in results:
-        assert r["tokens"] == ref_n
-        assert abs(r["entropy_sum"] / r["tokens"] - ref_sum / ref_n) <= ENT_TOL
-        assert r["after_take"] == [0.0, 0]
 
 
 def test_live_run_metrics(tiny_qwen2, golden):

@@ -9,12 +9,14 @@ The Triton interpreter's run of the same kernel is in tests/kernel_checks.py (nu
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
 
 from tests.helpers.dist_util import run_dist
+from tests.helpers.entropy_shared import ENT_TOL, entropy_rows, reference_entropy
 from tests.helpers.lm_head_shared import (  # noqa: F401  (shared with the unit tests)
     TOL,
     WORKER,
@@ -27,9 +29,10 @@ from tests.helpers.lm_head_shared import (  # noqa: F401  (shared with the unit 
 
 @pytest.fixture(scope="module")
 def tp2_launch(tiny_ckpts, tmp_path_factory):
-    """One 2-rank launch (lm_head_worker.py): the head's TP = 2 check, then the TP = 2
-    replays of test_replay_update_fused_equals_unfused_tp2 (the head on and off, tied and
-    untied). Returns the ranks' results and name → replay run."""
+    """One 2-rank launch (lm_head_worker.py): the head's TP = 2 check, the learner's entropy
+    metric at TP = 2, then the TP = 2 replays of test_replay_update_fused_equals_unfused_tp2
+    (the head on and off, tied and untied). Returns the ranks' results and name → replay
+    run."""
     from tests.helpers.batchgen import write_batches
     from tests.helpers.replay import job_results, write_jobs
     d = tmp_path_factory.mktemp("lm_head_tp2")
@@ -42,8 +45,25 @@ def tp2_launch(tiny_ckpts, tmp_path_factory):
     jobs = {f"{ckpt}_{name}": ["--model", tiny_ckpts[ckpt], "--batch", batch, "--tp", "2",
                                "--config", str(cfg)]
             for ckpt in ("qwen2", "qwen2_tied") for name, cfg in (("on", on), ("off", off))}
-    ranks = run_dist([WORKER, write_jobs(jobs, str(d))], nproc=2, timeout=600)
+    entropy = d / "entropy.json"  # test_entropy_metric_tp2's job
+    entropy.write_text(json.dumps({"hf_dir": tiny_ckpts["qwen2"], "rows": [
+        {"tokens": r["tokens"], "scored_mask": r["scored_mask"]} for r in entropy_rows()]}))
+    ranks = run_dist([WORKER, write_jobs(jobs, str(d)), str(entropy)], nproc=2, timeout=600)
     return ranks, job_results(jobs, str(d), ranks[0]["summaries"])
+
+
+def test_entropy_metric_tp2(tp2_launch, tiny_ckpts):
+    """The learner's entropy metric (Policy.take_entropy) from vocab-parallel logits: each
+    rank holds half the vocab; both report the full entropy, against the FP64 full-softmax
+    reference (TP = 1 and the live run's: tests/integration/test_learner_metrics.py)."""
+    ranks, _ = tp2_launch
+    rows = entropy_rows()
+    ref_sum, ref_n = reference_entropy(tiny_ckpts["qwen2"], rows)
+    assert [r["entropy"]["tp_size"] for r in ranks] == [2, 2]
+    for r in (r["entropy"] for r in ranks):
+        assert r["tokens"] == ref_n
+        assert abs(r["entropy_sum"] / r["tokens"] - ref_sum / ref_n) <= ENT_TOL
+        assert r["after_take"] == [0.0, 0]
 
 
 def test_tensor_parallel_two_ranks(tp2_launch):

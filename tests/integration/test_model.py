@@ -1,4 +1,5 @@
-"""Megatron-Core model layer: HF <-> GPTModel conversion, TP=1 and TP=2 (2 gloo ranks)."""
+"""Megatron-Core model layer: HF <-> GPTModel conversion, TP=1 and TP=2 (2 gloo ranks), and
+the K/V-span forward at TP=2 (tsync_mcore.model.span) in the same launch."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from tests.helpers.dist_util import run_dist
 from tests.helpers.model_shared import FP32_TOL  # noqa: F401  (shared with the unit tests)
 from tests.helpers.paths import WORKERS
+from tests.helpers.span_shared import FP32_FWD, FP32_GRAD, FP64_FWD, FP64_GRAD, NO_REPLAY_MIN
 
 WORKER = os.path.join(WORKERS, "model_worker.py")
 
@@ -20,8 +22,23 @@ def dist_results(tiny_ckpts, tmp_path_factory):
     from tsync_mcore.model.tiny import make_tiny_checkpoint
 
     bad = make_tiny_checkpoint(str(tmp_path_factory.mktemp("bad_vocab")), vocab_size=255)
-    cfg = {"tp2": {"ckpts": tiny_ckpts, "bad_vocab": bad}, "dp2": {"ckpt": tiny_ckpts["qwen2"]}}
+    cfg = {"tp2": {"ckpts": tiny_ckpts, "bad_vocab": bad}, "dp2": {"ckpt": tiny_ckpts["qwen2"]},
+           "span": {"ckpts": {n: tiny_ckpts[n] for n in ("qwen2", "qwen3")}, "sdpa": ["qwen3"]}}
     return run_dist([WORKER, json.dumps(cfg)], nproc=2, timeout=400)
+
+
+def test_tp2_span_forward_and_streamed_grad(dist_results):
+    """K/V-span forward (tsync_mcore.model.span) at TP = 2, in this launch: exact logits and
+    streamed gradients (the rest: tests/unit/test_span.py)."""
+    for r in dist_results:
+        span = r["span"]
+        assert span["tp_size"] == 2 and span["tp_rank"] == r["rank"]
+        for name in ("qwen2", "qwen3", "qwen3_sdpa"):
+            m = span[name]
+            assert m["local_vocab"] == 128  # vocab-parallel logits
+            assert m["fwd_fp64"] <= FP64_FWD and m["fwd_fp32"] <= FP32_FWD, (name, m)
+            assert m["grad_fp64"] <= FP64_GRAD and m["grad_fp32"] <= FP32_GRAD, (name, m)
+            assert m["grad_no_replay"] > NO_REPLAY_MIN, (name, m)
 
 
 def test_tp2_logits_match_hf(dist_results, tiny_ckpts):

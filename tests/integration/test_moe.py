@@ -1,6 +1,6 @@
 """Qwen3-MoE <-> Megatron MoE layers: logits and grads against HF `Qwen3MoeForCausalLM`
-(eager experts), export round trips, TP = 2 and EP = 2 on 2 gloo ranks, the learner at EP = 2
-(lockstep replays), refusals."""
+(eager experts), export round trips, TP = 2 and EP = 2 on 2 gloo ranks (the FLOP ledger at
+EP = 2 too), the learner at EP = 2 (lockstep replays), refusals."""
 
 from __future__ import annotations
 
@@ -20,14 +20,16 @@ WORKER = os.path.join(WORKERS, "moe_worker.py")
 
 @pytest.fixture(scope="module")
 def moe_launch(tiny_qwen3_moe, tmp_path_factory):
-    """One 2-rank launch: TP=2 (EP=1), then TP=1 x EP=2, then moe_replays' jobs."""
+    """One 2-rank launch: TP=2 (EP=1), then TP=1 x EP=2 (the model's checks, then the FLOP
+    ledger's), then moe_replays' jobs."""
     from tests.helpers.replay import job_results, write_jobs
     from tsync_mcore.model.tiny import make_tiny_checkpoint
 
     odd = make_tiny_checkpoint(str(tmp_path_factory.mktemp("odd_experts")), arch="qwen3_moe",
                                experts=3, seed=5)
     d, jobs, data = replay_jobs(tiny_qwen3_moe, tmp_path_factory)
-    cfg = {"ckpt": tiny_qwen3_moe, "odd_experts": odd, "replays": write_jobs(jobs, str(d))}
+    cfg = {"ckpt": tiny_qwen3_moe, "odd_experts": odd, "replays": write_jobs(jobs, str(d)),
+           "ledger_ep": {"ckpt": tiny_qwen3_moe, "shapes": [[1, 19], [2, 11]]}}
     ranks = run_dist([WORKER, json.dumps(cfg)], nproc=2, timeout=900)
     return dict(ranks=ranks, replays={**job_results(jobs, str(d), ranks[0]["summaries"]), **data})
 
@@ -56,6 +58,28 @@ def test_ep2_logits_grads_and_export(dist_results):
         assert e["grad_names_ok"] and e["grad_rel_err"] <= 1e-4  # both ranks' batches
         msg = e["odd_experts_error"]
         assert msg and "num_experts 3 must be divisible by ep 2" in msg
+
+
+def test_ep_rank_flops_equal_counter_on_each_rank(dist_results, tiny_qwen3_moe):
+    """The FLOP ledger at EP = 2 on 2 gloo ranks, a different batch on each, against
+    FlopCounterMode: a rank runs attention, router and head on its own tokens and its 2
+    experts on both ranks' tokens routed to them (the rest: tests/unit/test_ledger_moe.py)."""
+    from tsync_mcore.observability.ledger import ep_rank_flops, load_spec, train_flops
+
+    ranks = [r["ledger_ep"] for r in dist_results]
+    spec = load_spec(tiny_qwen3_moe)
+    assert [r["local_experts"] for r in ranks] == [2, 2]
+    lens, routing = [r["seq_lens"] for r in ranks], [r["routing"] for r in ranks]
+    for k, r in enumerate(ranks):
+        b = ep_rank_flops(spec, lens, routing, k, attention=r["attention"])
+        assert (b.forward, b.total) == (r["forward"], r["total"])
+        # not the rank's own tokens through every expert: its experts' load is the group's
+        assert b.total != train_flops(spec, lens[k], attention=r["attention"]).total
+    # the group together executes the model FLOPs of all its sequences
+    whole = train_flops(spec, lens[0] + lens[1], attention=ranks[0]["attention"])
+    assert sum(r["total"] for r in ranks) == whole.total
+    with pytest.raises(ValueError, match="one routing per EP rank"):
+        ep_rank_flops(spec, lens, routing[:1], 0)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """A live run (learner launcher under torchrun, scripted rollout) in which one update's
 gradient is not finite: it is never published nor checkpointed; the run stops with the
-reason (or drops the batch and goes on, as configured), and a resume starts from the last
-good θ."""
+reason, and a resume starts from the last good θ (and, configured to drop such a batch,
+drops the next poisoned one and goes on: one launch for both)."""
 
 import json
 import os
@@ -82,7 +82,7 @@ def rollout(port, run, updates, poison_at=None):
             link.close()
 
 
-def test_non_finite_update_stops_the_run_and_resume_starts_from_the_last_good_theta(
+def test_non_finite_update_stops_the_run_then_resume_starts_from_the_last_good_theta_and_drops(
         tiny_qwen2, tmp_path):
     run = str(tmp_path)
     port = free_port()
@@ -106,27 +106,20 @@ def test_non_finite_update_stops_the_run_and_resume_starts_from_the_last_good_th
             if '"kind": "update"' in line]
     assert [(r["update"], r["ok"]) for r in recs] == [(0, True), (1, False)]
 
-    # Resume: the learner's first publication is θ_1, bit for bit, and the run completes.
+    # Resume, with learner.on_nonfinite: drop_batch and batch 2 poisoned: the learner's first
+    # publication is θ_1, bit for bit; the poisoned batch is dropped (θ_2 again, a row that
+    # did not step, no checkpoint) and the run goes on to θ_3.
     port = free_port()
-    proc = start_learner(tiny_qwen2, run, port, updates=3, extra=POISON, flags=["--resume"])
-    resumed, notices, reason = rollout(port, run, 3)
-    rc, out, err = finish(proc)
-    assert rc == 0 and reason is None and notices == [1, 2, 3], err[-3000:]
-    assert all(torch.equal(resumed[1][k], published[1][k]) for k in published[1])
-
-
-def test_non_finite_update_drops_its_batch_when_configured_and_the_run_goes_on(tiny_qwen2,
-                                                                               tmp_path):
-    run = str(tmp_path)
-    port = free_port()
-    proc = start_learner(tiny_qwen2, run, port, updates=2,
-                         extra=POISON + ["learner.on_nonfinite=drop_batch"])
-    published, notices, reason = rollout(port, run, 2, poison_at=1)
+    proc = start_learner(tiny_qwen2, run, port, updates=3,
+                         extra=POISON + ["learner.on_nonfinite=drop_batch"], flags=["--resume"])
+    resumed, notices, reason = rollout(port, run, 3, poison_at=2)
     rc, out, err = finish(proc)
     assert rc == 0 and reason is None, err[-3000:]
-    assert notices == [0, 1, 1, 2]  # θ_1 again after the dropped batch, then θ_2
+    assert notices == [1, 2, 2, 3]  # θ_2 again after the dropped batch, then θ_3
+    assert all(torch.equal(resumed[1][k], published[1][k]) for k in published[1])
     assert "batch dropped" in err and "reduced gradient is not finite" in err
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
-    assert [(r["step"], r["ok"]) for r in rows] == [(1, True), (1, False), (2, True)]
-    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["latest", "step_1", "step_2"]
-    assert any(not torch.equal(published[1][k], published[2][k]) for k in published[1])
+    assert [(r["step"], r["ok"]) for r in rows] == [(1, True), (2, True), (2, False), (3, True)]
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == \
+        ["latest", "step_1", "step_2", "step_3"]
+    assert any(not torch.equal(resumed[2][k], resumed[3][k]) for k in resumed[2])

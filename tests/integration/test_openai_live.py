@@ -51,6 +51,8 @@ def test_demo_through_the_openai_endpoint_trains_the_recorded_ids(tmp_path):
         r = json.loads(line)
         records[r["traj_id"]] = r
     assert len(records) == 2 * 8
+    # run as root, every agent ran in the jail (rollout.agent_isolation: isolate)
+    assert all(r["jailed"] == (os.geteuid() == 0) for r in records.values())
     failed = {t: r["status"] for t, r in records.items() if r["status"] != "ok"}
     assert failed == {"v0-g1-t0": "timed out", "v1-g2-t1": "crashed"}, failed
     assert all(records[t]["reward"] == -0.5 for t in failed)
@@ -149,6 +151,7 @@ def test_dataset_task_through_the_endpoint_scores_the_recorded_answer(tmp_path):
     assert len(rows) == 2 and all(r["stale_sources"] == 0 for r in rows)
     everything = [json.loads(line) for line in open(run / "agent" / "records.jsonl")]
     assert all(r["status"] == "ok" for r in everything)
+    assert all(r["jailed"] == (os.geteuid() == 0) for r in everything)  # the pool's workers
     tok = AutoTokenizer.from_pretrained(model)
     answers = sorted(tok.decode(r["turns"][-1]["completion_ids"], skip_special_tokens=True)
                      for r in everything)

@@ -6,6 +6,7 @@ what vLLM sampled, id for id; the same seed samples what the built-in loop sampl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -91,6 +92,15 @@ class ByPrompt:
         ids = tok(self.answer(tok.decode(prompt_ids)), add_special_tokens=False).input_ids
         ids = (ids + [tok.eos_token_id])[:max_tokens]
         return GenOut(ids, [-0.5] * len(ids), "stop", 3, [3] * len(ids))
+
+
+@pytest.fixture
+def src(tmp_path_factory):
+    """A directory for the tests' agent scripts, apart from the run directory: jailed
+    agents see it read-only (rollout.agent_expose), never the run directory."""
+    d = tmp_path_factory.mktemp("agent-src")
+    os.chmod(d, 0o755)
+    return d
 
 
 def client(server, tid, key=KEY) -> openai.OpenAI:
@@ -205,6 +215,73 @@ def test_errors_are_openai_errors_with_one_line_messages(et, tok):
         with pytest.raises(openai.ConflictError, match="stale.*θ_3.*θ_4"):
             h.completions.create(model="m", prompt="Hello again")
         assert server.take_metrics()["rollout/openai_stale"] == 1
+    finally:
+        et.run(server.stop())
+
+
+def test_bad_seeds_and_malformed_history_messages_are_one_line_400s(et, tok):
+    """A seed outside vLLM's range (a 64-bit signed integer; negative ones refused here)
+    and history messages of the wrong shape (a tool call whose function is a string, ...)
+    are 400 with OpenAI's error object naming the field, before the engine; the trajectory
+    is then served as if they never came."""
+    engine = Scripted(script_for(tok))
+    server = serve(et, engine, tok)
+    try:
+        server.register("t0", version=3, seed=1, **LIMITS)
+        url = f"http://127.0.0.1:{server.port}/t/t0/v1"
+        auth = {"Authorization": f"Bearer {KEY}"}
+        msgs = [{"role": "user", "content": "hi"}]
+
+        def post(route, **body):
+            r = httpx.post(url + route, json={"model": "m", **body}, headers=auth, timeout=30)
+            return r.status_code, r.json()
+
+        for seed in (2**64, 2**63, 2**200, -1, "7", 1.5, True):
+            for route, body in (("/chat/completions", dict(messages=msgs)),
+                                ("/completions", dict(prompt="Hello"))):
+                code, got = post(route, seed=seed, **body)
+                err = got["error"]
+                assert code == 400 and err["param"] == "seed" and err["code"] == 400, got
+                assert err["type"] == "invalid_request_error"
+                assert err["message"].startswith("seed must be an integer in [0, "
+                                                 "9223372036854775807]"), err
+                assert "\n" not in err["message"] and len(err["message"]) < 300
+        call = {"id": "c0", "type": "function", "function": {"name": "bash",
+                                                             "arguments": "{}"}}
+        asked = {"role": "assistant", "content": None}
+        for calls, param in [
+                ([{"function": "bash"}], "messages[1].tool_calls[0].function"),
+                ("bash", "messages[1].tool_calls"), ({"function": {}}, "messages[1].tool_calls"),
+                (["bash"], "messages[1].tool_calls[0]"),
+                ([{"function": {"arguments": "{}"}}], "messages[1].tool_calls[0].function.name"),
+                ([{"function": {"name": 7}}], "messages[1].tool_calls[0].function.name"),
+                ([{"function": {"name": ""}}], "messages[1].tool_calls[0].function.name"),
+                ([{"function": {"name": "bash", "arguments": 3}}],
+                 "messages[1].tool_calls[0].function.arguments"),
+                ([{"function": {"name": "bash", "arguments": ["ls"]}}],
+                 "messages[1].tool_calls[0].function.arguments"),
+                ([call, {**call, "id": 5}], "messages[1].tool_calls[1].id"),
+                ([{**call, "type": "retrieval"}], "messages[1].tool_calls[0].type")]:
+            history = msgs + [{**asked, "tool_calls": calls},
+                              {"role": "tool", "tool_call_id": "c0", "content": "ok"}]
+            code, got = post("/chat/completions", messages=history)
+            assert code == 400 and got["error"]["param"] == param, (calls, got)
+            assert got["error"]["message"].startswith(param + ": "), got
+            assert "\n" not in got["error"]["message"]
+        for bad, param in [(["hi"], "messages[0]"), ([{"content": "x"}], "messages[0].role"),
+                           ([{"role": "user", "content": {"a": 1}}], "messages[0].content"),
+                           ([{"role": "user", "content": [{"type": "image_url"}]}],
+                            "messages[0].content"),
+                           (msgs + [{"role": "tool", "tool_call_id": 3, "content": "x"}],
+                            "messages[1].tool_call_id")]:
+            code, got = post("/chat/completions", messages=bad)
+            assert code == 400 and got["error"]["param"] == param, (bad, got)
+        assert engine.prompts == [] and server.sessions["t0"].n_turns == 0
+        # a well-formed call, and the largest seed, are served
+        code, got = post("/chat/completions", seed=2**63 - 1,
+                         messages=msgs + [{**asked, "tool_calls": [call]},
+                                          {"role": "tool", "tool_call_id": "c0", "content": "ok"}])
+        assert code == 200 and engine.seeds == [2**63 - 1], got
     finally:
         et.run(server.stop())
 
@@ -509,7 +586,9 @@ def test_config_refusals():
                             ({"rollout.serve_openai": "nohost"}, "rollout.serve_openai"),
                             ({"rollout.agent_timeout_s": 0}, "rollout.agent_timeout_s"),
                             ({"rollout.agent_pool": -1}, "rollout.agent_pool"),
-                            ({"rollout.openai_history": "drop"}, "rollout.openai_history")]:
+                            ({"rollout.openai_history": "drop"}, "rollout.openai_history"),
+                            ({"rollout.agent_isolation": "jail"}, "rollout.agent_isolation"),
+                            ({"rollout.agent_expose": ["data"]}, "rollout.agent_expose")]:
         with pytest.raises(ConfigError, match=what):
             load_config(None, {"rollout.agent": "openai", **overrides})
     cfg = load_config(None, {"rollout.agent": "openai", "rollout.serve_openai": "0.0.0.0:8100"})
@@ -543,7 +622,11 @@ def test_agent_processes_ok_crashed_hung(et, tok, tmp_path):
                 server, traj_ids=["a", "b", "c"], group_of=["g"] * 3,
                 tasks=[task(1)] * 3, seeds=[1, 2, 3], version=3, limits=LIMITS, command=cmd,
                 timeout_s=12, failed_reward=-1.0, concurrency=0, task_reward=task_reward,
-                run_dir=str(tmp_path), counters=counters):
+                run_dir=str(tmp_path), counters=counters,
+                # unjailed (rollout.agent_isolation: none): the process group is what ends
+                # the hung one's background child (a jailed one's dies with its PID
+                # namespace, and could not write the marker anyway)
+                isolation="none"):
             out[i] = res
         return out
 
@@ -584,7 +667,7 @@ def readme_agent(tmp_path) -> str:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("agent", ["bundled", "readme"])
 def test_terminal_task_through_the_endpoint_runs_tools_in_the_episode_repo(et, tok, tmp_path,
-                                                                           agent):
+                                                                           agent, src):
     """rollout.env: terminal behind the endpoint: a function-calling agent (the bundled
     tsync_mcore.rollout.openai.agents.terminal, and the guide's example) runs the model's tool calls
     through the tool route in its episode's sandboxed repo (at most max_calls_per_turn per
@@ -626,7 +709,7 @@ def test_terminal_task_through_the_endpoint_runs_tools_in_the_episode_repo(et, t
                        for m in msgs], seeds=[1, 2], version=3,
                 limits=limits, command=f"{sys.executable} " + (
                     "-m tsync_mcore.rollout.openai.agents.terminal" if agent == "bundled" else
-                    readme_agent(tmp_path)),
+                    readme_agent(src)), expose=[str(src)],
                 timeout_s=60, failed_reward=-1.0, concurrency=0,
                 task_reward=lambda i, actions: envs[i].verify(), run_dir=str(tmp_path),
                 counters=AgentCounters(), tools=[env.box for env in envs],
@@ -682,7 +765,7 @@ class BySeed:
 
 
 def agents_run(server, tmp_path, ids, command, *, pool=None, timeout_s=20.0, counters=None,
-               version=3, on_reward_error=None):
+               version=3, on_reward_error=None, expose=()):
     """run_agents over `ids` (toy tasks, seeds from the ids); {traj_id: result}."""
     from tsync_mcore.rollout.openai.processes import AgentCounters, run_agents
 
@@ -698,7 +781,7 @@ def agents_run(server, tmp_path, ids, command, *, pool=None, timeout_s=20.0, cou
                 command=command, timeout_s=timeout_s, failed_reward=-1.0, concurrency=0,
                 task_reward=task_reward, run_dir=str(tmp_path),
                 counters=counters or AgentCounters(), pool=pool,
-                on_reward_error=on_reward_error):
+                on_reward_error=on_reward_error, expose=[str(p) for p in expose]):
             out[ids[i]] = res
         return out
     return go()
@@ -708,11 +791,12 @@ def records_of(path) -> dict:
     return {r["traj_id"]: r for r in map(json.loads, open(path))}
 
 
-def make_pool(server, tmp_path, command, size, timeout_s=20.0, counters=None):
+def make_pool(server, tmp_path, command, size, timeout_s=20.0, counters=None, expose=()):
     from tsync_mcore.rollout.openai.pool import AgentPool
 
     return AgentPool(server, command=command, size=size, run_dir=str(tmp_path),
-                     timeout_s=timeout_s, counters=counters)
+                     timeout_s=timeout_s, counters=counters,
+                     expose=[str(p) for p in expose])
 
 
 @pytest.mark.timeout(120)
@@ -751,7 +835,7 @@ def test_agent_pool_serves_what_one_process_per_trajectory_does(et, tok, tmp_pat
 
 
 @pytest.mark.timeout(120)
-def test_agent_pool_worker_crash_hang_and_reported_error(et, tok, tmp_path):
+def test_agent_pool_worker_crash_hang_and_reported_error(et, tok, tmp_path, src):
     """A worker that exits mid-trajectory fails it ("crashed", its exit code) and is
     restarted; one that hangs is killed at the timeout ("timed out") and restarted; an
     episode that raises is posted as done {"error"} ("failed"); the rest are ok."""
@@ -760,7 +844,7 @@ def test_agent_pool_worker_crash_hang_and_reported_error(et, tok, tmp_path):
 
     from tsync_mcore.rollout.openai.processes import AgentCounters
 
-    worker = tmp_path / "worker.py"
+    worker = src / "worker.py"
     worker.write_text(
         "import os, sys, time\n"
         "from tsync_mcore.rollout.openai.agents import digits, pool\n"
@@ -781,7 +865,8 @@ def test_agent_pool_worker_crash_hang_and_reported_error(et, tok, tmp_path):
     cmd = f"{sys.executable} {worker}"
     # 10 s: on a loaded machine an ordinary episode (a worker's start included) ran past 5 s
     # and was restarted as hung, one restart more than the test counts
-    pool = make_pool(server, tmp_path, cmd, 2, timeout_s=10.0, counters=counters)
+    pool = make_pool(server, tmp_path, cmd, 2, timeout_s=10.0, counters=counters,
+                     expose=[src])
     t0 = time.monotonic()
     try:
         out = et.run(agents_run(server, tmp_path, ids, cmd, pool=pool, timeout_s=10.0,
@@ -883,13 +968,77 @@ def test_done_with_a_reward_error_is_decided_by_the_rollout(et, tok, tmp_path):
     assert rec["status"] == "ok" and rec["reward_error"] == decided[0][1]
 
 
+@pytest.mark.timeout(90)
+def test_a_rewriting_agent_is_held_to_its_limits_and_its_group_mates_train(et, tok, tmp_path,
+                                                                          capsys):
+    """A hostile agent in a group: 300 history rewrites of 1 sampled token each. Its
+    turns, sampled tokens and segments are counted over its whole trajectory: past
+    rollout.max_turns its requests are 400 and it ends as any agent that used its turns
+    (its reward by the task's rule); every member's sources pass the learner's checks, so
+    the group trains and the honest members keep their rewards. Another member fails with
+    a 7 MB error: kept as one bounded line, in the record and the log."""
+    import sys
+
+    from tsync_mcore.channel.sources import validate_source
+    from tsync_mcore.rollout.sources import trajectory_sources
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import sys, httpx, openai\n"
+        "from tsync_mcore.rollout.openai.agents import digits, pool\n"
+        "def run(client, task):\n"
+        "    if task['trajectory'] == 'err':  # its own done, past the bundled client's cut\n"
+        "        r = httpx.post(str(client.base_url).rstrip('/') + '/done', timeout=60,\n"
+        "                       json={'error': 'ValueError: ' + 'boom boom\\n' * 650_000},\n"
+        "                       headers={'Authorization': f'Bearer {client.api_key}'})\n"
+        "        return {} if r.status_code == 200 else {'error': r.text}\n"
+        "    if task['trajectory'] != 'hostile':\n"
+        "        return digits.run(client, task)\n"
+        "    for k in range(300):\n"
+        "        try:\n"
+        "            client.chat.completions.create(model='m', max_tokens=1, messages=[\n"
+        "                {'role': 'user', 'content': f'rewrite {k}'}])\n"
+        "        except openai.BadRequestError as e:\n"
+        "            print('refused:', e.message, flush=True)\n"
+        "            break\n"
+        "sys.exit(pool.serve(run))\n")
+    server = serve(et, BySeed(script_for(tok)), tok)
+    ids = ["a", "hostile", "b", "err"]
+    cmd = f"{sys.executable} {worker}"
+    pool = make_pool(server, tmp_path, cmd, 1, timeout_s=30.0)
+    try:
+        out = et.run(agents_run(server, tmp_path, ids, cmd, pool=pool, timeout_s=30.0))
+    finally:
+        et.run(pool.stop())
+        et.run(server.stop())
+    records = records_of(tmp_path / "agent" / "records.jsonl")
+    h = out["hostile"]
+    assert h.extra["agent_status"] == "ok" and h.n_scored == 3  # rollout.max_turns: 3
+    assert len(h.segments()) == 3 and records["hostile"]["requests"] == 3
+    assert records["hostile"]["trained_tokens"] == sum(len(s["tokens"]) for s in h.segments())
+    assert h.reward == 1.0  # the task's rule: its last segment's one answer
+    assert all(out[t].reward == 3.0 and out[t].n_turns == 3 for t in "ab")
+    log = open(tmp_path / "agent" / "pool" / "worker0.log").read()
+    assert "trajectory hostile has used its 3 turns (rollout.max_turns" in log
+    for i, t in enumerate(ids[:3]):  # the group's sources, as the learner checks them
+        for src in trajectory_sources(t, "g", out[t], 0, 3):
+            validate_source(src, len(tok), None)
+    # the failed member's 7 MB error: one line, bounded, in its record and the rollout's log
+    assert out["err"].extra["agent_status"] == "failed" and out["err"].reward == -1.0
+    err = records["err"]["error"]
+    assert "ValueError: boom boom" in err and "characters, cut)" in err and len(err) <= 2000
+    assert os.path.getsize(tmp_path / "agent" / "records.jsonl") < 200_000
+    printed = [line for line in capsys.readouterr().out.splitlines() if "agent of err" in line]
+    assert len(printed) == 1 and len(printed[0]) < 1000, printed
+
+
 @pytest.mark.timeout(60)
-def test_a_bundled_style_agent_posts_the_dict_its_run_returns(et, tok, tmp_path):
+def test_a_bundled_style_agent_posts_the_dict_its_run_returns(et, tok, tmp_path, src):
     """pool.main(run) as one process per trajectory: the dict `run` returns is posted as
     the trajectory's done body ({"reward": x}, {"reward_error": why})."""
     import sys
 
-    agent = tmp_path / "agent.py"
+    agent = src / "agent.py"
     agent.write_text(
         "import sys\n"
         "from tsync_mcore.rollout.openai.agents import digits, pool\n"
@@ -903,7 +1052,8 @@ def test_a_bundled_style_agent_posts_the_dict_its_run_returns(et, tok, tmp_path)
     decided = []
     try:
         out = et.run(agents_run(server, tmp_path, ["good", "bad"], f"{sys.executable} {agent}",
-                                on_reward_error=lambda i, why: decided.append(why) or -2.0))
+                                on_reward_error=lambda i, why: decided.append(why) or -2.0,
+                                expose=[src]))
     finally:
         et.run(server.stop())
     assert out["good"].reward == 0.75 and out["bad"].reward == -2.0
@@ -943,7 +1093,10 @@ def test_agent_pool_protocol(et, tok, tmp_path):
             r = await poll
             assert r.status_code == 200
             got = r.json()
-            assert got["trajectory"] == "p" and got["base_url"] == server.base_url("p")
+            # its worker's base URL: the forwarder's in its jail (as root), else the endpoint's
+            assert got["trajectory"] == "p" and got["base_url"] == pool.launcher.base_url("p")
+            assert got["base_url"].startswith("http://127.0.0.1:8000/" if pool.launcher.jailed
+                                              else f"http://127.0.0.1:{server.port}/")
             assert got["task"]["messages"] == task(0)["messages"]
             assert got["task"]["trajectory"] == "p" and got["task"]["group"] == "g"
             assert "tools_url" not in got
@@ -987,13 +1140,14 @@ def test_bodies_past_the_bounds_are_one_line_4xx_and_the_server_goes_on(et, tok)
             r = httpx.post(url, content=content, headers=auth, timeout=30, **kw)
             return r.status_code, r.json()["error"]["message"]
 
+        too_big = (413, "request body larger than 4096 bytes (rollout.openai_max_body_mb)")
         big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]})
-        assert post(big) == (413, "request body larger than 4096 bytes")
+        assert post(big) == too_big
 
         def chunks():  # no Content-Length: the size is counted as it arrives
             for _ in range(10):
                 yield b" " * 1000
-        assert post(chunks()) == (413, "request body larger than 4096 bytes")
+        assert post(chunks()) == too_big
         many = json.dumps({"model": "m", "messages": msgs * 9})
         assert post(many) == (400, "9 messages, more than this endpoint takes (8)")
         assert post("[" * 2000 + "]" * 2000) == (400, "the request body is nested too deeply")
@@ -1002,6 +1156,240 @@ def test_bodies_past_the_bounds_are_one_line_4xx_and_the_server_goes_on(et, tok)
         r = client(server, "t0").chat.completions.create(model="m", messages=msgs)
         assert r.choices[0].message.role == "assistant"
     finally:
+        et.run(server.stop())
+
+
+def _rss(field: str) -> int:
+    """This process's VmRSS or VmHWM (its peak), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
+
+
+def test_huge_prompts_are_refused_by_their_bytes_before_tokenizing(et, tok):
+    """Four agents post 7.6 MB chat bodies at once (under the 8 MB body cap): each is a
+    one-line 400 naming the limit, decided by the prompt's bytes before any tokenizing, so
+    all four answer in seconds and the process's memory peak stays within a few hundred
+    MB; then the trajectory is served. (Tokenized first, these are 1.3M tokens each.)"""
+    engine = Scripted(script_for(tok))
+    server = serve(et, engine, tok)
+    try:
+        for i in range(4):
+            server.register(f"t{i}", version=3, seed=i, **LIMITS)
+        text = " learn" * (7_600_000 // 6)  # one token of this vocabulary per 6 bytes
+        msgs = [{"role": "user", "content": text}]
+        body = json.dumps({"model": "m", "messages": msgs})
+        size = len(tok.apply_chat_template(msgs, add_generation_prompt=True,
+                                           tokenize=False).encode())
+        del text, msgs
+        got = {}
+
+        def post(i: int) -> None:
+            r = httpx.post(f"http://127.0.0.1:{server.port}/t/t{i}/v1/chat/completions",
+                           content=body, headers={"Authorization": f"Bearer {KEY}",
+                                                  "Content-Type": "application/json"},
+                           timeout=120)
+            got[i] = r.status_code, r.json()["error"]["message"]
+
+        with contextlib.suppress(OSError):  # resets the peak (VmHWM) to the current RSS
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        rss0 = _rss("VmRSS")
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        took, grew = time.monotonic() - t0, _rss("VmHWM") - rss0
+        print(f"\n4 x {len(body) / 1e6:.1f} MB bodies refused in {took:.1f} s, "
+              f"memory peak +{grew / 2**20:.0f} MB")
+        limit = 160 * server.token_bytes
+        for i in range(4):
+            status, message = got[i]
+            assert status == 400 and "\n" not in message, got[i]
+            assert message.startswith(f"the prompt is {size} bytes, more than any "
+                                      f"prompt that fits can be: at most 160 tokens "), message
+            assert f"of at most {limit // 160} bytes each; not tokenized" in message
+        assert took < 20 and grew < 600 * 2**20, (took, grew)
+        r = httpx.post(f"http://127.0.0.1:{server.port}/t/t1/v1/completions",
+                       json={"model": "m", "prompt": [5] * 200_000},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            "the prompt is 200000 token ids, more than fit (160: max_model_len, "
+            "rollout.max_total_tokens)")
+        assert engine.prompts == []
+        r = client(server, "t0").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}])
+        assert r.choices[0].message.role == "assistant"
+    finally:
+        et.run(server.stop())
+
+
+def _endpoint_alone(demo_dir, log, soft: int, hard: int, cap: int = 0):
+    """The endpoint in a process of its own with open-file limits (soft, hard), stderr to
+    `log`: (process, port, key, its soft limit once started)."""
+    import subprocess
+    import sys
+
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m",
+                                 "tests.helpers.workers.openai_endpoint_worker", demo_dir,
+                                 str(soft), str(hard), str(cap)], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+    port, key, now = proc.stdout.readline().split()
+    return proc, int(port), key, int(now)
+
+
+def _idle_connections(port: int, n: int) -> list:
+    import socket
+
+    out = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            s.connect(("127.0.0.1", port))
+        out.append(s)
+    return out
+
+
+def _exchange(sock, request: bytes) -> bytes:
+    """One HTTP/1.1 request on a kept-alive `sock`: its whole response (b"" if closed)."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    size = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")))
+    while len(body) < size:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def _served(port: int, key: str, what: str) -> None:
+    """The agent of t0 is served on new connections: /models and a chat turn."""
+    base = f"http://127.0.0.1:{port}/t/t0/v1"
+    with httpx.Client(timeout=10) as c:
+        r = c.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
+    agent = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=10)
+    r = agent.chat.completions.create(model="m", messages=[{"role": "user", "content": what}])
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_idle_connection_floods_leave_authenticated_agents_served(demo_dir, tmp_path):
+    """The endpoint alone in a process with an open-file limit of 256 (hard 1024, so its
+    soft limit is raised to 1024 and its cap is 512 connections): 1,100 idle connections
+    that never authenticate, then an agent's requests on new connections are served at
+    once (an idle one gave way to each), again after 1,100 more; an authenticated
+    keep-alive connection older than them all is kept; the log says so once: no accept
+    traceback."""
+    import socket
+
+    log = tmp_path / "endpoint.log"
+    proc, port, key, soft = _endpoint_alone(demo_dir, log, 256, 1024)
+    idle: list = []
+    models = (f"GET /t/t0/v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}"
+              f"\r\n\r\n").encode()
+    try:
+        assert soft == 1024  # raised to the hard limit
+        kept = socket.create_connection(("127.0.0.1", port), timeout=10)
+        idle.append(kept)
+        assert _exchange(kept, models).startswith(b"HTTP/1.1 200 ")
+        for flood in range(2):
+            idle += _idle_connections(port, 1100)
+            time.sleep(1.0)  # accepted, or waiting in the backlog
+            if flood == 0:  # within its keep-alive (5 s): idle unauthenticated ones went
+                assert _exchange(kept, models).startswith(b"HTTP/1.1 200 ")
+            t0 = time.monotonic()
+            _served(port, key, f"hi {flood}")
+            assert time.monotonic() - t0 < 10
+        assert proc.poll() is None
+    finally:
+        for s in idle:
+            s.close()
+        proc.kill()
+        said = proc.stdout.read()
+        proc.wait()
+    text = log.read_text() + said
+    assert "Traceback" not in text and len(text) < 4000, text[:3000]
+    assert said.count("[rollout] OpenAI endpoint: 512 connections open") == 1, said
+
+
+def test_running_out_of_descriptors_is_said_once_and_passes(demo_dir, tmp_path):
+    """A cap above what the open-file limit (256, hard 256) allows: 400 idle connections
+    exhaust the descriptors; accepting pauses and says so in one line (no traceback
+    flood), and once they close the agent is served again."""
+    log = tmp_path / "endpoint.log"
+    proc, port, key, soft = _endpoint_alone(demo_dir, log, 256, 256, cap=1000)
+    try:
+        assert soft == 256
+        idle = _idle_connections(port, 400)
+        time.sleep(2.0)  # several pauses' worth of failed accepts
+        for s in idle:
+            s.close()
+        time.sleep(1.0)
+        _served(port, key, "hi")
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        said = proc.stdout.read()
+        proc.wait()
+    text = log.read_text() + said
+    assert "Traceback" not in text and len(text) < 4000, text[:3000]
+    assert said.count("cannot accept a connection: Too many open files (EMFILE)") == 1, said
+
+
+def test_one_trajectory_holds_at_most_eight_requests_in_flight(et, tok):
+    """An agent that fires 10 requests at once on its own trajectory (they are served one at
+    a time) has 8 in flight: the other 2 are 429 at once, so no key holds the endpoint's
+    connections busy; the 8 are then served."""
+    release = threading.Event()
+
+    class Held:
+        version = 3
+
+        async def generate(self, prompt_ids, *, max_tokens, **kw):
+            while not release.is_set():
+                await asyncio.sleep(0.01)
+            return GenOut([tok.eos_token_id], [-0.5], "stop", 3, [3])
+
+    server = serve(et, Held(), tok)
+    try:
+        server.register("t0", version=3, seed=1, **LIMITS)
+        key, got = server.trajectory_key("t0"), []
+
+        def ask() -> None:
+            r = httpx.post(f"http://127.0.0.1:{server.port}/t/t0/v1/chat/completions",
+                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                           headers={"Authorization": f"Bearer {key}"}, timeout=60)
+            got.append((r.status_code, r.json()))
+
+        threads = [threading.Thread(target=ask) for _ in range(10)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [g[0] for g in got] == [429, 429], got
+        assert got[0][1]["error"]["message"] == (
+            "trajectory t0 has 8 requests in flight already (its requests are served one at "
+            "a time)")
+        assert server.in_flight == {"t0": 8}
+        release.set()
+        for t in threads:
+            t.join()
+        assert sorted(g[0] for g in got) == [200] * 8 + [429] * 2
+        assert server.in_flight == {}
+    finally:
+        release.set()
         et.run(server.stop())
 
 
@@ -1164,20 +1552,22 @@ tries = {"reward": ("/t/victim/v1/reward", {"reward": 1e6}, {}),
 out = {k: httpx.post(root + p, json=b, headers={"Authorization": f"Bearer {key}", **h},
                      timeout=10).status_code for k, (p, b, h) in tries.items()}
 out["secrets_in_env"] = sorted(k for k in os.environ if "SECRET" in k or "WANDB" in k)
-with open(json.loads(os.environ["TSYNC_TASK"])["report"], "w") as f:
-    json.dump(out, f)
-os.execv(sys.executable, agent)
+print("@@hostile", json.dumps(out), flush=True)  # to its log (kept: it exits non-zero)
+import subprocess
+subprocess.run(agent)
+sys.exit(3)
 '''
 
 
 @pytest.mark.timeout(120)
 def test_a_hostile_agent_and_model_on_the_terminal_task_through_the_endpoint(
-        et, tok, tmp_path, monkeypatch):
+        et, tok, tmp_path, monkeypatch, src):
     """The terminal task live through the endpoint, beside an honest episode that writes
     the fix: a hostile agent calls the other trajectory's routes with its own key, and its
     model's tool calls write outside the repo, look for the other episode, plant start-up
     hooks and forge the verifier's results. Every cross-trajectory call is refused, the
-    canary directory is untouched, the other episode scores 1.0 and the hostile one 0.0."""
+    canary directory is untouched, the other episode scores 1.0 and the hostile one's repo
+    0.0 (its agent exits 3 to keep its log, the report in it: a failed trajectory)."""
     import shutil
     import sys
     import tempfile
@@ -1216,7 +1606,7 @@ def test_a_hostile_agent_and_model_on_the_terminal_task_through_the_endpoint(
                            for c in attacks[n_tool:n_tool + 2])
         return "Done."
 
-    agent = tmp_path / "hostile_agent.py"
+    agent = src / "hostile_agent.py"
     agent.write_text(HOSTILE_AGENT)
     server = serve(et, ByPrompt(tok, answer), tok)
     limits = dict(max_turns=3, max_tokens_per_turn=1500, max_total_tokens=12000)
@@ -1225,18 +1615,18 @@ def test_a_hostile_agent_and_model_on_the_terminal_task_through_the_endpoint(
         out = {}
         async for i, res in run_agents(
                 server, traj_ids=["victim", "evil"], group_of=["g", "g"],
-                tasks=[{"messages": m, "model": "m", "temperature": 1.0,
-                        "report": str(tmp_path / "hostile.json"), **limits}
+                tasks=[{"messages": m, "model": "m", "temperature": 1.0, **limits}
                        for m in msgs], seeds=[1, 2], version=3, limits=limits,
                 command=f"{sys.executable} {agent}", timeout_s=60, failed_reward=-1.0,
                 concurrency=0, task_reward=lambda i, actions: envs[i].verify(),
                 run_dir=str(tmp_path), counters=AgentCounters(),
-                tools=[env.box for env in envs], max_calls_per_turn=2):
+                tools=[env.box for env in envs], max_calls_per_turn=2, expose=[str(src)]):
             out[i] = res
         return out
 
     try:
         out = et.run(go())
+        evil_repo = et.run(envs[1].verify())
     finally:
         et.run(server.stop())
         with open(os.path.join(canary, "keep")) as f:
@@ -1244,11 +1634,152 @@ def test_a_hostile_agent_and_model_on_the_terminal_task_through_the_endpoint(
         left = sorted(os.listdir(canary))
         shutil.rmtree(canary, ignore_errors=True)
     assert kept == "keep\n" and left == ["keep"]  # the canary directory is untouched
-    hostile = json.loads((tmp_path / "hostile.json").read_text())
+    log = (tmp_path / "agent" / "logs" / "evil.log").read_text()
+    hostile = json.loads(log.split("@@hostile ", 1)[1].splitlines()[0])
     assert hostile == {"reward": 401, "done": 401, "chat": 401, "tools": 401, "pool": 401,
                        "secrets_in_env": []}, hostile
-    assert out[0].reward == 1.0 and out[1].reward == 0.0, (out[0].reward, out[1].reward)
+    assert out[0].reward == 1.0 and evil_repo == 0.0, (out[0].reward, evil_repo)
+    assert out[1].extra["agent_status"] == "crashed" and out[1].reward == -1.0
     records = {json.loads(line)["traj_id"]: json.loads(line)
                for line in open(tmp_path / "agent" / "records.jsonl")}
     evil_text = tok.decode(records["evil"]["tokens"])
     assert "Read-only file system" in evil_text  # the canary write, refused by the mount
+
+
+@pytest.mark.timeout(120)
+def test_a_hostile_agent_process_reaches_no_other_agent_the_rollout_or_the_network(
+        et, tok, tmp_path, monkeypatch):
+    """rollout.agent_isolation (default isolate, run as root): one agent process per
+    trajectory, one of them hostile (tests/helpers/workers/hostile_agent.py) beside two
+    honest ones. It finds no other agent's key in /proc/*/environ (their own uids and PID
+    namespaces), nor the rollout's environment; its own key serves its own trajectory only;
+    it reads neither the run directory nor the channel secret, and reaches neither a TCP
+    listener nor a Unix socket of the host — only the endpoint. The honest trajectories
+    keep their rewards."""
+    import pathlib
+    import shutil
+    import socket
+    import sys
+    import tempfile
+
+    from tsync_mcore.channel.secret import load_or_create_secret
+    from tsync_mcore.rollout.openai.launch import why_not_jailed
+
+    if why_not_jailed():
+        pytest.skip(f"agents cannot run jailed here: {why_not_jailed()}")
+    # outside /tmp (which the jail covers anyway), readable by every uid: the jail hides it
+    run_dir = pathlib.Path(tempfile.mkdtemp(prefix="tsync-run-", dir="/"))
+    os.chmod(run_dir, 0o755)
+    load_or_create_secret(str(run_dir / "channel.secret"))
+    decoy = socket.create_server(("127.0.0.1", 0))
+    # a host Unix socket anyone may connect to, outside /tmp and /run (which the jail covers)
+    sock_dir = tempfile.mkdtemp(prefix="tsync-decoy-", dir="/")
+    os.chmod(sock_dir, 0o755)
+    decoy_path = os.path.join(sock_dir, "decoy.sock")
+    decoy_sock = socket.socket(socket.AF_UNIX)
+    decoy_sock.bind(decoy_path)
+    os.chmod(decoy_path, 0o777)
+    decoy_sock.listen()
+    hostile = os.path.join(ROOT, "tests", "helpers", "workers", "hostile_agent.py")
+    demo = f"{sys.executable} -m tsync_mcore.rollout.openai.agents.digits"
+    cmd = (f"case $TSYNC_TRAJECTORY_ID in evil) exec {sys.executable} {hostile} "
+           f"@@hostile 6 {run_dir} 127.0.0.1:{decoy.getsockname()[1]} {decoy_path} "
+           f"{os.getpid()};; "
+           f"*) sleep 3; exec {demo};; esac")
+    server = serve(et, BySeed(script_for(tok)), tok)
+    try:
+        out = et.run(agents_run(server, run_dir, ["a", "evil", "b"], cmd, timeout_s=60))
+        log = (run_dir / "agent" / "logs" / "evil.log").read_text()
+    finally:
+        et.run(server.stop())
+        decoy.close()
+        decoy_sock.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    report = json.loads(log.split("@@hostile ", 1)[1].splitlines()[0])
+    assert report == {**report, "rollout_env": False, "keys": [], "rewarded": [], "done": [],
+                      "own_key_elsewhere": [], "secret": False, "run_dir": [],
+                      "connected": []}, report
+    assert report["uid"] != 0
+    # its PATH: the jail's (its python first), then the rollout's (a venv's scripts)
+    assert report["path"].endswith(":" + os.environ["PATH"]), report["path"]
+    assert out["a"].reward == 3.0 and out["b"].reward == 3.0, (out["a"].reward, out["b"].reward)
+    assert out["a"].extra["agent_status"] == "ok" and out["b"].extra["agent_status"] == "ok"
+
+
+def test_agent_isolation_where_the_jail_cannot_be_made():
+    """Not root (here: a program in the jail, under a uid of its own), agents cannot be
+    jailed: `require` refuses in one line, `isolate` runs them as the rollout's user with
+    one warning, `none` as ever without one."""
+    import sys
+
+    from tsync_mcore.sandbox import jail
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (to run a program that is not)")
+    code = (
+        "import json\n"
+        "from tsync_mcore.rollout.openai.launch import AgentIsolationError, Launcher\n"
+        "out = {}\n"
+        "try:\n"
+        "    Launcher(None, 'require')\n"
+        "except AgentIsolationError as e:\n"
+        "    out['require'] = str(e)\n"
+        "out['isolate'] = [Launcher(None, 'isolate').jailed, Launcher(None, 'isolate').jailed]\n"
+        "out['none'] = Launcher(None, 'none').jailed\n"
+        "print(json.dumps(out))\n")
+    r = jail.run([sys.executable, "-c", code], env={"PYTHONPATH": ROOT},
+                 limits=jail.Limits(timeout_s=60, memory_mb=4096, uid_base=1 << 25,
+                                    expose=(ROOT,)))
+    assert r.returncode == 0 and r.uid != 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out == {"require": "rollout.agent_isolation: require, but agents cannot run "
+                              "jailed here: not running as root",
+                   "isolate": [False, False], "none": False}, out
+    assert r.stderr.count("agents run WITHOUT the jail") == 1, r.stderr  # one warning
+
+
+def test_agent_expose_never_shows_the_run_directory(tmp_path):
+    """rollout.agent_expose naming the run directory, a directory inside it or one holding
+    it is refused in one line (the rollout stops at start: Agents.start_endpoint)."""
+    from tsync_mcore.rollout.openai.launch import AgentIsolationError, Launcher
+
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    for shown in (run, run / "data", tmp_path):
+        with pytest.raises(AgentIsolationError, match="would show the run directory") as e:
+            Launcher(None, "none", expose=[str(shown)], hide=[str(run)])
+        assert "\n" not in str(e.value) and "rollout.agent_expose" in str(e.value)
+    assert Launcher(None, "none", expose=[str(tmp_path / "src")], hide=[str(run)]).expose
+
+
+@pytest.mark.timeout(120)
+def test_a_hostile_pool_worker_cannot_take_another_workers_trajectories(et, tok, tmp_path):
+    """rollout.agent_pool: one of two workers is hostile (tests/helpers/workers/
+    hostile_agent.py): it looks for the other worker's key in /proc/*/environ, to pull that
+    worker's trajectories and post them done with 1e6. Jailed, each worker under its own
+    uid and PID namespace, it finds none; the honest worker serves every trajectory, each
+    with its own reward."""
+    import sys
+
+    from tsync_mcore.rollout.openai.launch import why_not_jailed
+
+    if why_not_jailed():
+        pytest.skip(f"agents cannot run jailed here: {why_not_jailed()}")
+    hostile = os.path.join(ROOT, "tests", "helpers", "workers", "hostile_agent.py")
+    demo = f"{sys.executable} -m tsync_mcore.rollout.openai.agents.digits"
+    cmd = (f"case $TSYNC_WORKER_ID in 0-0) exec {sys.executable} {hostile} @@hostile 6;; "
+           f"0-*) sleep 600;; *) sleep 2; exec {demo};; esac")
+    server = serve(et, BySeed(script_for(tok)), tok)
+    pool = make_pool(server, tmp_path, cmd, 2, timeout_s=30.0)
+    ids = ["p0", "p1", "p2", "p3"]
+    try:
+        out = et.run(agents_run(server, tmp_path, ids, cmd, pool=pool, timeout_s=30.0))
+    finally:
+        et.run(pool.stop())
+        et.run(server.stop())
+    assert {t: (r.extra["agent_status"], r.reward) for t, r in out.items()} == \
+        {t: ("ok", 3.0) for t in ids}
+    log = (tmp_path / "agent" / "pool" / "worker0.log").read_text().splitlines()
+    report = json.loads(next(x for x in log if x.startswith("@@hostile "))[10:])
+    assert report["uid"] != 0 and report["worker_keys"] == [] and report["stolen"] == [], report

@@ -32,7 +32,7 @@ REWARD = """
 def score(prompt, response, label, meta, **extra):
     return (sum(map(ord, response)) % 97) / 97.0
 """
-HANG_S = 12  # a group's 400 tokens take ~1.5 s alone; a loaded machine must not reach it
+HANG_S = 12  # no token for this long: hung (a loaded machine's slowest step is far below it)
 
 
 def _cpu_s(pid: int) -> float:
@@ -132,7 +132,7 @@ def test_a_killed_and_a_hung_replica_are_restarted_and_the_steps_stay_sync(tmp_p
     restarts = RESTART_LINE.findall(log)
     assert [(r[0], r[3]) for r in restarts] == [("1", "1"), ("0", "2")], log[-3000:]
     assert restarts[0][1].startswith("engine core died"), restarts[0]
-    assert restarts[1][1].startswith("finished no request for "), restarts[1]
+    assert restarts[1][1].startswith("sampled no token for "), restarts[1]
     assert int(restarts[0][2]) >= 1 and int(restarts[1][2]) >= 1  # killed mid-request
     assert time.monotonic() - t_stop >= HANG_S
     # each restarted replica was checked against the other's weights before it served

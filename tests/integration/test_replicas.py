@@ -9,6 +9,7 @@ tests/test_multihost.py (the rollout host serves two replicas over dist publicat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -281,6 +282,42 @@ def test_a_replica_dead_at_a_publication_is_restarted_with_it(et, rs, ckpts, hf,
     finally:
         if again.engines[1] is not rs.engines[1]:
             et.run(again.engines[1].aclose())
+
+
+def test_a_long_request_that_keeps_sampling_is_no_hang_and_a_stuck_engine_is(et, rs):
+    """rollout.replica_hang_s judges progress, not completion: requests that decode for
+    several times hang_s are served whole with no restart; an engine core that samples
+    nothing (SIGSTOPped) is declared hung within it, in one line naming the replica."""
+    engine = rs.engines[0]  # alive: replica 1 was killed above
+    long = [p for p in PROMPTS if len(p) <= 8] * 3
+    t0 = time.perf_counter()
+    alone = gen(et, engine, long, 40, max_tokens=500)
+    batch_s = time.perf_counter() - t0
+    hang_s = max(0.5, batch_s / 4)  # hundreds of decode steps: a loaded machine's longest
+    # pause between two is far below it
+    watched = ReplicaSet([engine], make=lambda i: RolloutEngine("/nonexistent"),
+                         max_restarts=0, hang_s=hang_s)
+    t0 = time.perf_counter()
+    outs = gen(et, watched, long, 40, max_tokens=500)
+    took = time.perf_counter() - t0
+    assert took > 1.5 * hang_s, (took, hang_s)  # a hang, were completions the measure
+    assert watched.restarts == 0 and watched._fatal is None
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+    pids = engine_core_pids(engine)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(ReplicaError, match=r"^rollout replica 0 of 1: sampled no token for "
+                                               r"\d+ s \(rollout.replica_hang_s=[\d.]+\); not "
+                                               r"restarted: rollout.max_replica_restarts=0$"):
+            gen(et, watched, long[:1], 41, max_tokens=500)
+        assert hang_s <= time.perf_counter() - t0 < hang_s + 30
+    finally:
+        for pid in pids:  # SIGKILLed by the watch; a stopped survivor would hold its memory
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    et.run(watched.aclose())
 
 
 def test_replicas_config_is_checked():

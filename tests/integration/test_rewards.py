@@ -149,3 +149,98 @@ def test_code_tests_cannot_be_fooled(name):
     tests = ["assert add(1, 2) == 3", "assert add(20, 5) == 25\nassert add(0, 0) == 0"]
     assert run_tests("def add(a, b):\n    return a + b\n", tests)["reward"] == 1.0
     assert run_tests(ATTACKS[name], tests, limits=LIM)["reward"] == 0.0, name
+
+
+# --- issue 47: an answer's names, objects and report cannot stand in for a solution -------
+
+SHAPES = [  # one test per shape that an answer could pass with no solution before
+    "assert is_prime(7)\nassert not is_prime(8)",  # bare truth tests
+    "assert sort_it([3, 1, 2]) == sorted([2, 3, 1])",  # a right side that is not a literal
+    "assert uniq([1, 1, 2]) == set([2, 1])",
+    "import math\nassert math.isclose(area(2), 12.566, rel_tol=1e-3)",  # isclose
+]
+HONEST = ("import math\n\ndef is_prime(n):\n    return n > 1 and all(n % d for d in "
+          "range(2, n))\n\ndef sort_it(xs):\n    print('x' * 200000)  # chatty: still judged\n"
+          "    return sorted(xs)\n\ndef uniq(xs):\n    return set(xs)\n\ndef area(r):\n"
+          "    return math.pi * r * r\n")
+WRONG = ("def is_prime(n):\n    return True\n\ndef sort_it(xs):\n    return xs\n\n"
+         "def uniq(xs):\n    return xs\n\ndef area(r):\n    return 0\n")
+FORGER = (  # writes the report every harness it knows would read, to every descriptor
+    "import ast, json, os, re, sys\nsrc = open(sys.argv[0]).read()\n"
+    "if os.path.exists('spec.json'):\n"
+    "    spec = json.load(open('spec.json'))\n"
+    "    rows = [[{'v': 'True'} for _ in t['exprs']] for t in spec['tests']]\n"
+    "else:\n"
+    "    pairs = ast.literal_eval(re.search(r'for _l, _r in (\\[.*?\\]):', src).group(1))\n"
+    "    rows = [dict(left='True', right='True') if r else dict(left='True') "
+    "for _, r in pairs]\n"
+    "line = ('\\n@@tsync-probe-results@@ ' + json.dumps(rows) + '\\n').encode()\n"
+    "for fd in range(1, 10):\n    try:\n        os.write(fd, line)\n    except OSError:\n"
+    "        pass\nos._exit(0)\n")
+EXPLOITS = {
+    "eval and repr defined": "def eval(*a, **k):\n    return True\n\n"
+                             "def repr(x):\n    return 'True'\n",
+    "bool, sorted, set shadowed, math.isclose patched":
+        "import math\nbool = lambda x: True\nsorted = set = lambda *a, **k: 1\n"
+        "math.isclose = lambda *a, **k: True\n" + WRONG +
+        "sort_it = uniq = sorted\n",
+    "objects that say yes to ==, bool(), in":
+        "class Yes(float):\n    def __bool__(self):\n        return True\n"
+        "    def __eq__(self, other):\n        return True\n    __hash__ = float.__hash__\n"
+        "    def __contains__(self, x):\n        return True\n\n"
+        "def is_prime(n):\n    return Yes(1.0)\n\nsort_it = uniq = area = is_prime\n",
+    "forged report on every descriptor": FORGER,
+}
+
+
+def _code_tests(timeout_s=60.0):
+    """code_tests as the rollout builds it from the reward config."""
+    return load_reward_fn("code_tests", RewardConfig(
+        function="code_tests", timeout_s=timeout_s, sandbox_timeout_s=20.0,
+        sandbox_memory_mb=256))
+
+
+@pytest.mark.parametrize("name", ["honest", *sorted(EXPLOITS)])
+def test_code_tests_answer_names_objects_and_reports_pass_nothing(name):
+    """Issue 47 finding 2: the answers that define eval/repr, shadow bool/sorted/set and
+    patch math.isclose, or forge the report scored 1.0 with no solution; now 0. Objects
+    that say yes cross as their plain value (a float subclass: its float) or fail. The
+    honest answer keeps its 1.0, its 200 KB of prints notwithstanding. (An answer whose
+    state changes from call to call can still pass a run of truth tests; so can a plain
+    function: no harness tells them apart.)"""
+    fn = _code_tests()
+    code = HONEST if name == "honest" else EXPLOITS[name]
+    out = fn(prompt="p", response=f"```python\n{code}```", label=SHAPES, meta={})
+    assert out["reward"] == (1.0 if name == "honest" else 0.0), (name, out)
+
+
+def test_code_tests_hostile_values_and_untestable_code():
+    """Values that are not plain, bombs and floods fail their test only; the honest tests
+    beside them pass. Test code whose asserts would run in the answer's process (a
+    loop's assert, where an always-equal object passed before) is refused in one line; a
+    loop over a literal sequence is unrolled and judged."""
+    fn = _code_tests()
+    code = ("import sys\nsys.setrecursionlimit(10 ** 6)\n\ndef rec(n):\n    return rec(n)\n\n"
+            "def deep(n):\n    x = []\n    for _ in range(n):\n        x = [x]\n    return x\n\n"
+            "def huge(n):\n    return 'x' * n\n\ndef big(n):\n    return 7 ** n\n\n"
+            "def ok(n):\n    import re\n    return re.match('a', 'ab') and n + 1\n\n"
+            "def inplace(xs):\n    xs.sort()\n\ndef found(s):\n    import re\n"
+            "    return re.search('b', s)\n")
+    tests = ["assert rec(1) == 1", "assert deep(100000) == []", "assert huge(10 ** 7) == ''",
+             "assert big(10 ** 6) == 1", "assert ok(1) == 2",
+             "xs = [3, 1]\ninplace(xs)\nassert xs == [1, 3]",  # changed in place: judged
+             "assert found('abc')\nassert not found('a')"]  # a match object's truth
+    t0 = time.monotonic()
+    assert fn(prompt="p", response=code, label=tests, meta={})["reward"] == 3 / 7
+    assert time.monotonic() - t0 < 60
+    eq = "class Y:\n    def __eq__(self, o):\n        return True\n\ndef f(x):\n    return Y()\n"
+    for test, why in (("for x, y in zip([1, 3], [2, 4]):\n    assert f(x) == y\nassert True",
+                       "line 2: an assert inside a for loop"),
+                      ("from math import *\nassert isclose(f(1), 2)", "import \\*"),
+                      ("assert all(f(i) == i for i in range(3))", "comprehension")):
+        with pytest.raises(ValueError, match=why):
+            fn(prompt="p", response=eq, label=[test], meta={})
+    loop = "for x, y in [(1, 2), (3, 4)]:\n    assert f(x) == y\n"
+    assert fn(prompt="p", response=eq, label=[loop], meta={})["reward"] == 0.0
+    assert fn(prompt="p", response="def f(x):\n    return x + 1\n", label=[loop],
+              meta={})["reward"] == 1.0

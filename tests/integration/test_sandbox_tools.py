@@ -274,7 +274,27 @@ def test_terminal_env_rewards_a_fix_and_not_a_miss(tok, seed):
     plant = format_tool_call("python", {"code": f"open({task.module + '.py'!r}, 'w')"
                                                 f".write({forge!r})"})
     env, res = episode(tok, seed, [plant, "Done."])
-    assert res.reward == 0.0 and "@@tsync-probe-results@@" in env.verify_result.stdout
+    forged = env.verify_result.stdout + env.verify_result.stderr  # (its stdout is stderr)
+    assert res.reward == 0.0 and "@@tsync-probe-results@@" in forged
+
+
+def test_terminal_verifier_harness_names_cannot_be_shadowed(tok):
+    """Issue 47: the target fixed but `is_even` broken, the module shadows the names the
+    verifier used (`bool`, `eval`, `repr`) so that the truth test `assert is_even(6)`
+    passed; it also patches builtins (and sys.modules). The verifier's harness binds its
+    names before the import and judges the values here: 0. The same shims beside a full
+    fix change nothing."""
+    task = _task(1)
+    shims = ("import builtins, sys\n_e = builtins.eval\n"
+             "def eval(e, g=None, *a):\n    return True if e.startswith('bool(') else _e(e, g)\n"
+             "bool = lambda x: True\nrepr = builtins.repr\nbuiltins.bool = bool\n")
+    broken = task.fixed.replace("return n % 2 == 0", "return False")
+    assert broken != task.fixed
+    kill = "sys.modules['json'] = sys.modules['ast'] = None\n"
+    for module, want in ((broken + shims, 0.0), (task.fixed + shims + kill, 1.0)):
+        plant = format_tool_call("python", {"code": f"open({task.module + '.py'!r}, 'w')"
+                                                    f".write({module!r})"})
+        assert episode(tok, 1, [plant, "Done."])[1].reward == want
 
 
 def test_terminal_verifier_ignores_planted_startup_files_links_and_fifos(tok):

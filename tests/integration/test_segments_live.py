@@ -5,6 +5,9 @@ the bundled compacting agent (tsync_mcore.rollout.openai.agents.compacting), whi
 with Qwen3's non-thinking switch: its second turn adds a user message, so Qwen3's template
 drops the empty think block the model saw after its first prompt (the prompt no longer
 extends the record), and its third compacts the conversation into a summary. Every trajectory is cut into 3 segments by those rewrites, and:
+- a hostile member of each group (its t0) rewrites its history 300 times, asking 1 token
+  each: rollout.max_turns holds over its whole trajectory (3 turns, 3 segments; the rest
+  are 400s), so its group is not dropped and its honest mates train with their rewards;
 - the learners trained each segment exactly as the endpoint recorded it (digests, segment
   by segment) and every sampled token of every segment;
 - the run's θ_1 equals the sync update (one rank, this process, FP64 sums) on what the
@@ -37,6 +40,19 @@ def test_rewritten_histories_train_every_segment_as_sync_and_fp64(tmp_path, para
     make_tiny_checkpoint(model, arch="qwen3", vocab_size=320, hidden=64, layers=2, heads=2,
                          kv_heads=1, intermediate=128, seed=0)  # vLLM CPU: head_dim >= 32
     use_qwen3_template(model)
+    hostile = tmp_path / "hostile.py"  # the task, then a rewritten last message each turn
+    hostile.write_text(
+        "import json, os, openai\n"
+        "c = openai.OpenAI(max_retries=0)\n"
+        "task = json.loads(os.environ['TSYNC_TASK'])\n"
+        "*head, ask = task['messages']\n"
+        "for k in range(300):\n"
+        "    try:\n"
+        "        c.chat.completions.create(model='m', max_tokens=1, messages=head + [\n"
+        "            {**ask, 'content': f'{k}: ' * (k > 0) + ask['content']}])\n"
+        "    except openai.BadRequestError as e:\n"
+        "        assert 'rollout.max_turns' in e.message, e.message\n"
+        "        break\n")
     cfg = {
         "model": {"hf_dir": model, "dtype": "fp32"},
         # ε well above the gradients' FP32 rounding: Adam would turn an entry that is only
@@ -50,8 +66,9 @@ def test_rewritten_histories_train_every_segment_as_sync_and_fp64(tmp_path, para
         "rollout": {"n_learners": 2, "env": "toy", "groups_per_batch": 2, "group_size": 3,
                     "routing": "static", "max_turns": 3, "max_tokens_per_turn": 8,
                     "max_total_tokens": 160, "temperature": 1.0, "agent": "openai",
-                    "agent_command": f"{sys.executable} -m "
-                                     f"tsync_mcore.rollout.openai.agents.compacting",
+                    "agent_command": f"case $TSYNC_TRAJECTORY_ID in *-t0) {sys.executable} "
+                                     f"{hostile};; *) {sys.executable} -m "
+                                     f"tsync_mcore.rollout.openai.agents.compacting;; esac",
                     "agent_timeout_s": 60},
     }
     config = str(tmp_path / "run.yaml")
@@ -66,8 +83,16 @@ def test_rewritten_histories_train_every_segment_as_sync_and_fp64(tmp_path, para
     for line in open(f"{run}/agent/records.jsonl"):
         r = json.loads(line)
         records[r["traj_id"]] = r["earlier_segments"] + [r]
+        assert r["jailed"] == (os.geteuid() == 0)  # the compacting agent ran in the jail
     assert len(records) == 6 and all(len(s) == 3 for s in records.values()), \
         {t: len(s) for t, s in records.items()}
+    last = {r["traj_id"]: r for r in map(json.loads, open(f"{run}/agent/records.jsonl"))}
+    hostile_ids = {t for t in records if t.endswith("-t0")}
+    assert len(hostile_ids) == 2 and all(last[t]["status"] == "ok" for t in last)
+    for t in hostile_ids:  # 3 turns of 1 token (2 rewrites), then refused: 400
+        assert last[t]["requests"] == 3 and last[t]["sampled_tokens"] == 3
+        assert last[t]["rewrites"] == 2
+    assert row["rollout/openai_bad"] == 2
     # each segment trained as recorded, every sampled token of it
     trained = {}
     for rank in range(2):
@@ -79,6 +104,7 @@ def test_rewritten_histories_train_every_segment_as_sync_and_fp64(tmp_path, para
         seg = records[t][j]
         assert e.tokens_sha256 == trace.tokens_digest(seg["tokens"], seg["scored_mask"])
         assert e.scored_tokens == sum(seg["scored_mask"]) > 0
+        assert abs(e.reward - last[t]["reward"]) < 1e-6  # each member with its own reward
     sampled = sum(len(turn["completion_ids"]) for segs in records.values() for s in segs
                   for turn in s["turns"])
     assert row["scored_tokens"] == sampled

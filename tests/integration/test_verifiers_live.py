@@ -41,6 +41,8 @@ def test_verifiers_env_trains_on_its_rubrics_rewards(tmp_path):
     tok = AutoTokenizer.from_pretrained(model)
     everything = [json.loads(line) for line in open(run / "agent" / "records.jsonl")]
     assert all(r["status"] == "ok" and "reward_error" not in r for r in everything)
+    # the rubric scored the model's output inside the jail (rollout.agent_isolation: isolate)
+    assert all(r["jailed"] == (os.geteuid() == 0) for r in everything)
     records = [r for r in everything if not r["traj_id"].startswith("eval")]
     assert len(records) == 4
     for r in everything:  # the rubric's score, recomputed from the recorded ids

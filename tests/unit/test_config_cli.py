@@ -412,3 +412,12 @@ def test_config_and_data_files_that_are_not_plain_files_are_one_line(tmp_path):
 def test_a_sandbox_user_may_not_be_root(key):
     with pytest.raises(ConfigError, match=rf"'{key}'.*root \(uid 0\)"):
         load_config(None, {"model.hf_dir": "/nonexistent", key: "root"})
+
+
+def test_a_config_that_is_a_directory_is_one_line(tmp_path, monkeypatch, capsys):
+    """`--config DIRECTORY` (and a FIFO) is named in one line, not a traceback."""
+    os.mkfifo(tmp_path / "fifo")
+    for path, why in [(tmp_path, "a directory, not a YAML file"),
+                      (tmp_path / "fifo", "not a regular file")]:
+        assert launcher("run", "--config", str(path), monkeypatch=monkeypatch) == 2
+        assert capsys.readouterr().err == f"error: run: config file {path}: {why}\n"

@@ -68,7 +68,11 @@ def test_string_prompts_and_a_dotted_label(tmp_path):
     ("csv", "unknown data format"),
     ("no_prompt", "no column 'prompt' for the prompt"),
     ("no_label", "no column 'label' for the label"),
-    ("empty", "no rows|cannot read"),
+    ("empty", r"d.jsonl: empty file \(no rows\)$"),
+    ("blank_json", r"d.json: empty file \(no rows\)$"),
+    ("empty_list_json", r"d.json: no rows$"),
+    ("surrogate", r"d.jsonl:3: row 1: column 'prompt' holds a lone UTF-16 surrogate"),
+    ("surrogate_json", r"d.json: cannot read as json \(ArrowInvalid: .* in row 1\)$"),
     ("bad_json", r"d.jsonl:2: not valid JSON"),
     ("not_object", r"d.jsonl:1: each line must be a JSON object"),
     ("no_content", r"d.jsonl row 1: column 'prompt': message 0 has no 'content' string"),
@@ -92,6 +96,15 @@ def test_bad_inputs_are_one_line_errors_naming_file_and_row(tmp_path, case, matc
         write_jsonl(p, [{"prompt": "x", "answer": "y"}])
     elif case == "empty":
         p.write_text("")
+    elif case == "blank_json":
+        p = tmp_path / "d.json"
+        p.write_text("\n  \n")
+    elif case == "empty_list_json":
+        p = tmp_path / "d.json"
+        p.write_text("[]\n")
+    elif case in ("surrogate", "surrogate_json"):  # JSON's \\ud800 escape, unpaired
+        p = p if case == "surrogate" else tmp_path / "d.json"
+        p.write_text('{"prompt": "x", "label": "y"}\n\n{"prompt": "x\\ud800y", "label": "y"}\n')
     elif case == "bad_json":
         p.write_text('{"prompt": "x", "label": "y"}\n{"prompt": "x", "label": \n')
     elif case == "not_object":

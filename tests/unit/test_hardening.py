@@ -51,6 +51,10 @@ BAD_CONFIGS = [
     ({"rollout.render": "template", "rollout.agent": "openai"}, "rollout.render", "builtin"),
     ({"rollout.render": "template", "learner.objective": "opd"}, "rollout.render", "OPD"),
     ({"rollout.chat_template_kwargs": {"x": [1]}}, "rollout.chat_template_kwargs", "booleans"),
+    ({"rollout.max_segments": 257}, "rollout.max_segments", "[1, 256]"),
+    ({"rollout.max_segments": 0}, "rollout.max_segments", "[1, 256]"),
+    ({"rollout.max_trained_tokens": 10}, "rollout.max_trained_tokens", "max_total_tokens"),
+    ({"rollout.max_trained_tokens": -1}, "rollout.max_trained_tokens", "0"),
 ]
 
 

@@ -17,8 +17,10 @@ from tsync_mcore.rollout.envs import (
     prompt_ids,
 )
 from tsync_mcore.rollout.loop import run_trajectory
+from tsync_mcore.channel.sources import MAX_SEGMENTS
 from tsync_mcore.rollout.openai.session import (
     HistoryRewritten,
+    LimitReached,
     Session,
     SessionError,
     assistant_message,
@@ -188,6 +190,76 @@ def test_budgets_are_the_built_in_loops(tok):
     s.closed = "its agent exited"
     with pytest.raises(SessionError, match="closed: its agent exited"):
         s.plan_text("x")
+
+
+def rewrite_each_turn(s, n, tokens=1):
+    """A hostile agent: n requests, each a one-message conversation of its own (a history
+    rewrite: a new segment), `tokens` sampled; the LimitReached that stopped it, or None."""
+    for k in range(n):
+        try:
+            p = s.plan_chat([{"role": "user", "content": f"rewrite {k}: " + "go on " * 4}])
+        except LimitReached as e:
+            return e
+        ids = [65 + k % 20] * min(tokens, p.max_tokens)
+        s.commit(p, GenOut(ids, [-0.5] * len(ids), "length", 3, [3] * len(ids)),
+                 {"role": "assistant", "content": "A"})
+    return None
+
+
+def test_limits_hold_over_every_segment_of_a_rewriting_trajectory(tok):
+    """Turns, sampled tokens, segments and trained tokens are counted over the whole
+    trajectory: 1-token rewrites cannot buy a fresh budget per segment. A refused request
+    records nothing; what was recorded stays trainable (at most max_segments segments)."""
+    prompt = len(Session(tok, "p").plan_chat(
+        [{"role": "user", "content": "rewrite 0: " + "go on " * 4}]).prompt_ids)
+    s = Session(tok, "turns", max_turns=3, max_tokens_per_turn=8, max_total_tokens=160)
+    e = rewrite_each_turn(s, 300)
+    assert e.limit == "max_turns" and "used its 3 turns" in str(e) and "\n" not in str(e)
+    res = s.result(0.5, "agent_exit")
+    assert len(res.segments()) == 3 and res.n_scored == 3 and s.rewrites == 2
+    trained = sum(len(seg["tokens"]) for seg in res.segments())
+    assert trained == s.record()["trained_tokens"] <= 3 * 160
+
+    s = Session(tok, "segments", max_turns=10**6, max_total_tokens=10**6)
+    e = rewrite_each_turn(s, 300)  # 256 by default: what a source carries
+    assert e.limit == "max_segments" and len(s.segments) + 1 == MAX_SEGMENTS
+    s = Session(tok, "segments", max_turns=10**6, max_total_tokens=10**6, max_segments=5)
+    assert rewrite_each_turn(s, 300).limit == "max_segments" and len(s.segments) == 4
+    assert s.n_requests == 5 and s.rewrites == 5  # the refused one counted, not recorded
+
+    # sampled: what one context leaves after the first prompt, over every segment
+    s = Session(tok, "sampled", max_turns=10**6, max_total_tokens=prompt + 10)
+    e = rewrite_each_turn(s, 300, tokens=3)
+    assert e.limit == "max_total_tokens" and s.n_sampled == 10 and "sampled 10 tokens" in str(e)
+    assert s.record()["sampled_tokens"] == 10 and s.n_requests == 4  # 3 + 3 + 3 + 1
+
+    # trained: prompt and completion of every segment
+    s = Session(tok, "trained", max_turns=10**6, max_total_tokens=prompt + 50,
+                max_trained_tokens=4 * prompt)
+    e = rewrite_each_turn(s, 300, tokens=1)
+    assert e.limit == "max_trained_tokens", e
+    assert s.record()["trained_tokens"] <= 4 * prompt and len(s.segments) + 1 == 3
+    # an extension of the last segment is held to the same total
+    s = Session(tok, "trained2", max_turns=10**6, max_total_tokens=10**6)
+    rewrite_each_turn(s, 2)  # two segments
+    more = s._conv + [{"role": "user", "content": "x"}]
+    ext = len(s.plan_chat(more).prompt_ids)
+    s.max_trained_tokens = s.earlier_tokens + ext + 4
+    p = s.plan_chat(more, max_tokens=8)
+    assert not p.new_segment and p.max_tokens == 4
+    s.max_trained_tokens -= 4
+    with pytest.raises(LimitReached, match="max_trained_tokens"):
+        s.plan_chat(more)
+
+
+def test_a_trajectory_that_never_rewrites_keeps_its_budgets(tok):
+    """The limits over segments never cut a trajectory that extends its one context: its
+    turns and its context length bound it as before (the built-in loop's budgets)."""
+    s = Session(tok, "honest", max_turns=3, max_tokens_per_turn=8, max_total_tokens=160,
+                max_segments=1, max_trained_tokens=160)
+    prompts = agent_turns(tok, s, script(tok), set())
+    assert len(prompts) == 3 and not s.segments and s.rewrites == 0
+    assert s.record()["trained_tokens"] == len(s.tokens) <= 160
 
 
 def test_a_lone_surrogate_is_a_400_line_not_a_tokenizer_error(tok):

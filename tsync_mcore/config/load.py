@@ -122,9 +122,12 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         raise ConfigError(f"config file {path}: cannot read ({e.strerror or e})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):  # checked before fdopen, which refuses a directory itself
+        os.close(fd)
+        kind = "a directory, not a YAML file" if stat.S_ISDIR(mode) else "not a regular file"
+        raise ConfigError(f"config file {path}: {kind}")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(f"config file {path}: not a regular file")
         raw = f.read(MAX_CONFIG_BYTES + 1)
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"config file {path}: larger than {MAX_CONFIG_BYTES} bytes")

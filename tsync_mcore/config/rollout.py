@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tsync_mcore.channel.sources import MAX_SEGMENTS
 from tsync_mcore.config.checks import check
 
 
@@ -31,9 +32,19 @@ class RolloutConfig:
     env: str = "toy"
     groups_per_batch: int = 8  # prompts (groups) per batch, i.e. per optimizer step
     group_size: int = 4  # trajectories sampled per prompt (GRPO group size m)
-    max_turns: int = 3  # agent turns per trajectory at most
+    max_turns: int = 3  # agent turns per trajectory at most (over all its segments)
     max_tokens_per_turn: int = 8  # tokens generated per turn at most
-    max_total_tokens: int = 96  # a trajectory's length cap (prompt + turns + tool output)
+    # a trajectory's length cap (prompt + turns + tool output); a trajectory whose history
+    # was rewritten: each segment's, and its sampled tokens over all segments at most this
+    # less its first prompt (docs/guide/agents.md#per-trajectory-limits)
+    max_total_tokens: int = 96
+    # segments one trajectory may be cut into by history rewrites (a rewrite past it is
+    # refused: HTTP 400); at most 256, what a source carries
+    max_segments: int = 256
+    # tokens one trajectory trains, prompt and completion of every segment summed (a
+    # rewrite re-trains the history it repeats); a request past it is refused (HTTP 400).
+    # 0: no bound of its own (at most max_turns × max_total_tokens, one segment per turn)
+    max_trained_tokens: int = 0
     temperature: float = 1.0  # sampling temperature (0: greedy)
     eval_temperature: float = 0.0  # sampling temperature of evaluation (0: greedy)
     # vLLM structured outputs: every completion the policy samples matches this regular
@@ -59,7 +70,7 @@ class RolloutConfig:
     # dies or hangs is killed, restarted with the current θ and its requests re-run; a
     # restart past this many in the run stops it (0: a replica that dies stops the run)
     max_replica_restarts: int = 3
-    # a replica that finishes no request for this many seconds while it has some
+    # a replica whose engine samples no token for this many seconds while it has requests
     # outstanding is hung (then restarted as a dead one); 0: no hang check
     replica_hang_s: float = 600.0
     # GPU only: fraction of each rollout GPU's memory vLLM may take (weights + KV cache)
@@ -117,11 +128,23 @@ class RolloutConfig:
     # variables of the rollout's environment (rollout/openai/pool.py AGENT_ENV), plus
     # the variables named here (e.g. [HF_HOME]); never the tracker or cloud keys by default
     agent_env: list[str] = field(default_factory=list)
+    # agent: openai, run as root: each agent process (each pool worker) in the jail
+    # (docs/guide/agents.md#agents-run-jailed): a uid of its own, its own PID, mount, IPC
+    # and network namespaces, the system read-only, no run directory, the endpoint its only
+    # network. "isolate": so where permitted, else as the rollout's user with a warning;
+    # "require": the rollout refuses to start where not permitted; "none": not jailed
+    agent_isolation: Literal["isolate", "require", "none"] = "isolate"
+    # host paths a jailed agent sees read-only besides the system (its code or data where
+    # the jail hides them: under /tmp or /root, e.g. an HF cache); never the run directory
+    agent_expose: list[str] = field(default_factory=list)
     openai_max_body_mb: float = 8.0  # the endpoint's largest request body (HTTP 413 past it)
     openai_max_messages: int = 4096  # messages in one chat request (HTTP 400 past it)
     # a request's headers, and then its body, must each arrive within this (a slow or
     # silent connection is closed; a slow body is HTTP 408)
     openai_read_timeout_s: float = 30.0
+    # connections the endpoint holds at once (0: half the open-file limit, at most 4096);
+    # at the cap an idle unauthenticated one gives way to a new one, else the new one: 503
+    openai_max_connections: int = 0
 
     def validate(self) -> None:
         check(self.n_learners >= 1, "rollout.n_learners", "must be >= 1")
@@ -136,10 +159,17 @@ class RolloutConfig:
               f"must be >= 1, got {self.openai_max_messages}")
         check(self.openai_read_timeout_s > 0, "rollout.openai_read_timeout_s",
               f"must be > 0, got {self.openai_read_timeout_s}")
+        check(self.openai_max_connections == 0 or self.openai_max_connections >= 2,
+              "rollout.openai_max_connections",
+              f"must be 0 (half the open-file limit) or >= 2, got "
+              f"{self.openai_max_connections}")
         check(self.agent_timeout_s > 0, "rollout.agent_timeout_s",
               f"must be > 0, got {self.agent_timeout_s}")
         check(self.agent_concurrency >= 0, "rollout.agent_concurrency",
               f"must be >= 0 (0: every trajectory at once), got {self.agent_concurrency}")
+        bad = [p for p in self.agent_expose if not isinstance(p, str) or not p.startswith("/")]
+        check(not bad, "rollout.agent_expose",
+              f"must list absolute paths (what a jailed agent sees read-only), got {bad[:3]}")
         check(self.agent_pool >= 0, "rollout.agent_pool",
               f"must be >= 0 (0: one agent process per trajectory), got {self.agent_pool}")
         check(math.isfinite(self.agent_failed_reward), "rollout.agent_failed_reward",
@@ -173,6 +203,14 @@ class RolloutConfig:
               f"e.g. verifiers:my_env; a hub id my-env installs as module my_env), got "
               f"{self.env!r}")
         check(self.max_total_tokens >= 1, "rollout.max_total_tokens", "must be >= 1")
+        check(1 <= self.max_segments <= MAX_SEGMENTS, "rollout.max_segments",
+              f"must be in [1, {MAX_SEGMENTS}] (the segments a source carries), got "
+              f"{self.max_segments}")
+        check(self.max_trained_tokens == 0 or self.max_trained_tokens >= self.max_total_tokens,
+              "rollout.max_trained_tokens",
+              f"must be 0 (no bound of its own) or >= rollout.max_total_tokens="
+              f"{self.max_total_tokens} (else it cuts trajectories that never rewrite), got "
+              f"{self.max_trained_tokens}")
         check(self.temperature >= 0, "rollout.temperature",
               f"must be >= 0 (0: greedy), got {self.temperature}")
         check(self.eval_temperature >= 0, "rollout.eval_temperature",

@@ -208,6 +208,8 @@ class Config:
         check(self.reward.function != "judge" or env == "dataset", "reward.function",
               f"'judge' grades the answer to a dataset row; rollout.env is {env!r} (use "
               f"'dataset')")
+        if self.reward.function == "judge":
+            self.reward.judge.check_room(self.rollout.max_total_tokens)
         check(not (env.startswith("skyrl:") and self.reward.function), "reward.function",
               f"{env} scores episodes itself (its reward_spec); leave reward.function empty")
         check(not (env == "dataset" and self.learner.objective == "opd"), "rollout.env",

@@ -11,6 +11,7 @@ file, the row (0-based, in file order; JSONL also names the line) and the column
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,7 @@ def _check_jsonl(path: str, label_parts: list[str]) -> list[Any] | None:
         f = open(path, encoding="utf-8")
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    rows = 0
     with f:
         try:
             for n, line in enumerate(f, 1):
@@ -73,11 +75,51 @@ def _check_jsonl(path: str, label_parts: list[str]) -> list[Any] | None:
                 if not isinstance(obj, dict):
                     raise DataError(f"{path}:{n}: each line must be a JSON object, got "
                                     f"{type(obj).__name__}")
+                where = _surrogate_at(obj)
+                if where:
+                    raise DataError(f"{path}:{n}: row {rows}: {where} holds a lone UTF-16 "
+                                    f"surrogate (a \\ud800-\\udfff escape without its pair): "
+                                    f"not text")
                 if labels is not None:
                     labels.append(_dig(obj, label_parts)[1])
+                rows += 1
         except UnicodeDecodeError:
             raise DataError(f"{path}: not UTF-8 text") from None
+    if not rows:
+        raise DataError(f"{path}: empty file (no rows)")
     return labels
+
+
+def _surrogate_at(value: Any, where: str = "") -> str | None:
+    """Where in a JSON value a string (or key) holds a lone surrogate: JSON's \\uXXXX
+    escapes allow one, Python keeps it, and Arrow refuses the whole file without naming it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "the row"
+        return None
+    items = value.items() if isinstance(value, dict) else \
+        enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        name = f"{where}[{k}]" if isinstance(k, int) else \
+            f"{where}.{k}" if where else f"column {k!r}"
+        if isinstance(k, str) and _surrogate_at(k):
+            return f"a key in {where or 'the row'}"
+        found = _surrogate_at(v, name)
+        if found:
+            return found
+    return None
+
+
+def _blank(path: str) -> bool:
+    """Whether the file holds nothing but whitespace (datasets' JSON reader ends in a bare
+    StopIteration there)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
 
 
 def _read(path: str, label_parts: list[str]):
@@ -92,18 +134,29 @@ def _read(path: str, label_parts: list[str]):
         except BadFile as e:
             raise DataError(str(e)) from None
     labels = None
+    # datasets logs a reader's failure itself before raising it: the DataError says it once
+    log = logging.getLogger("datasets")
+    level, log.level = log.level, logging.CRITICAL
     try:
         if fmt == "disk":
             ds = datasets.load_from_disk(path, keep_in_memory=False)
         else:
             if fmt == "json" and path.lower().endswith(".jsonl"):
                 labels = _check_jsonl(path, label_parts)
+            elif _blank(path):
+                raise DataError(f"{path}: empty file (no rows)")
             ds = datasets.load_dataset(fmt, data_files=path, split="train")
     except DataError:
         raise
     except Exception as e:  # Arrow/parquet/json decoding: one line, not a traceback
+        while e.__cause__ is not None:  # the reader's own error names the row; the
+            e = e.__cause__  # DatasetGenerationError datasets raises from it does not
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        if "corresponds to no data" in first:  # datasets' words for a file of no rows ([])
+            raise DataError(f"{path}: no rows") from None
         raise DataError(f"{path}: cannot read as {fmt} ({type(e).__name__}: {first})") from None
+    finally:
+        log.setLevel(level)
     if not isinstance(ds, datasets.Dataset):
         raise DataError(f"{path}: holds {type(ds).__name__}, expected one dataset split")
     if labels is not None and len(labels) != len(ds):

@@ -15,6 +15,7 @@ from typing import Any
 
 from tsync_mcore.rewards.sandbox import SandboxLimits, interpreter, run_python
 from tsync_mcore.sandbox import verdict
+from tsync_mcore.sandbox.jail import run_python as run_jailed
 
 
 def _norm(s: Any) -> str:
@@ -66,18 +67,22 @@ def extract_code(response: str) -> str:
 def code_tests(*, response: str, label: Any, meta: dict[str, Any], limits: SandboxLimits,
                total_timeout_s: float, **_: Any) -> dict[str, float]:
     """Run the response's code against the row's tests in the sandbox (one process per
-    test); the reward is the fraction of tests passed.
+    test, and one more for the assert tests' operands that are not the answer's); the
+    reward is the fraction of tests passed.
 
     Tests (the label, or meta["tests"] when there is no label):
       - a string of Python test code (asserts), run after the code as one test;
       - a list of such strings, one test each;
       - {"inputs": [...], "outputs": [...]}: stdin → expected stdout, compared line by line
         with trailing whitespace ignored.
-    An assert test passes when every assert holds, decided here: the sandbox runs the code
-    and reports what each assert's left side evaluates to; the expected values never reach
-    it (sandbox/verdict.py), so an early exit, an excepthook or a read of the test program
-    passes nothing. Test code without an assert at top level (or in HumanEval's
-    `def check(candidate)` + `check(f)`) is the row's error."""
+    An assert test passes when every assert holds, decided here: the sandbox runs the
+    answer and reports only the values of the pieces of each assert that call it; the
+    expected values, the comparisons and every operand that is not the answer's (computed
+    in a second sandboxed process that never loads the answer) stay out of its process
+    (sandbox/verdict.py, sandbox/harness.py). Test code that cannot be judged so (an
+    assert inside a loop, a star import; see verdict.plan) is the row's error, as is test
+    code without an assert.
+    """
     tests = label if label is not None else (meta or {}).get("tests")
     code = extract_code(response)
     deadline = time.monotonic() + total_timeout_s
@@ -96,20 +101,31 @@ def code_tests(*, response: str, label: Any, meta: dict[str, Any], limits: Sandb
                          f"{{inputs, outputs}}, got {type(tests).__name__}")
     if not cases:
         raise ValueError("the row has no tests")
-    passed = 0
-    for n, (prog, stdin, want) in enumerate(cases):
+    plans = [verdict.plan(t) for t in tests] if cases[0][2] is None else []
+
+    def limited() -> SandboxLimits | None:
         left = deadline - time.monotonic()
         if left <= 0.5:
-            break  # the rest count as failed; the call stays within reward.timeout_s
-        lim = SandboxLimits(**{**limits.__dict__, "timeout_s": min(limits.timeout_s, left)})
-        if want is None:
-            setup, probes = verdict.split(tests[n])
-            res = run_python(verdict.probe_program(prog, setup, probes), "", lim)
-            ok = all(verdict.decide(res.stdout, probes))
-        else:
+            return None  # the rest count as failed; the call stays within reward.timeout_s
+        return SandboxLimits(**{**limits.__dict__, "timeout_s": min(limits.timeout_s, left)})
+
+    def run_harness(spec: dict[str, Any]) -> str | None:
+        lim = limited()
+        if lim is None:
+            return None
+        return run_jailed(verdict.HARNESS, limits=lim.general(max_output=1 << 20),
+                          files=verdict.harness_files(spec, code)).stdout
+
+    if plans:
+        passed = sum(verdict.check(plans, run_harness))
+    else:
+        passed = 0
+        for prog, stdin, want in cases:
+            lim = limited()
+            if lim is None:
+                break
             res = run_python(prog, stdin, lim)
-            ok = res.returncode == 0 and _lines(res.stdout) == _lines(want)
-        passed += ok
+            passed += res.returncode == 0 and _lines(res.stdout) == _lines(want)
     return {"reward": passed / len(cases), "all_passed": float(passed == len(cases))}
 
 

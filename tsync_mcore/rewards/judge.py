@@ -4,16 +4,25 @@ The judge is a vLLM engine of its own in the rollout process (`RolloutEngine` on
 `reward.judge.model_dir`, on the rollout's event loop beside the policy's replicas). It is
 not part of the `ReplicaSet`: no publication reaches it and no policy request is routed to
 it. Each finished answer becomes one judge request — the prompt template filled with the
-row's prompt, the answer and the label — awaited by that trajectory's own coroutine, so the
-answers that finish close together are in flight together and vLLM decodes them as one
-batch (its scheduler batches concurrent requests; no window of our own is needed).
+row's prompt, the answer and the label, each fenced with a nonce of its own call
+(judge_text.py) — awaited by that trajectory's own coroutine, so the answers that finish
+close together are in flight together and vLLM decodes them as one batch (its scheduler
+batches concurrent requests; no window of our own is needed).
+
+Limits: at `attach` the judge's context must hold the template, the longest prompt and
+answer the policy may write (`rollout.max_total_tokens`) and `reward.judge.max_tokens`, or
+the run stops naming both keys; a judge prompt that still does not fit (a long label, a
+tokenizer that splits the answer finer than the policy's) is that trajectory's error — the
+answer is not cut, since a judge grading part of it would grade something else.
 
 The judge's output is untrusted model text: `max_tokens` bounds it, the parser reads it
-with one regex (never eval), a number must be a plain decimal of at most 32 characters,
-finite and inside [score_min, score_max], and a choice a whole word of `choices`. A failure —
-unparseable output, an engine error, `reward.timeout_s` passing — is the trajectory's
-error under `reward.on_error` like any reward function's, one line naming the trajectory
-and what the judge wrote (shortened). Every call is recorded in RUN/judge/records.jsonl.
+with one regex (never eval), only the judge's own words count (judge_text.py), a number
+must be a plain decimal of at most 32 characters, finite and inside [score_min, score_max],
+and a choice a whole word of `choices`. A failure — unparseable output, a prompt past the
+judge's context, an engine error, `reward.timeout_s` passing — is the trajectory's error
+under `reward.on_error` like any reward function's (default: scored 0 and counted), one line
+naming the trajectory and what the judge wrote (shortened). Every call is recorded in
+RUN/judge/records.jsonl.
 """
 
 from __future__ import annotations
@@ -21,160 +30,21 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
 import os
-import re
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from tsync_mcore.rewards.call import RewardFailed, RewardResult
+from tsync_mcore.rewards.judge_text import (FIELDS, JudgeParseError, Parser, ParserConfigError,
+                                            check_template, fill, new_nonce, shorten)
 
-FIELDS = ("prompt", "response", "label")
-_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_DECIMAL = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")  # ASCII; no exponent, nan, inf
-MAX_NUMBER_CHARS = 32  # a score longer than this is no score (e.g. "9" × 5000)
-MAX_OUTPUT_CHARS = 1 << 16  # parse() refuses more: max_tokens keeps real outputs far below
-SHOWN_CHARS = 120  # of the judge's output, in an error line
+__all__ = ["FIELDS", "JudgeParseError", "JudgeLimitsError", "JudgeRunner", "JudgeStats",
+           "Parser", "ParserConfigError", "check_template", "fill"]
 
 
-class ParserConfigError(ValueError):
-    """reward.judge's parser keys are wrong; `key` names the one."""
-
-    def __init__(self, key: str, msg: str) -> None:
-        super().__init__(msg)
-        self.key = key
-
-
-class JudgeParseError(ValueError):
-    """The judge's output gives no score; the message says why (one line)."""
-
-
-# --- the prompt -------------------------------------------------------------------------------
-
-def check_template(template: str) -> None:
-    """ValueError unless `template` holds {response} and no placeholder but FIELDS'."""
-    if not isinstance(template, str) or not template.strip():
-        raise ValueError("must be a non-empty string")
-    names = set(_PLACEHOLDER.findall(template))
-    unknown = sorted(names - set(FIELDS))
-    if unknown:
-        raise ValueError(f"unknown placeholder {{{unknown[0]}}} (known: "
-                         f"{', '.join('{' + f + '}' for f in FIELDS)})")
-    if "response" not in names:
-        raise ValueError("must contain {response} (the answer the judge grades)")
-
-
-def as_text(value: Any) -> str:
-    """A row's prompt or label as the judge reads it: a string as is, chat messages as
-    `role: content` lines, None as "", anything else as JSON."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
-        return "\n".join(f"{m.get('role', 'user')}: {m['content']}" for m in value)
-    try:
-        return json.dumps(value, ensure_ascii=False, default=str)
-    except (TypeError, ValueError):
-        return str(value)
-
-
-def fill(template: str, *, prompt: Any, response: str, label: Any) -> str:
-    """The template with each placeholder replaced in one pass: text inserted for one
-    placeholder is never searched again (an answer writing "{label}" cannot pull the label
-    into the judge's prompt)."""
-    values = {"prompt": as_text(prompt), "response": response, "label": as_text(label)}
-    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
-
-
-# --- the parser -------------------------------------------------------------------------------
-
-def shorten(text: str, n: int = SHOWN_CHARS) -> str:
-    """repr of the first n characters (one line whatever it holds), and the length if cut."""
-    return repr(text[:n]) + (f"…({len(text)} chars)" if len(text) > n else "")
-
-
-@dataclass(frozen=True)
-class Parser:
-    """Judge output → reward (see JudgeConfig's parser keys)."""
-
-    kind: str  # "regex" | "choices"
-    pattern: re.Pattern[str]
-    pick: str = "last"
-    score_min: float = 0.0
-    score_max: float = 10.0
-    normalize: bool = True
-    choices: tuple[tuple[str, float], ...] = ()
-
-    @classmethod
-    def from_config(cls, jc: Any) -> "Parser":
-        """From JudgeConfig; ParserConfigError names the key that is wrong."""
-        if jc.parser == "regex":
-            try:
-                pat = re.compile(jc.pattern)
-            except (re.error, TypeError) as e:
-                raise ParserConfigError("pattern", f"not a regular expression: {e}") from None
-            if pat.groups != 1:
-                raise ParserConfigError("pattern", f"must have exactly one group (the "
-                                        f"score), has {pat.groups}: {jc.pattern!r}")
-            if not jc.score_min < jc.score_max:
-                raise ParserConfigError("score_max", f"must be > score_min ({jc.score_min}), "
-                                        f"got {jc.score_max}")
-            return cls("regex", pat, jc.pick, float(jc.score_min), float(jc.score_max),
-                       bool(jc.normalize))
-        if not jc.choices:
-            raise ParserConfigError("choices", "parser 'choices' needs a mapping of words to "
-                                    "rewards, e.g. {correct: 1, incorrect: 0}")
-        words: dict[str, float] = {}
-        for word, value in jc.choices.items():
-            if not re.fullmatch(r"\w+(?:[ -]\w+)*", word):
-                raise ParserConfigError("choices", f"{word!r} is not a word (letters, digits, "
-                                        f"_, single spaces or hyphens between them)")
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value)):
-                raise ParserConfigError("choices", f"{word!r} maps to {value!r}, not a finite "
-                                        f"number")
-            if word.lower() in words:
-                raise ParserConfigError("choices", f"{word!r} is listed twice (case is ignored)")
-            words[word.lower()] = float(value)
-        # longest first: "not correct" wins over "correct" where both match at one place
-        alts = "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
-        pat = re.compile(rf"(?<!\w)({alts})(?!\w)", re.IGNORECASE)
-        return cls("choices", pat, jc.pick, choices=tuple(words.items()))
-
-    def __call__(self, text: str) -> float:
-        """The reward the output gives; JudgeParseError says why there is none."""
-        if len(text) > MAX_OUTPUT_CHARS:
-            raise JudgeParseError(f"output of {len(text)} characters (at most "
-                                  f"{MAX_OUTPUT_CHARS} are read)")
-        found = [m.group(1) for m in self.pattern.finditer(text)]
-        if not found:
-            raise JudgeParseError("no score found" if self.kind == "regex" else
-                                  f"none of the choices {[w for w, _ in self.choices]} found")
-        values = [self._value(g) for g in found]
-        if self.pick == "only" and len(set(values)) > 1:
-            raise JudgeParseError(f"{len(values)} verdicts that disagree "
-                                  f"({', '.join(map(repr, found[:4]))})")
-        return values[0] if self.pick == "first" else values[-1]
-
-    def _value(self, group: str) -> float:
-        if self.kind == "choices":
-            return dict(self.choices)[group.lower()]
-        s = group.strip()
-        if len(s) > MAX_NUMBER_CHARS:
-            raise JudgeParseError(f"score of {len(s)} characters")
-        if not _DECIMAL.fullmatch(s):
-            raise JudgeParseError(f"score {s!r} is not a decimal number")
-        x = float(s)
-        if not math.isfinite(x):  # "1" × 400 digits would be inf; refused above, kept safe
-            raise JudgeParseError(f"score {s!r} is not finite")
-        if not self.score_min <= x <= self.score_max:
-            raise JudgeParseError(f"score {x:g} outside [{self.score_min:g}, "
-                                  f"{self.score_max:g}]")
-        if self.normalize:
-            return (x - self.score_min) / (self.score_max - self.score_min)
-        return x
+class JudgeLimitsError(ValueError):
+    """The judge's context cannot hold the prompts the policy's limits allow (one line naming
+    both keys)."""
 
 
 # --- the runner -------------------------------------------------------------------------------
@@ -185,6 +55,7 @@ class JudgeStats:
 
     def __init__(self) -> None:
         self.calls = self.parse_failures = self.timeouts = self.engine_errors = 0
+        self.too_long = 0
         self.busy_s = 0.0
         self.in_flight = 0
         self.in_flight_max = 0
@@ -214,8 +85,10 @@ class JudgeStats:
                f"{prefix}judge_parse_failures": float(self.parse_failures),
                f"{prefix}judge_timeouts": float(self.timeouts),
                f"{prefix}judge_engine_errors": float(self.engine_errors),
+               f"{prefix}judge_too_long": float(self.too_long),
                f"{prefix}judge_in_flight_max": float(self.in_flight_max)}
         self.calls = self.parse_failures = self.timeouts = self.engine_errors = 0
+        self.too_long = 0
         self.busy_s, self.in_flight_max = 0.0, self.in_flight
         return out
 
@@ -224,30 +97,48 @@ class JudgeRunner:
     """RewardRunner's `score` for reward.function 'judge': one judge request per answer.
 
     Built with the config (template and parser checked then); `attach` gives it the judge
-    engine and tokenizer once the rollout started them. Its coroutines run on the engine's
-    event loop (the rollout's)."""
+    engine and tokenizer once the rollout started them, and checks the judge's context
+    against `policy_tokens` (rollout.max_total_tokens: the longest prompt and answer). Its
+    coroutines run on the engine's event loop (the rollout's)."""
 
     def __init__(self, jc: Any, *, timeout_s: float, on_error: str, records_dir: str,
-                 seed: int = 0) -> None:
+                 seed: int = 0, policy_tokens: int = 0) -> None:
         check_template(jc.prompt_template)
         self.jc, self.parser = jc, Parser.from_config(jc)
         self.spec = f"judge {jc.model_dir}"
         self.timeout_s, self.on_error, self.seed = timeout_s, on_error, seed
+        self.policy_tokens = policy_tokens
         self.records_dir = records_dir
         self.takes_messages = False
         self.engine: Any = None
         self.tok: Any = None
+        self.context: int | None = None  # the judge engine's max_model_len
         self.stats = JudgeStats()
         self._records: Any = None
 
     def attach(self, engine: Any, tokenizer: Any) -> None:
         """The judge's engine (anything with RolloutEngine.generate) and tokenizer. chat:
-        the tokenizer must have a chat template (checked now, not at the first answer)."""
+        the tokenizer must have a chat template, and the engine's context (its
+        `max_model_len`) must hold what the policy may write: both checked now, not at the
+        first answer (JudgeLimitsError: one line naming the keys)."""
         if self.jc.chat and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"reward.judge.chat: the judge's tokenizer "
                              f"({self.jc.model_dir}) has no chat template; set "
                              f"reward.judge.chat: false to send the filled template as is")
         self.engine, self.tok = engine, tokenizer
+        self.context = getattr(engine, "max_model_len", None)
+        if self.context is not None:
+            # the template, its fences and chat wrapping, with every field empty
+            frame = len(self.prompt_ids(prompt="", response="", label="", nonce=new_nonce()))
+            need = frame + self.policy_tokens + self.jc.max_tokens
+            if need > self.context:
+                raise JudgeLimitsError(
+                    f"config keys 'reward.judge.max_model_len' and 'rollout.max_total_tokens': "
+                    f"the judge's context of {self.context} tokens cannot hold the template "
+                    f"({frame} tokens) + rollout.max_total_tokens={self.policy_tokens} (the "
+                    f"policy's prompt and answer) + reward.judge.max_tokens="
+                    f"{self.jc.max_tokens} = {need}: raise reward.judge.max_model_len (0: the "
+                    f"checkpoint's) or lower rollout.max_total_tokens")
         os.makedirs(self.records_dir, exist_ok=True)
         self._records = open(os.path.join(self.records_dir, "records.jsonl"), "a",
                              encoding="utf-8")
@@ -257,8 +148,9 @@ class JudgeRunner:
             self._records.close()
             self._records = None
 
-    def prompt_ids(self, *, prompt: Any, response: str, label: Any) -> list[int]:
-        text = fill(self.jc.prompt_template, prompt=prompt, response=response, label=label)
+    def prompt_ids(self, *, prompt: Any, response: str, label: Any, nonce: str) -> list[int]:
+        text = fill(self.jc.prompt_template, prompt=prompt, response=response, label=label,
+                    nonce=nonce)
         if not self.jc.chat:
             return list(self.tok(text, add_special_tokens=True)["input_ids"])
         messages = ([{"role": "system", "content": self.jc.system_prompt}]
@@ -286,19 +178,26 @@ class JudgeRunner:
         stats = self.stats  # evaluation swaps in its own; this call stays with its own
         in_flight = stats.started()
         try:
-            ids = self.prompt_ids(prompt=prompt, response=response, label=label)
+            ids = self.prompt_ids(prompt=prompt, response=response, label=label,
+                                  nonce=new_nonce())
             n_prompt = len(ids)
-            out = await asyncio.wait_for(self.engine.generate(
-                ids, max_tokens=self.jc.max_tokens, temperature=self.jc.temperature,
-                seed=self._seed(key)), self.timeout_s)
-            reason = out.finish_reason
-            text = self.tok.decode(out.token_ids, skip_special_tokens=True)
-            reward = self.parser(text)
+            if self.context is not None and n_prompt + self.jc.max_tokens > self.context:
+                kind = "length"
+                why = (f"judge prompt of {n_prompt} tokens + reward.judge.max_tokens="
+                       f"{self.jc.max_tokens} exceed the judge's context ({self.context} "
+                       f"tokens): the answer ({len(response)} characters) is not judged")
+            else:
+                out = await asyncio.wait_for(self.engine.generate(
+                    ids, max_tokens=self.jc.max_tokens, temperature=self.jc.temperature,
+                    seed=self._seed(key)), self.timeout_s)
+                reason = out.finish_reason
+                text = self.tok.decode(out.token_ids, skip_special_tokens=True)
+                reward = self.parser(text, response)
         except asyncio.TimeoutError:
             kind, why = "timeout", f"timed out after {self.timeout_s:g}s (reward.timeout_s)"
         except JudgeParseError as e:
             kind, why = "parse", f"cannot score the judge's output ({e}): {shorten(text)}"
-        except Exception as e:  # the engine (a prompt past max_model_len, a dead engine)
+        except Exception as e:  # the engine (a dead engine), the tokenizer
             first = (str(e).strip().splitlines() or [""])[0][:300]
             kind, why = "engine", f"judge request failed: {type(e).__name__}: {first}"
         finally:
@@ -309,10 +208,13 @@ class JudgeRunner:
             stats.parse_failures += 1
         elif kind == "engine":
             stats.engine_errors += 1
+        elif kind == "length":
+            stats.too_long += 1
         msg = None if why is None else f"reward {self.spec} on {where}: {why}"
-        self._record({"traj_id": key, "where": where, "output": text, "finish_reason": reason,
-                      "prompt_tokens": n_prompt, "reward": reward, "error": msg,
-                      "seconds": round(time.perf_counter() - t0, 6), "in_flight": in_flight,
+        self._record({"traj_id": key, "where": where, "answer": response, "output": text,
+                      "finish_reason": reason, "prompt_tokens": n_prompt, "reward": reward,
+                      "error": msg, "seconds": round(time.perf_counter() - t0, 6),
+                      "in_flight": in_flight,
                       # the judge's weights: 0 for good (no publication reaches its engine)
                       "judge_version": getattr(self.engine, "version", None)})
         if msg is None:

@@ -32,17 +32,23 @@ class Agents:
     def start_endpoint(self) -> None:
         """rollout.agent: openai: the OpenAI-compatible endpoint on the engine's loop
         (docs/guide/agents.md), with a random key for this run."""
+        from tsync_mcore.rollout.openai.launch import AgentIsolationError, Launcher
         from tsync_mcore.rollout.openai.processes import AgentCounters
         from tsync_mcore.rollout.openai.server import OpenAIServer
 
         rc = self.rc
+        try:  # `require` where the jail cannot be made, an agent_expose showing the run dir
+            Launcher(None, rc.agent_isolation, expose=rc.agent_expose, hide=(self.cfg.run.dir,))
+        except AgentIsolationError as e:
+            raise RolloutStopped(str(e)) from None
         self.oai = OpenAIServer(self.engine, self.tok, api_key=secrets.token_urlsafe(24),
                                 model=os.path.basename(os.path.normpath(self.cfg.model.hf_dir)),
                                 history=rc.openai_history, temperature=rc.temperature,
                                 current_version=self.served,
                                 max_body_bytes=int(rc.openai_max_body_mb * (1 << 20)),
                                 max_messages=rc.openai_max_messages,
-                                read_timeout_s=rc.openai_read_timeout_s)
+                                read_timeout_s=rc.openai_read_timeout_s,
+                                max_connections=rc.openai_max_connections)
         self.counters = AgentCounters()
         host, _, port = rc.serve_openai.rpartition(":")
         try:
@@ -77,7 +83,8 @@ class Agents:
 
         rc, feed = self.rc, self.feed
         limits = dict(max_turns=rc.max_turns, max_tokens_per_turn=rc.max_tokens_per_turn,
-                      max_total_tokens=rc.max_total_tokens)
+                      max_total_tokens=rc.max_total_tokens, max_segments=rc.max_segments,
+                      max_trained_tokens=rc.max_trained_tokens)
         tools = None
         if feed is not None:  # rollout.env: dataset: the row's chat messages
             from tsync_mcore.data import row_messages
@@ -129,7 +136,8 @@ class Agents:
         if rc.agent_pool and self.pool is None:  # started with the first batch, kept
             self.pool = AgentPool(self.oai, command=command, size=rc.agent_pool,
                                   run_dir=self.cfg.run.dir, timeout_s=rc.agent_timeout_s,
-                                  counters=self.counters, pass_env=rc.agent_env)
+                                  counters=self.counters, pass_env=rc.agent_env,
+                                  isolation=rc.agent_isolation, expose=rc.agent_expose)
         return run_agents(self.oai, traj_ids=batch.traj_ids, group_of=batch.group_of,
                           tasks=tasks, seeds=batch.seeds, version=self.served(), limits=limits,
                           command=command, pool=self.pool, timeout_s=rc.agent_timeout_s,
@@ -137,7 +145,8 @@ class Agents:
                           concurrency=rc.agent_concurrency, task_reward=task_reward,
                           run_dir=self.cfg.run.dir, counters=self.counters, tools=tools,
                           max_calls_per_turn=self.cfg.tools.max_calls_per_turn,
-                          pass_env=rc.agent_env, on_reward_error=reward_error)
+                          pass_env=rc.agent_env, on_reward_error=reward_error,
+                          isolation=rc.agent_isolation, expose=rc.agent_expose)
 
     def stop(self) -> None:
         """The pool (410 to its pollers, SIGTERM, SIGKILL after a grace), then the endpoint."""

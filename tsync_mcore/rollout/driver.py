@@ -50,6 +50,7 @@ from tsync_mcore.publication import send as publish
 # RolloutStopped and the publication checks live with the rest of the receiving side
 from tsync_mcore.publication.receive import (RolloutStopped, await_publish,  # noqa: F401
                                              check_publish)
+from tsync_mcore.rewards.judge import JudgeLimitsError
 from tsync_mcore.rollout.agents import Agents
 from tsync_mcore.rollout.batch import BatchRunner
 from tsync_mcore.rollout.engine import EngineThread, RolloutEngine, TeacherScorer
@@ -119,7 +120,7 @@ class RolloutDriver:
                                   policy=self.policy, et=self.et, tok=self.tok,
                                   teacher=teacher)
         self.evaluator = Evaluator(cfg, self.engine, self.feed, self.agents, self.et)
-        self.publish_store = None  # publish.method: dist: the group's store and Seal, kept
+        self.publish_store = None  # publish.method: dist: the group's store, kept
 
     async def _make_engine(self) -> ReplicaSet:
         """rollout.replicas engines (one is a set of one), started and warmed up."""
@@ -182,6 +183,9 @@ class RolloutDriver:
             self.judge_engine = self.et.run(start())
             self.et.run(self.judge_engine.warmup())  # its first requests' cost: no batch's
             self.feed.judge.attach(self.judge_engine, tok)
+        except JudgeLimitsError as e:  # its context cannot hold what the policy may write
+            self._stop_engines()
+            raise RolloutStopped(str(e)) from None
         except Exception as e:  # a bad directory, no chat template, vLLM refusing it
             first = (str(e).strip().splitlines() or [""])[0][:300]
             self._stop_engines()

@@ -276,6 +276,7 @@ class RolloutEngine:
         self._admitting = 0  # requests between the gate and the engine's queue
         self._admitted: asyncio.Event | None = None  # set while _admitting == 0
         self.swaps = 0  # reloads that aborted requests in flight (mode="abort")
+        self._ended_tokens = 0  # tokens of requests no longer in flight (see tokens_produced)
         self._closed = False
         # Publication over torch.distributed (receive_weights): group ranks this engine's
         # workers take (one per vLLM worker), and what the last receive reported per worker.
@@ -287,6 +288,23 @@ class RolloutEngine:
         self.lora_rank = lora_rank
         self._lora: Any = None  # vllm LoRARequest of the current version
         self._lora_ids = 0  # vLLM caches adapters by id: a fresh one per publication
+
+    def tokens_produced(self) -> int:
+        """Tokens this engine has sampled so far, those of requests in flight included: a
+        hang watch reads it (ReplicaSet). vLLM's output processor keeps each in-flight
+        request's ids as every step's output arrives, even for FINAL_ONLY requests, so
+        reading them costs the serving path nothing."""
+        return self._ended_tokens + sum(n for _, n in self._in_flight())
+
+    def _in_flight(self) -> list[tuple[str, int]]:
+        """(our request id, tokens sampled so far) for each request the engine holds."""
+        states = getattr(getattr(self._llm, "output_processor", None), "request_states", {})
+        out = []
+        for st in list(states.values()):
+            detok = getattr(st, "detokenizer", None)
+            if detok is not None:
+                out.append((getattr(st, "external_req_id", ""), detok.num_output_tokens()))
+        return out
 
     def _live(self) -> Any:
         if self._llm is None:
@@ -393,12 +411,15 @@ class RolloutEngine:
             while final is None or not final.finished:
                 final = q.get_nowait() or await q.get()
         except asyncio.CancelledError:
+            # its tokens so far stay counted (a hang watch reads the count)
+            self._ended_tokens += sum(n for r, n in self._in_flight() if r == request_id)
             await llm.abort(request_id, internal=True)
             raise
         if not final.outputs:
             raise RuntimeError(f"generate: request {request_id} returned no output")
         comp = final.outputs[0]
         ids = list(comp.token_ids)
+        self._ended_tokens += len(ids)
         lps = [float(comp.logprobs[i][t].logprob) for i, t in enumerate(ids)] if ids else []
         return (ids, lps), version, str(comp.finish_reason)
 
@@ -482,7 +503,7 @@ class RolloutEngine:
         take ranks `rank`, `rank` + 1, ... (one per vLLM worker; one on CPU). A collective:
         returns once the learner and every other member joined; the group ranks taken.
         `backend`: gloo or nccl; "": nccl on GPU, gloo on CPU. `key`: the group key (hex,
-        publication.dist.group_key) every member proves it holds ("": no proof)."""
+        publication.dist.group_key) every member proves to the store and to the others."""
         ranks = await self._live().collective_rpc(
             "tsync_join_publish_group",
             args=(addr, port, rank, world, token, timeout_s, ifname, backend, key))

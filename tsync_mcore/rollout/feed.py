@@ -80,7 +80,8 @@ class DataFeed:
         if cfg.reward.function == "judge":  # its engine is attached by the driver
             self.runner = JudgeRunner(cfg.reward.judge, timeout_s=cfg.reward.timeout_s,
                                       on_error=cfg.reward.on_error, seed=cfg.seed,
-                                      records_dir=os.path.join(cfg.run.dir, "judge"))
+                                      records_dir=os.path.join(cfg.run.dir, "judge"),
+                                      policy_tokens=cfg.rollout.max_total_tokens)
             return
         fn = reward_scorer(cfg.reward.function, cfg.reward)  # jailed unless in-process
         self.runner = RewardRunner(fn, spec=cfg.reward.function, timeout_s=cfg.reward.timeout_s,

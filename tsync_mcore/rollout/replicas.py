@@ -21,8 +21,9 @@ the engines in lockstep waves, and `collective_rpc` returns engine 0's result on
 failing replica cannot be named.
 
 Restarts (`rollout.max_replica_restarts`, docs/guide/running.md#replica-restarts): a replica
-whose engine core dies under a request, or that finishes no request for
-`rollout.replica_hang_s` while it has some outstanding, is declared dead: its engine core is
+whose engine core dies under a request, or whose engine samples no token for
+`rollout.replica_hang_s` while it has requests outstanding (a hang is judged by progress, so
+a long request that keeps decoding is never one), is declared dead: its engine core is
 SIGKILLed, its route keys are forgotten, and every request it held is re-issued, whole and
 with its own seed, on a live replica (the restarted one included) — the requests of a step
 are thus all sampled by the version that step was registered with. Meanwhile a fresh engine
@@ -123,7 +124,10 @@ class ReplicaSet:
         self._pub_lock = asyncio.Lock()  # a publication, or a restart loading the current θ
         self._publishing = False
         self._current: tuple[str, str, int] | None = None  # (method, path, version) loaded
-        self._progress = [time.monotonic()] * len(self.engines)  # last finished request
+        # when each replica last made progress (a token sampled, a request finished), and
+        # the engine's token count seen then
+        self._progress = [time.monotonic()] * len(self.engines)
+        self._produced = [-1] * len(self.engines)
         self._watchdog: asyncio.Task | None = None
         self.max_model_len: int = min(e.max_model_len for e in self.engines)
         self.vocab_size: int = self.engines[0].vocab_size
@@ -328,9 +332,18 @@ class ReplicaSet:
             raise RuntimeError(f"its weights differ from replica {peers[0]}'s θ_{version} in "
                                f"{len(differ)} of {len(theirs)} tensors ({differ[0]}, ...)")
 
+    def _sampled(self, i: int, now: float) -> None:
+        """Replica i made progress if its engine's token count moved since the last look
+        (an engine without the count: only finished requests are progress)."""
+        count = getattr(self.engines[i], "tokens_produced", None)
+        n = count() if count is not None else -1
+        if n != self._produced[i]:
+            self._produced[i] = n
+            self._progress[i] = now
+
     async def _watch(self) -> None:
-        """Declares dead a replica that finished no request for hang_s while it had some
-        outstanding (publications, which pause generation, excepted)."""
+        """Declares dead a replica whose engine sampled no token for hang_s while it had
+        requests outstanding (publications, which pause generation, excepted)."""
         tick = min(1.0, self.hang_s / 4)
         last = time.monotonic()
         while self._fatal is None:
@@ -345,10 +358,12 @@ class ReplicaSet:
                 self._progress = [now] * len(self.engines)
                 continue
             for i, engine in enumerate(self.engines):
+                if self._restarting[i] is not None:
+                    continue
+                self._sampled(i, now)
                 idle = now - self._progress[i]
-                if (self._outstanding[i] and self._restarting[i] is None and idle > self.hang_s
-                        and self._fatal is None):
-                    self._declare_dead(i, engine, f"finished no request for {idle:.0f} s "
+                if self._outstanding[i] and idle > self.hang_s and self._fatal is None:
+                    self._declare_dead(i, engine, f"sampled no token for {idle:.0f} s "
                                        f"(rollout.replica_hang_s={self.hang_s:g})")
 
     async def _settled(self) -> None:

@@ -12,9 +12,11 @@ agent acts by writing tool calls in its text, in the Qwen/Hermes convention
 working directory (files persist between calls). The observation is one `tool` message per
 call, rendered with the chat template. The episode ends when a turn has no tool call, or
 at `max_turns` (that turn's calls still run), and is then verified: the repo's regular
-top-level .py files are copied next to hidden tests (other inputs than the visible test's)
-into a fresh sandbox; reward 1.0 when they pass (exit 0 after a random marker that follows
-the tests, so an `os._exit(0)` planted in the module passes nothing), else 0.0.
+top-level .py files are copied into a fresh sandbox where the verifier's harness imports the
+module and reports what its functions return on hidden inputs (other than the visible
+test's); the expected values and the comparisons stay here (sandbox/verdict.py), so a
+module that shadows or patches the harness's names, forges its report or exits early
+passes nothing. Reward 1.0 when every hidden assert holds, else 0.0.
 """
 
 from __future__ import annotations
@@ -219,17 +221,22 @@ class TerminalTaskEnv:
         if self.task is None or self.workdir is None:
             self._reward = 0.0
             return 0.0
-        # The hidden tests' expected values never enter the sandbox: it reports what the
-        # repo's functions return, and the verdict is decided here (sandbox/verdict.py).
-        setup, probes = verdict.split(self.task.hidden_test)
-        prog = verdict.probe_program(
-            f"import os\nimport sys\n\nsys.path.insert(0, os.getcwd())\n\n"
-            f"from {self.task.module} import *  # noqa", setup, probes)
-        lim = sb.Limits(**{**self.limits.__dict__, "timeout_s": self.cfg.verify_timeout_s})
-        # (a SandboxError propagates: a broken sandbox is not the agent's failure)
-        r = sb.run_python(prog, limits=lim, files=self._sources())
-        self.verify_result = r
-        self._reward = float(all(verdict.decide(r.stdout, probes)))
+        # The hidden tests' expected values and comparisons never enter the sandbox that
+        # imports the repo's module: it reports what the module's functions return, and
+        # the verdict is decided here (sandbox/verdict.py, sandbox/harness.py).
+        plan = verdict.plan(self.task.hidden_test)
+        lim = sb.Limits(**{**self.limits.__dict__, "timeout_s": self.cfg.verify_timeout_s,
+                           "max_output": max(self.limits.max_output, 1 << 20)})
+        sources = self._sources()
+
+        def run(spec: dict) -> str:
+            files = {**(sources if spec["mode"] == "solution" else {}),
+                     **verdict.harness_files(spec)}
+            # (a SandboxError propagates: a broken sandbox is not the agent's failure)
+            self.verify_result = sb.run_python(verdict.HARNESS, limits=lim, files=files)
+            return self.verify_result.stdout
+
+        self._reward = float(all(verdict.check([plan], run, module=self.task.module)))
         self.close()
         return self._reward
 

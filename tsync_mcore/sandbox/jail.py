@@ -102,6 +102,7 @@ class Limits:
     # writable (one holding a Unix socket); both at their own paths
     expose: tuple[str, ...] = ()
     binds: tuple[str, ...] = ()
+    hide: tuple[str, ...] = ()  # host directories covered by an empty tmpfs (a run directory)
     loopback: bool = False  # the new network namespace's `lo` up (127.0.0.1 inside only)
     # a memory cgroup of its own (root): memory_mb + disk_mb of memory, tmpfs and memfd
     # pages included, swap too where the kernel accounts it; exceeding it is an OOM kill
@@ -118,7 +119,7 @@ class Limits:
         if self.uid_base and not 1000 <= self.uid_base <= (1 << 31) - UID_SPAN:
             raise ValueError(f"uid_base must be 0 or in [1000, 2^31 - {UID_SPAN}], "
                              f"got {self.uid_base}")
-        for key in ("expose", "binds"):
+        for key in ("expose", "binds", "hide"):
             paths = getattr(self, key)
             if isinstance(paths, str) or not all(isinstance(p, str) and os.path.isabs(p)
                                                  and "\x00" not in p for p in paths):
@@ -643,6 +644,7 @@ def _binds(limits: Limits, workdir: str | None, ids: tuple[int, int] | None,
     ro = [os.path.abspath(p) for p in limits.expose]
     interp = view.interpreter_paths() if exe == sys.executable else []
     covers = view.covers_for(interp + rw + ro, ids[0]) if ids else []
+    covers += [os.path.abspath(p) for p in limits.hide if ids]
     binds = [(p, p, True) for p in rw] + [(p, p, False) for p in ro]
     binds += [(p, p, False) for p in interp if view.needs_bind(p, covers)]
     overlay = view.source_overlay() if interp else None

@@ -1,5 +1,5 @@
-"""The learner's entropy metric at TP=2 (vocab-parallel logits), launched by
-tests/test_learner_metrics.py through dist_util.run_dist.
+"""The learner's entropy metric at TP=2 (vocab-parallel logits), run in lm_head_worker.py's
+launch (tests/integration/test_lm_head.py), or alone:
 
 Usage: torchrun --nproc-per-node 2 tests/helpers/workers/entropy_worker.py '<json>'
 json: {"hf_dir": dir, "rows": [{"tokens": [...], "scored_mask": [...]}, ...]}
@@ -20,8 +20,9 @@ from tsync_mcore.learner.policy import Policy  # noqa: E402
 from tsync_mcore.model.parallel import init_parallel  # noqa: E402
 
 
-def main() -> None:
-    job = json.loads(sys.argv[1])
+def measure(job: dict) -> dict:
+    """This rank's (Σ entropy, scored tokens) of the job's rows, and what a second take
+    reads (also run in lm_head_worker.py's launch, tests/integration/test_lm_head.py)."""
     cfg = load_config(None, {"model.hf_dir": job["hf_dir"], "model.tp": 2,
                              "rollout.n_learners": 2})
     par = init_parallel(tp_size=2)
@@ -31,8 +32,12 @@ def main() -> None:
         policy.zero_grads()
     ent_sum, n = policy.take_entropy()
     again = policy.take_entropy()  # taken means reset
-    report({"tp_rank": par.tp_rank, "tp_size": par.tp_size, "entropy_sum": ent_sum,
-            "tokens": n, "after_take": list(again)})
+    return {"tp_rank": par.tp_rank, "tp_size": par.tp_size, "entropy_sum": ent_sum,
+            "tokens": n, "after_take": list(again)}
+
+
+def main() -> None:
+    report(measure(json.loads(sys.argv[1])))
     dist.barrier()
 
 

@@ -2,9 +2,11 @@
 of its final weights: Megatron's logits on probe tokens (vocab shards gathered over TP) and
 the live HF-named export of the parameters.
 
-Usage: export_worker.py HF_DIR BATCH RUN_DIR TP UPDATES   (under torchrun, or `train` in-process)
-Writes RUN_DIR/config.yaml (as the trainer does) and RUN_DIR/learner_final.safetensors (rank 0:
-`logits` [1, S, V] FP32 and `param.<hf name>`); prints RESULT.
+Usage (under torchrun, or `train` in-process):
+    export_worker.py '[[HF_DIR, BATCH, RUN_DIR, TP, UPDATES, OVERRIDES or null], ...]'
+one run after the other in one launch (each a fresh policy, parallel state re-seeded).
+Each writes RUN_DIR/config.yaml (as the trainer does) and RUN_DIR/learner_final.safetensors
+(rank 0: `logits` [1, S, V] FP32 and `param.<hf name>`); prints RESULT ({rank, runs: one entry per run}).
 """
 
 import json
@@ -66,7 +68,7 @@ def train(hf_dir: str, batch: str, run_dir: str, tp: int, updates: int, par=None
 if __name__ == "__main__":
     from tests.helpers.dist_util import exit_now
 
-    hf, batch, run, tp, n = sys.argv[1:6]
-    extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None  # config overrides
-    emit(train(hf, batch, run, int(tp), int(n), overrides=extra))
+    runs = [train(hf, batch, run, int(tp), int(n), overrides=extra)
+            for hf, batch, run, tp, n, extra in json.loads(sys.argv[1])]
+    emit({"rank": runs[0]["rank"], "runs": runs})
     exit_now()  # the ranks' results are out: skip the interpreter's teardown

@@ -1,5 +1,5 @@
 """FlopCounterMode on each rank of an expert-parallel (EP = 2) Qwen3-MoE forward + backward,
-launched by tests/test_ledger_moe.py through dist_util.run_dist.
+run in tests/helpers/workers/moe_worker.py's launch (tests/integration/test_moe.py), or alone:
 
 Usage: torchrun --nproc-per-node 2 tests/helpers/workers/ledger_moe_ep_worker.py '<json config>'
 config: {"ckpt": dir, "shapes": [[b, s] per rank]}. Prints one `RESULT {json}` line per rank:
@@ -20,10 +20,11 @@ from tsync_mcore.model.parallel import init_parallel  # noqa: E402
 from tsync_mcore.observability.ledger import RoutingCounter  # noqa: E402
 
 
-def main() -> None:
+def measure(cfg: dict) -> dict:
+    """This rank's counted FLOPs, sequences and routing (also run in moe_worker.py's launch,
+    tests/integration/test_moe.py)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    cfg = json.loads(sys.argv[1])
     init_parallel(tp_size=1, ep_size=2)
     model, spec = bridge.build_model(cfg["ckpt"])
     b, s = cfg["shapes"][dist.get_rank()]
@@ -34,9 +35,13 @@ def main() -> None:
         fwd = fc.get_total_flops()
         out.float().logsumexp(-1).sum().backward()
         total = fc.get_total_flops()
-    report({"forward": fwd, "total": total, "seq_lens": [s] * b, "routing": rc.counts(),
+    return {"forward": fwd, "total": total, "seq_lens": [s] * b, "routing": rc.counts(),
             "attention": bridge.attention_mode(model),
-            "local_experts": len(model.decoder.layers[0].mlp.experts.local_experts)})
+            "local_experts": len(model.decoder.layers[0].mlp.experts.local_experts)}
+
+
+def main() -> None:
+    report(measure(json.loads(sys.argv[1])))
 
 
 if __name__ == "__main__":

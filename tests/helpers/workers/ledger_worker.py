@@ -2,9 +2,10 @@
 
 `measure_cases` runs in process (TP=1, the test's `parallel1`) and on torchrun ranks:
     torchrun --nproc-per-node 2 tests/helpers/workers/ledger_worker.py '<json config>'
-config: {"tp": 2, "ckpts": {name: dir}, "seq_lens": [[...], ...]} and optionally
-"lora": {"rank": r, "targets": [...]} (LoRA adapters instead of the freeze cases); each rank
-prints one `RESULT {json}` line with its counted FLOPs per (checkpoint, case, lengths).
+config: {"tp": 2, "jobs": [job, ...]}, a job {"ckpts": {name: dir}, "seq_lens": [[...], ...]}
+and optionally "lora": {"rank": r, "targets": [...]} (LoRA adapters instead of the freeze
+cases); each rank prints one `RESULT {json}` line with its counted FLOPs per job, then
+(checkpoint, case, lengths): one launch for the freeze cases and the LoRA policies.
 """
 
 from __future__ import annotations
@@ -98,13 +99,16 @@ def main(cfg: dict) -> None:
     from tsync_mcore.model.parallel import init_parallel
 
     info = init_parallel(tp_size=cfg["tp"])
-    if cfg.get("lora"):
-        lo = cfg["lora"]
-        res = {name: measure_lora(d, cfg["seq_lens"], lo["rank"], lo["targets"])
-               for name, d in cfg["ckpts"].items()}
-    else:
-        res = {name: measure_cases(d, cfg["seq_lens"]) for name, d in cfg["ckpts"].items()}
-    report({"tp_rank": info.tp_rank, "tp_size": info.tp_size, "results": res})
+    jobs = []
+    for job in cfg["jobs"]:
+        if job.get("lora"):
+            lo = job["lora"]
+            jobs.append({name: measure_lora(d, job["seq_lens"], lo["rank"], lo["targets"])
+                         for name, d in job["ckpts"].items()})
+        else:
+            jobs.append({name: measure_cases(d, job["seq_lens"])
+                         for name, d in job["ckpts"].items()})
+    report({"tp_rank": info.tp_rank, "tp_size": info.tp_size, "jobs": jobs})
 
 
 if __name__ == "__main__":

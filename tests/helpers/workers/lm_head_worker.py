@@ -1,12 +1,13 @@
 """TP = 2 check of the fused LM head (tests/test_lm_head.py): each rank holds half the vocab.
 
-Usage: torchrun --nproc-per-node 2 tests/helpers/workers/lm_head_worker.py [JOBS.json]
+Usage: torchrun --nproc-per-node 2 tests/helpers/workers/lm_head_worker.py [JOBS.json [ENTROPY.json]]
 The hidden states pass Megatron's copy-to-TP region (as model/bridge.head_input does), so
 their gradient is whole on every rank; each rank reports its log-probs, entropy, the hidden
 gradient and its own rows of the weight gradient, in FP64 and FP32, for the test to compare
 with the full-vocab reference. Prints one `RESULT {json}` line per rank. With JOBS.json
 (tests/helpers/replay.py: write_jobs), the same launch then runs those replays (their
-summaries under "summaries").
+summaries under "summaries"); with ENTROPY.json (entropy_worker.py's job), first the
+learner's entropy metric at TP = 2 (under "entropy").
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def problem(dtype: torch.dtype):
     return hidden.to(dtype), weight.to(dtype), targets, grad.to(dtype)
 
 
-def main(jobs_path: str | None = None) -> None:
+def main(jobs_path: str | None = None, entropy_path: str | None = None) -> None:
     par = init_parallel(tp_size=2)
     group = ps.get_tensor_model_parallel_group()
     v_local = V // par.tp_size
@@ -49,6 +50,12 @@ def main(jobs_path: str | None = None) -> None:
         (logp * grad + ent * grad.flip(0)).sum().backward()  # with an entropy bonus's term
         out[name] = {"logp": logp.tolist(), "ent": ent.tolist(), "grad_h": h.grad.tolist(),
                      "grad_w": w.grad.tolist()}
+    if entropy_path:  # the learner's entropy metric at TP = 2 (entropy_worker.py)
+        import json
+
+        from tests.helpers.workers import entropy_worker
+        with open(entropy_path) as f:
+            out["entropy"] = entropy_worker.measure(json.load(f))
     if jobs_path:
         from tests.helpers.replay import run_jobs
         out["summaries"] = run_jobs(jobs_path)
@@ -63,5 +70,5 @@ if __name__ == "__main__":
 
     import sys
 
-    main(*sys.argv[1:2])
+    main(*sys.argv[1:3])
     exit_now()  # the ranks' results are out: skip the interpreter's teardown

@@ -1,7 +1,9 @@
-"""Multi-rank model checks, launched by tests/test_model.py through dist_util.run_dist.
+"""Multi-rank model checks (and the K/V-span forward's), launched by
+tests/integration/test_model.py through dist_util.run_dist.
 
 Usage: torchrun --nproc-per-node 2 tests/helpers/workers/model_worker.py '<json config>'
-config: {"tp2": {"ckpts": {name: dir}, "bad_vocab": dir}, "dp2": {"ckpt": dir}}
+config: {"tp2": {"ckpts": {name: dir}, "bad_vocab": dir}, "dp2": {"ckpt": dir},
+         "span": span_worker.check_tp2's config}
 Prints one `RESULT {json}` line per rank.
 """
 
@@ -192,6 +194,10 @@ def main() -> None:
     result: dict = {}
     if "tp2" in cfg:
         result["tp2"] = check_tp2(cfg["tp2"])
+    if "span" in cfg:  # the K/V-span forward's TP = 2 checks (span_worker.py)
+        from tests.helpers.workers import span_worker
+
+        result["span"] = span_worker.check_tp2(cfg["span"])
     if "dp2" in cfg:
         result["dp2"] = check_dp2(cfg["dp2"])
     report(result)

@@ -103,6 +103,10 @@ def check_ep2(cfg: dict) -> dict:
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     out = {"tp2": check_tp2(cfg), "ep2": check_ep2(cfg)}
+    if cfg.get("ledger_ep"):  # the FLOP ledger at EP = 2 (ledger_moe_ep_worker.py)
+        from tests.helpers.workers import ledger_moe_ep_worker
+
+        out["ledger_ep"] = ledger_moe_ep_worker.measure(cfg["ledger_ep"])
     if cfg.get("replays"):
         from tests.helpers.replay import run_jobs
         out["summaries"] = run_jobs(cfg["replays"])

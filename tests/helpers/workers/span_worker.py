@@ -150,17 +150,22 @@ def check_model(path: str, attention: str = "auto") -> dict:
     return out
 
 
-def main() -> None:
+def check_tp2(cfg: dict) -> dict:
+    """Every check at TP = 2 (this rank's part): cfg {"ckpts": {name: dir}, "sdpa": [name]}.
+    Also run in model_worker.py's launch (tests/integration/test_model.py)."""
     from tsync_mcore.model.parallel import init_parallel
 
-    cfg = json.loads(sys.argv[1])
     info = init_parallel(tp_size=2)
     result: dict = {"tp_size": info.tp_size, "tp_rank": info.tp_rank}
     for name, path in cfg["ckpts"].items():
         result[name] = check_model(path)
     for name in cfg.get("sdpa", []):  # SDPAttention (the GPU default) on the same shards
         result[f"{name}_sdpa"] = check_model(cfg["ckpts"][name], attention="sdpa")
-    report(result)
+    return result
+
+
+def main() -> None:
+    report(check_tp2(json.loads(sys.argv[1])))
     dist.barrier()
 
 

@@ -29,13 +29,21 @@ def number(body: dict, key: str, default: float | None, lo: float, hi: float,
     return float(v)
 
 
-def integer(body: dict, key: str, lo: int = 0) -> int | None:
-    """body[key], an integer >= lo; None when absent."""
+# A sampling seed, as vLLM's OpenAI server bounds it (a 64-bit signed integer; past it
+# vLLM's generator overflows); negative seeds are refused here, as always
+SEED_MAX = 2**63 - 1
+
+
+def integer(body: dict, key: str, lo: int = 0, hi: int | None = None) -> int | None:
+    """body[key], an integer in [lo, hi]; None when absent."""
     v = body.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ApiError(400, f"{key} must be an integer >= {lo}, got {v!r}", param=key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        got = repr(v) if not isinstance(v, int) or abs(v) < 10**30 else f"an integer of " \
+            f"{len(str(abs(v)))} digits"
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ApiError(400, f"{key} must be an integer {bound}, got {got}"[:300], param=key)
     return v
 
 
@@ -106,3 +114,25 @@ def stream_flags(body: dict) -> tuple[bool, bool]:
         raise ApiError(400, 'stream_options must be {"include_usage": true|false}',
                        param="stream_options")
     return True, usage
+
+
+# A tokenizer normalizer (Unicode NFC/NFKC, lowercasing) may shrink a text before it is
+# cut into tokens: at most 4 bytes become 1 (NFKC of a 4-byte mathematical letter)
+NORMALIZER_SHRINK = 4
+
+
+def token_bytes_ceiling(tok) -> int:
+    """The most bytes of prompt text one token of `tok` can stand for: its vocabulary's
+    longest token (byte-level BPE spells each byte as one character; other vocabularies
+    are counted in UTF-8, which never undercounts), times NORMALIZER_SHRINK when the
+    tokenizer normalizes its input. A text of more than n × this many bytes is more than
+    n tokens, whatever it says."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    vocab = tok.get_vocab()
+    special = set(getattr(tok, "added_tokens_encoder", {}))
+    decoder = repr(getattr(backend, "decoder", None))
+    byte_level = "ByteLevel" in decoder
+    most = max((len(t) if byte_level and t not in special else len(t.encode("utf-8"))
+                for t in vocab), default=1)
+    shrink = NORMALIZER_SHRINK if getattr(backend, "normalizer", None) is not None else 1
+    return max(1, most) * shrink

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tsync_mcore.rollout.openai.launch import Launcher
 from tsync_mcore.rollout.openai.params import ApiError
 
 MAX_WAIT_S = 30.0  # the longest long-poll of /v1/pool/next
@@ -96,8 +97,11 @@ class AgentPool:
     timeout passes. Start with `start()` (idempotent), end with `stop()`."""
 
     def __init__(self, server: Any, *, command: str, size: int, run_dir: str,
-                 timeout_s: float, counters: Any = None, pass_env: Sequence[str] = ()) -> None:
+                 timeout_s: float, counters: Any = None, pass_env: Sequence[str] = (),
+                 isolation: str = "isolate", expose: Sequence[str] = ()) -> None:
         self.server, self.command, self.timeout_s = server, command, timeout_s
+        # each worker in a jail of its own (launch.py), the run directory out of its sight
+        self.launcher = Launcher(server, isolation, expose=expose, hide=(run_dir,))
         self.pass_env = tuple(pass_env)
         self.counters = counters
         self.dir = os.path.join(run_dir, "agent", "pool")
@@ -113,7 +117,7 @@ class AgentPool:
 
     @property
     def url(self) -> str:
-        return f"http://{self.server.host}:{self.server.port}/v1/pool"
+        return self.launcher.pool_url()
 
     # --- the rollout's side -----------------------------------------------------------
 
@@ -276,10 +280,7 @@ class AgentPool:
                         TSYNC_WORKER_ID=slot.worker_id)
         with open(slot.log, "ab") as log:
             log.write(f"[pool] worker {slot.worker_id} starts: {self.command}\n".encode())
-            log.flush()
-            slot.proc = await asyncio.create_subprocess_shell(
-                self.command, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        slot.proc = await self.launcher.start(self.command, env, slot.log)
         slot.t_start = slot.last_poll = time.monotonic()
         self.starts += 1
 
@@ -361,9 +362,5 @@ class AgentPool:
 
     @staticmethod
     def _kill(slot: _Slot, sig: int) -> None:
-        if slot.proc is None:
-            return
-        try:
-            os.killpg(slot.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if slot.proc is not None:
+            slot.proc.kill(sig)

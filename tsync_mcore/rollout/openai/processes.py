@@ -22,6 +22,9 @@ verifier's on the episode's repo, which takes no posted reward.
 An agent that posts `done {"error": ...}` fails its trajectory too (status "failed"); one
 that posts `done {"reward_error": ...}` ran its episode but could not score it:
 `on_reward_error(i, why)` gives the reward (reward.on_error: 0, counted, or it raises).
+Run as root, each agent process (each pool worker) runs in the jail (launch.py,
+rollout.agent_isolation): its own uid and namespaces, the run directory hidden, the endpoint
+reached through the forwarder at http://127.0.0.1:8000 (its OPENAI_BASE_URL's host).
 Each trajectory's record goes to RUN/agent/records.jsonl; a failed agent's output is kept in
 RUN/agent/logs/<trajectory id>.log (a pool worker's: RUN/agent/pool/worker<k>.log).
 """
@@ -32,13 +35,13 @@ import asyncio
 import json
 import os
 import shlex
-import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from tsync_mcore.rollout.loop import as_finished
+from tsync_mcore.rollout.openai.launch import Launcher
 from tsync_mcore.rollout.openai.pool import AgentPool, agent_env
 from tsync_mcore.rollout.openai.server import OpenAIServer
 from tsync_mcore.rollout.types import TrajectoryResult
@@ -65,39 +68,31 @@ class AgentCounters:
         return out
 
 
-async def run_agent(command: str, env: dict[str, str], timeout_s: float, log_path: str
-                    ) -> tuple[str, int | None]:
-    """Run `command` (a shell command) in its own process group; ("ok" | "crashed" |
-    "timed out", exit code). On timeout or cancellation the whole group is killed."""
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    with open(log_path, "wb") as log:
-        proc = await asyncio.create_subprocess_shell(
-            command, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+async def run_agent(command: str, env: dict[str, str], timeout_s: float, log_path: str,
+                    launcher: Launcher | None = None) -> tuple[str, int | None]:
+    """Run `command` (a shell command) by `launcher` (default: as this process's user, in
+    its own process group); ("ok" | "crashed" | "timed out", exit code). On timeout or
+    cancellation the whole agent (its group, or its jail) is killed."""
+    if os.path.exists(log_path):
+        os.remove(log_path)
+    proc = await (launcher or Launcher(None, "none")).start(command, env, log_path)
     try:
         code = await asyncio.wait_for(proc.wait(), timeout_s)
     except asyncio.TimeoutError:
-        _kill(proc)
+        proc.kill()
         await proc.wait()
         return "timed out", None
     except BaseException:  # cancelled: never leave an agent behind
-        _kill(proc)
+        proc.kill()
         raise
     finally:
         if proc.returncode is None:
-            _kill(proc)
+            proc.kill()
     if code == 0:
         # the shell is gone; anything it left running in its group goes too
-        _kill(proc)
+        proc.kill()
         return "ok", 0
     return "crashed", code
-
-
-def _kill(proc) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 async def run_agents(
@@ -121,13 +116,18 @@ async def run_agents(
     pool: AgentPool | None = None,
     pass_env: Sequence[str] = (),
     on_reward_error: Callable[[int, str], float] | None = None,
+    isolation: str = "isolate",
+    expose: Sequence[str] = (),
 ) -> AsyncIterator[tuple[int, TrajectoryResult]]:
     """Run every trajectory by an agent; yield (index, result) as each one ends. Without
     `pool` one process of `command` per trajectory, with it a handout to the pool's
     long-lived workers (`command` is then the pool's). `task_reward(i, actions)` is
     trajectory i's reward from its sampled actions when the agent posted none. `tools[i]`:
     trajectory i's ToolBox (or None), served to its agent. An agent process sees only
-    `agent_env(pass_env)` of the rollout's environment."""
+    `agent_env(pass_env)` of the rollout's environment; it runs jailed by `isolation`
+    (launch.py; a pool's workers by the pool's), seeing `expose` but not `run_dir`."""
+    launcher = pool.launcher if pool is not None else Launcher(
+        server, isolation, expose=expose, hide=(run_dir,))
     sem = asyncio.Semaphore(concurrency or len(traj_ids) or 1)
     agent_dir = os.path.join(run_dir, "agent")
     os.makedirs(agent_dir, exist_ok=True)
@@ -142,22 +142,22 @@ async def run_agents(
     async def process(i: int, task: dict[str, Any]) -> tuple[str, int | None, str]:
         """Trajectory i by its own process, the task in its environment."""
         tid = traj_ids[i]
-        env = agent_env(pass_env, OPENAI_BASE_URL=server.base_url(tid),
+        env = agent_env(pass_env, OPENAI_BASE_URL=launcher.base_url(tid),
                         OPENAI_API_KEY=server.trajectory_key(tid), TSYNC_TRAJECTORY_ID=tid,
                         TSYNC_GROUP_ID=group_of[i], TSYNC_TASK=json.dumps(task))
         if "tools" in task:
-            env["TSYNC_TOOLS_URL"] = server.base_url(tid) + "/tools"
+            env["TSYNC_TOOLS_URL"] = launcher.base_url(tid) + "/tools"
         log = os.path.join(agent_dir, "logs", f"{tid}.log")
-        status, code = await run_agent(command, env, timeout_s, log)
+        status, code = await run_agent(command, env, timeout_s, log, launcher)
         return status, code, log
 
     async def handout(i: int, task: dict[str, Any]) -> tuple[str, int | None, str]:
         """Trajectory i handed to a pool worker (the same content, as JSON)."""
         tid = traj_ids[i]
-        h = {"trajectory": tid, "base_url": server.base_url(tid),
+        h = {"trajectory": tid, "base_url": launcher.base_url(tid),
              "api_key": server.trajectory_key(tid), "task": task}
         if "tools" in task:
-            h["tools_url"] = server.base_url(tid) + "/tools"
+            h["tools_url"] = launcher.base_url(tid) + "/tools"
         return await pool.run(tid, h, timeout_s)
 
     launch = process if pool is None else handout
@@ -204,6 +204,7 @@ async def run_agents(
                        wall_s=t1 - t0, t_start=t0, t_end=t1)
         res.extra.update(agent_status=status, rewrites=s.rewrites, segments=len(s.segments) + 1)
         rec = s.record(group_id=group_of[i], reward=reward, status=status, exit_code=code)
+        rec["jailed"] = launcher.jailed  # its agent ran in the jail (launch.py)
         if error is not None:
             rec["error"] = error
         if reward_error is not None:

@@ -39,9 +39,12 @@ log-probs and `usage` keep every sampled id, the stop string's too (the next tur
 the completion with EOS, as one cut by max_tokens).
 
 Errors are OpenAI's error objects with one-line messages: 400 a request this endpoint does
-not take (n > 1, a history rewrite under `reject`, a budget spent), 401 a wrong key, 404 an
-unknown trajectory, 409 a closed or stale trajectory (its batch's policy is no longer
-served), a second reward or a second done.
+not take (n > 1, a history rewrite under `reject`, a budget spent, a prompt longer in bytes
+than any prompt that fits: refused before tokenizing), 401 a wrong key, 404 an unknown
+trajectory, 409 a closed or stale trajectory (its batch's policy is no longer served), a
+second reward or a second done, 413 a body past max_body_bytes (before it is parsed), 503
+a new connection at the cap with no idle unauthenticated one to give way
+(rollout.openai.connection).
 
 `done` ends a trajectory from the agent's side (its reward, the error that failed it, or
 `reward_error`: the episode ran but the agent's own scorer failed, which the rollout
@@ -56,8 +59,11 @@ import asyncio
 import hmac
 import json
 import math
+import os
 import secrets
+import shutil
 import socket
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -68,7 +74,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tsync_mcore.rollout.openai import params
-from tsync_mcore.rollout.openai.connection import connection_cap, header_deadline_protocol
+from tsync_mcore.rollout.openai.connection import (Acceptor, Connections, connection_cap,
+                                                   header_deadline_protocol, raise_open_files)
 from tsync_mcore.rollout.openai.params import ApiError, cut_at_stop
 from tsync_mcore.rollout.openai.session import Session, SessionError, assistant_message
 from tsync_mcore.rollout.openai.streaming import chat_chunks, sse, text_chunks
@@ -77,6 +84,19 @@ MAX_BODY_BYTES = 8 << 20  # a request body: a long conversation fits, a flood do
 MAX_MESSAGES = 4096  # messages in one chat request
 READ_TIMEOUT_S = 30.0  # a request's headers, then its body, each arrive within this
 ENDED_KEPT = 4096  # forgotten trajectory ids remembered (their late requests: 409)
+# one trajectory's requests in flight (they run one at a time under its lock): past it 429,
+# so no agent holds the connection cap busy with requests queued behind its own
+MAX_IN_FLIGHT = 8
+WHY_CHARS = 2000  # an agent's done error or reward_error as kept: the record's and the log's
+
+
+def one_line(why: str, limit: int = WHY_CHARS) -> str:
+    """An agent's text as one line of at most `limit` characters (its length said when
+    cut): a megabyte of error stays out of records and logs."""
+    cut = " ".join(why[:limit * 2].split())
+    if len(cut) <= limit and len(why) <= limit * 2:
+        return cut
+    return f"{cut[:limit - 40]}… ({len(why)} characters, cut)"
 
 
 @dataclass
@@ -100,9 +120,11 @@ class OpenAIServer:
                  max_body_bytes: int = MAX_BODY_BYTES, max_messages: int = MAX_MESSAGES,
                  max_connections: int = 0, read_timeout_s: float = READ_TIMEOUT_S) -> None:
         self.engine, self.tok, self.api_key, self.model = engine, tokenizer, api_key, model
+        self.token_bytes = params.token_bytes_ceiling(tokenizer)  # prompts' byte bound
         self.max_body_bytes, self.max_messages = max_body_bytes, max_messages
         self.read_timeout_s = read_timeout_s
-        self.max_connections = max_connections or connection_cap()
+        self.max_connections = max_connections  # 0: connection_cap() once started
+        self.connections = Connections(max_connections or connection_cap())
         self.history, self.temperature = history, temperature
         self.current_version = current_version or (lambda: int(getattr(engine, "version", 0)))
         self.sessions: dict[str, Session] = {}
@@ -121,7 +143,10 @@ class OpenAIServer:
         self.ended: OrderedDict[str, str] = OrderedDict()  # forgotten trajectories: why (409)
         self.counts = dict(requests=0, rewrites=0, rejected=0, stale=0, bad=0, tool_calls=0)
         self.host, self.port = "", 0
+        self.unix_path = ""
         self._server = self._task = None
+        self._acceptors: list[Acceptor] = []
+        self.in_flight: dict[str, int] = {}  # requests of each trajectory being served
         self.app = self._make_app()
 
     # --- trajectories -----------------------------------------------------------------
@@ -134,8 +159,11 @@ class OpenAIServer:
         if traj_id in self.sessions:
             raise ValueError(f"trajectory {traj_id} is registered already")
         self.ended.pop(traj_id, None)
+        # a prompt past this many bytes cannot fit: refused before it is tokenized
+        fits = min(limits.get("max_total_tokens", 1 << 30),
+                   int(getattr(self.engine, "max_model_len", 1 << 30)))
         s = Session(self.tok, traj_id, version=version, seed=seed, history=self.history,
-                    **limits)
+                    prompt_bound=(fits, fits * self.token_bytes), **limits)
         self.sessions[traj_id] = s
         self.traj_keys[traj_id] = secrets.token_urlsafe(24)
         self._locks[traj_id] = asyncio.Lock()
@@ -200,7 +228,10 @@ class OpenAIServer:
 
     def take_metrics(self) -> dict[str, float]:
         out = {f"rollout/openai_{k}": float(v) for k, v in self.counts.items()}
+        out.update({f"rollout/openai_connections_{k}": float(v)
+                    for k, v in self.connections.counts.items()})
         self.counts = {k: 0 for k in self.counts}
+        self.connections.counts = {k: 0 for k in self.connections.counts}
         return out
 
     def set_reward(self, traj_id: str, value: Any) -> None:
@@ -234,7 +265,9 @@ class OpenAIServer:
     # --- serving ----------------------------------------------------------------------
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-        """Serve on this event loop; port 0: a free one. Returns (host, port)."""
+        """Serve on this event loop; port 0: a free one. Returns (host, port). Also on a
+        Unix socket (`unix_path`, in a directory of its own): jailed agents reach the
+        endpoint through it (rollout/openai/launch.py)."""
         import uvicorn
 
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -242,23 +275,60 @@ class OpenAIServer:
         sock.bind((host, port))
         sock.set_inheritable(True)
         self.host, self.port = host, sock.getsockname()[1]
-        # Connections past the cap get 503 (below the descriptor limit, so tool calls and
-        # agent processes keep theirs); an idle keep-alive connection closes after 5 s.
+        # A cap well under the descriptor limit (tool calls and agent processes keep
+        # theirs), enforced by our own accept loop (connection.py); an idle keep-alive
+        # connection closes after 5 s.
+        raise_open_files()
+        self.connections.cap = self.max_connections or connection_cap()
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off",
-                                access_log=False, limit_concurrency=self.max_connections,
-                                timeout_keep_alive=5,
-                                http=header_deadline_protocol(self.read_timeout_s))
+                                access_log=False, timeout_keep_alive=5,
+                                backlog=min(2048, 2 * self.connections.cap),
+                                http=header_deadline_protocol(self.read_timeout_s,
+                                                              self.connections))
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # older uvicorn
-        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[]))
         while not self._server.started:
             if self._task.done():
                 self._task.result()  # raises the start's error
                 raise RuntimeError("the OpenAI endpoint stopped while starting")
             await asyncio.sleep(0.01)
+        self._listen(sock)
+        self._listen(self._unix_socket())
         return self.host, self.port
 
+    def _listen(self, sock: socket.socket) -> None:
+        """Serve connections on the bound socket `sock` (the started uvicorn server's
+        protocol, accepted by connection.Acceptor within the cap)."""
+        server, config = self._server, self._server.config
+
+        def protocol():
+            return config.http_protocol_class(config=config, server_state=server.server_state,
+                                              app_state=server.lifespan.state)
+
+        sock.listen(config.backlog)
+        acceptor = Acceptor(sock, protocol, self.connections, asyncio.get_running_loop())
+        acceptor.start()
+        self._acceptors.append(acceptor)
+
+    def _unix_socket(self) -> socket.socket:
+        """A listening Unix socket any uid may connect to (the key still decides what a
+        connection may do, as on the TCP port), in a directory only root may change."""
+        d = tempfile.mkdtemp(prefix="tsync-endpoint-")
+        os.chmod(d, 0o755)
+        self.unix_path = os.path.join(d, "endpoint.sock")
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(self.unix_path)
+        os.chmod(self.unix_path, 0o666)
+        return sock
+
     async def stop(self) -> None:
+        for acceptor in self._acceptors:
+            acceptor.close()
+        self._acceptors = []
+        if self.unix_path:
+            shutil.rmtree(os.path.dirname(self.unix_path), ignore_errors=True)
+            self.unix_path = ""
         if self._server is not None:
             self._server.should_exit = True
             try:
@@ -271,8 +341,8 @@ class OpenAIServer:
         """The body, at most max_body_bytes (413 past it, before the rest is read), parsed
         off the event loop when large (a 10 MB body would hold every agent's requests)."""
         limit = self.max_body_bytes
-        too_big = ApiError(413, f"request body larger than {limit} bytes",
-                           kind="invalid_request_error")
+        too_big = ApiError(413, f"request body larger than {limit} bytes "
+                                f"(rollout.openai_max_body_mb)", kind="invalid_request_error")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_big
@@ -312,16 +382,20 @@ class OpenAIServer:
         async def handle(request: Request, fn) -> Response:
             params = dict(request.path_params)
             traj_id = params.pop("traj_id", None)
+            counted = None  # the trajectory whose in-flight count this request holds
             try:
                 auth = request.headers.get("authorization", "")
                 token = auth[7:] if auth.startswith("Bearer ") else ""
                 traj_id = traj_id or request.headers.get("x-tsync-trajectory")
                 caller = self._caller(token, traj_id)
+                self.connections.trust(request.scope)  # its connection gives way last
                 pool = fn == self._pool_next
                 if caller.startswith("worker:") != pool and caller != "run":
                     raise ApiError(401, "invalid API key for this route (a trajectory's key "
                                         "serves its trajectory, a pool worker's key "
                                         "/v1/pool/next)", kind="authentication_error")
+                if caller == "trajectory":
+                    counted = self._enter(traj_id)
                 if request.method == "GET":
                     return JSONResponse(await fn(traj_id, None, **params))
                 body = await self._read_json(request)
@@ -340,6 +414,9 @@ class OpenAIServer:
                 if e.status == 400:
                     self.counts["bad"] += 1
                 return error(e)
+            finally:
+                if counted is not None:
+                    self._leave(counted)
 
         def bind(fn):
             async def route(request: Request):
@@ -357,6 +434,21 @@ class OpenAIServer:
             app.post(prefix + "/done")(bind(self._done))
         app.post("/v1/pool/next")(bind(self._pool_next))
         return app
+
+    def _enter(self, traj_id: str) -> str:
+        """Count a request of `traj_id` in flight; 429 past MAX_IN_FLIGHT."""
+        n = self.in_flight.get(traj_id, 0)
+        if n >= MAX_IN_FLIGHT:
+            raise ApiError(429, f"trajectory {traj_id} has {n} requests in flight already "
+                                f"(its requests are served one at a time)",
+                           kind="rate_limit_error")
+        self.in_flight[traj_id] = n + 1
+        return traj_id
+
+    def _leave(self, traj_id: str) -> None:
+        self.in_flight[traj_id] -= 1
+        if not self.in_flight[traj_id]:
+            del self.in_flight[traj_id]
 
     async def _models(self, traj_id, body) -> dict:
         return {"object": "list", "data": [{"id": self.model, "object": "model",
@@ -379,11 +471,11 @@ class OpenAIServer:
         if set(body) - keys or len(set(body) & keys) > 1:
             raise ApiError(400, 'the body must be {}, {"reward": <number>}, {"error": '
                                 '"<why>"} or {"reward_error": "<why>"}')
-        error = body.get("error")
         for key in ("error", "reward_error"):
             why = body.get(key)
             if key in body and not (isinstance(why, str) and why.strip()):
                 raise ApiError(400, f"{key} must be a non-empty string", param=key)
+        error = None if body.get("error") is None else one_line(body["error"])
         if s.closed:
             raise ApiError(409, f"trajectory {traj_id} is closed: {s.closed}",
                            kind="conflict_error")
@@ -396,7 +488,7 @@ class OpenAIServer:
             if s.reward is not None:
                 raise ApiError(409, f"trajectory {traj_id} has its reward already "
                                     f"({s.reward})", kind="conflict_error")
-            self.reward_errors[traj_id] = " ".join(body["reward_error"].split())[:2000]
+            self.reward_errors[traj_id] = one_line(body["reward_error"])
         self.done[traj_id] = error
         s.closed = f"its agent posted done{'' if error is None else ' (failed)'}"
         if self.pool is not None:
@@ -464,7 +556,7 @@ class OpenAIServer:
             mt = params.integer({"max_tokens": mt}, "max_tokens", 1)
         return dict(temperature=params.number(body, "temperature", self.temperature, 0, 2),
                     top_p=params.number(body, "top_p", 1.0, 0, 1, lo_open=True),
-                    seed=params.integer(body, "seed"), max_tokens=mt,
+                    seed=params.integer(body, "seed", 0, params.SEED_MAX), max_tokens=mt,
                     logprobs=bool(body.get("logprobs")), stop=params.stop_strings(body), stream=stream,
                     include_usage=include_usage)
 
@@ -491,7 +583,7 @@ class OpenAIServer:
                 if s.rewrites > rewrites:
                     self.counts["rewrites"] += 1
                     self.counts["rejected"] += 1
-                raise ApiError(400, str(e)) from None
+                raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
             if pending.rewritten:
                 self.counts["rewrites"] += 1
             seed = sp["seed"] if sp["seed"] is not None else (
@@ -584,6 +676,11 @@ class OpenAIServer:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
+        fits = s.prompt_bound[0] if s.prompt_bound else 1 << 62
+        if isinstance(prompt, list) and len(prompt) > fits:  # before checking every id
+            raise ApiError(400, f"the prompt is {len(prompt)} token ids, more than fit "
+                                f"({fits}: max_model_len, rollout.max_total_tokens)",
+                           param="prompt")
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(self.tok)
                 for t in prompt))):

@@ -16,6 +16,15 @@ of the template's text after the assistant's content, tokenized. Any other reque
 request's prompt. Every segment trains: each is sent as a source of its own with the
 trajectory's reward (`TrajectorySource.segment`), and the record lists the earlier ones.
 
+The limits hold over the whole trajectory, every segment counted: its turns
+(`max_turns`), its sampled tokens (at most what one unrewritten context leaves after the
+first prompt: `max_total_tokens` − that prompt), its segments (`max_segments`) and the
+tokens it trains (`max_trained_tokens`: prompt and completion of every segment, since a
+rewrite re-trains the history it repeats); one segment's context stays within
+`max_total_tokens`. A request past a limit is refused (`LimitReached`, HTTP 400) and
+records nothing: the trajectory keeps what it has and ends by its own rules, as one that
+used its turns.
+
 A text request (`/v1/completions`) extends when its prompt ids start with the recorded
 ids, or its prompt text starts with the recorded ids decoded (special tokens kept); the
 remainder is tokenized.
@@ -32,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tsync_mcore.channel.sources import MAX_SEGMENTS
 from tsync_mcore.rollout.types import TrajectoryResult, turn_seed
 from tsync_mcore.sandbox.tools import parse_tool_calls
 
@@ -45,6 +55,23 @@ class SessionError(ValueError):
 
 class HistoryRewritten(SessionError):
     """The request's prompt is not a token-exact extension of the trajectory so far."""
+
+
+class LimitReached(SessionError):
+    """The trajectory has used a budget (`limit`: the rollout key that sets it)."""
+
+    def __init__(self, message: str, limit: str):
+        super().__init__(message)
+        self.limit = limit
+
+
+class BadMessage(SessionError):
+    """A chat message of the wrong shape; `param` names the field, as OpenAI's errors do
+    (messages[2].tool_calls[0].function)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
 
 
 def _text(content: Any) -> str:
@@ -79,18 +106,63 @@ def _args(a: Any) -> Any:
 
 
 def _calls_key(calls: Any) -> tuple:
-    out = []
-    for c in calls or []:
-        fn = c.get("function", c) if isinstance(c, dict) else {}
-        out.append((fn.get("name"), json.dumps(_args(fn.get("arguments")), sort_keys=True)))
-    return tuple(out)
+    return tuple((c["function"]["name"],
+                  json.dumps(_args(c["function"].get("arguments")), sort_keys=True))
+                 for c in calls or [])
+
+
+def _kind(v: Any) -> str:
+    return {str: "a string", list: "a list", dict: "an object", bool: "a boolean",
+            type(None): "null"}.get(type(v), f"a {type(v).__name__}")
+
+
+def check_message(i: int, m: Any) -> None:
+    """OpenAI's shape of messages[i], or BadMessage naming the field: an object with a
+    string role; content text, text parts or null; tool_calls a list of {"function":
+    {"name": <non-empty string>, "arguments": <JSON text or object>}} (id a string, type
+    "function"); tool_call_id and name strings."""
+    at = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise BadMessage(f"must be an object, got {_kind(m)}", at)
+    if not isinstance(m.get("role"), str) or not m["role"]:
+        raise BadMessage(f"must be a non-empty string, got {_kind(m.get('role'))}", at + ".role")
+    try:
+        _text(m.get("content"))
+    except BadMessage:
+        raise
+    except SessionError as e:
+        raise BadMessage(str(e), at + ".content") from None
+    for key in ("tool_call_id", "name"):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise BadMessage(f"must be a string, got {_kind(m[key])}", f"{at}.{key}")
+    calls = m.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise BadMessage(f"must be a list of tool calls, got {_kind(calls)}", at + ".tool_calls")
+    for j, c in enumerate(calls):
+        where = f"{at}.tool_calls[{j}]"
+        if not isinstance(c, dict):
+            raise BadMessage(f"must be an object, got {_kind(c)}", where)
+        if c.get("type", "function") != "function":
+            raise BadMessage(f"must be 'function', got {str(c['type'])[:40]!r}", where + ".type")
+        if c.get("id") is not None and not isinstance(c["id"], str):
+            raise BadMessage(f"must be a string, got {_kind(c['id'])}", where + ".id")
+        fn = c.get("function")
+        if not isinstance(fn, dict):
+            raise BadMessage(f'must be an object {{"name": ..., "arguments": ...}}, got '
+                             f'{_kind(fn)}', where + ".function")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadMessage(f"must be a non-empty string, got {_kind(fn.get('name'))}",
+                             where + ".function.name")
+        if fn.get("arguments") is not None and not isinstance(fn["arguments"], (str, dict)):
+            raise BadMessage(f"must be a JSON string or an object, got "
+                             f"{_kind(fn['arguments'])}", where + ".function.arguments")
 
 
 def message_key(m: dict[str, Any]) -> tuple:
     """What makes two messages the same turn: role, content (as text), tool calls (name
-    and arguments, as JSON), the tool call they answer."""
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise SessionError("every message must be an object with a string 'role'")
+    and arguments, as JSON), the tool call they answer. `m` passed `check_message`."""
     return (m["role"], _text(m.get("content")), _calls_key(m.get("tool_calls")),
             m.get("tool_call_id") or "")
 
@@ -155,9 +227,16 @@ class Session:
     version: int = 0  # the policy version of the batch it belongs to
     seed: int | None = None  # sampling seed (per turn derived as the built-in loop does)
     history: str = "segment"  # "segment" | "reject"
+    # the limits (module doc): max_turns over all segments; max_total_tokens one segment's
+    # context and the sampled tokens over all; max_trained_tokens 0: no bound of its own
+    max_segments: int = MAX_SEGMENTS
+    max_trained_tokens: int = 0
     max_turns: int = 1 << 30
     max_tokens_per_turn: int = 1 << 30
     max_total_tokens: int = 1 << 30
+    # (tokens, bytes): no prompt may exceed `tokens`, and none of them spans more than
+    # `bytes` (params.prompt_bytes_bound); a longer text is refused before tokenizing
+    prompt_bound: tuple[int, int] | None = None
     tokens: list[int] = field(default_factory=list)
     scored_mask: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
@@ -170,6 +249,9 @@ class Session:
     segments: list[dict[str, Any]] = field(default_factory=list)  # earlier segments
     rewrites: int = 0  # requests that rewrote history (started a segment or were refused)
     n_requests: int = 0  # turns sampled over all segments
+    n_sampled: int = 0  # tokens sampled over all segments
+    first_prompt_len: int = 0  # the first segment's prompt
+    earlier_tokens: int = 0  # tokens of the earlier segments (each trains)
     reward: float | None = None  # posted by the agent
     closed: str = ""  # why requests are refused now ("" while open)
     _conv: list[dict[str, Any]] | None = None  # last request's messages + returned answer
@@ -196,21 +278,44 @@ class Session:
 
     def _ids(self, text: str) -> list[int]:
         try:
-            text.encode("utf-8")  # JSON may carry a lone surrogate; no tokenizer takes it
+            size = len(text.encode("utf-8"))  # a lone surrogate (JSON allows it): refused
         except UnicodeEncodeError as e:
             raise SessionError(f"the messages are not valid Unicode (a lone surrogate "
                                f"{text[e.start]!r} in the rendered prompt)") from None
+        if self.prompt_bound is not None and size > self.prompt_bound[1]:
+            n, most = self.prompt_bound
+            raise SessionError(f"the prompt is {size} bytes, more than any prompt that fits "
+                               f"can be: at most {n} tokens (max_model_len, rollout."
+                               f"max_total_tokens) of at most {most // n} bytes each; not "
+                               f"tokenized")
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def _budget(self, prompt_len: int, max_tokens: int | None) -> int:
-        if len(self.turn_ends) >= self.max_turns:
-            raise SessionError(f"trajectory {self.traj_id} has used its {self.max_turns} "
-                               f"turns (rollout.max_turns)")
+    def _budget(self, prompt_len: int, max_tokens: int | None, new_segment: bool) -> int:
+        """The tokens the next turn may sample from a prompt of `prompt_len` (a new
+        segment's, or the current one's extended); LimitReached past a trajectory's limit."""
+        t = self.traj_id
         room = self.max_total_tokens - prompt_len
         if room <= 0:
-            raise SessionError(f"trajectory {self.traj_id}: the prompt of {prompt_len} tokens "
-                               f"reaches rollout.max_total_tokens={self.max_total_tokens}")
-        b = min(self.max_tokens_per_turn, room)
+            raise LimitReached(f"trajectory {t}: the prompt of {prompt_len} tokens "
+                               f"reaches rollout.max_total_tokens={self.max_total_tokens}",
+                               "max_total_tokens")
+        first = self.first_prompt_len if self.turn_ends else prompt_len
+        sampled_room = self.max_total_tokens - first - self.n_sampled
+        if sampled_room <= 0:
+            raise LimitReached(f"trajectory {t} has sampled {self.n_sampled} tokens over its "
+                               f"segments, all that rollout.max_total_tokens="
+                               f"{self.max_total_tokens} leaves after its first prompt of "
+                               f"{first}", "max_total_tokens")
+        b = min(self.max_tokens_per_turn, room, sampled_room)
+        if self.max_trained_tokens:
+            trained = self.earlier_tokens + (len(self.tokens) if new_segment else 0) + prompt_len
+            if trained >= self.max_trained_tokens:
+                raise LimitReached(f"trajectory {t}: this prompt would make {trained} tokens "
+                                   f"to train over its {len(self.segments) + 1 + new_segment} "
+                                   f"segments, rollout.max_trained_tokens="
+                                   f"{self.max_trained_tokens} leaves no room to sample",
+                                   "max_trained_tokens")
+            b = min(b, self.max_trained_tokens - trained)
         if max_tokens is not None:
             if max_tokens < 1:
                 raise SessionError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -220,13 +325,23 @@ class Session:
     def _check_open(self) -> None:
         if self.closed:
             raise SessionError(f"trajectory {self.traj_id} is closed: {self.closed}")
+        if self.n_requests >= self.max_turns:  # refused before any rendering
+            raise LimitReached(f"trajectory {self.traj_id} has used its {self.max_turns} "
+                               f"turns (rollout.max_turns, over all its segments)",
+                               "max_turns")
 
     def _rewrite(self, why: str) -> None:
+        """A request rewrote the history: refused under `reject` or past max_segments
+        (before its prompt is rendered), else it starts a new segment."""
         self.rewrites += 1
         if self.history == "reject":
             raise HistoryRewritten(f"trajectory {self.traj_id}: {why}; the prompt is not a "
                                    f"token-exact extension of the trajectory so far "
                                    f"(rollout.openai_history: reject)")
+        if len(self.segments) + 1 >= self.max_segments:
+            raise LimitReached(f"trajectory {self.traj_id} has used its {self.max_segments} "
+                               f"segments (rollout.max_segments): a history rewrite cannot "
+                               f"start another ({why})", "max_segments")
 
     def plan_chat(self, messages: Sequence[dict[str, Any]], tools: list | None = None,
                   max_tokens: int | None = None, kwargs: dict | None = None) -> Pending:
@@ -235,6 +350,8 @@ class Session:
         messages = list(messages)
         if not messages:
             raise SessionError("messages must not be empty")
+        for i, m in enumerate(messages):
+            check_message(i, m)
         keys = [message_key(m) for m in messages]
         if not self.turn_ends:
             return self._fresh_chat(messages, tools, max_tokens, False, kwargs)
@@ -259,7 +376,7 @@ class Session:
                 return self._fresh_chat(messages, tools, max_tokens, True, kwargs)
         ids = self.tokens + new
         return Pending(ids, new, False, False, messages, tools,
-                       self._budget(len(ids), max_tokens), kwargs)
+                       self._budget(len(ids), max_tokens, False), kwargs)
 
     def _not_extension(self, keys: list[tuple], tools: list | None) -> str:
         if self._conv is None:
@@ -287,15 +404,7 @@ class Session:
         if not ids:
             raise SessionError("the messages render to an empty prompt")
         return Pending(ids, ids, True, rewritten, messages, tools,
-                       self._budget_fresh(len(ids), max_tokens), kwargs)
-
-    def _budget_fresh(self, prompt_len: int, max_tokens: int | None) -> int:
-        saved = self.turn_ends
-        self.turn_ends = []  # a new segment starts with all its turns
-        try:
-            return self._budget(prompt_len, max_tokens)
-        finally:
-            self.turn_ends = saved
+                       self._budget(len(ids), max_tokens, True), kwargs)
 
     def _after_assistant(self, prev: list[dict], tools: list | None, suffix: str) -> list[int]:
         """The ids between the last completion and the next one: the template's text after
@@ -349,13 +458,14 @@ class Session:
             raise SessionError("the prompt adds no tokens to the trajectory: every turn must "
                                "start with prompt tokens")
         ids = self.tokens + new
-        return Pending(ids, new, False, False, None, None, self._budget(len(ids), max_tokens))
+        return Pending(ids, new, False, False, None, None,
+                       self._budget(len(ids), max_tokens, False))
 
     def _fresh_ids(self, ids: list[int], max_tokens: int | None, rewritten: bool) -> Pending:
         if not ids:
             raise SessionError("the prompt is empty")
         return Pending(ids, ids, True, rewritten, None, None,
-                       self._budget_fresh(len(ids), max_tokens))
+                       self._budget(len(ids), max_tokens, True))
 
     # --- recording ----------------------------------------------------------------------
 
@@ -369,6 +479,9 @@ class Session:
         if pending.new_segment:
             if self.turn_ends:
                 self.segments.append(self.segment_record())
+                self.earlier_tokens += len(self.tokens)
+            else:
+                self.first_prompt_len = len(pending.new_ids)
             self.tokens, self.scored_mask, self.logprobs, self.token_versions = [], [], [], []
             self.turn_ends, self.finish_reasons, self.policy_versions, self.turns = \
                 [], [], [], []
@@ -391,6 +504,7 @@ class Session:
                            "logprobs": lps, "versions": vers,
                            "finish_reason": out.finish_reason})
         self.n_requests += 1
+        self.n_sampled += len(action)
         if pending.messages is not None:
             self._conv = list(pending.messages) + [answer or {"role": "assistant",
                                                               "content": ""}]
@@ -419,7 +533,8 @@ class Session:
         counts."""
         return {"traj_id": self.traj_id, "version": self.version, **self.segment_record(),
                 "earlier_segments": list(self.segments), "rewrites": self.rewrites,
-                "requests": self.n_requests, **extra}
+                "requests": self.n_requests, "sampled_tokens": self.n_sampled,
+                "trained_tokens": self.earlier_tokens + len(self.tokens), **extra}
 
     def result(self, reward: float, stop_reason: str, **timing: Any) -> TrajectoryResult:
         """The trajectory as the built-in loop's `TrajectoryResult`: the last segment, and
