@@ -66,7 +66,9 @@ def test_dataset_run_with_user_reward_eval_and_mid_epoch_resume(tmp_path):
                     "eval_temperature": 1.0},
         "data": {"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "eval.jsonl"),
                  "label_key": "label", "system_prompt": "Answer with digits.", "eval_n": 2},
-        "reward": {"timeout_s": 30},
+        # the reward logs each call to a file of this test's: a trusted scorer that needs the
+        # host's filesystem, in-process (the jailed default: tests/integration/test_scorer_jail.py)
+        "reward": {"timeout_s": 30, "isolation": "none"},
     }
     runs = {}
     loggers = {"whole": "run.loggers=[jsonl,tensorboard]", "resumed": "run.loggers=[jsonl]"}

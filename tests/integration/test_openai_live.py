@@ -142,6 +142,7 @@ def test_dataset_task_through_the_endpoint_scores_the_recorded_answer(tmp_path):
          f"model.hf_dir={model}", "run.updates=2", "rollout.groups_per_batch=4",
          "rollout.group_size=2", "rollout.max_turns=1", "rollout.env=dataset",
          f"data.train={data}", f"reward.function={rw}:score", "rollout.agent=openai",
+         "reward.isolation=none",  # the reward logs to this test's file: trusted, in-process
          f"data.eval={evals}", "run.eval_every=1", "data.eval_n=2", "rollout.agent_pool=2",
          "data.system_prompt=Answer with digits.", f"publish.dir={tmp_path}/publish"],
         cwd=ROOT, capture_output=True, text=True, timeout=480)

@@ -35,9 +35,12 @@ def qa(ts):
 
 
 def rg_cfg(tmp_path, hf_dir, **sets_):
+    """In-process scorers (reward.isolation none: unit tests start no process); the jailed
+    ones: tests/integration/test_scorer_jail.py."""
     base = {"model.hf_dir": hf_dir, "run.dir": str(tmp_path / "run"),
             "rollout.env": f"reasoning_gym:{TASK}", "rollout.max_total_tokens": 200,
-            "reasoning_gym.train_size": 8, "reasoning_gym.eval_size": 4}
+            "reasoning_gym.train_size": 8, "reasoning_gym.eval_size": 4,
+            "reward.isolation": "none"}
     return load_config(None, {**base, **sets_})
 
 

@@ -233,3 +233,60 @@ def test_overlong_shaping_is_dapos_soft_penalty():
     assert shaped(90) == pytest.approx(1.0 - (90 - 84) / 16 * 0.5)
     work.cfg.reward.overlong_buffer = 0  # off
     assert shaped(10**4) == 1.0
+
+
+def test_scorer_wire_is_bounded_and_keeps_tuples():
+    """The frames between the rollout and its jailed scorers (rewards/wire.py): tuples come
+    back as tuples, what JSON cannot hold is refused, and a frame over its bound, cut short
+    or not JSON is a one-line FrameError, never a hang (a deadline) or a partial value."""
+    import os
+
+    from tsync_mcore.rewards import wire
+
+    entry = {"answer": "1 2", "metadata": {"difficulty": {"n": (2, 5)}, "m": [[1, 2]]}}
+    assert wire.decode(wire.encode(entry)) == entry
+    assert wire.decode(wire.encode(entry))["metadata"]["difficulty"]["n"] == (2, 5)
+    for bad in ({1: 2}, {"x": {1, 2}}, object()):
+        with pytest.raises(TypeError):
+            wire.encode(bad)
+
+    def frames(data: bytes, limit: int = 1 << 10, deadline: float | None = None):
+        r, w = os.pipe()
+        os.write(w, data)
+        os.close(w)
+        try:
+            return wire.read_frame(r, limit, deadline)
+        finally:
+            os.close(r)
+
+    assert frames(wire.dump({"ok": {"reward": 1.0}})) == {"ok": {"reward": 1.0}}
+    assert frames(b"") is None  # end of input: the worker exits
+    for data, match in ((wire.HEADER.pack(1 << 20) + b"{}", "a frame of 1048576 bytes"),
+                        (wire.HEADER.pack(10) + b"{}", "cut short"),
+                        (wire.HEADER.pack(3) + b"{x}", "not JSON"),
+                        (b"\x00\x00", "cut short")):
+        with pytest.raises(wire.FrameError, match=match) as e:
+            frames(data)
+        assert "\n" not in str(e.value)
+    r, w = os.pipe()  # nothing written, the writer still open: the deadline ends the wait
+    try:
+        t = time.monotonic()
+        with pytest.raises(TimeoutError):
+            wire.read_frame(r, 100, time.monotonic() + 0.05)
+        assert time.monotonic() - t < 1.0
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("reward.isolation", "jail", "reward.isolation"),
+    ("reward.workers", 0, "'reward.workers': must be >= 1"),
+    ("reward.scorer_memory_mb", 64, "'reward.scorer_memory_mb': must be >= 256"),
+    ("rollout.structured_regex", "(unclosed", "'rollout.structured_regex': is not a regular"),
+])
+def test_scorer_jail_keys_are_checked(key, value, match):
+    from tsync_mcore.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=match) as e:
+        load_config(None, {"model.hf_dir": "m", key: value})
+    assert "\n" not in str(e.value)

@@ -47,6 +47,10 @@ class RolloutConfig:
     max_trained_tokens: int = 0
     temperature: float = 1.0  # sampling temperature (0: greedy)
     eval_temperature: float = 0.0  # sampling temperature of evaluation (0: greedy)
+    # vLLM structured outputs: every completion the policy samples matches this regular
+    # expression (vLLM's `structured_outputs.regex`; xgrammar's dialect, a subset of
+    # Python's); "": free sampling. A continuation after an abort-mode swap starts it again
+    structured_regex: str = ""
     tool_latency_s: float = 0.05  # median of the long-tailed (log-normal) tool latency
     tool_timeout_s: float = 1.0  # a tool call taking longer fails its turn
     teacher_dir: str = ""  # OPD: the frozen teacher's HF directory
@@ -144,6 +148,11 @@ class RolloutConfig:
 
     def validate(self) -> None:
         check(self.n_learners >= 1, "rollout.n_learners", "must be >= 1")
+        if self.structured_regex:
+            try:
+                re.compile(self.structured_regex)
+            except re.error as e:
+                check(False, "rollout.structured_regex", f"is not a regular expression: {e}")
         check(self.openai_max_body_mb > 0, "rollout.openai_max_body_mb",
               f"must be > 0, got {self.openai_max_body_mb}")
         check(self.openai_max_messages >= 1, "rollout.openai_max_messages",

@@ -143,6 +143,14 @@ class RewardConfig:
     overlong_penalty: float = 1.0  # verl's overlong_buffer.penalty_factor
     # the response budget L_max; 0: rollout.max_tokens_per_turn × rollout.max_turns
     overlong_max_len: int = 0
+    # Where scorers that read model output run (a reasoning-gym task's, `math`, a user's
+    # function): "isolate": a pool of jailed workers (rewards/jailed.py; the jail's
+    # namespaces where Linux permits, else a warning); "require": fail where the jail's
+    # isolation is not permitted; "none": in the rollout process, for trusted scorers that
+    # need the network or a GPU. exact_match and code_tests run in-process either way.
+    isolation: Literal["isolate", "require", "none"] = "isolate"
+    workers: int = 2  # jailed scorer workers (calls scored at once), started as needed
+    scorer_memory_mb: int = 2048  # a jailed scorer worker's address space (RLIMIT_AS)
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # function "judge": the grader
 
     def validate(self) -> None:
@@ -159,6 +167,9 @@ class RewardConfig:
               f"{self.overlong_penalty}")
         check(self.overlong_max_len >= 0, "reward.overlong_max_len",
               f"must be >= 0 (0: the rollout's budget), got {self.overlong_max_len}")
+        check(self.workers >= 1, "reward.workers", f"must be >= 1, got {self.workers}")
+        check(self.scorer_memory_mb >= 256, "reward.scorer_memory_mb",
+              f"must be >= 256, got {self.scorer_memory_mb}")
         if self.function:
             from tsync_mcore.rewards.load import check_spec  # the spec's syntax, not its file
             try:

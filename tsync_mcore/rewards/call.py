@@ -4,16 +4,21 @@ The function is called with keyword arguments `prompt` (the row's prompt: text o
 messages), `response` (the decoded answer), `label` (the row's ground truth), `meta` (the
 row's other columns), and `messages` (the whole conversation) for multi-turn envs, when it
 accepts it. It returns a number, or a mapping with `reward` and named numeric extras
-(logged as `reward/<name>` means). Every call runs in a worker thread — an async function
-on an event loop of its own there — so a slow one, or an async one that blocks (a
-`time.sleep` in an `async def`), never stalls generation, and `reward.timeout_s` bounds it.
+(logged as `reward/<name>` means).
+
+A scorer that reads model output (a reasoning-gym task's, `math`, a user's function) runs
+by default in a pool of jailed workers (rewards/jailed.py, `reward.isolation`): the call
+is a request to a worker, killed at `reward.timeout_s`. In-process (`exact_match`,
+`reward.isolation: none`), every call runs in a worker thread — an async function on an
+event loop of its own there — so a slow one, or an async one that blocks (a `time.sleep`
+in an `async def`), never stalls generation, and `reward.timeout_s` bounds it.
 
 Every failure — an exception (`sys.exit` and `KeyboardInterrupt` from the function
 included), `reward.timeout_s` passing, a result that is not a finite number — is one line
 naming the trajectory and row. `reward.on_error: fail` raises it
 (`RewardFailed`: the rollout stops with it), `zero` scores the trajectory 0 and counts it
-(`reward/errors`). A timed-out sync call's thread cannot be killed (Python has no way to):
-it runs on by itself (a daemon thread, so it never holds up the process's exit) while the
+(`reward/errors`). A timed-out in-process sync call's thread cannot be killed (Python has
+no way to): it runs on by itself (a daemon thread, so it never holds up the process's exit) while the
 batch goes on without it.
 """
 
@@ -29,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tsync_mcore.rewards.jailed import ScorerFailed, ScorerPool
 from tsync_mcore.rewards.load import accepts
 
 MAX_EXTRAS = 32  # named extras per result: a mapping is not a place for per-token data
@@ -77,7 +83,8 @@ class RewardRunner:
     def __init__(self, fn: Callable[..., Any], *, spec: str, timeout_s: float,
                  on_error: str = "fail", max_workers: int = 16) -> None:
         self.fn, self.spec, self.timeout_s, self.on_error = fn, spec, timeout_s, on_error
-        self.takes_messages = accepts(fn, "messages")
+        self.takes_messages = (fn.takes_messages if isinstance(fn, ScorerPool) else
+                               accepts(fn, "messages"))
         self.max_workers = max_workers
         self._slots: asyncio.Semaphore | None = None  # sync calls awaited at once
 
@@ -90,14 +97,19 @@ class RewardRunner:
         if messages is not None and self.takes_messages:
             kwargs["messages"] = messages
         try:
-            out = await asyncio.wait_for(self._call(kwargs), self.timeout_s)
+            if isinstance(self.fn, ScorerPool):  # its own deadline, enforced by killing
+                out = await self.fn.call(kwargs)
+            else:
+                out = await asyncio.wait_for(self._call(kwargs), self.timeout_s)
             reward, extras = parse_result(out)
             return RewardResult(reward, extras)
+        except ScorerFailed as e:
+            why = str(e)
         except asyncio.TimeoutError:
             why = f"timed out after {self.timeout_s:g}s (reward.timeout_s)"
         except ValueError as e:
             why = str(e)
-        except _Exited as e:
+        except Exited as e:
             why = f"raised {e}"
         except Exception as e:  # the user's code: any exception is this trajectory's error
             why = f"raised {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
@@ -110,15 +122,15 @@ class RewardRunner:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_workers)
         async with self._slots:  # released on timeout too: a hung call keeps only its thread
-            return await _in_daemon_thread(functools.partial(_call_to_the_end, self.fn, kwargs))
+            return await _in_daemon_thread(functools.partial(call_to_the_end, self.fn, kwargs))
 
 
-class _Exited(Exception):
+class Exited(Exception):
     """The reward function called sys.exit or raised KeyboardInterrupt: asyncio would carry
     either out of the rollout's event loop, so it comes back as this trajectory's error."""
 
 
-def _call_to_the_end(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+def call_to_the_end(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
     """`fn(**kwargs)`, and what it hands back awaited on this thread's own event loop (an
     async function, or a sync one returning an awaitable)."""
     try:
@@ -128,7 +140,7 @@ def _call_to_the_end(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
                 return await out
             out = asyncio.run(wait())
     except (SystemExit, KeyboardInterrupt) as e:
-        raise _Exited(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+        raise Exited(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
                       .rstrip(": ")) from None
     return out
 

@@ -21,6 +21,7 @@ from typing import Any
 from tsync_mcore.util.safe_files import BadFile
 
 BUILTINS = ("exact_match", "math", "code_tests", "judge")  # judge: rewards/judge.py
+MAX_SOURCE = 4 << 20  # bytes of a reward file
 ARGS = ("prompt", "response", "label", "meta")  # always passed; `messages` too for multi-turn
 _DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -43,10 +44,25 @@ def check_spec(spec: str) -> None:
         raise ValueError(f"{spec!r}: {where!r} is neither a .py file nor a dotted module name")
 
 
-def _import_file(spec: str, path: str):
+def read_source(spec: str, path: str) -> str:
+    """The text of a reward file (handed to a jailed scorer, which may not see the file)."""
     if not os.path.isfile(path):
         raise RewardError(f"reward.function {spec!r}: no file {path}")
-    real = os.path.realpath(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SOURCE + 1)
+        if len(data) > MAX_SOURCE:
+            raise RewardError(f"reward.function {spec!r}: {path} is over {MAX_SOURCE} bytes")
+        return data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RewardError(f"reward.function {spec!r}: cannot read {path}: {e}") from None
+
+
+def _import_file(spec: str, path: str, source: str | None = None):
+    """The module of a reward file; from `source` (its text, read elsewhere) when given."""
+    if source is None and not os.path.isfile(path):
+        raise RewardError(f"reward.function {spec!r}: no file {path}")
+    real = os.path.realpath(path) if source is None else os.path.abspath(path)
     mod_name = "tsync_reward_" + hashlib.sha1(real.encode()).hexdigest()[:12]
     if mod_name in sys.modules:
         return sys.modules[mod_name]
@@ -54,7 +70,10 @@ def _import_file(spec: str, path: str):
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[mod_name] = module  # dataclasses/pickle in the file look themselves up here
     try:
-        loader_spec.loader.exec_module(module)
+        if source is None:
+            loader_spec.loader.exec_module(module)
+        else:
+            exec(compile(source, real, "exec"), module.__dict__)
     except BaseException as e:  # its import ran user code: one line, never a traceback
         del sys.modules[mod_name]
         if isinstance(e, KeyboardInterrupt):
@@ -78,9 +97,11 @@ def accepts(fn: Callable, name: str) -> bool:
                (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) for p in params)
 
 
-def load_reward_fn(spec: str, reward_cfg: Any = None) -> Callable[..., Any]:
+def load_reward_fn(spec: str, reward_cfg: Any = None, source: str | None = None
+                   ) -> Callable[..., Any]:
     """The callable `spec` names, checked to accept the documented keyword arguments.
-    `reward_cfg` (RewardConfig) configures the built-ins (sandbox limits)."""
+    `reward_cfg` (RewardConfig) configures the built-ins (sandbox limits); `source`: a
+    reward file's text, read by the caller (a jailed scorer need not see the file)."""
     try:
         check_spec(spec)
     except ValueError as e:
@@ -97,7 +118,7 @@ def load_reward_fn(spec: str, reward_cfg: Any = None) -> Callable[..., Any]:
             raise RewardError(f"reward.function {spec!r}: {_first_line(e)}") from None
     where, _, name = spec.rpartition(":")
     if where.endswith(".py"):
-        module = _import_file(spec, where)
+        module = _import_file(spec, where, source)
         place = where
     else:
         try:

@@ -5,7 +5,8 @@ The answer handed to `score_answer` is the text of the completion's last
 convention for every task); a completion without one gives None, which the tasks score 0.
 `answer_tag: ""` hands over the whole completion, stripped; `answer_from: last_number` its
 last number (a sign and decimals kept), or None. The call runs under the
-reward.* rules of any reward function (RewardRunner: timeout_s, on_error).
+reward.* rules of any reward function (RewardRunner: timeout_s, on_error), in a jailed
+worker by default (rewards/jailed.py: several tasks `eval` the answer).
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ class RolloutDriver:
                                  lora_rank=self.cfg.model.lora.rank
                                  if self.cfg.publish.lora == "adapter" else 0,
                                  gpu_memory_utilization=self.rc.gpu_memory_utilization if gpu
-                                 else None)
+                                 else None, structured_regex=self.rc.structured_regex)
 
         note = None if gpu else cpu_memory_note(self.rc.replicas, self.rc.kv_cache_gib,
                                                   self.cfg.model.hf_dir)

@@ -226,6 +226,7 @@ class RolloutEngine:
         gpu_memory_utilization: float | None = None,
         tensor_parallel_size: int = 1,
         lora_rank: int = 0,
+        structured_regex: str = "",
     ) -> None:
         _set_cpu_env()
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -256,6 +257,7 @@ class RolloutEngine:
             **({} if gpu else {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}),
         )
         self.model_dir = model_dir
+        self.structured_regex = structured_regex  # every request's (rollout.structured_regex)
         # vLLM may seed the global RNGs of the launching process; keep the caller's streams.
         cpu_rng, py_rng = torch.get_rng_state(), random.getstate()
         try:
@@ -370,7 +372,7 @@ class RolloutEngine:
         reason). Admitted through the swap gate, so the version read is the one that runs."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -384,6 +386,8 @@ class RolloutEngine:
             # (vLLM refuses them without it)
             detokenize=bool(stop),
             output_kind=RequestOutputKind.FINAL_ONLY,
+            structured_outputs=StructuredOutputsParams(regex=self.structured_regex)
+            if self.structured_regex else None,
         )
         # Unique per call: a multi-turn trajectory issues one request per turn.
         request_id = f"tsync-{uuid.uuid4().hex}"

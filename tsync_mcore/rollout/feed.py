@@ -18,10 +18,10 @@ from typing import Any
 from tsync_mcore.config import Config, ReasoningGymConfig
 from tsync_mcore.data import DataError, EpochSampler, PromptSet, Row, load_prompts, render_prompt
 from tsync_mcore.data.rgym import TaskSet, task_sets
-from tsync_mcore.rewards import RewardRunner, RewardStats, load_reward_fn
+from tsync_mcore.rewards import RewardRunner, RewardStats
 from tsync_mcore.rewards.call import eval_metrics
+from tsync_mcore.rewards.jailed import reward_scorer, task_scorer
 from tsync_mcore.rewards.judge import JudgeRunner, JudgeStats
-from tsync_mcore.rewards.rgym import task_reward
 from tsync_mcore.rollout.loop import run_batch
 from tsync_mcore.rollout.dataset_env import SingleTurnEnv
 from tsync_mcore.rollout.envs import SkyRLGymAdapter
@@ -83,7 +83,7 @@ class DataFeed:
                                       records_dir=os.path.join(cfg.run.dir, "judge"),
                                       policy_tokens=cfg.rollout.max_total_tokens)
             return
-        fn = load_reward_fn(cfg.reward.function, cfg.reward)
+        fn = reward_scorer(cfg.reward.function, cfg.reward)  # jailed unless in-process
         self.runner = RewardRunner(fn, spec=cfg.reward.function, timeout_s=cfg.reward.timeout_s,
                                    on_error=cfg.reward.on_error)
 
@@ -95,8 +95,9 @@ class DataFeed:
         if self.eval is not None and self.eval.left_out:
             print(f"[rollout] reasoning_gym: {self.eval.left_out} of {rc.eval_size} evaluation "
                   f"questions are also in the training set and were left out", flush=True)
-        self.runner = RewardRunner(task_reward(self.train.dataset, rc.answer_tag, rc.answer_from),
-                                   spec=f"reasoning_gym:{self.rgym} scorer",
+        scorer = task_scorer(self.rgym, rc, self.cfg.reward,
+                             [ts for ts in (self.train, self.eval) if ts is not None])
+        self.runner = RewardRunner(scorer, spec=f"reasoning_gym:{self.rgym} scorer",
                                    timeout_s=self.cfg.reward.timeout_s,
                                    on_error=self.cfg.reward.on_error)
 
