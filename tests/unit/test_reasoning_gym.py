@@ -217,3 +217,34 @@ def test_params_set_key_by_key_from_the_command_line():
                                              "reasoning_gym.params.max_terms=3",
                                              "reasoning_gym.params.operators=[+, -]"]))
     assert cfg.reasoning_gym.params == {"max_terms": 3, "operators": ["+", "-"]}
+
+
+@pytest.mark.parametrize("task", ["spiral_matrix", "string_insertion", "binary_matrix",
+                                  "n_queens"])
+def test_tasks_that_eval_the_answer_read_it_as_data(task, tmp_path):
+    """The tasks whose scorer `eval`s the answer get it read as a literal instead: the
+    payload of issue 47 runs nothing (here, in-process; the jailed worker does the same),
+    while literal answers (the answer, and its items as a Python list) score as the task's
+    own eval scored them."""
+    import sys
+
+    import reasoning_gym
+
+    from tsync_mcore.rewards.rgym import answers_as_data, literal
+    ds = reasoning_gym.create_dataset(task, seed=0, size=2)
+    e = ds[0]
+    items = e["answer"].split() if task == "spiral_matrix" else list(e["answer"])
+    honest = [e["answer"], str(items), str([i for i in items[:-1]])]
+    module = sys.modules[type(ds).score_answer.__module__]
+    vars(module).pop("eval", None)  # the task's own eval: the builtin
+    want = [ds.score_answer(answer=a, entry=e) for a in honest]
+    answers_as_data(ds)
+    try:
+        assert module.eval is literal
+        assert [ds.score_answer(answer=a, entry=e) for a in honest] == want
+        marker = tmp_path / "ran"
+        payload = f"[__import__('os').system('touch {marker}')]"
+        assert ds.score_answer(answer=payload, entry=e) == 0.0
+        assert not marker.exists()
+    finally:
+        del module.eval  # other tests see the task as reasoning-gym ships it
