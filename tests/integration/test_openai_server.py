@@ -1689,7 +1689,8 @@ def test_a_hostile_agent_process_reaches_no_other_agent_the_rollout_or_the_netwo
            f"*) sleep 3; exec {demo};; esac")
     server = serve(et, BySeed(script_for(tok)), tok)
     try:
-        out = et.run(agents_run(server, run_dir, ["a", "evil", "b"], cmd, timeout_s=60))
+        out = et.run(agents_run(server, run_dir, ["a", "evil", "b"], cmd, timeout_s=60,
+                                expose=[os.path.dirname(hostile)]))  # a checkout in /tmp
         log = (run_dir / "agent" / "logs" / "evil.log").read_text()
     finally:
         et.run(server.stop())
@@ -1772,10 +1773,12 @@ def test_a_hostile_pool_worker_cannot_take_another_workers_trajectories(et, tok,
     cmd = (f"case $TSYNC_WORKER_ID in 0-0) exec {sys.executable} {hostile} @@hostile 6;; "
            f"0-*) sleep 600;; *) sleep 2; exec {demo};; esac")
     server = serve(et, BySeed(script_for(tok)), tok)
-    pool = make_pool(server, tmp_path, cmd, 2, timeout_s=30.0)
+    workers = [os.path.dirname(hostile)]  # shown where the jail hides it (a checkout in /tmp)
+    pool = make_pool(server, tmp_path, cmd, 2, timeout_s=30.0, expose=workers)
     ids = ["p0", "p1", "p2", "p3"]
     try:
-        out = et.run(agents_run(server, tmp_path, ids, cmd, pool=pool, timeout_s=30.0))
+        out = et.run(agents_run(server, tmp_path, ids, cmd, pool=pool, timeout_s=30.0,
+                                expose=workers))
     finally:
         et.run(pool.stop())
         et.run(server.stop())

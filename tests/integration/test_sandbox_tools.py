@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -58,6 +59,21 @@ def test_infinite_loop_is_stopped_by_cpu_then_wall():
 def test_fork_bomb_is_stopped_and_leaves_nothing(bomb, monkeypatch):
     if bomb == "python-rlimit-only":  # no pids cgroup: RLIMIT_NPROC of the user bounds it
         monkeypatch.setitem(cgroups._ROOTS, "pids", None)
+
+    def busy() -> set[str]:  # this process's cgroups that hold processes (named with its pid)
+        root = sb.pids_cgroup_root()
+        out = set()
+        for d in os.listdir(root) if root else ():
+            try:
+                if d.startswith(f"run-p{os.getpid()}-") and \
+                        open(os.path.join(root, d, "cgroup.procs")).read():
+                    out.add(d)
+            except OSError:
+                pass  # removed meanwhile
+        return out
+
+    # jails this process started before (an earlier test's scorer workers, agents) may live on
+    before = busy()
     t0 = time.monotonic()
     if bomb.startswith("python"):
         r = sb.run_python("import os, time\nwhile True:\n    try:\n        os.fork()\n"
@@ -67,21 +83,10 @@ def test_fork_bomb_is_stopped_and_leaves_nothing(bomb, monkeypatch):
     assert r.timed_out and time.monotonic() - t0 < 30, r
     assert r.pids_cgroup == (bomb != "python-rlimit-only")
     if r.pids_cgroup:  # this run's cgroup held at most nproc processes and is gone
-        def busy() -> list[str]:
-            root = sb.pids_cgroup_root()
-            out = []
-            for d in os.listdir(root):
-                try:
-                    if d.startswith("run-") and open(os.path.join(root, d, "cgroup.procs")).read():
-                        out.append(d)
-                except OSError:
-                    pass  # removed meanwhile
-            return out
-        # other tests' sandboxes may run at this moment (xdist): theirs end within seconds
         deadline = time.monotonic() + 15
-        while busy() and time.monotonic() < deadline:
+        while busy() - before and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not busy()
+        assert not busy() - before
     next_call_works()
 
 
@@ -470,9 +475,13 @@ def test_a_call_sees_a_read_only_system_a_private_bounded_tmp_and_its_own_proces
         listing, rest = r.stdout.split("---\n")
         assert r.returncode == 0 and r.fs_isolated, r
         # the host's /tmp is not there: only this call's run directory and work directory
+        # (a checkout under /tmp shows its own top directory: the interpreter view binds
+        # the venv and the sources back, read-only)
+        view = {p.split("/")[2] for p in (sys.prefix, os.path.dirname(sb.__file__))
+                if p.startswith("/tmp/")}
         assert sorted(listing.split()) == sorted(
-            [".", "..", os.path.basename(mine), *[x for x in listing.split()
-                                                  if x.startswith("tsync-sandbox-")]])
+            [".", "..", os.path.basename(mine), *view, *[x for x in listing.split()
+                                                         if x.startswith("tsync-sandbox-")]])
         lines = rest.split("\n")
         assert not [x for x in lines if x.startswith(("wrote", "removed", "seen"))], r.stdout
         assert lines[0] == "keep"  # readable (the system is visible), not writable

@@ -90,16 +90,21 @@ def test_payload_answers_run_nothing(tmp_path, tiny_qwen2, task):
 
 @pytest.mark.timeout(300)
 def test_exits_kills_and_big_numbers_are_one_trajectorys_error(tmp_path, tiny_qwen2):
-    """exit(3)-style answers and one that kills its worker are an error for that trajectory
-    only; `7**10**7` is killed at reward.timeout_s while the event loop keeps ticking; the
-    honest answers gathered beside them keep their scores; the next call works."""
-    feed = feed_for(tmp_path, tiny_qwen2, "spiral_matrix", **{"reward.timeout_s": 3.0})
-    honest = f"<answer>{feed.train.row(0).label}</answer>"
+    """A scorer that evaluates the answer (a user's, as reasoning-gym's eval tasks did before
+    they read answers as literals): exit(3)-style answers and one that kills its worker are
+    an error for that trajectory only; `7**10**7` is killed at reward.timeout_s while the
+    event loop keeps ticking; the honest answers gathered beside them keep their scores; the
+    next call works."""
+    rw = tmp_path / "evaluating.py"
+    rw.write_text("def reward(*, response, label, **_):\n"
+                  "    return float(str(eval(response)) == label)\n")
+    feed = dataset_feed(tmp_path, tiny_qwen2, f"{rw}:reward", **{"reward.timeout_s": 3.0})
+    honest = "1"
     hostile = {
-        "sys.exit": "<answer>[__import__('sys').exit(3)]</answer>",
-        "os._exit": "<answer>[__import__('os')._exit(3)]</answer>",
-        "big": "<answer>[7**10**7]</answer>",
-        "kill worker": "<answer>[__import__('os').kill(__import__('os').getppid(), 9)]</answer>",
+        "sys.exit": "[__import__('sys').exit(3)]",
+        "os._exit": "[__import__('os')._exit(3)]",
+        "big": "[7**10**7]",
+        "kill worker": "[__import__('os').kill(__import__('os').getppid(), 9)]",
     }
     gaps: list[float] = []
 

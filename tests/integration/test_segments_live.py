@@ -40,7 +40,10 @@ def test_rewritten_histories_train_every_segment_as_sync_and_fp64(tmp_path, para
     make_tiny_checkpoint(model, arch="qwen3", vocab_size=320, hidden=64, layers=2, heads=2,
                          kv_heads=1, intermediate=128, seed=0)  # vLLM CPU: head_dim >= 32
     use_qwen3_template(model)
-    hostile = tmp_path / "hostile.py"  # the task, then a rewritten last message each turn
+    src = tmp_path / "agent-src"  # jailed agents see it (rollout.agent_expose), not the run
+    src.mkdir()
+    os.chmod(src, 0o755)
+    hostile = src / "hostile.py"  # the task, then a rewritten last message each turn
     hostile.write_text(
         "import json, os, openai\n"
         "c = openai.OpenAI(max_retries=0)\n"
