@@ -30,15 +30,14 @@ import hmac
 import os
 import json
 import math
-import time
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from tsync_mcore.publication.store import (GroupStore, StoreError, StoreRefused, StoreServer,
-                                           StoreTimeout, store_key)
+from tsync_mcore.publication.store import (GroupStore, StoreError, StoreServer, StoreTimeout,
+                                           store_key)
 
 MAGIC = 0x7473796E63  # "tsync"
 DENSE, SPARSE = 0, 1
@@ -220,14 +219,10 @@ def join_group(addr: str, port: int, rank: int, world: int, *, token: str, timeo
     if not 0 <= rank < world:
         raise PublishError(f"publication group: rank {rank} outside world {world}")
     where = f"publication group at {addr}:{port} (rank {rank} of {world})"
-    for attempt in range(attempts):
-        try:
-            store = GroupStore(addr, port, store_key(key), timeout_s)
-            break
-        except StoreError as e:  # a connection an outsider got closed: connect again
-            if isinstance(e, StoreRefused) or attempt + 1 == attempts:
-                raise PublishError(f"{where}: {e}") from None
-            time.sleep(0.2)
+    try:
+        store = GroupStore(addr, port, store_key(key), timeout_s)
+    except StoreError as e:
+        raise PublishError(f"{where}: {e}") from None
     why = ""
     for attempt in range(attempts):
         prefix = f"tsync-publish/{token}/{attempt}"

@@ -29,7 +29,6 @@ import os
 import socket
 import struct
 import threading
-import time
 
 import torch.distributed as dist
 
@@ -38,7 +37,7 @@ from tsync_mcore.channel.handshake import NONCE_BYTES, TAG_BYTES, Mac, recv_exac
 
 MAGIC = b"tsyncpst"
 HANDSHAKE_S = 10.0  # a connection that has not proven the key by then is closed
-MAX_CONNECTIONS = 256  # open at once; past it the oldest not yet authenticated is closed
+MAX_CONNECTIONS = 256  # open at once; more are closed on accept
 MAX_KEY = 1024  # bytes of a key
 MAX_VALUE = 1 << 20  # bytes of a value (gloo's addresses, NCCL's unique id: < 1 KiB)
 MAX_KEYS = 4096
@@ -57,10 +56,6 @@ class StoreError(RuntimeError):
 
 class StoreTimeout(StoreError):
     """What a member waited for did not appear within its timeout."""
-
-
-class StoreRefused(StoreError):
-    """The store and this member do not share the key: trying again cannot help."""
 
 
 def store_key(group_key: bytes) -> bytes:
@@ -131,8 +126,6 @@ class StoreServer:
         self._data: dict[bytes, bytes] = {}
         self._cv = threading.Condition()
         self._conns: set[socket.socket] = set()
-        self._pending: dict[socket.socket, float] = {}  # not yet authenticated: since when
-        self._lock = threading.Lock()
         self._closed = False
         self._sock = socket.create_server((addr, port), backlog=128,
                                           family=socket.AF_INET6 if ":" in addr else socket.AF_INET)
@@ -160,21 +153,10 @@ class StoreServer:
                 sock, _ = self._sock.accept()
             except OSError:
                 return
-            with self._lock:
-                if len(self._conns) >= MAX_CONNECTIONS:
-                    if not self._pending:  # all members: nobody else belongs here
-                        sock.close()
-                        continue
-                    # a flood of idle connections must not keep a member out: a member
-                    # proves the key within a round trip, an outsider's connection waits
-                    oldest = min(self._pending, key=self._pending.__getitem__)
-                    del self._pending[oldest]
-                    try:
-                        oldest.shutdown(socket.SHUT_RDWR)  # its thread closes it
-                    except OSError:
-                        pass
-                self._conns.add(sock)
-                self._pending[sock] = time.monotonic()
+            if len(self._conns) >= MAX_CONNECTIONS:
+                sock.close()
+                continue
+            self._conns.add(sock)
             threading.Thread(target=self._serve, args=(sock,), name="tsync-store-conn",
                              daemon=True).start()
 
@@ -183,17 +165,13 @@ class StoreServer:
             conn = self._handshake(sock)
             if conn is None:
                 return
-            with self._lock:
-                self._pending.pop(sock, None)
             sock.settimeout(None)  # members wait as long as their collectives allow
             while not self._closed:
                 conn.send(self._answer(conn.recv("publication store request")))
         except (OSError, ChannelError, StoreError):
             pass  # the member left, or broke the protocol: its connection ends
         finally:
-            with self._lock:
-                self._conns.discard(sock)
-                self._pending.pop(sock, None)
+            self._conns.discard(sock)
             sock.close()
 
     def _handshake(self, sock: socket.socket) -> _Conn | None:
@@ -297,19 +275,16 @@ class GroupStore(dist.Store):
             nonces = head[len(MAGIC):] + nonce_c
             sock.sendall(MAGIC + nonce_c + _proof(key, b"client", nonces))
             verdict = recv_exact(sock, 1 + TAG_BYTES, what)
-        except ChannelError as e:  # names `what` already
+        except (OSError, ChannelError) as e:
             sock.close()
-            raise StoreError(str(e)) from None
-        except OSError as e:
-            sock.close()
-            raise StoreError(f"{what} failed: {e.strerror or e}") from None
+            raise StoreError(f"{what} failed: {e}") from None
         if verdict[0] != 0:
             sock.close()
-            raise StoreRefused(f"{self._where} refused this member: it did not prove the "
+            raise StoreError(f"{self._where} refused this member: it did not prove the "
                              f"run's secret (another run's channel secret?)")
         if not hmac.compare_digest(verdict[1:], _proof(key, b"server", nonces)):
             sock.close()
-            raise StoreRefused(f"{self._where} did not prove the run's secret: not this "
+            raise StoreError(f"{self._where} did not prove the run's secret: not this "
                              f"run's store")
         sock.settimeout(None)
         return _Conn(sock, key, nonces, b"client")
