@@ -102,15 +102,13 @@ def main() -> None:
     engine = et.run(make())
     print(f"engine up in {time.perf_counter() - t0:.1f}s", flush=True)
 
+    store = pd.host_store("127.0.0.1", 0, 600)
     token, out = secrets.token_hex(8), {}
-    key = pd.group_key(secrets.token_bytes(32), token)
-    store = pd.host_store("127.0.0.1", 0, 600, key)
     th = threading.Thread(target=lambda: out.update(pg=pd.join_group(
-        "127.0.0.1", store.port, 0, 2, token=token, timeout_s=600, key=key,
-        backend=args.backend)))
+        "127.0.0.1", store.port, 0, 2, token=token, timeout_s=600, backend=args.backend)))
     th.start()
     et.run(engine.join_publish_group("127.0.0.1", store.port, 1, 2, token=token, timeout_s=600,
-                                     backend=args.backend, key=key.hex()))
+                                     backend=args.backend))
     th.join()
     pg = out["pg"]
     params = pd.params_of(theta.items())

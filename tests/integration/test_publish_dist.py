@@ -12,8 +12,6 @@ import asyncio
 import datetime
 import os
 import secrets
-import subprocess
-import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -26,7 +24,6 @@ from safetensors.torch import load_file, save_file
 from tests.helpers.dist_util import REPO_ROOT, run_dist
 from tsync_mcore.channel import Ack, Publish
 from tsync_mcore.publication import dist as pd
-from tsync_mcore.publication.store import GroupStore, store_key
 from tsync_mcore.rollout.engine import EngineThread, RolloutEngine
 
 TINY = dict(arch="qwen2", vocab_size=300, hidden=64, layers=2, heads=2, kv_heads=2)  # TP=2 splits
@@ -55,19 +52,16 @@ def rig(ckpts):
     et.close()
 
 
-KEY = pd.group_key(b"s" * 32, "t")
-
-
-def open_group(et, engines, timeout_s=30.0, key=KEY):
-    """The store here, learner rank 0 in a thread, the engines' workers as ranks 1, 2, all
-    proving `key`; returns (rank 0's group, the store)."""
-    store = pd.host_store("127.0.0.1", 0, timeout_s, key)
+def open_group(et, engines, timeout_s=30.0, key=None, rank0_key=None):
+    """A store here, learner rank 0 in a thread, the engines' workers as ranks 1, 2;
+    `key`: the engines' group key, `rank0_key` rank 0's (default: the same)."""
+    store = pd.host_store("127.0.0.1", 0, timeout_s)
     token, world, out = secrets.token_hex(8), 1 + len(engines), {}
 
     def rank0():
         try:
             out["pg"] = pd.join_group("127.0.0.1", store.port, 0, world, token=token,
-                                      timeout_s=timeout_s, key=key)
+                                      timeout_s=timeout_s, key=rank0_key or key)
         except pd.PublishError as e:
             out["error"] = e
     th = threading.Thread(target=rank0)
@@ -76,7 +70,7 @@ def open_group(et, engines, timeout_s=30.0, key=KEY):
     async def join():
         return await asyncio.gather(*[e.join_publish_group(
             "127.0.0.1", store.port, 1 + i, world, token=token, timeout_s=timeout_s,
-            key=key.hex()) for i, e in enumerate(engines)])
+            key=key.hex() if key else "") for i, e in enumerate(engines)])
 
     try:
         assert et.run(join()) == [[1], [2]]
@@ -84,104 +78,32 @@ def open_group(et, engines, timeout_s=30.0, key=KEY):
         th.join()
     if "error" in out:
         raise out["error"]
-    store.clear()  # as the rollout does once formed
-    return out["pg"], store
+    return out["pg"], (store, pd.Seal(store))  # sealed, as the rollout does once formed
 
 
 def test_a_member_without_the_runs_secret_is_refused_before_any_weight(rig, ckpts):
-    """The store answers only members proving the run's secret: a process that tries to
-    join as rank 0 with another key is refused by the store itself (one line), before it
-    can read or write anything there; members holding the key form the group. Once formed
-    the store is empty, and an outsider can neither list it nor park a value there."""
+    """The store is open to any local process and lists the group's token: one that joins
+    as rank 0 first, without the run's secret, fails the handshake on every engine worker
+    (named, one line) and no tensor is loaded; members holding the key form the group."""
     et, engines = rig
     before = digests(et, engines)
-    store = pd.host_store("127.0.0.1", 0, 20, KEY)
-    with pytest.raises(pd.PublishError, match=r"^publication group at 127\.0\.0\.1:\d+ \(rank "
-                       r"0 of 3\): publication store at .* refused this member: it did not "
-                       r"prove the run's secret"):
-        pd.join_group("127.0.0.1", store.port, 0, 3, token="t", timeout_s=20,
-                      key=pd.group_key(b"x" * 32, "t"))
-    assert store.refused == 1
-    store.close()
+    key = pd.group_key(b"s" * 32, "t")
+    with pytest.raises(Exception, match=r"rank\(s\) \[0\] did not prove the run's secret"):
+        open_group(et, engines, timeout_s=20, key=key, rank0_key=pd.group_key(b"x" * 32, "t"))
     assert digests(et, engines) == before
-    pg, store = open_group(et, engines, timeout_s=20)
+    pg, (store, seal) = open_group(et, engines, timeout_s=20, key=key)
     assert pg is not None
-    with pytest.raises(Exception, match="Ping failed|invalid value"):  # not a c10d store
-        TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=2))
-    with pytest.raises(pd.PublishError, match="refused this member"):
-        pd.join_group("127.0.0.1", store.port, 0, 3, token="t", timeout_s=5,
-                      key=pd.group_key(b"x" * 32, "t"))
-    assert store.refused >= 2
-    member = GroupStore("127.0.0.1", store.port, store_key(KEY), 5)  # the group's own view
-    assert member.num_keys() == 0
-    member.close()
+    # formed: the store is emptied and kept empty, so an outsider lists nothing (not the
+    # token) and a value it parks there is gone within the sweep period
+    outsider = TCPStore("127.0.0.1", store.port, is_master=False,
+                        timeout=datetime.timedelta(seconds=5))
+    assert outsider.list_keys() == []
+    outsider.set("flood", b"x" * (7 << 20))
+    deadline = time.monotonic() + 5
+    while outsider.list_keys() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert outsider.list_keys() == [] and seal.deleted >= 1
     digests(et, engines)  # the engines go on
-
-
-def test_an_outsider_racing_for_rank_0_neither_stops_the_run_nor_gets_weights_in(
-        rig, ckpts, tmp_path):
-    """The rollout's open_group and the learner's Publisher over a real channel, while a
-    local process outside the run connects to the store's port first, holds an idle
-    connection there, and tries to read the group's token and join as rank 0 before the
-    learner: it gets nothing, the group forms, θ_b arrives and is acknowledged, and the
-    engine holds what a file reload of θ_b gives."""
-    from tests.helpers.links import link_pair
-    from tests.helpers.workers.channel_worker import SECRET
-    from tsync_mcore.config import load_config
-    from tsync_mcore.publication import receive
-    from tsync_mcore.publication.send import Publisher
-    from tsync_mcore.util.net import free_port
-
-    et, engines = rig
-    engine = engines[0]
-    et.run(engine.reload_weights(os.path.join(ckpts[0], "model.safetensors")))
-    secret_file = tmp_path / "channel.secret"
-    secret_file.write_text(SECRET.hex())
-    secret_file.chmod(0o600)
-    port = free_port()
-    cfg = load_config(None, {"model.hf_dir": ckpts[1], "run.dir": str(tmp_path),
-                             "publish.method": "dist", "publish.port": port,
-                             "channel.addr": "127.0.0.1", "channel.secret_file": str(secret_file),
-                             "channel.ack_timeout_s": 10})
-    outsider = subprocess.Popen(
-        [sys.executable, os.path.join(REPO_ROOT, "tests/helpers/workers/publish_outsider.py"),
-         str(port), "2", "20"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT})
-    assert outsider.stdout.readline().strip() == "READY"
-    theta = load_file(os.path.join(ckpts[1], "model.safetensors"))
-    policy = SimpleNamespace(par=SimpleNamespace(rank=0), gathers_to_export=False,
-                             device=torch.device("cpu"), iter_params=lambda: iter(theta.items()))
-    with link_pair(timeout_s=30) as (rollout_link, learner_link):
-        out = {}
-
-        def rollout():
-            try:
-                out["store"] = receive.open_group(cfg, rollout_link, engine, et)
-                msg = receive.await_publish(rollout_link, 1, 30, "", method="dist")
-                et.run(receive.reload(engine, rollout_link, msg))
-            except Exception as e:  # noqa: BLE001 — surfaced below
-                out["error"] = e
-        th = threading.Thread(target=rollout)
-        th.start()
-        time.sleep(3)  # the outsider's head start: it polls the port every 50 ms
-        try:
-            pub = Publisher(cfg.publish, cfg.channel, policy, learner_link, str(tmp_path),
-                            secret=SECRET)
-            pub.publish(1)
-            ack = learner_link.recv(timeout_s=30)
-        finally:
-            th.join()
-            outsider.kill()
-            seen = outsider.communicate()[0]
-    assert "error" not in out, out["error"]
-    assert isinstance(ack, Ack) and ack.ok and ack.version == 1, ack
-    assert "STORE REFUSED" in seen and "TOKEN" not in seen and "JOINED" not in seen, seen
-    assert out["store"].refused >= 1
-    out["store"].close()
-    assert file_digest(et, engine, os.path.join(ckpts[1], "model.safetensors")) \
-        == et.run(engine.param_digest())
-    assert engine.bytes_received == pub.stats["publish/bytes"]
-    et.run(engine.reload_weights(os.path.join(ckpts[0], "model.safetensors")))  # as it was
 
 
 def receive_all(et, engines, msg):
@@ -250,24 +172,21 @@ def test_dist_from_a_tp2_learner_gathers_per_tensor(rig, ckpts, tmp_path):
         et.run(e.reload_weights(os.path.join(ckpts[0], "model.safetensors")))
     want = file_digest(et, engines[1], os.path.join(ckpts[1], "model.safetensors"))
     et.run(engines[1].reload_weights(os.path.join(ckpts[0], "model.safetensors")))
-    store = pd.host_store("127.0.0.1", 0, 120, KEY)
+    store = pd.host_store("127.0.0.1", 0, 120)
     token = secrets.token_hex(8)
     out = {}
     th = threading.Thread(target=lambda: out.update(res=run_dist(
         [os.path.join(REPO_ROOT, "tests/helpers/workers/publish_worker.py"), ckpts[1], "2",
-         "127.0.0.1", str(store.port), "3", token, str(BUCKET), KEY.hex()], nproc=2,
-        timeout=240)))
+         "127.0.0.1", str(store.port), "3", token, str(BUCKET)], nproc=2, timeout=240)))
     th.start()
 
     async def join():
         return await asyncio.gather(*[e.join_publish_group(
-            "127.0.0.1", store.port, 1 + i, 3, token=token, timeout_s=120, key=KEY.hex())
+            "127.0.0.1", store.port, 1 + i, 3, token=token, timeout_s=120)
             for i, e in enumerate(engines)])
 
     et.run(join())
-    member = GroupStore("127.0.0.1", store.port, store_key(KEY), 120)
-    n = int(member.get("n_buckets"))  # the worker tells it through the store (the notice's)
-    member.close()
+    n = int(store.get("n_buckets"))  # the worker tells it through the store (the notice's)
     res = receive_all(et, engines, Publish(version=1, path="", method="dist", n_buckets=n))
     th.join()
     assert not any(isinstance(r, BaseException) for r in res), res
@@ -319,8 +238,8 @@ def test_a_drifted_replica_gets_the_whole_model_next(tmp_path):
     from tsync_mcore.config import PublishConfig
     from tsync_mcore.publication.send import Publisher
 
-    store = pd.host_store("127.0.0.1", 0, 10, KEY)
-    pg = pd.join_group("127.0.0.1", store.port, 0, 1, token="solo", timeout_s=10, key=KEY)
+    store = pd.host_store("127.0.0.1", 0, 10)
+    pg = pd.join_group("127.0.0.1", store.port, 0, 1, token="solo", timeout_s=10)
     theta = {"w": torch.randn(1000), "b": torch.randn(10)}
     pub = Publisher(PublishConfig(delta=True), None,
                     SimpleNamespace(par=SimpleNamespace(rank=0, tp_size=1)), None, str(tmp_path))
@@ -382,34 +301,3 @@ def test_bad_publications_fail_in_one_line_and_leave_the_weights(rig, ckpts):
             assert want in line, str(r)[:2000]
         assert digests(et, engines) == before, want
         assert all(e.version != 5 for e in engines)
-
-
-def test_formation_is_tried_again_when_a_member_fails_one(capsys):
-    """A member that misses a formation (here: it comes after the others timed out) makes
-    every member try again under a fresh prefix; all agree on each outcome through the
-    store, and the group forms on the next try."""
-    store = pd.host_store("127.0.0.1", 0, 2, KEY)
-    out = {}
-
-    def member(rank, delay):
-        time.sleep(delay)
-        try:
-            out[rank] = pd.join_group("127.0.0.1", store.port, rank, 2, token="late",
-                                      timeout_s=2, key=KEY)
-        except pd.PublishError as e:
-            out[rank] = e
-    threads = [threading.Thread(target=member, args=(0, 0.0)),
-               threading.Thread(target=member, args=(1, 3.0))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not any(isinstance(v, Exception) for v in out.values()), out
-    t = [torch.ones(2), torch.ones(2) * 2]
-    works = [out[r].allreduce([t[r]]) for r in (0, 1)]
-    for w in works:
-        w.wait()
-    assert t[0].tolist() == t[1].tolist() == [3.0, 3.0]
-    log = capsys.readouterr().out
-    assert "(rank 0 of 2): formation 1 of 3 failed" in log and "trying again" in log
-    store.close()

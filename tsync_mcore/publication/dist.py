@@ -2,9 +2,9 @@
 straight into every rollout worker (docs/design/publication.md).
 
 The group: learner rank 0 is group rank 0 (the broadcaster), each vLLM worker one more
-rank. It is a standalone process group (gloo on CPU, NCCL on GPU) over an authenticated
-store that the rollout hosts (receive.open_group, publication.store), so neither side's
-default group (Megatron's, vLLM's) is touched. It is made once, at the start of a run.
+rank. It is a standalone process group (gloo on CPU, NCCL on GPU) over a TCPStore that the
+rollout hosts (receive.open_group), so neither side's default group (Megatron's, vLLM's) is touched. It
+is made once, at the start of a run.
 
 One publication, in order, every piece a broadcast from rank 0:
   control  int64[6]: MAGIC, version, header bytes, buckets, delta (0/1), full (0/1)
@@ -18,8 +18,7 @@ a bucket holds parameters of one dtype only. Everything received is checked (`Re
 before it is loaded: the header (and so every size) before the first bucket, and a delta
 publication whole. Nothing is pickled.
 
-This module is imported inside vLLM's worker process: torch, json, the stdlib and
-publication.store only.
+This module is imported inside vLLM's worker process: torch, json and the stdlib only.
 """
 
 from __future__ import annotations
@@ -30,14 +29,12 @@ import hmac
 import os
 import json
 import math
+import threading
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-
-from tsync_mcore.publication.store import (GroupStore, StoreError, StoreServer, StoreTimeout,
-                                           store_key)
 
 MAGIC = 0x7473796E63  # "tsync"
 DENSE, SPARSE = 0, 1
@@ -187,16 +184,43 @@ def fold_checksums(sums: list[int], nbytes: list[int]) -> str:
 # --------------------------------------------------------------------------- the group
 
 
-FORM_ATTEMPTS = 3  # formations tried before the run stops, each bounded by its timeout
+def host_store(addr: str, port: int, timeout_s: float):
+    """The rendezvous TCPStore, served by the rollout driver; port 0: a free one
+    (read `.port`)."""
+    from torch.distributed import TCPStore
 
-
-def host_store(addr: str, port: int, timeout_s: float, key: bytes) -> StoreServer:
-    """The rendezvous store, served by the rollout driver: only members proving `key`
-    (`group_key`) reach it. Port 0: a free one (read `.port`)."""
     try:
-        return StoreServer(addr, port, store_key(key), timeout_s)
-    except OSError as e:
-        raise PublishError(f"publication store at {addr}:{port}: {e.strerror or e}") from None
+        return TCPStore(addr, port, is_master=True, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001 — the OS error names the problem
+        raise PublishError(f"publication store at {addr}:{port}: {e}") from None
+
+
+class Seal:
+    """The rendezvous store emptied once the group has formed, and kept empty: nothing
+    needs it after that, and it has no authentication, so any local process could list
+    the group's token or park values in the host's memory. Every key is deleted now, and
+    whatever is set later within `period_s` (`deleted` counts those)."""
+
+    def __init__(self, store, period_s: float = 0.2) -> None:
+        self.store, self.period_s = store, period_s
+        self.deleted = 0
+        self._stop = threading.Event()
+        for k in store.list_keys():  # the group's own keys, before this returns
+            store.delete_key(k)
+        threading.Thread(target=self._sweep, name="tsync-store-seal", daemon=True).start()
+
+    def _sweep(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                for k in self.store.list_keys():
+                    self.store.delete_key(k)
+                    self.deleted += 1
+            except Exception:  # noqa: BLE001 — the store is going away with the run
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def group_key(secret: bytes, token: str) -> bytes:
@@ -206,50 +230,21 @@ def group_key(secret: bytes, token: str) -> bytes:
 
 
 def join_group(addr: str, port: int, rank: int, world: int, *, token: str, timeout_s: float,
-               key: bytes, backend: str = "gloo", ifname: str = "",
-               attempts: int = FORM_ATTEMPTS):
+               backend: str = "gloo", ifname: str = "", key: bytes | None = None):
     """This process's member of the publication group (blocks until all `world` joined).
-    `key` (`group_key`) is proven twice: to the store before anything is read or written
-    there (an outsider can neither list the group nor take a rank), and to every other
-    member once the group's connections stand (a process that reached a member's gloo or
-    NCCL port instead of a member fails that proof). A formation that fails on any member
-    is tried again under a fresh prefix, up to `attempts` times, all members agreeing
-    through the store on each outcome; then PublishError. `token` names the group in the
-    store; `ifname`: the network interface the group binds to ("": default)."""
+    `token` names the group in the store: only peers told it over the authenticated
+    channel find it. `ifname`: the network interface the group binds to ("": default).
+    `key` (`group_key`): every member then proves it holds the run's secret before any
+    tensor moves; a member that cannot is named in a PublishError (the store itself is
+    open to any local process, so the token alone proves nothing)."""
+    from torch.distributed import PrefixStore, TCPStore
+
     if not 0 <= rank < world:
         raise PublishError(f"publication group: rank {rank} outside world {world}")
-    where = f"publication group at {addr}:{port} (rank {rank} of {world})"
-    try:
-        store = GroupStore(addr, port, store_key(key), timeout_s)
-    except StoreError as e:
-        raise PublishError(f"{where}: {e}") from None
-    why = ""
-    for attempt in range(attempts):
-        prefix = f"tsync-publish/{token}/{attempt}"
-        try:
-            if store.check([f"{prefix}/outcome"]):  # decided (failed) while this one was late
-                continue
-            pg, why = _form(store, prefix, rank, world, key, timeout_s, backend, ifname)
-            if _agree(store, prefix, world, pg is not None, timeout_s):
-                return pg
-        except StoreError as e:
-            store.close()
-            raise PublishError(f"{where}: {e}") from None
-        why = why or "another member failed"
-        print(f"[publish] {where}: formation {attempt + 1} of {attempts} failed ({why})"
-              + ("; trying again" if attempt + 1 < attempts else ""), flush=True)
-    store.close()
-    raise PublishError(f"{where}: not formed after {attempts} attempts (last: {why})")
-
-
-def _form(store, prefix: str, rank: int, world: int, key: bytes, timeout_s: float,
-          backend: str, ifname: str):
-    """(the group, "") formed under `prefix` and authenticated, or (None, why not)."""
-    from torch.distributed import PrefixStore
-
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        store = PrefixStore(prefix, store)
+        store = PrefixStore(f"tsync-publish/{token}",
+                            TCPStore(addr, port, is_master=False, timeout=timeout))
         if backend == "nccl":
             from torch.distributed import ProcessGroupNCCL
 
@@ -257,6 +252,8 @@ def _form(store, prefix: str, rank: int, world: int, key: bytes, timeout_s: floa
             opts._timeout = timeout
             # NCCL_SOCKET_IFNAME is read from the environment at communicator creation
             if ifname:
+                import os
+
                 os.environ["NCCL_SOCKET_IFNAME"] = ifname
             pg = ProcessGroupNCCL(store, rank, world, opts)
         elif backend == "gloo":
@@ -268,32 +265,18 @@ def _form(store, prefix: str, rank: int, world: int, key: bytes, timeout_s: floa
                              else ProcessGroupGloo.create_default_device()]
             pg = ProcessGroupGloo(store, rank, world, opts)
         else:
-            return None, f"unknown backend {backend!r}"
+            raise PublishError(f"publication group: unknown backend {backend!r}")
         # A first collective: every member is connected once this returns.
         flag = torch.ones(1, dtype=torch.int64, device=_device(backend))
         _bcast(pg, flag)
-        _authenticate(pg, rank, world, key, _device(backend))
-    except PublishError as e:
-        return None, str(e)
+        if key is not None:
+            _authenticate(pg, rank, world, key, _device(backend))
+    except PublishError:
+        raise
     except Exception as e:  # noqa: BLE001 — c10d's message says what failed
-        return None, str(e).splitlines()[0] if str(e) else type(e).__name__
-    return pg, ""
-
-
-def _agree(store, prefix: str, world: int, ok: bool, timeout_s: float) -> bool:
-    """Whether the formation under `prefix` succeeded on every member: one outcome, set
-    once in the store (compare-and-set), by the last member that formed it ("formed") or
-    by the first that failed or gave up waiting ("failed"). Every member reads the same."""
-    outcome = f"{prefix}/outcome"
-    if ok and store.add(f"{prefix}/formed", 1) == world:
-        store.compare_set(outcome, b"", b"formed")
-    elif not ok:
-        store.compare_set(outcome, b"", b"failed")
-    try:
-        store.wait([outcome], datetime.timedelta(seconds=timeout_s))
-    except StoreTimeout:  # a member is still forming, or gone: this one gives up
-        pass
-    return store.compare_set(outcome, b"", b"failed") == b"formed"
+        raise PublishError(f"publication group at {addr}:{port} (rank {rank} of {world}): "
+                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return pg
 
 
 def _authenticate(pg, rank: int, world: int, key: bytes, device: torch.device) -> None:

@@ -74,11 +74,10 @@ async def reload(engine, link: Link, msg: Publish, mode: str = "keep",
 
 
 def open_group(cfg, link: Link, engine, et):
-    """publish.method: dist: serve the group's store (publication.store: it answers only
-    members proving the run's secret) at channel.addr, bound to channel.listen_addr when
-    set; tell learner rank 0 (`link`) where (and the group's random name), and join every
-    engine worker (group ranks 1..) on the engine thread `et`. Once the learner joined too
-    (rank 0), returns the store (keep it: NCCL's members still read it)."""
+    """publish.method: dist: serve the group's rendezvous store at channel.addr, tell
+    learner rank 0 (`link`) where (and the group's random name), and join every engine
+    worker (group ranks 1..) on the engine thread `et`; once the learner joined too (rank
+    0), returns the store and its Seal (keep both)."""
     import secrets
 
     import torch
@@ -87,32 +86,25 @@ def open_group(cfg, link: Link, engine, et):
     from tsync_mcore.publication import dist as publish_dist
 
     pub, ch = cfg.publish, cfg.channel
-    token = secrets.token_hex(16)
-    key = publish_dist.group_key(channel_secret(cfg), token)
     try:
-        store = publish_dist.host_store(ch.listen_addr or ch.addr, pub.port,
-                                         ch.ack_timeout_s, key)
+        store = publish_dist.host_store(ch.addr, pub.port, ch.ack_timeout_s)
     except publish_dist.PublishError as e:
         raise RolloutStopped(f"publish.method: dist: {e}") from None
+    token = secrets.token_hex(16)
     world = 1 + int(getattr(engine, "publish_ranks", cfg.rollout.tp))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     link.send(PublishGroup(port=store.port, world=world, token=token, backend=backend))
     try:
         et.run(engine.join_publish_group(
             ch.addr, store.port, 1, world, token=token,
-            timeout_s=ch.ack_timeout_s, ifname=pub.ifname, backend=backend, key=key.hex()))
+            timeout_s=ch.ack_timeout_s, ifname=pub.ifname, backend=backend,
+            key=publish_dist.group_key(channel_secret(cfg), token).hex()))
     except Exception as e:  # the group's own error says who did not come
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        refused = (f"; the store refused {store.refused} connection(s) that did not prove "
-                   f"the run's secret" if store.refused else "")
-        store.close()
         raise RolloutStopped(f"publish.method: dist: joining the publication group at "
-                             f"{ch.addr}:{store.port} failed: {why}{refused}") from None
-    if store.refused:
-        print(f"[rollout] publication store: refused {store.refused} connection(s) that did "
-              f"not prove the run's secret; the group formed without them", flush=True)
-    store.clear()  # formed: nothing needs the addresses any more
-    return store
+                             f"{ch.addr}:{store.port} failed: {why}") from None
+    # formed and authenticated: nothing left to list, nothing to park there
+    return store, publish_dist.Seal(store)
 
 
 def await_publish(link: Link, version: int, timeout_s: float, publish_dir: str,

@@ -276,13 +276,10 @@ class Publisher:
         if msg.backend != mine:
             raise publish_dist.PublishError(f"publication group: the rollout uses "
                                             f"{msg.backend}, this learner {mine}")
-        if not self.secret:
-            raise publish_dist.PublishError("publish.method: dist: the learner has no channel "
-                                            "secret to prove to the publication group")
+        key = publish_dist.group_key(self.secret, msg.token) if self.secret else None
         pg = publish_dist.join_group(ch.addr, msg.port, 0, msg.world, token=msg.token,
                                      timeout_s=ch.ack_timeout_s, backend=mine,
-                                     ifname=pub.ifname,
-                                     key=publish_dist.group_key(self.secret, msg.token))
+                                     ifname=pub.ifname, key=key)
         return publish_dist.Sender(pg, self.params, int(pub.bucket_mb * 2**20),
                                    backend=mine, delta=pub.delta,
                                    dense_frac=pub.delta_dense)

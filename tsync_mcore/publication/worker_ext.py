@@ -58,7 +58,7 @@ class ReloadExtension:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         me = rank + int(getattr(self, "rank", 0))
         pg = join_group(addr, port, me, world, token=token, timeout_s=timeout_s,
-                        backend=backend, ifname=ifname, key=bytes.fromhex(key))
+                        backend=backend, ifname=ifname, key=bytes.fromhex(key) if key else None)
         self._tsync_receiver = Receiver(pg, self._tsync_known_shapes(), backend)
         return me
 

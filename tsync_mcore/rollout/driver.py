@@ -120,7 +120,7 @@ class RolloutDriver:
                                   policy=self.policy, et=self.et, tok=self.tok,
                                   teacher=teacher)
         self.evaluator = Evaluator(cfg, self.engine, self.feed, self.agents, self.et)
-        self.publish_store = None  # publish.method: dist: the group's store, kept
+        self.publish_store = None  # publish.method: dist: the group's store and Seal, kept
 
     async def _make_engine(self) -> ReplicaSet:
         """rollout.replicas engines (one is a set of one), started and warmed up."""

@@ -503,7 +503,7 @@ class RolloutEngine:
         take ranks `rank`, `rank` + 1, ... (one per vLLM worker; one on CPU). A collective:
         returns once the learner and every other member joined; the group ranks taken.
         `backend`: gloo or nccl; "": nccl on GPU, gloo on CPU. `key`: the group key (hex,
-        publication.dist.group_key) every member proves to the store and to the others."""
+        publication.dist.group_key) every member proves it holds ("": no proof)."""
         ranks = await self._live().collective_rpc(
             "tsync_join_publish_group",
             args=(addr, port, rank, world, token, timeout_s, ifname, backend, key))
