@@ -73,7 +73,7 @@ def test_rewritten_histories_train_every_segment_as_sync_and_fp64(tmp_path, tmp_
                     "agent_command": f"case $TSYNC_TRAJECTORY_ID in *-t0) {sys.executable} "
                                      f"{hostile};; *) {sys.executable} -m "
                                      f"tsync_mcore.rollout.openai.agents.compacting;; esac",
-                    "agent_timeout_s": 60},
+                    "agent_timeout_s": 60, "agent_expose": [str(src)]},
     }
     config = str(tmp_path / "run.yaml")
     with open(config, "w") as f:
